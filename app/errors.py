@@ -1,0 +1,34 @@
+"""The server's error hierarchy: the engine's typed errors plus the ones only the server raises.
+
+Each carries a stable `code` that GraphQL clients see as `extensions.code`.
+"""
+
+from __future__ import annotations
+
+from gpu_runtime.errors import (
+    BadInput,
+    FailedPrecondition,
+    InternalError,
+    ModelUnavailable,
+    NotFound,
+    RunNotFound,
+    SignalError,
+    WorkerFailed,
+)
+
+
+class Unauthenticated(SignalError, PermissionError):
+    code = "UNAUTHENTICATED"
+
+
+__all__ = [
+    "BadInput",
+    "FailedPrecondition",
+    "InternalError",
+    "ModelUnavailable",
+    "NotFound",
+    "RunNotFound",
+    "SignalError",
+    "Unauthenticated",
+    "WorkerFailed",
+]
