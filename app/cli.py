@@ -1,0 +1,158 @@
+"""The `signal` command: serve, manage API keys, list models, apply migrations."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+from app.catalog import Catalog
+from app.db import Database, migrate
+from app.errors import SignalError
+from app.services.keys import KeyService
+from app.services.users import UserService
+from app.settings import Settings
+
+ADMIN_EMAIL = "admin@localhost"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if not hasattr(args, "handler"):
+        parser.print_help()
+        return 2
+    settings = Settings()
+    try:
+        return int(args.handler(settings, args) or 0)
+    except SignalError as error:
+        print(f"error: {error.message}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="signal", description="Signal: LoRA fine-tuning as a service.")
+    commands = parser.add_subparsers(title="commands")
+
+    serve = commands.add_parser("serve", help="run the API server (applies migrations first)")
+    serve.add_argument("--host", help="bind address (default SIGNAL_HOST or 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="port (default SIGNAL_PORT or 8000)")
+    serve.set_defaults(handler=serve_command)
+
+    keys = commands.add_parser("keys", help="manage API keys").add_subparsers(title="keys commands")
+    create = keys.add_parser("create", help="create a key (and the user, if new); prints the secret once")
+    create.add_argument("--user", default=ADMIN_EMAIL, help=f"owner's email (default {ADMIN_EMAIL})")
+    create.add_argument("--name", default="cli", help="a name to recognise the key by")
+    create.set_defaults(handler=lambda s, a: _with_db(s, lambda db: _keys_create(db, a.user, a.name)))
+    listing = keys.add_parser("list", help="list a user's keys")
+    listing.add_argument("--user", default=ADMIN_EMAIL)
+    listing.set_defaults(handler=lambda s, a: _with_db(s, lambda db: _keys_list(db, a.user)))
+    revoke = keys.add_parser("revoke", help="revoke a key by id or prefix")
+    revoke.add_argument("key", help="the key's id or its displayed prefix")
+    revoke.add_argument("--user", default=ADMIN_EMAIL)
+    revoke.set_defaults(handler=lambda s, a: _with_db(s, lambda db: _keys_revoke(db, a.user, a.key)))
+
+    models = commands.add_parser("models", help="list the model catalogue")
+    models.set_defaults(handler=models_command)
+
+    migrate_parser = commands.add_parser("migrate", help="apply database migrations")
+    migrate_parser.set_defaults(handler=lambda s, a: _migrate(s) or print("database is up to date"))
+    return parser
+
+
+def serve_command(settings: Settings, args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from app.server import create_app
+
+    updates: dict[str, Any] = {key: getattr(args, key) for key in ("host", "port") if getattr(args, key)}
+    settings = settings.model_copy(update=updates)
+    _migrate(settings)
+    if settings.bootstrap_admin:
+        secret = asyncio.run(_bootstrap(settings))
+        if secret:
+            print("Created a local admin user and its API key (shown this once):\n")
+            print(f"    SIGNAL_API_KEY={secret}\n")
+    print(f"Signal at {settings.resolved_public_url}  (GraphQL: {settings.resolved_public_url}/graphql)", flush=True)
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level)
+    return 0
+
+
+def models_command(settings: Settings, args: argparse.Namespace) -> int:
+    catalog = Catalog.from_file(settings.models_file)
+    width = max(len(model.name) for model in catalog.list())
+    for model in catalog.list():
+        note = "offline" if model.offline else ""
+        print(f"{model.name:<{width}}  {model.parameters / 1e9:>6.2f}B  {model.gpu:<12} {note}")
+    return 0
+
+
+def _migrate(settings: Settings) -> None:
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    migrate(settings.resolved_database_url)
+
+
+async def _bootstrap(settings: Settings) -> str | None:
+    """On first start (no users yet) create the admin and a key, so a newcomer can train at once."""
+    db = Database(settings.resolved_database_url)
+    try:
+        users = UserService(db)
+        if await users.count():
+            return None
+        admin, _ = await users.get_or_create(ADMIN_EMAIL, name="admin", is_admin=True)
+        secret, _ = await KeyService(db).create(admin, "first start")
+        return secret
+    finally:
+        await db.dispose()
+
+
+def _with_db(settings: Settings, action: Callable[[Database], Awaitable[int]]) -> int:
+    _migrate(settings)
+
+    async def run() -> int:
+        db = Database(settings.resolved_database_url)
+        try:
+            return await action(db)
+        finally:
+            await db.dispose()
+
+    return asyncio.run(run())
+
+
+async def _keys_create(db: Database, email: str, name: str) -> int:
+    user, created = await UserService(db).get_or_create(email)
+    secret, key = await KeyService(db).create(user, name)
+    if created:
+        print(f"created user {user.email}", file=sys.stderr)
+    print(f"created key {key.id} ({key.prefix}…) for {user.email}; the secret is shown this once:", file=sys.stderr)
+    print(secret)
+    return 0
+
+
+async def _keys_list(db: Database, email: str) -> int:
+    user, _ = await UserService(db).get_or_create(email)
+    for key in await KeyService(db).list(user):
+        state = "revoked" if key.revoked_at else "active"
+        last = key.last_used_at.isoformat(timespec="seconds") if key.last_used_at else "never"
+        print(f"{key.id}  {key.prefix}…  {state:<8} last used {last:<25} {key.name}")
+    return 0
+
+
+async def _keys_revoke(db: Database, email: str, ident: str) -> int:
+    user, _ = await UserService(db).get_or_create(email)
+    keys = KeyService(db)
+    matches = [key for key in await keys.list(user) if key.id == ident or key.prefix == ident]
+    if len(matches) != 1:
+        print(f"error: no single key of {user.email} has id or prefix {ident!r}", file=sys.stderr)
+        return 1
+    await keys.revoke(user, matches[0].id)
+    print(f"revoked {matches[0].id} ({matches[0].prefix}…)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

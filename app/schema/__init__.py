@@ -1,0 +1,27 @@
+"""The GraphQL schema, with its limits and error presentation. `graphql/schema.graphql` is its SDL."""
+
+from __future__ import annotations
+
+import strawberry
+from strawberry.extensions import MaxAliasesLimiter, MaxTokensLimiter, QueryDepthLimiter
+
+from app.schema.errors import SignalErrors
+from app.schema.mutation import Mutation
+from app.schema.query import Query
+from app.schema.subscription import Subscription
+
+MAX_DEPTH = 8
+MAX_ALIASES = 20
+MAX_TOKENS = 20_000  # a forward_backward with inline batch text is one long document
+
+schema = strawberry.Schema(
+    query=Query,
+    mutation=Mutation,
+    subscription=Subscription,
+    extensions=[
+        QueryDepthLimiter(max_depth=MAX_DEPTH),
+        MaxAliasesLimiter(max_alias_count=MAX_ALIASES),
+        MaxTokensLimiter(max_token_count=MAX_TOKENS),
+        SignalErrors(),
+    ],
+)

@@ -1,0 +1,47 @@
+"""Turns errors into what clients see: our typed errors keep their message and gain
+`extensions.code` (and `field`); anything else is masked as INTERNAL and logged."""
+
+from __future__ import annotations
+
+import logging
+
+from graphql.error import GraphQLError
+from strawberry.extensions import MaskErrors
+
+from app.errors import SignalError
+
+log = logging.getLogger("signal.graphql")
+
+INTERNAL_MESSAGE = "Internal server error."
+
+
+class SignalErrors(MaskErrors):
+    def __init__(self) -> None:
+        super().__init__(error_message=INTERNAL_MESSAGE)
+
+    def _process_errors(self, errors: list[GraphQLError]) -> list[GraphQLError]:
+        return [_present(error) for error in errors]
+
+
+def _present(error: GraphQLError) -> GraphQLError:
+    original = error.original_error
+    if isinstance(original, SignalError):
+        extensions = {"code": original.code}
+        if original.field:
+            extensions["field"] = original.field
+        return _with_extensions(error, original.message, extensions)
+    if original is None:
+        # Parse and validation errors: the client's document is wrong, and the message says where.
+        return _with_extensions(error, error.message, {"code": "GRAPHQL_VALIDATION_FAILED", **(error.extensions or {})})
+    if isinstance(original, GraphQLError) and original.original_error is None:
+        # Variable coercion errors (wrong type, unknown batch key) arrive wrapped this way.
+        return _with_extensions(error, error.message, {"code": "BAD_INPUT"})
+    log.error("internal error in %s", error.path, exc_info=original)
+    return _with_extensions(error, INTERNAL_MESSAGE, {"code": "INTERNAL"}, keep_original=False)
+
+
+def _with_extensions(error: GraphQLError, message: str, extensions: dict, keep_original: bool = True) -> GraphQLError:
+    return GraphQLError(
+        message=message, nodes=error.nodes, source=error.source, positions=error.positions, path=error.path,
+        original_error=error.original_error if keep_original else None, extensions=extensions,
+    )

@@ -1,0 +1,71 @@
+"""GraphQL input types. Batch items are typed, so an unknown key is refused with its item index."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import strawberry
+
+from app.services.runs import ADAM_DEFAULTS, RunSpec
+
+
+@strawberry.input
+class CreateRunInput:
+    base_model: str | None = strawberry.field(default=None, description="Catalogue name; default: the server's")
+    lora_r: int = 32
+    lora_alpha: float | None = strawberry.field(default=None, description="Default: 2 * loraR")
+    lora_dropout: float = 0.0
+    lora_target_modules: list[str] | None = strawberry.field(default=None, description="Default: attention projections")
+    learning_rate: float = ADAM_DEFAULTS["learning_rate"]
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 1.0
+    seed: int = 0
+    gpu_config: str | None = strawberry.field(default=None, description='e.g. "L40S:2"; default: allocation rules')
+
+    def to_spec(self, default_model: str) -> RunSpec:
+        return RunSpec(
+            base_model=self.base_model or default_model, lora_r=self.lora_r, lora_alpha=self.lora_alpha,
+            lora_dropout=self.lora_dropout, lora_target_modules=self.lora_target_modules,
+            learning_rate=self.learning_rate, weight_decay=self.weight_decay, grad_clip_norm=self.grad_clip_norm,
+            seed=self.seed, gpu_config=self.gpu_config,
+        )
+
+
+@strawberry.input
+class MessageInput:
+    role: str
+    content: str
+
+
+@strawberry.input(description="One training example; set exactly one of the formats")
+class BatchItem:
+    text: str | None = strawberry.field(default=None, description="Loss on every token")
+    input: str | None = strawberry.field(default=None, description="Prompt; with output, loss on output only")
+    output: str | None = None
+    messages: list[MessageInput] | None = strawberry.field(default=None, description="Chat; loss on assistant turns")
+    tokens: list[int] | None = strawberry.field(default=None, description="Token ids, with weights")
+    weights: list[float] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        item: dict[str, Any] = {}
+        for key in ("text", "input", "output", "tokens", "weights"):
+            value = getattr(self, key)
+            if value is not None:
+                item[key] = value
+        if self.messages is not None:
+            item["messages"] = [{"role": m.role, "content": m.content} for m in self.messages]
+        return item
+
+
+@strawberry.input(description="AdamW settings for this step; unset fields use the run's defaults")
+class AdamInput:
+    learning_rate: float | None = None
+    beta1: float | None = None
+    beta2: float | None = None
+    eps: float | None = None
+    weight_decay: float | None = None
+    grad_clip_norm: float | None = strawberry.field(default=None, description="0 turns clipping off")
+
+    def to_dict(self) -> dict[str, float]:
+        names = ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")
+        return {name: getattr(self, name) for name in names if getattr(self, name) is not None}

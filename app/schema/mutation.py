@@ -1,0 +1,88 @@
+"""Mutations: the four primitives and run/key management, each one call into the services."""
+
+from __future__ import annotations
+
+import strawberry
+from strawberry.scalars import JSON
+
+from app.errors import BadInput
+from app.schema.context import Info
+from app.schema.inputs import AdamInput, BatchItem, CreateRunInput
+from app.schema.types import (
+    ApiKey,
+    Checkpoint,
+    CreatedApiKey,
+    ForwardBackwardResult,
+    OptimStepResult,
+    Run,
+    SampleResult,
+    SaveMode,
+)
+from app.services.runs import SampleParams
+
+
+@strawberry.type
+class Mutation:
+    @strawberry.mutation
+    async def create_run(self, info: Info, input: CreateRunInput | None = None) -> Run:
+        user = await info.context.user()
+        spec = (input or CreateRunInput()).to_spec(info.context.services.settings.default_model)
+        return Run.from_row(await info.context.services.runs.create(user, spec))
+
+    @strawberry.mutation(description="Compute the loss and accumulate gradients for a batch")
+    async def forward_backward(
+        self, info: Info, run_id: strawberry.ID, batch: list[BatchItem], loss_fn: str = "cross_entropy",
+        loss_fn_config: JSON | None = None,
+    ) -> ForwardBackwardResult:
+        user = await info.context.user()
+        result = await info.context.services.runs.forward_backward(
+            user, str(run_id), [item.to_dict() for item in batch], loss_fn=loss_fn, loss_fn_config=loss_fn_config
+        )
+        return ForwardBackwardResult(loss=result["loss"], num_tokens=result["num_tokens"],
+                                     num_examples=result["num_examples"], step=result["step"])
+
+    @strawberry.mutation(description="Apply the accumulated gradients with AdamW")
+    async def optim_step(self, info: Info, run_id: strawberry.ID, adam: AdamInput | None = None) -> OptimStepResult:
+        user = await info.context.user()
+        result = await info.context.services.runs.optim_step(user, str(run_id), adam.to_dict() if adam else None)
+        return OptimStepResult(step=result["step"], grad_norm=result["grad_norm"],
+                               learning_rate=result["learning_rate"])
+
+    @strawberry.mutation(description="Generate from the run's current weights")
+    async def sample(
+        self, info: Info, run_id: strawberry.ID, prompts: list[str], max_tokens: int = 64, temperature: float = 1.0,
+        top_p: float = 1.0, top_k: int = 0, stop: list[str] | None = None, num_samples: int = 1,
+        seed: int | None = None,
+    ) -> SampleResult:
+        user = await info.context.user()
+        params = SampleParams(prompts=prompts, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                              top_k=top_k, stop=stop, num_samples=num_samples, seed=seed)
+        return SampleResult.from_result(await info.context.services.runs.sample(user, str(run_id), params))
+
+    @strawberry.mutation(description="Export the adapter, a merged model, or the full training state")
+    async def save_state(
+        self, info: Info, run_id: strawberry.ID, mode: SaveMode = SaveMode.ADAPTER, push_to_hub: bool = False,
+        hub_model_id: str | None = None,
+    ) -> Checkpoint:
+        user = await info.context.user()
+        if push_to_hub:
+            raise BadInput("push_to_hub is not supported by this server yet; copy checkpointPath instead",
+                           field="pushToHub")
+        return Checkpoint.from_row(await info.context.services.runs.save_state(user, str(run_id), mode.value))
+
+    @strawberry.mutation
+    async def delete_run(self, info: Info, run_id: strawberry.ID) -> bool:
+        user = await info.context.user()
+        await info.context.services.runs.delete(user, str(run_id))
+        return True
+
+    @strawberry.mutation(description="Create an API key; its secret is returned this once")
+    async def create_api_key(self, info: Info, name: str = "") -> CreatedApiKey:
+        user = await info.context.user()
+        secret, key = await info.context.services.keys.create(user, name)
+        return CreatedApiKey(secret=secret, api_key=ApiKey.from_row(key))
+
+    @strawberry.mutation
+    async def revoke_api_key(self, info: Info, id: strawberry.ID) -> ApiKey:
+        user = await info.context.user()
+        return ApiKey.from_row(await info.context.services.keys.revoke(user, str(id)))

@@ -1,0 +1,34 @@
+"""Queries: thin resolvers over the services."""
+
+from __future__ import annotations
+
+import strawberry
+
+from app.schema.context import Info
+from app.schema.types import ApiKey, ModelInfo, Run, User
+
+
+@strawberry.type
+class Query:
+    @strawberry.field(description="Base models runs may be created on")
+    def models(self, info: Info) -> list[ModelInfo]:
+        return [ModelInfo.from_catalog(model) for model in info.context.services.catalog.list()]
+
+    @strawberry.field
+    async def me(self, info: Info) -> User:
+        return User.from_row(await info.context.user())
+
+    @strawberry.field(description="The caller's runs, newest first")
+    async def runs(self, info: Info, limit: int = 50) -> list[Run]:
+        user = await info.context.user()
+        return [Run.from_row(row) for row in await info.context.services.runs.list(user, limit=limit)]
+
+    @strawberry.field
+    async def run(self, info: Info, id: strawberry.ID) -> Run:
+        user = await info.context.user()
+        return Run.from_row(await info.context.services.runs.get(user, str(id)))
+
+    @strawberry.field
+    async def api_keys(self, info: Info) -> list[ApiKey]:
+        user = await info.context.user()
+        return [ApiKey.from_row(row) for row in await info.context.services.keys.list(user)]

@@ -1,0 +1,20 @@
+"""Subscriptions: live training events of one run, over graphql-transport-ws."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator
+
+import strawberry
+
+from app.schema.context import Info
+from app.schema.types import TrainingEvent
+
+
+@strawberry.type
+class Subscription:
+    @strawberry.subscription(description="Each forward_backward and optim_step result of a run, as it happens")
+    async def metrics(self, info: Info, run_id: strawberry.ID) -> AsyncGenerator[TrainingEvent, None]:
+        user = await info.context.user()
+        run = await info.context.services.runs.get(user, str(run_id))
+        async for event in info.context.services.broker.subscribe(run.id):
+            yield TrainingEvent.from_event(event)

@@ -1,0 +1,225 @@
+"""GraphQL output types, each built from a table row or an engine result.
+
+Parameter and byte counts are Floats: GraphQL's Int is 32-bit and a 70B model does not fit.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from enum import Enum
+from typing import Any
+
+import strawberry
+from strawberry.scalars import JSON
+
+from app import tables
+from app.catalog import CatalogModel
+from app.schema.context import Info
+
+
+@strawberry.type(name="BaseModel")
+class ModelInfo:
+    name: str
+    family: str
+    parameters: float
+    gpu: str = strawberry.field(description="GPU allocation the rules pick for it, e.g. L40S:1")
+    offline: bool = strawberry.field(description="Ships with Signal; needs no download")
+    description: str
+
+    @classmethod
+    def from_catalog(cls, model: CatalogModel) -> "ModelInfo":
+        return cls(name=model.name, family=model.family, parameters=float(model.parameters), gpu=model.gpu,
+                   offline=model.offline, description=model.description)
+
+
+@strawberry.type
+class User:
+    id: strawberry.ID
+    email: str
+    name: str
+    is_admin: bool
+    created_at: datetime
+
+    @classmethod
+    def from_row(cls, row: tables.User) -> "User":
+        return cls(id=strawberry.ID(row.id), email=row.email, name=row.name, is_admin=row.is_admin,
+                   created_at=row.created_at)
+
+
+@strawberry.type
+class ApiKey:
+    id: strawberry.ID
+    name: str
+    prefix: str = strawberry.field(description="First characters of the secret, for recognising it")
+    created_at: datetime
+    last_used_at: datetime | None
+    revoked_at: datetime | None
+
+    @strawberry.field
+    def revoked(self) -> bool:
+        return self.revoked_at is not None
+
+    @classmethod
+    def from_row(cls, row: tables.ApiKey) -> "ApiKey":
+        return cls(id=strawberry.ID(row.id), name=row.name, prefix=row.prefix, created_at=row.created_at,
+                   last_used_at=row.last_used_at, revoked_at=row.revoked_at)
+
+
+@strawberry.type
+class CreatedApiKey:
+    secret: str = strawberry.field(description="The key itself; shown this once, never stored")
+    api_key: ApiKey
+
+
+@strawberry.type
+class Metric:
+    step: int
+    name: str
+    value: float
+    created_at: datetime
+
+    @classmethod
+    def from_row(cls, row: tables.Metric) -> "Metric":
+        return cls(step=row.step, name=row.name, value=row.value, created_at=row.created_at)
+
+
+@strawberry.type
+class Sample:
+    id: strawberry.ID
+    step: int
+    prompt: str
+    output: str
+    params: JSON
+    created_at: datetime
+
+    @classmethod
+    def from_row(cls, row: tables.Sample) -> "Sample":
+        return cls(id=strawberry.ID(str(row.id)), step=row.step, prompt=row.prompt, output=row.output,
+                   params=row.params, created_at=row.created_at)
+
+
+@strawberry.type
+class Checkpoint:
+    id: strawberry.ID
+    step: int
+    mode: str
+    checkpoint_path: str
+    size_bytes: float
+    created_at: datetime
+
+    @classmethod
+    def from_row(cls, row: tables.Checkpoint) -> "Checkpoint":
+        return cls(id=strawberry.ID(str(row.id)), step=row.step, mode=row.mode, checkpoint_path=row.path,
+                   size_bytes=float(row.size_bytes), created_at=row.created_at)
+
+
+@strawberry.type
+class Run:
+    id: strawberry.ID
+    base_model: str
+    status: str
+    step: int = strawberry.field(description="optim_steps applied and persisted")
+    lora_r: int
+    lora_alpha: float
+    lora_dropout: float
+    lora_target_modules: list[str] | None
+    learning_rate: float
+    optimizer: JSON = strawberry.field(description="AdamW defaults for optimStep")
+    seed: int
+    gpu_config: str
+    trainable_params: float
+    total_params: float
+    created_at: datetime
+    updated_at: datetime
+    row: strawberry.Private[tables.Run]
+
+    @strawberry.field
+    async def metrics(self, info: Info, name: str | None = None, limit: int = 1000) -> list[Metric]:
+        rows = await info.context.services.runs.metrics(self.row, name=name, limit=limit)
+        return [Metric.from_row(row) for row in rows]
+
+    @strawberry.field
+    async def samples(self, info: Info, limit: int = 100) -> list[Sample]:
+        return [Sample.from_row(row) for row in await info.context.services.runs.samples(self.row, limit=limit)]
+
+    @strawberry.field
+    async def checkpoints(self, info: Info) -> list[Checkpoint]:
+        return [Checkpoint.from_row(row) for row in await info.context.services.runs.checkpoints(self.row)]
+
+    @classmethod
+    def from_row(cls, row: tables.Run) -> "Run":
+        lora, adam = row.lora_config, row.optimizer_config
+        return cls(
+            id=strawberry.ID(row.id), base_model=row.base_model, status=row.status, step=row.step,
+            lora_r=int(lora["r"]), lora_alpha=float(lora["alpha"]), lora_dropout=float(lora["dropout"]),
+            lora_target_modules=lora.get("target_modules"), learning_rate=float(adam["learning_rate"]),
+            optimizer=adam, seed=row.seed, gpu_config=row.gpu_config,
+            trainable_params=float(row.trainable_params), total_params=float(row.total_params),
+            created_at=row.created_at, updated_at=row.updated_at, row=row,
+        )
+
+
+@strawberry.type
+class ForwardBackwardResult:
+    loss: float
+    num_tokens: int
+    num_examples: int
+    step: int
+
+
+@strawberry.type
+class OptimStepResult:
+    step: int
+    grad_norm: float
+    learning_rate: float
+
+
+@strawberry.type
+class SampledSequence:
+    text: str
+    tokens: list[int]
+    logprobs: list[float]
+    stop_reason: str
+
+
+@strawberry.type
+class SampleResult:
+    outputs: list[str] = strawberry.field(description="The first sample of each prompt, in prompt order")
+    sequences: list[list[SampledSequence]]
+
+    @classmethod
+    def from_result(cls, result: dict[str, Any]) -> "SampleResult":
+        return cls(
+            outputs=list(result["outputs"]),
+            sequences=[
+                [SampledSequence(text=s["text"], tokens=list(s["tokens"]), logprobs=[float(x) for x in s["logprobs"]],
+                                 stop_reason=s["stop_reason"]) for s in per_prompt]
+                for per_prompt in result["sequences"]
+            ],
+        )
+
+
+@strawberry.type
+class TrainingEvent:
+    run_id: strawberry.ID
+    kind: str = strawberry.field(description="forward_backward or optim_step")
+    step: int
+    loss: float | None = None
+    num_tokens: int | None = None
+    num_examples: int | None = None
+    grad_norm: float | None = None
+    learning_rate: float | None = None
+    created_at: datetime | None = None
+
+    @classmethod
+    def from_event(cls, event: dict[str, Any]) -> "TrainingEvent":
+        fields = {k: event.get(k) for k in ("loss", "num_tokens", "num_examples", "grad_norm", "learning_rate")}
+        return cls(run_id=strawberry.ID(event["run_id"]), kind=event["kind"], step=event["step"],
+                   created_at=event.get("created_at"), **fields)
+
+
+@strawberry.enum
+class SaveMode(Enum):
+    ADAPTER = "adapter"
+    MERGED = "merged"
+    STATE = "state"

@@ -1,0 +1,67 @@
+"""API keys: create (secret shown once), list, revoke, and authenticate a bearer secret."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+
+from sqlalchemy import select
+
+from app.db import Database
+from app.errors import BadInput, NotFound, Unauthenticated
+from app.security import display_prefix, generate_api_key, hash_api_key
+from app.tables import ApiKey, User, utcnow
+
+# Writing last_used_at on every request would turn every read into a write.
+LAST_USED_RESOLUTION = timedelta(minutes=1)
+
+
+class KeyService:
+    def __init__(self, db: Database) -> None:
+        self.db = db
+
+    async def create(self, user: User, name: str = "") -> tuple[str, ApiKey]:
+        name = name.strip()
+        if len(name) > 200:
+            raise BadInput("name must be at most 200 characters", field="name")
+        secret = generate_api_key()
+        key = ApiKey(user_id=user.id, name=name or "default", prefix=display_prefix(secret), key_hash=hash_api_key(secret))
+        async with self.db.session() as session:
+            session.add(key)
+        return secret, key
+
+    async def list(self, user: User) -> list[ApiKey]:
+        async with self.db.session() as session:
+            rows = await session.scalars(
+                select(ApiKey).where(ApiKey.user_id == user.id).order_by(ApiKey.created_at.desc())
+            )
+            return list(rows)
+
+    async def revoke(self, user: User, key_id: str) -> ApiKey:
+        async with self.db.session() as session:
+            key = await session.get(ApiKey, key_id)
+            if key is None or key.user_id != user.id:
+                raise NotFound(f"API key {key_id!r} not found", field="id")
+            if key.revoked_at is None:
+                key.revoked_at = utcnow()
+            return key
+
+    async def authenticate(self, secret: str | None) -> User:
+        if not secret:
+            raise Unauthenticated("missing API key: send `Authorization: Bearer sk-...`")
+        async with self.db.session() as session:
+            key = await session.scalar(select(ApiKey).where(ApiKey.key_hash == hash_api_key(secret)))
+            if key is None or key.revoked_at is not None:
+                raise Unauthenticated("API key is invalid or revoked")
+            now = utcnow()
+            last = key.last_used_at
+            if last is None or now - _aware(last) > LAST_USED_RESOLUTION:
+                key.last_used_at = now
+            user = await session.get(User, key.user_id)
+            if user is None:
+                raise Unauthenticated("API key is invalid or revoked")
+            return user
+
+
+def _aware(value: datetime) -> datetime:
+    # SQLite hands back naive datetimes even for timezone-aware columns.
+    return value if value.tzinfo else value.replace(tzinfo=timezone.utc)

@@ -1,0 +1,254 @@
+"""Runs and the four training primitives: the one place their rules live.
+
+GraphQL resolvers and dashboard handlers both call this. Every call checks ownership first
+(another user's run is "not found", never data), then takes the run's lock so calls on one run
+reach the worker in arrival order, then records what the worker returned.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import delete, select
+
+from app.backends import Backend
+from app.catalog import Catalog
+from app.db import Database
+from app.errors import BadInput, RunNotFound
+from app.events import EventBroker
+from app.tables import Checkpoint, Metric, Run, Sample, User, new_id, utcnow
+from gpu_runtime.allocation import parse_gpu_config
+
+SAVE_MODES = ("adapter", "merged", "state")
+MAX_BATCH_BYTES = 8 * 1024 * 1024
+
+ADAM_DEFAULTS: dict[str, float] = {
+    "learning_rate": 1e-4,
+    "beta1": 0.9,
+    "beta2": 0.999,
+    "eps": 1e-8,
+    "weight_decay": 0.0,
+    "grad_clip_norm": 1.0,
+}
+
+
+@dataclass
+class RunSpec:
+    base_model: str
+    lora_r: int = 32
+    lora_alpha: float | None = None  # None: 2 * lora_r, the usual choice
+    lora_dropout: float = 0.0
+    lora_target_modules: list[str] | None = None
+    learning_rate: float = ADAM_DEFAULTS["learning_rate"]
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 1.0
+    seed: int = 0
+    gpu_config: str | None = None
+
+    def validate(self) -> None:
+        if not 1 <= self.lora_r <= 512:
+            raise BadInput(f"loraR must be between 1 and 512, got {self.lora_r}", field="loraR")
+        if self.lora_alpha is not None and not self.lora_alpha > 0:
+            raise BadInput(f"loraAlpha must be > 0, got {self.lora_alpha}", field="loraAlpha")
+        if not 0 <= self.lora_dropout < 1:
+            raise BadInput(f"loraDropout must be in [0, 1), got {self.lora_dropout}", field="loraDropout")
+        if not 0 < self.learning_rate <= 1:
+            raise BadInput(f"learningRate must be in (0, 1], got {self.learning_rate}", field="learningRate")
+        if self.weight_decay < 0:
+            raise BadInput(f"weightDecay must be >= 0, got {self.weight_decay}", field="weightDecay")
+        if self.grad_clip_norm < 0:
+            raise BadInput(f"gradClipNorm must be >= 0 (0 = off), got {self.grad_clip_norm}", field="gradClipNorm")
+        if self.seed < 0:
+            raise BadInput(f"seed must be >= 0, got {self.seed}", field="seed")
+        if self.lora_target_modules is not None and (
+            not self.lora_target_modules or not all(isinstance(m, str) and m for m in self.lora_target_modules)
+        ):
+            raise BadInput("loraTargetModules must be a non-empty list of module names", field="loraTargetModules")
+
+
+@dataclass
+class SampleParams:
+    prompts: list[str]
+    max_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop: list[str] | None = None
+    num_samples: int = 1
+    seed: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def engine_params(self) -> dict[str, Any]:
+        return {
+            "prompts": self.prompts,
+            "max_tokens": self.max_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "stop": self.stop,
+            "num_samples": self.num_samples,
+            "seed": self.seed,
+        }
+
+
+class RunService:
+    def __init__(self, db: Database, backend: Backend, catalog: Catalog, broker: EventBroker) -> None:
+        self.db = db
+        self.backend = backend
+        self.catalog = catalog
+        self.broker = broker
+        self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+
+    # ---- reading -------------------------------------------------------------------------
+
+    async def get(self, user: User, run_id: str) -> Run:
+        async with self.db.session() as session:
+            run = await session.get(Run, run_id)
+        if run is None or run.user_id != user.id:
+            raise RunNotFound(f"run {run_id!r} not found", field="runId")
+        return run
+
+    async def list(self, user: User, limit: int = 50) -> list[Run]:
+        async with self.db.session() as session:
+            rows = await session.scalars(
+                select(Run).where(Run.user_id == user.id).order_by(Run.created_at.desc()).limit(_clamp(limit))
+            )
+            return list(rows)
+
+    async def metrics(self, run: Run, name: str | None = None, limit: int = 1000) -> list[Metric]:
+        query = select(Metric).where(Metric.run_id == run.id)
+        if name:
+            query = query.where(Metric.name == name)
+        async with self.db.session() as session:
+            return list(await session.scalars(query.order_by(Metric.id).limit(_clamp(limit, 10_000))))
+
+    async def samples(self, run: Run, limit: int = 100) -> list[Sample]:
+        async with self.db.session() as session:
+            query = select(Sample).where(Sample.run_id == run.id).order_by(Sample.id.desc()).limit(_clamp(limit))
+            return list(await session.scalars(query))
+
+    async def checkpoints(self, run: Run) -> list[Checkpoint]:
+        async with self.db.session() as session:
+            query = select(Checkpoint).where(Checkpoint.run_id == run.id).order_by(Checkpoint.id)
+            return list(await session.scalars(query))
+
+    # ---- the primitives ------------------------------------------------------------------
+
+    async def create(self, user: User, spec: RunSpec) -> Run:
+        spec.validate()
+        model = self.catalog.get(spec.base_model)
+        gpu_config = str(parse_gpu_config(spec.gpu_config, field="gpuConfig")) if spec.gpu_config else model.gpu
+        lora = {
+            "r": spec.lora_r,
+            "alpha": spec.lora_alpha if spec.lora_alpha is not None else 2 * spec.lora_r,
+            "dropout": spec.lora_dropout,
+            "target_modules": spec.lora_target_modules,
+        }
+        run_id = new_id()
+        created = await self.backend.call(
+            "create_run", run_id=run_id, user_id=user.id, base_model=model.source, lora=lora, seed=spec.seed
+        )
+        lora["target_modules"] = created.get("target_modules", lora["target_modules"])
+        adam = dict(ADAM_DEFAULTS, learning_rate=spec.learning_rate, weight_decay=spec.weight_decay,
+                    grad_clip_norm=spec.grad_clip_norm)
+        run = Run(
+            id=run_id,
+            user_id=user.id,
+            base_model=model.name,
+            lora_config=lora,
+            optimizer_config=adam,
+            seed=spec.seed,
+            gpu_config=gpu_config,
+            trainable_params=int(created.get("trainable_params", 0)),
+            total_params=int(created.get("total_params", 0)),
+        )
+        async with self.db.session() as session:
+            session.add(run)
+        return run
+
+    async def forward_backward(
+        self, user: User, run_id: str, batch: list[dict[str, Any]], loss_fn: str = "cross_entropy",
+        loss_fn_config: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        run = await self.get(user, run_id)
+        if not isinstance(batch, list) or not batch:
+            raise BadInput("batch must be a non-empty list of examples", field="batch")
+        if len(json.dumps(batch)) > MAX_BATCH_BYTES:
+            raise BadInput(f"batch is larger than {MAX_BATCH_BYTES // 1024 // 1024} MiB", field="batch")
+        async with self._locks[run.id]:
+            result = await self.backend.call(
+                "forward_backward", run_id=run.id, batch=batch, loss_fn=loss_fn, loss_fn_config=loss_fn_config
+            )
+            await self._record(run.id, result["step"], "forward_backward", {
+                "loss": result["loss"], "num_tokens": result["num_tokens"], "num_examples": result["num_examples"],
+            })
+        return result
+
+    async def optim_step(self, user: User, run_id: str, adam: dict[str, Any] | None = None) -> dict[str, Any]:
+        run = await self.get(user, run_id)
+        overrides = {key: value for key, value in (adam or {}).items() if value is not None}
+        settings = {**ADAM_DEFAULTS, **run.optimizer_config, **overrides}
+        async with self._locks[run.id]:
+            result = await self.backend.call("optim_step", run_id=run.id, adam=settings)
+            async with self.db.session() as session:
+                stored = await session.get(Run, run.id)
+                if stored is not None:
+                    stored.step = int(result["step"])
+                    stored.updated_at = utcnow()
+            await self._record(run.id, result["step"], "optim_step", {
+                "grad_norm": result["grad_norm"], "learning_rate": result["learning_rate"],
+            })
+        return result
+
+    async def sample(self, user: User, run_id: str, params: SampleParams) -> dict[str, Any]:
+        run = await self.get(user, run_id)
+        async with self._locks[run.id]:
+            result = await self.backend.call("sample", run_id=run.id, **params.engine_params())
+            stored_params = {k: v for k, v in params.engine_params().items() if k != "prompts"}
+            async with self.db.session() as session:
+                current = await session.get(Run, run.id)
+                step = current.step if current else run.step
+                for prompt, sequences in zip(params.prompts, result["sequences"]):
+                    for sequence in sequences:
+                        session.add(Sample(run_id=run.id, step=step, prompt=prompt, output=sequence["text"],
+                                           params=stored_params))
+        return result
+
+    async def save_state(self, user: User, run_id: str, mode: str = "adapter") -> Checkpoint:
+        run = await self.get(user, run_id)
+        if mode not in SAVE_MODES:
+            raise BadInput(f"mode must be one of {', '.join(SAVE_MODES)}, got {mode!r}", field="mode")
+        async with self._locks[run.id]:
+            result = await self.backend.call("save_state", run_id=run.id, mode=mode)
+            checkpoint = Checkpoint(run_id=run.id, step=int(result["step"]), mode=result["mode"],
+                                    path=result["checkpoint_path"], size_bytes=int(result["size_bytes"]))
+            async with self.db.session() as session:
+                session.add(checkpoint)
+        return checkpoint
+
+    async def delete(self, user: User, run_id: str) -> None:
+        run = await self.get(user, run_id)
+        async with self._locks[run.id]:
+            await self.backend.call("delete_run", run_id=run.id)
+            async with self.db.session() as session:
+                for table in (Metric, Sample, Checkpoint):
+                    await session.execute(delete(table).where(table.run_id == run.id))
+                await session.execute(delete(Run).where(Run.id == run.id))
+        self._locks.pop(run.id, None)
+
+    # ---- bookkeeping ---------------------------------------------------------------------
+
+    async def _record(self, run_id: str, step: int, kind: str, values: dict[str, float]) -> None:
+        now = utcnow()
+        async with self.db.session() as session:
+            for name, value in values.items():
+                session.add(Metric(run_id=run_id, step=int(step), name=name, value=float(value), created_at=now))
+        self.broker.publish(run_id, {"run_id": run_id, "kind": kind, "step": int(step), "created_at": now, **values})
+
+
+def _clamp(limit: int, most: int = 1000) -> int:
+    return max(1, min(int(limit), most))
