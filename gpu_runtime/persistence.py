@@ -1,0 +1,127 @@
+"""Atomic writes and the on-disk layout of a run: a reader never sees a half-written file or directory."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+import shutil
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from gpu_runtime.errors import BadInput
+
+_SAFE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+
+
+def check_id(value: Any, field: str) -> str:
+    # Ids become directory names, so nothing that could climb out of runs/.
+    if not isinstance(value, str) or not _SAFE_ID.match(value) or ".." in value:
+        raise BadInput(f"{field} must be 1-128 characters of letters, digits, '_', '-', '.', got {value!r}", field=field)
+    return value
+
+
+def write_json(path: Path, data: Any) -> None:
+    """Write JSON through a temporary file and os.replace, so the old or the new file is whole."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex}")
+    with open(tmp, "w") as fh:
+        json.dump(data, fh, indent=2, sort_keys=True)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def read_json(path: Path) -> Any:
+    return json.loads(Path(path).read_text())
+
+
+@contextlib.contextmanager
+def atomic_file(path: Path) -> Iterator[Path]:
+    """Yield a temporary path beside `path`; on success it replaces `path` in one rename."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex}")
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def atomic_dir(path: Path) -> Iterator[Path]:
+    """Yield a temporary directory beside `path`; on success it becomes `path` (replacing an old one)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex}")
+    tmp.mkdir()
+    try:
+        yield tmp
+        # rename() cannot replace a non-empty directory: move the old one aside first.
+        old = path.with_name(f".{path.name}.old-{uuid.uuid4().hex}")
+        if path.exists():
+            os.rename(path, old)
+        os.rename(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def dir_size(path: Path) -> int:
+    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
+
+
+def sha256_json(data: Any) -> str:
+    canonical = json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+class RunPaths:
+    """Where a run's files live: runs/{user_id}/{run_id}/…"""
+
+    def __init__(self, data_dir: Path, user_id: str, run_id: str) -> None:
+        self.root = Path(data_dir) / "runs" / user_id / run_id
+
+    @property
+    def config(self) -> Path:
+        return self.root / "config.json"
+
+    @property
+    def manifest(self) -> Path:
+        return self.root / "manifest.json"
+
+    @property
+    def optimizer_state(self) -> Path:
+        return self.root / "optimizer_state.pt"
+
+    @property
+    def adapters(self) -> Path:
+        return self.root / "lora_adapters"
+
+    def adapter_step(self, step: int) -> Path:
+        return self.adapters / f"step_{step}"
+
+    def checkpoint(self, mode: str, step: int) -> Path:
+        return self.root / "checkpoints" / f"{mode}_step_{step}"
+
+    def saved_steps(self) -> list[int]:
+        if not self.adapters.is_dir():
+            return []
+        steps = [int(p.name[5:]) for p in self.adapters.iterdir() if re.fullmatch(r"step_\d+", p.name)]
+        return sorted(steps)
+
+    def prune_steps(self, keep: int) -> None:
+        for step in self.saved_steps()[:-keep] if keep > 0 else []:
+            shutil.rmtree(self.adapter_step(step), ignore_errors=True)
+
+
+def find_run_dir(data_dir: Path, run_id: str) -> Path | None:
+    # Run ids are globally unique, so the user directory is found by looking.
+    matches = [p for p in (Path(data_dir) / "runs").glob(f"*/{run_id}") if (p / "config.json").exists()]
+    return matches[0] if matches else None

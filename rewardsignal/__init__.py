@@ -1,0 +1,38 @@
+"""rewardsignal: the Python SDK for Signal's training API (httpx only).
+
+    from rewardsignal import SignalClient
+    client = SignalClient(api_key="sk-...", base_url="http://localhost:8000")
+    run = client.create_run(lora_r=32)
+    run.forward_backward(batch=[{"text": "hello"}]); run.optim_step()
+"""
+
+from rewardsignal.client import AsyncRun, AsyncSignalClient, Run, SignalClient
+from rewardsignal.errors import (
+    AuthenticationError,
+    BadInputError,
+    FailedPreconditionError,
+    ModelUnavailableError,
+    NotFoundError,
+    ServerError,
+    SignalAPIError,
+    TransportError,
+    WorkerFailedError,
+)
+from rewardsignal.results import Result
+
+__all__ = [
+    "AsyncRun",
+    "AsyncSignalClient",
+    "AuthenticationError",
+    "BadInputError",
+    "FailedPreconditionError",
+    "ModelUnavailableError",
+    "NotFoundError",
+    "Result",
+    "Run",
+    "ServerError",
+    "SignalAPIError",
+    "SignalClient",
+    "TransportError",
+    "WorkerFailedError",
+]

@@ -1,0 +1,225 @@
+"""SignalClient and AsyncSignalClient: the same surface, one blocking and one awaitable.
+
+Each public method builds a `Call` (operation, variables, the field to return, how to wrap it);
+the sync client runs it at once, the async client returns an awaitable that does.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from rewardsignal.errors import ServerError, SignalAPIError, TransportError, error_from_graphql
+from rewardsignal.operations import document
+from rewardsignal.results import Result, convert
+
+DEFAULT_BASE_URL = "http://localhost:8000"
+DEFAULT_TIMEOUT = 600.0  # a forward_backward on a large model can take minutes
+
+
+@dataclass
+class Call:
+    operation: str
+    variables: dict[str, Any]
+    field: str
+    wrap: Callable[[Any], Any] | None = None
+
+
+def _drop_none(values: dict[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in values.items() if value is not None}
+
+
+class _ClientBase:
+    """Everything but the transport."""
+
+    def __init__(self, api_key: str | None, base_url: str | None) -> None:
+        self.api_key = api_key or os.environ.get("SIGNAL_API_KEY")
+        self.base_url = (base_url or os.environ.get("SIGNAL_BASE_URL") or DEFAULT_BASE_URL).rstrip("/")
+        self.url = f"{self.base_url}/graphql"
+
+    def _headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    @staticmethod
+    def _payload(call: Call) -> dict[str, Any]:
+        return {"query": document(call.operation), "variables": call.variables, "operationName": call.operation}
+
+    @staticmethod
+    def _answer(call: Call, response: httpx.Response) -> Any:
+        try:
+            body = response.json()
+        except ValueError:
+            raise TransportError(f"server answered HTTP {response.status_code} without JSON: {response.text[:200]}")
+        if body.get("errors"):
+            raise error_from_graphql(body["errors"][0])
+        if response.status_code >= 400 or not isinstance(body.get("data"), dict):
+            raise ServerError(f"server answered HTTP {response.status_code}")
+        value = convert(body["data"][call.field])
+        return call.wrap(value) if call.wrap else value
+
+    # ---- the calls ----------------------------------------------------------------------
+
+    def list_models(self, detailed: bool = False) -> Any:
+        """Names of the base models (or their full descriptions with `detailed=True`)."""
+        wrap = None if detailed else (lambda models: [model["name"] for model in models])
+        return self._run(Call("ListModels", {}, "models", wrap))
+
+    def me(self) -> Any:
+        return self._run(Call("Me", {}, "me"))
+
+    def create_run(
+        self, base_model: str | None = None, lora_r: int = 32, lora_alpha: float | None = None,
+        learning_rate: float = 1e-4, lora_dropout: float = 0.0, lora_target_modules: list[str] | None = None,
+        gpu_config: str | None = None, seed: int = 0, weight_decay: float = 0.0, grad_clip_norm: float = 1.0,
+    ) -> Any:
+        spec = _drop_none({
+            "baseModel": base_model, "loraR": lora_r, "loraAlpha": lora_alpha, "learningRate": learning_rate,
+            "loraDropout": lora_dropout, "loraTargetModules": lora_target_modules, "gpuConfig": gpu_config,
+            "seed": seed, "weightDecay": weight_decay, "gradClipNorm": grad_clip_norm,
+        })
+        return self._run(Call("CreateRun", {"input": spec}, "createRun", self._wrap_run))
+
+    def get_run(self, run_id: str) -> Any:
+        return self._run(Call("GetRun", {"id": run_id}, "run", self._wrap_run))
+
+    def list_runs(self, limit: int = 50) -> Any:
+        return self._run(Call("ListRuns", {"limit": limit}, "runs", lambda runs: [self._wrap_run(r) for r in runs]))
+
+    def create_api_key(self, name: str = "") -> Any:
+        return self._run(Call("CreateApiKey", {"name": name}, "createApiKey"))
+
+    def list_api_keys(self) -> Any:
+        return self._run(Call("ApiKeys", {}, "apiKeys"))
+
+    def revoke_api_key(self, key_id: str) -> Any:
+        return self._run(Call("RevokeApiKey", {"id": key_id}, "revokeApiKey"))
+
+    def _wrap_run(self, info: Result) -> Any:
+        return (AsyncRun if isinstance(self, AsyncSignalClient) else Run)(self, info)
+
+    def _run(self, call: Call) -> Any:  # pragma: no cover - each transport defines it
+        raise NotImplementedError
+
+
+class SignalClient(_ClientBase):
+    def __init__(self, api_key: str | None = None, base_url: str | None = None, timeout: float = DEFAULT_TIMEOUT,
+                 transport: httpx.BaseTransport | None = None) -> None:
+        super().__init__(api_key, base_url)
+        self._http = httpx.Client(timeout=timeout, transport=transport)
+
+    def _run(self, call: Call) -> Any:
+        try:
+            response = self._http.post(self.url, json=self._payload(call), headers=self._headers())
+        except httpx.HTTPError as error:
+            raise TransportError(f"cannot reach Signal at {self.url}: {error}") from error
+        return self._answer(call, response)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> "SignalClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncSignalClient(_ClientBase):
+    def __init__(self, api_key: str | None = None, base_url: str | None = None, timeout: float = DEFAULT_TIMEOUT,
+                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+        super().__init__(api_key, base_url)
+        self._http = httpx.AsyncClient(timeout=timeout, transport=transport)
+
+    async def _run(self, call: Call) -> Any:
+        try:
+            response = await self._http.post(self.url, json=self._payload(call), headers=self._headers())
+        except httpx.HTTPError as error:
+            raise TransportError(f"cannot reach Signal at {self.url}: {error}") from error
+        return self._answer(call, response)
+
+    async def close(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> "AsyncSignalClient":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+class _RunBase:
+    """A training run. `info` holds its fields as last fetched (`refresh()` fetches them again)."""
+
+    def __init__(self, client: _ClientBase, info: Result) -> None:
+        self._client = client
+        self.info = info
+        self.id: str = info["id"]
+
+    def __repr__(self) -> str:
+        return f"<Run {self.id} {self.info.get('base_model')} step={self.info.get('step')}>"
+
+    @property
+    def step(self) -> int:
+        return int(self.info["step"])
+
+    def forward_backward(self, batch: list[dict[str, Any]], loss_fn: str = "cross_entropy",
+                         loss_fn_config: dict[str, Any] | None = None) -> Any:
+        """Loss and gradients for `batch`; gradients add up until `optim_step`."""
+        variables = _drop_none({"runId": self.id, "batch": batch, "lossFn": loss_fn, "lossFnConfig": loss_fn_config})
+        return self._client._run(Call("ForwardBackward", variables, "forwardBackward"))
+
+    def optim_step(self, learning_rate: float | None = None, beta1: float | None = None, beta2: float | None = None,
+                   eps: float | None = None, weight_decay: float | None = None,
+                   grad_clip_norm: float | None = None) -> Any:
+        """Apply the accumulated gradients (AdamW); unset settings use the run's defaults."""
+        adam = _drop_none({"learningRate": learning_rate, "beta1": beta1, "beta2": beta2, "eps": eps,
+                           "weightDecay": weight_decay, "gradClipNorm": grad_clip_norm})
+        return self._client._run(Call("OptimStep", {"runId": self.id, "adam": adam or None}, "optimStep"))
+
+    def sample(self, prompts: list[str], max_tokens: int = 64, temperature: float = 1.0, top_p: float = 1.0,
+               top_k: int = 0, stop: list[str] | None = None, num_samples: int = 1, seed: int | None = None) -> Any:
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        variables = _drop_none({"runId": self.id, "prompts": prompts, "maxTokens": max_tokens,
+                                "temperature": temperature, "topP": top_p, "topK": top_k, "stop": stop,
+                                "numSamples": num_samples, "seed": seed})
+        return self._client._run(Call("Sample", variables, "sample"))
+
+    def save_state(self, mode: str = "adapter", push_to_hub: bool = False, hub_model_id: str | None = None) -> Any:
+        variables = _drop_none({"runId": self.id, "mode": mode.upper(), "pushToHub": push_to_hub,
+                                "hubModelId": hub_model_id})
+        return self._client._run(Call("SaveState", variables, "saveState"))
+
+    def metrics(self, name: str | None = None, limit: int = 1000) -> Any:
+        variables = _drop_none({"id": self.id, "name": name, "limit": limit})
+        return self._client._run(Call("RunMetrics", variables, "run", lambda run: run["metrics"]))
+
+    def samples(self, limit: int = 100) -> Any:
+        return self._client._run(Call("RunSamples", {"id": self.id, "limit": limit}, "run", lambda r: r["samples"]))
+
+    def checkpoints(self) -> Any:
+        return self._client._run(Call("RunCheckpoints", {"id": self.id}, "run", lambda run: run["checkpoints"]))
+
+    def delete(self) -> Any:
+        return self._client._run(Call("DeleteRun", {"runId": self.id}, "deleteRun"))
+
+    def _store(self, info: Result) -> Any:
+        self.info = info
+        return self
+
+
+class Run(_RunBase):
+    def refresh(self) -> "Run":
+        return self._client._run(Call("GetRun", {"id": self.id}, "run", self._store))
+
+
+class AsyncRun(_RunBase):
+    async def refresh(self) -> "AsyncRun":
+        return await self._client._run(Call("GetRun", {"id": self.id}, "run", self._store))
+
+
+__all__ = ["AsyncRun", "AsyncSignalClient", "Run", "SignalAPIError", "SignalClient"]

@@ -1,0 +1,68 @@
+"""Typed SDK errors, one per server `extensions.code`."""
+
+from __future__ import annotations
+
+
+class SignalAPIError(Exception):
+    """An error the Signal server answered with; `code` is its stable `extensions.code`."""
+
+    code = "INTERNAL"
+
+    def __init__(self, message: str, code: str | None = None, field: str | None = None,
+                 path: list | None = None) -> None:
+        super().__init__(f"[{code or self.code}] {message}")
+        self.message = message
+        self.code = code or self.code
+        self.field = field
+        self.path = path
+
+
+class AuthenticationError(SignalAPIError, PermissionError):
+    code = "UNAUTHENTICATED"
+
+
+class NotFoundError(SignalAPIError, LookupError):
+    code = "NOT_FOUND"
+
+
+class BadInputError(SignalAPIError, ValueError):
+    code = "BAD_INPUT"
+
+
+class ModelUnavailableError(SignalAPIError, RuntimeError):
+    code = "MODEL_UNAVAILABLE"
+
+
+class FailedPreconditionError(SignalAPIError, RuntimeError):
+    code = "FAILED_PRECONDITION"
+
+
+class WorkerFailedError(SignalAPIError, RuntimeError):
+    """The GPU worker died during the call; the server replaced it and the run resumes at `run.step`."""
+
+    code = "WORKER_FAILED"
+
+
+class ServerError(SignalAPIError, RuntimeError):
+    code = "INTERNAL"
+
+
+class TransportError(SignalAPIError, ConnectionError):
+    """The server could not be reached or answered something other than GraphQL."""
+
+    code = "TRANSPORT"
+
+
+_BY_CODE: dict[str, type[SignalAPIError]] = {
+    cls.code: cls
+    for cls in (AuthenticationError, NotFoundError, BadInputError, ModelUnavailableError, FailedPreconditionError,
+                WorkerFailedError, ServerError, TransportError)
+}
+_BY_CODE["GRAPHQL_VALIDATION_FAILED"] = BadInputError
+
+
+def error_from_graphql(error: dict) -> SignalAPIError:
+    extensions = error.get("extensions") or {}
+    code = extensions.get("code", "INTERNAL")
+    cls = _BY_CODE.get(code, SignalAPIError)
+    return cls(error.get("message", "unknown error"), code=code, field=extensions.get("field"), path=error.get("path"))

@@ -1,0 +1,79 @@
+"""The `metrics` subscription over graphql-transport-ws streams results while another client trains."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+
+import pytest
+import websockets
+
+from rewardsignal import SignalClient
+from rewardsignal.operations import document
+from tests.helpers.live_server import LiveServer
+
+
+async def _connect(live_server: LiveServer, params: dict):  # type: ignore[no-untyped-def]
+    ws = await websockets.connect(live_server.url.replace("http", "ws") + "/graphql",
+                                  subprotocols=["graphql-transport-ws"])
+    await ws.send(json.dumps({"type": "connection_init", "payload": params}))
+    return ws
+
+
+async def _next(ws, kind: str = "next") -> dict:  # type: ignore[no-untyped-def]
+    while True:
+        message = json.loads(await asyncio.wait_for(ws.recv(), timeout=120))
+        if message["type"] in (kind, "error", "complete"):
+            return message
+
+
+async def test_events_arrive_as_another_client_trains(live_server: LiveServer, key: str) -> None:
+    client = SignalClient(api_key=key, base_url=live_server.url)
+    run = client.create_run(lora_r=4)
+    ws = await _connect(live_server, {"Authorization": f"Bearer {key}"})
+    assert (await _next(ws, "connection_ack"))["type"] == "connection_ack"
+    await ws.send(json.dumps({"id": "1", "type": "subscribe",
+                              "payload": {"query": document("Metrics"), "variables": {"runId": run.id}}}))
+    await asyncio.sleep(0.3)  # let the subscription register before training starts
+
+    results: dict[str, object] = {}
+
+    def trainer() -> None:
+        trainer_client = SignalClient(api_key=key, base_url=live_server.url)
+        trainer_run = trainer_client.get_run(run.id)
+        results["fb"] = trainer_run.forward_backward(batch=[{"text": "streamed while training"}])
+        results["opt"] = trainer_run.optim_step()
+
+    thread = threading.Thread(target=trainer)
+    thread.start()
+    first, second = await _next(ws), await _next(ws)
+    thread.join(timeout=120)
+    await ws.close()
+
+    fb_event = first["payload"]["data"]["metrics"]
+    opt_event = second["payload"]["data"]["metrics"]
+    assert fb_event["kind"] == "forward_backward" and fb_event["loss"] == results["fb"]["loss"]
+    assert fb_event["numTokens"] == results["fb"]["num_tokens"] and fb_event["step"] == 0
+    assert opt_event["kind"] == "optim_step" and opt_event["step"] == 1
+    assert opt_event["gradNorm"] == results["opt"]["grad_norm"]
+
+
+async def test_bad_key_is_refused_at_connection(live_server: LiveServer) -> None:
+    ws = await _connect(live_server, {"Authorization": "Bearer sk-wrong"})
+    with pytest.raises(websockets.ConnectionClosed) as closed:
+        await _next(ws, "connection_ack")
+    assert closed.value.rcvd.code == 4403
+
+
+async def test_another_users_run_cannot_be_watched(live_server: LiveServer, key: str) -> None:
+    run = SignalClient(api_key=key, base_url=live_server.url).create_run(lora_r=4)
+    intruder = live_server.new_user()
+    ws = await _connect(live_server, {"apiKey": intruder})
+    await _next(ws, "connection_ack")
+    await ws.send(json.dumps({"id": "1", "type": "subscribe",
+                              "payload": {"query": document("Metrics"), "variables": {"runId": run.id}}}))
+    message = await _next(ws)
+    await ws.close()
+    errors = message["payload"] if message["type"] == "error" else message["payload"]["errors"]
+    assert errors[0]["extensions"]["code"] == "NOT_FOUND"
