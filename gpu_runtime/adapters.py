@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import warnings
 from pathlib import Path
 
 import torch
@@ -42,7 +43,9 @@ class AdapterHost:
     def add(self, run_id: str, config: LoraConfig, seed: int) -> None:
         key = adapter_key(run_id)
         # LoRA's A matrices are drawn from the global RNG: seed it, without disturbing anyone else's stream.
-        with torch.random.fork_rng(devices=[]):
+        with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+            # PEFT 0.21 reads a property transformers 5 deprecated; nothing for us to change.
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
             torch.manual_seed(seed)
             if self.peft is None:
                 self.peft = get_peft_model(self.base.model, config, adapter_name=key)

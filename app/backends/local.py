@@ -24,26 +24,42 @@ class LocalBackend:
             max_batch_size=settings.max_batch_size,
             keep_steps=settings.keep_steps,
             allow_downloads=settings.allow_downloads,
-            **({"log_path": str(settings.worker_log)} if settings.worker_log else {}),
+            log_path=str(settings.worker_log) if settings.worker_log else None,
         )
-        self._restart_lock = threading.Lock()
+        # The worker runs one call at a time anyway; holding this across a call also makes
+        # "is the worker still the one that holds our state?" a question with a stable answer.
+        self._lock = threading.Lock()
+        self._started = False
 
     async def start(self) -> None:
-        await anyio.to_thread.run_sync(self.client.start)
+        await anyio.to_thread.run_sync(self._start)
 
     async def call(self, method: str, **params: Any) -> dict[str, Any]:
-        try:
-            # Not cancellable on purpose: a call the worker has taken finishes and is recorded.
-            return await anyio.to_thread.run_sync(functools.partial(self.client.call, method, **params))
-        except WorkerFailed:
-            await anyio.to_thread.run_sync(self._replace_dead_worker)
-            raise
-
-    def _replace_dead_worker(self) -> None:
-        # Another queued call may already have started a fresh worker; never kill a live one.
-        with self._restart_lock:
-            if not self.client.alive:
-                self.client.restart()
+        # Not cancellable on purpose: a call the worker has taken finishes and is recorded.
+        return await anyio.to_thread.run_sync(functools.partial(self._call, method, params))
 
     async def close(self) -> None:
         await anyio.to_thread.run_sync(self.client.close)
+
+    def _start(self) -> None:
+        with self._lock:
+            self.client.start()
+            self._started = True
+
+    def _call(self, method: str, params: dict[str, Any]) -> dict[str, Any]:
+        with self._lock:
+            if self._started and not self.client.alive:
+                # It died between calls: un-applied gradients went with it, so say so rather than
+                # quietly continuing on a fresh worker.
+                self.client.restart()
+                raise WorkerFailed(
+                    f"the worker process died before {method}; a new worker has started and runs resume "
+                    "from their last saved step (gradients not yet applied by optim_step were lost)"
+                )
+            try:
+                result = self.client.call(method, **params)
+            except WorkerFailed:
+                self.client.restart()
+                raise
+            self._started = True
+            return result

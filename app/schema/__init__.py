@@ -14,14 +14,20 @@ MAX_DEPTH = 8
 MAX_ALIASES = 20
 MAX_TOKENS = 20_000  # a forward_backward with inline batch text is one long document
 
-schema = strawberry.Schema(
+class SignalSchema(strawberry.Schema):
+    def process_errors(self, errors, execution_context=None) -> None:  # type: ignore[no-untyped-def]
+        # SignalErrors already logged the internal ones; typed errors are the client's, not ours to log.
+        return None
+
+
+schema = SignalSchema(
     query=Query,
     mutation=Mutation,
     subscription=Subscription,
     extensions=[
-        QueryDepthLimiter(max_depth=MAX_DEPTH),
-        MaxAliasesLimiter(max_alias_count=MAX_ALIASES),
-        MaxTokensLimiter(max_token_count=MAX_TOKENS),
-        SignalErrors(),
+        lambda: QueryDepthLimiter(max_depth=MAX_DEPTH),
+        lambda: MaxAliasesLimiter(max_alias_count=MAX_ALIASES),
+        lambda: MaxTokensLimiter(max_token_count=MAX_TOKENS),
+        SignalErrors,
     ],
 )

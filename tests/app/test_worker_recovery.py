@@ -29,7 +29,7 @@ def test_killed_worker_is_reported_and_replaced(live_server: LiveServer, key: st
 
     def long_call() -> None:
         try:
-            run.sample(prompts=["hello"] * 8, max_tokens=400, num_samples=4)
+            run.sample(prompts=["hello"] * 16, max_tokens=250, num_samples=8)
         except BaseException as error:  # noqa: BLE001 - the assertion below inspects it
             failure["error"] = error
 

@@ -10,6 +10,7 @@ import socket
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -87,7 +88,9 @@ class LiveServer:
             finally:
                 await db.dispose()
 
-        return asyncio.run(make())
+        # A thread of its own, so async tests (which already run a loop) can call this too.
+        with ThreadPoolExecutor(1) as pool:
+            return pool.submit(asyncio.run, make()).result()
 
     def graphql(self, query: str, variables: dict | None = None, key: str | None = None) -> dict:
         headers = {"Authorization": f"Bearer {key}"} if key else {}

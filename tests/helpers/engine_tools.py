@@ -1,0 +1,46 @@
+"""Reading an Engine's internals in tests: a run's LoRA weights and its logits."""
+
+from __future__ import annotations
+
+import torch
+
+from gpu_runtime.adapters import adapter_key
+from gpu_runtime.engine import Engine
+
+BATCH = [
+    {"text": "The quick brown fox jumps over the lazy dog."},
+    {"input": "Q: What is 2 + 2?\nA:", "output": " 4"},
+    {"messages": [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "Hi there!"}]},
+    {"tokens": [28120, 905, 314, 260, 3575, 282], "weights": [0, 1, 1, 1, 1, 1]},
+]
+
+
+def lora_weights(engine: Engine, run_id: str) -> dict[str, torch.Tensor]:
+    """The run's LoRA tensors, named without the adapter key so two runs compare by name."""
+    key = f".{adapter_key(run_id)}."
+    return {name.replace(key, "."): p.detach().clone() for name, p in engine.runs[run_id].params.items()}
+
+
+def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], exact: bool = True) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        if exact:
+            assert torch.equal(a[name], b[name]), name
+        else:
+            torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def run_logits(engine: Engine, run_id: str, input_ids: list[int]) -> torch.Tensor:
+    """Logits of `run_id`'s current weights (eval mode, no grad)."""
+    run = engine._run(run_id)
+    model = engine._activate(run, train=False)
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([input_ids])).logits[0].float()
+
+
+def train(engine: Engine, run_id: str, steps: int, batch: list[dict] | None = None, lr: float = 1e-2) -> list[float]:
+    losses = []
+    for _ in range(steps):
+        losses.append(engine.forward_backward(run_id, batch or BATCH)["loss"])
+        engine.optim_step(run_id, {"learning_rate": lr})
+    return losses
