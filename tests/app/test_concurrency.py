@@ -56,8 +56,8 @@ def test_calls_on_one_run_are_applied_in_arrival_order(live_server: LiveServer, 
 def test_healthz_answers_while_a_run_trains(live_server: LiveServer, key: str) -> None:
     client = SignalClient(api_key=key, base_url=live_server.url)
     run = client.create_run(lora_r=4)
-    busy = threading.Thread(target=run.sample, kwargs={"prompts": ["hello"] * 16, "max_tokens": 250,
-                                                       "temperature": 1.0, "num_samples": 8})
+    busy = threading.Thread(target=run.sample, kwargs={"prompts": ["hello"] * 4, "max_tokens": 120,
+                                                       "temperature": 1.0, "num_samples": 2})
     busy.start()
     answers = []
     while busy.is_alive() and len(answers) < 50:
