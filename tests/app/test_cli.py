@@ -1,0 +1,99 @@
+"""The `signal` command, run as a user runs it: a subprocess with SIGNAL_* settings."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from tests.helpers.live_server import free_port, write_catalog
+
+SIGNAL = str(Path(sys.executable).with_name("signal"))
+
+
+def run_cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([SIGNAL, *args], env=env, capture_output=True, text=True, timeout=120)
+
+
+def cli_env(data_dir: Path, **extra: str) -> dict[str, str]:
+    return {**os.environ, "SIGNAL_DATA_DIR": str(data_dir), **extra}
+
+
+def test_keys_create_list_revoke(tmp_path: Path) -> None:
+    env = cli_env(tmp_path)
+    created = run_cli(env, "keys", "create", "--user", "ada@example.com", "--name", "laptop")
+    assert created.returncode == 0, created.stderr
+    secret = created.stdout.strip()
+    assert re.fullmatch(r"sk-[\w-]{40,}", secret)
+    assert "created user ada@example.com" in created.stderr
+
+    listed = run_cli(env, "keys", "list", "--user", "ada@example.com")
+    assert listed.returncode == 0 and secret[:10] in listed.stdout and "active" in listed.stdout
+    assert secret not in listed.stdout
+
+    revoked = run_cli(env, "keys", "revoke", secret[:10], "--user", "ada@example.com")
+    assert revoked.returncode == 0 and "revoked" in revoked.stdout
+    assert "revoked" in run_cli(env, "keys", "list", "--user", "ada@example.com").stdout
+
+    missing = run_cli(env, "keys", "revoke", "sk-nothing", "--user", "ada@example.com")
+    assert missing.returncode == 1 and "no single key" in missing.stderr
+
+
+def test_models_lists_the_catalogue(tmp_path: Path) -> None:
+    result = run_cli(cli_env(tmp_path), "models")
+    assert result.returncode == 0
+    assert "HuggingFaceTB/SmolLM2-135M-Instruct" in result.stdout and "offline" in result.stdout
+    assert re.search(r"meta-llama/Llama-3.1-70B\s+70.60B\s+A100-80GB:4", result.stdout)
+
+
+def test_no_command_prints_help_and_fails(tmp_path: Path) -> None:
+    result = run_cli(cli_env(tmp_path))
+    assert result.returncode == 2 and "serve" in result.stdout
+
+
+def test_serve_first_start_prints_an_admin_key_once(tmp_path: Path, tiny_model_dir: str) -> None:
+    env = cli_env(tmp_path, SIGNAL_DEVICE="cpu", SIGNAL_DEFAULT_MODEL="tiny-llama",
+                  SIGNAL_MODELS_FILE=str(write_catalog(tmp_path / "models.yaml", tiny_model_dir)))
+    first = _serve_once(env)
+    key = re.search(r"SIGNAL_API_KEY=(sk-\S+)", first["output"])
+    assert key, first["output"]
+    assert first["me"]["data"]["me"]["email"] == "admin@localhost"
+    again = _serve_once(env)
+    assert "SIGNAL_API_KEY" not in again["output"]
+
+
+def _serve_once(env: dict[str, str]) -> dict:
+    port = free_port()
+    process = subprocess.Popen([SIGNAL, "serve", "--port", str(port)], env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    try:
+        assert process.stdout is not None
+        for _ in range(200):
+            line = process.stdout.readline()
+            lines.append(line)
+            if "Signal at" in line or not line:
+                break
+        output = "".join(lines)
+        assert f"http://127.0.0.1:{port}" in output
+        key = re.search(r"SIGNAL_API_KEY=(sk-\S+)", output)
+        for _ in range(600):
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        me = {}
+        if key:
+            me = httpx.post(f"http://127.0.0.1:{port}/graphql", json={"query": "{ me { email } }"},
+                            headers={"Authorization": f"Bearer {key.group(1)}"}, timeout=30).json()
+        return {"output": output, "me": me}
+    finally:
+        process.send_signal(signal.SIGINT)
+        process.wait(timeout=60)
