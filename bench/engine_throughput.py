@@ -13,7 +13,6 @@ import argparse
 import json
 import random
 import sys
-import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -44,7 +43,7 @@ def fixed_batch(batch_size: int, seq_len: int, vocab: int) -> list[dict[str, lis
 
 def through_worker(args: argparse.Namespace, batch: list[dict]) -> tuple[float, str]:
     run_id = f"bench-{uuid.uuid4().hex[:8]}"
-    with tempfile.TemporaryDirectory() as runs_dir, WorkerClient(args.data_dir, device=args.device) as client:
+    with WorkerClient(args.data_dir, device=args.device) as client:
         client.call("create_run", run_id=run_id, user_id="bench", base_model=args.model, lora={**LORA, "target_modules": None}, seed=0)
         times = []
         for step in range(args.steps + 1):
@@ -55,7 +54,6 @@ def through_worker(args: argparse.Namespace, batch: list[dict]) -> tuple[float, 
                 times.append(time.perf_counter() - start)
         device = client.call("ping")["device"]
         client.call("delete_run", run_id=run_id)
-        del runs_dir
     return sum(times), device
 
 

@@ -115,7 +115,7 @@ class AdapterHost:
         # On the meta device nothing is initialised; assign=True then adopts our tensors as they are.
         with torch.device("meta"):
             merged = AutoModelForCausalLM.from_config(config, dtype=base.dtype)
-        merged.load_state_dict(state, assign=True, strict=False)
+        merged.load_state_dict(state, assign=True, strict=True)
         merged.tie_weights()
         merged.generation_config = copy.deepcopy(base.generation_config)
         return merged

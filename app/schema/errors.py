@@ -8,7 +8,7 @@ import logging
 from graphql.error import GraphQLError
 from strawberry.extensions import MaskErrors
 
-from app.errors import SignalError
+from app.errors import InternalError, SignalError
 
 log = logging.getLogger("signal.graphql")
 
@@ -25,7 +25,7 @@ class SignalErrors(MaskErrors):
 
 def _present(error: GraphQLError) -> GraphQLError:
     original = error.original_error
-    if isinstance(original, SignalError):
+    if isinstance(original, SignalError) and not isinstance(original, InternalError):
         extensions = {"code": original.code}
         if original.field:
             extensions["field"] = original.field

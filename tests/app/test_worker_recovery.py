@@ -59,3 +59,30 @@ def test_killed_idle_worker_fails_one_call_only(live_server: LiveServer, key: st
         run.forward_backward(batch=BATCH)
     assert run.forward_backward(batch=BATCH).step == 0
     assert run.optim_step().step == 1
+
+
+def test_restarted_server_resumes_runs_from_disk(tiny_model_dir: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from tests.helpers.live_server import settings_for
+
+    settings = settings_for(tmp_path / "data", tiny_model_dir)
+    first = LiveServer.start(settings)
+    try:
+        key = first.new_user()
+        run = SignalClient(api_key=key, base_url=first.url).create_run(lora_r=4, seed=2)
+        for _ in range(2):
+            run.forward_backward(batch=BATCH)
+            run.optim_step(learning_rate=0.01)
+        expected = run.forward_backward(batch=BATCH).loss  # the loss the weights of step 2 give
+    finally:
+        first.stop()
+
+    second = LiveServer.start(settings.model_copy(update={"port": settings.port}))
+    try:
+        client = SignalClient(api_key=key, base_url=second.url)
+        resumed = client.get_run(run.id)
+        assert resumed.step == 2
+        again = resumed.forward_backward(batch=BATCH)
+        assert again.step == 2 and abs(again.loss - expected) < 1e-6
+        assert resumed.optim_step().step == 3
+    finally:
+        second.stop()
