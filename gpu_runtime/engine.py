@@ -129,9 +129,14 @@ class Engine:
             "created_at": time.time(),
         }
         run = self._attach(config)
-        write_json(run.paths.config, config)
-        write_json(run.paths.manifest, self._new_manifest(run))
-        self._persist_step(run)
+        try:
+            write_json(run.paths.config, config)
+            write_json(run.paths.manifest, self._new_manifest(run))
+            self._persist_step(run)
+        except BaseException:
+            self._detach(run_id)
+            shutil.rmtree(run.paths.root, ignore_errors=True)
+            raise
         return self._info(run)
 
     def load_run(self, run_id: str) -> dict[str, Any]:
@@ -142,16 +147,9 @@ class Engine:
 
     def close_run(self, run_id: str) -> dict[str, Any]:
         check_id(run_id, "run_id")
-        run = self.runs.pop(run_id, None)
-        if run is None and find_run_dir(self.data_dir, run_id) is None:
+        if run_id not in self.runs and find_run_dir(self.data_dir, run_id) is None:
             raise RunNotFound(f"run {run_id!r} not found", field="run_id")
-        if run is not None:
-            run.host.remove(run_id)
-            run.optimizer.state.clear()
-            del run
-            gc.collect()
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
+        self._detach(run_id)
         return {"run_id": run_id, "closed": True}
 
     def delete_run(self, run_id: str) -> dict[str, Any]:
@@ -313,16 +311,37 @@ class Engine:
     def _restore(self, root: Path) -> Run:
         config = read_json(root / "config.json")
         run = self._attach(config)
+        try:
+            self._load_latest_step(run)
+        except BaseException:
+            self._detach(run.run_id)  # never leave a half-restored run in memory
+            raise
+        if run.host.base.revision != config.get("base_revision"):
+            print(f"warning: run {run.run_id}: base model revision changed since the run was created", file=sys.stderr)
+        return run
+
+    def _load_latest_step(self, run: Run) -> None:
         steps = run.paths.saved_steps()
         if steps:
             step_dir = run.paths.adapter_step(steps[-1])
             run.host.load_adapter(run.run_id, step_dir)
             payload = torch.load(step_dir / OPTIMIZER_FILE, map_location=self.device, weights_only=True)
+            if payload["param_names"] != list(run.params):
+                raise RuntimeError(f"optimizer state in {step_dir} does not match run {run.run_id}'s adapter")
             run.optimizer.load_state_dict(payload["optimizer"])
             run.step = payload["step"]
-        if run.host.base.revision != config.get("base_revision"):
-            print(f"warning: run {run.run_id}: base model revision changed since the run was created", file=sys.stderr)
-        return run
+
+    def _detach(self, run_id: str) -> None:
+        """Drop a run's adapter, optimizer and gradients from memory."""
+        run = self.runs.pop(run_id, None)
+        if run is None:
+            return
+        run.host.remove(run_id)
+        run.optimizer.state.clear()
+        del run
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def _activate(self, run: Run, train: bool) -> torch.nn.Module:
         run.host.activate(run.run_id)
