@@ -25,6 +25,7 @@ import transformers
 
 from gpu_runtime.adapters import AdapterHost
 from gpu_runtime.batches import Renderer, collate
+from gpu_runtime.contract import SAVE_MODES
 from gpu_runtime.devices import dtype_name, resolve_device
 from gpu_runtime.errors import BadInput, FailedPrecondition, RunNotFound
 from gpu_runtime.lora import lora_config, lora_settings
@@ -56,7 +57,6 @@ PUBLIC_METHODS = (
     "run_info",
     "ping",
 )
-SAVE_MODES = ("adapter", "merged", "state")
 OPTIMIZER_FILE = "optimizer_state.pt"
 
 

@@ -7,16 +7,9 @@ from typing import Any
 
 import torch
 
+from gpu_runtime.contract import ADAM_DEFAULTS
 from gpu_runtime.errors import BadInput
 
-ADAM_DEFAULTS: dict[str, float] = {
-    "learning_rate": 1e-4,
-    "beta1": 0.9,
-    "beta2": 0.999,
-    "eps": 1e-8,
-    "weight_decay": 0.0,
-    "grad_clip_norm": 1.0,  # 0 turns clipping off
-}
 
 # (lowest, highest, lowest allowed itself?) per setting.
 _RANGES: dict[str, tuple[float, float, bool]] = {

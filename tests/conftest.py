@@ -10,6 +10,7 @@ import pytest
 
 if TYPE_CHECKING:
     from gpu_runtime.engine import Engine
+    from tests.helpers.live_server import LiveServer
 
 
 @pytest.fixture(scope="session")
@@ -27,3 +28,19 @@ def engine(tmp_path: Path) -> Iterator["Engine"]:
     from gpu_runtime.engine import Engine
 
     yield Engine(tmp_path / "data", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def live_server(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator["LiveServer"]:
+    """A real Signal server (uvicorn on loopback, a real worker, SQLite) with the tiny model, per test module."""
+    from tests.helpers.live_server import LiveServer, settings_for
+
+    server = LiveServer.start(settings_for(tmp_path_factory.mktemp("signal-data"), tiny_model_dir))
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def key(live_server: "LiveServer") -> str:
+    """The API key of a fresh user on the live server."""
+    return live_server.new_user()

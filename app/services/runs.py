@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,18 +23,9 @@ from app.errors import BadInput, RunNotFound
 from app.events import EventBroker
 from app.tables import Checkpoint, Metric, Run, Sample, User, new_id, utcnow
 from gpu_runtime.allocation import parse_gpu_config
+from gpu_runtime.contract import ADAM_DEFAULTS
 
-SAVE_MODES = ("adapter", "merged", "state")
 MAX_BATCH_BYTES = 8 * 1024 * 1024
-
-ADAM_DEFAULTS: dict[str, float] = {
-    "learning_rate": 1e-4,
-    "beta1": 0.9,
-    "beta2": 0.999,
-    "eps": 1e-8,
-    "weight_decay": 0.0,
-    "grad_clip_norm": 1.0,
-}
 
 
 @dataclass
@@ -149,7 +141,7 @@ class RunService:
             "target_modules": spec.lora_target_modules,
         }
         run_id = new_id()
-        created = await self.backend.call(
+        created = await self._engine(
             "create_run", run_id=run_id, user_id=user.id, base_model=model.source, lora=lora, seed=spec.seed
         )
         lora["target_modules"] = created.get("target_modules", lora["target_modules"])
@@ -180,7 +172,7 @@ class RunService:
         if len(json.dumps(batch)) > MAX_BATCH_BYTES:
             raise BadInput(f"batch is larger than {MAX_BATCH_BYTES // 1024 // 1024} MiB", field="batch")
         async with self._locks[run.id]:
-            result = await self.backend.call(
+            result = await self._engine(
                 "forward_backward", run_id=run.id, batch=batch, loss_fn=loss_fn, loss_fn_config=loss_fn_config
             )
             await self._record(run.id, result["step"], "forward_backward", {
@@ -193,7 +185,7 @@ class RunService:
         overrides = {key: value for key, value in (adam or {}).items() if value is not None}
         settings = {**ADAM_DEFAULTS, **run.optimizer_config, **overrides}
         async with self._locks[run.id]:
-            result = await self.backend.call("optim_step", run_id=run.id, adam=settings)
+            result = await self._engine("optim_step", run_id=run.id, adam=settings)
             async with self.db.session() as session:
                 stored = await session.get(Run, run.id)
                 if stored is not None:
@@ -207,7 +199,7 @@ class RunService:
     async def sample(self, user: User, run_id: str, params: SampleParams) -> dict[str, Any]:
         run = await self.get(user, run_id)
         async with self._locks[run.id]:
-            result = await self.backend.call("sample", run_id=run.id, **params.engine_params())
+            result = await self._engine("sample", run_id=run.id, **params.engine_params())
             stored_params = {k: v for k, v in params.engine_params().items() if k != "prompts"}
             async with self.db.session() as session:
                 current = await session.get(Run, run.id)
@@ -220,10 +212,8 @@ class RunService:
 
     async def save_state(self, user: User, run_id: str, mode: str = "adapter") -> Checkpoint:
         run = await self.get(user, run_id)
-        if mode not in SAVE_MODES:
-            raise BadInput(f"mode must be one of {', '.join(SAVE_MODES)}, got {mode!r}", field="mode")
         async with self._locks[run.id]:
-            result = await self.backend.call("save_state", run_id=run.id, mode=mode)
+            result = await self._engine("save_state", run_id=run.id, mode=mode)
             checkpoint = Checkpoint(run_id=run.id, step=int(result["step"]), mode=result["mode"],
                                     path=result["checkpoint_path"], size_bytes=int(result["size_bytes"]))
             async with self.db.session() as session:
@@ -233,7 +223,7 @@ class RunService:
     async def delete(self, user: User, run_id: str) -> None:
         run = await self.get(user, run_id)
         async with self._locks[run.id]:
-            await self.backend.call("delete_run", run_id=run.id)
+            await self._engine("delete_run", run_id=run.id)
             async with self.db.session() as session:
                 for table in (Metric, Sample, Checkpoint):
                     await session.execute(delete(table).where(table.run_id == run.id))
@@ -242,12 +232,28 @@ class RunService:
 
     # ---- bookkeeping ---------------------------------------------------------------------
 
+    async def _engine(self, method: str, **params: Any) -> dict[str, Any]:
+        try:
+            return await self.backend.call(method, **params)
+        except BadInput as error:
+            # The engine names fields as its contract does (max_tokens); clients sent maxTokens.
+            raise BadInput(error.message, field=graphql_field(error.field)) from None
+
     async def _record(self, run_id: str, step: int, kind: str, values: dict[str, float]) -> None:
         now = utcnow()
         async with self.db.session() as session:
             for name, value in values.items():
                 session.add(Metric(run_id=run_id, step=int(step), name=name, value=float(value), created_at=now))
         self.broker.publish(run_id, {"run_id": run_id, "kind": kind, "step": int(step), "created_at": now, **values})
+
+
+def graphql_field(field: str | None) -> str | None:
+    """`max_tokens` → `maxTokens`, `lora.target_modules` → `loraTargetModules`, `batch[2].output` as is."""
+    if not field:
+        return field
+    if field.startswith("lora."):
+        field = "lora_" + field.removeprefix("lora.")
+    return re.sub(r"_([a-z0-9])", lambda match: match.group(1).upper(), field)
 
 
 def _clamp(limit: int, most: int = 1000) -> int:

@@ -105,7 +105,14 @@ def test_bad_input_names_the_field(live_server: LiveServer, key: str) -> None:
     bad_sample = live_server.graphql('mutation($id: ID!) { sample(runId: $id, prompts: ["x"], temperature: -1) '
                                      "{ outputs } }", {"id": run_id}, key=key)
     assert error_code(bad_sample) == "BAD_INPUT"
-    assert "temperature" in bad_sample["errors"][0]["extensions"]["field"]
+    assert bad_sample["errors"][0]["extensions"]["field"] == "temperature"
+    too_long = live_server.graphql('mutation($id: ID!) { sample(runId: $id, prompts: ["x"], maxTokens: 5000) '
+                                   "{ outputs } }", {"id": run_id}, key=key)
+    assert error_code(too_long) == "BAD_INPUT" and too_long["errors"][0]["extensions"]["field"] == "maxTokens"
+    bad_module = live_server.graphql(CREATE, {"input": {"loraTargetModules": ["no_such_proj"]}}, key=key)
+    assert error_code(bad_module) == "BAD_INPUT"
+    assert bad_module["errors"][0]["extensions"]["field"] == "loraTargetModules"
+    assert "no_such_proj" in bad_module["errors"][0]["message"]
 
 
 def test_model_that_is_not_on_this_machine_is_unavailable(live_server: LiveServer, key: str) -> None:
