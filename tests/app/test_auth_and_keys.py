@@ -81,3 +81,12 @@ def _stored_key(live_server: LiveServer, key_id: str) -> ApiKey:
             await db.dispose()
 
     return asyncio.run(load())
+
+
+def test_graphiql_and_healthz_are_served(live_server: LiveServer) -> None:
+    import httpx
+
+    page = httpx.get(f"{live_server.url}/graphql", headers={"Accept": "text/html"}, timeout=30)
+    assert page.status_code == 200 and "graphiql" in page.text.lower()
+    health = httpx.get(f"{live_server.url}/healthz", timeout=30)
+    assert health.status_code == 200 and health.json()["status"] == "ok"
