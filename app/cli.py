@@ -10,10 +10,11 @@ from typing import Any
 
 from app.catalog import Catalog
 from app.db import Database, migrate
-from app.errors import SignalError
+from app.errors import NotFound, SignalError
 from app.services.keys import KeyService
 from app.services.users import UserService
 from app.settings import Settings
+from app.tables import User
 
 ADMIN_EMAIL = "admin@localhost"
 
@@ -133,8 +134,15 @@ async def _keys_create(db: Database, email: str, name: str) -> int:
     return 0
 
 
+async def _existing_user(db: Database, email: str) -> User:
+    user = await UserService(db).find(email)
+    if user is None:
+        raise NotFound(f"no user {email!r}; `signal keys create --user {email}` creates one")
+    return user
+
+
 async def _keys_list(db: Database, email: str) -> int:
-    user, _ = await UserService(db).get_or_create(email)
+    user = await _existing_user(db, email)
     for key in await KeyService(db).list(user):
         state = "revoked" if key.revoked_at else "active"
         last = key.last_used_at.isoformat(timespec="seconds") if key.last_used_at else "never"
@@ -143,7 +151,7 @@ async def _keys_list(db: Database, email: str) -> int:
 
 
 async def _keys_revoke(db: Database, email: str, ident: str) -> int:
-    user, _ = await UserService(db).get_or_create(email)
+    user = await _existing_user(db, email)
     keys = KeyService(db)
     matches = [key for key in await keys.list(user) if key.id == ident or key.prefix == ident]
     if len(matches) != 1:

@@ -185,6 +185,9 @@ class Engine:
         with _seeded(_derive_seed(run.config["seed"], run.step, run.pending_calls), self.device):
             logits = model(input_ids=data.input_ids, attention_mask=data.attention_mask).logits
         loss_sum, normaliser = loss(target_logprobs(logits, data.targets), data, config)
+        if not torch.isfinite(loss_sum):
+            # Before backward: a NaN/inf would poison every gradient accumulated so far.
+            raise BadInput(f"the batch's loss is {loss_sum.item()}; check its weights and tokens", field="batch")
         loss_sum.backward()  # a sum, accumulated in .grad; optim_step divides by the total normaliser
         num_tokens = sum(e.num_targets for e in examples)
         run.pending_normaliser += normaliser

@@ -171,8 +171,10 @@ class WorkerClient:
             self._process.kill()
             code = self._process.wait()
         self._dead = True
-        where = f"see {self.log_path}" if self.log_path else "see the worker's stderr"
-        return WorkerFailed(f"worker process exited with code {code} during {method} ({where})")
+        # The log's path stays on the server: this message travels to API clients.
+        print(f"gpu_runtime worker exited with code {code} during {method}; its log: {self.log_path or 'stderr'}",
+              file=sys.stderr)
+        return WorkerFailed(f"worker process exited with code {code} during {method}")
 
     def _stop(self, graceful: bool) -> None:
         process, self._process = self._process, None

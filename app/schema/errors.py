@@ -33,8 +33,9 @@ def _present(error: GraphQLError) -> GraphQLError:
     if original is None:
         # Parse and validation errors: the client's document is wrong, and the message says where.
         return _with_extensions(error, error.message, {"code": "GRAPHQL_VALIDATION_FAILED", **(error.extensions or {})})
-    if isinstance(original, GraphQLError) and original.original_error is None:
-        # Variable coercion errors (wrong type, unknown batch key) arrive wrapped this way.
+    if isinstance(original, GraphQLError) and original.original_error is None and not error.path:
+        # Variable coercion errors (wrong type, unknown batch key) arrive wrapped this way, with no path;
+        # one with a path is our output failing to serialise, which is ours to fix.
         return _with_extensions(error, error.message, {"code": "BAD_INPUT"})
     log.error("internal error in %s", error.path, exc_info=original)
     return _with_extensions(error, INTERNAL_MESSAGE, {"code": "INTERNAL"}, keep_original=False)

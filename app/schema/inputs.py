@@ -6,7 +6,8 @@ from typing import Any
 
 import strawberry
 
-from app.services.runs import ADAM_DEFAULTS, RunSpec
+from app.services.runs import RunSpec
+from gpu_runtime.contract import ADAM_DEFAULTS
 
 
 @strawberry.input
@@ -22,9 +23,9 @@ class CreateRunInput:
     seed: int = 0
     gpu_config: str | None = strawberry.field(default=None, description='e.g. "L40S:2"; default: allocation rules')
 
-    def to_spec(self, default_model: str) -> RunSpec:
+    def to_spec(self) -> RunSpec:
         return RunSpec(
-            base_model=self.base_model or default_model, lora_r=self.lora_r, lora_alpha=self.lora_alpha,
+            base_model=self.base_model, lora_r=self.lora_r, lora_alpha=self.lora_alpha,
             lora_dropout=self.lora_dropout, lora_target_modules=self.lora_target_modules,
             learning_rate=self.learning_rate, weight_decay=self.weight_decay, grad_clip_norm=self.grad_clip_norm,
             seed=self.seed, gpu_config=self.gpu_config,

@@ -5,7 +5,6 @@ from __future__ import annotations
 import strawberry
 from strawberry.scalars import JSON
 
-from app.errors import BadInput
 from app.schema.context import Info
 from app.schema.inputs import AdamInput, BatchItem, CreateRunInput
 from app.schema.types import (
@@ -26,8 +25,7 @@ class Mutation:
     @strawberry.mutation
     async def create_run(self, info: Info, input: CreateRunInput | None = None) -> Run:
         user = await info.context.user()
-        spec = (input or CreateRunInput()).to_spec(info.context.services.settings.default_model)
-        return Run.from_row(await info.context.services.runs.create(user, spec))
+        return Run.from_row(await info.context.services.runs.create(user, (input or CreateRunInput()).to_spec()))
 
     @strawberry.mutation(description="Compute the loss and accumulate gradients for a batch")
     async def forward_backward(
@@ -65,10 +63,8 @@ class Mutation:
         hub_model_id: str | None = None,
     ) -> Checkpoint:
         user = await info.context.user()
-        if push_to_hub:
-            raise BadInput("push_to_hub is not supported by this server yet; copy checkpointPath instead",
-                           field="pushToHub")
-        return Checkpoint.from_row(await info.context.services.runs.save_state(user, str(run_id), mode.value))
+        checkpoint = await info.context.services.runs.save_state(user, str(run_id), mode.value, push_to_hub, hub_model_id)
+        return Checkpoint.from_row(checkpoint)
 
     @strawberry.mutation
     async def delete_run(self, info: Info, run_id: strawberry.ID) -> bool:

@@ -14,7 +14,8 @@ from app.schema.types import TrainingEvent
 class Subscription:
     @strawberry.subscription(description="Each forward_backward and optim_step result of a run, as it happens")
     async def metrics(self, info: Info, run_id: strawberry.ID) -> AsyncGenerator[TrainingEvent, None]:
-        user = await info.context.user()
+        # Checked afresh for each subscription: a socket opened with a key revoked since must not watch.
+        user = await info.context.services.keys.authenticate(info.context.bearer)
         run = await info.context.services.runs.get(user, str(run_id))
         async for event in info.context.services.broker.subscribe(run.id):
             yield TrainingEvent.from_event(event)

@@ -39,7 +39,7 @@ class Services:
             broker=broker,
             users=UserService(db),
             keys=KeyService(db),
-            runs=RunService(db, backend, catalog, broker),
+            runs=RunService(db, backend, catalog, broker, settings.default_model),
         )
 
     async def close(self) -> None:

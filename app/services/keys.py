@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta, timezone
+from datetime import timedelta
 
 from sqlalchemy import select
 
@@ -54,14 +54,10 @@ class KeyService:
                 raise Unauthenticated("API key is invalid or revoked")
             now = utcnow()
             last = key.last_used_at
-            if last is None or now - _aware(last) > LAST_USED_RESOLUTION:
+            if last is None or now - last > LAST_USED_RESOLUTION:
                 key.last_used_at = now
             user = await session.get(User, key.user_id)
             if user is None:
                 raise Unauthenticated("API key is invalid or revoked")
             return user
 
-
-def _aware(value: datetime) -> datetime:
-    # SQLite hands back naive datetimes even for timezone-aware columns.
-    return value if value.tzinfo else value.replace(tzinfo=timezone.utc)

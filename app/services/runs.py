@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import re
 from collections import defaultdict
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from sqlalchemy import delete, select
 
@@ -25,12 +27,14 @@ from app.tables import Checkpoint, Metric, Run, Sample, User, new_id, utcnow
 from gpu_runtime.allocation import parse_gpu_config
 from gpu_runtime.contract import ADAM_DEFAULTS
 
+T = TypeVar("T")
+
 MAX_BATCH_BYTES = 8 * 1024 * 1024
 
 
 @dataclass
 class RunSpec:
-    base_model: str
+    base_model: str | None = None  # None: the server's default model
     lora_r: int = 32
     lora_alpha: float | None = None  # None: 2 * lora_r, the usual choice
     lora_dropout: float = 0.0
@@ -88,8 +92,10 @@ class SampleParams:
 
 
 class RunService:
-    def __init__(self, db: Database, backend: Backend, catalog: Catalog, broker: EventBroker) -> None:
+    def __init__(self, db: Database, backend: Backend, catalog: Catalog, broker: EventBroker,
+                 default_model: str) -> None:
         self.db = db
+        self.default_model = default_model
         self.backend = backend
         self.catalog = catalog
         self.broker = broker
@@ -116,7 +122,8 @@ class RunService:
         if name:
             query = query.where(Metric.name == name)
         async with self.db.session() as session:
-            return list(await session.scalars(query.order_by(Metric.id).limit(_clamp(limit, 10_000))))
+            newest = list(await session.scalars(query.order_by(Metric.id.desc()).limit(_clamp(limit, 10_000))))
+        return newest[::-1]  # the latest `limit` rows, in the order they happened
 
     async def samples(self, run: Run, limit: int = 100) -> list[Sample]:
         async with self.db.session() as session:
@@ -132,7 +139,7 @@ class RunService:
 
     async def create(self, user: User, spec: RunSpec) -> Run:
         spec.validate()
-        model = self.catalog.get(spec.base_model)
+        model = self.catalog.get(spec.base_model or self.default_model)
         gpu_config = str(parse_gpu_config(spec.gpu_config, field="gpuConfig")) if spec.gpu_config else model.gpu
         lora = {
             "r": spec.lora_r,
@@ -171,20 +178,24 @@ class RunService:
             raise BadInput("batch must be a non-empty list of examples", field="batch")
         if len(json.dumps(batch)) > MAX_BATCH_BYTES:
             raise BadInput(f"batch is larger than {MAX_BATCH_BYTES // 1024 // 1024} MiB", field="batch")
-        async with self._locks[run.id]:
+
+        async def work() -> dict[str, Any]:
             result = await self._engine(
                 "forward_backward", run_id=run.id, batch=batch, loss_fn=loss_fn, loss_fn_config=loss_fn_config
             )
             await self._record(run.id, result["step"], "forward_backward", {
                 "loss": result["loss"], "num_tokens": result["num_tokens"], "num_examples": result["num_examples"],
             })
-        return result
+            return result
+
+        return await self._serialised(run.id, work)
 
     async def optim_step(self, user: User, run_id: str, adam: dict[str, Any] | None = None) -> dict[str, Any]:
         run = await self.get(user, run_id)
         overrides = {key: value for key, value in (adam or {}).items() if value is not None}
         settings = {**ADAM_DEFAULTS, **run.optimizer_config, **overrides}
-        async with self._locks[run.id]:
+
+        async def work() -> dict[str, Any]:
             result = await self._engine("optim_step", run_id=run.id, adam=settings)
             async with self.db.session() as session:
                 stored = await session.get(Run, run.id)
@@ -194,43 +205,69 @@ class RunService:
             await self._record(run.id, result["step"], "optim_step", {
                 "grad_norm": result["grad_norm"], "learning_rate": result["learning_rate"],
             })
-        return result
+            return result
+
+        return await self._serialised(run.id, work)
 
     async def sample(self, user: User, run_id: str, params: SampleParams) -> dict[str, Any]:
         run = await self.get(user, run_id)
-        async with self._locks[run.id]:
+        stored_params = {k: v for k, v in params.engine_params().items() if k != "prompts"}
+
+        async def work() -> dict[str, Any]:
             result = await self._engine("sample", run_id=run.id, **params.engine_params())
-            stored_params = {k: v for k, v in params.engine_params().items() if k != "prompts"}
             async with self.db.session() as session:
-                current = await session.get(Run, run.id)
-                step = current.step if current else run.step
                 for prompt, sequences in zip(params.prompts, result["sequences"]):
                     for sequence in sequences:
-                        session.add(Sample(run_id=run.id, step=step, prompt=prompt, output=sequence["text"],
-                                           params=stored_params))
-        return result
+                        session.add(Sample(run_id=run.id, step=int(result.get("step", run.step)), prompt=prompt,
+                                           output=sequence["text"], params=stored_params))
+            return result
 
-    async def save_state(self, user: User, run_id: str, mode: str = "adapter") -> Checkpoint:
+        return await self._serialised(run.id, work)
+
+    async def save_state(self, user: User, run_id: str, mode: str = "adapter", push_to_hub: bool = False,
+                         hub_model_id: str | None = None) -> Checkpoint:
         run = await self.get(user, run_id)
-        async with self._locks[run.id]:
+        if push_to_hub:
+            raise BadInput("push_to_hub is not supported by this server yet; copy checkpointPath instead",
+                           field="pushToHub")
+
+        async def work() -> Checkpoint:
             result = await self._engine("save_state", run_id=run.id, mode=mode)
             checkpoint = Checkpoint(run_id=run.id, step=int(result["step"]), mode=result["mode"],
                                     path=result["checkpoint_path"], size_bytes=int(result["size_bytes"]))
             async with self.db.session() as session:
                 session.add(checkpoint)
-        return checkpoint
+            return checkpoint
+
+        return await self._serialised(run.id, work)
 
     async def delete(self, user: User, run_id: str) -> None:
         run = await self.get(user, run_id)
-        async with self._locks[run.id]:
-            await self._engine("delete_run", run_id=run.id)
+
+        async def work() -> None:
+            try:
+                await self._engine("delete_run", run_id=run.id)
+            except RunNotFound:
+                pass  # its files are already gone (an earlier delete half done): remove the rows anyway
             async with self.db.session() as session:
                 for table in (Metric, Sample, Checkpoint):
                     await session.execute(delete(table).where(table.run_id == run.id))
                 await session.execute(delete(Run).where(Run.id == run.id))
+
+        await self._serialised(run.id, work)
         self._locks.pop(run.id, None)
 
     # ---- bookkeeping ---------------------------------------------------------------------
+
+    async def _serialised(self, run_id: str, work: Callable[[], Awaitable[T]]) -> T:
+        """Run `work` under the run's lock (FIFO: arrival order), to the end even if the caller goes away:
+        a call the worker has taken is always recorded."""
+
+        async def locked() -> T:
+            async with self._locks[run_id]:
+                return await work()
+
+        return await asyncio.shield(asyncio.ensure_future(locked()))
 
     async def _engine(self, method: str, **params: Any) -> dict[str, Any]:
         try:
@@ -243,6 +280,8 @@ class RunService:
         now = utcnow()
         async with self.db.session() as session:
             for name, value in values.items():
+                if not math.isfinite(value):
+                    continue  # NaN is no point on a curve, and SQLite would store it as NULL
                 session.add(Metric(run_id=run_id, step=int(step), name=name, value=float(value), created_at=now))
         self.broker.publish(run_id, {"run_id": run_id, "kind": kind, "step": int(step), "created_at": now, **values})
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from sqlalchemy import func, select
+from sqlalchemy.exc import IntegrityError
 
 from app.db import Database
 from app.tables import User
@@ -14,13 +15,24 @@ class UserService:
 
     async def get_or_create(self, email: str, name: str = "", is_admin: bool = False) -> tuple[User, bool]:
         email = email.strip().lower()
-        async with self.db.session() as session:
-            user = await session.scalar(select(User).where(User.email == email))
-            if user is not None:
-                return user, False
-            user = User(email=email, name=name or email.split("@")[0], is_admin=is_admin)
-            session.add(user)
+        existing = await self.find(email)
+        if existing is not None:
+            return existing, False
+        try:
+            async with self.db.session() as session:
+                user = User(email=email, name=name or email.split("@")[0], is_admin=is_admin)
+                session.add(user)
+        except IntegrityError:
+            # Created by a concurrent request between our look-up and insert: that one is ours too.
+            found = await self.find(email)
+            if found is None:
+                raise
+            return found, False
         return user, True
+
+    async def find(self, email: str) -> User | None:
+        async with self.db.session() as session:
+            return await session.scalar(select(User).where(User.email == email.strip().lower()))
 
     async def get(self, user_id: str) -> User | None:
         async with self.db.session() as session:

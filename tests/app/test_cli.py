@@ -41,6 +41,10 @@ def test_keys_create_list_revoke(tmp_path: Path) -> None:
     assert revoked.returncode == 0 and "revoked" in revoked.stdout
     assert "revoked" in run_cli(env, "keys", "list", "--user", "ada@example.com").stdout
 
+    unknown_user = run_cli(env, "keys", "list", "--user", "nobody@example.com")
+    assert unknown_user.returncode == 1 and "no user 'nobody@example.com'" in unknown_user.stderr
+    assert "nobody" not in run_cli(env, "keys", "create", "--user", "ada@example.com").stderr
+
     missing = run_cli(env, "keys", "revoke", "sk-nothing", "--user", "ada@example.com")
     assert missing.returncode == 1 and "no single key" in missing.stderr
 

@@ -39,7 +39,7 @@ def test_interleaved_runs_train_as_if_alone(live_server: LiveServer, key: str) -
         assert client.get_run(twin.id).step == len(BATCHES)
 
 
-def test_calls_on_one_run_are_applied_in_arrival_order(live_server: LiveServer, key: str) -> None:
+def test_concurrent_calls_on_one_run_are_each_applied_once(live_server: LiveServer, key: str) -> None:
     client = SignalClient(api_key=key, base_url=live_server.url)
     run = client.create_run(lora_r=4)
     # Many gradient accumulations racing on one run: each is applied once, none is lost.

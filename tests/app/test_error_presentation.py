@@ -22,6 +22,10 @@ class Query:
     def fails(self, kind: str) -> int:
         raise RAISED[kind]
 
+    @strawberry.field
+    def not_a_number(self) -> float:
+        return float("nan")
+
 
 SCHEMA = strawberry.Schema(query=Query, extensions=[SignalErrors])
 
@@ -60,3 +64,9 @@ async def test_validation_errors_say_where() -> None:
     [formatted] = [e.formatted for e in result.errors or []]
     assert formatted["extensions"]["code"] == "GRAPHQL_VALIDATION_FAILED"
     assert "nope" in formatted["message"]
+
+
+async def test_output_we_cannot_serialise_is_ours_not_the_clients() -> None:
+    result = await SCHEMA.execute("{ notANumber }")
+    [formatted] = [e.formatted for e in result.errors or []]
+    assert formatted["extensions"] == {"code": "INTERNAL"} and formatted["message"] == INTERNAL_MESSAGE

@@ -34,7 +34,8 @@ def test_training_and_ownership_on_postgres(pg_server: LiveServer) -> None:
         losses.append(run.forward_backward(batch=[{"text": "stored in PostgreSQL"}]).loss)
         run.optim_step(learning_rate=0.01)
     assert [m.value for m in run.metrics(name="loss")] == losses
-    assert client.get_run(run.id).step == 3
+    stored = client.get_run(run.id)
+    assert stored.step == 3 and stored.info.created_at.endswith("+00:00")
     assert run.save_state().size_bytes > 0
     with pytest.raises(NotFoundError):
         SignalClient(api_key=intruder, base_url=pg_server.url).get_run(run.id)

@@ -77,3 +77,19 @@ async def test_another_users_run_cannot_be_watched(live_server: LiveServer, key:
     await ws.close()
     errors = message["payload"] if message["type"] == "error" else message["payload"]["errors"]
     assert errors[0]["extensions"]["code"] == "NOT_FOUND"
+
+
+async def test_a_key_revoked_after_connecting_cannot_subscribe(live_server: LiveServer) -> None:
+    owner = live_server.new_user()
+    client = SignalClient(api_key=owner, base_url=live_server.url)
+    run = client.create_run(lora_r=4)
+    spare = client.create_api_key("socket")
+    ws = await _connect(live_server, {"Authorization": f"Bearer {spare.secret}"})
+    await _next(ws, "connection_ack")
+    client.revoke_api_key(spare.api_key.id)
+    await ws.send(json.dumps({"id": "1", "type": "subscribe",
+                              "payload": {"query": document("Metrics"), "variables": {"runId": run.id}}}))
+    message = await _next(ws)
+    await ws.close()
+    errors = message["payload"] if message["type"] == "error" else message["payload"]["errors"]
+    assert errors[0]["extensions"]["code"] == "UNAUTHENTICATED"

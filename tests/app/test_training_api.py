@@ -64,11 +64,16 @@ def test_train_sample_save_and_read_back(live_server: LiveServer, key: str) -> N
     assert str(live_server.settings.data_dir.resolve()) in os.path.realpath(checkpoint["checkpointPath"])
 
     read = live_server.graphql(
-        'query($id: ID!) { run(id: $id) { step metrics(name: "loss") { step value } '
+        'query($id: ID!) { run(id: $id) { step createdAt metrics(name: "loss") { step value createdAt } '
         "samples { prompt output step } checkpoints { mode step checkpointPath } } }", {"id": run["id"]}, key=key)
     assert "errors" not in read, read
     stored = read["data"]["run"]
     assert stored["step"] == 4
+    # Times read back from the database are UTC and say so, on SQLite as on PostgreSQL.
+    assert stored["createdAt"].endswith("+00:00") and stored["metrics"][0]["createdAt"].endswith("+00:00")
+    last_two = live_server.graphql('query($id: ID!) { run(id: $id) { metrics(name: "loss", limit: 2) { step } } }',
+                                   {"id": run["id"]}, key=key)["data"]["run"]["metrics"]
+    assert [m["step"] for m in last_two] == [2, 3]
     assert [m["value"] for m in stored["metrics"]] == losses
     assert [m["step"] for m in stored["metrics"]] == [0, 1, 2, 3]
     assert sorted(s["prompt"] for s in stored["samples"]) == ["Machine", "The quick"]
@@ -99,7 +104,11 @@ def test_bad_input_names_the_field(live_server: LiveServer, key: str) -> None:
     too_many = live_server.graphql(FB, {"id": run_id, "batch": [{"text": "x"}] * 17}, key=key)
     assert error_code(too_many) == "BAD_INPUT"
 
-    no_gradients = live_server.graphql(OPT, {"id": run_id}, key=key)
+    overflowing = live_server.graphql(FB, {"id": run_id, "batch": [{"tokens": [1, 2, 3], "weights": [0, 1e39, 1e39]}]},
+                                      key=key)
+    assert error_code(overflowing) == "BAD_INPUT" and overflowing["errors"][0]["extensions"]["field"] == "batch"
+
+    no_gradients = live_server.graphql(OPT, {"id": run_id}, key=key)  # nothing above accumulated anything
     assert error_code(no_gradients) == "FAILED_PRECONDITION"
 
     bad_sample = live_server.graphql('mutation($id: ID!) { sample(runId: $id, prompts: ["x"], temperature: -1) '
@@ -132,6 +141,19 @@ def test_delete_run_removes_it_and_its_files(live_server: LiveServer, key: str) 
     assert body == {"data": {"deleteRun": True}}
     assert error_code(live_server.graphql('query($id: ID!) { run(id: $id) { id } }', {"id": run_id}, key=key)) == "NOT_FOUND"
     assert not run_dirs[0].exists()
+
+
+def test_a_run_whose_files_are_gone_can_still_be_deleted(live_server: LiveServer, key: str) -> None:
+    import shutil
+
+    run_id = create_run(live_server, key)
+    [run_dir] = live_server.settings.data_dir.glob(f"runs/*/{run_id}")
+    live_server.graphql('mutation($id: ID!) { saveState(runId: $id) { step } }', {"id": run_id}, key=key)
+    shutil.rmtree(run_dir)
+    live_server.graphql("mutation { createApiKey { secret } }", key=key)  # any other call in between
+    body = live_server.graphql('mutation($id: ID!) { deleteRun(runId: $id) }', {"id": run_id}, key=key)
+    assert body == {"data": {"deleteRun": True}}
+    assert live_server.graphql("{ runs { id } }", key=key)["data"]["runs"] == []
 
 
 def test_another_users_run_is_not_found_for_every_operation(live_server: LiveServer, key: str) -> None:
