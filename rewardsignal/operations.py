@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import re
+import sys
 from functools import cache
 from pathlib import Path
 
-OPERATIONS_DIR = Path(__file__).resolve().parent.parent / "graphql" / "operations"
+_CHECKOUT = Path(__file__).resolve().parent.parent / "graphql" / "operations"
+_INSTALLED = Path(sys.prefix) / "share" / "rewardsignal" / "operations"  # pyproject's data-files
+OPERATIONS_DIR = _CHECKOUT if _CHECKOUT.is_dir() else _INSTALLED
 
 
 @cache
