@@ -11,7 +11,6 @@ metric rows written to SQLite. Last line: a JSON summary with both tokens/s and 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import random
 import socket
@@ -46,92 +45,105 @@ def token_batch(batch_size: int, seq_len: int) -> list[dict]:
             for _ in range(batch_size)]
 
 
-def in_process(args: argparse.Namespace, batch: list[dict], data_dir: Path) -> tuple[float, int]:
-    from gpu_runtime.engine import Engine
+class InProcess:
+    """The engine called directly: the baseline."""
 
-    engine = Engine(data_dir, device=args.device)
-    engine.create_run("bench-engine", "bench", args.model, LORA, seed=0)
-    elapsed, tokens = 0.0, 0
-    for step in range(args.steps + 1):
-        start = time.perf_counter()
-        result = engine.forward_backward("bench-engine", batch)
-        engine.optim_step("bench-engine", ADAM)
-        if step:  # step 0 warms up
-            elapsed += time.perf_counter() - start
-            tokens += result["num_tokens"]
-    engine.delete_run("bench-engine")
-    del engine
-    gc.collect()
-    return elapsed, tokens
+    def __init__(self, args: argparse.Namespace, data_dir: Path) -> None:
+        from gpu_runtime.engine import Engine
+
+        self.engine = Engine(data_dir, device=args.device)
+        self.engine.create_run("bench-engine", "bench", args.model, LORA, seed=0)
+
+    def step(self, batch: list[dict]) -> int:
+        result = self.engine.forward_backward("bench-engine", batch)
+        self.engine.optim_step("bench-engine", ADAM)
+        return result["num_tokens"]
+
+    def close(self) -> None:
+        self.engine.delete_run("bench-engine")
 
 
-def through_api(args: argparse.Namespace, batch: list[dict], data_dir: Path) -> tuple[float, int]:
-    import uvicorn
-    import yaml
+class ThroughApi:
+    """A real server (uvicorn on loopback, its own worker process, SQLite) driven by the SDK."""
 
-    from app.db import Database
-    from app.server import create_app
-    from app.services.keys import KeyService
-    from app.services.users import UserService
-    from app.settings import Settings
-    from rewardsignal import SignalClient
+    def __init__(self, args: argparse.Namespace, data_dir: Path) -> None:
+        import asyncio
 
-    catalog = data_dir / "bench-models.yaml"
-    catalog.write_text(yaml.safe_dump({"models": [{"name": "bench-model", "path": args.model,
-                                                    "parameters": 135_000_000}]}))
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    settings = Settings(_env_file=None, data_dir=data_dir, port=port, device=args.device, models_file=catalog,
-                        default_model="bench-model", bootstrap_admin=False)
-    server = uvicorn.Server(uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
+        import uvicorn
+        import yaml
 
-    import asyncio
+        from app.db import Database
+        from app.server import create_app
+        from app.services.keys import KeyService
+        from app.services.users import UserService
+        from app.settings import Settings
+        from rewardsignal import SignalClient
 
-    async def make_key() -> str:
-        db = Database(settings.resolved_database_url)
-        user, _ = await UserService(db).get_or_create("bench@localhost")
-        secret, _ = await KeyService(db).create(user, "bench")
-        await db.dispose()
-        return secret
+        catalog = data_dir / "bench-models.yaml"
+        catalog.write_text(yaml.safe_dump({"models": [{"name": "bench-model", "path": args.model,
+                                                        "parameters": 135_000_000}]}))
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        settings = Settings(_env_file=None, data_dir=data_dir, port=port, device=args.device, models_file=catalog,
+                            default_model="bench-model", bootstrap_admin=False)
+        self.server = uvicorn.Server(uvicorn.Config(create_app(settings), host="127.0.0.1", port=port,
+                                                    log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        while not self.server.started:
+            time.sleep(0.05)
 
-    client = SignalClient(api_key=asyncio.run(make_key()), base_url=f"http://127.0.0.1:{port}")
-    run = client.create_run(lora_r=LORA["r"], lora_alpha=LORA["alpha"], learning_rate=ADAM["learning_rate"])
-    elapsed, tokens = 0.0, 0
-    try:
-        for step in range(args.steps + 1):
-            start = time.perf_counter()
-            result = run.forward_backward(batch=batch)
-            run.optim_step(**{k: v for k, v in ADAM.items()})
-            if step:
-                elapsed += time.perf_counter() - start
-                tokens += result.num_tokens
-        run.delete()
-    finally:
-        client.close()
-        server.should_exit = True
-        thread.join(timeout=60)
-    return elapsed, tokens
+        async def make_key() -> str:
+            db = Database(settings.resolved_database_url)
+            user, _ = await UserService(db).get_or_create("bench@localhost")
+            secret, _ = await KeyService(db).create(user, "bench")
+            await db.dispose()
+            return secret
+
+        self.client = SignalClient(api_key=asyncio.run(make_key()), base_url=f"http://127.0.0.1:{port}")
+        self.run = self.client.create_run(lora_r=LORA["r"], lora_alpha=LORA["alpha"],
+                                          learning_rate=ADAM["learning_rate"])
+
+    def step(self, batch: list[dict]) -> int:
+        result = self.run.forward_backward(batch=batch)
+        self.run.optim_step(**ADAM)
+        return result.num_tokens
+
+    def close(self) -> None:
+        self.run.delete()
+        self.client.close()
+        self.server.should_exit = True
+        self.thread.join(timeout=60)
 
 
 def main() -> None:
     args = parse_args()
     batch = token_batch(args.batch_size, args.seq_len)
     cache = Path(args.data_dir).resolve() / "models"
+    elapsed = {"api": 0.0, "engine": 0.0}
+    tokens = {"api": 0, "engine": 0}
     with tempfile.TemporaryDirectory() as tmp:
         data_dir = Path(tmp)
         cache.mkdir(parents=True, exist_ok=True)
         (data_dir / "models").symlink_to(cache)  # de-quantize the default model once, reuse it after
-        api_s, api_tokens = through_api(args, batch, data_dir)
-        engine_s, engine_tokens = in_process(args, batch, data_dir)
-    api_tps, engine_tps = api_tokens / api_s, engine_tokens / engine_s
+        sides = {"api": ThroughApi(args, data_dir), "engine": InProcess(args, data_dir)}
+        try:
+            # Steps alternate between the two sides, so drift in the machine's speed hits both alike.
+            for step in range(args.steps + 1):
+                for name, side in sides.items():
+                    start = time.perf_counter()
+                    count = side.step(batch)
+                    if step:  # step 0 warms up
+                        elapsed[name] += time.perf_counter() - start
+                        tokens[name] += count
+        finally:
+            for side in sides.values():
+                side.close()
+    api_tps, engine_tps = tokens["api"] / elapsed["api"], tokens["engine"] / elapsed["engine"]
     print(f"{'path':<28}{'tokens':>10}{'seconds':>10}{'tokens/s':>12}")
-    print(f"{'SDK → GraphQL → worker':<28}{api_tokens:>10}{api_s:>10.2f}{api_tps:>12.1f}")
-    print(f"{'engine in process':<28}{engine_tokens:>10}{engine_s:>10.2f}{engine_tps:>12.1f}")
+    print(f"{'SDK → GraphQL → worker':<28}{tokens['api']:>10}{elapsed['api']:>10.2f}{api_tps:>12.1f}")
+    print(f"{'engine in process':<28}{tokens['engine']:>10}{elapsed['engine']:>10.2f}{engine_tps:>12.1f}")
     print(json.dumps({"api_tokens_per_s": round(api_tps, 2), "engine_tokens_per_s": round(engine_tps, 2),
                       "ratio": round(api_tps / engine_tps, 4), "steps": args.steps, "batch_size": args.batch_size,
                       "seq_len": args.seq_len, "model": args.model}))
