@@ -41,66 +41,87 @@ def fixed_batch(batch_size: int, seq_len: int, vocab: int) -> list[dict[str, lis
     return [{"tokens": [rng.randrange(vocab) for _ in range(seq_len)], "weights": [1.0] * seq_len} for _ in range(batch_size)]
 
 
-def through_worker(args: argparse.Namespace, batch: list[dict]) -> tuple[float, str]:
-    run_id = f"bench-{uuid.uuid4().hex[:8]}"
-    with WorkerClient(args.data_dir, device=args.device) as client:
-        client.call("create_run", run_id=run_id, user_id="bench", base_model=args.model, lora={**LORA, "target_modules": None}, seed=0)
-        times = []
-        for step in range(args.steps + 1):
-            start = time.perf_counter()
-            client.call("forward_backward", run_id=run_id, batch=batch)
-            client.call("optim_step", run_id=run_id, adam=ADAM)
-            if step > 0:  # step 0 warms up
-                times.append(time.perf_counter() - start)
-        device = client.call("ping")["device"]
-        client.call("delete_run", run_id=run_id)
-    return sum(times), device
+class WorkerSide:
+    """The engine in its worker process, through WorkerClient: what the server drives."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.run_id = f"bench-{uuid.uuid4().hex[:8]}"
+        self.client = WorkerClient(args.data_dir, device=args.device)
+        self.client.start()
+        self.client.call("create_run", run_id=self.run_id, user_id="bench", base_model=args.model,
+                         lora={**LORA, "target_modules": None}, seed=0)
+        self.device = self.client.call("ping")["device"]
+
+    def step(self, batch: list[dict]) -> None:
+        self.client.call("forward_backward", run_id=self.run_id, batch=batch)
+        self.client.call("optim_step", run_id=self.run_id, adam=ADAM)
+
+    def close(self) -> None:
+        self.client.call("delete_run", run_id=self.run_id)
+        self.client.close()
 
 
-def plain_peft(args: argparse.Namespace, batch: list[dict]) -> float:
-    import torch
-    from peft import LoraConfig, get_peft_model
+class PeftSide:
+    """A plain in-process PEFT + AdamW loop on the same model, batch and settings: the baseline."""
 
-    from gpu_runtime.devices import resolve_device
-    from gpu_runtime.lora import default_target_modules, linear_module_names
-    from gpu_runtime.models import ModelRegistry
+    def __init__(self, args: argparse.Namespace, batch: list[dict]) -> None:
+        import torch
+        from peft import LoraConfig, get_peft_model
 
-    device, dtype = resolve_device(args.device)
-    model = ModelRegistry(args.data_dir, device, dtype).get(args.model).model
-    targets = default_target_modules(linear_module_names(model))
-    config = LoraConfig(r=LORA["r"], lora_alpha=LORA["alpha"], lora_dropout=LORA["dropout"], target_modules=targets, task_type="CAUSAL_LM")
-    peft_model = get_peft_model(model, config)
-    params = [p for p in peft_model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=ADAM["learning_rate"], betas=(ADAM["beta1"], ADAM["beta2"]), eps=ADAM["eps"])
-    input_ids = torch.tensor([item["tokens"] for item in batch], device=device)
-    times = []
-    for step in range(args.steps + 1):
-        start = time.perf_counter()
-        loss = peft_model(input_ids=input_ids, labels=input_ids).loss
+        from gpu_runtime.devices import resolve_device
+        from gpu_runtime.lora import default_target_modules, linear_module_names
+        from gpu_runtime.models import ModelRegistry
+
+        self.torch = torch
+        self.device, dtype = resolve_device(args.device)
+        model = ModelRegistry(args.data_dir, self.device, dtype).get(args.model).model
+        targets = default_target_modules(linear_module_names(model))
+        config = LoraConfig(r=LORA["r"], lora_alpha=LORA["alpha"], lora_dropout=LORA["dropout"],
+                            target_modules=targets, task_type="CAUSAL_LM")
+        self.model = get_peft_model(model, config)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=ADAM["learning_rate"], betas=(ADAM["beta1"], ADAM["beta2"]),
+                                           eps=ADAM["eps"])
+        self.input_ids = torch.tensor([item["tokens"] for item in batch], device=self.device)
+
+    def step(self, batch: list[dict]) -> None:
+        loss = self.model(input_ids=self.input_ids, labels=self.input_ids).loss
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, ADAM["grad_clip_norm"])
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        if step > 0:
-            times.append(time.perf_counter() - start)
-    return sum(times)
+        self.torch.nn.utils.clip_grad_norm_(self.params, ADAM["grad_clip_norm"])
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.device.type == "cuda":
+            self.torch.cuda.synchronize()
+
+    def close(self) -> None:
+        pass
 
 
 def main() -> None:
     args = parse_args()
     batch = fixed_batch(args.batch_size, args.seq_len, vocab=49152 if "SmolLM2" in args.model else 1000)
     tokens = args.steps * args.batch_size * args.seq_len
-    worker_s, device = through_worker(args, batch)
-    baseline_s = plain_peft(args, batch)
-    worker_tps, baseline_tps = tokens / worker_s, tokens / baseline_s
-    print(f"\nmodel {args.model}  device {device}  {args.steps} timed steps × {args.batch_size} × {args.seq_len} tokens")
+    worker, baseline = WorkerSide(args), PeftSide(args, batch)
+    seconds = {"worker": 0.0, "baseline": 0.0}
+    try:
+        # Steps alternate between the two sides, so drift in the machine's speed hits both alike.
+        for step in range(args.steps + 1):
+            for name, side in (("worker", worker), ("baseline", baseline)):
+                start = time.perf_counter()
+                side.step(batch)
+                if step > 0:  # step 0 warms up
+                    seconds[name] += time.perf_counter() - start
+    finally:
+        worker.close()
+        baseline.close()
+    worker_tps, baseline_tps = tokens / seconds["worker"], tokens / seconds["baseline"]
+    print(f"\nmodel {args.model}  device {worker.device}  {args.steps} timed steps × {args.batch_size} × {args.seq_len} tokens")
     print(f"{'path':<28}{'seconds':>10}{'tokens/s':>12}")
-    print(f"{'worker (WorkerClient)':<28}{worker_s:>10.2f}{worker_tps:>12.1f}")
-    print(f"{'plain PEFT loop':<28}{baseline_s:>10.2f}{baseline_tps:>12.1f}")
+    print(f"{'worker (WorkerClient)':<28}{seconds['worker']:>10.2f}{worker_tps:>12.1f}")
+    print(f"{'plain PEFT loop':<28}{seconds['baseline']:>10.2f}{baseline_tps:>12.1f}")
     print(f"ratio worker/baseline: {worker_tps / baseline_tps:.3f}")
-    print(json.dumps({"worker_tokens_per_s": round(worker_tps, 1), "baseline_tokens_per_s": round(baseline_tps, 1), "ratio": round(worker_tps / baseline_tps, 3)}))
+    print(json.dumps({"worker_tokens_per_s": round(worker_tps, 1), "baseline_tokens_per_s": round(baseline_tps, 1),
+                      "ratio": round(worker_tps / baseline_tps, 3)}))
 
 
 if __name__ == "__main__":

@@ -19,7 +19,9 @@ LossFn = Callable[[torch.Tensor, Collated, dict[str, Any]], tuple[torch.Tensor, 
 
 def target_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """log p(targets[b, t] | prefix) for every position, in fp32."""
-    return -torch.nn.functional.cross_entropy(logits.float().transpose(1, 2), targets, reduction="none")
+    # Flattened to (tokens, vocab): cross_entropy over a strided class dim (the (B, V, T) layout) is ~10% slower on CPU.
+    flat = logits.float().reshape(-1, logits.size(-1))
+    return -torch.nn.functional.cross_entropy(flat, targets.reshape(-1), reduction="none").view_as(targets)
 
 
 def cross_entropy(logprobs: torch.Tensor, batch: Collated, config: dict[str, Any]) -> tuple[torch.Tensor, float]:

@@ -28,13 +28,26 @@ async def _next(ws, kind: str = "next") -> dict:  # type: ignore[no-untyped-def]
             return message
 
 
+async def _subscribe(ws, run_id: str) -> None:  # type: ignore[no-untyped-def]
+    await ws.send(json.dumps({"id": "1", "type": "subscribe",
+                              "payload": {"query": document("Metrics"), "variables": {"runId": run_id}}}))
+
+
+async def _subscription_error(ws, run_id: str) -> str:  # type: ignore[no-untyped-def]
+    """Subscribe, expect a refusal, and return its code."""
+    await _subscribe(ws, run_id)
+    message = await _next(ws)
+    await ws.close()
+    errors = message["payload"] if message["type"] == "error" else message["payload"]["errors"]
+    return errors[0]["extensions"]["code"]
+
+
 async def test_events_arrive_as_another_client_trains(live_server: LiveServer, key: str) -> None:
     client = SignalClient(api_key=key, base_url=live_server.url)
     run = client.create_run(lora_r=4)
     ws = await _connect(live_server, {"Authorization": f"Bearer {key}"})
     assert (await _next(ws, "connection_ack"))["type"] == "connection_ack"
-    await ws.send(json.dumps({"id": "1", "type": "subscribe",
-                              "payload": {"query": document("Metrics"), "variables": {"runId": run.id}}}))
+    await _subscribe(ws, run.id)
     await asyncio.sleep(0.3)  # let the subscription register before training starts
 
     results: dict[str, object] = {}
@@ -71,12 +84,7 @@ async def test_another_users_run_cannot_be_watched(live_server: LiveServer, key:
     intruder = live_server.new_user()
     ws = await _connect(live_server, {"apiKey": intruder})
     await _next(ws, "connection_ack")
-    await ws.send(json.dumps({"id": "1", "type": "subscribe",
-                              "payload": {"query": document("Metrics"), "variables": {"runId": run.id}}}))
-    message = await _next(ws)
-    await ws.close()
-    errors = message["payload"] if message["type"] == "error" else message["payload"]["errors"]
-    assert errors[0]["extensions"]["code"] == "NOT_FOUND"
+    assert await _subscription_error(ws, run.id) == "NOT_FOUND"
 
 
 async def test_a_key_revoked_after_connecting_cannot_subscribe(live_server: LiveServer) -> None:
@@ -87,9 +95,4 @@ async def test_a_key_revoked_after_connecting_cannot_subscribe(live_server: Live
     ws = await _connect(live_server, {"Authorization": f"Bearer {spare.secret}"})
     await _next(ws, "connection_ack")
     client.revoke_api_key(spare.api_key.id)
-    await ws.send(json.dumps({"id": "1", "type": "subscribe",
-                              "payload": {"query": document("Metrics"), "variables": {"runId": run.id}}}))
-    message = await _next(ws)
-    await ws.close()
-    errors = message["payload"] if message["type"] == "error" else message["payload"]["errors"]
-    assert errors[0]["extensions"]["code"] == "UNAUTHENTICATED"
+    assert await _subscription_error(ws, run.id) == "UNAUTHENTICATED"
