@@ -9,11 +9,13 @@ from contextlib import asynccontextmanager
 from datetime import timedelta
 
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse
 from starlette.routing import Route, WebSocketRoute
 
 from app.backends import Backend
+from app.body_limit import BodyLimit
 from app.db import migrate_async
 from app.schema import schema
 from app.schema.view import SignalGraphQL
@@ -47,7 +49,8 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None)
         Route("/graphql", graphql_app, methods=["GET", "POST"]),
         WebSocketRoute("/graphql", graphql_app),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan)
+    app = Starlette(routes=routes, lifespan=lifespan,
+                    middleware=[Middleware(BodyLimit, max_bytes=settings.max_request_bytes)])
     app.state.settings = settings
     return app
 

@@ -27,6 +27,7 @@ class Settings(BaseSettings):
     models_file: Path = Field(REPO_ROOT / "config" / "models.yaml", description="The model catalogue.")
     default_model: str = Field("HuggingFaceTB/SmolLM2-135M-Instruct", description="Base model when none is given.")
     max_batch_size: int = Field(64, description="Most items one forward_backward may carry.")
+    max_request_bytes: int = Field(16 * 1024 * 1024, description="Largest request body; bigger ones get 413.")
     keep_steps: int = Field(3, description="How many lora_adapters/step_N directories each run keeps.")
     allow_downloads: bool = Field(False, description="Let the worker download models from the HF Hub.")
     worker_log: Path | None = Field(None, description="File for the worker's stderr; empty means inherit.")

@@ -8,7 +8,6 @@ reach the worker in arrival order, then records what the worker returned.
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import re
 from collections import defaultdict
@@ -29,7 +28,6 @@ from gpu_runtime.contract import ADAM_DEFAULTS
 
 T = TypeVar("T")
 
-MAX_BATCH_BYTES = 8 * 1024 * 1024
 
 
 @dataclass
@@ -176,8 +174,6 @@ class RunService:
         run = await self.get(user, run_id)
         if not isinstance(batch, list) or not batch:
             raise BadInput("batch must be a non-empty list of examples", field="batch")
-        if len(json.dumps(batch)) > MAX_BATCH_BYTES:
-            raise BadInput(f"batch is larger than {MAX_BATCH_BYTES // 1024 // 1024} MiB", field="batch")
 
         async def work() -> dict[str, Any]:
             result = await self._engine(

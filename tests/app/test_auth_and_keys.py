@@ -92,3 +92,22 @@ def test_graphiql_and_healthz_are_served(live_server: LiveServer) -> None:
     assert page.status_code == 200 and "graphiql" in page.text.lower()
     health = httpx.get(f"{live_server.url}/healthz", timeout=30)
     assert health.status_code == 200 and health.json()["status"] == "ok"
+
+
+def test_oversized_request_bodies_are_refused_before_parsing(live_server: LiveServer, key: str) -> None:
+    import httpx
+
+    too_big = "x" * (live_server.settings.max_request_bytes + 1)
+    response = httpx.post(f"{live_server.url}/graphql", content=too_big, timeout=60,
+                          headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+    assert response.status_code == 413
+    assert response.json()["errors"][0]["extensions"]["code"] == "PAYLOAD_TOO_LARGE"
+
+    def chunks():  # no Content-Length: the streamed bytes are counted
+        for _ in range(live_server.settings.max_request_bytes // 65536 + 2):
+            yield b"x" * 65536
+
+    streamed = httpx.post(f"{live_server.url}/graphql", content=chunks(), timeout=60,
+                          headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+    assert streamed.status_code == 413
+    assert "errors" not in live_server.graphql("{ me { id } }", key=key)

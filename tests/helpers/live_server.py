@@ -108,6 +108,7 @@ def settings_for(data_dir: Path, tiny_model_dir: str, **overrides: Any) -> Setti
         "models_file": write_catalog(data_dir / "models.yaml", tiny_model_dir),
         "default_model": TINY_MODEL,
         "max_batch_size": 16,
+        "max_request_bytes": 1024 * 1024,
         "bootstrap_admin": False,
     }
     values.update(overrides)
