@@ -12,7 +12,7 @@ import math
 import re
 from collections import defaultdict
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from sqlalchemy import delete, select
@@ -74,7 +74,6 @@ class SampleParams:
     stop: list[str] | None = None
     num_samples: int = 1
     seed: int | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def engine_params(self) -> dict[str, Any]:
         return {
@@ -196,8 +195,7 @@ class RunService:
             async with self.db.session() as session:
                 stored = await session.get(Run, run.id)
                 if stored is not None:
-                    stored.step = int(result["step"])
-                    stored.updated_at = utcnow()
+                    stored.step = int(result["step"])  # updated_at follows through the column's onupdate
             await self._record(run.id, result["step"], "optim_step", {
                 "grad_norm": result["grad_norm"], "learning_rate": result["learning_rate"],
             })
