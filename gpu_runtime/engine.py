@@ -56,6 +56,7 @@ PUBLIC_METHODS = (
     "delete_run",
     "run_info",
     "ping",
+    "runtime_state",
 )
 OPTIMIZER_FILE = "optimizer_state.pt"
 
@@ -171,10 +172,15 @@ class Engine:
             "keep_steps": self.keep_steps,
         }
 
+    def runtime_state(self) -> dict[str, Any]:
+        return {"bases": list(self.models.loaded), "resident_runs": list(self.runs), "evicted_runs": [],
+                "queue_depth": {}, "ticks": {}}
+
     # ---- the training primitives ---------------------------------------------------------
 
     def forward_backward(
-        self, run_id: str, batch: list[dict[str, Any]], loss_fn: str = "cross_entropy", loss_fn_config: dict[str, Any] | None = None
+        self, run_id: str, batch: list[dict[str, Any]], loss_fn: str = "cross_entropy", loss_fn_config: dict[str, Any] | None = None,
+        request_id: str | None = None,
     ) -> dict[str, Any]:
         run = self._run(run_id)
         loss, config = get_loss(loss_fn, loss_fn_config)
@@ -198,7 +204,7 @@ class Engine:
         )
         return {"loss": loss_sum.item() / normaliser, "num_tokens": num_tokens, "num_examples": len(examples), "step": run.step}
 
-    def optim_step(self, run_id: str, adam: dict[str, Any] | None = None) -> dict[str, Any]:
+    def optim_step(self, run_id: str, adam: dict[str, Any] | None = None, request_id: str | None = None) -> dict[str, Any]:
         run = self._run(run_id)
         settings = adam_settings(adam)
         if run.pending_calls == 0:
@@ -231,6 +237,7 @@ class Engine:
         stop: str | list[str] | None = None,
         num_samples: int = 1,
         seed: int | None = None,
+        request_id: str | None = None,
     ) -> dict[str, Any]:
         run = self._run(run_id)
         prompts, settings = sampling_settings(prompts, max_tokens, temperature, top_p, top_k, stop, num_samples, seed)
@@ -256,7 +263,7 @@ class Engine:
         sequences = [results[i * n : (i + 1) * n] for i in range(len(prompts))]
         return {"outputs": [s[0]["text"] for s in sequences], "sequences": sequences, "prompt_tokens": prompt_ids, "step": run.step}
 
-    def save_state(self, run_id: str, mode: str = "adapter") -> dict[str, Any]:
+    def save_state(self, run_id: str, mode: str = "adapter", request_id: str | None = None) -> dict[str, Any]:
         run = self._run(run_id)
         if mode not in SAVE_MODES:
             raise BadInput(f"mode must be one of {list(SAVE_MODES)}, got {mode!r}", field="mode")

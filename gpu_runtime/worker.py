@@ -9,6 +9,7 @@ goes to stderr, so nothing can corrupt the channel.
 from __future__ import annotations
 
 import argparse
+import json
 import inspect
 import os
 import sys
@@ -32,8 +33,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m gpu_runtime.worker", description=__doc__.splitlines()[0])
     parser.add_argument("--data-dir", required=True)
     parser.add_argument("--device", default="auto")
-    parser.add_argument("--max-batch-size", type=int, default=64)
-    parser.add_argument("--keep-steps", type=int, default=3)
+    parser.add_argument("--options", default="{}", help="RuntimeOptions as JSON")
     parser.add_argument("--allow-downloads", action="store_true")
     return parser.parse_args(argv)
 
@@ -78,7 +78,10 @@ def main(argv: list[str] | None = None) -> int:
     from gpu_runtime.engine import PUBLIC_METHODS, Engine
 
     try:
-        engine = Engine(args.data_dir, args.device, args.max_batch_size, args.keep_steps, args.allow_downloads)
+        from gpu_runtime.contract import RuntimeOptions
+
+        options = RuntimeOptions.from_dict(json.loads(args.options))
+        engine = Engine(args.data_dir, args.device, options.max_batch_size, 3, args.allow_downloads)
     except SignalError as exc:
         protocol.write(encode({"ready": False, "error": exc.to_dict()}))
         return 2

@@ -1,18 +1,23 @@
-"""Drive a local worker process (`python -m gpu_runtime.worker`) from the server.
+"""Drive a local runtime process (`python -m gpu_runtime.worker`) from the server.
 
-No torch here, directly or indirectly: the server imports this module and must stay light.
+Pipelined: many requests are in flight at once, each with an id; a reader thread hands each answer
+to the Future of its request, in whatever order the runtime sends them. Thread-safe: any number
+of server tasks may `submit` at once. No torch here, directly or indirectly: the server imports this.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import select
 import subprocess
 import sys
 import threading
+from concurrent.futures import Future
 from pathlib import Path
 from typing import IO, Any
 
+from gpu_runtime.contract import RuntimeOptions
 from gpu_runtime.errors import SignalError, WorkerFailed
 from gpu_runtime.protocol import decode, encode
 
@@ -20,25 +25,21 @@ REPO_ROOT = str(Path(__file__).resolve().parent.parent)
 
 
 class WorkerClient:
-    """Blocking, thread-safe client: one call at a time (a lock serialises them)."""
-
     def __init__(
         self,
         data_dir: str,
         device: str = "auto",
-        max_batch_size: int = 64,
-        keep_steps: int = 3,
+        options: RuntimeOptions | None = None,
         allow_downloads: bool = False,
         python: str = sys.executable,
         env: dict[str, str] | None = None,
         log_path: str | None = None,
         start_timeout: float = 300.0,
-        stop_timeout: float = 10.0,
+        stop_timeout: float = 30.0,
     ) -> None:
         self.data_dir = str(data_dir)
         self.device = device
-        self.max_batch_size = max_batch_size
-        self.keep_steps = keep_steps
+        self.options = options or RuntimeOptions()
         self.allow_downloads = allow_downloads
         self.python = python
         self.env = dict(env or {})  # laid over os.environ
@@ -46,36 +47,39 @@ class WorkerClient:
         self.start_timeout = start_timeout
         self.stop_timeout = stop_timeout
         self._process: subprocess.Popen[bytes] | None = None
-        self._dead = False
-        self._next_id = 0
-        self._lock = threading.RLock()
+        self._pending: dict[int, tuple[str, Future[dict[str, Any]]]] = {}
+        self._ids = itertools.count(1)
+        self._lock = threading.RLock()  # guards the process, the pending table and writes to stdin
+        self.generation = 0  # bumped by every spawn, so a caller can tell "the worker I called" from a new one
 
     # ---- lifecycle -----------------------------------------------------------------------
 
     @property
     def alive(self) -> bool:
-        return self._process is not None and not self._dead and self._process.poll() is None
+        return self._process is not None and self._process.poll() is None
 
     @property
     def pid(self) -> int | None:
-        return self._process.pid if self.alive and self._process is not None else None
+        process = self._process
+        return process.pid if process is not None and process.poll() is None else None
 
     def start(self) -> None:
-        """Spawn the worker and wait until it says it is ready (no model is loaded yet). Idempotent."""
+        """Spawn the runtime and wait until it says it is ready (no model is loaded yet). Idempotent."""
         with self._lock:
-            if self.alive:
-                return
-            self._stop(graceful=False)
-            self._spawn()
+            if not self.alive:
+                self._stop(graceful=False)
+                self._spawn()
 
-    def restart(self) -> None:
-        """Stop this worker (killing it if need be) and start a fresh one; runs restore from disk lazily."""
+    def restart(self, generation: int | None = None) -> None:
+        """Replace the runtime; with `generation`, only if that one is still the current one (many callers may ask)."""
         with self._lock:
+            if generation is not None and generation != self.generation and self.alive:
+                return
             self._stop(graceful=True)
             self._spawn()
 
     def close(self) -> None:
-        """Stop the worker: close its stdin so it exits, then kill it after `stop_timeout`."""
+        """Stop the runtime: close its stdin so it snapshots and exits, then kill it after `stop_timeout`."""
         with self._lock:
             self._stop(graceful=True)
 
@@ -88,37 +92,39 @@ class WorkerClient:
 
     # ---- calls ----------------------------------------------------------------------------
 
-    def call(self, method: str, **params: Any) -> dict[str, Any]:
-        """Run one engine method in the worker; raise the SignalError it sent, or WorkerFailed."""
+    def submit(self, method: str, **params: Any) -> Future[dict[str, Any]]:
+        """Send one call; the Future holds its result, or the SignalError the runtime sent, or WorkerFailed."""
+        future: Future[dict[str, Any]] = Future()
         with self._lock:
             if not self.alive:
-                self.start()
-            assert self._process is not None and self._process.stdin is not None
-            self._next_id += 1
-            request_id = self._next_id
-            try:
-                self._process.stdin.write(encode({"id": request_id, "method": method, "params": params}))
-                self._process.stdin.flush()
-            except (BrokenPipeError, OSError):
-                raise self._failed(method) from None
-            response = self._read_message(method)
-            if response.get("id") != request_id:
                 self._stop(graceful=False)
-                raise WorkerFailed(f"worker answered request {response.get('id')} while {request_id} ({method}) was expected")
-            if "error" in response:
-                raise SignalError.from_dict(response["error"])
-            return response["result"]
+                self._spawn()
+            process = self._process
+            assert process is not None and process.stdin is not None
+            request_id = next(self._ids)
+            self._pending[request_id] = (method, future)
+            try:
+                process.stdin.write(encode({"id": request_id, "method": method, "params": params}))
+                process.stdin.flush()
+            except (BrokenPipeError, OSError):
+                self._pending.pop(request_id, None)
+                future.set_exception(WorkerFailed(f"worker process is gone; {method} was not sent"))
+        return future
+
+    def call(self, method: str, timeout: float | None = None, **params: Any) -> dict[str, Any]:
+        """Blocking form of `submit`."""
+        return self.submit(method, **params).result(timeout)
 
     # ---- internals ------------------------------------------------------------------------
 
     def _command(self) -> list[str]:
         command = [self.python, "-m", "gpu_runtime.worker", "--data-dir", self.data_dir, "--device", self.device]
-        command += ["--max-batch-size", str(self.max_batch_size), "--keep-steps", str(self.keep_steps)]
+        command += ["--options", encode(self.options.to_dict()).decode().strip()]
         return command + (["--allow-downloads"] if self.allow_downloads else [])
 
     def _environment(self) -> dict[str, str]:
         env = {**os.environ, **self.env}
-        # The worker must import this very gpu_runtime, whatever the server's working directory.
+        # The runtime must import this very gpu_runtime, whatever the server's working directory.
         env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO_ROOT, env.get("PYTHONPATH", "")) if p)
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
         return env
@@ -128,71 +134,84 @@ class WorkerClient:
         try:
             # stderr goes to our stderr or the log file, never a pipe nobody drains.
             # A session of its own: Ctrl-C on the server does not kill a call mid-step.
-            self._process = subprocess.Popen(
-                self._command(),
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=log,
-                env=self._environment(),
-                cwd=REPO_ROOT,
-                start_new_session=True,
+            process = subprocess.Popen(
+                self._command(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
+                env=self._environment(), cwd=REPO_ROOT, start_new_session=True,
             )
         finally:
             if log is not None:
                 log.close()
-        self._dead = False
-        assert self._process.stdout is not None
-        ready, _, _ = select.select([self._process.stdout], [], [], self.start_timeout)
-        if not ready:
-            self._stop(graceful=False)
-            raise WorkerFailed(f"worker did not become ready within {self.start_timeout:.0f} s")
-        message = self._read_message("start")
-        if not message.get("ready"):
-            self._stop(graceful=False)
+        assert process.stdout is not None
+        ready, _, _ = select.select([process.stdout], [], [], self.start_timeout)
+        message = _read_message(process.stdout) if ready else None
+        if not message or not message.get("ready"):
+            process.kill()
+            process.wait()
+            if message is None:
+                raise WorkerFailed(f"worker did not become ready within {self.start_timeout:.0f} s")
             raise SignalError.from_dict(message.get("error") or {"message": "worker refused to start"})
+        self._process = process
+        self.generation += 1
+        threading.Thread(target=self._read_answers, args=(process,), name=f"worker-reader-{process.pid}",
+                         daemon=True).start()
 
-    def _read_message(self, method: str) -> dict[str, Any]:
-        assert self._process is not None and self._process.stdout is not None
-        while True:
-            line = self._process.stdout.readline()
-            if not line:
-                raise self._failed(method)
-            try:
-                return decode(line)
-            except ValueError:
-                # Only the worker writes here; a stray line is reported, not fatal.
-                print(f"gpu_runtime worker: ignoring non-protocol line {line[:200]!r}", file=sys.stderr)
-
-    def _failed(self, method: str) -> WorkerFailed:
-        assert self._process is not None
+    def _read_answers(self, process: subprocess.Popen[bytes]) -> None:
+        assert process.stdout is not None
+        while (message := _read_message(process.stdout)) is not None:
+            with self._lock:
+                entry = self._pending.pop(message.get("id"), None)  # type: ignore[arg-type]
+            if entry is None:
+                print(f"gpu_runtime worker: answer for unknown request {message.get('id')!r}", file=sys.stderr)
+                continue
+            _, future = entry
+            if "error" in message:
+                future.set_exception(SignalError.from_dict(message["error"]))
+            else:
+                future.set_result(message["result"])
+        # End of stream: the process is gone; everything still pending fails, typed.
         try:
-            code = self._process.wait(timeout=5)
+            code = process.wait(timeout=5)
         except subprocess.TimeoutExpired:
-            self._process.kill()
-            code = self._process.wait()
-        self._dead = True
-        # The log's path stays on the server: this message travels to API clients.
-        print(f"gpu_runtime worker exited with code {code} during {method}; its log: {self.log_path or 'stderr'}",
-              file=sys.stderr)
-        return WorkerFailed(f"worker process exited with code {code} during {method}")
+            process.kill()
+            code = process.wait()
+        with self._lock:
+            failed = [(rid, entry) for rid, entry in self._pending.items()]
+            for rid, _ in failed:
+                del self._pending[rid]
+        for _, (method, future) in failed:
+            # The log's path stays on the server: this message travels to API clients.
+            future.set_exception(WorkerFailed(f"worker process exited with code {code} during {method}"))
+        if failed:
+            print(f"gpu_runtime worker exited with code {code}; its log: {self.log_path or 'stderr'}", file=sys.stderr)
 
     def _stop(self, graceful: bool) -> None:
         process, self._process = self._process, None
-        self._dead = False
         if process is None:
             return
         if process.poll() is None and graceful and process.stdin is not None:
             try:
-                process.stdin.close()  # EOF ends the worker's request loop
+                process.stdin.close()  # EOF: the runtime finishes what it has, snapshots, and exits
                 process.wait(timeout=self.stop_timeout)
             except (OSError, subprocess.TimeoutExpired):
                 pass
         if process.poll() is None:
             process.kill()
         process.wait()
-        for stream in (process.stdin, process.stdout):
-            if stream is not None:
-                try:
-                    stream.close()
-                except OSError:
-                    pass
+        if process.stdin is not None:
+            try:
+                process.stdin.close()
+            except OSError:
+                pass
+
+
+def _read_message(stream: IO[bytes]) -> dict[str, Any] | None:
+    """The next protocol message, or None at end of stream."""
+    while True:
+        line = stream.readline()
+        if not line:
+            return None
+        try:
+            return decode(line)
+        except ValueError:
+            # Only the runtime writes here; a stray line is reported, not fatal.
+            print(f"gpu_runtime worker: ignoring non-protocol line {line[:200]!r}", file=sys.stderr)

@@ -13,6 +13,7 @@ import anyio.to_thread
 
 from app.errors import WorkerFailed
 from app.settings import Settings
+from gpu_runtime.contract import RuntimeOptions
 from gpu_runtime.worker_client import WorkerClient
 
 
@@ -21,8 +22,7 @@ class LocalBackend:
         self.client = WorkerClient(
             data_dir=str(settings.data_dir),
             device=settings.device,
-            max_batch_size=settings.max_batch_size,
-            keep_steps=settings.keep_steps,
+            options=RuntimeOptions(max_batch_size=settings.max_batch_size),
             allow_downloads=settings.allow_downloads,
             log_path=str(settings.worker_log) if settings.worker_log else None,
         )
