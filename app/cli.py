@@ -12,6 +12,7 @@ from app.catalog import Catalog
 from app.db import Database, migrate
 from app.errors import NotFound, SignalError
 from app.services.keys import KeyService
+from app.services.login_links import LoginLinkService
 from app.services.users import UserService
 from app.settings import Settings
 from app.tables import User
@@ -57,6 +58,10 @@ def _parser() -> argparse.ArgumentParser:
     revoke.add_argument("--user", default=ADMIN_EMAIL)
     revoke.set_defaults(handler=lambda s, a: _with_db(s, lambda db: _keys_revoke(db, a.user, a.key)))
 
+    link = commands.add_parser("login-link", help="print a one-time dashboard sign-in link")
+    link.add_argument("--user", default=ADMIN_EMAIL, help=f"who signs in (default {ADMIN_EMAIL}; created if new)")
+    link.set_defaults(handler=lambda s, a: _with_db(s, lambda db: _login_link(db, s, a.user)))
+
     models = commands.add_parser("models", help="list the model catalogue")
     models.set_defaults(handler=models_command)
 
@@ -78,6 +83,11 @@ def serve_command(settings: Settings, args: argparse.Namespace) -> int:
         if secret:
             print("Created a local admin user and its API key (shown this once):\n")
             print(f"    SIGNAL_API_KEY={secret}\n")
+    if not settings.supabase_enabled:
+        link = asyncio.run(_serve_login_link(settings))
+        if link:
+            print(f"Dashboard sign-in link for {ADMIN_EMAIL} (works once, expires in "
+                  f"{settings.login_link_ttl_s // 60} min; `signal login-link` mints another):\n\n    {link}\n")
     print(f"Signal at {settings.resolved_public_url}  (GraphQL: {settings.resolved_public_url}/graphql)", flush=True)
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level)
     return 0
@@ -109,6 +119,31 @@ async def _bootstrap(settings: Settings) -> str | None:
         return secret
     finally:
         await db.dispose()
+
+
+def login_url(settings: Settings, token: str) -> str:
+    return f"{settings.resolved_public_url}/auth/link?token={token}"
+
+
+async def _serve_login_link(settings: Settings) -> str | None:
+    """The admin's sign-in link at start, as Jupyter prints its token; none when there is no admin user."""
+    db = Database(settings.resolved_database_url)
+    try:
+        admin = await UserService(db).find(ADMIN_EMAIL)
+        return login_url(settings, await LoginLinkService(db, settings.login_link_ttl_s).mint(admin)) if admin else None
+    finally:
+        await db.dispose()
+
+
+async def _login_link(db: Database, settings: Settings, email: str) -> int:
+    user, created = await UserService(db).get_or_create(email, is_admin=email == ADMIN_EMAIL)
+    if created:
+        print(f"created user {user.email}", file=sys.stderr)
+    token = await LoginLinkService(db, settings.login_link_ttl_s).mint(user)
+    print(f"sign-in link for {user.email} (works once, expires in {settings.login_link_ttl_s // 60} min):",
+          file=sys.stderr)
+    print(login_url(settings, token))
+    return 0
 
 
 def _with_db(settings: Settings, action: Callable[[Database], Awaitable[int]]) -> int:

@@ -1,4 +1,4 @@
-"""The Starlette application: GraphQL at /graphql, /healthz, and the services' lifespan."""
+"""The Starlette application: GraphQL at /graphql, /healthz, the dashboard (web/), and the services' lifespan."""
 
 from __future__ import annotations
 
@@ -9,18 +9,19 @@ from contextlib import asynccontextmanager
 from datetime import timedelta
 
 from starlette.applications import Starlette
-from starlette.middleware import Middleware
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import HTMLResponse, JSONResponse
+from starlette.responses import JSONResponse
 from starlette.routing import Route, WebSocketRoute
 
 from app.backends import Backend
-from app.body_limit import BodyLimit
 from app.db import migrate_async
 from app.schema import schema
-from app.schema.view import SignalGraphQL
 from app.services import Services
 from app.settings import Settings
+from web import middleware as dashboard_middleware
+from web import routes as dashboard_routes
+from web.graphiql import DashboardGraphQL
 
 log = logging.getLogger("signal.server")
 
@@ -41,27 +42,32 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None)
         finally:
             await services.close()
 
-    graphql_app = SignalGraphQL(schema, keep_alive=True, keep_alive_interval=15,
-                                connection_init_wait_timeout=timedelta(seconds=30))
+    # DashboardGraphQL: SignalGraphQL with GraphiQL served from static/ (works offline).
+    graphql_app = DashboardGraphQL(schema, keep_alive=True, keep_alive_interval=15,
+                                   connection_init_wait_timeout=timedelta(seconds=30))
     routes = [
-        Route("/", home),
         Route("/healthz", healthz),
         Route("/graphql", graphql_app, methods=["GET", "POST"]),
         WebSocketRoute("/graphql", graphql_app),
+        *dashboard_routes(),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan,
-                    middleware=[Middleware(BodyLimit, max_bytes=settings.max_request_bytes)])
+    # Starlette refuses bodies over max_body_size with 413 before anything parses them.
+    app = Starlette(routes=routes, lifespan=lifespan, max_body_size=settings.max_request_bytes,
+                    exception_handlers={413: payload_too_large}, middleware=dashboard_middleware(settings))
     app.state.settings = settings
     return app
 
 
 async def healthz(request: Request) -> JSONResponse:
-    # Answers from memory only: it must stay prompt while a run trains.
-    return JSONResponse({"status": "ok", "uptime_s": round(time.time() - request.app.state.started_at, 3)})
+    # Answers from memory only: it must stay prompt while a run trains, and while the runtime starts.
+    status = "ok" if request.app.state.services.backend.ready else "warming"
+    return JSONResponse({"status": status, "uptime_s": round(time.time() - request.app.state.started_at, 3)})
 
 
-async def home(request: Request) -> HTMLResponse:
-    return HTMLResponse(
-        "<!doctype html><title>Signal</title><h1>Signal</h1>"
-        "<p>LoRA fine-tuning API. GraphQL and GraphiQL: <a href='/graphql'>/graphql</a>.</p>"
-    )
+async def payload_too_large(request: Request, exc: Exception) -> JSONResponse:
+    # A GraphQL-shaped answer, so clients read the code as they read any other error. (A body whose declared
+    # Content-Length is over the limit gets Starlette's own text 413 instead: it answers those itself.)
+    limit = request.app.state.settings.max_request_bytes
+    detail = exc.detail if isinstance(exc, HTTPException) else "Content Too Large"
+    return JSONResponse({"errors": [{"message": f"{detail}: the request body is over {limit} bytes",
+                                     "extensions": {"code": "PAYLOAD_TOO_LARGE"}}]}, status_code=413)

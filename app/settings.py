@@ -6,16 +6,20 @@ Every field here is documented in `.env.example` and the README (a test checks b
 
 from __future__ import annotations
 
+from dataclasses import fields
 from pathlib import Path
 
-from pydantic import Field, field_validator
+from pydantic import AliasChoices, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from gpu_runtime.contract import RuntimeOptions
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="SIGNAL_", env_file=".env", extra="ignore")
+    # populate_by_name: tests and callers pass `supabase_url=...` even where the env name is an alias.
+    model_config = SettingsConfigDict(env_prefix="SIGNAL_", env_file=".env", extra="ignore", populate_by_name=True)
 
     data_dir: Path = Field(Path("./data"), description="Runs, checkpoints, model cache and the SQLite file.")
     database_url: str = Field("", description="SQLAlchemy async URL; empty means sqlite in the data dir.")
@@ -26,18 +30,50 @@ class Settings(BaseSettings):
     device: str = Field("auto", description="Worker device: auto, cpu, cuda, cuda:N.")
     models_file: Path = Field(REPO_ROOT / "config" / "models.yaml", description="The model catalogue.")
     default_model: str = Field("HuggingFaceTB/SmolLM2-135M-Instruct", description="Base model when none is given.")
-    max_batch_size: int = Field(64, description="Most items one forward_backward may carry.")
     max_request_bytes: int = Field(16 * 1024 * 1024, description="Largest request body; bigger ones get 413.")
-    keep_steps: int = Field(3, description="How many lora_adapters/step_N directories each run keeps.")
+    # ---- the GPU runtime's own settings: defaults from RuntimeOptions, their single source ----
+    max_batch_size: int = Field(RuntimeOptions.max_batch_size, description="Most items one forward_backward may carry.")
+    tick_tokens: int = Field(RuntimeOptions.tick_tokens,
+                             description="Most tokens of forward_backward rows in one co-batched pass.")
+    decode_chunk_seconds: float = Field(RuntimeOptions.decode_chunk_seconds,
+                                        description="A sampling group yields to other calls after this long.")
+    resident_bytes: int = Field(RuntimeOptions.resident_bytes,
+                                description="Memory for resident runs' LoRA, AdamW and gradients; LRU idle runs are "
+                                "evicted past it.")
+    resident_runs: int = Field(RuntimeOptions.resident_runs, description="Most runs held in memory at once.")
+    snapshot_every_steps: int = Field(RuntimeOptions.snapshot_every_steps,
+                                      description="A changed run is snapshotted every N optim_steps…")
+    snapshot_every_seconds: float = Field(RuntimeOptions.snapshot_every_seconds,
+                                          description="…or after this many seconds, whichever comes first.")
+    keep_snapshots: int = Field(RuntimeOptions.keep_snapshots, description="Snapshots kept per run, newest first.")
+    base_idle_seconds: float = Field(RuntimeOptions.base_idle_seconds,
+                                     description="A base model with no resident runs is unloaded after this long idle.")
     allow_downloads: bool = Field(False, description="Let the worker download models from the HF Hub.")
     worker_log: Path | None = Field(None, description="File for the worker's stderr; empty means inherit.")
     bootstrap_admin: bool = Field(True, description="On first start with no users, create an admin and print a key.")
     log_level: str = Field("info", description="Server log level.")
+    # ---- dashboard and sign-in ----
+    session_secret: str = Field("", description="Signs the dashboard's session cookie; empty: generated once "
+                                "into the data dir (mode 0600).")
+    login_link_ttl_s: int = Field(900, description="How long a one-time login link stays valid, in seconds.")
+    admin_emails: str = Field("", description="Comma-separated emails made admins when they sign in.")
+    # The seed's names (SUPABASE_*) and SIGNAL_-prefixed aliases are both accepted; the prefixed one wins.
+    supabase_url: str = Field("", validation_alias=AliasChoices("SIGNAL_SUPABASE_URL", "SUPABASE_URL"),
+                              description="Supabase project URL; with the anon key, enables Google sign-in.")
+    supabase_anon_key: str = Field("", validation_alias=AliasChoices("SIGNAL_SUPABASE_ANON_KEY", "SUPABASE_ANON_KEY"),
+                                   description="Supabase anon (public) key.")
+    supabase_jwt_secret: str = Field("", validation_alias=AliasChoices("SIGNAL_SUPABASE_JWT_SECRET",
+                                                                       "SUPABASE_JWT_SECRET"),
+                                     description="Legacy HS256 JWT secret; empty: only JWKS (ES256/RS256) keys.")
 
     @field_validator("worker_log", mode="before")
     @classmethod
     def _empty_is_none(cls, value: object) -> object:
         return None if value == "" else value
+
+    def runtime_options(self) -> RuntimeOptions:
+        """The runtime's settings, as the runtime takes them (it checks them again)."""
+        return RuntimeOptions(**{f.name: getattr(self, f.name) for f in fields(RuntimeOptions)})
 
     @property
     def resolved_database_url(self) -> str:
@@ -47,4 +83,12 @@ class Settings(BaseSettings):
 
     @property
     def resolved_public_url(self) -> str:
-        return self.public_url or f"http://{self.host}:{self.port}"
+        return (self.public_url or f"http://{self.host}:{self.port}").rstrip("/")
+
+    @property
+    def supabase_enabled(self) -> bool:
+        return bool(self.supabase_url and self.supabase_anon_key)
+
+    @property
+    def admin_email_set(self) -> frozenset[str]:
+        return frozenset(e.strip().lower() for e in self.admin_emails.split(",") if e.strip())

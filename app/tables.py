@@ -38,9 +38,13 @@ class Base(DeclarativeBase):
     type_annotation_map = {dict[str, Any]: JSON, list[Any]: JSON, datetime: UTCDateTime()}
 
 
+# 36 characters: a Supabase user id (a dashed UUID) is used as the Signal user id as it is.
+USER_ID = String(36)
+
+
 class User(Base):
     __tablename__ = "users"
-    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
+    id: Mapped[str] = mapped_column(USER_ID, primary_key=True, default=new_id)
     email: Mapped[str] = mapped_column(String(320), unique=True)
     name: Mapped[str] = mapped_column(String(200), default="")
     is_admin: Mapped[bool] = mapped_column(Boolean, default=False)
@@ -50,7 +54,7 @@ class User(Base):
 class ApiKey(Base):
     __tablename__ = "api_keys"
     id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
-    user_id: Mapped[str] = mapped_column(ForeignKey("users.id", ondelete="CASCADE"), index=True)
+    user_id: Mapped[str] = mapped_column(USER_ID, ForeignKey("users.id", ondelete="CASCADE"), index=True)
     name: Mapped[str] = mapped_column(String(200), default="")
     prefix: Mapped[str] = mapped_column(String(16))
     key_hash: Mapped[str] = mapped_column(String(64), unique=True)
@@ -62,7 +66,7 @@ class ApiKey(Base):
 class Run(Base):
     __tablename__ = "runs"
     id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
-    user_id: Mapped[str] = mapped_column(ForeignKey("users.id", ondelete="CASCADE"), index=True)
+    user_id: Mapped[str] = mapped_column(USER_ID, ForeignKey("users.id", ondelete="CASCADE"), index=True)
     base_model: Mapped[str] = mapped_column(String(300))
     lora_config: Mapped[dict[str, Any]] = mapped_column(JSON)
     optimizer_config: Mapped[dict[str, Any]] = mapped_column(JSON)
@@ -106,3 +110,27 @@ class Checkpoint(Base):
     path: Mapped[str] = mapped_column(Text)
     size_bytes: Mapped[int] = mapped_column(BigInteger)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class LoginLink(Base):
+    """A one-time dashboard sign-in link: only its hash is stored; consuming it sets used_at."""
+
+    __tablename__ = "login_links"
+    token_hash: Mapped[str] = mapped_column(String(64), primary_key=True)
+    user_id: Mapped[str] = mapped_column(USER_ID, ForeignKey("users.id", ondelete="CASCADE"), index=True)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    expires_at: Mapped[datetime] = mapped_column()
+    used_at: Mapped[datetime | None] = mapped_column(default=None)
+
+
+class LoginAttempt(Base):
+    """One "Sign in with Google" in flight, keyed by its state: the PKCE verifier lives here, not in a cookie,
+    so overlapping logins and several server processes each find their own."""
+
+    __tablename__ = "login_attempts"
+    state: Mapped[str] = mapped_column(String(64), primary_key=True)
+    code_verifier: Mapped[str] = mapped_column(String(200))
+    next_path: Mapped[str] = mapped_column(String(500), default="/")
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    expires_at: Mapped[datetime] = mapped_column()
+    used_at: Mapped[datetime | None] = mapped_column(default=None)

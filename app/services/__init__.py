@@ -4,12 +4,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import httpx
+
 from app.backends import Backend, make_backend
 from app.catalog import Catalog
 from app.db import Database
 from app.events import EventBroker
+from app.services.dashboard import DashboardService
 from app.services.keys import KeyService
+from app.services.live import LiveMetrics
+from app.services.login_links import LoginLinkService
 from app.services.runs import RunService
+from app.services.supabase_signin import SupabaseSignIn
+from app.services.supabase_tokens import SupabaseTokenVerifier
 from app.services.users import UserService
 from app.settings import Settings
 
@@ -24,6 +31,11 @@ class Services:
     users: UserService
     keys: KeyService
     runs: RunService
+    login_links: LoginLinkService
+    live: LiveMetrics
+    dashboard: DashboardService
+    http: httpx.AsyncClient  # shared by the Supabase client and the JWKS fetches; closed with the services
+    supabase: SupabaseSignIn | None = None  # only when SUPABASE_URL and SUPABASE_ANON_KEY are set
 
     @classmethod
     def build(cls, settings: Settings, backend: Backend | None = None) -> "Services":
@@ -31,17 +43,31 @@ class Services:
         backend = backend or make_backend(settings)
         catalog = Catalog.from_file(settings.models_file)
         broker = EventBroker()
+        users = UserService(db)
+        runs = RunService(db, backend, catalog, broker, settings.default_model)
+        http = httpx.AsyncClient(timeout=15)
+        supabase = None
+        if settings.supabase_enabled:
+            verifier = SupabaseTokenVerifier(settings.supabase_url, http, settings.supabase_jwt_secret)
+            supabase = SupabaseSignIn(db, users, verifier, http, settings.supabase_url, settings.supabase_anon_key,
+                                      settings.admin_email_set)
         return cls(
             settings=settings,
             db=db,
             backend=backend,
             catalog=catalog,
             broker=broker,
-            users=UserService(db),
+            users=users,
             keys=KeyService(db),
-            runs=RunService(db, backend, catalog, broker, settings.default_model),
+            runs=runs,
+            login_links=LoginLinkService(db, settings.login_link_ttl_s),
+            live=LiveMetrics(db, broker, runs),
+            dashboard=DashboardService(db, backend, broker, runs, settings.data_dir),
+            supabase=supabase,
+            http=http,
         )
 
     async def close(self) -> None:
+        await self.http.aclose()
         await self.backend.close()
         await self.db.dispose()

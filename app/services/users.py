@@ -6,6 +6,7 @@ from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
 
 from app.db import Database
+from app.errors import Unauthenticated
 from app.tables import User
 
 
@@ -41,3 +42,27 @@ class UserService:
     async def count(self) -> int:
         async with self.db.session() as session:
             return int(await session.scalar(select(func.count()).select_from(User)) or 0)
+
+    async def sign_in_external(self, user_id: str, email: str, name: str = "", email_verified: bool = False,
+                               make_admin: bool = False) -> User:
+        """The Signal user for a Supabase sign-in (its user id is `user_id`).
+
+        Known id: that user. Otherwise an existing user with the same email is linked only when Supabase has
+        verified the address (Google's always are): whoever proves the email owns the account. Otherwise a new
+        user whose id is the Supabase id. Emails in SIGNAL_ADMIN_EMAILS are made admins; nobody is demoted here.
+        """
+        email = email.strip().lower()
+        async with self.db.session() as session:
+            user = await session.get(User, user_id)
+            if user is None and email:
+                user = await session.scalar(select(User).where(User.email == email))
+                if user is not None and not email_verified:
+                    raise Unauthenticated(f"{email} belongs to an existing user; sign in with a verified email")
+            if user is None:
+                if not email:
+                    raise Unauthenticated("the sign-in carried no email")
+                user = User(id=user_id, email=email, name=name or email.split("@")[0], is_admin=make_admin)
+                session.add(user)
+            elif make_admin and not user.is_admin:
+                user.is_admin = True
+            return user

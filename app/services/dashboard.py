@@ -1,0 +1,101 @@
+"""What the dashboard shows beyond the API's own reads: runs with their last loss, checkpoint archives,
+and the runtime's state for admins. Every read goes through the run's ownership check first."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import tarfile
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import func, select
+
+from app.backends import Backend
+from app.db import Database
+from app.errors import NotFound
+from app.events import EventBroker
+from app.services.runs import RunService
+from app.tables import Checkpoint, Metric, Run, User
+
+
+@dataclass
+class RunSummary:
+    run: Run
+    last_loss: float | None
+
+
+@dataclass
+class Archive:
+    path: Path  # a temporary .tar.gz; the caller deletes it after sending
+    filename: str
+
+
+class DashboardService:
+    def __init__(self, db: Database, backend: Backend, broker: EventBroker, runs: RunService, data_dir: Path) -> None:
+        self.db = db
+        self.backend = backend
+        self.broker = broker
+        self.runs = runs
+        self.data_dir = Path(data_dir)
+
+    async def run_summaries(self, user: User, limit: int = 50) -> list[RunSummary]:
+        runs = await self.runs.list(user, limit=limit)
+        losses = await self._last_losses([run.id for run in runs])
+        return [RunSummary(run, losses.get(run.id)) for run in runs]
+
+    async def _last_losses(self, run_ids: list[str]) -> dict[str, float]:
+        if not run_ids:
+            return {}
+        async with self.db.session() as session:
+            newest = (select(func.max(Metric.id)).where(Metric.run_id.in_(run_ids), Metric.name == "loss")
+                      .group_by(Metric.run_id))
+            rows = await session.execute(select(Metric.run_id, Metric.value).where(Metric.id.in_(newest)))
+            return {run_id: value for run_id, value in rows}
+
+    async def checkpoint(self, user: User, run_id: str, checkpoint_id: int) -> Checkpoint:
+        run = await self.runs.get(user, run_id)
+        for checkpoint in await self.runs.checkpoints(run):
+            if checkpoint.id == checkpoint_id:
+                return checkpoint
+        raise NotFound(f"checkpoint {checkpoint_id} of run {run_id!r} not found", field="checkpointId")
+
+    async def checkpoint_archive(self, user: User, run_id: str, checkpoint_id: int) -> Archive:
+        """The checkpoint's directory as a .tar.gz, written to a temporary file off the event loop."""
+        checkpoint = await self.checkpoint(user, run_id, checkpoint_id)
+        source = Path(checkpoint.path).resolve()
+        # The path comes from the runtime; never archive anything outside this server's data directory.
+        if not source.is_relative_to(self.data_dir.resolve()) or not source.exists():
+            raise NotFound(f"checkpoint {checkpoint_id}'s files are not on this server", field="checkpointId")
+        name = f"{run_id[:8]}-step{checkpoint.step}-{checkpoint.mode}"
+        path = await asyncio.to_thread(_tar, source, name)
+        return Archive(path=path, filename=f"{name}.tar.gz")
+
+    async def runtime_state(self) -> dict[str, Any]:
+        """The runtime as far as this server can see it; a backend with `status()` adds its own view."""
+        async with self.db.session() as session:
+            by_status = dict((await session.execute(select(Run.status, func.count()).group_by(Run.status))).all())
+            users = await session.scalar(select(func.count()).select_from(User))
+        state: dict[str, Any] = {
+            "backend": type(self.backend).__name__,
+            "worker_pid": getattr(getattr(self.backend, "client", None), "pid", None),
+            "runs_by_status": by_status,
+            "users": int(users or 0),
+        }
+        status = getattr(self.backend, "status", None)
+        if callable(status):
+            try:
+                state["runtime"] = await status()
+            except Exception as error:  # the admin page must render even when the runtime is down
+                state["runtime_error"] = f"{type(error).__name__}: {error}"
+        return state
+
+
+def _tar(source: Path, name: str) -> Path:
+    handle, raw = tempfile.mkstemp(prefix="signal-checkpoint-", suffix=".tar.gz")
+    os.close(handle)
+    with tarfile.open(raw, "w:gz") as archive:
+        archive.add(source, arcname=name)
+    return Path(raw)

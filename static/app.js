@@ -1,0 +1,58 @@
+// Signal dashboard behaviour that htmx does not cover: error toasts and copy buttons.
+(function () {
+  "use strict";
+
+  function toast(message, kind) {
+    const box = document.getElementById("toasts");
+    if (!box) return;
+    const item = document.createElement("div");
+    item.className = "toast " + (kind || "");
+    const text = document.createElement("span");
+    text.textContent = message;
+    const close = document.createElement("button");
+    close.type = "button";
+    close.setAttribute("aria-label", "Dismiss");
+    close.textContent = "×";
+    close.onclick = () => item.remove();
+    item.append(text, close);
+    box.append(item);
+    setTimeout(() => item.remove(), kind === "error" ? 12000 : 4000);
+  }
+  window.signalToast = toast;
+
+  // htmx 2 swaps nothing on 4xx/5xx: show the server's message instead of silently doing nothing.
+  document.addEventListener("htmx:responseError", (event) => {
+    const xhr = event.detail.xhr;
+    const text = (xhr.responseText || "").trim();
+    const plain = text && !text.startsWith("<") ? text : "Request failed (HTTP " + xhr.status + ").";
+    toast(plain, "error");
+  });
+  document.addEventListener("htmx:sendError", () => {
+    toast("Could not reach the server. Check your connection and try again.", "error");
+  });
+
+  // Copy buttons: data-copy="#selector" copies that element's text.
+  document.addEventListener("click", (event) => {
+    const button = event.target.closest("[data-copy]");
+    if (!button) return;
+    const source = document.querySelector(button.dataset.copy);
+    if (!source) return;
+    const text = source.textContent.trim();
+    const done = () => {
+      const label = button.textContent;
+      button.textContent = "Copied";
+      setTimeout(() => (button.textContent = label), 1500);
+    };
+    if (navigator.clipboard && window.isSecureContext) {
+      navigator.clipboard.writeText(text).then(done, () => toast("Copy failed; select the text instead.", "error"));
+    } else {
+      // Plain-http servers have no clipboard API: select the text for the user to copy.
+      const range = document.createRange();
+      range.selectNodeContents(source);
+      const selection = window.getSelection();
+      selection.removeAllRanges();
+      selection.addRange(range);
+      toast("Selected: press Ctrl-C (⌘-C) to copy.");
+    }
+  });
+})();

@@ -1,0 +1,65 @@
+// The run page's loss curve: metric rows arrive over server-sent events (htmx-ext-sse) and are drawn
+// with uPlot. Losses are plotted against call index, since several forward_backward calls can share a step.
+(function () {
+  "use strict";
+  const chartEl = document.getElementById("loss-chart");
+  const live = document.getElementById("live");
+  if (!chartEl || !live) return;
+
+  const xs = [], ys = [];
+  let lastId = 0, plot = null;
+
+  // A fresh EventSource (after the old one closed) carries no Last-Event-ID: send our cursor instead,
+  // so the server resumes after the last row we drew and never repeats a point.
+  htmx.createEventSource = (url) => new EventSource(lastId ? url + "?after=" + lastId : url, { withCredentials: true });
+
+  function setState(state, label) {
+    const el = document.getElementById("live-state");
+    el.dataset.state = state;
+    el.querySelector(".label").textContent = label;
+  }
+
+  function draw() {
+    const width = chartEl.clientWidth || 800;
+    if (!plot) {
+      document.getElementById("chart-empty").remove();
+      plot = new uPlot({
+        width, height: 300,
+        scales: { x: { time: false } },
+        axes: [{ label: "forward_backward call", stroke: "#6b7280", grid: { stroke: "#f1f5f9" } },
+               { label: "loss", stroke: "#6b7280", grid: { stroke: "#f1f5f9" } }],
+        series: [{ label: "call" }, { label: "loss", stroke: "#4f46e5", width: 2, fill: "rgba(79,70,229,.08)",
+                                      points: { show: xs.length < 60 } }],
+        legend: { show: true },
+      }, [xs, ys], chartEl);
+      new ResizeObserver(() => plot.setSize({ width: chartEl.clientWidth, height: 300 })).observe(chartEl);
+    } else {
+      plot.setData([xs, ys]);
+    }
+  }
+
+  function text(id, value) { document.getElementById(id).textContent = value; }
+
+  chartEl.addEventListener("htmx:sseMessage", (event) => {
+    const message = event.detail;
+    if (message.type !== "metrics") return;
+    const rows = JSON.parse(message.data);
+    let newest = {};
+    for (const row of rows) {
+      if (row.id <= lastId) continue;  // belt and braces: the server already resumes after lastId
+      lastId = row.id;
+      if (row.name === "loss") { xs.push(xs.length + 1); ys.push(row.value); }
+      newest[row.name] = row;
+    }
+    if (newest.loss) text("stat-loss", newest.loss.value.toFixed(4));
+    if (newest.grad_norm) text("stat-grad", newest.grad_norm.value.toFixed(3));
+    const steps = rows.map((row) => row.step);
+    if (steps.length) text("stat-step", Math.max(Number(document.getElementById("stat-step").textContent) || 0, ...steps));
+    text("stat-calls", xs.length);
+    if (xs.length) draw();
+    chartEl.dataset.points = String(xs.length);
+  });
+
+  live.addEventListener("htmx:sseOpen", () => setState("live", "Live"));
+  live.addEventListener("htmx:sseError", () => setState("reconnecting", "Reconnecting…"));
+})();

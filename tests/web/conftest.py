@@ -1,0 +1,118 @@
+"""Dashboard fixtures: signed-in HTTP clients and a real Chromium (Debian's, driven by Playwright)."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import httpx
+import pytest
+
+from app.db import Database
+from app.services.keys import KeyService
+from app.services.login_links import LoginLinkService
+from app.services.users import UserService
+
+if TYPE_CHECKING:
+    from playwright.sync_api import Browser
+
+    from tests.helpers.live_server import LiveServer
+
+CHROMIUM = Path("/usr/bin/chromium")
+SCREENSHOTS = Path(__file__).parent / "screenshots"
+CSRF = re.compile(r'"X-CSRF-Token": "([^"]+)"')
+
+
+def run_async(coroutine: Any) -> Any:
+    # A thread of its own, so this works whether or not the caller already runs an event loop.
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coroutine).result()
+
+
+def mint_login_link(server: "LiveServer", email: str, is_admin: bool = False) -> str:
+    """A one-time sign-in URL for `email` (the user is created if new), as `signal login-link` makes."""
+
+    async def mint() -> str:
+        db = Database(server.settings.resolved_database_url)
+        try:
+            user, _ = await UserService(db).get_or_create(email, is_admin=is_admin)
+            return await LoginLinkService(db, server.settings.login_link_ttl_s).mint(user)
+        finally:
+            await db.dispose()
+
+    return f"{server.url}/auth/link?token={run_async(mint())}"
+
+
+def api_key_for(server: "LiveServer", email: str) -> str:
+    async def make() -> str:
+        db = Database(server.settings.resolved_database_url)
+        try:
+            user, _ = await UserService(db).get_or_create(email)
+            return (await KeyService(db).create(user, "test"))[0]
+        finally:
+            await db.dispose()
+
+    return str(run_async(make()))
+
+
+@dataclass
+class Visitor:
+    """A signed-in dashboard visitor: an httpx client holding the session cookie, and its CSRF token."""
+
+    email: str
+    client: httpx.Client
+    csrf: str
+
+    def post(self, url: str, **kwargs: Any) -> httpx.Response:
+        return self.client.post(url, headers={"X-CSRF-Token": self.csrf, "HX-Request": "true"}, **kwargs)
+
+    def delete(self, url: str) -> httpx.Response:
+        return self.client.delete(url, headers={"X-CSRF-Token": self.csrf, "HX-Request": "true"})
+
+
+def csrf_of(html: str) -> str:
+    match = CSRF.search(html)
+    assert match, "every page carries the CSRF token in hx-headers"
+    return match.group(1)
+
+
+def sign_in(server: "LiveServer", email: str | None = None, is_admin: bool = False) -> Visitor:
+    email = email or f"web-{uuid.uuid4().hex[:8]}@example.com"
+    client = httpx.Client(base_url=server.url, timeout=120)
+    page = client.get(mint_login_link(server, email, is_admin))
+    token = re.search(r'name="token" value="([^"]+)"', page.text)
+    assert page.status_code == 200 and token
+    csrf = csrf_of(page.text)
+    signed = client.post("/auth/link", data={"token": token.group(1)},
+                         headers={"X-CSRF-Token": csrf, "HX-Request": "true"})
+    assert signed.status_code == 204 and signed.headers["hx-redirect"] == "/runs", signed.text
+    # Signing in starts a fresh session with a fresh token.
+    return Visitor(email, client, csrf_of(client.get("/keys").text))
+
+
+@pytest.fixture
+def visitor(live_server: "LiveServer") -> Iterator[Visitor]:
+    visitor = sign_in(live_server)
+    yield visitor
+    visitor.client.close()
+
+
+@pytest.fixture(scope="session")
+def browser() -> Iterator["Browser"]:
+    if not CHROMIUM.exists():
+        pytest.fail("browser tests need Debian's chromium: apt-get install -y chromium (.ci/run does)")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(
+            executable_path=str(CHROMIUM), headless=True,
+            args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"],
+        )
+        yield browser
+        browser.close()

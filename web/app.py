@@ -1,0 +1,23 @@
+"""The dashboard's route table and middleware, mounted by `app.server.create_app`."""
+
+from __future__ import annotations
+
+from starlette.middleware import Middleware
+from starlette.routing import BaseRoute, Mount
+from starlette.staticfiles import StaticFiles
+
+from app.settings import Settings
+from web import auth, keys, pages, playground, runs
+from web.csrf import CSRFMiddleware
+from web.paths import STATIC
+from web.session import session_middleware
+
+
+def routes() -> list[BaseRoute]:
+    return [*pages.routes, *auth.routes, *keys.routes, *runs.routes, *playground.routes,
+            Mount("/static", StaticFiles(directory=str(STATIC)), name="static")]
+
+
+def middleware(settings: Settings) -> list[Middleware]:
+    # Order matters: the session must be decoded before the CSRF check reads its token.
+    return [session_middleware(settings), Middleware(CSRFMiddleware)]

@@ -1,0 +1,44 @@
+"""The reading pages: home, models, getting started, and the admin's view of the runtime."""
+
+from __future__ import annotations
+
+from starlette.requests import Request
+from starlette.responses import RedirectResponse, Response
+from starlette.routing import Route
+
+from app.errors import NotFound
+from app.tables import User
+from web.render import page, services, signed_in
+
+
+async def home(request: Request) -> Response:
+    return RedirectResponse("/runs" if request.session.get("user_id") else "/login", status_code=303)
+
+
+@signed_in
+async def models_page(request: Request, user: User) -> Response:
+    svc = services(request)
+    return page(request, "models.html", user=user, models=svc.catalog.list(), default_model=svc.settings.default_model)
+
+
+@signed_in
+async def start_page(request: Request, user: User) -> Response:
+    svc = services(request)
+    keys = [key for key in await svc.keys.list(user) if key.revoked_at is None]
+    return page(request, "start.html", user=user, key_prefix=keys[0].prefix if keys else None,
+                default_model=svc.settings.default_model)
+
+
+@signed_in
+async def admin_page(request: Request, user: User) -> Response:
+    if not user.is_admin:
+        raise NotFound("page not found")  # the page's existence is not for everyone to learn
+    return page(request, "admin.html", user=user, state=await services(request).dashboard.runtime_state())
+
+
+routes = [
+    Route("/", home),
+    Route("/models", models_page),
+    Route("/start", start_page),
+    Route("/admin", admin_page),
+]

@@ -1,0 +1,106 @@
+"""Rendering: one Jinja2 environment, full pages or htmx partials, and typed errors shown as a page or a toast."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Awaitable, Callable
+from datetime import datetime, timezone
+from typing import Any
+from urllib.parse import quote
+
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, RedirectResponse, Response
+from starlette.templating import Jinja2Templates
+
+from app.errors import BadInput, FailedPrecondition, ModelUnavailable, NotFound, SignalError, Unauthenticated, WorkerFailed
+from app.services import Services
+from app.tables import User
+from web.paths import TEMPLATES
+from web.session import csrf_token
+
+log = logging.getLogger("signal.web")
+templates = Jinja2Templates(directory=str(TEMPLATES))
+
+STATUS = [(NotFound, 404), (BadInput, 422), (Unauthenticated, 401), (FailedPrecondition, 409),
+          (ModelUnavailable, 503), (WorkerFailed, 502)]
+
+
+def _ago(value: datetime | None) -> str:
+    if value is None:
+        return "never"
+    seconds = (datetime.now(timezone.utc) - value).total_seconds()
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= size:
+            return f"{int(seconds // size)} {unit} ago"
+    return "just now"
+
+
+def _bytes(value: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if value < 1024:
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} TB"
+
+
+templates.env.filters.update(ago=_ago, bytes=_bytes)
+templates.env.filters["params"] = lambda n: f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+
+
+def services(request: Request) -> Services:
+    return request.app.state.services  # type: ignore[no-any-return]
+
+
+def is_htmx(request: Request) -> bool:
+    return request.headers.get("hx-request") == "true"
+
+
+def page(request: Request, name: str, status_code: int = 200, **context: Any) -> HTMLResponse:
+    context.setdefault("user", None)
+    settings = services(request).settings
+    base = {"request": request, "csrf": csrf_token(request), "public_url": settings.resolved_public_url,
+            "supabase": services(request).supabase is not None, "path": request.url.path}
+    return templates.TemplateResponse(request, name, {**base, **context}, status_code=status_code)
+
+
+def error_response(request: Request, error: SignalError, user: User | None = None) -> Response:
+    status = next((code for kind, code in STATUS if isinstance(error, kind)), 500)
+    message = error.message if status != 500 else "Something went wrong on our side; it has been logged."
+    if status == 500:
+        log.exception("dashboard error", exc_info=error)
+    if is_htmx(request):
+        # htmx swaps nothing on errors: app.js shows this text in a toast.
+        return Response(message, status_code=status, media_type="text/plain")
+    return page(request, "error.html", status_code=status, user=user, status=status, message=message)
+
+
+Handler = Callable[[Request, User], Awaitable[Response]]
+
+
+def signed_in(handler: Handler) -> Callable[[Request], Awaitable[Response]]:
+    """The endpoint for `handler(request, user)`: signs the visitor in first, renders typed errors."""
+
+    @functools.wraps(handler)
+    async def endpoint(request: Request) -> Response:
+        user_id = request.session.get("user_id")
+        user = await services(request).users.get(user_id) if user_id else None
+        if user is None:
+            target = "/login?next=" + quote(request.url.path)
+            if is_htmx(request):
+                return Response("Your session has ended; sign in again.", status_code=401,
+                                headers={"HX-Redirect": target})
+            return RedirectResponse(target, status_code=303)
+        try:
+            return await handler(request, user)
+        except SignalError as error:
+            return error_response(request, error, user)
+
+    return endpoint
+
+
+def hx_redirect(request: Request, url: str) -> Response:
+    """After an htmx action, send the browser to `url` (a plain redirect for non-htmx callers)."""
+    if is_htmx(request):
+        return Response(status_code=204, headers={"HX-Redirect": url})
+    return RedirectResponse(url, status_code=303)

@@ -1,0 +1,100 @@
+"""Runs: the live table, a run's page (chart over server-sent events), save now, delete, downloads."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from sse_starlette import EventSourceResponse, ServerSentEvent
+from starlette.background import BackgroundTask
+from starlette.requests import Request
+from starlette.responses import FileResponse, Response
+from starlette.routing import Route
+
+from app.errors import BadInput
+from app.tables import Metric, User
+from web.render import hx_redirect, page, services, signed_in
+
+SAVE_MODES = ("adapter", "merged", "state")
+
+
+@signed_in
+async def runs_page(request: Request, user: User) -> Response:
+    summaries = await services(request).dashboard.run_summaries(user)
+    name = "_runs_table.html" if request.url.path.endswith("/table") else "runs.html"
+    return page(request, name, user=user, summaries=summaries)
+
+
+@signed_in
+async def run_page(request: Request, user: User) -> Response:
+    svc = services(request)
+    run = await svc.runs.get(user, request.path_params["run_id"])
+    return page(request, "run.html", user=user, run=run, samples=await svc.runs.samples(run, limit=20),
+                checkpoints=await svc.runs.checkpoints(run), modes=SAVE_MODES)
+
+
+@signed_in
+async def run_events(request: Request, user: User) -> Response:
+    """Metric rows after the cursor (Last-Event-ID, or ?after= when the browser opens a fresh stream)."""
+    after = max(_int(request.headers.get("last-event-id")), _int(request.query_params.get("after")))
+    # Opened before the response starts: another user's run is a plain 404, never an empty stream.
+    stream = await services(request).live.open_stream(user, request.path_params["run_id"], after_id=after)
+
+    async def events() -> AsyncIterator[ServerSentEvent]:
+        async for rows in stream.batches():
+            if rows:
+                yield ServerSentEvent(data=json.dumps([_point(row) for row in rows]), event="metrics",
+                                      id=str(rows[-1].id))
+
+    return EventSourceResponse(events(), ping=15, send_timeout=30)
+
+
+@signed_in
+async def save_now(request: Request, user: User) -> Response:
+    form = await request.form()
+    mode = str(form.get("mode", "adapter"))
+    if mode not in SAVE_MODES:
+        raise BadInput(f"mode must be one of {', '.join(SAVE_MODES)}", field="mode")
+    svc = services(request)
+    run_id = request.path_params["run_id"]
+    await svc.runs.save_state(user, run_id, mode)
+    run = await svc.runs.get(user, run_id)
+    return page(request, "_checkpoints.html", user=user, run=run, checkpoints=await svc.runs.checkpoints(run))
+
+
+@signed_in
+async def delete_run(request: Request, user: User) -> Response:
+    await services(request).runs.delete(user, request.path_params["run_id"])
+    return hx_redirect(request, "/runs")
+
+
+@signed_in
+async def download_checkpoint(request: Request, user: User) -> Response:
+    archive = await services(request).dashboard.checkpoint_archive(
+        user, request.path_params["run_id"], int(request.path_params["checkpoint_id"]))
+    return FileResponse(archive.path, filename=archive.filename, media_type="application/gzip",
+                        background=BackgroundTask(archive.path.unlink, missing_ok=True))
+
+
+def _point(row: Metric) -> dict[str, Any]:
+    return {"id": row.id, "step": row.step, "name": row.name, "value": row.value}
+
+
+def _int(value: str | None) -> int:
+    try:
+        return int(value or 0)
+    except ValueError:
+        return 0
+
+
+routes = [
+    Route("/runs", runs_page),
+    Route("/runs/table", runs_page),
+    Route("/runs/{run_id}", run_page, methods=["GET"]),
+    Route("/runs/{run_id}", delete_run, methods=["DELETE"]),
+    Route("/runs/{run_id}/events", run_events),
+    Route("/runs/{run_id}/save", save_now, methods=["POST"]),
+    Route("/runs/{run_id}/checkpoints/{checkpoint_id:int}/archive", download_checkpoint),
+]
+
