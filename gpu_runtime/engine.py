@@ -1,20 +1,35 @@
-"""The training engine: LoRA runs on shared base models, driven by four primitives.
+"""The multi-tenant engine: the four primitives for many runs on shared bases, one tick at a time.
 
-Every argument and result is plain JSON-able data, so the same calls cross the worker's pipe
-and a Modal `.remote()` unchanged. Not thread-safe: the worker calls it one request at a time.
+Calls arrive through `submit` (any thread) and are answered through their `reply`. The engine's own
+thread runs ticks (`serve_forever`, or `call`, which pumps ticks in-process). One tick:
+
+1. answers system calls (ping, runtime_state);
+2. asks the scheduler for this tick's work: at most one call per run, users in fair order,
+   forward_backward rows bounded by `tick_tokens`;
+3. runs the control calls (create_run, optim_step, save_state, …);
+4. runs every picked forward_backward on one base as **one** forward and backward pass, each row
+   routed to its run's LoRA; losses, normalisers and gradients stay per run;
+5. appends each acknowledged call to its run's journal and fsyncs (one group fsync per tick),
+   then answers;
+6. starts a decode group for the sample calls picked, and advances every decode group by one
+   time-bounded chunk;
+7. evicts least recently used idle runs past the memory budget, and unloads idle bases.
+
+Every argument and result is plain JSON-able data, so the same calls cross the worker's pipe and
+a Modal `.remote()` unchanged.
 """
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import hashlib
+import inspect
 import math
 import os
 import shutil
+import signal
 import sys
 import time
-from collections.abc import Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,67 +38,75 @@ import peft
 import torch
 import transformers
 
-from gpu_runtime.adapters import AdapterHost
-from gpu_runtime.batches import Renderer, collate
-from gpu_runtime.contract import SAVE_MODES
+from gpu_runtime.batches import Collated, Example, collate
+from gpu_runtime.contract import SAVE_MODES, RuntimeOptions, adam_settings, lora_settings, sampling_settings
+from gpu_runtime.decoding import DecodeGroup, SampleJob
 from gpu_runtime.devices import dtype_name, resolve_device
-from gpu_runtime.errors import BadInput, FailedPrecondition, RunNotFound
-from gpu_runtime.lora import lora_config, lora_settings
-from gpu_runtime.losses import get_loss, target_logprobs
+from gpu_runtime.errors import BadInput, FailedPrecondition, RunNotFound, SignalError
+from gpu_runtime.losses import LossFn, get_loss, target_logprobs
+from gpu_runtime.merging import merged_model
 from gpu_runtime.models import ModelRegistry, describe
-from gpu_runtime.optimizer import adam_settings, apply_settings, new_optimizer
-from gpu_runtime.persistence import (
-    RunPaths,
-    atomic_dir,
-    atomic_file,
-    check_id,
-    dir_size,
-    find_run_dir,
-    read_json,
-    sha256_json,
-    write_json,
-)
-from gpu_runtime.sampling import generate, sampling_settings
+from gpu_runtime.multilora import Segment, routed
+from gpu_runtime.persistence import atomic_dir, check_id, dir_size, find_run_dir, read_json, sha256_json, write_json
+from gpu_runtime.pool import BaseEntry, Pool
+from gpu_runtime.run_state import RunState, append_manifest
+from gpu_runtime.scheduler import Request, Scheduler, TickPlan
 
-PUBLIC_METHODS = (
-    "create_run",
-    "forward_backward",
-    "optim_step",
-    "sample",
-    "save_state",
-    "load_run",
-    "close_run",
-    "delete_run",
-    "run_info",
-    "ping",
-    "runtime_state",
-)
-OPTIMIZER_FILE = "optimizer_state.pt"
+FORWARD_BACKWARD, SAMPLE = "forward_backward", "sample"
+SYSTEM_METHODS = ("ping", "runtime_state")
 
 
 @dataclass
-class Run:
-    run_id: str
-    user_id: str
-    config: dict[str, Any]  # what config.json holds
-    paths: RunPaths
-    host: AdapterHost
-    renderer: Renderer
-    params: dict[str, torch.nn.Parameter]
-    optimizer: torch.optim.AdamW
-    step: int = 0
-    # Gradients summed since the last optim_step, and what they must be divided by.
-    pending_normaliser: float = 0.0
-    pending_calls: int = 0
-    pending_tokens: int = 0
-    pending_batches: list[dict[str, Any]] = field(default_factory=list)
+class FbProgress:
+    """A forward_backward call being computed, possibly across several ticks."""
 
-    def clear_pending(self) -> None:
-        self.pending_normaliser, self.pending_calls, self.pending_tokens = 0.0, 0, 0
-        self.pending_batches = []
+    state: RunState
+    examples: list[Example]
+    loss_fn: str
+    loss: LossFn
+    loss_config: dict[str, Any]
+    batch_hash: str
+    call: int  # which call since the last optim_step: seeds its dropout
+    width: int  # the call's own padded width: its dropout masks are drawn at this shape
+    done: int = 0
+    loss_sum: float = 0.0
+    normaliser: float = 0.0
+    backup: list[torch.Tensor | None] | None = None  # gradients before a split call, restored if a later part fails
 
-    def optimizer_payload(self) -> dict[str, Any]:
-        return {"step": self.step, "param_names": list(self.params), "optimizer": self.optimizer.state_dict()}
+    @property
+    def remaining_tokens(self) -> int:
+        return sum(len(e.tokens) for e in self.examples[self.done:])
+
+
+@dataclass
+class FbPart:
+    request: Request | None  # None while replaying the journal
+    progress: FbProgress
+    examples: list[Example]
+    row_offset: int
+
+
+@dataclass
+class TickStats:
+    number: int = 0
+    requests: int = 0
+    fb_rows: int = 0
+    fb_runs: int = 0
+    base_passes: int = 0  # forward+backward passes of a base (one per base per tick when co-batched)
+    decode_passes: int = 0
+    decode_rows: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class Totals:
+    ticks: int = 0
+    base_passes: int = 0
+    fb_rows: int = 0
+    decode_passes: int = 0
+    evictions: int = 0
+    snapshots: int = 0
+    last_ticks: list[dict[str, Any]] = field(default_factory=list)
 
 
 class Engine:
@@ -91,326 +114,653 @@ class Engine:
         self,
         data_dir: str | Path,
         device: str = "auto",
-        max_batch_size: int = 64,
-        keep_steps: int = 3,
+        options: RuntimeOptions | None = None,
         allow_downloads: bool = False,
+        faults: set[str] | None = None,
+        **overrides: Any,
     ) -> None:
-        if not isinstance(max_batch_size, int) or max_batch_size < 1:
-            raise BadInput("max_batch_size must be a positive integer", field="max_batch_size")
-        if not isinstance(keep_steps, int) or keep_steps < 1:
-            raise BadInput("keep_steps must be a positive integer", field="keep_steps")
+        # `overrides` are RuntimeOptions fields (Engine(dir, max_batch_size=2) in tests and benchmarks).
+        base = (options or RuntimeOptions()).to_dict()
+        self.options = RuntimeOptions.from_dict({**base, **overrides})
         self.data_dir = Path(data_dir).resolve()
         self.device, self.dtype = resolve_device(device)
-        self.max_batch_size = max_batch_size
-        self.keep_steps = keep_steps
         self.models = ModelRegistry(self.data_dir, self.device, self.dtype, allow_downloads=allow_downloads)
-        self.hosts: dict[str, AdapterHost] = {}
-        self.renderers: dict[str, Renderer] = {}
-        self.base_params: dict[str, int] = {}
-        self.runs: dict[str, Run] = {}
+        self.pool = Pool(self.models, self.options)
+        self.scheduler = Scheduler(self.options.tick_tokens)
+        self.faults = faults or set()
+        self.decode_groups: list[DecodeGroup] = []
+        self.totals = Totals()
+        self.last_tick = TickStats()
+        self._owners: dict[str, str] = {}  # run → user, for fair turns
+        self._touched: set[str] = set()  # runs whose journal has records not yet fsync'd
+        self._handlers = {
+            "create_run": self._create_run, "forward_backward": self._prepare_fb, "optim_step": self._optim_step,
+            "sample": self._prepare_sample, "save_state": self._save_state, "load_run": self._run_info,
+            "run_info": self._run_info, "close_run": self._close_run, "delete_run": self._delete_run,
+            "ping": self._ping, "runtime_state": self._runtime_state,
+        }
 
-    # ---- runs -------------------------------------------------------------------------
+    @property
+    def methods(self) -> tuple[str, ...]:
+        return tuple(self._handlers)
 
-    def create_run(self, run_id: str, user_id: str, base_model: str, lora: dict[str, Any] | None = None, seed: int = 0) -> dict[str, Any]:
-        check_id(run_id, "run_id")
+    @property
+    def runs(self) -> dict[str, RunState]:
+        return self.pool.runs
+
+    # ---- calls ----------------------------------------------------------------------------
+
+    def submit(self, method: str, params: dict[str, Any], reply: Any) -> None:
+        """Queue one call (thread-safe); `reply` gets {"result": …} or {"error": …} exactly once."""
+        try:
+            handler = self._handlers.get(method)
+            if handler is None:
+                raise BadInput(f"unknown method {method!r}; the runtime answers {list(self._handlers)}", field="method")
+            if not isinstance(params, dict) or any(str(k).startswith("_") for k in params):
+                raise BadInput("params must be an object of the method's arguments", field="params")
+            try:
+                inspect.signature(handler).bind(**params)
+            except TypeError as exc:
+                raise BadInput(f"{method}: {exc}", field="params") from None
+            run_id = None if method in SYSTEM_METHODS else check_id(params.get("run_id"), "run_id")
+            user = params.get("user_id") if method == "create_run" else self._owner(run_id)
+        except SignalError as exc:
+            reply({"error": exc.to_dict()})
+            return
+        self.scheduler.submit(Request(method, params, reply, user_id=str(user), run_id=run_id))
+
+    def call(self, method: str, **params: Any) -> dict[str, Any]:
+        """Submit and pump ticks in this thread until answered (in-process use: tests, benchmarks)."""
+        future: Future[dict[str, Any]] = Future()
+        self.submit(method, params, future.set_result)
+        while not future.done():
+            self.tick()
+        message = future.result()
+        if "error" in message:
+            raise SignalError.from_dict(message["error"])
+        return message["result"]
+
+    def serve_forever(self) -> None:
+        """Run ticks until the scheduler is closed and nothing is left; then snapshot and return."""
+        while True:
+            busy = bool(self.decode_groups)
+            if not self.scheduler.wait_for_work(timeout=self._idle_timeout(), also_busy=busy):
+                if self.scheduler.closed and not self.scheduler.has_work() and not self.decode_groups:
+                    break
+                self._housekeeping()
+                continue
+            self.tick()
+        self.shutdown()
+
+    # The primitives, callable in-process with the contract's signatures.
+    def create_run(self, run_id: str, user_id: str, base_model: str, lora: dict[str, Any] | None = None,
+                   seed: int = 0) -> dict[str, Any]:
+        return self.call("create_run", run_id=run_id, user_id=user_id, base_model=base_model, lora=lora, seed=seed)
+
+    def forward_backward(self, run_id: str, batch: list[dict[str, Any]], loss_fn: str = "cross_entropy",
+                         loss_fn_config: dict[str, Any] | None = None, request_id: str | None = None) -> dict[str, Any]:
+        return self.call("forward_backward", run_id=run_id, batch=batch, loss_fn=loss_fn,
+                         loss_fn_config=loss_fn_config, request_id=request_id)
+
+    def optim_step(self, run_id: str, adam: dict[str, Any] | None = None, request_id: str | None = None) -> dict[str, Any]:
+        return self.call("optim_step", run_id=run_id, adam=adam, request_id=request_id)
+
+    def sample(self, run_id: str, prompts: list[str], **params: Any) -> dict[str, Any]:
+        return self.call("sample", run_id=run_id, prompts=prompts, **params)
+
+    def save_state(self, run_id: str, mode: str = "adapter") -> dict[str, Any]:
+        return self.call("save_state", run_id=run_id, mode=mode)
+
+    def load_run(self, run_id: str) -> dict[str, Any]:
+        return self.call("load_run", run_id=run_id)
+
+    def run_info(self, run_id: str) -> dict[str, Any]:
+        return self.call("run_info", run_id=run_id)
+
+    def close_run(self, run_id: str) -> dict[str, Any]:
+        return self.call("close_run", run_id=run_id)
+
+    def delete_run(self, run_id: str) -> dict[str, Any]:
+        return self.call("delete_run", run_id=run_id)
+
+    def ping(self) -> dict[str, Any]:
+        return self.call("ping")
+
+    def runtime_state(self) -> dict[str, Any]:
+        return self.call("runtime_state")
+
+    # ---- one tick -------------------------------------------------------------------------
+
+    def tick(self) -> TickStats:
+        started = time.monotonic()
+        plan: TickPlan = self.scheduler.next_tick(self._cost)
+        stats = TickStats(number=plan.number, requests=len(plan.system) + len(plan.picks))
+        for request in plan.system:
+            self._answer(request, lambda r=request: self._handlers[r.method](**r.params))
+        fb_parts: dict[str, list[FbPart]] = {}
+        samples: dict[str, list[SampleJob]] = {}
+        deferred: list[tuple[Request, dict[str, Any]]] = []  # answered once the journal is synced
+        for pick in plan.picks:
+            request = pick.request
+            if request.method == FORWARD_BACKWARD:
+                progress: FbProgress = request.progress
+                part = self._take_rows(progress, pick.allowance)
+                fb_parts.setdefault(progress.state.base_model, []).append(FbPart(request, progress, part, progress.done))
+            elif request.method == SAMPLE:
+                try:
+                    job = self._prepare_sample(**request.params, _request=request)
+                except SignalError as exc:
+                    self.scheduler.finish(request, {"error": exc.to_dict()})
+                    continue
+                samples.setdefault(job.state.base_model, []).append(job)
+            else:
+                try:
+                    result = self._handlers[request.method](**request.params)
+                    deferred.append((request, {"result": result}))
+                except SignalError as exc:
+                    deferred.append((request, {"error": exc.to_dict()}))
+                except Exception as exc:  # noqa: BLE001 - one bad call must not take the runtime down
+                    deferred.append((request, {"error": _internal(exc)}))
+        for base_model, parts in fb_parts.items():
+            deferred += self._run_fb(self.pool.bases[base_model], parts, stats)
+        self._sync_journals()
+        if "after_journal" in self.faults and deferred:
+            os.kill(os.getpid(), signal.SIGKILL)  # failpoint: journaled, not yet answered
+        for request, message in deferred:
+            self.scheduler.finish(request, message)
+        for base_model, jobs in samples.items():
+            self._start_group(self.pool.bases[base_model], jobs)
+        self._advance_decoding(stats)
+        self._housekeeping()
+        stats.seconds = time.monotonic() - started
+        self._count(stats)
+        return stats
+
+    def _cost(self, request: Request) -> int:
+        """Tokens a head still needs this tick (forward_backward only); prepares it on first sight."""
+        if request.method != FORWARD_BACKWARD:
+            return 0
+        if request.progress is None:
+            try:
+                replayed = self._prepare_fb(**request.params, _request=request)
+            except SignalError as exc:
+                self.scheduler.finish(request, {"error": exc.to_dict()})
+                return 0
+            except Exception as exc:  # noqa: BLE001
+                self.scheduler.finish(request, {"error": _internal(exc)})
+                return 0
+            if replayed is not None:  # a retry of a call already journaled: its first answer, again
+                self.scheduler.finish(request, {"result": replayed})
+                return 0
+        progress: FbProgress = request.progress
+        return max(progress.remaining_tokens, 1)
+
+    def _answer(self, request: Request, work: Any) -> None:
+        try:
+            self.scheduler.finish(request, {"result": work()})
+        except SignalError as exc:
+            self.scheduler.finish(request, {"error": exc.to_dict()})
+        except Exception as exc:  # noqa: BLE001
+            self.scheduler.finish(request, {"error": _internal(exc)})
+
+    # ---- forward_backward ------------------------------------------------------------------
+
+    def _prepare_fb(self, run_id: str, batch: list[dict[str, Any]], loss_fn: str = "cross_entropy",
+                    loss_fn_config: dict[str, Any] | None = None, request_id: str | None = None,
+                    _request: Request | None = None) -> dict[str, Any] | None:
+        state = self._state(run_id)
+        _check_request_id(request_id)
+        if request_id and request_id in state.answered:
+            return {**state.answered[request_id], "replayed": True}
+        loss, config = get_loss(loss_fn, loss_fn_config)
+        entry = self.pool.bases[state.base_model]
+        examples = entry.renderer.render_batch(batch, self.options.max_batch_size, loss_fn)
+        progress = FbProgress(state, examples, loss_fn, loss, config, sha256_json({"loss_fn": loss_fn, "batch": batch}),
+                              call=state.pending_calls, width=max(len(e.tokens) for e in examples) - 1)
+        assert _request is not None
+        _request.progress = progress
+        return None
+
+    @staticmethod
+    def _take_rows(progress: FbProgress, allowance: int) -> list[Example]:
+        """The next rows of a call that fit in `allowance` tokens (at least one)."""
+        taken, tokens = [], 0
+        for example in progress.examples[progress.done:]:
+            if taken and tokens + len(example.tokens) > allowance:
+                break
+            taken.append(example)
+            tokens += len(example.tokens)
+        if progress.done == 0 and len(taken) < len(progress.examples):
+            # A split call: keep the gradients from before it, to put back if a later part fails.
+            progress.backup = [None if p.grad is None else p.grad.clone() for p in progress.state.parameters()]
+        return taken
+
+    def _run_fb(self, entry: BaseEntry, parts: list[FbPart], stats: TickStats) -> list[tuple[Request, dict[str, Any]]]:
+        """One forward and backward pass of the base for every part; journal the calls that completed."""
+        outcomes = self._fb_pass(entry, parts)
+        stats.base_passes += 1
+        stats.fb_rows += sum(len(p.examples) for p in parts)
+        stats.fb_runs += len(parts)
+        answers = []
+        for part, outcome in zip(parts, outcomes):
+            assert part.request is not None
+            if isinstance(outcome, SignalError):
+                _restore_grads(part.progress)
+                answers.append((part.request, {"error": outcome.to_dict()}))
+                continue
+            result = self._fb_done(part, outcome)
+            if result is not None:
+                answers.append((part.request, {"result": result}))
+        return answers
+
+    def _fb_pass(self, entry: BaseEntry, parts: list[FbPart]) -> list[tuple[float, float] | SignalError]:
+        rows = [example for part in parts for example in part.examples]
+        data = collate(rows, self.device)
+        segments, start = [], 0
+        for part in parts:
+            progress = part.progress
+            end = start + len(part.examples)
+            dropout = _derive_seed(progress.state.config["seed"], progress.state.step, progress.call)
+            segments.append(Segment(progress.state.run_id, start, end, dropout_seed=dropout,
+                                    call_rows=len(progress.examples), call_width=progress.width,
+                                    row_offset=part.row_offset))
+            start = end
+        with routed(entry.routing, segments):
+            logits = entry.model(input_ids=data.input_ids, attention_mask=data.attention_mask).logits
+        logprobs = target_logprobs(logits, data.targets)
+        total: torch.Tensor | None = None
+        outcomes: list[tuple[float, float] | SignalError] = []
+        for part, segment in zip(parts, segments):
+            rows_of = slice(segment.start, segment.end)
+            loss_sum, normaliser = part.progress.loss(logprobs[rows_of], _rows(data, rows_of), part.progress.loss_config)
+            if not torch.isfinite(loss_sum):
+                # Left out of backward: a NaN/inf would poison every gradient this run accumulated so far.
+                outcomes.append(BadInput(f"the batch's loss is {loss_sum.item()}; check its weights and tokens",
+                                         field="batch"))
+                continue
+            total = loss_sum if total is None else total + loss_sum
+            outcomes.append((loss_sum.item(), normaliser))
+        if total is not None:
+            total.backward()  # sums, accumulated in .grad; optim_step divides by each run's own normaliser
+        return outcomes
+
+    def _fb_done(self, part: FbPart, outcome: tuple[float, float]) -> dict[str, Any] | None:
+        """Count a part; when the call is whole, journal it and return its result."""
+        progress, state = part.progress, part.progress.state
+        progress.loss_sum += outcome[0]
+        progress.normaliser += outcome[1]
+        progress.done += len(part.examples)
+        if progress.done < len(progress.examples):
+            return None
+        num_tokens = sum(e.num_targets for e in progress.examples)
+        state.pending_normaliser += progress.normaliser
+        state.pending_calls += 1
+        state.pending_tokens += num_tokens
+        state.pending_batches.append({"sha256": progress.batch_hash, "num_examples": len(progress.examples),
+                                      "num_tokens": num_tokens})
+        result = {"loss": progress.loss_sum / progress.normaliser if progress.normaliser else 0.0,
+                  "num_tokens": num_tokens, "num_examples": len(progress.examples), "step": state.step}
+        if part.request is None:  # replaying: the journal already holds it
+            return result
+        if "before_journal" in self.faults:
+            os.kill(os.getpid(), signal.SIGKILL)  # failpoint: computed, not journaled
+        request_id = part.request.params.get("request_id")
+        self._journal(state, {
+            "type": FORWARD_BACKWARD, "request_id": request_id, "loss_fn": progress.loss_fn,
+            "loss_fn_config": progress.loss_config, "call": progress.call, "step": state.step,
+            "batch_sha256": progress.batch_hash,
+            "examples": [{"tokens": e.tokens, "weights": e.weights, "extras": e.extras} for e in progress.examples],
+            "result": result,
+        })
+        state.remember(request_id, result)
+        self.pool.touch(state)
+        return result
+
+    # ---- optim_step and the other control calls -------------------------------------------
+
+    def _optim_step(self, run_id: str, adam: dict[str, Any] | None = None, request_id: str | None = None) -> dict[str, Any]:
+        state = self._state(run_id)
+        _check_request_id(request_id)
+        if request_id and request_id in state.answered:
+            return {**state.answered[request_id], "replayed": True}
+        settings = adam_settings(adam)
+        if state.pending_calls == 0:
+            raise FailedPrecondition("no gradients to apply: call forward_backward before optim_step")
+        pending_tokens, pending_batches = state.pending_tokens, state.pending_batches
+        try:
+            result: dict[str, Any] = _apply_optim(state, settings)
+        except FailedPrecondition as exc:
+            result = {"error": exc.to_dict()}  # journaled too: dropping the gradients is a change replay must repeat
+        self._journal(state, {"type": "optim_step", "request_id": request_id, "adam": settings, "result": result})
+        state.remember(request_id, result)
+        self.pool.touch(state)
+        if "error" in result:
+            raise SignalError.from_dict(result["error"])
+        append_manifest(state.paths.manifest, {"step": state.step, "adam": settings, "grad_norm": result["grad_norm"],
+                                               "num_tokens": pending_tokens, "batches": pending_batches})
+        due = state.step - max(state.snapshot_step, 0) >= self.options.snapshot_every_steps
+        late = time.monotonic() - state.snapshot_time >= self.options.snapshot_every_seconds
+        if due or late:
+            self._snapshot(state)
+        return result
+
+    def _create_run(self, run_id: str, user_id: str, base_model: str, lora: dict[str, Any] | None = None,
+                    seed: int = 0) -> dict[str, Any]:
         check_id(user_id, "user_id")
-        if run_id in self.runs or find_run_dir(self.data_dir, run_id) is not None:
+        if run_id in self.pool.runs or find_run_dir(self.data_dir, run_id) is not None:
             raise BadInput(f"run {run_id!r} already exists", field="run_id")
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
             raise BadInput(f"seed must be a non-negative integer, got {seed!r}", field="seed")
-        host = self._host(base_model)
-        settings = lora_settings(lora, host.available_modules)
+        if not isinstance(base_model, str) or not base_model:
+            raise BadInput("base_model must be a model name or path", field="base_model")
+        entry = self.pool.base(base_model)
         config = {
-            "run_id": run_id,
-            "user_id": user_id,
-            "base_model": base_model,
-            "base_revision": host.base.revision,
-            "lora": settings,
-            "seed": seed,
-            "created_at": time.time(),
+            "run_id": run_id, "user_id": user_id, "base_model": base_model, "base_revision": entry.base.revision,
+            "lora": lora_settings(lora, entry.available), "seed": seed, "created_at": time.time(),
         }
-        run = self._attach(config)
+        state = self.pool.attach(config, self.data_dir)
         try:
-            write_json(run.paths.config, config)
-            write_json(run.paths.manifest, self._new_manifest(run))
-            self._persist_step(run)
+            write_json(state.paths.config, config)
+            append_manifest(state.paths.manifest, self._manifest_header(state, entry))
         except BaseException:
-            self._detach(run_id)
-            shutil.rmtree(run.paths.root, ignore_errors=True)
+            self.pool.detach(run_id)
+            shutil.rmtree(state.paths.root, ignore_errors=True)
             raise
-        return self._info(run)
+        self._owners[run_id] = user_id
+        return self._info(state)
 
-    def load_run(self, run_id: str) -> dict[str, Any]:
-        return self._info(self._run(run_id))
+    def _save_state(self, run_id: str, mode: str = "adapter", request_id: str | None = None) -> dict[str, Any]:
+        state = self._state(run_id)
+        if mode not in SAVE_MODES:
+            raise BadInput(f"mode must be one of {list(SAVE_MODES)}, got {mode!r}", field="mode")
+        entry = self.pool.bases[state.base_model]
+        self._snapshot(state)
+        path = state.paths.checkpoint(mode, state.step)
+        with atomic_dir(path) as tmp:
+            if mode in ("adapter", "state"):
+                state.save_adapter(tmp, entry.base.name)
+            if mode == "state":
+                torch.save({"step": state.step, "param_names": list(state.named_parameters()),
+                            "optimizer": state.optimizer.state_dict()}, tmp / "optimizer_state.pt")
+                write_json(tmp / "config.json", state.config)
+            if mode == "merged":
+                merged_model(entry, state).save_pretrained(tmp)
+                entry.base.tokenizer.save_pretrained(tmp)
+        return {"checkpoint_path": str(path.resolve()), "mode": mode, "step": state.step, "size_bytes": dir_size(path)}
 
-    def run_info(self, run_id: str) -> dict[str, Any]:
-        return self._info(self._run(run_id))
+    def _run_info(self, run_id: str) -> dict[str, Any]:
+        return self._info(self._state(run_id))
 
-    def close_run(self, run_id: str) -> dict[str, Any]:
-        check_id(run_id, "run_id")
-        if run_id not in self.runs and find_run_dir(self.data_dir, run_id) is None:
+    def _close_run(self, run_id: str) -> dict[str, Any]:
+        if run_id in self.pool.runs:
+            self._evict(self.pool.runs[run_id], count=False)
+        elif find_run_dir(self.data_dir, run_id) is None:
             raise RunNotFound(f"run {run_id!r} not found", field="run_id")
-        self._detach(run_id)
         return {"run_id": run_id, "closed": True}
 
-    def delete_run(self, run_id: str) -> dict[str, Any]:
-        self.close_run(run_id)
+    def _delete_run(self, run_id: str) -> dict[str, Any]:
+        if run_id not in self.pool.runs and find_run_dir(self.data_dir, run_id) is None:
+            raise RunNotFound(f"run {run_id!r} not found", field="run_id")
+        self.pool.detach(run_id)
+        self.pool.evicted.discard(run_id)
         root = find_run_dir(self.data_dir, run_id)
         if root is not None:
             shutil.rmtree(root)
+        self._owners.pop(run_id, None)
         return {"run_id": run_id, "deleted": True}
 
-    def ping(self) -> dict[str, Any]:
+    def _ping(self) -> dict[str, Any]:
         return {
-            "pid": os.getpid(),
-            "device": str(self.device),
-            "dtype": dtype_name(self.dtype),
-            "loaded_models": list(self.models.loaded),
-            "models": [describe(base) for base in self.models.loaded.values()],
-            "runs_in_memory": list(self.runs),
-            "max_batch_size": self.max_batch_size,
-            "keep_steps": self.keep_steps,
+            "pid": os.getpid(), "device": str(self.device), "dtype": dtype_name(self.dtype),
+            "loaded_models": list(self.models.loaded), "models": [describe(b) for b in self.models.loaded.values()],
+            "runs_in_memory": list(self.pool.runs), "max_batch_size": self.options.max_batch_size,
+            "options": self.options.to_dict(),
         }
 
-    def runtime_state(self) -> dict[str, Any]:
-        return {"bases": list(self.models.loaded), "resident_runs": list(self.runs), "evicted_runs": [],
-                "queue_depth": {}, "ticks": {}}
+    def _runtime_state(self) -> dict[str, Any]:
+        """What an operator wants to see: bases, resident and evicted runs, queues, and what ticks did."""
+        return {
+            "device": str(self.device),
+            "bases": [{"name": name, "params": e.params, "resident_runs": sum(r.base_model == name for r in self.pool.runs.values())}
+                      for name, e in self.pool.bases.items()],
+            "resident_runs": [{"run_id": r.run_id, "user_id": r.user_id, "base_model": r.base_model, "step": r.step,
+                               "bytes": r.resident_bytes()} for r in self.pool.runs.values()],
+            "evicted_runs": sorted(self.pool.evicted),
+            "resident_bytes": self.pool.resident_bytes(),
+            "budget": {"bytes": self.options.resident_bytes, "runs": self.options.resident_runs},
+            "queue_depth": self.scheduler.queue_depth_by_user(),
+            "decode_groups": [{"runs": g.run_ids, "rows": g.rows, "tokens_done": g.t} for g in self.decode_groups],
+            "ticks": {"count": self.totals.ticks, "base_passes": self.totals.base_passes, "fb_rows": self.totals.fb_rows,
+                      "decode_passes": self.totals.decode_passes, "recent": list(self.totals.last_ticks)},
+            "evictions": self.totals.evictions,
+            "snapshots": self.totals.snapshots,
+        }
 
-    # ---- the training primitives ---------------------------------------------------------
+    # ---- sampling ---------------------------------------------------------------------------
 
-    def forward_backward(
-        self, run_id: str, batch: list[dict[str, Any]], loss_fn: str = "cross_entropy", loss_fn_config: dict[str, Any] | None = None,
-        request_id: str | None = None,
-    ) -> dict[str, Any]:
-        run = self._run(run_id)
-        loss, config = get_loss(loss_fn, loss_fn_config)
-        examples = run.renderer.render_batch(batch, self.max_batch_size, loss_fn)
-        data = collate(examples, self.device)
-        model = self._activate(run, train=True)
-        # Dropout draws from a stream fixed by (seed, step, call): replays match across restarts.
-        with _seeded(_derive_seed(run.config["seed"], run.step, run.pending_calls), self.device):
-            logits = model(input_ids=data.input_ids, attention_mask=data.attention_mask).logits
-        loss_sum, normaliser = loss(target_logprobs(logits, data.targets), data, config)
-        if not torch.isfinite(loss_sum):
-            # Before backward: a NaN/inf would poison every gradient accumulated so far.
-            raise BadInput(f"the batch's loss is {loss_sum.item()}; check its weights and tokens", field="batch")
-        loss_sum.backward()  # a sum, accumulated in .grad; optim_step divides by the total normaliser
-        num_tokens = sum(e.num_targets for e in examples)
-        run.pending_normaliser += normaliser
-        run.pending_calls += 1
-        run.pending_tokens += num_tokens
-        run.pending_batches.append(
-            {"sha256": sha256_json({"loss_fn": loss_fn, "batch": batch}), "num_examples": len(examples), "num_tokens": num_tokens}
-        )
-        return {"loss": loss_sum.item() / normaliser, "num_tokens": num_tokens, "num_examples": len(examples), "step": run.step}
-
-    def optim_step(self, run_id: str, adam: dict[str, Any] | None = None, request_id: str | None = None) -> dict[str, Any]:
-        run = self._run(run_id)
-        settings = adam_settings(adam)
-        if run.pending_calls == 0:
-            raise FailedPrecondition("no gradients to apply: call forward_backward before optim_step")
-        params = list(run.params.values())
-        for param in params:
-            if param.grad is not None:
-                param.grad.div_(run.pending_normaliser)  # summed token losses → their mean over all calls
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, settings["grad_clip_norm"] or math.inf))
-        if not math.isfinite(grad_norm):
-            run.optimizer.zero_grad(set_to_none=True)
-            run.clear_pending()
-            raise FailedPrecondition(f"gradient norm is {grad_norm}; the step was skipped and the gradients dropped")
-        apply_settings(run.optimizer, settings)
-        run.optimizer.step()
-        run.optimizer.zero_grad(set_to_none=True)
-        run.step += 1
-        self._persist_step(run, settings, grad_norm)
-        run.clear_pending()
-        return {"step": run.step, "grad_norm": grad_norm, "learning_rate": settings["learning_rate"]}
-
-    def sample(
-        self,
-        run_id: str,
-        prompts: list[str],
-        max_tokens: int = 64,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        stop: str | list[str] | None = None,
-        num_samples: int = 1,
-        seed: int | None = None,
-        request_id: str | None = None,
-    ) -> dict[str, Any]:
-        run = self._run(run_id)
+    def _prepare_sample(self, run_id: str, prompts: list[str], max_tokens: int = 64, temperature: float = 1.0,
+                        top_p: float = 1.0, top_k: int = 0, stop: str | list[str] | None = None, num_samples: int = 1,
+                        seed: int | None = None, request_id: str | None = None,
+                        _request: Request | None = None) -> SampleJob:
+        state = self._state(run_id)
         prompts, settings = sampling_settings(prompts, max_tokens, temperature, top_p, top_k, stop, num_samples, seed)
-        tokenizer = run.host.base.tokenizer
-        limit = run.renderer.max_length
-        prompt_ids = [list(tokenizer(p, add_special_tokens=True)["input_ids"]) for p in prompts]
+        entry = self.pool.bases[state.base_model]
+        limit = entry.renderer.max_length
+        prompt_ids = [list(entry.base.tokenizer(p, add_special_tokens=True)["input_ids"]) for p in prompts]
         for i, ids in enumerate(prompt_ids):
             if not ids or len(ids) >= limit:
                 raise BadInput(f"prompts[{i}] is {len(ids)} tokens; the model's context is {limit}", field=f"prompts[{i}]")
             if len(ids) + settings.max_tokens > limit:
-                raise BadInput(
-                    f"prompts[{i}] ({len(ids)} tokens) + max_tokens ({settings.max_tokens}) exceeds the context ({limit})",
-                    field="max_tokens",
-                )
-        model = self._activate(run, train=False)
+                raise BadInput(f"prompts[{i}] ({len(ids)} tokens) + max_tokens ({settings.max_tokens}) exceeds "
+                               f"the context ({limit})", field="max_tokens")
+        assert _request is not None
         generator = torch.Generator(device=self.device).manual_seed(settings.seed)
-        rows = [ids for ids in prompt_ids for _ in range(settings.num_samples)]
-        results: list[dict[str, Any]] = []
-        for start in range(0, len(rows), self.max_batch_size):
-            chunk = rows[start : start + self.max_batch_size]
-            results += generate(model, tokenizer, chunk, settings, _eos_ids(run), generator)
-        n = settings.num_samples
-        sequences = [results[i * n : (i + 1) * n] for i in range(len(prompts))]
-        return {"outputs": [s[0]["text"] for s in sequences], "sequences": sequences, "prompt_tokens": prompt_ids, "step": run.step}
+        return SampleJob(_request, state, prompt_ids, settings, generator, step=state.step)
 
-    def save_state(self, run_id: str, mode: str = "adapter", request_id: str | None = None) -> dict[str, Any]:
-        run = self._run(run_id)
-        if mode not in SAVE_MODES:
-            raise BadInput(f"mode must be one of {list(SAVE_MODES)}, got {mode!r}", field="mode")
-        path = run.paths.checkpoint(mode, run.step)
-        with atomic_dir(path) as tmp:
-            if mode in ("adapter", "state"):
-                run.host.save_adapter(run_id, tmp)
-            if mode == "state":
-                torch.save(run.optimizer_payload(), tmp / OPTIMIZER_FILE)
-                write_json(tmp / "config.json", run.config)
-            if mode == "merged":
-                run.host.merged_model(run_id).save_pretrained(tmp)
-                run.host.base.tokenizer.save_pretrained(tmp)
-        return {"checkpoint_path": str(path.resolve()), "mode": mode, "step": run.step, "size_bytes": dir_size(path)}
+    def _start_group(self, entry: BaseEntry, jobs: list[SampleJob]) -> None:
+        for job in jobs:
+            assert job.request.run_id is not None
+            self.scheduler.hold(job.request.run_id)
+            self.pool.touch(job.state)
+        self.decode_groups.append(DecodeGroup(entry, jobs, _eos_ids(entry)))
 
-    # ---- internals ----------------------------------------------------------------------
+    def _advance_decoding(self, stats: TickStats) -> None:
+        deadline = time.monotonic() + self.options.decode_chunk_seconds
+        for group in list(self.decode_groups):
+            before = group.passes
+            try:
+                finished = group.advance(deadline)
+            except Exception as exc:  # noqa: BLE001 - fail its calls, keep the runtime
+                for job in group.jobs:
+                    if not job.done:
+                        job.done = True
+                        self.scheduler.finish(job.request, {"error": _internal(exc)})
+                self.decode_groups.remove(group)
+                continue
+            stats.decode_passes += group.passes - before
+            stats.decode_rows += group.rows
+            for job in finished:
+                self.scheduler.finish(job.request, {"result": group.result(job)})
+            if group.done:
+                self.decode_groups.remove(group)
 
-    def _host(self, base_model: str) -> AdapterHost:
-        if base_model not in self.hosts:
-            base = self.models.get(base_model)
-            self.base_params[base_model] = sum(p.numel() for p in base.model.parameters())
-            vocab = base.model.get_input_embeddings().num_embeddings
-            self.renderers[base_model] = Renderer(base.tokenizer, vocab, base.max_length)
-            self.hosts[base_model] = AdapterHost(base)
-        return self.hosts[base_model]
+    # ---- run state: resident, restored, snapshotted, evicted ------------------------------
 
-    def _attach(self, config: dict[str, Any]) -> Run:
-        """Put a run's adapter and optimizer in memory, freshly initialised from its seed."""
-        base_model = config["base_model"]
-        host = self._host(base_model)
-        host.add(config["run_id"], lora_config(config["lora"]), config["seed"])
-        params = host.parameters(config["run_id"])
-        run = Run(
-            run_id=config["run_id"],
-            user_id=config["user_id"],
-            config=config,
-            paths=RunPaths(self.data_dir, config["user_id"], config["run_id"]),
-            host=host,
-            renderer=self.renderers[base_model],
-            params=params,
-            optimizer=new_optimizer(list(params.values())),
-        )
-        self.runs[run.run_id] = run
-        return run
+    def _owner(self, run_id: str | None) -> str:
+        if run_id is None:
+            return "__system__"
+        if run_id not in self._owners:
+            root = find_run_dir(self.data_dir, run_id)
+            if root is None:
+                return "__unknown__"  # it fails with NOT_FOUND when its turn comes
+            self._owners[run_id] = read_json(root / "config.json")["user_id"]
+        return self._owners[run_id]
 
-    def _run(self, run_id: str) -> Run:
+    def _state(self, run_id: str) -> RunState:
         check_id(run_id, "run_id")
-        if run_id in self.runs:
-            return self.runs[run_id]
-        root = find_run_dir(self.data_dir, run_id)
-        if root is None:
-            raise RunNotFound(f"run {run_id!r} not found", field="run_id")
-        return self._restore(root)
+        state = self.pool.runs.get(run_id)
+        if state is None:
+            root = find_run_dir(self.data_dir, run_id)
+            if root is None:
+                raise RunNotFound(f"run {run_id!r} not found", field="run_id")
+            state = self._restore(read_json(root / "config.json"))
+        self.pool.touch(state)
+        return state
 
-    def _restore(self, root: Path) -> Run:
-        config = read_json(root / "config.json")
-        run = self._attach(config)
+    def _restore(self, config: dict[str, Any]) -> RunState:
+        """The newest snapshot, then every journal record after it: the run as if it never stopped."""
+        state = self.pool.attach(config, self.data_dir)
         try:
-            self._load_latest_step(run)
+            state.load_latest_snapshot(self.device)
+            records = state.journal.read()
+            for record in records[state.seq:]:
+                self._replay(state, record)
+            state.seq = len(records)
         except BaseException:
-            self._detach(run.run_id)  # never leave a half-restored run in memory
+            self.pool.detach(state.run_id)  # never leave a half-restored run in memory
             raise
-        if run.host.base.revision != config.get("base_revision"):
-            print(f"warning: run {run.run_id}: base model revision changed since the run was created", file=sys.stderr)
-        return run
+        if self.pool.bases[state.base_model].base.revision != config.get("base_revision"):
+            print(f"warning: run {state.run_id}: base model revision changed since the run was created", file=sys.stderr)
+        return state
 
-    def _load_latest_step(self, run: Run) -> None:
-        steps = run.paths.saved_steps()
-        if steps:
-            step_dir = run.paths.adapter_step(steps[-1])
-            run.host.load_adapter(run.run_id, step_dir)
-            payload = torch.load(step_dir / OPTIMIZER_FILE, map_location=self.device, weights_only=True)
-            if payload["param_names"] != list(run.params):
-                raise RuntimeError(f"optimizer state in {step_dir} does not match run {run.run_id}'s adapter")
-            run.optimizer.load_state_dict(payload["optimizer"])
-            run.step = payload["step"]
+    def _replay(self, state: RunState, record: dict[str, Any]) -> None:
+        request_id = record.get("request_id")
+        if request_id and request_id in state.answered:
+            return  # a duplicate cannot be applied twice
+        if record["type"] == FORWARD_BACKWARD:
+            examples = [Example(e["tokens"], e["weights"], e.get("extras") or {}) for e in record["examples"]]
+            loss, config = get_loss(record["loss_fn"], record.get("loss_fn_config") or None)
+            progress = FbProgress(state, examples, record["loss_fn"], loss, config, record.get("batch_sha256", ""),
+                                  call=record["call"], width=max(len(e.tokens) for e in examples) - 1)
+            entry = self.pool.bases[state.base_model]
+            while progress.done < len(examples):  # split as the budget splits live calls
+                part = FbPart(None, progress, self._take_rows(progress, self.options.tick_tokens), progress.done)
+                (outcome,) = self._fb_pass(entry, [part])
+                assert not isinstance(outcome, SignalError), "a journaled call cannot fail on replay"
+                self._fb_done(part, outcome)
+        else:
+            try:
+                _apply_optim(state, record["adam"])
+            except FailedPrecondition:
+                pass  # it failed the first time too, and dropped the gradients as it does now
+        state.remember(request_id, record["result"])
 
-    def _detach(self, run_id: str) -> None:
-        """Drop a run's adapter, optimizer and gradients from memory."""
-        run = self.runs.pop(run_id, None)
-        if run is None:
-            return
-        run.host.remove(run_id)
-        run.optimizer.state.clear()
-        del run
-        gc.collect()
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+    def _journal(self, state: RunState, record: dict[str, Any]) -> None:
+        state.journal.append(record)
+        state.seq += 1
+        self._touched.add(state.run_id)
 
-    def _activate(self, run: Run, train: bool) -> torch.nn.Module:
-        run.host.activate(run.run_id)
-        model = run.host.model
-        # The base stays in eval mode; only LoRA dropout follows training.
-        model.eval()
-        if train:
-            for name, module in model.named_modules():
-                if name.endswith("lora_dropout"):
-                    module.train()
-        return model
+    def _sync_journals(self) -> None:
+        for run_id in list(self._touched):
+            state = self.pool.runs.get(run_id)
+            if state is not None:
+                state.journal.sync()
+        self._touched = set()
 
-    def _persist_step(self, run: Run, settings: dict[str, float] | None = None, grad_norm: float | None = None) -> None:
-        # The step directory is the unit of commit: adapter and optimizer state appear together.
-        with atomic_dir(run.paths.adapter_step(run.step)) as tmp:
-            run.host.save_adapter(run.run_id, tmp)
-            torch.save(run.optimizer_payload(), tmp / OPTIMIZER_FILE)
-        with atomic_file(run.paths.optimizer_state) as tmp_file:
-            _link_or_copy(run.paths.adapter_step(run.step) / OPTIMIZER_FILE, tmp_file)
-        run.paths.prune_steps(self.keep_steps)
-        if settings is not None:
-            manifest = read_json(run.paths.manifest)
-            manifest["steps"].append(
-                {"step": run.step, "adam": settings, "grad_norm": grad_norm, "num_tokens": run.pending_tokens, "batches": run.pending_batches}
-            )
-            write_json(run.paths.manifest, manifest)
+    def _snapshot(self, state: RunState) -> None:
+        state.journal.sync()  # a snapshot never covers records the journal could still lose
+        fault = "during_snapshot" if "during_snapshot" in self.faults else None
+        state.write_snapshot(self.pool.bases[state.base_model].base.name, fault)
+        state.prune_snapshots(self.options.keep_snapshots)
+        self.totals.snapshots += 1
 
-    def _new_manifest(self, run: Run) -> dict[str, Any]:
-        base = run.host.base
+    def _evict(self, state: RunState, count: bool = True) -> None:
+        if state.changed_since_snapshot or state.pending_calls:
+            self._snapshot(state)
+        self.pool.detach(state.run_id, evicted=count)
+        if count:
+            self.totals.evictions += 1
+
+    def _housekeeping(self) -> None:
+        decoding = {run_id for group in self.decode_groups for run_id in group.run_ids}
+        for state in self.pool.over_budget(keep=lambda r: r in decoding or self.scheduler.is_queued(r)):
+            self._evict(state)
+        self.pool.unload_idle_bases()
+
+    def _idle_timeout(self) -> float:
+        return min(self.options.base_idle_seconds, 60.0)
+
+    def shutdown(self) -> None:
+        """Snapshot every resident run that changed, and close its journal."""
+        for state in list(self.pool.runs.values()):
+            if state.changed_since_snapshot:
+                self._snapshot(state)
+            state.journal.close()
+
+    # ---- bookkeeping -------------------------------------------------------------------------
+
+    def _count(self, stats: TickStats) -> None:
+        self.last_tick = stats
+        totals = self.totals
+        totals.ticks += 1
+        totals.base_passes += stats.base_passes
+        totals.fb_rows += stats.fb_rows
+        totals.decode_passes += stats.decode_passes
+        if stats.requests or stats.decode_passes:
+            totals.last_ticks = (totals.last_ticks + [stats.__dict__.copy()])[-20:]
+
+    def _manifest_header(self, state: RunState, entry: BaseEntry) -> dict[str, Any]:
+        base = entry.base
         return {
-            "run_id": run.run_id,
-            "user_id": run.user_id,
+            "run_id": state.run_id, "user_id": state.user_id,
             "base_model": {"name": base.name, "revision": base.revision, "source": base.source},
-            "lora": run.config["lora"],
-            "seed": run.config["seed"],
-            "optimizer": "torch.optim.AdamW",
-            "device": str(self.device),
-            "dtype": dtype_name(self.dtype),
+            "lora": state.lora, "seed": state.config["seed"], "optimizer": "torch.optim.AdamW",
+            "device": str(self.device), "dtype": dtype_name(self.dtype),
             "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "peft": peft.__version__},
-            "steps": [],
         }
 
-    def _info(self, run: Run) -> dict[str, Any]:
-        trainable = sum(p.numel() for p in run.params.values())
+    def _info(self, state: RunState) -> dict[str, Any]:
+        trainable = sum(p.numel() for p in state.parameters())
         return {
-            "run_id": run.run_id,
-            "user_id": run.user_id,
-            "base_model": run.config["base_model"],
-            "base_revision": run.config["base_revision"],
-            "lora": run.config["lora"],
-            "target_modules": run.config["lora"]["target_modules"],
-            "seed": run.config["seed"],
-            "step": run.step,
-            "trainable_params": trainable,
-            "total_params": self.base_params[run.config["base_model"]] + trainable,
-            "pending_forward_backward": run.pending_calls,
-            "pending_tokens": run.pending_tokens,
-            "path": str(run.paths.root),
+            "run_id": state.run_id, "user_id": state.user_id, "base_model": state.base_model,
+            "base_revision": state.config["base_revision"], "lora": state.lora,
+            "target_modules": state.lora["target_modules"], "seed": state.config["seed"], "step": state.step,
+            "trainable_params": trainable, "total_params": self.pool.bases[state.base_model].params + trainable,
+            "pending_forward_backward": state.pending_calls, "pending_tokens": state.pending_tokens,
+            "path": str(state.paths.root),
         }
+
+
+def _apply_optim(state: RunState, settings: dict[str, float]) -> dict[str, Any]:
+    """AdamW on the run's summed gradients divided by their normaliser; clears them."""
+    if state.pending_calls == 0:
+        raise FailedPrecondition("no gradients to apply: call forward_backward before optim_step")
+    params = state.parameters()
+    for param in params:
+        if param.grad is not None:
+            param.grad.div_(state.pending_normaliser)  # summed token losses → their mean over all calls
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, settings["grad_clip_norm"] or math.inf))
+    if not math.isfinite(grad_norm):
+        state.optimizer.zero_grad(set_to_none=True)
+        state.clear_pending()
+        raise FailedPrecondition(f"gradient norm is {grad_norm}; the step was skipped and the gradients dropped")
+    for group in state.optimizer.param_groups:  # settings may change per call: schedules live in the user's loop
+        group["lr"] = settings["learning_rate"]
+        group["betas"] = (settings["beta1"], settings["beta2"])
+        group["eps"] = settings["eps"]
+        group["weight_decay"] = settings["weight_decay"]
+    state.optimizer.step()
+    state.optimizer.zero_grad(set_to_none=True)
+    state.step += 1
+    state.clear_pending()
+    return {"step": state.step, "grad_norm": grad_norm, "learning_rate": settings["learning_rate"]}
+
+
+def _restore_grads(progress: FbProgress) -> None:
+    if progress.backup is None or progress.done == 0:
+        return  # nothing of this call reached the gradients
+    for param, grad in zip(progress.state.parameters(), progress.backup):
+        param.grad = grad
+
+
+def _rows(data: Collated, rows: slice) -> Collated:
+    return Collated(data.input_ids[rows], data.attention_mask[rows], data.targets[rows], data.weights[rows],
+                    {k: v[rows] for k, v in data.extras.items()})
+
+
+def _check_request_id(request_id: Any) -> None:
+    if request_id is not None and (not isinstance(request_id, str) or not 1 <= len(request_id) <= 128):
+        raise BadInput("request_id must be a string of 1-128 characters", field="request_id")
 
 
 def _derive_seed(*parts: int) -> int:
@@ -418,24 +768,16 @@ def _derive_seed(*parts: int) -> int:
     return int.from_bytes(digest[:8], "little") >> 1
 
 
-@contextlib.contextmanager
-def _seeded(seed: int, device: torch.device) -> Iterator[None]:
-    devices = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(seed)
-        yield
-
-
-def _eos_ids(run: Run) -> set[int]:
-    ids = {run.host.base.tokenizer.eos_token_id}
-    configured = getattr(run.host.base.model.generation_config, "eos_token_id", None)
+def _eos_ids(entry: BaseEntry) -> set[int]:
+    ids = {entry.base.tokenizer.eos_token_id}
+    configured = getattr(entry.model.generation_config, "eos_token_id", None)
     ids.update(configured if isinstance(configured, list) else [configured])
     return {i for i in ids if i is not None}
 
 
-def _link_or_copy(source: Path, target: Path) -> None:
-    # A hard link costs no space; file systems without links (some volumes) get a copy.
-    try:
-        os.link(source, target)
-    except OSError:
-        shutil.copyfile(source, target)
+def _internal(exc: BaseException) -> dict[str, Any]:
+    import traceback
+
+    traceback.print_exception(exc, file=sys.stderr)
+    return {"type": "InternalError", "code": "INTERNAL", "message": f"{type(exc).__name__}: {exc}", "field": None}
+

@@ -94,11 +94,11 @@ class RunPaths:
 
     @property
     def manifest(self) -> Path:
-        return self.root / "manifest.json"
+        return self.root / "manifest.jsonl"
 
     @property
-    def optimizer_state(self) -> Path:
-        return self.root / "optimizer_state.pt"
+    def journal(self) -> Path:
+        return self.root / "journal"
 
     @property
     def adapters(self) -> Path:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from gpu_runtime.adapters import adapter_key
+from gpu_runtime.multilora import Segment, routed
 from gpu_runtime.engine import Engine
 
 BATCH = [
@@ -17,8 +17,8 @@ BATCH = [
 
 def lora_weights(engine: Engine, run_id: str) -> dict[str, torch.Tensor]:
     """The run's LoRA tensors, named without the adapter key so two runs compare by name."""
-    key = f".{adapter_key(run_id)}."
-    return {name.replace(key, "."): p.detach().clone() for name, p in engine.runs[run_id].params.items()}
+    engine.run_info(run_id)  # restores it if it was evicted
+    return {name: p.detach().clone() for name, p in engine.runs[run_id].named_parameters().items()}
 
 
 def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], exact: bool = True) -> None:
@@ -32,10 +32,10 @@ def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], 
 
 def run_logits(engine: Engine, run_id: str, input_ids: list[int]) -> torch.Tensor:
     """Logits of `run_id`'s current weights (eval mode, no grad)."""
-    run = engine._run(run_id)
-    model = engine._activate(run, train=False)
-    with torch.no_grad():
-        return model(input_ids=torch.tensor([input_ids])).logits[0].float()
+    engine.run_info(run_id)
+    entry = engine.pool.bases[engine.runs[run_id].base_model]
+    with torch.no_grad(), routed(entry.routing, [Segment(run_id, 0, 1)]):
+        return entry.model(input_ids=torch.tensor([input_ids])).logits[0].float()
 
 
 def train(engine: Engine, run_id: str, steps: int, batch: list[dict] | None = None, lr: float = 1e-2) -> list[float]:

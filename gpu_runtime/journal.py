@@ -1,0 +1,95 @@
+"""A run's write-ahead journal: append-only records, fsync'd before the call they record is answered.
+
+Each record is framed as [length: u32][crc32: u32][JSON payload], so a record torn by a crash (a
+short frame, or a checksum that does not match) is detected on open; it and anything after it
+are dropped and the file is truncated to the last whole record. Records are numbered from 0 in
+the order they were appended (their `seq`); snapshots name the seq they cover.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import sys
+import zlib
+from pathlib import Path
+from typing import Any
+
+HEADER = struct.Struct("<II")
+JOURNAL_FILE = "records.log"
+
+
+class Journal:
+    def __init__(self, directory: Path) -> None:
+        self.directory = Path(directory)
+        self.path = self.directory / JOURNAL_FILE
+        self._file: Any = None
+        self._dirty = False
+        self._opened = False
+        self.next_seq = 0
+
+    def read(self) -> list[dict[str, Any]]:
+        """Every whole record, in order; a torn tail is cut off the file. Call before the first append."""
+        records: list[dict[str, Any]] = []
+        good = 0
+        data = self.path.read_bytes() if self.path.exists() else b""
+        while good + HEADER.size <= len(data):
+            length, crc = HEADER.unpack_from(data, good)
+            payload = data[good + HEADER.size : good + HEADER.size + length]
+            if len(payload) < length or zlib.crc32(payload) != crc:
+                break
+            try:
+                records.append(json.loads(payload))
+            except ValueError:
+                break
+            good += HEADER.size + length
+        if good < len(data):
+            print(f"journal {self.path}: dropped a torn tail of {len(data) - good} bytes after record {len(records)}",
+                  file=sys.stderr)
+            with open(self.path, "r+b") as fh:
+                fh.truncate(good)
+                os.fsync(fh.fileno())
+        self._opened = True
+        self.next_seq = len(records)
+        return records
+
+    def append(self, record: dict[str, Any]) -> int:
+        """Write one record (not yet durable: `sync` makes it so); return its seq."""
+        if not self._opened:
+            self.read()
+        if self._file is None:
+            created = not self.path.exists()
+            self.directory.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.path, "ab")
+            if created:
+                _fsync_dir(self.directory)  # the file's name must survive a crash too
+        payload = json.dumps(record, separators=(",", ":")).encode()
+        self._file.write(HEADER.pack(len(payload), zlib.crc32(payload)) + payload)
+        seq, self.next_seq = self.next_seq, self.next_seq + 1
+        self._dirty = True
+        return seq
+
+    def sync(self) -> None:
+        if self._dirty and self._file is not None:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            self._dirty = False
+
+    def close(self) -> None:
+        if self._file is not None:
+            self.sync()
+            self._file.close()
+            self._file = None
+
+    @property
+    def size_bytes(self) -> int:
+        return self.path.stat().st_size if self.path.exists() else 0
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,236 @@
+"""A run as the runtime holds it (`RunState`), and its snapshots on disk.
+
+In memory: the run's A/B matrices (fp32, one pair per targeted layer of its base), its AdamW, the
+gradients summed since the last optim_step and what they must be divided by, and its journal.
+
+A snapshot is `lora_adapters/step_N/`: the adapter in PEFT's own format (`PeftModel.from_pretrained`
+loads it), the optimizer state, the pending gradients when there are any, and `snapshot.json`
+naming the journal position it covers. Restore = the newest snapshot + the journal after it.
+Snapshots written before the journal existed (format 1: no snapshot.json, an `optimizer_state.pt`
+keyed by PEFT's parameter names) still load; their journal position is 0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from peft import LoraConfig
+from safetensors.torch import load_file, save_file
+
+from gpu_runtime.journal import Journal
+from gpu_runtime.multilora import LoraWeights, MultiLoraLinear
+from gpu_runtime.persistence import RunPaths, atomic_dir, read_json, write_json
+
+SNAPSHOT_FORMAT = 2
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+OPTIMIZER_FILE = "optimizer.pt"
+LEGACY_OPTIMIZER_FILE = "optimizer_state.pt"
+PENDING_FILE = "pending_grads.safetensors"
+SNAPSHOT_FILE = "snapshot.json"
+REMEMBERED_REQUESTS = 4096  # request ids (and results) kept for answering retries
+
+
+def peft_name(path: str, matrix: str) -> str:
+    """The key PEFT's adapter files use for a layer's A or B."""
+    return f"base_model.model.{path}.lora_{matrix}.weight"
+
+
+@dataclass
+class RunState:
+    run_id: str
+    user_id: str
+    config: dict[str, Any]  # what config.json holds
+    paths: RunPaths
+    base_model: str
+    weights: dict[str, tuple[torch.nn.Parameter, torch.nn.Parameter]]  # layer path → (A, B)
+    optimizer: torch.optim.AdamW
+    journal: Journal
+    step: int = 0
+    seq: int = 0  # journal records applied
+    # Gradients summed since the last optim_step, and what they must be divided by.
+    pending_normaliser: float = 0.0
+    pending_calls: int = 0
+    pending_tokens: int = 0
+    pending_batches: list[dict[str, Any]] = field(default_factory=list)
+    answered: OrderedDict[str, dict[str, Any]] = field(default_factory=OrderedDict)  # request id → result
+    snapshot_step: int = -1
+    snapshot_seq: int = 0
+    snapshot_time: float = field(default_factory=time.monotonic)
+    last_used: float = field(default_factory=time.monotonic)
+
+    @property
+    def lora(self) -> dict[str, Any]:
+        return self.config["lora"]
+
+    def named_parameters(self) -> dict[str, torch.nn.Parameter]:
+        """PEFT-named parameters in a fixed order (the optimizer's order)."""
+        named = {}
+        for path in sorted(self.weights):
+            A, B = self.weights[path]
+            named[peft_name(path, "A")] = A
+            named[peft_name(path, "B")] = B
+        return named
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return list(self.named_parameters().values())
+
+    def clear_pending(self) -> None:
+        self.pending_normaliser, self.pending_calls, self.pending_tokens = 0.0, 0, 0
+        self.pending_batches = []
+
+    def remember(self, request_id: str | None, result: dict[str, Any]) -> None:
+        if request_id:
+            self.answered[request_id] = result
+            while len(self.answered) > REMEMBERED_REQUESTS:
+                self.answered.popitem(last=False)
+
+    def resident_bytes(self) -> int:
+        """Parameters, gradients and optimizer state held for this run."""
+        total = 0
+        for p in self.parameters():
+            total += p.numel() * p.element_size() * (2 if p.grad is not None else 1)
+        for state in self.optimizer.state.values():
+            total += sum(t.numel() * t.element_size() for t in state.values() if isinstance(t, torch.Tensor))
+        return total
+
+    @property
+    def changed_since_snapshot(self) -> bool:
+        return self.seq > self.snapshot_seq
+
+    # ---- attaching to a base ----------------------------------------------------------------
+
+    def attach(self, layers: dict[str, MultiLoraLinear]) -> None:
+        scaling = self.lora["alpha"] / self.lora["r"]
+        for path, (A, B) in self.weights.items():
+            layers[path].adapters[self.run_id] = LoraWeights(A, B, scaling, self.lora["dropout"])
+
+    def detach(self, layers: dict[str, MultiLoraLinear]) -> None:
+        for path in self.weights:
+            layers[path].adapters.pop(self.run_id, None)
+
+    # ---- adapter files ------------------------------------------------------------------------
+
+    def save_adapter(self, directory: Path, base_name: str) -> None:
+        """A directory `PeftModel.from_pretrained(base, directory)` loads."""
+        tensors = {name: p.detach().to("cpu").contiguous() for name, p in self.named_parameters().items()}
+        save_file(tensors, str(Path(directory) / ADAPTER_WEIGHTS))
+        config = LoraConfig(r=self.lora["r"], lora_alpha=self.lora["alpha"], lora_dropout=self.lora["dropout"],
+                            target_modules=self.lora["target_modules"], bias="none", task_type="CAUSAL_LM",
+                            base_model_name_or_path=base_name, inference_mode=True)
+        config.save_pretrained(str(directory))
+
+    def load_adapter(self, directory: Path) -> None:
+        tensors = load_file(str(Path(directory) / ADAPTER_WEIGHTS))
+        named = self.named_parameters()
+        # PEFT's older files may carry the adapter's name in the key; ours never do.
+        tensors = {re.sub(r"\.lora_([AB])\.[^.]+\.weight$", r".lora_\1.weight", k) if k not in named else k: v
+                   for k, v in tensors.items()}
+        if set(tensors) != set(named):
+            extra, missing = sorted(set(tensors) - set(named))[:3], sorted(set(named) - set(tensors))[:3]
+            raise RuntimeError(f"adapter at {directory} does not fit run {self.run_id}: extra {extra}, missing {missing}")
+        with torch.no_grad():
+            for name, param in named.items():
+                param.copy_(tensors[name])
+
+    # ---- snapshots ----------------------------------------------------------------------------
+
+    def write_snapshot(self, base_name: str, fault: str | None = None) -> Path:
+        """Snapshot everything the run holds at journal position `seq` (pending gradients included)."""
+        target = self.paths.adapter_step(self.step)
+        with atomic_dir(target) as tmp:
+            self.save_adapter(tmp, base_name)
+            if fault == "during_snapshot":
+                os.kill(os.getpid(), signal.SIGKILL)  # failpoint for the crash tests: a half-written snapshot
+            torch.save({"param_names": list(self.named_parameters()), "optimizer": self.optimizer.state_dict()},
+                       tmp / OPTIMIZER_FILE)
+            pending = self.pending_calls > 0
+            if pending:
+                grads = {name: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().cpu().contiguous()
+                         for name, p in self.named_parameters().items()}
+                save_file(grads, str(tmp / PENDING_FILE))
+            write_json(tmp / SNAPSHOT_FILE, {
+                "format": SNAPSHOT_FORMAT, "step": self.step, "seq": self.seq, "pending_included": pending,
+                "pending": {"normaliser": self.pending_normaliser, "calls": self.pending_calls,
+                            "tokens": self.pending_tokens, "batches": self.pending_batches},
+                "answered": list(self.answered.items())[-256:], "created_at": time.time(),
+            })
+            _fsync_tree(tmp)
+        self.snapshot_step, self.snapshot_seq, self.snapshot_time = self.step, self.seq, time.monotonic()
+        return target
+
+    def load_latest_snapshot(self, device: torch.device) -> None:
+        """Load the newest whole snapshot, if any; a fresh run (none yet) keeps its seeded initial weights."""
+        for step in reversed(self.paths.saved_steps()):
+            directory = self.paths.adapter_step(step)
+            if (directory / SNAPSHOT_FILE).exists():
+                self._load_snapshot(directory, device)
+                return
+            if (directory / LEGACY_OPTIMIZER_FILE).exists():
+                self._load_legacy(directory, device)
+                return
+
+    def _load_snapshot(self, directory: Path, device: torch.device) -> None:
+        meta = read_json(directory / SNAPSHOT_FILE)
+        self.load_adapter(directory)
+        payload = torch.load(directory / OPTIMIZER_FILE, map_location=device, weights_only=True)
+        self._load_optimizer(payload, directory)
+        if meta["pending_included"]:
+            grads = load_file(str(directory / PENDING_FILE), device=str(device))
+            for name, param in self.named_parameters().items():
+                param.grad = grads[name].clone()
+        pending = meta["pending"]
+        self.pending_normaliser, self.pending_calls = pending["normaliser"], pending["calls"]
+        self.pending_tokens, self.pending_batches = pending["tokens"], pending["batches"]
+        self.answered = OrderedDict((k, v) for k, v in meta.get("answered", []))
+        self.step, self.seq = meta["step"], meta["seq"]
+        self.snapshot_step, self.snapshot_seq = self.step, self.seq
+
+    def _load_legacy(self, directory: Path, device: torch.device) -> None:
+        self.load_adapter(directory)
+        payload = torch.load(directory / LEGACY_OPTIMIZER_FILE, map_location=device, weights_only=True)
+        # Format 1 named parameters as PEFT does in memory, with the adapter's name inside.
+        payload["param_names"] = [re.sub(r"\.lora_([AB])\.[^.]+\.weight$", r".lora_\1.weight", n)
+                                  for n in payload["param_names"]]
+        self._load_optimizer(payload, directory)
+        self.step, self.seq = payload["step"], 0
+        self.snapshot_step, self.snapshot_seq = self.step, 0
+
+    def _load_optimizer(self, payload: dict[str, Any], directory: Path) -> None:
+        names = list(self.named_parameters())
+        if sorted(payload["param_names"]) != sorted(names):
+            raise RuntimeError(f"optimizer state in {directory} does not match run {self.run_id}'s adapter")
+        state = payload["optimizer"]
+        if payload["param_names"] != names:  # same parameters, another order: renumber the state
+            index = {name: i for i, name in enumerate(payload["param_names"])}
+            state["state"] = {names.index(n): state["state"][index[n]] for n in names if index[n] in state["state"]}
+        self.optimizer.load_state_dict(state)
+
+    def prune_snapshots(self, keep: int) -> None:
+        self.paths.prune_steps(keep)
+
+
+def _fsync_tree(directory: Path) -> None:
+    for path in directory.iterdir():
+        if path.is_file():
+            with open(path, "rb") as fh:
+                os.fsync(fh.fileno())
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def append_manifest(path: Path, entry: dict[str, Any]) -> None:
+    """manifest.jsonl is append-only: one line per event, never rewritten."""
+    with open(path, "a") as fh:
+        fh.write(json.dumps(entry, sort_keys=True, separators=(",", ":")) + "\n")

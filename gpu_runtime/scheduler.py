@@ -1,0 +1,172 @@
+"""The runtime's queue: per-run FIFO order, fair turns across users, and each tick's share of work.
+
+- **Per-run order.** Each run has a FIFO queue and only its head is ever eligible, so calls on
+  one run apply in arrival order whatever the server does. A head stays put until it is done:
+  a forward_backward split across ticks, or a sample decoding over many ticks, holds its run.
+- **Fairness: least recently served first.** A tick visits users in the order of the tick that
+  last served them (never served: first; ties: whoever has waited longest), and takes one head
+  per user per round until the tick's token budget is spent. A user who floods the queue gets
+  one turn per round like everyone else, so another user's single call lands in the next tick
+  or the one after; the flooder is served every tick the others leave room in, so never starved.
+- **A tick's budget** bounds forward_backward rows in tokens. A head too big for what is left
+  gets a partial allowance and is split across ticks; calls that cost no tokens (optim_step,
+  save_state, starting a sample) ride along.
+
+No torch here: what a request costs is asked of the engine through `cost`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+SYSTEM = "__system__"  # the lane of calls on no run (ping, runtime_state): answered at the next tick, first
+
+
+@dataclass
+class Request:
+    method: str
+    params: dict[str, Any]
+    reply: Callable[[dict[str, Any]], None]  # called once, with {"result": …} or {"error": …}
+    user_id: str = SYSTEM
+    run_id: str | None = None
+    arrival: int = 0
+    progress: Any = None  # the engine's state for work spanning ticks (rows done, a decode group)
+
+    @property
+    def request_id(self) -> str | None:
+        value = self.params.get("request_id")
+        return value if isinstance(value, str) else None
+
+
+@dataclass
+class Pick:
+    request: Request
+    allowance: int  # tokens this tick may spend on it (forward_backward only)
+
+
+@dataclass
+class TickPlan:
+    number: int
+    system: list[Request] = field(default_factory=list)
+    picks: list[Pick] = field(default_factory=list)
+
+
+class Scheduler:
+    def __init__(self, tick_tokens: int) -> None:
+        self.tick_tokens = tick_tokens
+        self.condition = threading.Condition()
+        self._runs: dict[str, deque[Request]] = {}
+        self._system: deque[Request] = deque()
+        self._busy: set[str] = set()  # runs whose head is in progress outside the tick loop's picks (decoding)
+        self._last_served: dict[str, int] = {}
+        self._arrivals = itertools.count()
+        self._ticks = itertools.count(1)
+        self.closed = False
+
+    # ---- producers (any thread) ----------------------------------------------------------
+
+    def submit(self, request: Request) -> None:
+        with self.condition:
+            request.arrival = next(self._arrivals)
+            if request.run_id is None:
+                self._system.append(request)
+            else:
+                self._runs.setdefault(request.run_id, deque()).append(request)
+            self.condition.notify_all()
+
+    def close(self) -> None:
+        with self.condition:
+            self.closed = True
+            self.condition.notify_all()
+
+    def wait_for_work(self, timeout: float | None, also_busy: bool = False) -> bool:
+        """Block until something can be picked (or `also_busy`: some work is in flight); False on timeout/close."""
+        with self.condition:
+            return self.condition.wait_for(lambda: self.has_work() or also_busy or self.closed, timeout)
+
+    # ---- the consumer (the engine's thread) ----------------------------------------------
+
+    def has_work(self) -> bool:
+        with self.condition:
+            return bool(self._system) or any(q and run not in self._busy for run, q in self._runs.items())
+
+    def pending(self) -> int:
+        with self.condition:
+            return len(self._system) + sum(len(q) for q in self._runs.values())
+
+    def queue_depth_by_user(self) -> dict[str, int]:
+        with self.condition:
+            depth: dict[str, int] = {}
+            for queue in self._runs.values():
+                for request in queue:
+                    depth[request.user_id] = depth.get(request.user_id, 0) + 1
+            return depth
+
+    def next_tick(self, cost: Callable[[Request], int]) -> TickPlan:
+        """Choose this tick's work. `cost` gives a head's remaining forward_backward tokens (0 for
+        other calls); it may answer and `finish` a head it finds invalid, which is then skipped."""
+        with self.condition:
+            plan = TickPlan(next(self._ticks), system=list(self._system))
+            self._system.clear()
+            heads: dict[str, list[str]] = {}  # user → runs with an eligible head, oldest head first
+            for run_id, queue in sorted(self._runs.items(), key=lambda item: item[1][0].arrival if item[1] else 0):
+                if queue and run_id not in self._busy:
+                    heads.setdefault(queue[0].user_id, []).append(run_id)
+        # Least recently served users first; among equals, whoever's head has waited longest.
+        users = sorted(heads, key=lambda u: (self._last_served.get(u, -1), self._runs[heads[u][0]][0].arrival))
+        budget = self.tick_tokens
+        while any(heads[u] for u in users):
+            for user in users:
+                while heads[user]:
+                    run_id = heads[user].pop(0)
+                    request = self._runs[run_id][0]
+                    tokens = cost(request)
+                    if request.reply is _DONE:  # `cost` answered it (bad input): the run's next call may go next tick
+                        continue
+                    if tokens > 0 and budget <= 0:
+                        continue  # no room for rows this tick; it keeps its place in line
+                    plan.picks.append(Pick(request, min(tokens, budget) if tokens > 0 else 0))
+                    budget -= tokens
+                    self._last_served[user] = plan.number
+                    break
+        return plan
+
+    def finish(self, request: Request, message: dict[str, Any]) -> None:
+        """Answer a head and take it off its run's queue (the next call on the run becomes eligible)."""
+        reply, request.reply = request.reply, _DONE
+        with self.condition:
+            if request.run_id is not None:
+                queue = self._runs.get(request.run_id)
+                if queue and queue[0] is request:
+                    queue.popleft()
+                if not queue:
+                    self._runs.pop(request.run_id, None)
+                self._busy.discard(request.run_id)
+            self.condition.notify_all()
+        reply(message)
+
+    def hold(self, run_id: str) -> None:
+        """The run's head is in progress outside the picks (a decode group): not eligible until finished."""
+        with self.condition:
+            self._busy.add(run_id)
+
+    def is_queued(self, run_id: str) -> bool:
+        with self.condition:
+            return bool(self._runs.get(run_id)) or run_id in self._busy
+
+    def drain(self) -> list[Request]:
+        """Everything still queued (at shutdown), oldest first."""
+        with self.condition:
+            requests = list(self._system) + [r for q in self._runs.values() for r in q]
+            self._system.clear()
+            self._runs.clear()
+            return sorted(requests, key=lambda r: r.arrival)
+
+
+def _DONE(message: dict[str, Any]) -> None:  # noqa: N802 - a sentinel: the request was answered
+    raise RuntimeError("a request was answered twice")
