@@ -26,7 +26,9 @@
       plot = new uPlot({
         width, height: 300,
         scales: { x: { time: false } },
-        axes: [{ label: "forward_backward call", stroke: "#6b7280", grid: { stroke: "#f1f5f9" } },
+        // Whole-number ticks: the x axis counts calls.
+        axes: [{ label: "forward_backward call", stroke: "#6b7280", grid: { stroke: "#f1f5f9" },
+                 incrs: [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000] },
                { label: "loss", stroke: "#6b7280", grid: { stroke: "#f1f5f9" } }],
         series: [{ label: "call" }, { label: "loss", stroke: "#4f46e5", width: 2, fill: "rgba(79,70,229,.08)",
                                       points: { show: xs.length < 60 } }],

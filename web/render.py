@@ -13,7 +13,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, RedirectResponse, Response
 from starlette.templating import Jinja2Templates
 
-from app.errors import BadInput, FailedPrecondition, ModelUnavailable, NotFound, SignalError, Unauthenticated, WorkerFailed
+from app.errors import SignalError
 from app.services import Services
 from app.tables import User
 from web.paths import TEMPLATES
@@ -22,8 +22,9 @@ from web.session import csrf_token
 log = logging.getLogger("signal.web")
 templates = Jinja2Templates(directory=str(TEMPLATES))
 
-STATUS = [(NotFound, 404), (BadInput, 422), (Unauthenticated, 401), (FailedPrecondition, 409),
-          (ModelUnavailable, 503), (WorkerFailed, 502)]
+# By the errors' stable codes (RunNotFound and NotFound share NOT_FOUND without sharing a class).
+STATUS = {"NOT_FOUND": 404, "BAD_INPUT": 422, "UNAUTHENTICATED": 401, "FAILED_PRECONDITION": 409,
+          "MODEL_UNAVAILABLE": 503, "WORKER_FAILED": 502}
 
 
 def _ago(value: datetime | None) -> str:
@@ -65,7 +66,7 @@ def page(request: Request, name: str, status_code: int = 200, **context: Any) ->
 
 
 def error_response(request: Request, error: SignalError, user: User | None = None) -> Response:
-    status = next((code for kind, code in STATUS if isinstance(error, kind)), 500)
+    status = STATUS.get(error.code, 500)
     message = error.message if status != 500 else "Something went wrong on our side; it has been logged."
     if status == 500:
         log.exception("dashboard error", exc_info=error)
