@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response
 from starlette.routing import Route
 
 from app.errors import NotFound
-from app.tables import User
 from web.render import page, services, signed_in
+
+if TYPE_CHECKING:  # rows are only ever received from app.services, never queried here
+    from app.tables import User
 
 
 async def home(request: Request) -> Response:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from starlette.datastructures import FormData
 from starlette.requests import Request
@@ -11,8 +11,10 @@ from starlette.routing import Route
 
 from app.errors import BadInput
 from app.services.runs import SampleParams
-from app.tables import User
 from web.render import page, services, signed_in
+
+if TYPE_CHECKING:  # rows are only ever received from app.services, never queried here
+    from app.tables import User
 
 T = TypeVar("T", int, float)
 

@@ -6,7 +6,7 @@ import functools
 import logging
 from collections.abc import Awaitable, Callable
 from datetime import datetime, timezone
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
 from starlette.requests import Request
@@ -15,9 +15,11 @@ from starlette.templating import Jinja2Templates
 
 from app.errors import SignalError
 from app.services import Services
-from app.tables import User
 from web.paths import TEMPLATES
 from web.session import csrf_token
+
+if TYPE_CHECKING:  # rows are only ever received from app.services, never queried here
+    from app.tables import User
 
 log = logging.getLogger("signal.web")
 templates = Jinja2Templates(directory=str(TEMPLATES))
@@ -76,7 +78,7 @@ def error_response(request: Request, error: SignalError, user: User | None = Non
     return page(request, "error.html", status_code=status, user=user, status=status, message=message)
 
 
-Handler = Callable[[Request, User], Awaitable[Response]]
+Handler = Callable[[Request, "User"], Awaitable[Response]]
 
 
 def signed_in(handler: Handler) -> Callable[[Request], Awaitable[Response]]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.background import BackgroundTask
@@ -13,8 +13,10 @@ from starlette.responses import FileResponse, Response
 from starlette.routing import Route
 
 from app.errors import BadInput
-from app.tables import Metric, User
 from web.render import hx_redirect, page, services, signed_in
+
+if TYPE_CHECKING:  # rows are only ever received from app.services, never queried here
+    from app.tables import Metric, User
 
 SAVE_MODES = ("adapter", "merged", "state")
 

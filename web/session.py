@@ -3,6 +3,8 @@ user id and the CSRF token, and the helpers that read them."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import hmac
 import os
 import secrets
@@ -13,7 +15,9 @@ from starlette.middleware.sessions import SessionMiddleware
 from starlette.requests import HTTPConnection
 
 from app.settings import Settings
-from app.tables import User
+
+if TYPE_CHECKING:  # rows are only ever received from app.services, never queried here
+    from app.tables import User
 
 COOKIE = "signal_session"
 MAX_AGE_S = 14 * 24 * 3600

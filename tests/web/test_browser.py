@@ -9,11 +9,12 @@ land in tests/web/screenshots/.
 from __future__ import annotations
 
 import tarfile
+from urllib.parse import urlsplit
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from playwright.sync_api import Browser, Page, expect
+from playwright.sync_api import Browser, Page, Route, expect
 
 from rewardsignal import AuthenticationError, SignalClient
 from tests.helpers.live_server import LiveServer
@@ -142,3 +143,23 @@ def test_used_login_link_is_refused_in_the_browser(page: Page, live_server: Live
     page.goto(link)
     expect(page.locator(".toast.error")).to_contain_text("used, expired or unknown")
     shot(page, "error-login-link")
+
+
+def test_graphiql_works_offline(page: Page, live_server: LiveServer) -> None:
+    """GraphiQL's own run button answers `{ models { name } }` with every non-loopback request blocked."""
+    outside: list[str] = []
+
+    def only_loopback(route: Route) -> None:
+        if urlsplit(route.request.url).hostname == "127.0.0.1":
+            route.continue_()
+        else:
+            outside.append(route.request.url)
+            route.abort()
+
+    page.route("**/*", only_loopback)
+    page.goto(f"{live_server.url}/graphql")
+    expect(page.locator(".graphiql-execute-button")).to_be_visible()
+    page.locator(".graphiql-execute-button").click()
+    expect(page.locator(".result-window")).to_contain_text("tiny-llama")
+    shot(page, "graphiql")
+    assert outside == []
