@@ -54,11 +54,13 @@ async def google_callback(request: Request) -> Response:
     try:
         if state not in pending:
             raise Unauthenticated("this sign-in was not started in this browser; start again")
-        request.session["login_states"] = [s for s in pending if s != state]
+        remaining = [s for s in pending if s != state]
+        request.session["login_states"] = remaining
         signed = await supabase.finish(state, request.query_params.get("code", ""), _callback_url(request))
     except Unauthenticated as error:
         return page(request, "login.html", status_code=401, error=error.message, next="/")
     sign_in(request, signed.user)
+    request.session["login_states"] = remaining  # another tab's sign-in may still be on its way back
     return RedirectResponse(signed.next_path, status_code=303)
 
 
