@@ -8,7 +8,10 @@ from app.settings import Settings
 
 
 class Backend(Protocol):
-    async def start(self) -> None: ...
+    @property
+    def ready(self) -> bool: ...  # the runtime answers calls (until then they wait)
+
+    async def start(self) -> None: ...  # begins starting the runtime; returns at once
 
     async def call(self, method: str, **params: Any) -> dict[str, Any]: ...
 

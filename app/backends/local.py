@@ -1,20 +1,23 @@
-"""The local backend: one worker process on this machine, driven through gpu_runtime's client.
+"""The local backend: one runtime process on this machine, driven through gpu_runtime's pipelined client.
 
-The client blocks, so every call runs in a thread and the event loop stays free.
+Many calls are in flight at once: each is a Future of the client, awaited here without a lock.
+The runtime starts in the background, so the server answers (`/healthz`: warming) before it is ready;
+calls made meanwhile wait for it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
-import threading
+import logging
 from typing import Any
 
 import anyio.to_thread
 
-from app.errors import WorkerFailed
 from app.settings import Settings
-from gpu_runtime.contract import RuntimeOptions
 from gpu_runtime.worker_client import WorkerClient
+
+log = logging.getLogger("signal.backend")
 
 
 class LocalBackend:
@@ -22,44 +25,53 @@ class LocalBackend:
         self.client = WorkerClient(
             data_dir=str(settings.data_dir),
             device=settings.device,
-            options=RuntimeOptions(max_batch_size=settings.max_batch_size),
+            options=settings.runtime_options(),
             allow_downloads=settings.allow_downloads,
             log_path=str(settings.worker_log) if settings.worker_log else None,
         )
-        # The worker runs one call at a time anyway; holding this across a call also makes
-        # "is the worker still the one that holds our state?" a question with a stable answer.
-        self._lock = threading.Lock()
-        self._started = False
+        self._starting: asyncio.Future[None] | None = None
+        self.in_flight = 0  # calls taken and not yet answered (waiting for the runtime to start included)
+
+    @property
+    def ready(self) -> bool:
+        starting = self._starting
+        return starting is not None and starting.done() and not starting.cancelled() and starting.exception() is None
 
     async def start(self) -> None:
-        await anyio.to_thread.run_sync(self._start)
+        """Begin starting the runtime and return at once; `ready` says when it is up."""
+        self._ensure_starting()
 
     async def call(self, method: str, **params: Any) -> dict[str, Any]:
-        # Not cancellable on purpose: a call the worker has taken finishes and is recorded.
-        return await anyio.to_thread.run_sync(functools.partial(self._call, method, params))
+        self.in_flight += 1
+        try:
+            await asyncio.shield(self._ensure_starting())
+            if not self.client.alive:
+                # It died since (the client would respawn it inside submit, blocking the event loop): respawn in a
+                # thread. Nothing acknowledged is lost: the runtime restores runs from their journals.
+                await anyio.to_thread.run_sync(self.client.start)
+            # In a thread: a large batch can fill the pipe, and the write would block the event loop.
+            future = await anyio.to_thread.run_sync(functools.partial(self.client.submit, method, **params))
+            # Shielded: cancelling the caller must not cancel the client's Future, which the runtime still answers.
+            # A WorkerFailed passes through; the next call starts a new runtime.
+            return await asyncio.shield(asyncio.wrap_future(future))
+        finally:
+            self.in_flight -= 1
 
     async def close(self) -> None:
+        if self._starting is not None and not self._starting.done():
+            await asyncio.wait([self._starting])
         await anyio.to_thread.run_sync(self.client.close)
 
-    def _start(self) -> None:
-        with self._lock:
-            self.client.start()
-            self._started = True
+    def _ensure_starting(self) -> asyncio.Future[None]:
+        """The start in progress or done; a new one if none was made or the last one failed."""
+        starting = self._starting
+        if starting is None or (starting.done() and (starting.cancelled() or starting.exception() is not None)):
+            starting = self._starting = asyncio.ensure_future(anyio.to_thread.run_sync(self.client.start))
+            starting.add_done_callback(_report_failed_start)
+        return starting
 
-    def _call(self, method: str, params: dict[str, Any]) -> dict[str, Any]:
-        with self._lock:
-            if self._started and not self.client.alive:
-                # It died between calls: un-applied gradients went with it, so say so rather than
-                # quietly continuing on a fresh worker.
-                self.client.restart()
-                raise WorkerFailed(
-                    f"the worker process died before {method}; a new worker has started and runs resume "
-                    "from their last saved step (gradients not yet applied by optim_step were lost)"
-                )
-            try:
-                result = self.client.call(method, **params)
-            except WorkerFailed:
-                self.client.restart()
-                raise
-            self._started = True
-            return result
+
+def _report_failed_start(starting: asyncio.Future[None]) -> None:
+    # Said here, once, even when no call is waiting; the next call tries to start it again.
+    if not starting.cancelled() and starting.exception() is not None:
+        log.error("the GPU runtime did not start: %s", starting.exception())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 from sqlalchemy import select
 
 from app.db import Database
@@ -97,11 +98,17 @@ def test_graphiql_and_healthz_are_served(live_server: LiveServer) -> None:
 def test_oversized_request_bodies_are_refused_before_parsing(live_server: LiveServer, key: str) -> None:
     import httpx
 
+    from rewardsignal import PayloadTooLargeError, SignalClient
+
     too_big = "x" * (live_server.settings.max_request_bytes + 1)
+    # A declared Content-Length over the limit: Starlette answers 413 itself (in text) before reading the body.
     response = httpx.post(f"{live_server.url}/graphql", content=too_big, timeout=60,
                           headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
     assert response.status_code == 413
-    assert response.json()["errors"][0]["extensions"]["code"] == "PAYLOAD_TOO_LARGE"
+    run = SignalClient(api_key=key, base_url=live_server.url).create_run(lora_r=4)
+    with pytest.raises(PayloadTooLargeError) as refused:  # the SDK still names it by its code
+        run.forward_backward(batch=[{"text": too_big}])
+    assert refused.value.code == "PAYLOAD_TOO_LARGE"
 
     def chunks():  # no Content-Length: the streamed bytes are counted
         for _ in range(live_server.settings.max_request_bytes // 65536 + 2):
@@ -110,4 +117,5 @@ def test_oversized_request_bodies_are_refused_before_parsing(live_server: LiveSe
     streamed = httpx.post(f"{live_server.url}/graphql", content=chunks(), timeout=60,
                           headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
     assert streamed.status_code == 413
+    assert streamed.json()["errors"][0]["extensions"]["code"] == "PAYLOAD_TOO_LARGE"
     assert "errors" not in live_server.graphql("{ me { id } }", key=key)

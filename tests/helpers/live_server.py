@@ -10,6 +10,7 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,7 +55,9 @@ class LiveServer:
     thread: threading.Thread
 
     @classmethod
-    def start(cls, settings: Settings) -> "LiveServer":
+    def start(cls, settings: Settings, wait_for_runtime: bool = True) -> "LiveServer":
+        """Serve `settings`; with `wait_for_runtime`, return once the GPU runtime answers too (it starts in the
+        background, so timing-sensitive tests would otherwise measure its start-up)."""
         app = create_app(settings)
         config = uvicorn.Config(app, host="127.0.0.1", port=settings.port, log_level="warning", lifespan="on")
         server = uvicorn.Server(config)
@@ -65,24 +68,39 @@ class LiveServer:
             if not thread.is_alive() or time.monotonic() > deadline:
                 raise RuntimeError("test server did not start")
             time.sleep(0.05)
-        return cls(f"http://127.0.0.1:{settings.port}", settings, app, server, thread)
+        live = cls(f"http://127.0.0.1:{settings.port}", settings, app, server, thread)
+        if wait_for_runtime:
+            live.wait_for(lambda: live.backend.ready, "the GPU runtime to start")
+        return live
 
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=60)
 
     @property
-    def worker_pid(self) -> int | None:
-        return self.app.state.services.backend.client.pid
+    def backend(self) -> Any:
+        return self.app.state.services.backend
 
-    def new_user(self, email: str | None = None) -> str:
+    @property
+    def worker_pid(self) -> int | None:
+        return self.backend.client.pid
+
+    def wait_for(self, condition: Callable[[], bool], what: str, timeout: float = 120) -> None:
+        """Poll `condition` until it holds: how a test learns that something happened (never a fixed sleep)."""
+        deadline = time.monotonic() + timeout
+        while not condition():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"timed out waiting for {what}")
+            time.sleep(0.01)
+
+    def new_user(self, email: str | None = None, is_admin: bool = False) -> str:
         """A fresh user with one API key; returns the key's secret."""
         email = email or f"user-{uuid.uuid4().hex[:8]}@example.com"
 
         async def make() -> str:
             db = Database(self.settings.resolved_database_url)
             try:
-                user, _ = await UserService(db).get_or_create(email)
+                user, _ = await UserService(db).get_or_create(email, is_admin=is_admin)
                 secret, _ = await KeyService(db).create(user, "test")
                 return secret
             finally:
