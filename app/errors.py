@@ -21,9 +21,16 @@ class Unauthenticated(SignalError, PermissionError):
     code = "UNAUTHENTICATED"
 
 
+class Forbidden(SignalError, PermissionError):
+    """The caller is known but may not do this (an admin-only field, say)."""
+
+    code = "FORBIDDEN"
+
+
 __all__ = [
     "BadInput",
     "FailedPrecondition",
+    "Forbidden",
     "InternalError",
     "ModelUnavailable",
     "NotFound",

@@ -2,23 +2,41 @@
 
 Each public method builds a `Call` (operation, variables, the field to return, how to wrap it);
 the sync client runs it at once, the async client returns an awaitable that does.
+
+The four training primitives carry a fresh `requestId` each. When the connection drops or the server
+answers WORKER_FAILED, the client sends the same call again, with the same id, a few times: the server
+applies a call once per id and answers a retry with the first attempt's result.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
+import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
-from rewardsignal.errors import ServerError, SignalAPIError, TransportError, error_from_graphql
+from rewardsignal.errors import (
+    PayloadTooLargeError,
+    ServerError,
+    SignalAPIError,
+    TransportError,
+    WorkerFailedError,
+    error_from_graphql,
+)
 from rewardsignal.operations import document
 from rewardsignal.results import Result, convert
 
 DEFAULT_BASE_URL = "http://localhost:8000"
 DEFAULT_TIMEOUT = 600.0  # a forward_backward on a large model can take minutes
+DEFAULT_MAX_ATTEMPTS = 3  # tries of a primitive whose connection dropped or whose worker failed
+DEFAULT_RETRY_BACKOFF = 0.5  # seconds before the second try; doubled before each further one
+# The connection dropped, or never came up: the call may or may not have reached the server.
+RETRYABLE_TRANSPORT_ERRORS = (httpx.NetworkError, httpx.TimeoutException, httpx.RemoteProtocolError)
 
 
 @dataclass
@@ -27,6 +45,12 @@ class Call:
     variables: dict[str, Any]
     field: str
     wrap: Callable[[Any], Any] | None = None
+    retry: bool = False  # safe to send again: it carries a requestId
+
+
+def _primitive(operation: str, variables: dict[str, Any], field: str) -> Call:
+    """A training primitive, with the idempotency id that makes retrying it safe."""
+    return Call(operation, {**variables, "requestId": str(uuid.uuid4())}, field, retry=True)
 
 
 def _drop_none(values: dict[str, Any]) -> dict[str, Any]:
@@ -36,10 +60,22 @@ def _drop_none(values: dict[str, Any]) -> dict[str, Any]:
 class _ClientBase:
     """Everything but the transport."""
 
-    def __init__(self, api_key: str | None, base_url: str | None) -> None:
+    def __init__(self, api_key: str | None, base_url: str | None, max_attempts: int, retry_backoff: float) -> None:
         self.api_key = api_key or os.environ.get("SIGNAL_API_KEY")
         self.base_url = (base_url or os.environ.get("SIGNAL_BASE_URL") or DEFAULT_BASE_URL).rstrip("/")
         self.url = f"{self.base_url}/graphql"
+        self.max_attempts = max(1, max_attempts)
+        self.retry_backoff = retry_backoff
+
+    def _retry_delay(self, call: Call, attempt: int, error: Exception) -> float | None:
+        """Seconds to wait before sending `call` again after `error` on try `attempt`; None: give up."""
+        retryable = isinstance(error, (*RETRYABLE_TRANSPORT_ERRORS, WorkerFailedError))
+        if not (call.retry and retryable and attempt < self.max_attempts):
+            return None
+        return self.retry_backoff * 2 ** (attempt - 1)
+
+    def _transport_error(self, error: httpx.HTTPError) -> TransportError:
+        return TransportError(f"cannot reach Signal at {self.url}: {error}")
 
     def _headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
@@ -53,6 +89,8 @@ class _ClientBase:
         try:
             body = response.json()
         except ValueError:
+            if response.status_code == 413:  # refused by the server's body limit before any GraphQL
+                raise PayloadTooLargeError(f"the request body is too large: {response.text[:200]}")
             raise TransportError(f"server answered HTTP {response.status_code} without JSON: {response.text[:200]}")
         if body.get("errors"):
             raise error_from_graphql(body["errors"][0])
@@ -72,10 +110,12 @@ class _ClientBase:
         return self._run(Call("Me", {}, "me"))
 
     def create_run(
-        self, base_model: str | None = None, lora_r: int = 32, lora_alpha: float | None = None,
-        learning_rate: float = 1e-4, lora_dropout: float = 0.0, lora_target_modules: list[str] | None = None,
-        gpu_config: str | None = None, seed: int = 0, weight_decay: float = 0.0, grad_clip_norm: float = 1.0,
+        self, base_model: str | None = None, lora_r: int | None = None, lora_alpha: float | None = None,
+        learning_rate: float | None = None, lora_dropout: float | None = None,
+        lora_target_modules: list[str] | None = None, gpu_config: str | None = None, seed: int | None = None,
+        weight_decay: float | None = None, grad_clip_norm: float | None = None,
     ) -> Any:
+        """A new run; settings left as None take the server's defaults (LoRA r=32, alpha=2r, AdamW lr 1e-4)."""
         spec = _drop_none({
             "baseModel": base_model, "loraR": lora_r, "loraAlpha": lora_alpha, "learningRate": learning_rate,
             "loraDropout": lora_dropout, "loraTargetModules": lora_target_modules, "gpuConfig": gpu_config,
@@ -107,16 +147,25 @@ class _ClientBase:
 
 class SignalClient(_ClientBase):
     def __init__(self, api_key: str | None = None, base_url: str | None = None, timeout: float = DEFAULT_TIMEOUT,
-                 transport: httpx.BaseTransport | None = None) -> None:
-        super().__init__(api_key, base_url)
+                 transport: httpx.BaseTransport | None = None, max_attempts: int = DEFAULT_MAX_ATTEMPTS,
+                 retry_backoff: float = DEFAULT_RETRY_BACKOFF) -> None:
+        super().__init__(api_key, base_url, max_attempts, retry_backoff)
         self._http = httpx.Client(timeout=timeout, transport=transport)
 
     def _run(self, call: Call) -> Any:
-        try:
-            response = self._http.post(self.url, json=self._payload(call), headers=self._headers())
-        except httpx.HTTPError as error:
-            raise TransportError(f"cannot reach Signal at {self.url}: {error}") from error
-        return self._answer(call, response)
+        attempt = 1
+        while True:
+            try:
+                response = self._http.post(self.url, json=self._payload(call), headers=self._headers())
+                return self._answer(call, response)
+            except (httpx.HTTPError, WorkerFailedError) as error:
+                delay = self._retry_delay(call, attempt, error)
+                if delay is None:
+                    if isinstance(error, httpx.HTTPError):
+                        raise self._transport_error(error) from error
+                    raise
+            time.sleep(delay)
+            attempt += 1
 
     def close(self) -> None:
         self._http.close()
@@ -130,16 +179,25 @@ class SignalClient(_ClientBase):
 
 class AsyncSignalClient(_ClientBase):
     def __init__(self, api_key: str | None = None, base_url: str | None = None, timeout: float = DEFAULT_TIMEOUT,
-                 transport: httpx.AsyncBaseTransport | None = None) -> None:
-        super().__init__(api_key, base_url)
+                 transport: httpx.AsyncBaseTransport | None = None, max_attempts: int = DEFAULT_MAX_ATTEMPTS,
+                 retry_backoff: float = DEFAULT_RETRY_BACKOFF) -> None:
+        super().__init__(api_key, base_url, max_attempts, retry_backoff)
         self._http = httpx.AsyncClient(timeout=timeout, transport=transport)
 
     async def _run(self, call: Call) -> Any:
-        try:
-            response = await self._http.post(self.url, json=self._payload(call), headers=self._headers())
-        except httpx.HTTPError as error:
-            raise TransportError(f"cannot reach Signal at {self.url}: {error}") from error
-        return self._answer(call, response)
+        attempt = 1
+        while True:
+            try:
+                response = await self._http.post(self.url, json=self._payload(call), headers=self._headers())
+                return self._answer(call, response)
+            except (httpx.HTTPError, WorkerFailedError) as error:
+                delay = self._retry_delay(call, attempt, error)
+                if delay is None:
+                    if isinstance(error, httpx.HTTPError):
+                        raise self._transport_error(error) from error
+                    raise
+            await asyncio.sleep(delay)
+            attempt += 1
 
     async def close(self) -> None:
         await self._http.aclose()
@@ -170,7 +228,7 @@ class _RunBase:
                          loss_fn_config: dict[str, Any] | None = None) -> Any:
         """Loss and gradients for `batch`; gradients add up until `optim_step`."""
         variables = _drop_none({"runId": self.id, "batch": batch, "lossFn": loss_fn, "lossFnConfig": loss_fn_config})
-        return self._client._run(Call("ForwardBackward", variables, "forwardBackward"))
+        return self._client._run(_primitive("ForwardBackward", variables, "forwardBackward"))
 
     def optim_step(self, learning_rate: float | None = None, beta1: float | None = None, beta2: float | None = None,
                    eps: float | None = None, weight_decay: float | None = None,
@@ -178,7 +236,7 @@ class _RunBase:
         """Apply the accumulated gradients (AdamW); unset settings use the run's defaults."""
         adam = _drop_none({"learningRate": learning_rate, "beta1": beta1, "beta2": beta2, "eps": eps,
                            "weightDecay": weight_decay, "gradClipNorm": grad_clip_norm})
-        return self._client._run(Call("OptimStep", {"runId": self.id, "adam": adam or None}, "optimStep"))
+        return self._client._run(_primitive("OptimStep", {"runId": self.id, "adam": adam or None}, "optimStep"))
 
     def sample(self, prompts: list[str], max_tokens: int = 64, temperature: float = 1.0, top_p: float = 1.0,
                top_k: int = 0, stop: list[str] | None = None, num_samples: int = 1, seed: int | None = None) -> Any:
@@ -187,12 +245,12 @@ class _RunBase:
         variables = _drop_none({"runId": self.id, "prompts": prompts, "maxTokens": max_tokens,
                                 "temperature": temperature, "topP": top_p, "topK": top_k, "stop": stop,
                                 "numSamples": num_samples, "seed": seed})
-        return self._client._run(Call("Sample", variables, "sample"))
+        return self._client._run(_primitive("Sample", variables, "sample"))
 
     def save_state(self, mode: str = "adapter", push_to_hub: bool = False, hub_model_id: str | None = None) -> Any:
         variables = _drop_none({"runId": self.id, "mode": mode.upper(), "pushToHub": push_to_hub,
                                 "hubModelId": hub_model_id})
-        return self._client._run(Call("SaveState", variables, "saveState"))
+        return self._client._run(_primitive("SaveState", variables, "saveState"))
 
     def metrics(self, name: str | None = None, limit: int = 1000) -> Any:
         variables = _drop_none({"id": self.id, "name": name, "limit": limit})

@@ -38,9 +38,22 @@ class FailedPreconditionError(SignalAPIError, RuntimeError):
 
 
 class WorkerFailedError(SignalAPIError, RuntimeError):
-    """The GPU worker died during the call; the server replaced it and the run resumes at `run.step`."""
+    """The GPU runtime died during the call. The client has already retried it (same request id) a few times;
+    a new runtime restores every run from its journal, so nothing acknowledged is lost."""
 
     code = "WORKER_FAILED"
+
+
+class ForbiddenError(SignalAPIError, PermissionError):
+    """The key is valid but its user may not do this (an admin-only field, say)."""
+
+    code = "FORBIDDEN"
+
+
+class PayloadTooLargeError(SignalAPIError, ValueError):
+    """The request body is over the server's SIGNAL_MAX_REQUEST_BYTES; send smaller batches."""
+
+    code = "PAYLOAD_TOO_LARGE"
 
 
 class ServerError(SignalAPIError, RuntimeError):
@@ -56,7 +69,7 @@ class TransportError(SignalAPIError, ConnectionError):
 _BY_CODE: dict[str, type[SignalAPIError]] = {
     cls.code: cls
     for cls in (AuthenticationError, NotFoundError, BadInputError, ModelUnavailableError, FailedPreconditionError,
-                WorkerFailedError, ServerError, TransportError)
+                WorkerFailedError, ForbiddenError, PayloadTooLargeError, ServerError, TransportError)
 }
 _BY_CODE["GRAPHQL_VALIDATION_FAILED"] = BadInputError
 

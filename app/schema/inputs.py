@@ -7,19 +7,20 @@ from typing import Any
 import strawberry
 
 from app.services.runs import RunSpec
-from gpu_runtime.contract import ADAM_DEFAULTS
+from gpu_runtime.contract import ADAM_DEFAULTS, LORA_DEFAULTS
 
 
 @strawberry.input
 class CreateRunInput:
     base_model: str | None = strawberry.field(default=None, description="Catalogue name; default: the server's")
-    lora_r: int = 32
+    lora_r: int = LORA_DEFAULTS["r"]
     lora_alpha: float | None = strawberry.field(default=None, description="Default: 2 * loraR")
-    lora_dropout: float = 0.0
+    lora_dropout: float = LORA_DEFAULTS["dropout"]
     lora_target_modules: list[str] | None = strawberry.field(default=None, description="Default: attention projections")
     learning_rate: float = ADAM_DEFAULTS["learning_rate"]
-    weight_decay: float = 0.0
-    grad_clip_norm: float = 1.0
+    weight_decay: float = ADAM_DEFAULTS["weight_decay"]
+    grad_clip_norm: float = strawberry.field(default=ADAM_DEFAULTS["grad_clip_norm"],
+                                             description="0 turns clipping off")
     seed: int = 0
     gpu_config: str | None = strawberry.field(default=None, description='e.g. "L40S:2"; default: allocation rules')
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import strawberry
 from strawberry.scalars import JSON
 
@@ -19,6 +21,10 @@ from app.schema.types import (
 )
 from app.services.runs import SampleParams
 
+# An idempotency key: a retry that carries the id of a call already applied gets that call's answer again.
+RequestId = Annotated[str | None, strawberry.argument(
+    description="Idempotency key (the SDK sends a UUID): a retry with the same id is not applied twice")]
+
 
 @strawberry.type
 class Mutation:
@@ -30,19 +36,22 @@ class Mutation:
     @strawberry.mutation(description="Compute the loss and accumulate gradients for a batch")
     async def forward_backward(
         self, info: Info, run_id: strawberry.ID, batch: list[BatchItem], loss_fn: str = "cross_entropy",
-        loss_fn_config: JSON | None = None,
+        loss_fn_config: JSON | None = None, request_id: RequestId = None,
     ) -> ForwardBackwardResult:
         user = await info.context.user()
         result = await info.context.services.runs.forward_backward(
-            user, str(run_id), [item.to_dict() for item in batch], loss_fn=loss_fn, loss_fn_config=loss_fn_config
+            user, str(run_id), [item.to_dict() for item in batch], loss_fn=loss_fn, loss_fn_config=loss_fn_config,
+            request_id=request_id,
         )
         return ForwardBackwardResult(loss=result["loss"], num_tokens=result["num_tokens"],
                                      num_examples=result["num_examples"], step=result["step"])
 
     @strawberry.mutation(description="Apply the accumulated gradients with AdamW")
-    async def optim_step(self, info: Info, run_id: strawberry.ID, adam: AdamInput | None = None) -> OptimStepResult:
+    async def optim_step(self, info: Info, run_id: strawberry.ID, adam: AdamInput | None = None,
+                         request_id: RequestId = None) -> OptimStepResult:
         user = await info.context.user()
-        result = await info.context.services.runs.optim_step(user, str(run_id), adam.to_dict() if adam else None)
+        result = await info.context.services.runs.optim_step(user, str(run_id), adam.to_dict() if adam else None,
+                                                             request_id=request_id)
         return OptimStepResult(step=result["step"], grad_norm=result["grad_norm"],
                                learning_rate=result["learning_rate"])
 
@@ -50,20 +59,23 @@ class Mutation:
     async def sample(
         self, info: Info, run_id: strawberry.ID, prompts: list[str], max_tokens: int = 64, temperature: float = 1.0,
         top_p: float = 1.0, top_k: int = 0, stop: list[str] | None = None, num_samples: int = 1,
-        seed: int | None = None,
+        seed: int | None = None, request_id: RequestId = None,
     ) -> SampleResult:
         user = await info.context.user()
         params = SampleParams(prompts=prompts, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                               top_k=top_k, stop=stop, num_samples=num_samples, seed=seed)
-        return SampleResult.from_result(await info.context.services.runs.sample(user, str(run_id), params))
+        result = await info.context.services.runs.sample(user, str(run_id), params, request_id=request_id)
+        return SampleResult.from_result(result)
 
     @strawberry.mutation(description="Export the adapter, a merged model, or the full training state")
     async def save_state(
         self, info: Info, run_id: strawberry.ID, mode: SaveMode = SaveMode.ADAPTER, push_to_hub: bool = False,
-        hub_model_id: str | None = None,
+        hub_model_id: str | None = None, request_id: RequestId = None,
     ) -> Checkpoint:
         user = await info.context.user()
-        checkpoint = await info.context.services.runs.save_state(user, str(run_id), mode.value, push_to_hub, hub_model_id)
+        checkpoint = await info.context.services.runs.save_state(
+            user, str(run_id), mode.value, push_to_hub, hub_model_id, request_id=request_id
+        )
         return Checkpoint.from_row(checkpoint)
 
     @strawberry.mutation

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import strawberry
+from strawberry.scalars import JSON
 
 from app.schema.context import Info
 from app.schema.types import ApiKey, ModelInfo, Run, User
@@ -27,6 +28,12 @@ class Query:
     async def run(self, info: Info, id: strawberry.ID) -> Run:
         user = await info.context.user()
         return Run.from_row(await info.context.services.runs.get(user, str(id)))
+
+    @strawberry.field(description="The GPU runtime's state: bases loaded, resident and evicted runs, queue depth "
+                      "per user, rows and base forward passes per tick (admins only)")
+    async def runtime(self, info: Info) -> JSON:
+        user = await info.context.user()
+        return await info.context.services.runs.runtime_state(user)
 
     @strawberry.field
     async def api_keys(self, info: Info) -> list[ApiKey]:

@@ -9,59 +9,61 @@ from __future__ import annotations
 
 import asyncio
 import math
-import re
 from collections import defaultdict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from sqlalchemy import delete, select
+from strawberry.utils.str_converters import to_camel_case
 
 from app.backends import Backend
 from app.catalog import Catalog
 from app.db import Database
-from app.errors import BadInput, RunNotFound
+from app.errors import BadInput, Forbidden, RunNotFound
 from app.events import EventBroker
 from app.tables import Checkpoint, Metric, Run, Sample, User, new_id, utcnow
 from gpu_runtime.allocation import parse_gpu_config
-from gpu_runtime.contract import ADAM_DEFAULTS
+from gpu_runtime.contract import ADAM_DEFAULTS, LORA_DEFAULTS, adam_settings, lora_settings
 
 T = TypeVar("T")
 
 
-
 @dataclass
 class RunSpec:
+    """What createRun asks for; defaults and bounds are the engine contract's (gpu_runtime.contract)."""
+
     base_model: str | None = None  # None: the server's default model
-    lora_r: int = 32
+    lora_r: int = LORA_DEFAULTS["r"]
     lora_alpha: float | None = None  # None: 2 * lora_r, the usual choice
-    lora_dropout: float = 0.0
-    lora_target_modules: list[str] | None = None
-    learning_rate: float = ADAM_DEFAULTS["learning_rate"]
-    weight_decay: float = 0.0
-    grad_clip_norm: float = 1.0
+    lora_dropout: float = LORA_DEFAULTS["dropout"]
+    lora_target_modules: list[str] | None = None  # None: the model's attention projections
+    learning_rate: float | None = None  # None: ADAM_DEFAULTS
+    weight_decay: float | None = None
+    grad_clip_norm: float | None = None
     seed: int = 0
     gpu_config: str | None = None
 
+    def lora(self) -> dict[str, Any]:
+        """The run's LoRA settings, checked and filled by the contract; errors name createRun's field (`loraR`)."""
+        lora = {"r": self.lora_r, "alpha": self.lora_alpha, "dropout": self.lora_dropout,
+                "target_modules": self.lora_target_modules}
+        with _fields_renamed(lambda field: "lora_" + field.removeprefix("lora.")):
+            return lora_settings(lora)
+
+    def adam(self) -> dict[str, float]:
+        """The run's AdamW defaults for optim_step; errors name createRun's field (`learningRate`)."""
+        adam = {"learning_rate": self.learning_rate, "weight_decay": self.weight_decay,
+                "grad_clip_norm": self.grad_clip_norm}
+        with _fields_renamed(lambda field: field.removeprefix("adam.")):
+            return adam_settings(adam)
+
     def validate(self) -> None:
-        if not 1 <= self.lora_r <= 512:
-            raise BadInput(f"loraR must be between 1 and 512, got {self.lora_r}", field="loraR")
-        if self.lora_alpha is not None and not self.lora_alpha > 0:
-            raise BadInput(f"loraAlpha must be > 0, got {self.lora_alpha}", field="loraAlpha")
-        if not 0 <= self.lora_dropout < 1:
-            raise BadInput(f"loraDropout must be in [0, 1), got {self.lora_dropout}", field="loraDropout")
-        if not 0 < self.learning_rate <= 1:
-            raise BadInput(f"learningRate must be in (0, 1], got {self.learning_rate}", field="learningRate")
-        if self.weight_decay < 0:
-            raise BadInput(f"weightDecay must be >= 0, got {self.weight_decay}", field="weightDecay")
-        if self.grad_clip_norm < 0:
-            raise BadInput(f"gradClipNorm must be >= 0 (0 = off), got {self.grad_clip_norm}", field="gradClipNorm")
+        self.lora()
+        self.adam()
         if self.seed < 0:
             raise BadInput(f"seed must be >= 0, got {self.seed}", field="seed")
-        if self.lora_target_modules is not None and (
-            not self.lora_target_modules or not all(isinstance(m, str) and m for m in self.lora_target_modules)
-        ):
-            raise BadInput("loraTargetModules must be a non-empty list of module names", field="loraTargetModules")
 
 
 @dataclass
@@ -138,19 +140,12 @@ class RunService:
         spec.validate()
         model = self.catalog.get(spec.base_model or self.default_model)
         gpu_config = str(parse_gpu_config(spec.gpu_config, field="gpuConfig")) if spec.gpu_config else model.gpu
-        lora = {
-            "r": spec.lora_r,
-            "alpha": spec.lora_alpha if spec.lora_alpha is not None else 2 * spec.lora_r,
-            "dropout": spec.lora_dropout,
-            "target_modules": spec.lora_target_modules,
-        }
+        lora, adam = spec.lora(), spec.adam()
         run_id = new_id()
         created = await self._engine(
             "create_run", run_id=run_id, user_id=user.id, base_model=model.source, lora=lora, seed=spec.seed
         )
         lora["target_modules"] = created.get("target_modules", lora["target_modules"])
-        adam = dict(ADAM_DEFAULTS, learning_rate=spec.learning_rate, weight_decay=spec.weight_decay,
-                    grad_clip_norm=spec.grad_clip_norm)
         run = Run(
             id=run_id,
             user_id=user.id,
@@ -168,16 +163,18 @@ class RunService:
 
     async def forward_backward(
         self, user: User, run_id: str, batch: list[dict[str, Any]], loss_fn: str = "cross_entropy",
-        loss_fn_config: dict[str, Any] | None = None,
+        loss_fn_config: dict[str, Any] | None = None, request_id: str | None = None,
     ) -> dict[str, Any]:
         run = await self.get(user, run_id)
         if not isinstance(batch, list) or not batch:
             raise BadInput("batch must be a non-empty list of examples", field="batch")
+        _check_request_id(request_id)
 
         async def work() -> dict[str, Any]:
-            result = await self._engine(
-                "forward_backward", run_id=run.id, batch=batch, loss_fn=loss_fn, loss_fn_config=loss_fn_config
-            )
+            result = await self._engine("forward_backward", run_id=run.id, batch=batch, loss_fn=loss_fn,
+                                        loss_fn_config=loss_fn_config, request_id=request_id)
+            if result.get("replayed"):
+                return result  # a retry of a call already applied and recorded: record nothing twice
             await self._record(run.id, result["step"], "forward_backward", {
                 "loss": result["loss"], "num_tokens": result["num_tokens"], "num_examples": result["num_examples"],
             })
@@ -185,13 +182,17 @@ class RunService:
 
         return await self._serialised(run.id, work)
 
-    async def optim_step(self, user: User, run_id: str, adam: dict[str, Any] | None = None) -> dict[str, Any]:
+    async def optim_step(self, user: User, run_id: str, adam: dict[str, Any] | None = None,
+                         request_id: str | None = None) -> dict[str, Any]:
         run = await self.get(user, run_id)
         overrides = {key: value for key, value in (adam or {}).items() if value is not None}
         settings = {**ADAM_DEFAULTS, **run.optimizer_config, **overrides}
+        _check_request_id(request_id)
 
         async def work() -> dict[str, Any]:
-            result = await self._engine("optim_step", run_id=run.id, adam=settings)
+            result = await self._engine("optim_step", run_id=run.id, adam=settings, request_id=request_id)
+            if result.get("replayed"):
+                return result  # its step was stored when it was applied; a later step may have followed
             async with self.db.session() as session:
                 stored = await session.get(Run, run.id)
                 if stored is not None:
@@ -203,12 +204,16 @@ class RunService:
 
         return await self._serialised(run.id, work)
 
-    async def sample(self, user: User, run_id: str, params: SampleParams) -> dict[str, Any]:
+    async def sample(self, user: User, run_id: str, params: SampleParams,
+                     request_id: str | None = None) -> dict[str, Any]:
         run = await self.get(user, run_id)
         stored_params = {k: v for k, v in params.engine_params().items() if k != "prompts"}
+        _check_request_id(request_id)
 
         async def work() -> dict[str, Any]:
-            result = await self._engine("sample", run_id=run.id, **params.engine_params())
+            result = await self._engine("sample", run_id=run.id, **params.engine_params(), request_id=request_id)
+            if result.get("replayed"):
+                return result
             async with self.db.session() as session:
                 for prompt, sequences in zip(params.prompts, result["sequences"]):
                     for sequence in sequences:
@@ -219,18 +224,24 @@ class RunService:
         return await self._serialised(run.id, work)
 
     async def save_state(self, user: User, run_id: str, mode: str = "adapter", push_to_hub: bool = False,
-                         hub_model_id: str | None = None) -> Checkpoint:
+                         hub_model_id: str | None = None, request_id: str | None = None) -> Checkpoint:
         run = await self.get(user, run_id)
         if push_to_hub:
             raise BadInput("push_to_hub is not supported by this server yet; copy checkpointPath instead",
                            field="pushToHub")
+        _check_request_id(request_id)
 
         async def work() -> Checkpoint:
-            result = await self._engine("save_state", run_id=run.id, mode=mode)
-            checkpoint = Checkpoint(run_id=run.id, step=int(result["step"]), mode=result["mode"],
-                                    path=result["checkpoint_path"], size_bytes=int(result["size_bytes"]))
+            result = await self._engine("save_state", run_id=run.id, mode=mode, request_id=request_id)
             async with self.db.session() as session:
-                session.add(checkpoint)
+                # One row per checkpoint directory: saving again at the same step (a retry, say) rewrote it.
+                checkpoint = await session.scalar(select(Checkpoint).where(
+                    Checkpoint.run_id == run.id, Checkpoint.path == result["checkpoint_path"]).limit(1))
+                if checkpoint is None:
+                    checkpoint = Checkpoint(run_id=run.id, path=result["checkpoint_path"])
+                    session.add(checkpoint)
+                checkpoint.step, checkpoint.mode = int(result["step"]), result["mode"]
+                checkpoint.size_bytes = int(result["size_bytes"])
             return checkpoint
 
         return await self._serialised(run.id, work)
@@ -250,6 +261,15 @@ class RunService:
 
         await self._serialised(run.id, work)
         self._locks.pop(run.id, None)
+
+    # ---- the runtime ---------------------------------------------------------------------
+
+    async def runtime_state(self, user: User) -> dict[str, Any]:
+        """What the GPU runtime holds and does (bases, resident and evicted runs, queues, ticks): admins only,
+        since it names every user's runs."""
+        if not user.is_admin:
+            raise Forbidden("only admins may read the runtime's state")
+        return await self.backend.call("runtime_state")
 
     # ---- bookkeeping ---------------------------------------------------------------------
 
@@ -281,12 +301,31 @@ class RunService:
 
 
 def graphql_field(field: str | None) -> str | None:
-    """`max_tokens` → `maxTokens`, `lora.target_modules` → `loraTargetModules`, `batch[2].output` as is."""
+    """The contract's field names in GraphQL's: `max_tokens` → `maxTokens`, `lora.target_modules` →
+    `loraTargetModules` (createRun's flat input), `batch[2].output` as is."""
     if not field:
         return field
     if field.startswith("lora."):
         field = "lora_" + field.removeprefix("lora.")
-    return re.sub(r"_([a-z0-9])", lambda match: match.group(1).upper(), field)
+    return to_camel_case(field)  # the same converter the schema applies to every name
+
+
+@contextmanager
+def _fields_renamed(rename: Callable[[str], str]) -> Iterator[None]:
+    """Re-raise the contract's BadInput under the field name the client sent, in GraphQL's case."""
+    try:
+        yield
+    except BadInput as error:
+        raise BadInput(error.message, field=graphql_field(rename(error.field)) if error.field else None) from None
+
+
+MAX_REQUEST_ID_LENGTH = 128
+
+
+def _check_request_id(request_id: str | None) -> None:
+    # The runtime journals it with every call: a bounded, printable token (the SDK sends a UUID).
+    if request_id is not None and not (0 < len(request_id) <= MAX_REQUEST_ID_LENGTH and request_id.isprintable()):
+        raise BadInput(f"requestId must be 1..{MAX_REQUEST_ID_LENGTH} printable characters", field="requestId")
 
 
 def _clamp(limit: int, most: int = 1000) -> int:

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import json
+
+import httpx
 import pytest
 
 import rewardsignal
+from gpu_runtime.contract import ADAM_DEFAULTS, LORA_DEFAULTS
 from rewardsignal import (
     AsyncSignalClient,
     AuthenticationError,
@@ -90,3 +94,56 @@ async def test_async_client_has_the_same_surface(live_server: LiveServer, key: s
         assert (await run.refresh()).step == 3
         with pytest.raises(NotFoundError):
             await client.get_run("missing")
+
+
+class Recording(httpx.HTTPTransport):
+    """Forwards every request and keeps the GraphQL variables each one carried."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.variables: list[dict] = []
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        self.variables.append(json.loads(request.content)["variables"])
+        return super().handle_request(request)
+
+
+def test_create_run_leaves_unset_settings_to_the_server(live_server: LiveServer, key: str) -> None:
+    transport = Recording()
+    run = SignalClient(api_key=key, base_url=live_server.url, transport=transport).create_run()
+    assert transport.variables == [{"input": {}}]  # nothing hard-coded on this side
+    assert (run.info.lora_r, run.info.lora_alpha) == (LORA_DEFAULTS["r"], LORA_DEFAULTS["alpha"])
+    assert run.info.optimizer == ADAM_DEFAULTS
+
+
+class AsyncDropFirstAnswer(httpx.AsyncHTTPTransport):
+    """The network boundary: the first answer to ForwardBackward is lost after the server applied the call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sent: list[dict] = []
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        response = await super().handle_async_request(request)
+        payload = json.loads(request.content)
+        if payload.get("operationName") == "ForwardBackward":
+            self.sent.append(payload["variables"])
+            if len(self.sent) == 1:
+                await response.aread()
+                await response.aclose()
+                raise httpx.ReadError("connection reset by peer", request=request)
+        return response
+
+
+async def test_async_client_sends_a_dropped_call_again(live_server: LiveServer, key: str) -> None:
+    transport = AsyncDropFirstAnswer()
+    async with AsyncSignalClient(api_key=key, base_url=live_server.url, transport=transport,
+                                 retry_backoff=0.01) as client:
+        run = await client.create_run(lora_r=4)
+        assert (await run.forward_backward(batch=BATCH)).num_examples == 2
+    first, retry = transport.sent
+    assert first == retry and first["requestId"]
+    async with AsyncSignalClient(api_key=key, base_url=live_server.url, transport=AsyncDropFirstAnswer(),
+                                 max_attempts=1) as once:
+        with pytest.raises(TransportError):  # retries are bounded: one attempt here
+            await (await once.get_run(run.id)).forward_backward(batch=BATCH)

@@ -1,0 +1,117 @@
+"""Idempotency end to end: a primitive sent twice with one requestId is applied and recorded once, and the SDK
+sends a call whose connection dropped again, with the same id."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import pytest
+
+from rewardsignal import SignalClient
+from tests.helpers.live_server import LiveServer, error_code
+
+BATCH = [{"text": "one example the run learns from"}]
+
+# The runtime remembers the answers of forward_backward and optim_step by request id, not yet those of sample.
+# strict: when it does, this passes and the marker must go.
+SAMPLE_NOT_REPLAYED = pytest.mark.xfail(reason="the runtime does not answer a repeated sample request id with its "
+                                        "first result yet, so the retry is generated and recorded again",
+                                        strict=True)
+
+MUTATIONS: dict[str, str] = {
+    "forwardBackward": """mutation($id: ID!, $batch: [BatchItem!]!, $rid: String) {
+        forwardBackward(runId: $id, batch: $batch, requestId: $rid) { loss numTokens step } }""",
+    "optimStep": """mutation($id: ID!, $rid: String) {
+        optimStep(runId: $id, adam: {learningRate: 0.01}, requestId: $rid) { step gradNorm } }""",
+    "sample": """mutation($id: ID!, $rid: String) {
+        sample(runId: $id, prompts: ["hello"], maxTokens: 4, seed: 1, requestId: $rid) { outputs } }""",
+    "saveState": """mutation($id: ID!, $rid: String) {
+        saveState(runId: $id, requestId: $rid) { id step checkpointPath } }""",
+}
+
+# What each mutation records, read back through the API: it must not change when the call is retried.
+RECORDED: dict[str, Callable[[Any], Any]] = {
+    "forwardBackward": lambda run: (run.refresh().step, len(run.metrics(name="loss"))),
+    "optimStep": lambda run: (run.refresh().step, len(run.metrics(name="grad_norm"))),
+    "sample": lambda run: len(run.samples()),
+    "saveState": lambda run: len(run.checkpoints()),
+}
+EXPECTED = {"forwardBackward": (0, 2), "optimStep": (1, 1), "sample": 1, "saveState": 1}
+
+
+def ready_run(client: SignalClient):  # type: ignore[no-untyped-def]
+    run = client.create_run(lora_r=4)
+    run.forward_backward(batch=BATCH)  # optimStep needs gradients; the others do not mind them
+    return run
+
+
+@pytest.mark.parametrize("mutation", [
+    "forwardBackward", "optimStep", pytest.param("sample", marks=SAMPLE_NOT_REPLAYED), "saveState"])
+def test_a_request_id_sent_twice_is_applied_once(live_server: LiveServer, key: str, mutation: str) -> None:
+    run = ready_run(SignalClient(api_key=key, base_url=live_server.url))
+    variables = {"id": run.id, "batch": BATCH, "rid": str(uuid.uuid4())}
+    first = live_server.graphql(MUTATIONS[mutation], variables, key=key)
+    assert "errors" not in first
+    again = live_server.graphql(MUTATIONS[mutation], variables, key=key)
+    assert "errors" not in again
+    assert again["data"] == first["data"]  # the first attempt's answer
+    assert RECORDED[mutation](run) == EXPECTED[mutation]
+
+
+def test_request_ids_are_bounded(live_server: LiveServer, key: str) -> None:
+    run = ready_run(SignalClient(api_key=key, base_url=live_server.url))
+    body = live_server.graphql(MUTATIONS["forwardBackward"], {"id": run.id, "batch": BATCH, "rid": "x" * 129},
+                               key=key)
+    assert error_code(body) == "BAD_INPUT" and body["errors"][0]["extensions"]["field"] == "requestId"
+
+
+class DropFirstAnswer(httpx.HTTPTransport):
+    """The network boundary: forwards every request, and loses the first answer to `operation` after the server
+    has applied it, as a connection that drops at the wrong moment does."""
+
+    def __init__(self, operation: str) -> None:
+        super().__init__()
+        self.operation = operation
+        self.sent: list[dict[str, Any]] = []  # the variables of each attempt at `operation`
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        response = super().handle_request(request)
+        payload = json.loads(request.content)
+        if payload.get("operationName") == self.operation:
+            self.sent.append(payload["variables"])
+            if len(self.sent) == 1:
+                response.read()
+                response.close()
+                raise httpx.RemoteProtocolError("server disconnected without sending a response", request=request)
+        return response
+
+
+@pytest.mark.parametrize(("operation", "call"), [
+    ("ForwardBackward", lambda run: run.forward_backward(batch=BATCH)),
+    ("Sample", lambda run: run.sample(prompts=["hello"], max_tokens=4, seed=1)),
+])
+def test_sdk_sends_a_dropped_call_again_with_the_same_request_id(live_server: LiveServer, key: str, operation: str,
+                                                                  call: Callable[[Any], Any]) -> None:
+    run_id = ready_run(SignalClient(api_key=key, base_url=live_server.url)).id
+    transport = DropFirstAnswer(operation)
+    client = SignalClient(api_key=key, base_url=live_server.url, transport=transport, retry_backoff=0.01)
+    run = client.get_run(run_id)
+    assert call(run) is not None
+    first, retry = transport.sent
+    assert first == retry and uuid.UUID(first["requestId"])
+    call(run)
+    assert transport.sent[2]["requestId"] != first["requestId"]  # a new call, a new id
+
+
+def test_sdk_retry_of_a_dropped_optim_step_is_applied_once(live_server: LiveServer, key: str) -> None:
+    run_id = ready_run(SignalClient(api_key=key, base_url=live_server.url)).id
+    transport = DropFirstAnswer("OptimStep")
+    client = SignalClient(api_key=key, base_url=live_server.url, transport=transport, retry_backoff=0.01)
+    run = client.get_run(run_id)
+    assert run.optim_step(learning_rate=0.01).step == 1
+    assert len(transport.sent) == 2
+    assert run.refresh().step == 1 and len(run.metrics(name="grad_norm")) == 1
