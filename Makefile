@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # torch 2.13.0 is a CPU build on machines without a GPU; where nvidia-smi answers, pip picks a CUDA build.
 TORCH := torch==2.13.0
 
-.PHONY: install serve test test-fast schema bench clean
+.PHONY: install serve test test-fast test-web schema bench clean
 
 install: $(STAMP)
 
@@ -27,6 +27,10 @@ test: install
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow"
+
+# The dashboard alone, in Debian's chromium (apt-get install chromium).
+test-web: install
+	$(PY) -m pytest -q tests/web
 
 schema: install
 	$(PY) -c "from app.schema import schema; print(schema.as_str())" > graphql/schema.graphql

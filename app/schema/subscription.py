@@ -16,6 +16,6 @@ class Subscription:
     async def metrics(self, info: Info, run_id: strawberry.ID) -> AsyncGenerator[TrainingEvent, None]:
         # Checked afresh for each subscription: a socket opened with a key revoked since must not watch.
         user = await info.context.services.keys.authenticate(info.context.bearer)
-        run = await info.context.services.runs.get(user, str(run_id))
-        async for event in info.context.services.broker.subscribe(run.id):
+        # The ownership check lives in the service, shared with the dashboard's event stream.
+        async for event in await info.context.services.live.events(user, str(run_id)):
             yield TrainingEvent.from_event(event)

@@ -103,7 +103,9 @@ def visitor(live_server: "LiveServer") -> Iterator[Visitor]:
     visitor.client.close()
 
 
-@pytest.fixture(scope="session")
+# Per module, not per session: sync Playwright keeps an event loop running on this thread until it stops,
+# and async tests collected after it (pytest-asyncio) could not start their own.
+@pytest.fixture(scope="module")
 def browser() -> Iterator["Browser"]:
     if not CHROMIUM.exists():
         pytest.fail("browser tests need Debian's chromium: apt-get install -y chromium (.ci/run does)")

@@ -22,6 +22,8 @@ from tests.web.conftest import SCREENSHOTS, api_key_for, mint_login_link
 
 BATCH = [{"input": "The quick brown fox", "output": " jumps over the lazy dog."}]
 VIEWPORT = {"width": 1280, "height": 860}
+# Generous: the server trains and samples on the same 2 CPU cores as this browser.
+expect.set_options(timeout=30_000)
 
 
 @pytest.fixture
