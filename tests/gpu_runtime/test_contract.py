@@ -6,14 +6,14 @@ import pytest
 
 from gpu_runtime.engine import Engine
 from gpu_runtime.errors import BadInput
-from gpu_runtime.lora import lora_settings
+from gpu_runtime.contract import RuntimeOptions, adam_settings, lora_settings
 
 LLAMA_LINEARS = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"}
 
 
 def test_defaults_target_the_attention_projections() -> None:
     settings = lora_settings(None, LLAMA_LINEARS)
-    assert settings == {"r": 8, "alpha": 16.0, "dropout": 0.0, "target_modules": ["k_proj", "o_proj", "q_proj", "v_proj"]}
+    assert settings == {"r": 32, "alpha": 64.0, "dropout": 0.0, "target_modules": ["k_proj", "o_proj", "q_proj", "v_proj"]}
 
 
 def test_explicit_targets_are_kept() -> None:
@@ -51,3 +51,25 @@ def test_create_run_validates_lora_against_the_real_model(engine: Engine, tiny_m
     assert "q_proj" in caught.value.message  # says what the model does have
     info = engine.create_run("r1", "u1", tiny_model_dir, {"r": 2, "target_modules": ["gate_proj", "up_proj", "down_proj"]})
     assert info["target_modules"] == ["down_proj", "gate_proj", "up_proj"]
+
+
+def test_alpha_defaults_to_twice_the_rank() -> None:
+    assert lora_settings({"r": 4}, LLAMA_LINEARS)["alpha"] == 8.0
+
+
+@pytest.mark.parametrize(("value", "ok"), [(1e-4, True), (1.0, True), (0.0, False), (1.5, False), (float("nan"), False)])
+def test_one_learning_rate_bound(value: float, ok: bool) -> None:
+    if ok:
+        assert adam_settings({"learning_rate": value})["learning_rate"] == value
+    else:
+        with pytest.raises(BadInput) as caught:
+            adam_settings({"learning_rate": value})
+        assert caught.value.field == "adam.learning_rate"
+
+
+@pytest.mark.parametrize(("options", "field"), [({"tick_tokens": 0}, "tick_tokens"), ({"resident_runs": 2.5}, "resident_runs"),
+                                                ({"nonsense": 1}, "nonsense")])
+def test_runtime_options_are_checked(options: dict[str, Any], field: str) -> None:
+    with pytest.raises(BadInput) as caught:
+        RuntimeOptions.from_dict(options)
+    assert caught.value.field == field

@@ -28,24 +28,28 @@ def test_run_directory_layout_and_manifest(engine: Engine, tiny_model_dir: str) 
 
     config = json.loads((root / "config.json").read_text())
     assert config["base_model"] == tiny_model_dir and config["seed"] == 4 and config["lora"]["r"] == 4
-    assert (root / "optimizer_state.pt").is_file()
-    assert (root / "lora_adapters" / "step_1" / "adapter_model.safetensors").is_file()
-    manifest = json.loads((root / "manifest.json").read_text())
-    assert manifest["base_model"]["revision"].startswith("sha256:")
-    assert manifest["lora"] == config["lora"] and manifest["seed"] == 4
-    (step,) = manifest["steps"]
+    assert (root / "journal" / "records.log").is_file()
+    assert not (root / "lora_adapters").exists()  # one step is journaled, not snapshotted
+    header, step = [json.loads(line) for line in (root / "manifest.jsonl").read_text().splitlines()]
+    assert header["base_model"]["revision"].startswith("sha256:")
+    assert header["lora"] == config["lora"] and header["seed"] == 4
     assert step["step"] == 1 and step["adam"]["learning_rate"] == 1e-3
     expected = [sha256_json({"loss_fn": "cross_entropy", "batch": half}) for half in (BATCH[:2], BATCH[2:])]
     assert [b["sha256"] for b in step["batches"]] == expected
     assert not [p for p in root.rglob("*") if ".tmp-" in p.name or ".old-" in p.name]
 
 
-def test_only_the_last_keep_steps_step_dirs_are_kept(tmp_path: Path, tiny_model_dir: str) -> None:
-    engine = Engine(tmp_path, device="cpu", keep_steps=2)
+def test_snapshots_every_n_steps_and_keeps_the_newest(tmp_path: Path, tiny_model_dir: str) -> None:
+    engine = Engine(tmp_path, device="cpu", snapshot_every_steps=1, keep_snapshots=2)
     engine.create_run("r1", "u1", tiny_model_dir)
     train(engine, "r1", steps=4)
     steps = sorted(p.name for p in (tmp_path / "runs" / "u1" / "r1" / "lora_adapters").iterdir())
     assert steps == ["step_3", "step_4"]
+    step_4 = tmp_path / "runs" / "u1" / "r1" / "lora_adapters" / "step_4"
+    meta = json.loads((step_4 / "snapshot.json").read_text())
+    assert meta["step"] == 4 and meta["seq"] == 8 and meta["pending_included"] is False  # 4 × (fb + optim)
+    assert sorted(p.name for p in step_4.iterdir()) == [
+        "adapter_config.json", "adapter_model.safetensors", "optimizer.pt", "snapshot.json"]
 
 
 def test_creating_an_existing_run_id_is_bad_input(engine: Engine, tiny_model_dir: str) -> None:
