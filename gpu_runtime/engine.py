@@ -184,9 +184,10 @@ class Engine:
         """Run ticks until the scheduler is closed and nothing is left; then snapshot and return."""
         while True:
             busy = bool(self.decode_groups)
-            if not self.scheduler.wait_for_work(timeout=self._idle_timeout(), also_busy=busy):
-                if self.scheduler.closed and not self.scheduler.has_work() and not self.decode_groups:
-                    break
+            woken = self.scheduler.wait_for_work(timeout=self._idle_timeout(), also_busy=busy)
+            if self.scheduler.closed and not self.scheduler.has_work() and not self.decode_groups:
+                break
+            if not woken:
                 self._housekeeping()
                 continue
             self.tick()

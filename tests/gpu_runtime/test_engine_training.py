@@ -95,7 +95,7 @@ def test_learning_rate_and_clipping_are_reported(engine: Engine, tiny_run: str) 
 def test_optim_step_matches_plain_adamw_on_the_same_gradients(engine: Engine, tiny_run: str) -> None:
     run = engine.runs[tiny_run]
     engine.forward_backward(tiny_run, BATCH)
-    params = list(run.params.values())
+    params = run.parameters()
     reference = [p.detach().clone().requires_grad_(True) for p in params]
     for ref, p in zip(reference, params):
         ref.grad = p.grad.detach().clone() / run.pending_normaliser
@@ -163,8 +163,9 @@ def test_second_run_on_a_base_reuses_the_loaded_base(engine: Engine, tiny_model_
     engine.create_run("r1", "u1", tiny_model_dir)
     engine.create_run("r2", "u2", tiny_model_dir)
     assert engine.models.load_count == {tiny_model_dir: 1}
-    assert engine.runs["r1"].host is engine.runs["r2"].host
-    assert engine.runs["r1"].host.base.model is engine.models.loaded[tiny_model_dir].model
+    assert engine.runs["r1"].base_model == engine.runs["r2"].base_model == tiny_model_dir
+    assert list(engine.pool.bases) == [tiny_model_dir]
+    assert engine.pool.bases[tiny_model_dir].model is engine.models.loaded[tiny_model_dir].model
     assert engine.ping()["loaded_models"] == [tiny_model_dir]
 
 
@@ -172,11 +173,12 @@ def test_backward_touches_only_the_active_runs_parameters(engine: Engine, tiny_m
     engine.create_run("r1", "u1", tiny_model_dir)
     engine.create_run("r2", "u1", tiny_model_dir)
     engine.forward_backward("r1", BATCH)
-    assert all(p.grad is not None for p in engine.runs["r1"].params.values())
-    assert all(p.grad is None for p in engine.runs["r2"].params.values())
-    assert not set(map(id, engine.runs["r1"].params.values())) & set(map(id, engine.runs["r2"].params.values()))
+    r1, r2 = engine.runs["r1"].parameters(), engine.runs["r2"].parameters()
+    assert all(p.grad is not None for p in r1)
+    assert all(p.grad is None for p in r2)
+    assert not set(map(id, r1)) & set(map(id, r2))
     opt_params = {id(p) for g in engine.runs["r2"].optimizer.param_groups for p in g["params"]}
-    assert opt_params == set(map(id, engine.runs["r2"].params.values()))
+    assert opt_params == set(map(id, r2))
 
 
 Call = Callable[[Engine, str], object]

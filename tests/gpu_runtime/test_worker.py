@@ -93,14 +93,14 @@ NOISY_WORKER = """
 import os, sys
 from gpu_runtime import engine, worker
 
-original_ping = engine.Engine.ping
+original_ping = engine.Engine._ping
 
 def noisy_ping(self):
     print("library chatter")  # what a library's print does
     os.write(1, b"raw chatter\\n")  # and a C extension writing to fd 1
     return original_ping(self)
 
-engine.Engine.ping = noisy_ping
+engine.Engine._ping = noisy_ping
 sys.exit(worker.main(["--data-dir", sys.argv[1], "--device", "cpu"]))
 """
 
