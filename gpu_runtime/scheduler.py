@@ -8,9 +8,11 @@
   per user per round until the tick's token budget is spent. A user who floods the queue gets
   one turn per round like everyone else, so another user's single call lands in the next tick
   or the one after; the flooder is served every tick the others leave room in, so never starved.
-- **A tick's budget** bounds forward_backward rows in tokens. A head too big for what is left
-  gets a partial allowance and is split across ticks; calls that cost no tokens (optim_step,
-  save_state, starting a sample) ride along.
+- **A tick's budget** bounds forward_backward rows in tokens. While heads are chosen each is
+  charged at most a fair share (budget / users), so a big call does not shut out small ones;
+  then the budget is water-filled: small calls go whole, big ones split what is left and
+  continue next tick. Calls that cost no tokens (optim_step, save_state, starting a sample)
+  ride along.
 
 No torch here: what a request costs is asked of the engine through `cost`.
 """
@@ -24,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+MIN_SHARE_TOKENS = 64  # a tick takes at most tick_tokens / 64 forward_backward heads
 SYSTEM = "__system__"  # the lane of calls on no run (ping, runtime_state): answered at the next tick, first
 
 
@@ -119,7 +122,12 @@ class Scheduler:
                     heads.setdefault(queue[0].user_id, []).append(run_id)
         # Least recently served users first; among equals, whoever's head has waited longest.
         users = sorted(heads, key=lambda u: (self._last_served.get(u, -1), self._runs[heads[u][0]][0].arrival))
+        # Choosing heads charges each at most a fair share of the budget, so one big call cannot
+        # crowd out the small calls of users behind it; the shares are then settled by water-filling.
         budget = self.tick_tokens
+        charge_cap = max(self.tick_tokens // max(len(users), 1), 1)
+        most_fb_picks = max(2, self.tick_tokens // MIN_SHARE_TOKENS)  # every pick takes a row at least
+        wanted: list[tuple[Pick, int]] = []  # forward_backward picks and the tokens each still needs
         while any(heads[u] for u in users):
             for user in users:
                 while heads[user]:
@@ -128,12 +136,16 @@ class Scheduler:
                     tokens = cost(request)
                     if request.reply is _DONE:  # `cost` answered it (bad input): the run's next call may go next tick
                         continue
-                    if tokens > 0 and budget <= 0:
+                    if tokens > 0 and (budget <= 0 or len(wanted) >= most_fb_picks):
                         continue  # no room for rows this tick; it keeps its place in line
-                    plan.picks.append(Pick(request, min(tokens, budget) if tokens > 0 else 0))
-                    budget -= tokens
+                    pick = Pick(request, 0)
+                    plan.picks.append(pick)
+                    if tokens > 0:
+                        wanted.append((pick, tokens))
+                        budget -= min(tokens, charge_cap)
                     self._last_served[user] = plan.number
                     break
+        _water_fill(wanted, self.tick_tokens)
         return plan
 
     def finish(self, request: Request, message: dict[str, Any]) -> None:
@@ -166,6 +178,15 @@ class Scheduler:
             self._system.clear()
             self._runs.clear()
             return sorted(requests, key=lambda r: r.arrival)
+
+
+def _water_fill(wanted: list[tuple[Pick, int]], budget: int) -> None:
+    """Share `budget` among picks: the smallest needs are met whole, the rest split what remains evenly."""
+    left = len(wanted)
+    for pick, tokens in sorted(wanted, key=lambda item: item[1]):
+        pick.allowance = max(min(tokens, budget // left), 1)  # at least one row: every pick makes progress
+        budget -= pick.allowance
+        left -= 1
 
 
 def _DONE(message: dict[str, Any]) -> None:  # noqa: N802 - a sentinel: the request was answered

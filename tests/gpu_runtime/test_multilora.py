@@ -1,0 +1,132 @@
+"""The multi-LoRA layer on its own: PEFT's numbers for one run, its grouped path against its loop, and
+dropout masks that do not depend on how a call's rows were cut into passes."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from torch import nn
+from transformers import AutoModelForCausalLM
+
+from gpu_runtime.multilora import LoraWeights, MultiLoraLinear, Routing, Segment, init_lora, routed, wrap_targets
+from gpu_runtime.run_state import peft_name
+
+PROBE = [[28120, 905, 314, 260, 3575, 282, 11, 99], [1, 17, 28120, 905, 314, 44, 260, 7]]
+
+
+def lora(r: int, in_features: int, out_features: int, scaling: float, dropout: float, seed: int) -> LoraWeights:
+    generator = torch.Generator().manual_seed(seed)
+    A = nn.Parameter(torch.randn(r, in_features, generator=generator) * 0.3)
+    B = nn.Parameter(torch.randn(out_features, r, generator=generator) * 0.3)  # non-zero B: the delta matters
+    return LoraWeights(A, B, scaling, dropout)
+
+
+def layer_with(adapters: dict[str, LoraWeights], routing: Routing) -> MultiLoraLinear:
+    torch.manual_seed(0)
+    layer = MultiLoraLinear(nn.Linear(16, 12), "model.layers.0.self_attn.q_proj", routing)
+    layer.adapters.update(adapters)
+    return layer
+
+
+def run_layer(layer: MultiLoraLinear, x: torch.Tensor, segments: list[Segment], grouped: bool | None):
+    for weights in layer.adapters.values():
+        weights.A.grad = weights.B.grad = None
+    with routed(layer.routing, segments, grouped=grouped):
+        out = layer(x)
+    (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+    grads = {key: (w.A.grad.clone(), w.B.grad.clone()) for key, w in layer.adapters.items() if w.A.grad is not None}
+    return out.detach(), grads
+
+
+# PEFT 0.21 reads a property transformers 5 deprecated.
+@pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")
+def test_one_run_through_the_layer_gives_pefts_logits_and_gradients(tiny_model_dir: str) -> None:
+    targets = ["q_proj", "v_proj", "down_proj"]
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    peft = get_peft_model(copy.deepcopy(base), LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0))
+    ours_model = copy.deepcopy(base).requires_grad_(False)
+    routing = Routing()
+    layers = wrap_targets(ours_model, targets, routing)
+    weights = init_lora(layers, targets, 4, 8, seed=3, device=torch.device("cpu"))
+    for path, (A, B) in weights.items():
+        torch.nn.init.normal_(B, std=0.2)  # PEFT starts B at zero; a trained B is what the check needs
+        layers[path].adapters["run"] = LoraWeights(A, B, 8 / 4, 0.0)
+    peft_params = dict(peft.named_parameters())
+    with torch.no_grad():
+        for path, (A, B) in weights.items():
+            peft_params[peft_name(path, "A").replace(".weight", ".default.weight")].copy_(A)
+            peft_params[peft_name(path, "B").replace(".weight", ".default.weight")].copy_(B)
+
+    input_ids = torch.tensor(PROBE)
+    expected = peft(input_ids=input_ids, labels=input_ids)
+    expected.loss.backward()
+    with routed(routing, [Segment("run", 0, len(PROBE))]):
+        got = ours_model(input_ids=input_ids, labels=input_ids)
+    got.loss.backward()
+
+    torch.testing.assert_close(got.logits, expected.logits, rtol=1e-5, atol=1e-5)
+    assert len(weights) == 2 * 3  # two layers, three targets each
+    for path, (A, B) in weights.items():
+        for matrix, ours in (("A", A), ("B", B)):
+            theirs = peft_params[peft_name(path, matrix).replace(".weight", ".default.weight")]
+            torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-5, atol=1e-6, msg=f"{path} {matrix}")
+
+
+@pytest.mark.parametrize("shape", [(7, 16), (7, 5, 16)], ids=["rows", "rows-by-tokens"])
+def test_grouped_path_equals_the_per_segment_loop(shape: tuple[int, ...]) -> None:
+    adapters = {f"run-{i}": lora(4, 16, 12, scaling=[2.0, 0.5, 1.0][i], dropout=0.0, seed=i) for i in range(3)}
+    layer = layer_with(adapters, Routing())
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(5))
+    segments = [Segment("run-0", 0, 2), Segment("run-1", 2, 3), Segment("run-2", 3, 7)]
+    looped, loop_grads = run_layer(layer, x, segments, grouped=False)
+    grouped, grouped_grads = run_layer(layer, x, segments, grouped=True)
+    torch.testing.assert_close(grouped, looped, rtol=1e-5, atol=1e-6)
+    assert loop_grads.keys() == grouped_grads.keys() == adapters.keys()
+    for key in adapters:
+        for ours, theirs in zip(grouped_grads[key], loop_grads[key]):
+            torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+
+
+def test_each_rows_delta_is_its_own_runs() -> None:
+    adapters = {"a": lora(2, 16, 12, 1.0, 0.0, seed=1), "b": lora(8, 16, 12, 3.0, 0.0, seed=2)}
+    layer = layer_with(adapters, Routing())
+    x = torch.randn(5, 16, generator=torch.Generator().manual_seed(5))
+    mixed, grads = run_layer(layer, x, [Segment("a", 0, 2), Segment("b", 2, 5)], grouped=None)
+    alone_a, grads_a = run_layer(layer, x[:2], [Segment("a", 0, 2)], grouped=None)
+    torch.testing.assert_close(mixed[:2], alone_a)
+    base_only = layer.base_layer(x[2:]).detach()
+    b = adapters["b"]
+    torch.testing.assert_close(mixed[2:], base_only + (x[2:] @ b.A.T @ b.B.T) * 3.0, rtol=1e-5, atol=1e-6)
+    # A row outside every segment is the plain base layer; a run without rows gets no gradient.
+    plain, none = run_layer(layer, x, [Segment("nobody", 0, 5)], grouped=None)
+    torch.testing.assert_close(plain, layer.base_layer(x).detach())
+    assert none == {}
+
+
+def test_dropout_mask_is_the_same_however_a_call_is_split() -> None:
+    adapters = {"a": lora(4, 16, 12, 2.0, dropout=0.5, seed=1)}
+    layer = layer_with(adapters, Routing())
+    x = torch.randn(6, 5, 16, generator=torch.Generator().manual_seed(5))
+    whole = Segment("a", 0, 6, dropout_seed=42, call_rows=6, call_width=5, row_offset=0)
+    full, _ = run_layer(layer, x, [whole], grouped=None)
+    first = Segment("a", 0, 2, dropout_seed=42, call_rows=6, call_width=5, row_offset=0)
+    rest = Segment("a", 0, 4, dropout_seed=42, call_rows=6, call_width=5, row_offset=2)
+    part1, _ = run_layer(layer, x[:2], [first], grouped=None)
+    part2, _ = run_layer(layer, x[2:], [rest], grouped=None)
+    torch.testing.assert_close(torch.cat([part1, part2]), full)
+    # Beside another run's rows, and padded wider, the run's real positions see the same mask.
+    other = lora(4, 16, 12, 1.0, 0.0, seed=9)
+    layer.adapters["b"] = other
+    wide = torch.cat([x, torch.zeros(6, 2, 16)], dim=1)
+    beside = torch.cat([torch.randn(3, 7, 16), wide])
+    mixed, _ = run_layer(layer, beside, [Segment("b", 0, 3), Segment("a", 3, 9, 42, 6, 5, 0)], grouped=None)
+    torch.testing.assert_close(mixed[3:, :5], full)
+    # Another seed draws another mask; no seed means no dropout.
+    reseeded, _ = run_layer(layer, x, [Segment("a", 0, 6, 43, 6, 5, 0)], grouped=None)
+    assert not torch.allclose(reseeded, full)
+    undropped, _ = run_layer(layer, x, [Segment("a", 0, 6)], grouped=None)
+    A, B = adapters["a"].A, adapters["a"].B
+    torch.testing.assert_close(undropped, (layer.base_layer(x) + (x @ A.T @ B.T) * 2.0).detach(), rtol=1e-5, atol=1e-6)
