@@ -423,7 +423,10 @@ class Engine:
         state = self._state(run_id)
         _check_request_id(request_id)
         if request_id and request_id in state.answered:
-            return {**state.answered[request_id], "replayed": True}
+            answered = state.answered[request_id]
+            if "error" in answered:  # it failed (and dropped the gradients) the first time: the retry fails alike
+                raise SignalError.from_dict(answered["error"])
+            return {**answered, "replayed": True}
         settings = adam_settings(adam)
         if state.pending_calls == 0:
             raise FailedPrecondition("no gradients to apply: call forward_backward before optim_step")
@@ -639,6 +642,10 @@ class Engine:
                 (outcome,) = self._fb_pass(entry, [part])
                 assert not isinstance(outcome, SignalError), "a journaled call cannot fail on replay"
                 self._fb_done(part, outcome)
+        elif "error" in record["result"]:
+            # It failed live and dropped the gradients: the journal's outcome holds, whatever a recompute says.
+            state.optimizer.zero_grad(set_to_none=True)
+            state.clear_pending()
         else:
             try:
                 _apply_optim(state, record["adam"])

@@ -47,7 +47,8 @@ class WorkerClient:
         self.start_timeout = start_timeout
         self.stop_timeout = stop_timeout
         self._process: subprocess.Popen[bytes] | None = None
-        self._pending: dict[int, tuple[str, Future[dict[str, Any]]]] = {}
+        # request id → (method, its future, the process it was sent to: only that one's death fails it)
+        self._pending: dict[int, tuple[str, Future[dict[str, Any]], Any]] = {}
         self._ids = itertools.count(1)
         self._lock = threading.RLock()  # guards the process, the pending table and writes to stdin
         self.generation = 0  # bumped by every spawn, so a caller can tell "the worker I called" from a new one
@@ -102,7 +103,7 @@ class WorkerClient:
             process = self._process
             assert process is not None and process.stdin is not None
             request_id = next(self._ids)
-            self._pending[request_id] = (method, future)
+            self._pending[request_id] = (method, future, process)
             try:
                 process.stdin.write(encode({"id": request_id, "method": method, "params": params}))
                 process.stdin.flush()
@@ -163,7 +164,7 @@ class WorkerClient:
             if entry is None:
                 print(f"gpu_runtime worker: answer for unknown request {message.get('id')!r}", file=sys.stderr)
                 continue
-            _, future = entry
+            future = entry[1]
             if "error" in message:
                 future.set_exception(SignalError.from_dict(message["error"]))
             else:
@@ -175,10 +176,11 @@ class WorkerClient:
             process.kill()
             code = process.wait()
         with self._lock:
-            failed = [(rid, entry) for rid, entry in self._pending.items()]
+            # Only calls sent to this process: a call may already be waiting on its replacement.
+            failed = [(rid, entry) for rid, entry in self._pending.items() if entry[2] is process]
             for rid, _ in failed:
                 del self._pending[rid]
-        for _, (method, future) in failed:
+        for _, (method, future, _) in failed:
             # The log's path stays on the server: this message travels to API clients.
             future.set_exception(WorkerFailed(f"worker process exited with code {code} during {method}"))
         if failed:
