@@ -66,3 +66,32 @@ def test_healthz_answers_while_a_run_trains(live_server: LiveServer, key: str) -
     busy.join(timeout=300)
     # At least one health check was answered while the sample was still running in the worker.
     assert any(status == 200 and running for status, running in answers)
+
+
+def test_a_flooding_user_does_not_hold_back_another_users_call(live_server: LiveServer, key: str) -> None:
+    flooder = SignalClient(api_key=key, base_url=live_server.url)
+    bystander = SignalClient(api_key=live_server.new_user(), base_url=live_server.url)
+    runs = [flooder.create_run(lora_r=4) for _ in range(4)]
+    single_run = bystander.create_run(lora_r=4)
+    batch = BATCHES[0] * 4
+    order: list[str] = []
+    lock = threading.Lock()
+
+    def call(name: str, run) -> None:  # type: ignore[no-untyped-def]
+        run.forward_backward(batch=batch)
+        with lock:
+            order.append(name)
+
+    flood = [threading.Thread(target=call, args=(f"flood-{i}", runs[i % 4])) for i in range(20)]
+    for thread in flood:
+        thread.start()
+    # The flood is inside the backend (each run's lock lets one call through at a time: 4 in the runtime).
+    live_server.wait_for(lambda: live_server.backend.in_flight >= 4, "the flood to reach the runtime")
+    single = threading.Thread(target=call, args=("single", single_run))
+    single.start()
+    for thread in [*flood, single]:
+        thread.join(timeout=300)
+    assert sorted(order) == sorted([f"flood-{i}" for i in range(20)] + ["single"])
+    # Served first in the tick after it arrived: at most the calls of two ticks (4 runs each) finish before it.
+    assert order.index("single") <= 8
+    assert [len(run.metrics(name="loss")) for run in runs] == [5, 5, 5, 5]  # each flood call applied once
