@@ -49,7 +49,7 @@ from gpu_runtime.models import ModelRegistry, describe
 from gpu_runtime.multilora import Segment, routed
 from gpu_runtime.persistence import atomic_dir, check_id, dir_size, find_run_dir, read_json, sha256_json, write_json
 from gpu_runtime.pool import BaseEntry, Pool
-from gpu_runtime.run_state import RunState, append_manifest
+from gpu_runtime.run_state import RunState, append_manifest, last_manifest_step
 from gpu_runtime.scheduler import Request, Scheduler, TickPlan
 
 FORWARD_BACKWARD, SAMPLE = "forward_backward", "sample"
@@ -249,6 +249,10 @@ class Engine:
                 fb_parts.setdefault(progress.state.base_model, []).append(FbPart(request, progress, part, progress.done))
             elif request.method == SAMPLE:
                 try:
+                    replayed = self._sampled_before(**request.params)
+                    if replayed is not None:  # a retry whose first answer may not have reached the caller
+                        self.scheduler.finish(request, {"result": replayed})
+                        continue
                     job = self._prepare_sample(**request.params, _request=request)
                 except SignalError as exc:
                     self.scheduler.finish(request, {"error": exc.to_dict()})
@@ -561,6 +565,13 @@ class Engine:
         generator = torch.Generator(device=self.device).manual_seed(settings.seed)
         return SampleJob(_request, state, prompt_ids, settings, generator, step=state.step)
 
+    def _sampled_before(self, run_id: str, request_id: str | None = None, **_: Any) -> dict[str, Any] | None:
+        _check_request_id(request_id)
+        if not request_id:
+            return None
+        previous = self._state(run_id).sampled.get(request_id)
+        return None if previous is None else {**previous, "replayed": True}
+
     def _start_group(self, entry: BaseEntry, jobs: list[SampleJob]) -> None:
         for job in jobs:
             assert job.request.run_id is not None
@@ -584,7 +595,9 @@ class Engine:
             stats.decode_passes += group.passes - before
             stats.decode_rows += group.rows
             for job in finished:
-                self.scheduler.finish(job.request, {"result": group.result(job)})
+                result = group.result(job)
+                job.state.remember_sample(job.request.request_id, result)
+                self.scheduler.finish(job.request, {"result": result})
             if group.done:
                 self.decode_groups.remove(group)
 
@@ -647,10 +660,16 @@ class Engine:
             state.optimizer.zero_grad(set_to_none=True)
             state.clear_pending()
         else:
+            pending_tokens, pending_batches = state.pending_tokens, state.pending_batches
             try:
                 _apply_optim(state, record["adam"])
             except FailedPrecondition:
                 pass  # it failed the first time too, and dropped the gradients as it does now
+            else:
+                if last_manifest_step(state.paths.manifest) < state.step:  # the crash came before its manifest line
+                    append_manifest(state.paths.manifest, {
+                        "step": state.step, "adam": record["adam"], "grad_norm": record["result"]["grad_norm"],
+                        "num_tokens": pending_tokens, "batches": pending_batches})
         state.remember(request_id, record["result"])
 
     def _journal(self, state: RunState, record: dict[str, Any]) -> None:

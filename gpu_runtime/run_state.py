@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import time
 from collections import OrderedDict
@@ -37,6 +38,7 @@ LEGACY_OPTIMIZER_FILE = "optimizer_state.pt"
 PENDING_FILE = "pending_grads.safetensors"
 SNAPSHOT_FILE = "snapshot.json"
 REMEMBERED_REQUESTS = 4096  # request ids (and results) kept for answering retries
+REMEMBERED_SAMPLES = 64  # sample answers kept in memory only: a sample changes nothing, so none is journaled
 
 
 def peft_name(path: str, matrix: str) -> str:
@@ -62,6 +64,7 @@ class RunState:
     pending_tokens: int = 0
     pending_batches: list[dict[str, Any]] = field(default_factory=list)
     answered: OrderedDict[str, dict[str, Any]] = field(default_factory=OrderedDict)  # request id → result
+    sampled: OrderedDict[str, dict[str, Any]] = field(default_factory=OrderedDict)  # request id → sample result
     snapshot_step: int = -1
     snapshot_seq: int = 0
     snapshot_time: float = field(default_factory=time.monotonic)
@@ -92,6 +95,12 @@ class RunState:
             self.answered[request_id] = result
             while len(self.answered) > REMEMBERED_REQUESTS:
                 self.answered.popitem(last=False)
+
+    def remember_sample(self, request_id: str | None, result: dict[str, Any]) -> None:
+        if request_id:
+            self.sampled[request_id] = result
+            while len(self.sampled) > REMEMBERED_SAMPLES:
+                self.sampled.popitem(last=False)
 
     def resident_bytes(self) -> int:
         """Parameters, gradients and optimizer state held for this run."""
@@ -169,6 +178,9 @@ class RunState:
 
     def load_latest_snapshot(self, device: torch.device) -> None:
         """Load the newest whole snapshot, if any; a fresh run (none yet) keeps its seeded initial weights."""
+        # A snapshot killed part-way leaves its temporary folder (never a step_N): it holds nothing to keep.
+        for debris in self.paths.adapters.glob(".step_*.*-*"):
+            shutil.rmtree(debris, ignore_errors=True)
         for step in reversed(self.paths.saved_steps()):
             directory = self.paths.adapter_step(step)
             if (directory / SNAPSHOT_FILE).exists():
@@ -228,6 +240,24 @@ def _fsync_tree(directory: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def last_manifest_step(path: Path) -> int:
+    """The step of manifest.jsonl's last step line (0 if none): replay adds the lines a crash cut off."""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(max(0, fh.seek(0, os.SEEK_END) - 64 * 1024))
+            tail = fh.read().decode(errors="replace").splitlines()
+    except FileNotFoundError:
+        return 0
+    for line in reversed(tail):
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue  # a torn or partial first line of the tail
+        if isinstance(entry, dict) and isinstance(entry.get("step"), int) and "adam" in entry:
+            return entry["step"]
+    return 0
 
 
 def append_manifest(path: Path, entry: dict[str, Any]) -> None:

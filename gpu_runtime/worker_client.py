@@ -165,6 +165,8 @@ class WorkerClient:
                 print(f"gpu_runtime worker: answer for unknown request {message.get('id')!r}", file=sys.stderr)
                 continue
             future = entry[1]
+            if not future.set_running_or_notify_cancel():
+                continue  # the caller gave up on it (cancelled): the answer has nobody to go to
             if "error" in message:
                 future.set_exception(SignalError.from_dict(message["error"]))
             else:
@@ -181,6 +183,8 @@ class WorkerClient:
             for rid, _ in failed:
                 del self._pending[rid]
         for _, (method, future, _) in failed:
+            if not future.set_running_or_notify_cancel():
+                continue
             # The log's path stays on the server: this message travels to API clients.
             future.set_exception(WorkerFailed(f"worker process exited with code {code} during {method}"))
         if failed:

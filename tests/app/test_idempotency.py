@@ -16,12 +16,6 @@ from tests.helpers.live_server import LiveServer, error_code
 
 BATCH = [{"text": "one example the run learns from"}]
 
-# The runtime remembers the answers of forward_backward and optim_step by request id, not yet those of sample.
-# strict: when it does, this passes and the marker must go.
-SAMPLE_NOT_REPLAYED = pytest.mark.xfail(reason="the runtime does not answer a repeated sample request id with its "
-                                        "first result yet, so the retry is generated and recorded again",
-                                        strict=True)
-
 MUTATIONS: dict[str, str] = {
     "forwardBackward": """mutation($id: ID!, $batch: [BatchItem!]!, $rid: String) {
         forwardBackward(runId: $id, batch: $batch, requestId: $rid) { loss numTokens step } }""",
@@ -50,7 +44,7 @@ def ready_run(client: SignalClient):  # type: ignore[no-untyped-def]
 
 
 @pytest.mark.parametrize("mutation", [
-    "forwardBackward", "optimStep", pytest.param("sample", marks=SAMPLE_NOT_REPLAYED), "saveState"])
+    "forwardBackward", "optimStep", "sample", "saveState"])
 def test_a_request_id_sent_twice_is_applied_once(live_server: LiveServer, key: str, mutation: str) -> None:
     run = ready_run(SignalClient(api_key=key, base_url=live_server.url))
     variables = {"id": run.id, "batch": BATCH, "rid": str(uuid.uuid4())}

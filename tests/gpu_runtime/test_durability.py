@@ -542,3 +542,32 @@ def test_a_format_1_snapshot_restores_and_trains_on(tmp_path: Path, tiny_model_d
     meta = json.loads((root / "lora_adapters" / "step_3" / "snapshot.json").read_text())
     assert meta["format"] == 2 and meta["seq"] == 2
     assert_same(capture(Engine(tmp_path, device="cpu"), "old"), reference.after[-1])
+
+
+# ---- what a crash leaves beside the journal -----------------------------------------------------
+
+
+def test_a_crash_before_the_manifest_line_and_a_half_written_snapshot_are_repaired(
+    tmp_path: Path, tiny_model_dir: str
+) -> None:
+    first = Engine(tmp_path, device="cpu")
+    create(first, "r", tiny_model_dir)
+    for index in range(4):  # fb-1, opt-1, fb-2, opt-2
+        do(first, "r", index)
+    for state in first.runs.values():
+        state.journal.close()
+    del first  # a crash: no shutdown snapshot
+    root = tmp_path / "runs" / "u1" / "r"
+    manifest = root / "manifest.jsonl"
+    lines = manifest.read_text().splitlines()
+    manifest.write_text("\n".join(lines[:-1]) + "\n")  # step 2 was journaled; its manifest line never written
+    debris = root / "lora_adapters" / ".step_2.tmp-0123abcd"
+    debris.mkdir(parents=True)
+    (debris / "adapter_model.safetensors").write_bytes(b"half a file")
+
+    restarted = Engine(tmp_path, device="cpu")
+    assert restarted.run_info("r")["step"] == 2
+    steps = [json.loads(line)["step"] for line in manifest.read_text().splitlines() if '"adam"' in line]
+    assert steps == [1, 2]
+    assert json.loads(manifest.read_text().splitlines()[-1]) == json.loads(lines[-1])  # the same line, rebuilt
+    assert not debris.exists()

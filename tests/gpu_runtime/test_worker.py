@@ -71,6 +71,14 @@ def test_killed_worker_is_worker_failed_and_restart_resumes_from_disk(client: Wo
     assert client.call("optim_step", run_id="w2")["step"] == 2
 
 
+def test_a_cancelled_call_still_applies_and_other_answers_keep_coming(client: WorkerClient, tiny_model_dir: str) -> None:
+    client.call("create_run", run_id="cancelled", user_id="u1", base_model=tiny_model_dir, lora={"r": 4})
+    future = client.submit("forward_backward", run_id="cancelled", batch=BATCH)
+    assert future.cancel()  # the caller went away; the runtime still has the call
+    # Per-run order: run_info is answered after the forward_backward, which was applied, its answer dropped.
+    assert client.call("run_info", run_id="cancelled", timeout=120)["pending_forward_backward"] == 1
+
+
 def test_close_stops_the_worker_and_start_is_idempotent(tmp_path: Path) -> None:
     worker = WorkerClient(str(tmp_path), device="cpu", log_path=str(tmp_path / "w.log"))
     worker.start()
