@@ -32,7 +32,7 @@ class Catalog:
         self._models = {model.name: model for model in models}
 
     @classmethod
-    def from_file(cls, path: Path) -> "Catalog":
+    def from_file(cls, path: Path) -> Catalog:
         data = yaml.safe_load(Path(path).read_text()) or {}
         return cls([_parse_entry(entry, path) for entry in data.get("models", [])])
 

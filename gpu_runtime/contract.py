@@ -194,7 +194,7 @@ class RuntimeOptions:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "RuntimeOptions":
+    def from_dict(cls, data: dict[str, Any]) -> RuntimeOptions:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:

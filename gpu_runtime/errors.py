@@ -26,7 +26,7 @@ class SignalError(Exception):
         return {"type": type(self).__name__, "code": self.code, "message": self.message, "field": self.field}
 
     @staticmethod
-    def from_dict(data: dict[str, Any]) -> "SignalError":
+    def from_dict(data: dict[str, Any]) -> SignalError:
         return _rebuild(data.get("type", "InternalError"), data.get("message", ""), data.get("field"))
 
 

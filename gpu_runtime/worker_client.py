@@ -84,7 +84,7 @@ class WorkerClient:
         with self._lock:
             self._stop(graceful=True)
 
-    def __enter__(self) -> "WorkerClient":
+    def __enter__(self) -> WorkerClient:
         self.start()
         return self
 

@@ -90,8 +90,8 @@ class _ClientBase:
             body = response.json()
         except ValueError:
             if response.status_code == 413:  # refused by the server's body limit before any GraphQL
-                raise PayloadTooLargeError(f"the request body is too large: {response.text[:200]}")
-            raise TransportError(f"server answered HTTP {response.status_code} without JSON: {response.text[:200]}")
+                raise PayloadTooLargeError(f"the request body is too large: {response.text[:200]}") from None
+            raise TransportError(f"server answered HTTP {response.status_code} without JSON: {response.text[:200]}") from None
         if body.get("errors"):
             raise error_from_graphql(body["errors"][0])
         if response.status_code >= 400 or not isinstance(body.get("data"), dict):
@@ -170,7 +170,7 @@ class SignalClient(_ClientBase):
     def close(self) -> None:
         self._http.close()
 
-    def __enter__(self) -> "SignalClient":
+    def __enter__(self) -> SignalClient:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -202,7 +202,7 @@ class AsyncSignalClient(_ClientBase):
     async def close(self) -> None:
         await self._http.aclose()
 
-    async def __aenter__(self) -> "AsyncSignalClient":
+    async def __aenter__(self) -> AsyncSignalClient:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -271,12 +271,12 @@ class _RunBase:
 
 
 class Run(_RunBase):
-    def refresh(self) -> "Run":
+    def refresh(self) -> Run:
         return self._client._run(Call("GetRun", {"id": self.id}, "run", self._store))
 
 
 class AsyncRun(_RunBase):
-    async def refresh(self) -> "AsyncRun":
+    async def refresh(self) -> AsyncRun:
         return await self._client._run(Call("GetRun", {"id": self.id}, "run", self._store))
 
 

@@ -23,7 +23,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.fixture
-def engine(tmp_path: Path) -> Iterator["Engine"]:
+def engine(tmp_path: Path) -> Iterator[Engine]:
     """An Engine on a fresh data directory, on CPU."""
     from gpu_runtime.engine import Engine
 
@@ -31,7 +31,7 @@ def engine(tmp_path: Path) -> Iterator["Engine"]:
 
 
 @pytest.fixture(scope="module")
-def live_server(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator["LiveServer"]:
+def live_server(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     """A real Signal server (uvicorn on loopback, a real worker, SQLite) with the tiny model, per test module."""
     from tests.helpers.live_server import LiveServer, settings_for
 
@@ -41,6 +41,6 @@ def live_server(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -
 
 
 @pytest.fixture
-def key(live_server: "LiveServer") -> str:
+def key(live_server: LiveServer) -> str:
     """The API key of a fresh user on the live server."""
     return live_server.new_user()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Awaitable, Callable
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
@@ -32,7 +32,7 @@ STATUS = {"NOT_FOUND": 404, "BAD_INPUT": 422, "UNAUTHENTICATED": 401, "FAILED_PR
 def _ago(value: datetime | None) -> str:
     if value is None:
         return "never"
-    seconds = (datetime.now(timezone.utc) - value).total_seconds()
+    seconds = (datetime.now(UTC) - value).total_seconds()
     for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
         if seconds >= size:
             return f"{int(seconds // size)} {unit} ago"

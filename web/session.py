@@ -3,12 +3,11 @@ user id and the CSRF token, and the helpers that read them."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import hmac
 import os
 import secrets
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from starlette.middleware import Middleware
 from starlette.middleware.sessions import SessionMiddleware

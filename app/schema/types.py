@@ -27,7 +27,7 @@ class ModelInfo:
     description: str
 
     @classmethod
-    def from_catalog(cls, model: CatalogModel) -> "ModelInfo":
+    def from_catalog(cls, model: CatalogModel) -> ModelInfo:
         return cls(name=model.name, family=model.family, parameters=float(model.parameters), gpu=model.gpu,
                    offline=model.offline, description=model.description)
 
@@ -41,7 +41,7 @@ class User:
     created_at: datetime
 
     @classmethod
-    def from_row(cls, row: tables.User) -> "User":
+    def from_row(cls, row: tables.User) -> User:
         return cls(id=strawberry.ID(row.id), email=row.email, name=row.name, is_admin=row.is_admin,
                    created_at=row.created_at)
 
@@ -60,7 +60,7 @@ class ApiKey:
         return self.revoked_at is not None
 
     @classmethod
-    def from_row(cls, row: tables.ApiKey) -> "ApiKey":
+    def from_row(cls, row: tables.ApiKey) -> ApiKey:
         return cls(id=strawberry.ID(row.id), name=row.name, prefix=row.prefix, created_at=row.created_at,
                    last_used_at=row.last_used_at, revoked_at=row.revoked_at)
 
@@ -79,7 +79,7 @@ class Metric:
     created_at: datetime
 
     @classmethod
-    def from_row(cls, row: tables.Metric) -> "Metric":
+    def from_row(cls, row: tables.Metric) -> Metric:
         return cls(step=row.step, name=row.name, value=row.value, created_at=row.created_at)
 
 
@@ -93,7 +93,7 @@ class Sample:
     created_at: datetime
 
     @classmethod
-    def from_row(cls, row: tables.Sample) -> "Sample":
+    def from_row(cls, row: tables.Sample) -> Sample:
         return cls(id=strawberry.ID(str(row.id)), step=row.step, prompt=row.prompt, output=row.output,
                    params=row.params, created_at=row.created_at)
 
@@ -108,7 +108,7 @@ class Checkpoint:
     created_at: datetime
 
     @classmethod
-    def from_row(cls, row: tables.Checkpoint) -> "Checkpoint":
+    def from_row(cls, row: tables.Checkpoint) -> Checkpoint:
         return cls(id=strawberry.ID(str(row.id)), step=row.step, mode=row.mode, checkpoint_path=row.path,
                    size_bytes=float(row.size_bytes), created_at=row.created_at)
 
@@ -147,7 +147,7 @@ class Run:
         return [Checkpoint.from_row(row) for row in await info.context.services.runs.checkpoints(self.row)]
 
     @classmethod
-    def from_row(cls, row: tables.Run) -> "Run":
+    def from_row(cls, row: tables.Run) -> Run:
         lora, adam = row.lora_config, row.optimizer_config
         return cls(
             id=strawberry.ID(row.id), base_model=row.base_model, status=row.status, step=row.step,
@@ -188,7 +188,7 @@ class SampleResult:
     sequences: list[list[SampledSequence]]
 
     @classmethod
-    def from_result(cls, result: dict[str, Any]) -> "SampleResult":
+    def from_result(cls, result: dict[str, Any]) -> SampleResult:
         return cls(
             outputs=list(result["outputs"]),
             sequences=[
@@ -212,7 +212,7 @@ class TrainingEvent:
     created_at: datetime | None = None
 
     @classmethod
-    def from_event(cls, event: dict[str, Any]) -> "TrainingEvent":
+    def from_event(cls, event: dict[str, Any]) -> TrainingEvent:
         fields = {k: event.get(k) for k in ("loss", "num_tokens", "num_examples", "grad_norm", "learning_rate")}
         return cls(run_id=strawberry.ID(event["run_id"]), kind=event["kind"], step=event["step"],
                    created_at=event.get("created_at"), **fields)

@@ -38,7 +38,7 @@ class Services:
     supabase: SupabaseSignIn | None = None  # only when SUPABASE_URL and SUPABASE_ANON_KEY are set
 
     @classmethod
-    def build(cls, settings: Settings, backend: Backend | None = None) -> "Services":
+    def build(cls, settings: Settings, backend: Backend | None = None) -> Services:
         db = Database(settings.resolved_database_url)
         backend = backend or make_backend(settings)
         catalog = Catalog.from_file(settings.models_file)

@@ -88,7 +88,7 @@ class DashboardService:
         if callable(status):
             try:
                 state["runtime"] = await status()
-            except Exception as error:  # the admin page must render even when the runtime is down
+            except Exception as error:  # noqa: BLE001 - the admin page must render even when the runtime is down
                 state["runtime_error"] = f"{type(error).__name__}: {error}"
         return state
 

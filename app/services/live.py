@@ -34,7 +34,7 @@ class LiveMetrics:
         run = await self.runs.get(user, run_id)
         return self.broker.subscribe(run.id)
 
-    async def open_stream(self, user: User, run_id: str, after_id: int = 0, poll_s: float = 2.0) -> "MetricStream":
+    async def open_stream(self, user: User, run_id: str, after_id: int = 0, poll_s: float = 2.0) -> MetricStream:
         """A stream of the run's metric rows with id > after_id; RunNotFound here, before it starts."""
         run = await self.runs.get(user, run_id)
         return MetricStream(self.db, self.broker, run, after_id, poll_s)

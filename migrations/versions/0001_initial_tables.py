@@ -1,13 +1,12 @@
 """initial tables
 
 Revision ID: 0001
-Revises: 
+Revises:
 Create Date: 2026-12-02 15:29:33.897744
 """
 
-from alembic import op
 import sqlalchemy as sa
-
+from alembic import op
 
 revision = '0001'
 down_revision = None

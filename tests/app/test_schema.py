@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from graphql import parse, validate
 
 from app.schema import schema
+from graphql import parse, validate
 from rewardsignal.operations import document, names
 
 REPO = Path(__file__).resolve().parents[2]

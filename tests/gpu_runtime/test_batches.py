@@ -5,12 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
 from transformers import AutoTokenizer
 
 from gpu_runtime.batches import Renderer, collate
 from gpu_runtime.errors import BadInput
-
-import torch
 
 
 @pytest.fixture(scope="module")

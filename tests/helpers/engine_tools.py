@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from gpu_runtime.multilora import Segment, routed
 from gpu_runtime.engine import Engine
+from gpu_runtime.multilora import Segment, routed
 
 BATCH = [
     {"text": "The quick brown fox jumps over the lazy dog."},

@@ -55,7 +55,7 @@ class LiveServer:
     thread: threading.Thread
 
     @classmethod
-    def start(cls, settings: Settings, wait_for_runtime: bool = True) -> "LiveServer":
+    def start(cls, settings: Settings, wait_for_runtime: bool = True) -> LiveServer:
         """Serve `settings`; with `wait_for_runtime`, return once the GPU runtime answers too (it starts in the
         background, so timing-sensitive tests would otherwise measure its start-up)."""
         app = create_app(settings)

@@ -35,7 +35,7 @@ def run_async(coroutine: Any) -> Any:
         return pool.submit(asyncio.run, coroutine).result()
 
 
-def mint_login_link(server: "LiveServer", email: str, is_admin: bool = False) -> str:
+def mint_login_link(server: LiveServer, email: str, is_admin: bool = False) -> str:
     """A one-time sign-in URL for `email` (the user is created if new), as `signal login-link` makes."""
 
     async def mint() -> str:
@@ -49,7 +49,7 @@ def mint_login_link(server: "LiveServer", email: str, is_admin: bool = False) ->
     return f"{server.url}/auth/link?token={run_async(mint())}"
 
 
-def api_key_for(server: "LiveServer", email: str) -> str:
+def api_key_for(server: LiveServer, email: str) -> str:
     async def make() -> str:
         db = Database(server.settings.resolved_database_url)
         try:
@@ -82,7 +82,7 @@ def csrf_of(html: str) -> str:
     return match.group(1)
 
 
-def sign_in(server: "LiveServer", email: str | None = None, is_admin: bool = False) -> Visitor:
+def sign_in(server: LiveServer, email: str | None = None, is_admin: bool = False) -> Visitor:
     email = email or f"web-{uuid.uuid4().hex[:8]}@example.com"
     client = httpx.Client(base_url=server.url, timeout=120)
     page = client.get(mint_login_link(server, email, is_admin))
@@ -97,7 +97,7 @@ def sign_in(server: "LiveServer", email: str | None = None, is_admin: bool = Fal
 
 
 @pytest.fixture
-def visitor(live_server: "LiveServer") -> Iterator[Visitor]:
+def visitor(live_server: LiveServer) -> Iterator[Visitor]:
     visitor = sign_in(live_server)
     yield visitor
     visitor.client.close()
@@ -106,7 +106,7 @@ def visitor(live_server: "LiveServer") -> Iterator[Visitor]:
 # Per module, not per session: sync Playwright keeps an event loop running on this thread until it stops,
 # and async tests collected after it (pytest-asyncio) could not start their own.
 @pytest.fixture(scope="module")
-def browser() -> Iterator["Browser"]:
+def browser() -> Iterator[Browser]:
     if not CHROMIUM.exists():
         pytest.fail("browser tests need Debian's chromium: apt-get install -y chromium (.ci/run does)")
     from playwright.sync_api import sync_playwright

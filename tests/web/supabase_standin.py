@@ -44,7 +44,7 @@ class SupabaseStandIn:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self) -> "SupabaseStandIn":
+    def start(self) -> SupabaseStandIn:
         app = Starlette(routes=[
             Route("/auth/v1/authorize", self.authorize),
             Route("/auth/v1/token", self.token, methods=["POST"]),

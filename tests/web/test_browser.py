@@ -9,9 +9,9 @@ land in tests/web/screenshots/.
 from __future__ import annotations
 
 import tarfile
-from urllib.parse import urlsplit
 from collections.abc import Iterator
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 from playwright.sync_api import Browser, Page, Route, expect

@@ -3,9 +3,7 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
