@@ -1,55 +1,54 @@
-"""Training throughput through the worker (WorkerClient → engine) next to a plain in-process PEFT loop.
+"""Training throughput through the worker (WorkerClient → runtime) next to a plain in-process PEFT loop.
 
-    .venv/bin/python bench/engine_throughput.py --steps 5 --batch-size 8 --seq-len 128 [--model DIR] [--device cpu]
+    .venv/bin/python bench/engine_throughput.py [--steps 5] [--batch-size 8] [--seq-len 128] [--quick] [--model DIR] [--threads N]
 
-Same model, LoRA config, batch and AdamW on both sides; the first step of each is a warm-up and
-is not timed. The worker's steps include what the service always does: validation, the pipe,
-and persisting the adapter + optimizer state after every optim_step. Last line: a JSON summary.
+Same model, LoRA config (r=8 on the attention projections), token batch and AdamW on both sides;
+the first step of each is a warm-up and is not timed. The worker's steps include what the service
+always does: validation, the pipe, the scheduler's tick, the multi-LoRA layer, and journaling
+each call with an fsync before its answer. Steps alternate between the sides. Last line: JSON
+with both tokens/s, their ratio, and the issue-6 target (≥ 0.95 of the plain PEFT loop).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import random
-import sys
 import time
 import uuid
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from gpu_runtime.worker_client import WorkerClient  # noqa: E402
+from benchlib import apply_threads, common_args, emit, log, scratch_data_dir, target
 
 LORA = {"r": 8, "alpha": 16, "dropout": 0.0}
 ADAM = {"learning_rate": 1e-4, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.0, "grad_clip_norm": 1.0}
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    common_args(parser)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--model", default="HuggingFaceTB/SmolLM2-135M-Instruct")
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--data-dir", default="data", help="where the model cache lives (default ./data)")
+    parser.add_argument("--quick", action="store_true", help="3 steps of 8 × 64 tokens")
     return parser.parse_args()
 
 
-def fixed_batch(batch_size: int, seq_len: int, vocab: int) -> list[dict[str, list[int] | list[float]]]:
+def fixed_batch(batch_size: int, seq_len: int) -> list[dict[str, list[int] | list[float]]]:
     rng = random.Random(0)
-    return [{"tokens": [rng.randrange(vocab) for _ in range(seq_len)], "weights": [1.0] * seq_len} for _ in range(batch_size)]
+    # Ids below 10k exist in every tokenizer we ship or test with.
+    return [{"tokens": [rng.randrange(10_000) for _ in range(seq_len)], "weights": [1.0] * seq_len} for _ in range(batch_size)]
 
 
 class WorkerSide:
-    """The engine in its worker process, through WorkerClient: what the server drives."""
+    """The runtime in its worker process, through WorkerClient: what the server drives."""
 
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, args: argparse.Namespace, data_dir: str, env: dict[str, str]) -> None:
+        from gpu_runtime.worker_client import WorkerClient
+
         self.run_id = f"bench-{uuid.uuid4().hex[:8]}"
-        self.client = WorkerClient(args.data_dir, device=args.device)
+        self.client = WorkerClient(data_dir, device=args.device, env=env)
         self.client.start()
-        self.client.call("create_run", run_id=self.run_id, user_id="bench", base_model=args.model,
-                         lora={**LORA, "target_modules": None}, seed=0)
+        self.created = self.client.call("create_run", run_id=self.run_id, user_id="bench", base_model=args.model,
+                                        lora={**LORA, "target_modules": None}, seed=0)
         self.device = self.client.call("ping")["device"]
 
     def step(self, batch: list[dict]) -> None:
@@ -64,20 +63,21 @@ class WorkerSide:
 class PeftSide:
     """A plain in-process PEFT + AdamW loop on the same model, batch and settings: the baseline."""
 
-    def __init__(self, args: argparse.Namespace, batch: list[dict]) -> None:
+    def __init__(self, args: argparse.Namespace, data_dir: str, batch: list[dict]) -> None:
         import torch
         from peft import LoraConfig, get_peft_model
 
+        from gpu_runtime.contract import default_target_modules
         from gpu_runtime.devices import resolve_device
-        from gpu_runtime.lora import default_target_modules, linear_module_names
         from gpu_runtime.models import ModelRegistry
+        from gpu_runtime.multilora import linear_module_names
 
         self.torch = torch
         self.device, dtype = resolve_device(args.device)
-        model = ModelRegistry(args.data_dir, self.device, dtype).get(args.model).model
-        targets = default_target_modules(linear_module_names(model))
+        model = ModelRegistry(data_dir, self.device, dtype).get(args.model).model
+        self.targets = default_target_modules(linear_module_names(model))
         config = LoraConfig(r=LORA["r"], lora_alpha=LORA["alpha"], lora_dropout=LORA["dropout"],
-                            target_modules=targets, task_type="CAUSAL_LM")
+                            target_modules=self.targets, task_type="CAUSAL_LM")
         self.model = get_peft_model(model, config)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=ADAM["learning_rate"], betas=(ADAM["beta1"], ADAM["beta2"]),
@@ -99,29 +99,40 @@ class PeftSide:
 
 def main() -> None:
     args = parse_args()
-    batch = fixed_batch(args.batch_size, args.seq_len, vocab=49152 if "SmolLM2" in args.model else 1000)
-    tokens = args.steps * args.batch_size * args.seq_len
-    worker, baseline = WorkerSide(args), PeftSide(args, batch)
+    env = apply_threads(args.threads)
+    steps, batch_size, seq_len = (3, args.batch_size, 64) if args.quick else (args.steps, args.batch_size, args.seq_len)
+    batch = fixed_batch(batch_size, seq_len)
+    tokens = steps * batch_size * seq_len
     seconds = {"worker": 0.0, "baseline": 0.0}
-    try:
-        # Steps alternate between the two sides, so drift in the machine's speed hits both alike.
-        for step in range(args.steps + 1):
-            for name, side in (("worker", worker), ("baseline", baseline)):
-                start = time.perf_counter()
-                side.step(batch)
-                if step > 0:  # step 0 warms up
-                    seconds[name] += time.perf_counter() - start
-    finally:
-        worker.close()
-        baseline.close()
+    with scratch_data_dir(args.data_dir) as data_dir:
+        log(f"starting the worker and loading {args.model} on both sides")
+        worker, baseline = WorkerSide(args, str(data_dir), env), PeftSide(args, str(data_dir), batch)
+        try:
+            # Steps alternate between the two sides (and which goes first), so drift in the machine's speed hits both alike.
+            for step in range(steps + 1):
+                sides = [("worker", worker), ("baseline", baseline)]
+                for name, side in sides if step % 2 == 0 else reversed(sides):
+                    start = time.perf_counter()
+                    side.step(batch)
+                    elapsed = time.perf_counter() - start
+                    if step > 0:  # step 0 warms up
+                        seconds[name] += elapsed
+                    log(f"step {step}{' (warm-up)' if step == 0 else ''}: {name:<8} {elapsed:6.2f} s")
+        finally:
+            worker.close()
+            baseline.close()
     worker_tps, baseline_tps = tokens / seconds["worker"], tokens / seconds["baseline"]
-    print(f"\nmodel {args.model}  device {worker.device}  {args.steps} timed steps × {args.batch_size} × {args.seq_len} tokens")
+    ratio = worker_tps / baseline_tps
+    print(f"\nmodel {args.model}  device {worker.device}  {steps} timed steps × {batch_size} × {seq_len} tokens, "
+          f"LoRA r={LORA['r']} on {baseline.targets}")
     print(f"{'path':<28}{'seconds':>10}{'tokens/s':>12}")
     print(f"{'worker (WorkerClient)':<28}{seconds['worker']:>10.2f}{worker_tps:>12.1f}")
     print(f"{'plain PEFT loop':<28}{seconds['baseline']:>10.2f}{baseline_tps:>12.1f}")
-    print(f"ratio worker/baseline: {worker_tps / baseline_tps:.3f}")
-    print(json.dumps({"worker_tokens_per_s": round(worker_tps, 1), "baseline_tokens_per_s": round(baseline_tps, 1),
-                      "ratio": round(worker_tps / baseline_tps, 3)}))
+    print(f"ratio worker/baseline: {ratio:.3f} (target ≥ 0.95)")
+    emit({"bench": "engine_throughput", "model": args.model, "device": worker.device, "steps": steps,
+          "batch_size": batch_size, "seq_len": seq_len, "lora": worker.created["lora"],
+          "worker_tokens_per_s": round(worker_tps, 1), "baseline_tokens_per_s": round(baseline_tps, 1),
+          "ratio": round(ratio, 3), "targets": {"worker_vs_peft": target(ratio, ">=", 0.95)}, "all_pass": ratio >= 0.95})
 
 
 if __name__ == "__main__":

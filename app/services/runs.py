@@ -8,6 +8,7 @@ reach the worker in arrival order, then records what the worker returned.
 from __future__ import annotations
 
 import asyncio
+import builtins
 import math
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Iterator
@@ -116,7 +117,7 @@ class RunService:
             )
             return list(rows)
 
-    async def metrics(self, run: Run, name: str | None = None, limit: int = 1000) -> list[Metric]:
+    async def metrics(self, run: Run, name: str | None = None, limit: int = 1000) -> builtins.list[Metric]:
         query = select(Metric).where(Metric.run_id == run.id)
         if name:
             query = query.where(Metric.name == name)
@@ -124,12 +125,12 @@ class RunService:
             newest = list(await session.scalars(query.order_by(Metric.id.desc()).limit(_clamp(limit, 10_000))))
         return newest[::-1]  # the latest `limit` rows, in the order they happened
 
-    async def samples(self, run: Run, limit: int = 100) -> list[Sample]:
+    async def samples(self, run: Run, limit: int = 100) -> builtins.list[Sample]:
         async with self.db.session() as session:
             query = select(Sample).where(Sample.run_id == run.id).order_by(Sample.id.desc()).limit(_clamp(limit))
             return list(await session.scalars(query))
 
-    async def checkpoints(self, run: Run) -> list[Checkpoint]:
+    async def checkpoints(self, run: Run) -> builtins.list[Checkpoint]:
         async with self.db.session() as session:
             query = select(Checkpoint).where(Checkpoint.run_id == run.id).order_by(Checkpoint.id)
             return list(await session.scalars(query))
@@ -162,7 +163,7 @@ class RunService:
         return run
 
     async def forward_backward(
-        self, user: User, run_id: str, batch: list[dict[str, Any]], loss_fn: str = "cross_entropy",
+        self, user: User, run_id: str, batch: builtins.list[dict[str, Any]], loss_fn: str = "cross_entropy",
         loss_fn_config: dict[str, Any] | None = None, request_id: str | None = None,
     ) -> dict[str, Any]:
         run = await self.get(user, run_id)
