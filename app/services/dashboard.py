@@ -84,12 +84,13 @@ class DashboardService:
             "runs_by_status": by_status,
             "users": int(users or 0),
         }
-        status = getattr(self.backend, "status", None)
-        if callable(status):
-            try:
-                state["runtime"] = await status()
-            except Exception as error:  # noqa: BLE001 - the admin page must render even when the runtime is down
-                state["runtime_error"] = f"{type(error).__name__}: {error}"
+        if not self.backend.ready:
+            state["runtime_error"] = "the runtime is still starting"
+            return state
+        try:
+            state["runtime"] = await self.backend.call("runtime_state")
+        except Exception as error:  # noqa: BLE001 - the admin page must render even when the runtime is down
+            state["runtime_error"] = f"{type(error).__name__}: {error}"
         return state
 
 
