@@ -66,7 +66,7 @@ def _parser() -> argparse.ArgumentParser:
     models.set_defaults(handler=models_command)
 
     migrate_parser = commands.add_parser("migrate", help="apply database migrations")
-    migrate_parser.set_defaults(handler=lambda s, a: _migrate(s) or print("database is up to date"))
+    migrate_parser.set_defaults(handler=migrate_command)
     return parser
 
 
@@ -99,6 +99,12 @@ def models_command(settings: Settings, args: argparse.Namespace) -> int:
     for model in catalog.list():
         note = "offline" if model.offline else ""
         print(f"{model.name:<{width}}  {model.parameters / 1e9:>6.2f}B  {model.gpu:<12} {note}")
+    return 0
+
+
+def migrate_command(settings: Settings, args: argparse.Namespace) -> int:
+    _migrate(settings)
+    print("database is up to date")
     return 0
 
 

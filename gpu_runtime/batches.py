@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -144,7 +144,8 @@ class Renderer:
     def _template(self, messages: list[dict[str, str]], generation_prompt: bool) -> str:
         if not messages and not generation_prompt:
             return ""
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+        # tokenize=False returns the rendered text; the stub's return type covers every mode.
+        return cast(str, self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt))
 
     def _tokens_item(self, item: dict[str, Any], where: str, loss_fn: str) -> Example:
         allowed = {"tokens", "weights"} if loss_fn == "cross_entropy" else TOKEN_KEYS

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -122,7 +122,7 @@ class DecodeGroup:
             if token in self.eos_ids:
                 job.reasons[i] = "stop"
             elif stops:
-                text = tokenizer.decode(job.tokens[i], skip_special_tokens=True)
+                text = cast(str, tokenizer.decode(job.tokens[i], skip_special_tokens=True))  # one sequence in, one str out
                 cut = min((k for k in (text.find(s) for s in stops) if k >= 0), default=-1)
                 if cut >= 0:
                     job.reasons[i], job.texts[i] = "stop", text[:cut]
@@ -134,7 +134,7 @@ class DecodeGroup:
             text = job.texts[i]
             if text is None:
                 body = job.tokens[i][:-1] if job.tokens[i] and job.tokens[i][-1] in self.eos_ids else job.tokens[i]
-                text = tokenizer.decode(body, skip_special_tokens=True)
+                text = cast(str, tokenizer.decode(body, skip_special_tokens=True))  # one sequence in, one str out
             results.append({"text": text, "tokens": job.tokens[i], "logprobs": job.logprobs[i],
                             "stop_reason": job.reasons[i] or "length"})
         n = job.settings.num_samples

@@ -29,6 +29,7 @@ import shutil
 import signal
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -133,7 +134,7 @@ class Engine:
         self.last_tick = TickStats()
         self._owners: dict[str, str] = {}  # run → user, for fair turns
         self._touched: set[str] = set()  # runs whose journal has records not yet fsync'd
-        self._handlers = {
+        self._handlers: dict[str, Callable[..., Any]] = {
             "create_run": self._create_run, "forward_backward": self._prepare_fb, "optim_step": self._optim_step,
             "sample": self._prepare_sample, "save_state": self._save_state, "load_run": self._run_info,
             "run_info": self._run_info, "close_run": self._close_run, "delete_run": self._delete_run,
@@ -329,7 +330,8 @@ class Engine:
     @staticmethod
     def _take_rows(progress: FbProgress, allowance: int) -> list[Example]:
         """The next rows of a call that fit in `allowance` tokens (at least one)."""
-        taken, tokens = [], 0
+        taken: list[Example] = []
+        tokens = 0
         for example in progress.examples[progress.done:]:
             if taken and tokens + len(example.tokens) > allowance:
                 break

@@ -14,7 +14,7 @@ import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from tqdm import tqdm
@@ -98,7 +98,8 @@ class ModelRegistry:
     def get(self, name: str) -> LoadedBase:
         if name not in self.loaded:
             base = self._load(name)
-            base.model.to(self.device)
+            # PreTrainedModel.to is @wraps(Module.to), which mypy reads as an unbound method; the cast only retypes it.
+            cast(torch.nn.Module, base.model).to(self.device)
             self.loaded[name] = base
             self.load_count[name] = self.load_count.get(name, 0) + 1
         return self.loaded[name]
@@ -156,7 +157,7 @@ class ModelRegistry:
                 tokenizer.save_pretrained(tmp)
                 write_json(tmp / CACHE_MARKER, {"name": name, "revision": revision, "gguf_file": str(gguf)})
             bar.update(1)
-        model.to(self.dtype)
+        cast(torch.nn.Module, model).to(self.dtype)  # see get(): PreTrainedModel.to's @wraps confuses mypy
         return LoadedBase(name, model, tokenizer, revision, source="gguf", path=str(path))
 
     def _from_dir(self, name: str, path: Path, source: str, revision: str | None = None) -> LoadedBase:

@@ -14,7 +14,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -55,7 +55,7 @@ class Pool:
             base = self.models.get(name)
             base.model.requires_grad_(False)  # only LoRA matrices train
             base.model.eval()  # no base dropout; LoRA dropout is drawn by the multi-LoRA layer itself
-            vocab = base.model.get_input_embeddings().num_embeddings
+            vocab = cast(torch.nn.Embedding, base.model.get_input_embeddings()).num_embeddings  # typed as a plain Module
             self.bases[name] = BaseEntry(
                 base=base, routing=Routing(), renderer=Renderer(base.tokenizer, vocab, base.max_length),
                 available=linear_module_names(base.model), params=sum(p.numel() for p in base.model.parameters()),

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any, cast
 
 import strawberry
 from strawberry.scalars import JSON
@@ -39,8 +39,10 @@ class Mutation:
         loss_fn_config: JSON | None = None, request_id: RequestId = None,
     ) -> ForwardBackwardResult:
         user = await info.context.user()
+        # JSON is NewType("JSON", object); the runtime checks the value is an object (gpu_runtime.losses.get_loss).
+        config = cast("dict[str, Any] | None", loss_fn_config)
         result = await info.context.services.runs.forward_backward(
-            user, str(run_id), [item.to_dict() for item in batch], loss_fn=loss_fn, loss_fn_config=loss_fn_config,
+            user, str(run_id), [item.to_dict() for item in batch], loss_fn=loss_fn, loss_fn_config=config,
             request_id=request_id,
         )
         return ForwardBackwardResult(loss=result["loss"], num_tokens=result["num_tokens"],

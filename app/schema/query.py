@@ -33,7 +33,7 @@ class Query:
                       "per user, rows and base forward passes per tick (admins only)")
     async def runtime(self, info: Info) -> JSON:
         user = await info.context.user()
-        return await info.context.services.runs.runtime_state(user)
+        return JSON(await info.context.services.runs.runtime_state(user))
 
     @strawberry.field
     async def api_keys(self, info: Info) -> list[ApiKey]:

@@ -95,7 +95,7 @@ class Sample:
     @classmethod
     def from_row(cls, row: tables.Sample) -> Sample:
         return cls(id=strawberry.ID(str(row.id)), step=row.step, prompt=row.prompt, output=row.output,
-                   params=row.params, created_at=row.created_at)
+                   params=JSON(row.params), created_at=row.created_at)
 
 
 @strawberry.type
@@ -153,7 +153,7 @@ class Run:
             id=strawberry.ID(row.id), base_model=row.base_model, status=row.status, step=row.step,
             lora_r=int(lora["r"]), lora_alpha=float(lora["alpha"]), lora_dropout=float(lora["dropout"]),
             lora_target_modules=lora.get("target_modules"), learning_rate=float(adam["learning_rate"]),
-            optimizer=adam, seed=row.seed, gpu_config=row.gpu_config,
+            optimizer=JSON(adam), seed=row.seed, gpu_config=row.gpu_config,
             trainable_params=float(row.trainable_params), total_params=float(row.total_params),
             created_at=row.created_at, updated_at=row.updated_at, row=row,
         )

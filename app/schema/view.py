@@ -14,7 +14,7 @@ from app.errors import Unauthenticated
 from app.schema.context import Context, bearer_from_connection_params, bearer_from_header
 
 
-class SignalGraphQL(GraphQL):
+class SignalGraphQL(GraphQL[Context, None]):
     async def get_context(self, request: Request | WebSocket, response: Response | WebSocket) -> Context:
         services = request.app.state.services
         return Context(services=services, bearer=bearer_from_header(request.headers.get("authorization")),
