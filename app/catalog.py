@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import importlib.util
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import yaml
 
 from app.errors import BadInput
-from gpu_runtime.allocation import allocate, parse_gpu_config
+from gpu_runtime.allocation import GB, allocate, check_fit, estimate_bytes, parse_gpu_config, parse_quantization
+from gpu_runtime.contract import LORA_DEFAULTS
+
+FRAMEWORKS = ("transformers", "unsloth")
+_FIELDS = {"name", "family", "parameters", "offline", "description", "path", "gpu", "context_length", "framework",
+           "quantization_allowed"}
 
 
 @dataclass(frozen=True)
@@ -20,11 +28,24 @@ class CatalogModel:
     description: str
     path: str | None
     gpu: str
+    context_length: int | None = None  # tokens; None when the catalogue does not say
+    framework: str = "transformers"
+    quantization_allowed: bool = False
+    unavailable: str | None = None  # why runs cannot use it here (a framework missing), or None
 
     @property
     def source(self) -> str:
         """What the worker loads: the local path when there is one, else the hub id."""
         return self.path or self.name
+
+    @property
+    def available(self) -> bool:
+        return self.unavailable is None
+
+    @property
+    def estimated_memory_gb(self) -> float:
+        """GPU memory a run at the default LoRA rank needs, bf16 weights (gpu_runtime.allocation's estimate)."""
+        return round(estimate_bytes(self.parameters) / GB, 1)
 
 
 class Catalog:
@@ -32,9 +53,11 @@ class Catalog:
         self._models = {model.name: model for model in models}
 
     @classmethod
-    def from_file(cls, path: Path) -> Catalog:
+    def from_file(cls, path: Path, frameworks: Collection[str] | None = None) -> Catalog:
+        """Load and check the catalogue; `frameworks` are those usable here (default: what this machine has)."""
         data = yaml.safe_load(Path(path).read_text()) or {}
-        return cls([_parse_entry(entry, path) for entry in data.get("models", [])])
+        usable = available_frameworks() if frameworks is None else frameworks
+        return cls([_parse_entry(entry, path, usable) for entry in data.get("models", [])])
 
     def list(self) -> list[CatalogModel]:
         return list(self._models.values())
@@ -49,18 +72,76 @@ class Catalog:
             )
         return model
 
+    def resolve_gpu(self, model: CatalogModel, gpu_config: str | None, quantization: str | None = None,
+                    lora_r: int = LORA_DEFAULTS["r"]) -> str:
+        """The GPU configuration a new run on `model` gets: the override or the catalogue's, checked to hold it.
 
-def _parse_entry(entry: dict, source: Path) -> CatalogModel:
+        BadInput names the field: baseModel (framework missing here), quantization, or gpuConfig (with the
+        smallest configuration that fits).
+        """
+        if model.unavailable is not None:
+            raise BadInput(f"{model.name} cannot be used here: {model.unavailable}", field="baseModel")
+        quantization = parse_quantization(quantization)
+        if quantization is not None and not model.quantization_allowed:
+            raise BadInput(f"{model.name} does not allow quantization", field="quantization")
+        allocation = parse_gpu_config(gpu_config or model.gpu, field="gpuConfig")
+        return str(check_fit(model.name, model.parameters, allocation, quantization, lora_r))
+
+
+def available_frameworks() -> set[str]:
+    """Frameworks this machine can train with: transformers always; unsloth when importable on CUDA.
+
+    Torch-free (the server never imports torch): CUDA counts as present when the NVIDIA driver is loaded.
+    """
+    found = {"transformers"}
+    if importlib.util.find_spec("unsloth") is not None and Path("/proc/driver/nvidia/version").exists():
+        found.add("unsloth")
+    return found
+
+
+def _parse_entry(entry: Any, source: Path, frameworks: Collection[str]) -> CatalogModel:
     if not isinstance(entry, dict) or not entry.get("name"):
         raise ValueError(f"{source}: every model needs a name, got {entry!r}")
-    parameters = int(entry.get("parameters", 0))
-    gpu = str(parse_gpu_config(entry["gpu"])) if entry.get("gpu") else str(allocate(parameters))
+    name = str(entry["name"])
+
+    def bad(message: str) -> ValueError:
+        return ValueError(f"{source}: model {name!r}: {message}")
+
+    unknown = sorted(set(entry) - _FIELDS)
+    if unknown:
+        raise bad(f"unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(_FIELDS))}")
+    parameters = entry.get("parameters", 0)
+    if isinstance(parameters, bool) or not isinstance(parameters, int) or parameters < 0:
+        raise bad(f"parameters must be a non-negative integer, got {parameters!r}")
+    context_length = entry.get("context_length")
+    if context_length is not None and (isinstance(context_length, bool) or not isinstance(context_length, int)
+                                       or context_length <= 0):
+        raise bad(f"context_length must be a positive integer (tokens), got {context_length!r}")
+    framework = entry.get("framework", "transformers")
+    if framework not in FRAMEWORKS:
+        raise bad(f"framework must be one of {', '.join(FRAMEWORKS)}, got {framework!r}")
+    quantization_allowed = entry.get("quantization_allowed", False)
+    if not isinstance(quantization_allowed, bool):
+        raise bad(f"quantization_allowed must be true or false, got {quantization_allowed!r}")
+    try:
+        allocation = parse_gpu_config(entry["gpu"], field="gpu") if entry.get("gpu") else allocate(parameters)
+        check_fit(name, parameters, allocation, field="gpu")
+    except BadInput as error:
+        raise bad(f"gpu: {error.message}") from None
+    unavailable = None
+    if framework not in frameworks:
+        unavailable = (f"it needs the {framework} framework, which this server does not have"
+                       + (" (unsloth must be importable and CUDA present)" if framework == "unsloth" else ""))
     return CatalogModel(
-        name=str(entry["name"]),
+        name=name,
         family=str(entry.get("family", "")),
         parameters=parameters,
         offline=bool(entry.get("offline", False)),
         description=str(entry.get("description", "")),
         path=str(entry["path"]) if entry.get("path") else None,
-        gpu=gpu,
+        gpu=str(allocation),
+        context_length=context_length,
+        framework=framework,
+        quantization_allowed=quantization_allowed,
+        unavailable=unavailable,
     )

@@ -1,16 +1,56 @@
-"""GPU allocation rules: which GPUs a run gets from its model size, or from the user's `gpu_config`.
+"""GPU allocation: which GPUs a run gets (the product README's rules, or the user's `gpu_config`), whether
+they can hold the model, and the canonical spellings that Modal and the pools use.
 
-Pure Python (no torch): the server validates `gpu_config` with it and the Modal launcher uses it.
+Pure Python (no torch): the server validates `gpu_config` with it and the Modal app uses it.
+Every bound and every estimate's constant lives here, once.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
+from gpu_runtime.contract import LORA_DEFAULTS
 from gpu_runtime.errors import BadInput
 
-GPU_TYPES: dict[str, int] = {"T4": 16, "A10G": 24, "L40S": 48, "A100": 40, "A100-80GB": 80, "H100": 80}
-MAX_GPUS = 8
+MAX_GPUS = 8  # the most GPUs Modal attaches to one container
+
+
+@dataclass(frozen=True)
+class GpuType:
+    name: str  # Modal's spelling
+    memory_gb: int
+    max_count: int = MAX_GPUS
+
+
+# The README's list plus what Modal offers today. Ordered smallest first: by memory, and of equal
+# memory the one cheaper on Modal first (L4 before A10, A100-80GB before H100). "Smallest that fits"
+# walks this order.
+GPUS: tuple[GpuType, ...] = (
+    GpuType("T4", 16),
+    GpuType("L4", 24),
+    GpuType("A10", 24, max_count=4),  # Modal attaches at most 4 A10s
+    GpuType("A100", 40),
+    GpuType("L40S", 48),
+    GpuType("A100-80GB", 80),
+    GpuType("H100", 80),
+    GpuType("H200", 141),
+    GpuType("B200", 180),
+)
+GPU_TYPES: dict[str, int] = {gpu.name: gpu.memory_gb for gpu in GPUS}
+GPU_ALIASES: dict[str, str] = {"A10G": "A10", "A100-40GB": "A100"}  # the README says A10G; Modal says A10
+
+QUANTIZATIONS: tuple[str, ...] = ("8bit", "4bit")
+
+# ---- the memory estimate: every constant in one place --------------------------------------------
+GB = 10**9  # GPUs are sold in these; estimates are shown in them too
+GIB = 2**30
+BYTES_PER_WEIGHT: dict[str | None, float] = {None: 2.0, "8bit": 1.0, "4bit": 0.5}  # bf16, int8, nf4
+LORA_STATE_BYTES = 16  # per trainable parameter: fp32 weight, its gradient, AdamW's two moments (4 bytes each)
+ACTIVATION_FRACTION = 0.20  # activation margin, as a share of the weights' bytes
+ACTIVATION_FIXED_BYTES = 2 * GIB  # plus a fixed margin: CUDA context, allocator slack, a modest batch
+DEFAULT_TARGET_FRACTION = 1 / 3  # share of parameters in LoRA-targeted matrices (attention q/k/v/o ≈ a third)
+PARAMS_PER_HIDDEN_SQUARED = 500  # parameters ≈ 500 × hidden² from 135M to 70B; estimates the hidden size
 
 _BILLION = 1_000_000_000
 
@@ -23,20 +63,37 @@ class GpuAllocation:
     def __str__(self) -> str:
         return f"{self.gpu_type}:{self.count}"
 
+    @property
+    def memory_gb(self) -> int:
+        return GPU_TYPES[self.gpu_type] * self.count
 
-def parse_gpu_config(value: str, field: str = "gpu_config") -> GpuAllocation:
-    """Parse "L40S", "L40S:2", "a100-80gb:4" (case-insensitive) into an allocation."""
+
+def parse_gpu_config(value: str | GpuAllocation, field: str = "gpu_config") -> GpuAllocation:
+    """Parse "L40S", "L40S:2", "a100-80gb:4", "A10G" (case-insensitive, aliases allowed) into an allocation."""
+    if isinstance(value, GpuAllocation):
+        value = str(value)
     gpu_type, _, count_text = value.strip().partition(":")
-    canonical = {name.upper(): name for name in GPU_TYPES}.get(gpu_type.upper())
+    names = {name.upper(): name for name in GPU_TYPES} | {alias.upper(): name for alias, name in GPU_ALIASES.items()}
+    canonical = names.get(gpu_type.strip().upper())
     if canonical is None:
         raise BadInput(f"unknown GPU type {gpu_type!r}; use one of {', '.join(GPU_TYPES)}", field=field)
     try:
         count = int(count_text) if count_text else 1
     except ValueError:
         raise BadInput(f"GPU count must be an integer, got {count_text!r}", field=field) from None
-    if not 1 <= count <= MAX_GPUS:
-        raise BadInput(f"GPU count must be between 1 and {MAX_GPUS}, got {count}", field=field)
+    most = _gpu(canonical).max_count
+    if not 1 <= count <= most:
+        raise BadInput(f"{canonical} GPU count must be between 1 and {most}, got {count}", field=field)
     return GpuAllocation(canonical, count)
+
+
+def parse_quantization(value: str | None, field: str = "quantization") -> str | None:
+    """None (bf16 weights), "8bit" or "4bit"; "none" and "" mean None."""
+    if value is None or value.strip().lower() in ("", "none"):
+        return None
+    if value.strip().lower() not in QUANTIZATIONS:
+        raise BadInput(f"quantization must be none, {' or '.join(QUANTIZATIONS)}; got {value!r}", field=field)
+    return value.strip().lower()
 
 
 def allocate(parameters: int) -> GpuAllocation:
@@ -50,3 +107,112 @@ def allocate(parameters: int) -> GpuAllocation:
     if parameters < 72 * _BILLION:  # "70B" models are 70.6B
         return GpuAllocation("A100-80GB", 4)
     return GpuAllocation("A100-80GB", 8)
+
+
+# ---- fit --------------------------------------------------------------------------------------------
+
+def lora_parameters(parameters: int, lora_r: int = LORA_DEFAULTS["r"],
+                    target_fraction: float = DEFAULT_TARGET_FRACTION) -> int:
+    """Trainable LoRA parameters, roughly: each targeted hidden×hidden matrix gains 2·r·hidden."""
+    if parameters <= 0:
+        return 0
+    hidden = math.sqrt(parameters / PARAMS_PER_HIDDEN_SQUARED)
+    targeted = parameters * target_fraction
+    return int(min(targeted, targeted * 2 * lora_r / hidden))
+
+
+def estimate_bytes(parameters: int, quantization: str | None = None, lora_r: int = LORA_DEFAULTS["r"],
+                   target_fraction: float = DEFAULT_TARGET_FRACTION) -> int:
+    """GPU memory a LoRA run needs: base weights + LoRA with its AdamW state + an activation margin."""
+    weights = parameters * BYTES_PER_WEIGHT[parse_quantization(quantization)]
+    lora_state = lora_parameters(parameters, lora_r, target_fraction) * LORA_STATE_BYTES
+    activations = weights * ACTIVATION_FRACTION + ACTIVATION_FIXED_BYTES
+    return int(weights + lora_state + activations)
+
+
+def fits(allocation: GpuAllocation, parameters: int, quantization: str | None = None,
+         lora_r: int = LORA_DEFAULTS["r"]) -> bool:
+    return estimate_bytes(parameters, quantization, lora_r) <= allocation.memory_gb * GB
+
+
+def smallest_fit(parameters: int, quantization: str | None = None, lora_r: int = LORA_DEFAULTS["r"],
+                 max_count: int = MAX_GPUS) -> GpuAllocation | None:
+    """The smallest configuration that holds the model: fewest GPUs first, then the smallest GPU."""
+    for count in range(1, max_count + 1):
+        for gpu in GPUS:
+            candidate = GpuAllocation(gpu.name, count)
+            if count <= gpu.max_count and fits(candidate, parameters, quantization, lora_r):
+                return candidate
+    return None
+
+
+def smallest_single_gpu(parameters: int, quantization: str | None = None,
+                        lora_r: int = LORA_DEFAULTS["r"]) -> GpuAllocation | None:
+    """The smallest single GPU that holds the model, or None when none does."""
+    return smallest_fit(parameters, quantization, lora_r, max_count=1)
+
+
+def check_fit(model_name: str, parameters: int, allocation: GpuAllocation | str, quantization: str | None = None,
+              lora_r: int = LORA_DEFAULTS["r"], field: str = "gpuConfig") -> GpuAllocation:
+    """The allocation, if it can hold the model; otherwise BadInput naming the smallest configuration that can."""
+    allocation = parse_gpu_config(allocation, field=field)
+    if fits(allocation, parameters, quantization, lora_r):
+        return allocation
+    need = estimate_bytes(parameters, quantization, lora_r)
+    smallest = smallest_fit(parameters, quantization, lora_r)
+    remedy = f"the smallest that fits is {smallest}" if smallest else f"no configuration up to {MAX_GPUS} GPUs holds it"
+    raise BadInput(f"{allocation} has {allocation.memory_gb} GB but {model_name} needs ~{_gb(need)} GB "
+                   f"({_weights_kind(quantization)} weights, LoRA with AdamW state, activations); {remedy}", field=field)
+
+
+def require_single_gpu(allocation: GpuAllocation | str, parameters: int, quantization: str | None = None,
+                       lora_r: int = LORA_DEFAULTS["r"], field: str = "gpuConfig") -> GpuAllocation:
+    """Modal pools run on one GPU until multi-GPU training (FSDP) lands; refuse a count above 1, naming the
+    smallest single GPU that holds the model, or the quantization that would let one. Not applied locally."""
+    allocation = parse_gpu_config(allocation, field=field)
+    if allocation.count == 1:
+        return allocation
+    need = estimate_bytes(parameters, quantization, lora_r)
+    single = smallest_single_gpu(parameters, quantization, lora_r)
+    if single is not None:
+        remedy = f"the smallest single GPU that holds it is {single} ({single.memory_gb} GB)"
+    else:
+        largest = GPUS[-1]
+        remedy = f"no single GPU holds it (the largest, {largest.name}, has {largest.memory_gb} GB)"
+        quantized = [(q, smallest_single_gpu(parameters, q, lora_r)) for q in QUANTIZATIONS]
+        quantized_fit = [(q, gpu) for q, gpu in quantized if gpu is not None]
+        if quantization is None and quantized_fit:
+            q, gpu = quantized_fit[0]
+            remedy += f"; with {q} quantization {gpu} does"
+    raise BadInput(f"{allocation} asks for {allocation.count} GPUs, but Modal pools run on a single GPU for now; "
+                   f"the model needs ~{_gb(need)} GB and {remedy}", field=field)
+
+
+# ---- canonical spellings ----------------------------------------------------------------------------
+
+def modal_gpu(allocation: GpuAllocation | str) -> str:
+    """Modal's GPU string: "H100" for one, "H100:2" for several ("A10G" becomes Modal's "A10")."""
+    allocation = parse_gpu_config(allocation)
+    return allocation.gpu_type if allocation.count == 1 else str(allocation)
+
+
+def pool_key(base_model: str, gpu: str, quantization: str | None) -> str:
+    """The one canonical spelling of a pool (base model, GPU configuration, quantization).
+
+    Modal scales each distinct parameter set as its own variant, so "h100", "H100" and "H100:1" must agree.
+    """
+    if not base_model or "|" in base_model:
+        raise BadInput(f"base model {base_model!r} cannot name a pool", field="baseModel")
+    return f"{base_model}|{parse_gpu_config(gpu)}|{parse_quantization(quantization) or 'none'}"
+
+
+def _gpu(name: str) -> GpuType:
+    return next(gpu for gpu in GPUS if gpu.name == name)
+
+
+def _gb(nbytes: int) -> str:
+    return f"{nbytes / GB:.1f}"
+
+
+def _weights_kind(quantization: str | None) -> str:
+    return "bf16" if quantization is None else quantization

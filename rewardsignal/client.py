@@ -102,7 +102,8 @@ class _ClientBase:
     # ---- the calls ----------------------------------------------------------------------
 
     def list_models(self, detailed: bool = False) -> Any:
-        """Names of the base models (or their full descriptions with `detailed=True`)."""
+        """Names of the base models, or with `detailed=True` their descriptions: gpu, contextLength, framework,
+        quantizationAllowed, available, estimatedMemoryGb, ..."""
         wrap = None if detailed else (lambda models: [model["name"] for model in models])
         return self._run(Call("ListModels", {}, "models", wrap))
 

@@ -25,11 +25,21 @@ class ModelInfo:
     gpu: str = strawberry.field(description="GPU allocation the rules pick for it, e.g. L40S:1")
     offline: bool = strawberry.field(description="Ships with Signal; needs no download")
     description: str
+    context_length: int | None = strawberry.field(description="Context window in tokens; null when unknown")
+    framework: str = strawberry.field(description="What trains it: transformers, or unsloth (CUDA only)")
+    quantization_allowed: bool = strawberry.field(description="Whether its base may be loaded in 8 or 4 bits")
+    available: bool = strawberry.field(description="Whether runs can be created on it on this server")
+    unavailable_reason: str | None = strawberry.field(description="Why not, when it is unavailable")
+    estimated_memory_gb: float = strawberry.field(
+        description="GPU memory a run needs at the default LoRA rank: bf16 weights, LoRA with AdamW state, activations")
 
     @classmethod
     def from_catalog(cls, model: CatalogModel) -> ModelInfo:
         return cls(name=model.name, family=model.family, parameters=float(model.parameters), gpu=model.gpu,
-                   offline=model.offline, description=model.description)
+                   offline=model.offline, description=model.description, context_length=model.context_length,
+                   framework=model.framework, quantization_allowed=model.quantization_allowed,
+                   available=model.available, unavailable_reason=model.unavailable,
+                   estimated_memory_gb=model.estimated_memory_gb)
 
 
 @strawberry.type

@@ -25,7 +25,6 @@ from app.db import Database
 from app.errors import BadInput, Forbidden, RunNotFound
 from app.events import EventBroker
 from app.tables import Checkpoint, Metric, Run, Sample, User, new_id, utcnow
-from gpu_runtime.allocation import parse_gpu_config
 from gpu_runtime.contract import ADAM_DEFAULTS, LORA_DEFAULTS, adam_settings, lora_settings
 
 T = TypeVar("T")
@@ -140,8 +139,8 @@ class RunService:
     async def create(self, user: User, spec: RunSpec) -> Run:
         spec.validate()
         model = self.catalog.get(spec.base_model or self.default_model)
-        gpu_config = str(parse_gpu_config(spec.gpu_config, field="gpuConfig")) if spec.gpu_config else model.gpu
         lora, adam = spec.lora(), spec.adam()
+        gpu_config = self.catalog.resolve_gpu(model, spec.gpu_config, lora_r=lora["r"])  # checked to hold the model
         run_id = new_id()
         created = await self._engine(
             "create_run", run_id=run_id, user_id=user.id, base_model=model.source, lora=lora, seed=spec.seed
