@@ -58,6 +58,12 @@ class WorkerFailed(SignalError, RuntimeError):
     code = "WORKER_FAILED"
 
 
+class HubError(SignalError, RuntimeError):
+    """The Hugging Face Hub refused or failed an upload; the message is the Hub's, with the token scrubbed."""
+
+    code = "HUB_ERROR"
+
+
 class InternalError(SignalError, RuntimeError):
     code = "INTERNAL"
 

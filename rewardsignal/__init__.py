@@ -6,12 +6,13 @@
     run.forward_backward(batch=[{"text": "hello"}]); run.optim_step()
 """
 
-from rewardsignal.client import AsyncRun, AsyncSignalClient, Run, SignalClient
+from rewardsignal.client import Artifact, AsyncRun, AsyncSignalClient, Run, SignalClient
 from rewardsignal.errors import (
     AuthenticationError,
     BadInputError,
     FailedPreconditionError,
     ForbiddenError,
+    HubError,
     ModelUnavailableError,
     NotFoundError,
     PayloadTooLargeError,
@@ -23,12 +24,14 @@ from rewardsignal.errors import (
 from rewardsignal.results import Result
 
 __all__ = [
+    "Artifact",
     "AsyncRun",
     "AsyncSignalClient",
     "AuthenticationError",
     "BadInputError",
     "FailedPreconditionError",
     "ForbiddenError",
+    "HubError",
     "ModelUnavailableError",
     "NotFoundError",
     "PayloadTooLargeError",

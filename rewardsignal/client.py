@@ -12,15 +12,21 @@ from __future__ import annotations
 
 import asyncio
 import os
+import tarfile
+import tempfile
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import IO, Any
+from urllib.parse import urljoin, urlsplit, urlunsplit
 
 import httpx
 
 from rewardsignal.errors import (
+    AuthenticationError,
+    NotFoundError,
     PayloadTooLargeError,
     ServerError,
     SignalAPIError,
@@ -142,7 +148,21 @@ class _ClientBase:
     def _wrap_run(self, info: Result) -> Any:
         return (AsyncRun if isinstance(self, AsyncSignalClient) else Run)(self, info)
 
+    def _wrap_artifact(self, info: Result) -> Artifact:
+        return Artifact(info, self)
+
+    def _download_url(self, url: str) -> str:
+        """The key is only ever sent to this client's server: a URL naming another origin (the server's
+        SIGNAL_PUBLIC_URL, say, seen through a tunnel) is fetched at the same path on this client's base URL."""
+        mine, theirs = urlsplit(self.base_url), urlsplit(urljoin(self.base_url + "/", url))
+        if (theirs.scheme, theirs.netloc) == (mine.scheme, mine.netloc):
+            return theirs.geturl()
+        return urlunsplit((mine.scheme, mine.netloc, theirs.path, theirs.query, ""))
+
     def _run(self, call: Call) -> Any:  # pragma: no cover - each transport defines it
+        raise NotImplementedError
+
+    def _download(self, url: str, directory: str | os.PathLike[str]) -> Any:  # pragma: no cover - likewise
         raise NotImplementedError
 
 
@@ -167,6 +187,17 @@ class SignalClient(_ClientBase):
                     raise
             time.sleep(delay)
             attempt += 1
+
+    def _download(self, url: str, directory: str | os.PathLike[str]) -> Path:
+        with tempfile.TemporaryFile() as archive:
+            try:
+                with self._http.stream("GET", self._download_url(url), headers=self._headers()) as response:
+                    _check_download(response, url)
+                    for chunk in response.iter_bytes():
+                        archive.write(chunk)
+            except httpx.HTTPError as error:
+                raise self._transport_error(error) from error
+            return _unpack(archive, directory)
 
     def close(self) -> None:
         self._http.close()
@@ -200,6 +231,19 @@ class AsyncSignalClient(_ClientBase):
             await asyncio.sleep(delay)
             attempt += 1
 
+    async def _download(self, url: str, directory: str | os.PathLike[str]) -> Path:
+        with tempfile.TemporaryFile() as archive:
+            try:
+                async with self._http.stream("GET", self._download_url(url), headers=self._headers()) as response:
+                    if response.status_code != 200:
+                        await response.aread()
+                    _check_download(response, url)
+                    async for chunk in response.aiter_bytes():
+                        archive.write(chunk)
+            except httpx.HTTPError as error:
+                raise self._transport_error(error) from error
+            return await asyncio.to_thread(_unpack, archive, directory)
+
     async def close(self) -> None:
         await self._http.aclose()
 
@@ -208,6 +252,46 @@ class AsyncSignalClient(_ClientBase):
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+
+class Artifact(Result):
+    """A checkpoint (what save_state and checkpoints() return): its fields, and `download(dir)`, which fetches
+    its files from the server as an archive and unpacks them into `dir` (awaitable on the async client)."""
+
+    def __init__(self, info: Result, client: _ClientBase) -> None:
+        super().__init__(info)
+        self._client = client
+
+    def download(self, directory: str | os.PathLike[str]) -> Any:
+        return self._client._download(self["download_url"], directory)
+
+
+def _check_download(response: httpx.Response, url: str) -> None:
+    if response.status_code == 200:
+        return
+    if not response.is_stream_consumed:
+        response.read()
+    message = f"download of {url} answered HTTP {response.status_code}: {response.text[:200]}"
+    cls = {401: AuthenticationError, 403: AuthenticationError, 404: NotFoundError}.get(response.status_code, ServerError)
+    raise cls(message)
+
+
+def _unpack(archive: IO[bytes], directory: str | os.PathLike[str]) -> Path:
+    """Unpack a checkpoint archive into `directory`, without its one top-level folder; only plain files and
+    folders inside `directory` (tarfile's "data" filter refuses links out, absolute paths and devices)."""
+    target = Path(directory)
+    target.mkdir(parents=True, exist_ok=True)
+    archive.seek(0)
+    with tarfile.open(fileobj=archive, mode="r:gz") as tar:
+        members = []
+        for member in tar.getmembers():
+            parts = Path(member.name).parts
+            if len(parts) < 2:
+                continue  # the top-level folder itself
+            member.name = str(Path(*parts[1:]))
+            members.append(member)
+        tar.extractall(target, members=members, filter="data")
+    return target
 
 
 class _RunBase:
@@ -248,10 +332,17 @@ class _RunBase:
                                 "numSamples": num_samples, "seed": seed})
         return self._client._run(_primitive("Sample", variables, "sample"))
 
-    def save_state(self, mode: str = "adapter", push_to_hub: bool = False, hub_model_id: str | None = None) -> Any:
+    def save_state(self, mode: str = "adapter", push_to_hub: bool = False, hub_model_id: str | None = None,
+                   hf_token: str | None = None) -> Any:
+        """Export the run (an `Artifact`: `.download(dir)` fetches its files). With `push_to_hub`, the server also
+        uploads it to `hub_model_id` (a private repo) with `hf_token` (default: env HF_TOKEN), used for that upload only."""
+        if push_to_hub and hf_token is None:
+            hf_token = os.environ.get("HF_TOKEN")
         variables = _drop_none({"runId": self.id, "mode": mode.upper(), "pushToHub": push_to_hub,
-                                "hubModelId": hub_model_id})
-        return self._client._run(_primitive("SaveState", variables, "saveState"))
+                                "hubModelId": hub_model_id, "hfToken": hf_token if push_to_hub else None})
+        call = _primitive("SaveState", variables, "saveState")
+        call.wrap = self._client._wrap_artifact
+        return self._client._run(call)
 
     def metrics(self, name: str | None = None, limit: int = 1000) -> Any:
         variables = _drop_none({"id": self.id, "name": name, "limit": limit})
@@ -261,7 +352,9 @@ class _RunBase:
         return self._client._run(Call("RunSamples", {"id": self.id, "limit": limit}, "run", lambda r: r["samples"]))
 
     def checkpoints(self) -> Any:
-        return self._client._run(Call("RunCheckpoints", {"id": self.id}, "run", lambda run: run["checkpoints"]))
+        wrap = self._client._wrap_artifact
+        return self._client._run(Call("RunCheckpoints", {"id": self.id}, "run",
+                                      lambda run: [wrap(c) for c in run["checkpoints"]]))
 
     def delete(self) -> Any:
         return self._client._run(Call("DeleteRun", {"runId": self.id}, "deleteRun"))
@@ -281,4 +374,4 @@ class AsyncRun(_RunBase):
         return await self._client._run(Call("GetRun", {"id": self.id}, "run", self._store))
 
 
-__all__ = ["AsyncRun", "AsyncSignalClient", "Run", "SignalAPIError", "SignalClient"]
+__all__ = ["Artifact", "AsyncRun", "AsyncSignalClient", "Run", "SignalAPIError", "SignalClient"]

@@ -56,6 +56,12 @@ class PayloadTooLargeError(SignalAPIError, ValueError):
     code = "PAYLOAD_TOO_LARGE"
 
 
+class HubError(SignalAPIError, RuntimeError):
+    """The Hugging Face Hub refused or failed a push_to_hub upload; the message is the Hub's."""
+
+    code = "HUB_ERROR"
+
+
 class ServerError(SignalAPIError, RuntimeError):
     code = "INTERNAL"
 
@@ -69,7 +75,7 @@ class TransportError(SignalAPIError, ConnectionError):
 _BY_CODE: dict[str, type[SignalAPIError]] = {
     cls.code: cls
     for cls in (AuthenticationError, NotFoundError, BadInputError, ModelUnavailableError, FailedPreconditionError,
-                WorkerFailedError, ForbiddenError, PayloadTooLargeError, ServerError, TransportError)
+                WorkerFailedError, ForbiddenError, PayloadTooLargeError, HubError, ServerError, TransportError)
 }
 _BY_CODE["GRAPHQL_VALIDATION_FAILED"] = BadInputError
 

@@ -102,6 +102,30 @@ def signed_in(handler: Handler) -> Callable[[Request], Awaitable[Response]]:
     return endpoint
 
 
+def signed_in_or_key(handler: Handler) -> Callable[[Request], Awaitable[Response]]:
+    """As `signed_in`, and an API key (`Authorization: Bearer sk-…`) signs a program in too: the same URL serves
+    the dashboard's links and the SDK's downloads. A program gets plain-text errors with their status."""
+    browser = signed_in(handler)
+
+    @functools.wraps(handler)
+    async def endpoint(request: Request) -> Response:
+        header = request.headers.get("authorization")
+        if not header:
+            return await browser(request)
+        try:
+            scheme, _, secret = header.partition(" ")
+            user = await services(request).keys.authenticate(secret.strip() if scheme.lower() == "bearer" else None)
+            return await handler(request, user)
+        except SignalError as error:
+            status = STATUS.get(error.code, 500)
+            if status == 500:
+                log.exception("download error", exc_info=error)
+            return Response(error.message if status != 500 else "internal error", status_code=status,
+                            media_type="text/plain")
+
+    return endpoint
+
+
 def hx_redirect(request: Request, url: str) -> Response:
     """After an htmx action, send the browser to `url` (a plain redirect for non-htmx callers)."""
     if is_htmx(request):

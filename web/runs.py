@@ -13,7 +13,7 @@ from starlette.responses import FileResponse, Response
 from starlette.routing import Route
 
 from app.errors import BadInput
-from web.render import hx_redirect, page, services, signed_in
+from web.render import hx_redirect, page, services, signed_in, signed_in_or_key
 
 if TYPE_CHECKING:  # rows are only ever received from app.services, never queried here
     from app.tables import Metric, User
@@ -71,7 +71,7 @@ async def delete_run(request: Request, user: User) -> Response:
     return hx_redirect(request, "/runs")
 
 
-@signed_in
+@signed_in_or_key
 async def download_checkpoint(request: Request, user: User) -> Response:
     archive = await services(request).dashboard.checkpoint_archive(
         user, request.path_params["run_id"], int(request.path_params["checkpoint_id"]))

@@ -73,10 +73,12 @@ class Mutation:
     async def save_state(
         self, info: Info, run_id: strawberry.ID, mode: SaveMode = SaveMode.ADAPTER, push_to_hub: bool = False,
         hub_model_id: str | None = None, request_id: RequestId = None,
+        hf_token: Annotated[str | None, strawberry.argument(
+            description="Hugging Face token for pushToHub; used for this upload only, never stored")] = None,
     ) -> Checkpoint:
         user = await info.context.user()
         checkpoint = await info.context.services.runs.save_state(
-            user, str(run_id), mode.value, push_to_hub, hub_model_id, request_id=request_id
+            user, str(run_id), mode.value, push_to_hub, hub_model_id, request_id=request_id, hf_token=hf_token
         )
         return Checkpoint.from_row(checkpoint)
 

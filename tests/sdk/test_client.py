@@ -61,8 +61,9 @@ def test_errors_are_typed_and_carry_the_code(live_server: LiveServer, key: str) 
     run = client.create_run(lora_r=4)
     with pytest.raises(FailedPreconditionError):
         run.optim_step()
-    with pytest.raises(BadInputError, match="push_to_hub"):
-        run.save_state(mode="merged", push_to_hub=True, hub_model_id="me/model")
+    with pytest.raises(BadInputError, match="hfToken") as no_token:
+        run.save_state(mode="merged", push_to_hub=True, hub_model_id="me/model", hf_token="")
+    assert no_token.value.field == "hfToken"
     with pytest.raises(AuthenticationError):
         SignalClient(api_key="sk-nope", base_url=live_server.url).list_runs()
     with pytest.raises(TransportError):
