@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import sys
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from pathlib import Path
+from typing import Any, TypeVar
 
 from app.catalog import Catalog
 from app.db import Database, migrate
@@ -15,7 +17,7 @@ from app.services.keys import KeyService
 from app.services.login_links import LoginLinkService
 from app.services.users import UserService
 from app.settings import Settings
-from app.tables import User
+from app.tables import Run, User
 
 ADMIN_EMAIL = "admin@localhost"
 
@@ -65,6 +67,17 @@ def _parser() -> argparse.ArgumentParser:
     models = commands.add_parser("models", help="list the model catalogue")
     models.set_defaults(handler=models_command)
 
+    pull = commands.add_parser("pull", help="copy a run's artifacts (config, journal, manifest, latest adapter, "
+                               "checkpoints) to a local directory: pull before teardown")
+    pull.add_argument("run_id", metavar="RUN_ID")
+    pull.add_argument("dir", metavar="DIR", nargs="?", help="where to put them (default ./RUN_ID; must be new or empty)")
+    pull.set_defaults(handler=pull_command)
+
+    doctor = commands.add_parser("doctor", help="check the setup (Modal, Hugging Face, Supabase, database, disk, "
+                                 "torch, the default model) and say how to fix what is missing")
+    doctor.add_argument("--json", action="store_true", help="machine-readable output")
+    doctor.set_defaults(handler=doctor_command)
+
     migrate_parser = commands.add_parser("migrate", help="apply database migrations")
     migrate_parser.set_defaults(handler=migrate_command)
     return parser
@@ -100,6 +113,42 @@ def models_command(settings: Settings, args: argparse.Namespace) -> int:
         note = "offline" if model.offline else ""
         print(f"{model.name:<{width}}  {model.parameters / 1e9:>6.2f}B  {model.gpu:<12} {note}")
     return 0
+
+
+def pull_command(settings: Settings, args: argparse.Namespace) -> int:
+    from gpu_runtime.export import LocalRunFiles, RunFiles, VolumeRunFiles, pull_run
+    from gpu_runtime.persistence import check_id
+
+    run_id = check_id(args.run_id, "run_id")
+    dest = Path(args.dir or run_id)
+    files: RunFiles
+    if settings.backend == "modal":
+        from gpu_runtime.modal_app import VOLUME_NAME
+
+        # The Volume is laid out by user: the run's owner comes from the database.
+        files = VolumeRunFiles(VOLUME_NAME, _with_db(settings, lambda db: _run_owner(db, run_id)), run_id)
+    else:
+        files = LocalRunFiles(settings.data_dir, run_id)
+    pulled = pull_run(files, dest)
+    size = sum(item["size"] for item in pulled)
+    print(f"pulled {len(pulled)} files ({size / 1e6:.1f} MB) of run {run_id} from {files.source} into {dest}")
+    return 0
+
+
+async def _run_owner(db: Database, run_id: str) -> str:
+    async with db.session() as session:
+        run = await session.get(Run, run_id)
+    if run is None:
+        raise NotFound(f"run {run_id!r} not found in the database", field="run_id")
+    return run.user_id
+
+
+def doctor_command(settings: Settings, args: argparse.Namespace) -> int:
+    from app.doctor import diagnose, render
+
+    report = diagnose(settings)
+    print(json.dumps(report.to_dict(), indent=2) if args.json else render(report))
+    return 0 if report.ok else 1
 
 
 def migrate_command(settings: Settings, args: argparse.Namespace) -> int:
@@ -152,10 +201,13 @@ async def _login_link(db: Database, settings: Settings, email: str) -> int:
     return 0
 
 
-def _with_db(settings: Settings, action: Callable[[Database], Awaitable[int]]) -> int:
+T = TypeVar("T")
+
+
+def _with_db(settings: Settings, action: Callable[[Database], Awaitable[T]]) -> T:
     _migrate(settings)
 
-    async def run() -> int:
+    async def run() -> T:
         db = Database(settings.resolved_database_url)
         try:
             return await action(db)
