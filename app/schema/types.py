@@ -116,11 +116,21 @@ class Checkpoint:
     checkpoint_path: str
     size_bytes: float
     created_at: datetime
+    run_id: strawberry.Private[str]
+
+    @strawberry.field(description="GET it with the API key (Bearer) or a dashboard session: the checkpoint's "
+                      "files as a .tar.gz")
+    def download_url(self, info: Info) -> str:
+        settings = info.context.services.settings
+        request = info.context.request
+        # SIGNAL_PUBLIC_URL when set (behind a proxy); otherwise the address this request came in on.
+        base = settings.public_url or (str(request.base_url) if request is not None else settings.resolved_public_url)
+        return f"{base.rstrip('/')}/runs/{self.run_id}/checkpoints/{self.id}/archive"
 
     @classmethod
     def from_row(cls, row: tables.Checkpoint) -> Checkpoint:
         return cls(id=strawberry.ID(str(row.id)), step=row.step, mode=row.mode, checkpoint_path=row.path,
-                   size_bytes=float(row.size_bytes), created_at=row.created_at)
+                   size_bytes=float(row.size_bytes), created_at=row.created_at, run_id=row.run_id)
 
 
 @strawberry.type
