@@ -14,7 +14,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route, WebSocketRoute
 
-from app.backends import Backend
+from app.backends import Backend, check_backend
 from app.db import migrate_async
 from app.schema import schema
 from app.services import Services
@@ -28,6 +28,8 @@ log = logging.getLogger("signal.server")
 
 def create_app(settings: Settings | None = None, backend: Backend | None = None) -> Starlette:
     settings = settings or Settings()
+    if backend is None:
+        check_backend(settings)  # e.g. SIGNAL_BACKEND=modal without credentials: said now, not at the first call
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

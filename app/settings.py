@@ -26,7 +26,8 @@ class Settings(BaseSettings):
     host: str = Field("127.0.0.1", description="Address `signal serve` binds.")
     port: int = Field(8000, description="Port `signal serve` binds.")
     public_url: str = Field("", description="URL printed for users; empty means http://host:port.")
-    backend: str = Field("local", description="GPU runtime: `local` (a worker process on this machine).")
+    backend: str = Field("local", description="GPU runtime: `local` (a worker process on this machine) or `modal` "
+                         "(a warm Modal container per pool; needs Modal credentials and `modal deploy -m gpu_runtime.modal_app`).")
     device: str = Field("auto", description="Worker device: auto, cpu, cuda, cuda:N.")
     models_file: Path = Field(REPO_ROOT / "config" / "models.yaml", description="The model catalogue.")
     default_model: str = Field("HuggingFaceTB/SmolLM2-135M-Instruct", description="Base model when none is given.")

@@ -118,6 +118,7 @@ class Engine:
         options: RuntimeOptions | None = None,
         allow_downloads: bool = False,
         faults: set[str] | None = None,
+        after_sync: Callable[[], None] | None = None,
         **overrides: Any,
     ) -> None:
         # `overrides` are RuntimeOptions fields (Engine(dir, max_batch_size=2) in tests and benchmarks).
@@ -129,6 +130,7 @@ class Engine:
         self.pool = Pool(self.models, self.options)
         self.scheduler = Scheduler(self.options.tick_tokens)
         self.faults = faults or set()
+        self.after_sync = after_sync  # called once per tick after its journal fsyncs, before its answers (Modal commits)
         self.decode_groups: list[DecodeGroup] = []
         self.totals = Totals()
         self.last_tick = TickStats()
@@ -684,6 +686,8 @@ class Engine:
             state = self.pool.runs.get(run_id)
             if state is not None:
                 state.journal.sync()
+        if self._touched and self.after_sync is not None:
+            self.after_sync()
         self._touched = set()
 
     def _snapshot(self, state: RunState) -> None:

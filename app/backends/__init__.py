@@ -8,14 +8,26 @@ from app.settings import Settings
 
 
 class Backend(Protocol):
+    multi_gpu: bool  # whether one pool may span several GPUs (Modal: not until FSDP lands)
+
     @property
     def ready(self) -> bool: ...  # the runtime answers calls (until then they wait)
 
     async def start(self) -> None: ...  # begins starting the runtime; returns at once
 
-    async def call(self, method: str, **params: Any) -> dict[str, Any]: ...
+    # `pool`: the run's pool key (gpu_runtime.allocation.pool_key), None for calls on no run. On Modal it picks the
+    # container; the local runtime is one pool for the whole machine and ignores it.
+    async def call(self, method: str, pool: str | None = None, **params: Any) -> dict[str, Any]: ...
 
     async def close(self) -> None: ...
+
+
+def check_backend(settings: Settings) -> None:
+    """Refuse now, before serving, a backend that cannot work: SIGNAL_BACKEND=modal without Modal credentials."""
+    if settings.backend == "modal":
+        from app.backends.modal import check_credentials
+
+        check_credentials()
 
 
 def make_backend(settings: Settings) -> Backend:
@@ -23,4 +35,8 @@ def make_backend(settings: Settings) -> Backend:
         from app.backends.local import LocalBackend
 
         return LocalBackend(settings)
-    raise ValueError(f"SIGNAL_BACKEND={settings.backend!r} is not available; this server has: local")
+    if settings.backend == "modal":
+        from app.backends.modal import ModalBackend
+
+        return ModalBackend(settings)
+    raise ValueError(f"SIGNAL_BACKEND={settings.backend!r} is not available; this server has: local, modal")

@@ -21,6 +21,8 @@ log = logging.getLogger("signal.backend")
 
 
 class LocalBackend:
+    multi_gpu = True  # the local runtime uses the machine's devices as they are; gpu_config is not applied here
+
     def __init__(self, settings: Settings) -> None:
         self.client = WorkerClient(
             data_dir=str(settings.data_dir),
@@ -41,7 +43,8 @@ class LocalBackend:
         """Begin starting the runtime and return at once; `ready` says when it is up."""
         self._ensure_starting()
 
-    async def call(self, method: str, **params: Any) -> dict[str, Any]:
+    async def call(self, method: str, pool: str | None = None, **params: Any) -> dict[str, Any]:
+        # `pool` is ignored: this machine's runtime is one pool holding every base it is asked for.
         self.in_flight += 1
         try:
             await asyncio.shield(self._ensure_starting())

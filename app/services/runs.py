@@ -25,6 +25,7 @@ from app.db import Database
 from app.errors import BadInput, Forbidden, RunNotFound
 from app.events import EventBroker
 from app.tables import Checkpoint, Metric, Run, Sample, User, new_id, utcnow
+from gpu_runtime.allocation import pool_key, require_single_gpu
 from gpu_runtime.contract import ADAM_DEFAULTS, LORA_DEFAULTS, adam_settings, lora_settings
 
 T = TypeVar("T")
@@ -141,9 +142,12 @@ class RunService:
         model = self.catalog.get(spec.base_model or self.default_model)
         lora, adam = spec.lora(), spec.adam()
         gpu_config = self.catalog.resolve_gpu(model, spec.gpu_config, lora_r=lora["r"])  # checked to hold the model
+        if not self.backend.multi_gpu:  # Modal pools are one GPU each until FSDP lands
+            require_single_gpu(gpu_config, model.parameters, lora_r=lora["r"], field="gpuConfig")
         run_id = new_id()
         created = await self._engine(
-            "create_run", run_id=run_id, user_id=user.id, base_model=model.source, lora=lora, seed=spec.seed
+            "create_run", pool=pool_key(model.name, gpu_config, None), run_id=run_id, user_id=user.id,
+            base_model=model.source, lora=lora, seed=spec.seed,
         )
         lora["target_modules"] = created.get("target_modules", lora["target_modules"])
         run = Run(
@@ -171,7 +175,7 @@ class RunService:
         _check_request_id(request_id)
 
         async def work() -> dict[str, Any]:
-            result = await self._engine("forward_backward", run_id=run.id, batch=batch, loss_fn=loss_fn,
+            result = await self._engine("forward_backward", pool=pool_of(run), run_id=run.id, batch=batch, loss_fn=loss_fn,
                                         loss_fn_config=loss_fn_config, request_id=request_id)
             if result.get("replayed"):
                 return result  # a retry of a call already applied and recorded: record nothing twice
@@ -190,7 +194,7 @@ class RunService:
         _check_request_id(request_id)
 
         async def work() -> dict[str, Any]:
-            result = await self._engine("optim_step", run_id=run.id, adam=settings, request_id=request_id)
+            result = await self._engine("optim_step", pool=pool_of(run), run_id=run.id, adam=settings, request_id=request_id)
             if result.get("replayed"):
                 return result  # its step was stored when it was applied; a later step may have followed
             async with self.db.session() as session:
@@ -211,7 +215,7 @@ class RunService:
         _check_request_id(request_id)
 
         async def work() -> dict[str, Any]:
-            result = await self._engine("sample", run_id=run.id, **params.engine_params(), request_id=request_id)
+            result = await self._engine("sample", pool=pool_of(run), run_id=run.id, **params.engine_params(), request_id=request_id)
             if result.get("replayed"):
                 return result
             async with self.db.session() as session:
@@ -232,7 +236,7 @@ class RunService:
         _check_request_id(request_id)
 
         async def work() -> Checkpoint:
-            result = await self._engine("save_state", run_id=run.id, mode=mode, request_id=request_id)
+            result = await self._engine("save_state", pool=pool_of(run), run_id=run.id, mode=mode, request_id=request_id)
             async with self.db.session() as session:
                 # One row per checkpoint directory: saving again at the same step (a retry, say) rewrote it.
                 checkpoint = await session.scalar(select(Checkpoint).where(
@@ -251,7 +255,7 @@ class RunService:
 
         async def work() -> None:
             try:
-                await self._engine("delete_run", run_id=run.id)
+                await self._engine("delete_run", pool=pool_of(run), run_id=run.id)
             except RunNotFound:
                 pass  # its files are already gone (an earlier delete half done): remove the rows anyway
             async with self.db.session() as session:
@@ -283,9 +287,9 @@ class RunService:
 
         return await asyncio.shield(asyncio.ensure_future(locked()))
 
-    async def _engine(self, method: str, **params: Any) -> dict[str, Any]:
+    async def _engine(self, method: str, pool: str | None = None, **params: Any) -> dict[str, Any]:
         try:
-            return await self.backend.call(method, **params)
+            return await self.backend.call(method, pool=pool, **params)
         except BadInput as error:
             # The engine names fields as its contract does (max_tokens); clients sent maxTokens.
             raise BadInput(error.message, field=graphql_field(error.field)) from None
@@ -298,6 +302,11 @@ class RunService:
                     continue  # NaN is no point on a curve, and SQLite would store it as NULL
                 session.add(Metric(run_id=run_id, step=int(step), name=name, value=float(value), created_at=now))
         self.broker.publish(run_id, {"run_id": run_id, "kind": kind, "step": int(step), "created_at": now, **values})
+
+
+def pool_of(run: Run) -> str:
+    """The run's pool: on Modal, the warm container its calls go to (base model, GPU configuration, quantization)."""
+    return pool_key(run.base_model, run.gpu_config, getattr(run, "quantization", None))
 
 
 def graphql_field(field: str | None) -> str | None:

@@ -55,10 +55,11 @@ class LiveServer:
     thread: threading.Thread
 
     @classmethod
-    def start(cls, settings: Settings, wait_for_runtime: bool = True) -> LiveServer:
+    def start(cls, settings: Settings, wait_for_runtime: bool = True, backend: Any = None) -> LiveServer:
         """Serve `settings`; with `wait_for_runtime`, return once the GPU runtime answers too (it starts in the
-        background, so timing-sensitive tests would otherwise measure its start-up)."""
-        app = create_app(settings)
+        background, so timing-sensitive tests would otherwise measure its start-up). `backend`: one built by the
+        test (the Modal backend pointed at its offline path), else the settings' own."""
+        app = create_app(settings, backend)
         config = uvicorn.Config(app, host="127.0.0.1", port=settings.port, log_level="warning", lifespan="on")
         server = uvicorn.Server(config)
         thread = threading.Thread(target=server.run, daemon=True)

@@ -1,0 +1,176 @@
+"""The Modal backend: each run's calls go to its pool's warm container (gpu_runtime/modal_app.py).
+
+A pool is (base model, GPU configuration, quantization), named by gpu_runtime.allocation.pool_key. The class
+is looked up once by name (`modal.Cls.from_name`); each pool gets its GPU with `with_options(gpu=...)` and its
+own instance, cached, and its calls go through `.aio`, so many are in flight at once from the event loop and
+the container's scheduler co-batches them.
+
+The lookup is injected through the constructor: tests hand it the app module's class and `local=True`, and
+calls then run through Modal's offline `.local()` path in a thread, every argument and answer through JSON as
+the wire would carry them. No setting skips the credentials check of the real lookup.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import anyio.to_thread
+
+from app.errors import BadInput, FailedPrecondition, SignalError, WorkerFailed
+from app.settings import Settings
+from gpu_runtime.allocation import modal_gpu, parse_gpu_config
+
+APP_NAME = "signal"  # gpu_runtime.modal_app's APP_NAME and CLASS_NAME (that module is not imported here)
+CLASS_NAME = "Pool"
+SYSTEM_METHODS = ("ping", "runtime_state")
+log = logging.getLogger("signal.backend")
+CREDENTIALS_HELP = ("Modal credentials are missing: run `modal token new` (writes ~/.modal.toml), or set "
+                    "MODAL_TOKEN_ID and MODAL_TOKEN_SECRET; then deploy the runtime with "
+                    "`modal deploy -m gpu_runtime.modal_app`. `signal doctor` checks the whole setup.")
+
+
+class ModalNotConfigured(FailedPrecondition):
+    """SIGNAL_BACKEND=modal without the credentials to reach Modal: said once, at start."""
+
+
+def check_credentials() -> None:
+    if not modal_credentials():
+        raise ModalNotConfigured(CREDENTIALS_HELP)
+
+
+def modal_credentials() -> bool:
+    """Whether Modal credentials are configured (env vars or ~/.modal.toml); reads config only, no network."""
+    from modal.config import config
+
+    return bool(config.get("token_id") and config.get("token_secret"))
+
+
+def pool_gpu(pool: str) -> str:
+    """Modal's GPU string for a pool key ("base|L40S:1|none" → "L40S"): what `with_options(gpu=...)` gets."""
+    parts = pool.split("|")
+    if len(parts) != 3:
+        raise BadInput(f"{pool!r} is not a pool key (base model|GPU configuration|quantization)", field="pool")
+    return modal_gpu(parse_gpu_config(parts[1], field="gpuConfig"))
+
+
+class ModalBackend:
+    multi_gpu = False  # one GPU per pool until FSDP across several lands: createRun refuses a count above 1
+
+    def __init__(self, settings: Settings, lookup: Callable[[], Any] | None = None, local: bool = False) -> None:
+        if lookup is None:
+            check_credentials()
+            import modal
+
+            def lookup() -> Any:
+                return modal.Cls.from_name(APP_NAME, CLASS_NAME)
+
+        self.lookup = lookup
+        self.local = local
+        # Canonical JSON: each distinct parameter set is its own Modal variant, so it must never vary in spelling.
+        self.options = json.dumps(settings.runtime_options().to_dict(), sort_keys=True)
+        self.pools: dict[str, Any] = {}  # pool key → its instance of the class (one container each)
+        self._cls: Any = None
+        self._lock = threading.Lock()  # guards the pool table (calls come from many threads)
+        self._lookup_lock = threading.Lock()
+        self._checking: asyncio.Future[None] | None = None
+        self._entering: dict[str, threading.Lock] = {}  # offline: `.local()` runs @modal.enter unlocked
+        self._entered: set[str] = set()
+        self._started = False
+
+    @property
+    def ready(self) -> bool:
+        return self._started  # pools start on their first call, each in its own container
+
+    async def start(self) -> None:
+        self._started = True
+        if not self.local:
+            self._checking = asyncio.ensure_future(self._check_deployed())
+
+    async def _check_deployed(self) -> None:
+        """Say at start, in the log, when the app is not deployed (or unreachable); calls would fail alike."""
+        try:
+            cls = await anyio.to_thread.run_sync(self._lookup)
+            await cls.hydrate.aio()
+        except Exception as exc:  # noqa: BLE001 - reported, not raised: the server still serves everything else
+            log.error("the Modal class %s.%s is not reachable (%s: %s); deploy it with `modal deploy -m "
+                      "gpu_runtime.modal_app`, and see `signal doctor`", APP_NAME, CLASS_NAME, type(exc).__name__, exc)
+
+    async def call(self, method: str, pool: str | None = None, **params: Any) -> dict[str, Any]:
+        if pool is None:
+            if method not in SYSTEM_METHODS:
+                raise BadInput(f"{method} needs the run's pool on Modal", field="pool")
+            return await self._every_pool(method)
+        if method == "delete_run":
+            answer = await self._invoke(pool, "delete_run", str(params["run_id"]))
+        else:
+            answer = await self._invoke(pool, "call", method, params)
+        if "error" in answer:
+            raise SignalError.from_dict(answer["error"])
+        result: dict[str, Any] = answer["result"]
+        return result
+
+    async def close(self) -> None:
+        # Nothing to stop here: each pool's container scales down after its window, and commits as it goes.
+        with self._lock:
+            self.pools.clear()
+
+    # ---- pools ----------------------------------------------------------------------------------
+
+    def instance(self, pool: str) -> Any:
+        """The pool's instance of the class: its GPU applied, cached (every `with_options` is its own variant)."""
+        with self._lock:
+            found = self.pools.get(pool)
+            if found is None:
+                found = self.pools[pool] = self._lookup().with_options(gpu=pool_gpu(pool))(pool=pool, options=self.options)
+            return found
+
+    def _lookup(self) -> Any:
+        with self._lookup_lock:
+            if self._cls is None:
+                self._cls = self.lookup()
+            return self._cls
+
+    async def _invoke(self, pool: str, name: str, *args: Any) -> dict[str, Any]:
+        instance = await anyio.to_thread.run_sync(self.instance, pool)
+        method = getattr(instance, name)
+        try:
+            if self.local:
+                wire = json.loads(json.dumps(args))  # what the wire would carry: nothing passes by reference
+                answer = await anyio.to_thread.run_sync(self._local_call, pool, method, wire)
+                plain: dict[str, Any] = json.loads(json.dumps(answer))
+                return plain
+            # Shielded: a caller that goes away must not cancel a call the container may already have applied.
+            remote: dict[str, Any] = await asyncio.shield(method.remote.aio(*args))
+            return remote
+        except SignalError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - Modal's own failures (a lost container, a timeout): retryable
+            raise WorkerFailed(f"the Modal pool {pool!r} failed: {type(exc).__name__}: {exc}") from exc
+
+    def _local_call(self, pool: str, method: Any, args: list[Any]) -> dict[str, Any]:
+        # `.local()` neither locks nor remembers that @modal.enter ran until it returns: the first call enters alone.
+        if pool not in self._entered:
+            with self._lock:
+                entering = self._entering.setdefault(pool, threading.Lock())
+            with entering:
+                if pool not in self._entered:
+                    answer: dict[str, Any] = method.local(*args)
+                    self._entered.add(pool)
+                    return answer
+        local: dict[str, Any] = method.local(*args)
+        return local
+
+    async def _every_pool(self, method: str) -> dict[str, Any]:
+        """ping / runtime_state: each pool this server has called answers for itself; none is started for it."""
+        with self._lock:
+            pools = sorted(self.pools)
+        answers: dict[str, Any] = {}
+        for pool in pools:
+            answer = await self._invoke(pool, "call", method, {})
+            answers[pool] = answer.get("result", answer.get("error"))
+        return {"backend": "modal", "pools": answers}

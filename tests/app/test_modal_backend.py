@@ -1,0 +1,254 @@
+"""The Modal backend (issue 8 §3), offline.
+
+Modal's cloud cannot be reached from here, so the only stand-in is Modal's own offline path: `.local()` on the
+app module's class runs `@modal.enter` and the methods in this process, without credentials or a Volume (a
+commit there only records what it covered). `ModalBackend` is pointed at that path through its constructor
+(`lookup=`, `local=True`); everything else is the production code: the pool keys, `with_options(gpu=...)`, one
+cached instance per pool, every argument and answer through JSON, and the container's engine thread. The
+"container" gets a data directory of its own, apart from the server's. What a real deploy adds (images,
+Volumes, GPUs, `.remote.aio`) is not exercised here.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import os
+import subprocess
+import sys
+import tomllib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import modal
+import pytest
+
+from app.backends.modal import ModalBackend, pool_gpu
+from app.catalog import Catalog
+from app.settings import Settings
+from gpu_runtime import modal_app
+from gpu_runtime.allocation import GPUS, parse_gpu_config, pool_key
+from gpu_runtime.journal import Journal
+from rewardsignal import BadInputError, SignalClient
+from tests.helpers.live_server import TINY_MODEL, LiveServer, settings_for
+
+# `.local()` warns that the Volume is not mounted: that is the point of the offline path.
+pytestmark = pytest.mark.filterwarnings("ignore:The .* function is executing locally:UserWarning")
+
+REPO = Path(__file__).resolve().parents[2]
+BATCH = [{"input": "The quick brown fox", "output": " jumps over the lazy dog."},
+         {"text": "Machine learning is transforming technology."}]
+TINY_POOL = pool_key(TINY_MODEL, "L40S:1", None)
+
+
+@pytest.fixture(scope="module")
+def container_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The offline container's data directory (its Volume), apart from every server's."""
+    path = tmp_path_factory.mktemp("modal-volume")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(modal_app.DATA_DIR_ENV, str(path))
+        patch.setenv(modal_app.DEVICE_ENV, "cpu")
+        yield path
+
+
+def offline_backend(settings: Settings) -> ModalBackend:
+    return ModalBackend(settings, lookup=lambda: modal_app.Pool, local=True)
+
+
+@pytest.fixture(scope="module")
+def modal_server(tiny_model_dir: str, container_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    settings = settings_for(tmp_path_factory.mktemp("modal-server"), tiny_model_dir, backend="modal")
+    server = LiveServer.start(settings, backend=offline_backend(settings))
+    yield server
+    server.stop()
+
+
+# ---- the app module -------------------------------------------------------------------------------
+
+
+def test_class_is_declared_one_container_per_pool(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Modal keeps max_containers, retries and concurrency in closures, not on the built object: record what the
+    module hands Modal's decorators (a fresh copy of it), then check what the built object does expose."""
+    declared: dict[str, Any] = {}
+    real_cls, real_concurrent = modal.App.cls, modal.concurrent
+
+    def cls(self: modal.App, **options: Any) -> Any:
+        declared["cls"] = options
+        return real_cls(self, **options)
+
+    def concurrent(**options: Any) -> Any:
+        declared["concurrent"] = options
+        return real_concurrent(**options)
+
+    monkeypatch.setattr(modal.App, "cls", cls)
+    monkeypatch.setattr(modal, "concurrent", concurrent)
+    spec = importlib.util.spec_from_file_location("modal_app_probe", REPO / "gpu_runtime" / "modal_app.py")
+    assert spec is not None and spec.loader is not None
+    spec.loader.exec_module(importlib.util.module_from_spec(spec))
+
+    options = declared["cls"]
+    assert options["max_containers"] == 1 and options["retries"] == 0
+    assert options["scaledown_window"] == modal_app.SCALEDOWN_WINDOW_S > 0
+    assert options["startup_timeout"] >= 15 * 60  # a first start downloads the weights
+    assert "gpu" not in options  # each pool's GPU comes from with_options
+    assert declared["concurrent"]["max_inputs"] == modal_app.MAX_CONCURRENT_INPUTS > 1
+
+    from modal._utils.async_utils import synchronizer
+
+    built = synchronizer._translate_in(modal_app.Pool)
+    assert set(built._method_partials) == {"call", "delete_run"}
+    function_spec = built._class_service_function._spec
+    assert list(function_spec.volumes) == ["/data"] == [modal_app.VOLUME_PATH]
+    assert [s.name for s in map(synchronizer._translate_out, function_spec.secrets)] == [modal_app.HF_SECRET_NAME]
+
+
+def test_image_pins_what_the_tests_run() -> None:
+    pins = dict(p.split("==") for p in modal_app.IMAGE_PACKAGES)
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    for name, version in (d.split("==") for d in project if "==" in d):
+        if name in pins:
+            assert pins[name] == version, name
+    for name, version in pins.items():
+        assert importlib.metadata.version(name).split("+")[0] == version, name
+    assert "torch" in pins and "transformers" in pins and "peft" in pins
+
+
+def test_server_side_modules_stay_light() -> None:
+    code = ("import sys\nimport app.backends.modal, gpu_runtime.modal_app\n"
+            "heavy = sorted(m for m in ('torch', 'transformers', 'peft', 'gpu_runtime.engine', 'starlette', 'strawberry')"
+            " if m in sys.modules)\nassert not heavy, heavy\n")
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+def test_each_catalogue_entry_gets_its_gpu_string() -> None:
+    """The pool key is canonical, and Modal parses the GPU string the backend applies into the same GPU."""
+    from modal._utils.async_utils import synchronizer
+
+    backend = offline_backend(Settings(_env_file=None))
+    catalog = Catalog.from_file(Settings(_env_file=None).models_file)
+    overrides = ["A10G", "a100-80gb", "H100:1", "h200", "B200", "L4", "T4:2"]
+    for model in catalog.list():
+        for gpu in [model.gpu, *overrides]:
+            allocation = parse_gpu_config(gpu)
+            key = pool_key(model.name, gpu, None)
+            assert key == pool_key(model.name, str(allocation), "none")  # one spelling, one Modal variant
+            expected = allocation.gpu_type if allocation.count == 1 else f"{allocation.gpu_type}:{allocation.count}"
+            assert pool_gpu(key) == expected
+            resources = synchronizer._translate_in(backend.instance(key))._options.resources.gpu_config
+            assert (resources.gpu_type, resources.count) == (allocation.gpu_type, allocation.count)
+            assert backend.instance(key) is backend.instance(key)  # one instance per pool
+    assert pool_gpu(pool_key("m", "A10G", None)) == "A10"  # the README's name, Modal's spelling
+    assert {gpu.name for gpu in GPUS} >= {"H200", "B200", "L4"}
+
+
+# ---- the class through .local() -------------------------------------------------------------------
+
+
+def test_class_runs_the_engine_and_answers_plain_data(tiny_model_dir: str, container_dir: Path) -> None:
+    pool = modal_app.Pool.with_options(gpu="L40S")(pool=pool_key("direct", "L40S", None), options="{}")
+    created = pool.call.local("create_run", {"run_id": "direct1", "user_id": "u1", "base_model": tiny_model_dir,
+                                             "lora": {"r": 4}, "seed": 1})
+    assert created["result"]["trainable_params"] > 0
+    assert Path(created["result"]["path"]).is_relative_to(container_dir)
+    commits = pool.commits
+    after_create = commits.count
+    assert after_create >= 1  # create_run wrote config.json: committed before it answered
+    fb = pool.call.local("forward_backward", {"run_id": "direct1", "batch": BATCH})
+    assert fb["result"]["num_examples"] == 2 and commits.journals["direct1"] == 1
+    bad = pool.call.local("forward_backward", {"run_id": "direct1", "batch": [{"nope": 1}]})
+    assert bad["error"]["code"] == "BAD_INPUT" and bad["error"]["field"].startswith("batch[0]")
+    missing = pool.call.local("optim_step", {"run_id": "no-such-run"})
+    assert missing["error"]["code"] == "NOT_FOUND" and missing["error"]["field"] == "run_id"
+    assert pool.call.local("optim_step", {"run_id": "direct1"})["result"]["step"] == 1
+    assert commits.journals["direct1"] == 2
+    root = container_dir / "runs" / "u1" / "direct1"
+    assert root.is_dir()
+    deleted = pool.delete_run.local("direct1")
+    assert deleted["result"] == {"run_id": "direct1", "deleted": True}
+    assert not root.exists() and commits.count > after_create + 2  # the deletion was committed too
+    assert pool.delete_run.local("direct1")["error"]["code"] == "NOT_FOUND"
+
+
+# ---- a live server on the Modal backend ------------------------------------------------------------
+
+
+def train(server: LiveServer, key: str) -> dict[str, Any]:
+    run = SignalClient(api_key=key, base_url=server.url).create_run(lora_r=8, seed=7)
+    losses, norms = [], []
+    for _ in range(3):
+        losses.append(run.forward_backward(batch=BATCH).loss)
+        norms.append(run.optim_step(learning_rate=0.01).grad_norm)
+    outputs = run.sample(prompts=["The quick", "Machine"], max_tokens=5, temperature=0).outputs
+    artifact = run.save_state(mode="adapter")
+    return {"run": run, "losses": losses, "norms": norms, "outputs": outputs, "artifact": artifact}
+
+
+def test_sdk_trains_on_modal_as_on_the_local_backend(modal_server: LiveServer, live_server: LiveServer,
+                                                     container_dir: Path) -> None:
+    on_modal = train(modal_server, modal_server.new_user())
+    on_local = train(live_server, live_server.new_user())
+    assert on_modal["losses"] == pytest.approx(on_local["losses"], rel=1e-6)
+    assert on_modal["norms"] == pytest.approx(on_local["norms"], rel=1e-6)
+    assert on_modal["losses"][-1] < on_modal["losses"][0]
+    assert on_modal["outputs"] == on_local["outputs"]
+    artifact = on_modal["artifact"]
+    assert artifact.step == 3 and artifact.mode == "adapter" and artifact.size_bytes > 0
+    # The files are the container's (its Volume), never the server's own disk.
+    assert Path(artifact.checkpoint_path).is_relative_to(container_dir)
+    assert not Path(artifact.checkpoint_path).is_relative_to(modal_server.settings.data_dir.resolve())
+    assert on_modal["run"].refresh().info.gpu_config == "L40S:1"
+
+    # Every acknowledged record was committed before its answer: the commit covering it came first.
+    run_id = on_modal["run"].id
+    commits = modal_server.backend.instance(TINY_POOL).commits
+    acknowledged = [(method, committed) for run, method, committed in commits.acknowledged if run == run_id]
+    assert [method for method, _ in acknowledged] == ["forward_backward", "optim_step"] * 3
+    assert all(committed >= n for n, (_, committed) in enumerate(acknowledged, start=1)), acknowledged
+    (root,) = container_dir.glob(f"runs/*/{run_id}")
+    journal = Journal(root / "journal")
+    assert len(journal.read()) == commits.journals[run_id] == 6
+
+
+def test_gpu_count_above_one_is_refused(modal_server: LiveServer) -> None:
+    client = SignalClient(api_key=modal_server.new_user(), base_url=modal_server.url)
+    with pytest.raises(BadInputError) as refused:
+        client.create_run(lora_r=4, gpu_config="L40S:2")
+    assert refused.value.code == "BAD_INPUT" and refused.value.field == "gpuConfig"
+    assert "single GPU" in str(refused.value) and "T4" in str(refused.value)  # the smallest single GPU that fits
+    assert client.create_run(lora_r=4, gpu_config="H100").info.gpu_config == "H100:1"
+
+
+def test_deleting_a_run_removes_its_files_from_the_volume(modal_server: LiveServer, container_dir: Path) -> None:
+    client = SignalClient(api_key=modal_server.new_user(), base_url=modal_server.url)
+    run = client.create_run(lora_r=4, seed=2)
+    run.forward_backward(batch=BATCH)
+    run.optim_step()
+    (root,) = container_dir.glob(f"runs/*/{run.id}")
+    commits = modal_server.backend.instance(TINY_POOL).commits
+    before = commits.count
+    run.delete()
+    assert not root.exists() and commits.count > before
+    runtime = modal_server.backend.instance(TINY_POOL).engine
+    assert run.id not in runtime.runs
+
+
+def test_runtime_state_reports_each_pool(modal_server: LiveServer) -> None:
+    import asyncio
+
+    state = asyncio.run(modal_server.backend.call("runtime_state"))
+    assert state["backend"] == "modal" and TINY_POOL in state["pools"]
+    assert "resident_runs" in state["pools"][TINY_POOL]
+
+
+def test_serve_without_modal_credentials_fails_at_start(tmp_path: Path, tiny_model_dir: str) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MODAL_", "SIGNAL_"))}
+    env.update(HOME=str(tmp_path), MODAL_CONFIG_PATH=str(tmp_path / "no-modal.toml"), SIGNAL_BACKEND="modal",
+               SIGNAL_DATA_DIR=str(tmp_path / "data"), SIGNAL_PORT="0", SIGNAL_BOOTSTRAP_ADMIN="false",
+               PYTHONPATH=str(REPO))
+    result = subprocess.run([sys.executable, "-m", "app.cli", "serve"], cwd=tmp_path, env=env, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode != 0
+    output = result.stdout + result.stderr
+    assert "MODAL_TOKEN_ID" in output and "MODAL_TOKEN_SECRET" in output and "modal token new" in output
