@@ -115,9 +115,14 @@ class ModalBackend:
         return result
 
     async def close(self) -> None:
-        # Nothing to stop here: each pool's container scales down after its window, and commits as it goes.
+        # Nothing to stop on Modal: each pool's container scales down after its window, and commits as it goes.
         with self._lock:
-            self.pools.clear()
+            pools, self.pools = list(self.pools.values()), {}
+        if self.local:  # offline the "containers" live in this process: wind their engines down, as a scale-down does
+            for instance in pools:
+                engine = getattr(instance, "engine", None)
+                if engine is not None:
+                    engine.scheduler.close()
 
     # ---- pools ----------------------------------------------------------------------------------
 
