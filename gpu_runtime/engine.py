@@ -481,10 +481,16 @@ class Engine:
         self._owners[run_id] = user_id
         return self._info(state)
 
-    def _save_state(self, run_id: str, mode: str = "adapter", request_id: str | None = None) -> dict[str, Any]:
+    def _save_state(self, run_id: str, mode: str = "adapter", request_id: str | None = None, push_to_hub: bool = False,
+                    hub_model_id: str | None = None, hf_token: str | None = None) -> dict[str, Any]:
+        # hf_token is the user's: it reaches gpu_runtime.hub and nothing else (no journal, manifest or log).
+        from gpu_runtime import hub
+
         state = self._state(run_id)
         if mode not in SAVE_MODES:
             raise BadInput(f"mode must be one of {list(SAVE_MODES)}, got {mode!r}", field="mode")
+        if push_to_hub:
+            hub_model_id, hf_token = hub.check_push(hub_model_id, hf_token)
         entry = self.pool.bases[state.base_model]
         self._snapshot(state)
         path = state.paths.checkpoint(mode, state.step)
@@ -498,7 +504,12 @@ class Engine:
             if mode == "merged":
                 merged_model(entry, state).save_pretrained(tmp)
                 entry.base.tokenizer.save_pretrained(tmp)
-        return {"checkpoint_path": str(path.resolve()), "mode": mode, "step": state.step, "size_bytes": dir_size(path)}
+        result = {"checkpoint_path": str(path.resolve()), "mode": mode, "step": state.step, "size_bytes": dir_size(path)}
+        if push_to_hub and hub_model_id and hf_token:
+            result["hub"] = hub.push_checkpoint(path, hub_model_id=hub_model_id, hf_token=hf_token,
+                                                base_model=entry.base.name, manifest=state.paths.manifest, mode=mode,
+                                                step=state.step, run_id=state.run_id)
+        return result
 
     def _run_info(self, run_id: str) -> dict[str, Any]:
         return self._info(self._state(run_id))

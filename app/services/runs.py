@@ -228,15 +228,22 @@ class RunService:
         return await self._serialised(run.id, work)
 
     async def save_state(self, user: User, run_id: str, mode: str = "adapter", push_to_hub: bool = False,
-                         hub_model_id: str | None = None, request_id: str | None = None) -> Checkpoint:
+                         hub_model_id: str | None = None, request_id: str | None = None,
+                         hf_token: str | None = None) -> Checkpoint:
+        """Export the run; with push_to_hub, the runtime also uploads it (private) with the user's `hf_token`,
+        which travels as this one call's argument and is stored nowhere."""
         run = await self.get(user, run_id)
+        hub: dict[str, Any] = {}
         if push_to_hub:
-            raise BadInput("push_to_hub is not supported by this server yet; copy checkpointPath instead",
-                           field="pushToHub")
+            if not (hub_model_id or "").strip():
+                raise BadInput("pushToHub needs hubModelId (e.g. 'your-name/my-adapter')", field="hubModelId")
+            if not (hf_token or "").strip():
+                raise BadInput("pushToHub needs hfToken: a Hugging Face token with write access", field="hfToken")
+            hub = {"push_to_hub": True, "hub_model_id": hub_model_id, "hf_token": hf_token}
         _check_request_id(request_id)
 
         async def work() -> Checkpoint:
-            result = await self._engine("save_state", pool=pool_of(run), run_id=run.id, mode=mode, request_id=request_id)
+            result = await self._engine("save_state", pool=pool_of(run), run_id=run.id, mode=mode, request_id=request_id, **hub)
             async with self.db.session() as session:
                 # One row per checkpoint directory: saving again at the same step (a retry, say) rewrote it.
                 checkpoint = await session.scalar(select(Checkpoint).where(
