@@ -86,10 +86,12 @@ def _parser() -> argparse.ArgumentParser:
 def serve_command(settings: Settings, args: argparse.Namespace) -> int:
     import uvicorn
 
+    from app.backends import check_backend
     from app.server import create_app
 
     updates: dict[str, Any] = {key: getattr(args, key) for key in ("host", "port") if getattr(args, key)}
     settings = settings.model_copy(update=updates)
+    check_backend(settings)  # before anything is created or printed: a backend that cannot work says so first
     _migrate(settings)
     if settings.bootstrap_admin:
         secret = asyncio.run(_bootstrap(settings))

@@ -25,7 +25,7 @@ from app.db import Database
 from app.errors import BadInput, Forbidden, RunNotFound
 from app.events import EventBroker
 from app.tables import Checkpoint, Metric, Run, Sample, User, new_id, utcnow
-from gpu_runtime.allocation import pool_key, require_single_gpu
+from gpu_runtime.allocation import parse_gpu_config, pool_key, require_single_gpu, smallest_single_gpu
 from gpu_runtime.contract import ADAM_DEFAULTS, LORA_DEFAULTS, adam_settings, lora_settings
 
 T = TypeVar("T")
@@ -143,6 +143,9 @@ class RunService:
         lora, adam = spec.lora(), spec.adam()
         gpu_config = self.catalog.resolve_gpu(model, spec.gpu_config, lora_r=lora["r"])  # checked to hold the model
         if not self.backend.multi_gpu:  # Modal pools are one GPU each until FSDP lands
+            single = smallest_single_gpu(model.parameters, lora_r=lora["r"])
+            if not spec.gpu_config and parse_gpu_config(gpu_config).count > 1 and single is not None:
+                gpu_config = str(single)  # the catalogue's multi-GPU default, on the one GPU that holds it
             require_single_gpu(gpu_config, model.parameters, lora_r=lora["r"], field="gpuConfig")
         run_id = new_id()
         created = await self._engine(

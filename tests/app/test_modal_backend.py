@@ -252,3 +252,28 @@ def test_serve_without_modal_credentials_fails_at_start(tmp_path: Path, tiny_mod
     assert result.returncode != 0
     output = result.stdout + result.stderr
     assert "MODAL_TOKEN_ID" in output and "MODAL_TOKEN_SECRET" in output and "modal token new" in output
+    assert "Signal at" not in output and not (tmp_path / "data" / "signal.db").exists()  # refused before anything
+
+
+def test_a_multi_gpu_default_runs_on_the_one_gpu_that_holds_it(
+    tiny_model_dir: str, container_dir: Path, tmp_path: Path
+) -> None:
+    # The catalogue's own 14B allocation (A100-80GB:2 by the README's table) is no refusal on Modal: with no
+    # override the run gets the smallest single GPU that holds it. The weights are the tiny model's; the
+    # allocation reads only the declared parameter count.
+    catalog = tmp_path / "models.yaml"
+    catalog.write_text(f"models:\n  - {{name: signal-tests/declared-14b, path: {tiny_model_dir}, family: llama, "
+                       "parameters: 14_700_000_000, offline: true}\n")
+    settings = settings_for(tmp_path / "server", tiny_model_dir, backend="modal", models_file=catalog,
+                            default_model="signal-tests/declared-14b")
+    server = LiveServer.start(settings, backend=offline_backend(settings))
+    try:
+        client = SignalClient(api_key=server.new_user(), base_url=server.url)
+        run = client.create_run(lora_r=4)
+        assert run.info.gpu_config == "A100:1"  # ~38 GB estimated: the 40 GB A100 is the smallest single fit
+        assert run.forward_backward(batch=BATCH).num_tokens > 0
+        with pytest.raises(BadInputError) as refused:
+            client.create_run(lora_r=4, gpu_config="A100-80GB:2")  # an explicit count above one still is
+        assert refused.value.field == "gpuConfig"
+    finally:
+        server.stop()
