@@ -11,7 +11,7 @@ from alembic.config import Config
 from sqlalchemy import event
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker, create_async_engine
 
-from app.settings import REPO_ROOT
+from app.resources import resource_dir
 
 
 class Database:
@@ -42,7 +42,7 @@ def _sqlite_pragmas(dbapi_connection, _record) -> None:  # type: ignore[no-untyp
 def alembic_config(url: str) -> Config:
     # No alembic.ini: the URL always comes from Signal's settings, so there is one source of truth.
     config = Config()
-    config.set_main_option("script_location", str(REPO_ROOT / "migrations"))
+    config.set_main_option("script_location", str(resource_dir("migrations")))
     config.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
     return config
 

@@ -12,9 +12,8 @@ from pathlib import Path
 from pydantic import AliasChoices, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from app.resources import resource_dir
 from gpu_runtime.contract import RuntimeOptions
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 class Settings(BaseSettings):
@@ -29,7 +28,7 @@ class Settings(BaseSettings):
     backend: str = Field("local", description="GPU runtime: `local` (a worker process on this machine) or `modal` "
                          "(a warm Modal container per pool; needs Modal credentials and `modal deploy -m gpu_runtime.modal_app`).")
     device: str = Field("auto", description="Worker device: auto, cpu, cuda, cuda:N.")
-    models_file: Path = Field(REPO_ROOT / "config" / "models.yaml", description="The model catalogue.")
+    models_file: Path = Field(resource_dir("config") / "models.yaml", description="The model catalogue.")
     default_model: str = Field("HuggingFaceTB/SmolLM2-135M-Instruct", description="Base model when none is given.")
     max_request_bytes: int = Field(16 * 1024 * 1024, description="Largest request body; bigger ones get 413.")
     # ---- the GPU runtime's own settings: defaults from RuntimeOptions, their single source ----

@@ -21,7 +21,7 @@ from gpu_runtime.contract import RuntimeOptions
 from gpu_runtime.errors import SignalError, WorkerFailed
 from gpu_runtime.protocol import decode, encode
 
-REPO_ROOT = str(Path(__file__).resolve().parent.parent)
+PACKAGE_PARENT = str(Path(__file__).resolve().parent.parent)  # a checkout, or site-packages when installed
 
 
 class WorkerClient:
@@ -37,7 +37,7 @@ class WorkerClient:
         start_timeout: float = 300.0,
         stop_timeout: float = 30.0,
     ) -> None:
-        self.data_dir = str(data_dir)
+        self.data_dir = str(Path(data_dir).resolve())  # the runtime may not share our working directory
         self.device = device
         self.options = options or RuntimeOptions()
         self.allow_downloads = allow_downloads
@@ -126,7 +126,7 @@ class WorkerClient:
     def _environment(self) -> dict[str, str]:
         env = {**os.environ, **self.env}
         # The runtime must import this very gpu_runtime, whatever the server's working directory.
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO_ROOT, env.get("PYTHONPATH", "")) if p)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (PACKAGE_PARENT, env.get("PYTHONPATH", "")) if p)
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
         return env
 
@@ -137,7 +137,7 @@ class WorkerClient:
             # A session of its own: Ctrl-C on the server does not kill a call mid-step.
             process = subprocess.Popen(
                 self._command(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
-                env=self._environment(), cwd=REPO_ROOT, start_new_session=True,
+                env=self._environment(), start_new_session=True,
             )
         finally:
             if log is not None:

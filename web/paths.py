@@ -3,8 +3,7 @@ since `signal serve` is often started elsewhere."""
 
 from __future__ import annotations
 
-from pathlib import Path
+from app.resources import resource_dir
 
-ROOT = Path(__file__).resolve().parent.parent
-TEMPLATES = ROOT / "templates"
-STATIC = ROOT / "static"
+TEMPLATES = resource_dir("templates")
+STATIC = resource_dir("static")
