@@ -1,12 +1,29 @@
-"""The four primitives over GraphQL against the real worker and a tiny real model."""
+"""The four primitives over GraphQL against a tiny real model: on the local worker, and on the Modal backend's
+offline path (the same runtime in a Modal class run by `.local()`)."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
+
+import pytest
 
 from rewardsignal import SignalClient
 from tests.helpers.live_server import LiveServer, error_code
+from tests.helpers.modal_server import LOCAL_WARNING, modal_live_server, runtime_data_dir
+
+pytestmark = pytest.mark.filterwarnings(LOCAL_WARNING)
+
+
+@pytest.fixture(scope="module", params=["local", "modal"])
+def live_server(request: pytest.FixtureRequest, live_server: LiveServer, tiny_model_dir: str,
+                tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    """This module's API tests, on the local worker and on the Modal backend's offline path."""
+    if request.param == "local":
+        yield live_server
+    else:
+        yield from modal_live_server(tiny_model_dir, tmp_path_factory)
 
 BATCH = [
     {"input": "The quick brown fox", "output": " jumps over the lazy dog."},
@@ -61,7 +78,7 @@ def test_train_sample_save_and_read_back(live_server: LiveServer, key: str) -> N
     checkpoint = saved["data"]["saveState"]
     assert checkpoint["mode"] == "adapter" and checkpoint["step"] == 4
     assert Path(checkpoint["checkpointPath"]).is_dir() and checkpoint["sizeBytes"] > 0
-    assert str(live_server.settings.data_dir.resolve()) in os.path.realpath(checkpoint["checkpointPath"])
+    assert str(runtime_data_dir(live_server).resolve()) in os.path.realpath(checkpoint["checkpointPath"])
 
     read = live_server.graphql(
         'query($id: ID!) { run(id: $id) { step createdAt metrics(name: "loss") { step value createdAt } '
@@ -135,7 +152,7 @@ def test_delete_run_removes_it_and_its_files(live_server: LiveServer, key: str) 
     run_id = create_run(live_server, key)
     live_server.graphql(FB, {"id": run_id, "batch": BATCH}, key=key)
     live_server.graphql(OPT, {"id": run_id}, key=key)
-    run_dirs = list(live_server.settings.data_dir.glob(f"runs/*/{run_id}"))
+    run_dirs = list(runtime_data_dir(live_server).glob(f"runs/*/{run_id}"))
     assert len(run_dirs) == 1
     body = live_server.graphql('mutation($id: ID!) { deleteRun(runId: $id) }', {"id": run_id}, key=key)
     assert body == {"data": {"deleteRun": True}}
@@ -147,7 +164,7 @@ def test_a_run_whose_files_are_gone_can_still_be_deleted(live_server: LiveServer
     import shutil
 
     run_id = create_run(live_server, key)
-    [run_dir] = live_server.settings.data_dir.glob(f"runs/*/{run_id}")
+    [run_dir] = runtime_data_dir(live_server).glob(f"runs/*/{run_id}")
     live_server.graphql('mutation($id: ID!) { saveState(runId: $id) { step } }', {"id": run_id}, key=key)
     shutil.rmtree(run_dir)
     live_server.graphql("mutation { createApiKey { secret } }", key=key)  # any other call in between
