@@ -21,13 +21,16 @@ a Modal `.remote()` unchanged.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import inspect
+import io
 import math
 import os
 import shutil
 import signal
 import sys
+import tarfile
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -43,17 +46,18 @@ from gpu_runtime.batches import Collated, Example, collate
 from gpu_runtime.contract import SAVE_MODES, RuntimeOptions, adam_settings, lora_settings, sampling_settings
 from gpu_runtime.decoding import DecodeGroup, SampleJob
 from gpu_runtime.devices import dtype_name, resolve_device
-from gpu_runtime.errors import BadInput, FailedPrecondition, RunNotFound, SignalError
+from gpu_runtime.errors import BadInput, FailedPrecondition, NotFound, RunNotFound, SignalError
 from gpu_runtime.losses import LossFn, get_loss, target_logprobs
 from gpu_runtime.merging import merged_model
 from gpu_runtime.models import ModelRegistry, describe
 from gpu_runtime.multilora import Segment, routed
-from gpu_runtime.persistence import atomic_dir, check_id, dir_size, find_run_dir, read_json, sha256_json, write_json
+from gpu_runtime.persistence import RunPaths, atomic_dir, check_id, dir_size, find_run_dir, read_json, sha256_json, write_json
 from gpu_runtime.pool import BaseEntry, Pool
 from gpu_runtime.run_state import RunState, append_manifest, last_manifest_step
 from gpu_runtime.scheduler import Request, Scheduler, TickPlan
 
 FORWARD_BACKWARD, SAMPLE = "forward_backward", "sample"
+EXPORT_LIMIT_BYTES = 256 * 1024**2  # a checkpoint archive sent through the runtime (JSON, base64); bigger: signal pull
 SYSTEM_METHODS = ("ping", "runtime_state")
 
 
@@ -140,7 +144,7 @@ class Engine:
             "create_run": self._create_run, "forward_backward": self._prepare_fb, "optim_step": self._optim_step,
             "sample": self._prepare_sample, "save_state": self._save_state, "load_run": self._run_info,
             "run_info": self._run_info, "close_run": self._close_run, "delete_run": self._delete_run,
-            "ping": self._ping, "runtime_state": self._runtime_state,
+            "ping": self._ping, "runtime_state": self._runtime_state, "export_checkpoint": self._export_checkpoint,
         }
 
     @property
@@ -510,6 +514,22 @@ class Engine:
                                                 base_model=entry.base.name, manifest=state.paths.manifest, mode=mode,
                                                 step=state.step, run_id=state.run_id)
         return result
+
+    def _export_checkpoint(self, run_id: str, mode: str, step: int) -> dict[str, Any]:
+        """A saved checkpoint's directory as a base64 .tar.gz, for a server whose disk is not the runtime's (Modal)."""
+        root = find_run_dir(self.data_dir, run_id)
+        if root is None:
+            raise RunNotFound(f"run {run_id!r} not found", field="run_id")
+        source = RunPaths(self.data_dir, root.parent.name, run_id).checkpoint(str(mode), int(step))
+        if not source.is_dir():
+            raise NotFound(f"run {run_id!r} has no {mode} checkpoint at step {step}", field="checkpoint")
+        if dir_size(source) > EXPORT_LIMIT_BYTES:
+            raise BadInput(f"the checkpoint is over {EXPORT_LIMIT_BYTES >> 20} MiB, too large to stream through the "
+                           "runtime: copy it with `signal pull`", field="checkpoint")
+        buffer = io.BytesIO()
+        with tarfile.open(fileobj=buffer, mode="w:gz") as archive:
+            archive.add(source, arcname=f"{run_id[:8]}-step{step}-{mode}")
+        return {"archive_b64": base64.b64encode(buffer.getvalue()).decode()}
 
     def _run_info(self, run_id: str) -> dict[str, Any]:
         return self._info(self._state(run_id))

@@ -66,11 +66,15 @@ class DashboardService:
         """The checkpoint's directory as a .tar.gz, written to a temporary file off the event loop."""
         checkpoint = await self.checkpoint(user, run_id, checkpoint_id)
         source = Path(checkpoint.path).resolve()
-        # The path comes from the runtime; never archive anything outside this server's data directory.
-        if not source.is_relative_to(self.data_dir.resolve()) or not source.exists():
-            raise NotFound(f"checkpoint {checkpoint_id}'s files are not on this server", field="checkpointId")
         name = f"{run_id[:8]}-step{checkpoint.step}-{checkpoint.mode}"
-        path = await asyncio.to_thread(_tar, source, name)
+        # The path comes from the runtime; never archive anything outside this server's data directory.
+        if source.is_relative_to(self.data_dir.resolve()) and source.exists():
+            path = await asyncio.to_thread(_tar, source, name)
+        elif not self.backend.shares_disk:  # on Modal the files are on the Volume: the runtime sends them
+            data = await self.runs.checkpoint_archive(run_id, checkpoint.mode, checkpoint.step)
+            path = await asyncio.to_thread(_write_temporary, data)
+        else:
+            raise NotFound(f"checkpoint {checkpoint_id}'s files are not on this server", field="checkpointId")
         return Archive(path=path, filename=f"{name}.tar.gz")
 
     async def runtime_state(self) -> dict[str, Any]:
@@ -92,6 +96,13 @@ class DashboardService:
         except Exception as error:  # noqa: BLE001 - the admin page must render even when the runtime is down
             state["runtime_error"] = f"{type(error).__name__}: {error}"
         return state
+
+
+def _write_temporary(data: bytes) -> Path:
+    handle, raw = tempfile.mkstemp(prefix="signal-checkpoint-", suffix=".tar.gz")
+    with os.fdopen(handle, "wb") as fh:
+        fh.write(data)
+    return Path(raw)
 
 
 def _tar(source: Path, name: str) -> Path:

@@ -8,6 +8,7 @@ reach the worker in arrival order, then records what the worker returned.
 from __future__ import annotations
 
 import asyncio
+import base64
 import builtins
 import math
 from collections import defaultdict
@@ -297,6 +298,15 @@ class RunService:
 
         return await asyncio.shield(asyncio.ensure_future(locked()))
 
+    async def checkpoint_archive(self, run_id: str, mode: str, step: int) -> bytes:
+        """A checkpoint's files as .tar.gz bytes, from the runtime that holds them (the caller checked ownership)."""
+        async with self.db.session() as session:
+            run = await session.get(Run, run_id)
+        if run is None:
+            raise RunNotFound(f"run {run_id!r} not found", field="runId")
+        return _decode_archive(await self._engine("export_checkpoint", pool=pool_of(run), run_id=run_id, mode=mode,
+                                                  step=step))
+
     async def _engine(self, method: str, pool: str | None = None, **params: Any) -> dict[str, Any]:
         try:
             return await self.backend.call(method, pool=pool, **params)
@@ -312,6 +322,10 @@ class RunService:
                     continue  # NaN is no point on a curve, and SQLite would store it as NULL
                 session.add(Metric(run_id=run_id, step=int(step), name=name, value=float(value), created_at=now))
         self.broker.publish(run_id, {"run_id": run_id, "kind": kind, "step": int(step), "created_at": now, **values})
+
+
+def _decode_archive(result: dict[str, Any]) -> bytes:
+    return base64.b64decode(result["archive_b64"])
 
 
 def pool_of(run: Run) -> str:

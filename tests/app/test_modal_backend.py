@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import modal
 import pytest
 
@@ -277,3 +278,20 @@ def test_a_multi_gpu_default_runs_on_the_one_gpu_that_holds_it(
         assert refused.value.field == "gpuConfig"
     finally:
         server.stop()
+
+
+def test_a_checkpoint_on_the_volume_downloads_through_the_runtime(modal_server: LiveServer, tmp_path: Path) -> None:
+    owner, other = modal_server.new_user(), modal_server.new_user()
+    run = SignalClient(api_key=owner, base_url=modal_server.url).create_run(lora_r=4)
+    run.forward_backward(batch=BATCH)
+    run.optim_step(learning_rate=0.01)
+    artifact = run.save_state(mode="state")
+    source = Path(artifact.checkpoint_path)  # the container's Volume, which the server cannot read from
+    assert not source.is_relative_to(modal_server.settings.data_dir.resolve())
+
+    target = artifact.download(tmp_path / "got")
+    expected = {p.relative_to(source): p.read_bytes() for p in source.rglob("*") if p.is_file()}
+    assert {p.relative_to(target): p.read_bytes() for p in target.rglob("*") if p.is_file()} == expected
+    assert Path("adapter_model.safetensors") in expected
+    response = httpx.get(artifact.download_url, headers={"Authorization": f"Bearer {other}"}, timeout=60)
+    assert response.status_code == 404  # another user's checkpoint, before the runtime is asked
