@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # torch 2.13.0 is a CPU build on machines without a GPU; where nvidia-smi answers, pip picks a CUDA build.
 TORCH := torch==2.13.0
 
-.PHONY: install serve test test-fast test-web schema bench clean
+.PHONY: install serve test test-fast test-web test-postgres schema bench clean
 
 install: $(STAMP)
 
@@ -27,6 +27,11 @@ test: install
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow"
+
+# Every test that touches the database (all but the runtime's own, tests/gpu_runtime), on a PostgreSQL the
+# tests start themselves (Debian's postgresql package): one server, a fresh database per module.
+test-postgres: install
+	SIGNAL_TEST_DATABASE=postgres $(PY) -m pytest -q --durations=15 tests/app tests/web tests/examples tests/sdk
 
 # The dashboard alone, in Debian's chromium (apt-get install chromium).
 test-web: install

@@ -16,7 +16,8 @@ def utcnow() -> datetime:
 
 
 def new_id() -> str:
-    return uuid.uuid4().hex
+    # A dashed UUID (36 characters): the text form of Supabase's user ids, which RLS compares with auth.uid()::text.
+    return str(uuid.uuid4())
 
 
 class UTCDateTime(TypeDecorator[datetime]):
@@ -38,7 +39,7 @@ class Base(DeclarativeBase):
     type_annotation_map = {dict[str, Any]: JSON, list[Any]: JSON, datetime: UTCDateTime()}
 
 
-# 36 characters: a Supabase user id (a dashed UUID) is used as the Signal user id as it is.
+# 36 characters: every id is a dashed UUID; a Supabase user id is used as the Signal user id as it is.
 USER_ID = String(36)
 
 
@@ -53,7 +54,7 @@ class User(Base):
 
 class ApiKey(Base):
     __tablename__ = "api_keys"
-    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
+    id: Mapped[str] = mapped_column(String(36), primary_key=True, default=new_id)
     user_id: Mapped[str] = mapped_column(USER_ID, ForeignKey("users.id", ondelete="CASCADE"), index=True)
     name: Mapped[str] = mapped_column(String(200), default="")
     prefix: Mapped[str] = mapped_column(String(16))
@@ -65,7 +66,7 @@ class ApiKey(Base):
 
 class Run(Base):
     __tablename__ = "runs"
-    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
+    id: Mapped[str] = mapped_column(String(36), primary_key=True, default=new_id)
     user_id: Mapped[str] = mapped_column(USER_ID, ForeignKey("users.id", ondelete="CASCADE"), index=True)
     base_model: Mapped[str] = mapped_column(String(300))
     lora_config: Mapped[dict[str, Any]] = mapped_column(JSON)

@@ -123,5 +123,34 @@ class RunPaths:
 
 def find_run_dir(data_dir: Path, run_id: str) -> Path | None:
     # Run ids are globally unique, so the user directory is found by looking.
-    matches = [p for p in (Path(data_dir) / "runs").glob(f"*/{run_id}") if (p / "config.json").exists()]
-    return matches[0] if matches else None
+    runs = Path(data_dir) / "runs"
+    matches = [p for p in runs.glob(f"*/{run_id}") if (p / "config.json").exists()]
+    if matches:
+        return matches[0]
+    legacy = _undashed(run_id)
+    found = [p for p in runs.glob(f"*/{legacy}") if (p / "config.json").exists()] if legacy else []
+    return _adopt_legacy(found[0]) if found else None
+
+
+_DASHED_UUID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
+_HEX_ID = re.compile(r"^[0-9a-f]{32}$")
+
+
+def _undashed(value: str) -> str | None:
+    return value.replace("-", "") if _DASHED_UUID.match(value) else None
+
+
+def _dashed(value: str) -> str:
+    return str(uuid.UUID(value)) if _HEX_ID.match(value) else value
+
+
+def _adopt_legacy(root: Path) -> Path:
+    """A run written when ids were 32 hex characters (the database's ids became dashed UUIDs, migration 0003):
+    move it to runs/{dashed user}/{dashed run} and rewrite its config, once, on first use."""
+    config = read_json(root / "config.json")
+    config["run_id"], config["user_id"] = _dashed(config["run_id"]), _dashed(config["user_id"])
+    target = root.parent.parent / config["user_id"] / config["run_id"]
+    target.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(root, target)
+    write_json(target / "config.json", config)
+    return target

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -11,6 +12,44 @@ import pytest
 if TYPE_CHECKING:
     from gpu_runtime.engine import Engine
     from tests.helpers.live_server import LiveServer
+    from tests.helpers.postgres import Cluster
+
+# `SIGNAL_TEST_DATABASE=postgres` (make test-postgres): every server, CLI and service a test starts uses a fresh
+# PostgreSQL database per module, through SIGNAL_DATABASE_URL, as production configures it; else SQLite.
+ON_POSTGRES = os.environ.get("SIGNAL_TEST_DATABASE", "sqlite") == "postgres"
+
+
+@pytest.fixture(scope="session")
+def postgres_cluster() -> Iterator[Cluster]:
+    """One PostgreSQL server for the whole session, started on first use; cluster-wide roles made once."""
+    from tests.helpers import postgres
+
+    if not postgres.available():
+        # CI installs PostgreSQL (.ci/run); elsewhere a machine without it skips, and says so.
+        if os.environ.get("CI") or ON_POSTGRES:
+            raise RuntimeError("PostgreSQL's binaries are not installed (apt-get install postgresql)")
+        pytest.skip("PostgreSQL binaries not installed")
+    with postgres.Cluster.start() as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="module")
+def postgres_url(postgres_cluster: Cluster, request: pytest.FixtureRequest) -> Iterator[str]:
+    """The asyncpg URL of a fresh database on the session's server, dropped after the module."""
+    name = postgres_cluster.create_database(request.module.__name__.rsplit(".", 1)[-1])
+    yield postgres_cluster.url(name)
+    postgres_cluster.drop_database(name)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _test_database(request: pytest.FixtureRequest) -> Iterator[None]:
+    if not ON_POSTGRES:
+        yield
+        return
+    url = request.getfixturevalue("postgres_url")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SIGNAL_DATABASE_URL", url)
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -2,26 +2,20 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 
 import pytest
 
 from rewardsignal import NotFoundError, SignalClient
-from tests.helpers import postgres
 from tests.helpers.live_server import LiveServer, settings_for
-
-if not postgres.available():
-    # CI installs PostgreSQL (.ci/run); elsewhere a machine without it skips, and says so.
-    pytestmark = pytest.mark.skipif(not os.environ.get("CI"), reason="PostgreSQL binaries not installed")
 
 
 @pytest.fixture(scope="module")
-def pg_server(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    with postgres.postgres_server() as url:
-        server = LiveServer.start(settings_for(tmp_path_factory.mktemp("pg-data"), tiny_model_dir, database_url=url))
-        yield server
-        server.stop()
+def pg_server(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory, postgres_url: str) -> Iterator[LiveServer]:
+    # On PostgreSQL whichever database the rest of the suite uses (postgres_url: the session's server).
+    server = LiveServer.start(settings_for(tmp_path_factory.mktemp("pg-data"), tiny_model_dir, database_url=postgres_url))
+    yield server
+    server.stop()
 
 
 def test_training_and_ownership_on_postgres(pg_server: LiveServer) -> None:

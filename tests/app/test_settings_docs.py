@@ -28,6 +28,7 @@ def test_every_setting_is_in_the_readme() -> None:
 def test_settings_read_the_environment(monkeypatch, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     monkeypatch.setenv("SIGNAL_DATA_DIR", str(tmp_path))
     monkeypatch.setenv("SIGNAL_PORT", "9123")
+    monkeypatch.delenv("SIGNAL_DATABASE_URL", raising=False)  # set by make test-postgres
     settings = Settings(_env_file=None)
     assert settings.port == 9123
     assert settings.resolved_database_url == f"sqlite+aiosqlite:///{tmp_path.resolve()}/signal.db"
