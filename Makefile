@@ -40,9 +40,16 @@ test-web: install
 schema: install
 	$(PY) -c "from app.schema import schema; print(schema.as_str())" > graphql/schema.graphql
 
+# Issue 6's benchmarks; each prints one JSON line last. Under load, BENCH_ARGS=--threads 1 steadies them.
+BENCH_ARGS ?=
+
 bench: install
-	$(PY) bench/engine_throughput.py
+	$(PY) bench/engine_throughput.py $(BENCH_ARGS)
 	$(PY) bench/api_overhead.py
+	$(PY) bench/cobatch.py $(BENCH_ARGS)
+	$(PY) bench/fairness.py $(BENCH_ARGS)
+	$(PY) bench/durability.py $(BENCH_ARGS)
+	$(PY) bench/memory.py $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,135 @@
+"""What every benchmark here shares: progress lines, a scratch data directory, medians, targets, the JSON line.
+
+Each benchmark prints progress to stderr and one JSON object as the last line of stdout, with its
+figures, its targets and whether each target passed. Runs live in a scratch data directory whose
+`models/` points at the real one, so the default model is de-quantized once and reused after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+_STARTED = time.monotonic()
+
+# ~20 tokens each in SmolLM2's tokenizer: one short training example per run.
+SHORT_TEXTS = [
+    "The quick brown fox jumps over the lazy dog, then naps beside the old stone wall.",
+    "Water boils at one hundred degrees Celsius at sea level, and less on a mountain.",
+    "A haiku has three lines: five syllables, then seven, then five again at the end.",
+    "Paris is the capital of France, and Berlin is the capital of Germany, of course.",
+    "To reverse a list in Python, call its reverse method or slice it with a step of -1.",
+    "The train left the station at nine, and by noon it had crossed the wide river.",
+    "Photosynthesis turns sunlight, water and carbon dioxide into sugar and oxygen.",
+    "She opened the letter slowly, smiled, and put it back into the blue envelope.",
+]
+
+
+def log(message: str) -> None:
+    """A progress line on stderr, with seconds since the benchmark started."""
+    print(f"[{time.monotonic() - _STARTED:7.1f}s] {message}", file=sys.stderr, flush=True)
+
+
+def common_args(parser: argparse.ArgumentParser) -> None:
+    from gpu_runtime.models import DEFAULT_BASE_MODEL
+
+    parser.add_argument("--model", default=DEFAULT_BASE_MODEL, help="base model: a catalogue name or a local directory")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--data-dir", default=str(REPO_ROOT / "data"),
+                        help="the data directory whose models/ cache is reused (default ./data)")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch threads, here and in worker processes (0: torch's default)")
+
+
+def apply_threads(threads: int) -> dict[str, str]:
+    """Set this process's torch threads; return the environment a worker process should get for the same."""
+    load, cpus = load_average(), os.cpu_count() or 1
+    if load and load[0] > cpus / 2:
+        log(f"load average {load[0]} on {cpus} CPUs: other processes compete for them"
+            + ("; torch's default threads spin-wait badly then, so figures swing: consider --threads 1" if threads <= 0 else ""))
+    if threads <= 0:
+        return {}
+    import torch
+
+    torch.set_num_threads(threads)
+    return {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+
+
+@contextmanager
+def scratch_data_dir(model_cache_parent: str | Path) -> Iterator[Path]:
+    """A fresh data directory for this benchmark's runs, sharing the real one's model cache."""
+    cache = Path(model_cache_parent).resolve() / "models"
+    cache.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="signal-bench-") as tmp:
+        (Path(tmp) / "models").symlink_to(cache)
+        yield Path(tmp)
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def target(value: float, op: str, bound: float, note: str | None = None) -> dict[str, Any]:
+    """One figure against its target: {"value", "target", "pass"}."""
+    passed = value >= bound if op == ">=" else value <= bound
+    result: dict[str, Any] = {"value": round(value, 4), "target": f"{op} {bound}", "pass": bool(passed)}
+    if note:
+        result["note"] = note
+    return result
+
+
+def load_average() -> list[float]:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return []
+
+
+def machine() -> dict[str, Any]:
+    return {"cpus": os.cpu_count(), "load_average": load_average()}
+
+
+def emit(result: dict[str, Any]) -> None:
+    """The summary: one JSON object, the last line of stdout."""
+    result = {**result, "machine_at_start": _MACHINE_AT_START, "machine_at_end": machine(),
+              "wall_seconds": round(time.monotonic() - _STARTED, 1)}
+    sys.stdout.flush()
+    print(json.dumps(result), flush=True)
+
+
+_MACHINE_AT_START = machine()
+
+
+def proc_io(pid: int) -> dict[str, int]:
+    """A process's I/O counters from /proc/PID/io (write_bytes: to storage; wchar: through write calls)."""
+    counters = {}
+    with open(f"/proc/{pid}/io") as fh:
+        for line in fh:
+            key, value = line.split(":")
+            counters[key.strip()] = int(value)
+    return counters
+
+
+def proc_status(pid: int | str = "self") -> dict[str, int]:
+    """VmRSS, VmHWM (peak RSS) and friends from /proc/PID/status, in bytes."""
+    out = {}
+    with open(f"/proc/{pid}/status") as fh:
+        for line in fh:
+            if line.startswith("Vm"):
+                key, value = line.split(":")
+                parts = value.split()
+                out[key] = int(parts[0]) * (1024 if len(parts) > 1 and parts[1] == "kB" else 1)
+    return out
