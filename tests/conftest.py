@@ -52,6 +52,21 @@ def _test_database(request: pytest.FixtureRequest) -> Iterator[None]:
         yield
 
 
+@pytest.fixture
+def fresh_database(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A database of the test's own, for what only happens on an empty one (the first start's admin). On SQLite a
+    fresh data dir is one already; on PostgreSQL the module's is shared, so this makes another."""
+    if not ON_POSTGRES:
+        yield
+        return
+    cluster = request.getfixturevalue("postgres_cluster")
+    name = cluster.create_database(request.node.name[:30])
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SIGNAL_DATABASE_URL", cluster.url(name))
+        yield
+    cluster.drop_database(name)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A tiny random-weight Llama with SmolLM2's tokenizer, built once per session; returns its path."""

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from tests.helpers.live_server import free_port, write_catalog
 
@@ -61,6 +62,7 @@ def test_no_command_prints_help_and_fails(tmp_path: Path) -> None:
     assert result.returncode == 2 and "serve" in result.stdout
 
 
+@pytest.mark.usefixtures("fresh_database")
 def test_serve_first_start_prints_an_admin_key_once(tmp_path: Path, tiny_model_dir: str) -> None:
     env = cli_env(tmp_path, SIGNAL_DEVICE="cpu", SIGNAL_DEFAULT_MODEL="tiny-llama",
                   SIGNAL_MODELS_FILE=str(write_catalog(tmp_path / "models.yaml", tiny_model_dir)))
