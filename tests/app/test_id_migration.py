@@ -108,6 +108,14 @@ async def test_upgrade_dashes_existing_ids_and_keeps_references(database_url: st
                     async with conn.begin_nested():
                         await conn.execute(text("INSERT INTO metrics (run_id, step, name, value, created_at) "
                                                 "VALUES (:r, 1, 'loss', 1.0, now())"), {"r": new_id()})
+
+        # And back: downgrading past 0003 restores the 32-hex form, references intact.
+        await asyncio.to_thread(command.downgrade, config, "0002")
+        await engine.dispose()  # pooled connections cached plans of the tables before
+        async with engine.connect() as conn:
+            for (table, column), parent in ID_COLUMNS.items():
+                values = (await conn.execute(text(f"SELECT {column} FROM {table}"))).scalars().all()
+                assert len(values) == 1 and all(re.fullmatch(r"[0-9a-f]{32}", v) for v in values), (table, column, values)
     finally:
         await engine.dispose()
 
