@@ -113,7 +113,7 @@ async def test_upgrade_dashes_existing_ids_and_keeps_references(database_url: st
         await asyncio.to_thread(command.downgrade, config, "0002")
         await engine.dispose()  # pooled connections cached plans of the tables before
         async with engine.connect() as conn:
-            for (table, column), parent in ID_COLUMNS.items():
+            for table, column in ID_COLUMNS:
                 values = (await conn.execute(text(f"SELECT {column} FROM {table}"))).scalars().all()
                 assert len(values) == 1 and all(re.fullmatch(r"[0-9a-f]{32}", v) for v in values), (table, column, values)
     finally:
