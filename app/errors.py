@@ -27,10 +27,24 @@ class Forbidden(SignalError, PermissionError):
     code = "FORBIDDEN"
 
 
+class InsufficientCredits(SignalError, PermissionError):
+    """The billing backend refused the call (no credits left, or no account): nothing was run."""
+
+    code = "INSUFFICIENT_CREDITS"
+
+
+class BillingUnavailable(SignalError, RuntimeError):
+    """The billing backend could not be asked (unreachable, timed out, answered 5xx): nothing was run."""
+
+    code = "BILLING_UNAVAILABLE"
+
+
 __all__ = [
     "BadInput",
+    "BillingUnavailable",
     "FailedPrecondition",
     "Forbidden",
+    "InsufficientCredits",
     "InternalError",
     "ModelUnavailable",
     "NotFound",

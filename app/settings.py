@@ -65,6 +65,17 @@ class Settings(BaseSettings):
     supabase_jwt_secret: str = Field("", validation_alias=AliasChoices("SIGNAL_SUPABASE_JWT_SECRET",
                                                                        "SUPABASE_JWT_SECRET"),
                                      description="Legacy HS256 JWT secret; empty: only JWKS (ES256/RS256) keys.")
+    # ---- billing hooks (docs/BILLING.md); the seed's name FRONTIER_BACKEND_URL works too ----
+    frontier_backend_url: str = Field("", validation_alias=AliasChoices("SIGNAL_FRONTIER_BACKEND_URL",
+                                                                        "FRONTIER_BACKEND_URL"),
+                                      description="Billing backend's base URL; empty: no credit checks, no "
+                                      "integrations, no deductions.")
+    billing_secret: str = Field("", description="Shared secret sent as `Authorization: Bearer …` on every billing call.")
+    billing_timeout_s: float = Field(5.0, gt=0, description="Timeout of each billing call, in seconds.")
+    billing_retry_s: float = Field(30.0, gt=0, description="Deductions the backend did not take are sent again "
+                                   "this often (and after every call, and at start).")
+    gpu_second_rate: float = Field(1.0, ge=0, description="Credits per GPU-second: a run's cost, and each "
+                                   "deduction's `credits`.")
 
     @field_validator("worker_log", mode="before")
     @classmethod
@@ -84,6 +95,10 @@ class Settings(BaseSettings):
     @property
     def resolved_public_url(self) -> str:
         return (self.public_url or f"http://{self.host}:{self.port}").rstrip("/")
+
+    @property
+    def billing_enabled(self) -> bool:
+        return bool(self.frontier_backend_url.strip())
 
     @property
     def supabase_enabled(self) -> bool:

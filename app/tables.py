@@ -77,6 +77,8 @@ class Run(Base):
     step: Mapped[int] = mapped_column(Integer, default=0)
     trainable_params: Mapped[int] = mapped_column(BigInteger, default=0)
     total_params: Mapped[int] = mapped_column(BigInteger, default=0)
+    # Device seconds its calls took (a co-batched pass shared by token share), in every mode; × its GPUs = GPU-seconds.
+    compute_seconds: Mapped[float] = mapped_column(Float, default=0.0, server_default="0")
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
 
@@ -135,3 +137,24 @@ class LoginAttempt(Base):
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     expires_at: Mapped[datetime] = mapped_column()
     used_at: Mapped[datetime | None] = mapped_column(default=None)
+
+
+class BillingOutbox(Base):
+    """One deduction owed to the billing backend (docs/BILLING.md), keyed by the call's idempotency key: written
+    when the call's result is recorded, sent after it (and at start, and every SIGNAL_BILLING_RETRY_S), kept once
+    sent (`sent_at`) so a retry of the call is never charged twice. No foreign key: deleting a run keeps what it owes."""
+
+    __tablename__ = "billing_outbox"
+    idempotency_key: Mapped[str] = mapped_column(String(200), primary_key=True)
+    user_id: Mapped[str] = mapped_column(USER_ID, index=True)
+    run_id: Mapped[str] = mapped_column(String(36))
+    operation: Mapped[str] = mapped_column(String(32))
+    compute_seconds: Mapped[float] = mapped_column(Float)
+    gpu_type: Mapped[str] = mapped_column(String(40))
+    gpu_count: Mapped[int] = mapped_column(Integer)
+    gpu_seconds: Mapped[float] = mapped_column(Float)
+    credits: Mapped[float] = mapped_column(Float)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    sent_at: Mapped[datetime | None] = mapped_column(default=None, index=True)
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    last_error: Mapped[str] = mapped_column(Text, default="")

@@ -37,6 +37,7 @@ class SampleJob:
     reasons: list[str | None] = field(default_factory=list)
     texts: list[str | None] = field(default_factory=list)
     done: bool = False
+    compute_seconds: float = 0.0  # its rows' share of the group's decode chunks
 
 
 class DecodeGroup:

@@ -76,6 +76,7 @@ class FbProgress:
     done: int = 0
     loss_sum: float = 0.0
     normaliser: float = 0.0
+    compute_seconds: float = 0.0  # this call's share of its ticks' passes, by its rows' tokens
     backup: list[torch.Tensor | None] | None = None  # gradients before a split call, restored if a later part fails
 
     @property
@@ -100,6 +101,7 @@ class TickStats:
     base_passes: int = 0  # forward+backward passes of a base (one per base per tick when co-batched)
     decode_passes: int = 0
     decode_rows: int = 0
+    fb_seconds: float = 0.0  # of the forward+backward passes: what their calls' compute_seconds add up to
     seconds: float = 0.0
 
 
@@ -349,19 +351,24 @@ class Engine:
         return taken
 
     def _run_fb(self, entry: BaseEntry, parts: list[FbPart], stats: TickStats) -> list[tuple[Request, dict[str, Any]]]:
-        """One forward and backward pass of the base for every part; journal the calls that completed."""
+        """One forward and backward pass of the base for every part; journal the calls that completed.
+        The pass's seconds are shared among its parts by their tokens (a call's compute_seconds)."""
+        started = time.perf_counter()
         outcomes = self._fb_pass(entry, parts)
+        seconds = _device_seconds(self.device, started)
+        tokens = [sum(len(e.tokens) for e in part.examples) for part in parts]
+        stats.fb_seconds += seconds
         stats.base_passes += 1
         stats.fb_rows += sum(len(p.examples) for p in parts)
         stats.fb_runs += len(parts)
         answers = []
-        for part, outcome in zip(parts, outcomes):
+        for part, outcome, part_tokens in zip(parts, outcomes, tokens):
             assert part.request is not None
             if isinstance(outcome, SignalError):
                 _restore_grads(part.progress)
                 answers.append((part.request, {"error": outcome.to_dict()}))
                 continue
-            result = self._fb_done(part, outcome)
+            result = self._fb_done(part, outcome, seconds * part_tokens / max(sum(tokens), 1))
             if result is not None:
                 answers.append((part.request, {"result": result}))
         return answers
@@ -397,9 +404,11 @@ class Engine:
             total.backward()  # sums, accumulated in .grad; optim_step divides by each run's own normaliser
         return outcomes
 
-    def _fb_done(self, part: FbPart, outcome: tuple[float, float]) -> dict[str, Any] | None:
-        """Count a part; when the call is whole, journal it and return its result."""
+    def _fb_done(self, part: FbPart, outcome: tuple[float, float], seconds: float = 0.0) -> dict[str, Any] | None:
+        """Count a part (and its share of the pass's `seconds`); when the call is whole, journal it and return
+        its result."""
         progress, state = part.progress, part.progress.state
+        progress.compute_seconds += seconds
         progress.loss_sum += outcome[0]
         progress.normaliser += outcome[1]
         progress.done += len(part.examples)
@@ -412,7 +421,8 @@ class Engine:
         state.pending_batches.append({"sha256": progress.batch_hash, "num_examples": len(progress.examples),
                                       "num_tokens": num_tokens})
         result = {"loss": progress.loss_sum / progress.normaliser if progress.normaliser else 0.0,
-                  "num_tokens": num_tokens, "num_examples": len(progress.examples), "step": state.step}
+                  "num_tokens": num_tokens, "num_examples": len(progress.examples), "step": state.step,
+                  "compute_seconds": progress.compute_seconds}
         if part.request is None:  # replaying: the journal already holds it
             return result
         if "before_journal" in self.faults:
@@ -443,8 +453,10 @@ class Engine:
         if state.pending_calls == 0:
             raise FailedPrecondition("no gradients to apply: call forward_backward before optim_step")
         pending_tokens, pending_batches = state.pending_tokens, state.pending_batches
+        started = time.perf_counter()
         try:
             result: dict[str, Any] = _apply_optim(state, settings)
+            result["compute_seconds"] = _device_seconds(self.device, started)
         except FailedPrecondition as exc:
             result = {"error": exc.to_dict()}  # journaled too: dropping the gradients is a change replay must repeat
         self._journal(state, {"type": "optim_step", "request_id": request_id, "adam": settings, "result": result})
@@ -496,6 +508,7 @@ class Engine:
         if push_to_hub:
             hub_model_id, hf_token = hub.check_push(hub_model_id, hf_token)
         entry = self.pool.bases[state.base_model]
+        started = time.perf_counter()
         self._snapshot(state)
         path = state.paths.checkpoint(mode, state.step)
         with atomic_dir(path) as tmp:
@@ -508,7 +521,8 @@ class Engine:
             if mode == "merged":
                 merged_model(entry, state).save_pretrained(tmp)
                 entry.base.tokenizer.save_pretrained(tmp)
-        result = {"checkpoint_path": str(path.resolve()), "mode": mode, "step": state.step, "size_bytes": dir_size(path)}
+        result = {"checkpoint_path": str(path.resolve()), "mode": mode, "step": state.step, "size_bytes": dir_size(path),
+                  "compute_seconds": _device_seconds(self.device, started)}  # the upload below is not counted
         if push_to_hub and hub_model_id and hf_token:
             result["hub"] = hub.push_checkpoint(path, hub_model_id=hub_model_id, hf_token=hf_token,
                                                 base_model=entry.base.name, manifest=state.paths.manifest, mode=mode,
@@ -618,6 +632,8 @@ class Engine:
         deadline = time.monotonic() + self.options.decode_chunk_seconds
         for group in list(self.decode_groups):
             before = group.passes
+            active = [job for job in group.jobs if not job.done]
+            started = time.perf_counter()
             try:
                 finished = group.advance(deadline)
             except Exception as exc:  # noqa: BLE001 - fail its calls, keep the runtime
@@ -629,8 +645,11 @@ class Engine:
                 continue
             stats.decode_passes += group.passes - before
             stats.decode_rows += group.rows
+            seconds, rows = _device_seconds(self.device, started), sum(job.end - job.start for job in active)
+            for job in active:  # the chunk's seconds, shared by the rows of the calls still decoding
+                job.compute_seconds += seconds * (job.end - job.start) / max(rows, 1)
             for job in finished:
-                result = group.result(job)
+                result = {**group.result(job), "compute_seconds": job.compute_seconds}
                 job.state.remember_sample(job.request.request_id, result)
                 self.scheduler.finish(job.request, {"result": result})
             if group.done:
@@ -808,6 +827,13 @@ def _apply_optim(state: RunState, settings: dict[str, float]) -> dict[str, Any]:
     state.step += 1
     state.clear_pending()
     return {"step": state.step, "grad_norm": grad_norm, "learning_rate": settings["learning_rate"]}
+
+
+def _device_seconds(device: torch.device, started: float) -> float:
+    """Seconds since `started` (time.perf_counter), once the device's queued work is done."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - started
 
 
 def _restore_grads(progress: FbProgress) -> None:

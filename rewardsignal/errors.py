@@ -62,6 +62,18 @@ class HubError(SignalAPIError, RuntimeError):
     code = "HUB_ERROR"
 
 
+class InsufficientCreditsError(SignalAPIError, PermissionError):
+    """The server's billing backend refused the call (no credits left): nothing was run, nothing charged."""
+
+    code = "INSUFFICIENT_CREDITS"
+
+
+class BillingUnavailableError(SignalAPIError, RuntimeError):
+    """The server could not reach its billing backend to check credits: nothing was run; try again later."""
+
+    code = "BILLING_UNAVAILABLE"
+
+
 class ServerError(SignalAPIError, RuntimeError):
     code = "INTERNAL"
 
@@ -75,7 +87,8 @@ class TransportError(SignalAPIError, ConnectionError):
 _BY_CODE: dict[str, type[SignalAPIError]] = {
     cls.code: cls
     for cls in (AuthenticationError, NotFoundError, BadInputError, ModelUnavailableError, FailedPreconditionError,
-                WorkerFailedError, ForbiddenError, PayloadTooLargeError, HubError, ServerError, TransportError)
+                WorkerFailedError, ForbiddenError, PayloadTooLargeError, HubError, InsufficientCreditsError,
+                BillingUnavailableError, ServerError, TransportError)
 }
 _BY_CODE["GRAPHQL_VALIDATION_FAILED"] = BadInputError
 

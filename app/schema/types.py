@@ -15,6 +15,7 @@ from strawberry.scalars import JSON
 from app import tables
 from app.catalog import CatalogModel
 from app.schema.context import Info
+from app.services.billing import gpu_seconds
 
 
 @strawberry.type(name="BaseModel")
@@ -149,9 +150,16 @@ class Run:
     gpu_config: str
     trainable_params: float
     total_params: float
+    compute_seconds: float = strawberry.field(
+        description="Device seconds its calls took (a co-batched pass shared among its runs by token share)")
+    gpu_seconds: float = strawberry.field(description="computeSeconds × the GPUs of its pool (gpuConfig)")
     created_at: datetime
     updated_at: datetime
     row: strawberry.Private[tables.Run]
+
+    @strawberry.field(description="Its cost so far in credits: gpuSeconds × the server's SIGNAL_GPU_SECOND_RATE")
+    def cost(self, info: Info) -> float:
+        return self.gpu_seconds * info.context.services.settings.gpu_second_rate
 
     @strawberry.field
     async def metrics(self, info: Info, name: str | None = None, limit: int = 1000) -> list[Metric]:
@@ -175,6 +183,7 @@ class Run:
             lora_target_modules=lora.get("target_modules"), learning_rate=float(adam["learning_rate"]),
             optimizer=JSON(adam), seed=row.seed, gpu_config=row.gpu_config,
             trainable_params=float(row.trainable_params), total_params=float(row.total_params),
+            compute_seconds=float(row.compute_seconds or 0.0), gpu_seconds=gpu_seconds(row),
             created_at=row.created_at, updated_at=row.updated_at, row=row,
         )
 

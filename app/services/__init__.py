@@ -10,6 +10,7 @@ from app.backends import Backend, make_backend
 from app.catalog import Catalog
 from app.db import Database
 from app.events import EventBroker
+from app.services.billing import BillingClient
 from app.services.dashboard import DashboardService
 from app.services.keys import KeyService
 from app.services.live import LiveMetrics
@@ -36,6 +37,7 @@ class Services:
     dashboard: DashboardService
     http: httpx.AsyncClient  # shared by the Supabase client and the JWKS fetches; closed with the services
     supabase: SupabaseSignIn | None = None  # only when SUPABASE_URL and SUPABASE_ANON_KEY are set
+    billing: BillingClient | None = None  # only when FRONTIER_BACKEND_URL is set
 
     @classmethod
     def build(cls, settings: Settings, backend: Backend | None = None) -> Services:
@@ -44,7 +46,8 @@ class Services:
         catalog = Catalog.from_file(settings.models_file)
         broker = EventBroker()
         users = UserService(db)
-        runs = RunService(db, backend, catalog, broker, settings.default_model)
+        billing = BillingClient(settings, db) if settings.billing_enabled else None
+        runs = RunService(db, backend, catalog, broker, settings.default_model, billing)
         http = httpx.AsyncClient(timeout=15)
         supabase = None
         if settings.supabase_enabled:
@@ -65,9 +68,12 @@ class Services:
             dashboard=DashboardService(db, backend, broker, runs, settings.data_dir),
             supabase=supabase,
             http=http,
+            billing=billing,
         )
 
     async def close(self) -> None:
+        if self.billing is not None:
+            await self.billing.close()
         await self.http.aclose()
         await self.backend.close()
         await self.db.dispose()

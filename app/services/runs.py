@@ -17,7 +17,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from sqlalchemy import delete, select
+from sqlalchemy import delete, select, update
+from sqlalchemy.exc import IntegrityError
 from strawberry.utils.str_converters import to_camel_case
 
 from app.backends import Backend
@@ -25,7 +26,8 @@ from app.catalog import Catalog
 from app.db import Database
 from app.errors import BadInput, Forbidden, RunNotFound
 from app.events import EventBroker
-from app.tables import Checkpoint, Metric, Run, Sample, User, new_id, utcnow
+from app.services.billing import BillingClient
+from app.tables import BillingOutbox, Checkpoint, Metric, Run, Sample, User, new_id, utcnow
 from gpu_runtime.allocation import parse_gpu_config, pool_key, require_single_gpu, smallest_single_gpu
 from gpu_runtime.contract import ADAM_DEFAULTS, LORA_DEFAULTS, adam_settings, lora_settings
 
@@ -94,8 +96,9 @@ class SampleParams:
 
 class RunService:
     def __init__(self, db: Database, backend: Backend, catalog: Catalog, broker: EventBroker,
-                 default_model: str) -> None:
+                 default_model: str, billing: BillingClient | None = None) -> None:
         self.db = db
+        self.billing = billing  # None: FRONTIER_BACKEND_URL unset, no billing calls at all
         self.default_model = default_model
         self.backend = backend
         self.catalog = catalog
@@ -149,6 +152,8 @@ class RunService:
                 gpu_config = str(single)  # the catalogue's multi-GPU default, on the one GPU that holds it
             require_single_gpu(gpu_config, model.parameters, lora_r=lora["r"], field="gpuConfig")
         run_id = new_id()
+        if self.billing is not None:
+            await self.billing.validate(user.id, "create_run", run_id, gpu_config, model.name)
         created = await self._engine(
             "create_run", pool=pool_key(model.name, gpu_config, None), run_id=run_id, user_id=user.id,
             base_model=model.source, lora=lora, seed=spec.seed,
@@ -177,15 +182,16 @@ class RunService:
         if not isinstance(batch, list) or not batch:
             raise BadInput("batch must be a non-empty list of examples", field="batch")
         _check_request_id(request_id)
+        request_id = await self._check_credits(user, run, "forward_backward", request_id)
 
         async def work() -> dict[str, Any]:
             result = await self._engine("forward_backward", pool=pool_of(run), run_id=run.id, batch=batch, loss_fn=loss_fn,
                                         loss_fn_config=loss_fn_config, request_id=request_id)
-            if result.get("replayed"):
-                return result  # a retry of a call already applied and recorded: record nothing twice
-            await self._record(run.id, result["step"], "forward_backward", {
-                "loss": result["loss"], "num_tokens": result["num_tokens"], "num_examples": result["num_examples"],
-            })
+            if not result.get("replayed"):  # a retry of a call already applied and recorded: record nothing twice
+                await self._record(run.id, result["step"], "forward_backward", {
+                    "loss": result["loss"], "num_tokens": result["num_tokens"], "num_examples": result["num_examples"],
+                })
+            await self._account(run, "forward_backward", request_id, result)
             return result
 
         return await self._serialised(run.id, work)
@@ -196,9 +202,11 @@ class RunService:
         overrides = {key: value for key, value in (adam or {}).items() if value is not None}
         settings = {**ADAM_DEFAULTS, **run.optimizer_config, **overrides}
         _check_request_id(request_id)
+        request_id = await self._check_credits(user, run, "optim_step", request_id)
 
         async def work() -> dict[str, Any]:
             result = await self._engine("optim_step", pool=pool_of(run), run_id=run.id, adam=settings, request_id=request_id)
+            await self._account(run, "optim_step", request_id, result)
             if result.get("replayed"):
                 return result  # its step was stored when it was applied; a later step may have followed
             async with self.db.session() as session:
@@ -217,9 +225,11 @@ class RunService:
         run = await self.get(user, run_id)
         stored_params = {k: v for k, v in params.engine_params().items() if k != "prompts"}
         _check_request_id(request_id)
+        request_id = await self._check_credits(user, run, "sample", request_id)
 
         async def work() -> dict[str, Any]:
             result = await self._engine("sample", pool=pool_of(run), run_id=run.id, **params.engine_params(), request_id=request_id)
+            await self._account(run, "sample", request_id, result)
             if result.get("replayed"):
                 return result
             async with self.db.session() as session:
@@ -235,19 +245,26 @@ class RunService:
                          hub_model_id: str | None = None, request_id: str | None = None,
                          hf_token: str | None = None) -> Checkpoint:
         """Export the run; with push_to_hub, the runtime also uploads it (private) with the user's `hf_token`,
-        which travels as this one call's argument and is stored nowhere."""
+        which travels as this one call's argument and is stored nowhere. With billing on and no `hf_token`, the
+        token is the user's Hugging Face integration, fetched from the billing backend now (docs/BILLING.md)."""
         run = await self.get(user, run_id)
+        if push_to_hub and not (hub_model_id or "").strip():
+            raise BadInput("pushToHub needs hubModelId (e.g. 'your-name/my-adapter')", field="hubModelId")
+        _check_request_id(request_id)
+        request_id = await self._check_credits(user, run, "save_state", request_id)
         hub: dict[str, Any] = {}
         if push_to_hub:
-            if not (hub_model_id or "").strip():
-                raise BadInput("pushToHub needs hubModelId (e.g. 'your-name/my-adapter')", field="hubModelId")
+            if not (hf_token or "").strip() and self.billing is not None:
+                hf_token = await self.billing.hf_token(user.id)
             if not (hf_token or "").strip():
-                raise BadInput("pushToHub needs hfToken: a Hugging Face token with write access", field="hfToken")
+                integration = "; the billing backend has no Hugging Face integration for you" if self.billing else ""
+                raise BadInput(f"pushToHub needs hfToken: a Hugging Face token with write access{integration}",
+                               field="hfToken")
             hub = {"push_to_hub": True, "hub_model_id": hub_model_id, "hf_token": hf_token}
-        _check_request_id(request_id)
 
         async def work() -> Checkpoint:
             result = await self._engine("save_state", pool=pool_of(run), run_id=run.id, mode=mode, request_id=request_id, **hub)
+            await self._account(run, "save_state", request_id, result)
             async with self.db.session() as session:
                 # One row per checkpoint directory: saving again at the same step (a retry, say) rewrote it.
                 checkpoint = await session.scalar(select(Checkpoint).where(
@@ -285,6 +302,40 @@ class RunService:
         if not user.is_admin:
             raise Forbidden("only admins may read the runtime's state")
         return await self.backend.call("runtime_state")
+
+    # ---- billing and compute seconds -------------------------------------------------------
+
+    async def _check_credits(self, user: User, run: Run, operation: str, request_id: str | None) -> str | None:
+        """With billing on: the call's request id (a new one when the client sent none, so its deduction has a key),
+        once the backend allowed the call; a retry of a call already charged is not asked about again."""
+        if self.billing is None:
+            return request_id
+        request_id = request_id or new_id()
+        async with self.db.session() as session:
+            charged = await session.get(BillingOutbox, _billing_key(run.id, request_id))
+        if charged is None:
+            await self.billing.validate(user.id, operation, run.id, run.gpu_config, run.base_model)
+        return request_id
+
+    async def _account(self, run: Run, operation: str, request_id: str | None, result: dict[str, Any]) -> None:
+        """Add the call's compute seconds to the run, once; with billing on, owe them in the same transaction through
+        the outbox, keyed by the call's idempotency key (a retry finds the key and adds nothing), then send them."""
+        seconds = max(float(result.get("compute_seconds") or 0.0), 0.0)
+        key = _billing_key(run.id, request_id) if request_id else None
+        try:
+            async with self.db.session() as session:
+                if self.billing is not None and key is not None:
+                    if await session.get(BillingOutbox, key) is not None:
+                        return  # applied and owed before: a retry
+                    session.add(self.billing.deduction(run, operation, key, seconds))
+                elif result.get("replayed"):
+                    return
+                await session.execute(update(Run).where(Run.id == run.id)
+                                      .values(compute_seconds=Run.compute_seconds + seconds))
+        except IntegrityError:
+            return  # another server process recorded this key first
+        if self.billing is not None:
+            self.billing.drain_soon()
 
     # ---- bookkeeping ---------------------------------------------------------------------
 
@@ -353,6 +404,11 @@ def _fields_renamed(rename: Callable[[str], str]) -> Iterator[None]:
 
 
 MAX_REQUEST_ID_LENGTH = 128
+
+
+def _billing_key(run_id: str, request_id: str) -> str:
+    """A call's idempotency key for billing: request ids are unique per run (the runtime dedupes them per run)."""
+    return f"{run_id}:{request_id}"
 
 
 def _check_request_id(request_id: str | None) -> None:

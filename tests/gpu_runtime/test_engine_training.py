@@ -88,8 +88,9 @@ def test_optim_step_without_gradients_is_a_failed_precondition(engine: Engine, t
 def test_learning_rate_and_clipping_are_reported(engine: Engine, tiny_run: str) -> None:
     engine.forward_backward(tiny_run, BATCH)
     result = engine.optim_step(tiny_run, {"learning_rate": 3e-3, "grad_clip_norm": 0})
-    assert result == {"step": 1, "grad_norm": pytest.approx(result["grad_norm"]), "learning_rate": 3e-3}
-    assert result["grad_norm"] > 0
+    assert result == {"step": 1, "grad_norm": pytest.approx(result["grad_norm"]), "learning_rate": 3e-3,
+                      "compute_seconds": pytest.approx(result["compute_seconds"])}
+    assert result["grad_norm"] > 0 and result["compute_seconds"] > 0
 
 
 def test_optim_step_matches_plain_adamw_on_the_same_gradients(engine: Engine, tiny_run: str) -> None:

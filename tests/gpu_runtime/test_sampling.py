@@ -17,7 +17,7 @@ def test_same_seed_same_text_and_greedy_is_deterministic(engine: Engine, tiny_ru
     a = engine.sample(tiny_run, prompts, max_tokens=8, seed=11)
     b = engine.sample(tiny_run, prompts, max_tokens=8, seed=11)
     c = engine.sample(tiny_run, prompts, max_tokens=8, seed=12)
-    assert a == b
+    assert {**a, "compute_seconds": 0} == {**b, "compute_seconds": 0}  # all but the timing
     assert a["outputs"] != c["outputs"]
     greedy = [engine.sample(tiny_run, prompts, max_tokens=8, temperature=0, seed=s) for s in (1, 2)]
     assert greedy[0]["sequences"] == greedy[1]["sequences"]
