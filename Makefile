@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # torch 2.13.0 is a CPU build on machines without a GPU; where nvidia-smi answers, pip picks a CUDA build.
 TORCH := torch==2.13.0
 
-.PHONY: install serve test test-fast test-web test-postgres schema bench clean
+.PHONY: install serve test test-fast test-web test-postgres lint schema bench clean
 
 install: $(STAMP)
 
@@ -36,6 +36,11 @@ test-postgres: install
 # The dashboard alone, in Debian's chromium (apt-get install chromium).
 test-web: install
 	$(PY) -m pytest -q tests/web
+
+# ruff and mypy, both configured in pyproject.toml (bench/ is scripts, linted by ruff only).
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 
 schema: install
 	$(PY) -c "from app.schema import schema; print(schema.as_str())" > graphql/schema.graphql
