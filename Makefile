@@ -23,7 +23,7 @@ serve: install
 	$(VENV)/bin/signal serve
 
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow"
