@@ -38,6 +38,7 @@ VOLUME_PATH = "/data"  # runs/, models/ (safetensors cache) and hf-cache/: DESIG
 # The container's own settings (read at `@modal.enter`): offline tests point these at a temporary directory and CPU.
 DATA_DIR_ENV = "SIGNAL_MODAL_DATA_DIR"
 DEVICE_ENV = "SIGNAL_MODAL_DEVICE"
+DOWNLOADS_ENV = "SIGNAL_MODAL_ALLOW_DOWNLOADS"  # "0": no Hub downloads (a container has the Hub; offline tests do not)
 
 # Fixed at deploy time (with_options carries only the GPU): an idle pool keeps its base warm this long, then scales down.
 SCALEDOWN_WINDOW_S = int(os.environ.get("SIGNAL_MODAL_SCALEDOWN_WINDOW_S", "600"))
@@ -128,7 +129,7 @@ class Pool:
             os.environ.get(DATA_DIR_ENV, VOLUME_PATH),
             os.environ.get(DEVICE_ENV, "auto"),
             RuntimeOptions.from_dict(json.loads(self.options)),
-            allow_downloads=True,
+            allow_downloads=os.environ.get(DOWNLOADS_ENV, "1") != "0",
             after_sync=self.commits.commit,
         )
         self.commits.engine = self.engine

@@ -50,6 +50,7 @@ def container_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(modal_app.DATA_DIR_ENV, str(path))
         patch.setenv(modal_app.DEVICE_ENV, "cpu")
+        patch.setenv(modal_app.DOWNLOADS_ENV, "0")  # the Hub cannot be reached from here: fail fast, as a worker does
         yield path
 
 

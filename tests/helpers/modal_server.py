@@ -24,6 +24,7 @@ def modal_live_server(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFact
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(modal_app.DATA_DIR_ENV, str(volume))
         patch.setenv(modal_app.DEVICE_ENV, "cpu")
+        patch.setenv(modal_app.DOWNLOADS_ENV, "0")  # the Hub cannot be reached from here: fail fast, as a worker does
         settings = settings_for(tmp_path_factory.mktemp("modal-server"), tiny_model_dir, backend="modal")
         server = LiveServer.start(settings, backend=ModalBackend(settings, lookup=lambda: modal_app.Pool, local=True))
         server.runtime_data_dir = volume  # type: ignore[attr-defined]
