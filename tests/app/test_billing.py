@@ -30,6 +30,7 @@ from rewardsignal import BadInputError, BillingUnavailableError, InsufficientCre
 from tests.helpers.billing_standin import BillingStandIn
 from tests.helpers.hub_standin import HubStandIn
 from tests.helpers.live_server import LiveServer, error_code, free_port, settings_for
+from tests.helpers.transports import DropFirstAnswer
 
 SECRET = "billing-secret-5d1c"
 RATE = 2.5  # credits per GPU-second
@@ -294,22 +295,3 @@ def test_without_a_backend_url_no_billing_call_is_made(live_server: LiveServer, 
     assert state["computeSeconds"] > 0 and state["cost"] == pytest.approx(state["gpuSeconds"] * 1.0)
 
 
-class DropFirstAnswer(httpx.HTTPTransport):
-    """The network boundary: forwards every request, and loses the first answer to `operation` after the server
-    has applied it, as a connection that drops at the wrong moment does."""
-
-    def __init__(self, operation: str) -> None:
-        super().__init__()
-        self.operation = operation
-        self.sent: list[dict[str, Any]] = []
-
-    def handle_request(self, request: httpx.Request) -> httpx.Response:
-        response = super().handle_request(request)
-        payload = json.loads(request.content)
-        if payload.get("operationName") == self.operation:
-            self.sent.append(payload["variables"])
-            if len(self.sent) == 1:
-                response.read()
-                response.close()
-                raise httpx.RemoteProtocolError("server disconnected without sending a response", request=request)
-        return response

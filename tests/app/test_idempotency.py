@@ -3,16 +3,15 @@ sends a call whose connection dropped again, with the same id."""
 
 from __future__ import annotations
 
-import json
 import uuid
 from collections.abc import Callable
 from typing import Any
 
-import httpx
 import pytest
 
 from rewardsignal import SignalClient
 from tests.helpers.live_server import LiveServer, error_code
+from tests.helpers.transports import DropFirstAnswer
 
 BATCH = [{"text": "one example the run learns from"}]
 
@@ -61,27 +60,6 @@ def test_request_ids_are_bounded(live_server: LiveServer, key: str) -> None:
     body = live_server.graphql(MUTATIONS["forwardBackward"], {"id": run.id, "batch": BATCH, "rid": "x" * 129},
                                key=key)
     assert error_code(body) == "BAD_INPUT" and body["errors"][0]["extensions"]["field"] == "requestId"
-
-
-class DropFirstAnswer(httpx.HTTPTransport):
-    """The network boundary: forwards every request, and loses the first answer to `operation` after the server
-    has applied it, as a connection that drops at the wrong moment does."""
-
-    def __init__(self, operation: str) -> None:
-        super().__init__()
-        self.operation = operation
-        self.sent: list[dict[str, Any]] = []  # the variables of each attempt at `operation`
-
-    def handle_request(self, request: httpx.Request) -> httpx.Response:
-        response = super().handle_request(request)
-        payload = json.loads(request.content)
-        if payload.get("operationName") == self.operation:
-            self.sent.append(payload["variables"])
-            if len(self.sent) == 1:
-                response.read()
-                response.close()
-                raise httpx.RemoteProtocolError("server disconnected without sending a response", request=request)
-        return response
 
 
 @pytest.mark.parametrize(("operation", "call"), [

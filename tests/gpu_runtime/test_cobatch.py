@@ -3,7 +3,6 @@ each run still gets exactly its own losses, gradients and weights."""
 
 from __future__ import annotations
 
-from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +10,7 @@ import pytest
 import torch
 
 from gpu_runtime.engine import Engine
-from tests.helpers.engine_tools import BATCH, assert_same_grads, assert_same_weights, lora_weights
+from tests.helpers.engine_tools import BATCH, assert_same_grads, assert_same_weights, lora_weights, result_of, submit
 
 # Mixed ranks, alphas, dropouts, target modules and learning rates, in one tick.
 RUNS: dict[str, tuple[str, dict[str, Any], int]] = {
@@ -25,16 +24,8 @@ BATCHES = {"a": BATCH[:1], "b": BATCH[1:3], "c": BATCH[3:], "d": BATCH}
 LEARNING_RATES = {"a": 1e-2, "b": 5e-2, "c": 2e-2, "d": 1e-3}
 
 
-def submit(engine: Engine, method: str, **params: Any) -> Future[dict[str, Any]]:
-    future: Future[dict[str, Any]] = Future()
-    engine.submit(method, params, future.set_result)
-    return future
 
 
-def result(future: Future[dict[str, Any]]) -> dict[str, Any]:
-    message = future.result(timeout=0)
-    assert "result" in message, message
-    return message["result"]
 
 
 def engine_with_runs(path: Path, model: str, runs: list[str], **options: Any) -> Engine:
@@ -61,7 +52,7 @@ def test_a_tick_of_four_different_runs_is_one_base_pass(tmp_path: Path, tiny_mod
     futures = {run_id: submit(engine, "forward_backward", run_id=run_id, batch=BATCHES[run_id]) for run_id in RUNS}
     stats = engine.tick()
     assert all(future.done() for future in futures.values())
-    assert [result(futures[r])["num_examples"] for r in RUNS] == [1, 2, 1, 4]
+    assert [result_of(futures[r])["num_examples"] for r in RUNS] == [1, 2, 1, 4]
     assert len(passes) == 1
     assert (stats.base_passes, stats.fb_runs, stats.fb_rows) == (1, 4, 8)
     recent = engine.runtime_state()["ticks"]["recent"]
@@ -76,11 +67,11 @@ def test_cobatched_training_equals_each_run_trained_alone(tmp_path: Path, tiny_m
         futures = {r: submit(together, "forward_backward", run_id=r, batch=BATCHES[r]) for r in RUNS}
         assert together.tick().base_passes == 1
         for run_id, future in futures.items():
-            losses[run_id].append(result(future)["loss"])
+            losses[run_id].append(result_of(future)["loss"])
         step_grads.append({r: grads(together, r) for r in RUNS})
         steps = {r: submit(together, "optim_step", run_id=r, adam={"learning_rate": LEARNING_RATES[r]}) for r in RUNS}
         together.tick()
-        assert [result(steps[r])["step"] for r in RUNS] == [step + 1] * 4
+        assert [result_of(steps[r])["step"] for r in RUNS] == [step + 1] * 4
 
     for run_id in RUNS:
         alone = engine_with_runs(tmp_path / f"alone-{run_id}", tiny_model_dir, [run_id])
@@ -131,7 +122,7 @@ def test_while_a_long_call_is_split_another_runs_short_call_shares_its_ticks(tmp
         if long.done():
             break
         engine.tick()
-    assert result(long)["num_examples"] == 16
+    assert result_of(long)["num_examples"] == 16
 
 
 def test_decode_rows_of_two_runs_share_each_pass(tmp_path: Path, tiny_model_dir: str) -> None:
@@ -148,7 +139,7 @@ def test_decode_rows_of_two_runs_share_each_pass(tmp_path: Path, tiny_model_dir:
             break
         engine.tick()
         groups += [g["runs"] for g in engine.runtime_state()["decode_groups"]]
-    together = {run_id: result(f)["sequences"][0][0] for run_id, f in futures.items()}
+    together = {run_id: result_of(f)["sequences"][0][0] for run_id, f in futures.items()}
     assert len(passes) == 6  # one prefill and five decode passes for both runs' rows, not twelve
     assert all(sorted(g) == ["a", "d"] for g in groups)
 

@@ -3,13 +3,13 @@ backward pass is shared among its calls by their tokens; a call split across tic
 
 from __future__ import annotations
 
-from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from gpu_runtime.engine import Engine
+from tests.helpers.engine_tools import result_of, submit
 
 ROW = list(range(300, 316))  # 16 token ids: every row the same length, so token shares are known exactly
 
@@ -18,16 +18,8 @@ def rows(n: int) -> list[dict[str, Any]]:
     return [{"tokens": ROW, "weights": [0] + [1] * (len(ROW) - 1)} for _ in range(n)]
 
 
-def submit(engine: Engine, method: str, **params: Any) -> Future[dict[str, Any]]:
-    future: Future[dict[str, Any]] = Future()
-    engine.submit(method, params, future.set_result)
-    return future
 
 
-def answer(future: Future[dict[str, Any]]) -> dict[str, Any]:
-    message = future.result(timeout=0)
-    assert "result" in message, message
-    return message["result"]
 
 
 def test_a_cobatched_pass_is_shared_by_token_share(tmp_path: Path, tiny_model_dir: str) -> None:
@@ -38,7 +30,7 @@ def test_a_cobatched_pass_is_shared_by_token_share(tmp_path: Path, tiny_model_di
     large = submit(engine, "forward_backward", run_id="large", batch=rows(3))
     stats = engine.tick()
     assert (stats.base_passes, stats.fb_runs) == (1, 2)  # one pass for both
-    a, b = answer(small)["compute_seconds"], answer(large)["compute_seconds"]
+    a, b = result_of(small)["compute_seconds"], result_of(large)["compute_seconds"]
     assert a > 0 and b > 0
     assert a + b == pytest.approx(stats.fb_seconds, rel=1e-9)
     assert b / a == pytest.approx(3.0, rel=1e-6)  # 48 tokens against 16
@@ -54,7 +46,7 @@ def test_a_split_call_adds_up_its_parts(tmp_path: Path, tiny_model_dir: str) -> 
         if call.done():
             break
     assert len([s for s in seconds if s > 0]) == 3
-    assert answer(call)["compute_seconds"] == pytest.approx(sum(seconds), rel=1e-9)
+    assert result_of(call)["compute_seconds"] == pytest.approx(sum(seconds), rel=1e-9)
 
 
 def test_optim_step_sample_and_save_state_report_compute_seconds(tmp_path: Path, tiny_model_dir: str) -> None:

@@ -15,15 +15,11 @@ import pytest
 from gpu_runtime.contract import RuntimeOptions
 from gpu_runtime.engine import Engine
 from gpu_runtime.worker_client import WorkerClient
-from tests.helpers.engine_tools import BATCH
+from tests.helpers.engine_tools import BATCH, result_of, submit
 
 LORA = {"r": 4, "alpha": 8}
 
 
-def submit(engine: Engine, method: str, **params: Any) -> Future[dict[str, Any]]:
-    future: Future[dict[str, Any]] = Future()
-    engine.submit(method, params, future.set_result)
-    return future
 
 
 def tick_until(engine: Engine, futures: list[Future[dict[str, Any]]], most: int) -> int:
@@ -35,10 +31,6 @@ def tick_until(engine: Engine, futures: list[Future[dict[str, Any]]], most: int)
     raise AssertionError(f"not answered within {most} ticks")
 
 
-def ok(future: Future[dict[str, Any]]) -> dict[str, Any]:
-    message = future.result(timeout=0)
-    assert "result" in message, message
-    return message["result"]
 
 
 @pytest.fixture
@@ -60,7 +52,7 @@ def test_a_flooding_user_does_not_hold_back_anothers_single_call(flooded: Engine
     assert flooded.runtime_state()["queue_depth"]["flooder"] >= 16
     single = submit(flooded, "forward_backward", run_id="b1", batch=BATCH[:1])
     assert tick_until(flooded, [single], most=2) <= 2
-    assert ok(single)["num_examples"] == 1
+    assert result_of(single)["num_examples"] == 1
     assert sum(f.done() for f in flood) < 10  # most of the flood is still queued behind it
 
     tick_until(flooded, flood, most=400)  # and the flooder is not starved: all 20 complete
@@ -79,9 +71,9 @@ def test_a_short_call_completes_while_a_long_sample_decodes(tmp_path: Path, tiny
     stats = engine.tick()
     assert short.done() and not long.done()
     assert stats.base_passes == 1 and stats.decode_passes >= 1  # the same tick trained and decoded
-    assert ok(short)["num_examples"] == 1
+    assert result_of(short)["num_examples"] == 1
     tick_until(engine, [long], most=400)
-    assert [len(seq[0]["tokens"]) for seq in ok(long)["sequences"]] == [200] * 4
+    assert [len(seq[0]["tokens"]) for seq in result_of(long)["sequences"]] == [200] * 4
 
 
 def test_a_runs_optim_step_waits_for_its_own_sample(tmp_path: Path, tiny_model_dir: str) -> None:
@@ -99,8 +91,8 @@ def test_a_runs_optim_step_waits_for_its_own_sample(tmp_path: Path, tiny_model_d
     step.add_done_callback(lambda _: finished.append("optim_step"))
     tick_until(engine, [sample, step], most=100)
     assert finished == ["sample", "optim_step"]
-    assert ok(sample)["sequences"] == expected  # sampled with the weights from before the step
-    assert ok(step)["step"] == 1
+    assert result_of(sample)["sequences"] == expected  # sampled with the weights from before the step
+    assert result_of(step)["step"] == 1
 
 
 # ---- the same rules across the worker process ---------------------------------------------------

@@ -1,6 +1,9 @@
-"""Reading an Engine's internals in tests: a run's LoRA weights and its logits."""
+"""Reading an Engine's internals in tests: a run's LoRA weights and its logits; submitting calls without ticking."""
 
 from __future__ import annotations
+
+from concurrent.futures import Future
+from typing import Any
 
 import torch
 
@@ -59,3 +62,17 @@ def train(engine: Engine, run_id: str, steps: int, batch: list[dict] | None = No
         losses.append(engine.forward_backward(run_id, batch or BATCH)["loss"])
         engine.optim_step(run_id, {"learning_rate": lr})
     return losses
+
+
+def submit(engine: Engine, method: str, **params: Any) -> Future[dict[str, Any]]:
+    """Queue a call without running a tick; the future holds the runtime's message."""
+    future: Future[dict[str, Any]] = Future()
+    engine.submit(method, params, future.set_result)
+    return future
+
+
+def result_of(future: Future[dict[str, Any]]) -> dict[str, Any]:
+    """The result of an answered call (asserting it was not an error)."""
+    message = future.result(timeout=0)
+    assert "result" in message, message
+    return message["result"]

@@ -21,8 +21,8 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import socket
 import threading
-import time
 import uuid
 from dataclasses import dataclass, field
 
@@ -32,8 +32,6 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-
-from tests.helpers.live_server import free_port
 
 
 @dataclass
@@ -57,8 +55,9 @@ class HubStandIn:
     # ---- serving -----------------------------------------------------------------------------
 
     def start(self) -> HubStandIn:
-        port = free_port()
-        self.url = f"http://127.0.0.1:{port}"
+        # Bound and listening before uvicorn runs: connections wait in the backlog, so nothing polls for readiness.
+        listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{listener.getsockname()[1]}"
         app = Starlette(routes=[
             Route("/api/repos/create", self._create_repo, methods=["POST"]),
             Route("/api/validate-yaml", self._validate_yaml, methods=["POST"]),
@@ -69,14 +68,10 @@ class HubStandIn:
             Route("/lfs-objects/{oid}", self._lfs_put, methods=["PUT"]),
         ])
         app.add_exception_handler(404, self._unknown)
-        self._server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-        self._thread = threading.Thread(target=self._server.run, daemon=True)
+        self._server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        server = self._server
+        self._thread = threading.Thread(target=lambda: server.run(sockets=[listener]), daemon=True)
         self._thread.start()
-        deadline = time.monotonic() + 30
-        while not self._server.started:  # bounded: uvicorn sets `started` once it listens
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("hub stand-in did not start")
-            time.sleep(0.01)
         return self
 
     def stop(self) -> None:
