@@ -73,6 +73,7 @@ class Run(Base):
     optimizer_config: Mapped[dict[str, Any]] = mapped_column(JSON)
     seed: Mapped[int] = mapped_column(Integer, default=0)
     gpu_config: Mapped[str] = mapped_column(String(40), default="")
+    quantization: Mapped[str] = mapped_column(String(8), default="", server_default="")  # "" | "8bit" | "4bit"
     status: Mapped[str] = mapped_column(String(20), default="active")
     step: Mapped[int] = mapped_column(Integer, default=0)
     trainable_params: Mapped[int] = mapped_column(BigInteger, default=0)
