@@ -48,11 +48,12 @@ from gpu_runtime.decoding import DecodeGroup, SampleJob
 from gpu_runtime.devices import dtype_name, resolve_device
 from gpu_runtime.errors import BadInput, FailedPrecondition, NotFound, RunNotFound, SignalError
 from gpu_runtime.losses import LossFn, get_loss, target_logprobs
-from gpu_runtime.merging import merged_model
+from gpu_runtime.merging import save_merged
 from gpu_runtime.models import ModelRegistry, describe
 from gpu_runtime.multilora import Segment, routed
 from gpu_runtime.persistence import RunPaths, atomic_dir, check_id, dir_size, find_run_dir, read_json, sha256_json, write_json
 from gpu_runtime.pool import BaseEntry, Pool
+from gpu_runtime.quantization import checked as checked_quantization
 from gpu_runtime.run_state import RunState, append_manifest, last_manifest_step
 from gpu_runtime.scheduler import Request, Scheduler, TickPlan
 
@@ -204,8 +205,9 @@ class Engine:
 
     # The primitives, callable in-process with the contract's signatures.
     def create_run(self, run_id: str, user_id: str, base_model: str, lora: dict[str, Any] | None = None,
-                   seed: int = 0) -> dict[str, Any]:
-        return self.call("create_run", run_id=run_id, user_id=user_id, base_model=base_model, lora=lora, seed=seed)
+                   seed: int = 0, quantization: str | None = None) -> dict[str, Any]:
+        return self.call("create_run", run_id=run_id, user_id=user_id, base_model=base_model, lora=lora, seed=seed,
+                         quantization=quantization)
 
     def forward_backward(self, run_id: str, batch: list[dict[str, Any]], loss_fn: str = "cross_entropy",
                          loss_fn_config: dict[str, Any] | None = None, request_id: str | None = None) -> dict[str, Any]:
@@ -255,7 +257,7 @@ class Engine:
             if request.method == FORWARD_BACKWARD:
                 progress: FbProgress = request.progress
                 part = self._take_rows(progress, pick.allowance)
-                fb_parts.setdefault(progress.state.base_model, []).append(FbPart(request, progress, part, progress.done))
+                fb_parts.setdefault(progress.state.base_key, []).append(FbPart(request, progress, part, progress.done))
             elif request.method == SAMPLE:
                 try:
                     replayed = self._sampled_before(**request.params)
@@ -266,7 +268,7 @@ class Engine:
                 except SignalError as exc:
                     self.scheduler.finish(request, {"error": exc.to_dict()})
                     continue
-                samples.setdefault(job.state.base_model, []).append(job)
+                samples.setdefault(job.state.base_key, []).append(job)
             else:
                 try:
                     result = self._handlers[request.method](**request.params)
@@ -275,15 +277,15 @@ class Engine:
                     deferred.append((request, {"error": exc.to_dict()}))
                 except Exception as exc:  # noqa: BLE001 - one bad call must not take the runtime down
                     deferred.append((request, {"error": _internal(exc)}))
-        for base_model, parts in fb_parts.items():
-            deferred += self._run_fb(self.pool.bases[base_model], parts, stats)
+        for key, parts in fb_parts.items():
+            deferred += self._run_fb(self.pool.bases[key], parts, stats)
         self._sync_journals()
         if "after_journal" in self.faults and deferred:
             os.kill(os.getpid(), signal.SIGKILL)  # failpoint: journaled, not yet answered
         for request, message in deferred:
             self.scheduler.finish(request, message)
-        for base_model, jobs in samples.items():
-            self._start_group(self.pool.bases[base_model], jobs)
+        for key, jobs in samples.items():
+            self._start_group(self.pool.bases[key], jobs)
         self._advance_decoding(stats)
         self._housekeeping()
         stats.seconds = time.monotonic() - started
@@ -327,7 +329,7 @@ class Engine:
         if request_id and request_id in state.answered:
             return {**state.answered[request_id], "replayed": True}
         loss, config = get_loss(loss_fn, loss_fn_config)
-        entry = self.pool.bases[state.base_model]
+        entry = self.pool.bases[state.base_key]
         examples = entry.renderer.render_batch(batch, self.options.max_batch_size, loss_fn)
         progress = FbProgress(state, examples, loss_fn, loss, config, sha256_json({"loss_fn": loss_fn, "batch": batch}),
                               call=state.pending_calls, width=max(len(e.tokens) for e in examples) - 1)
@@ -473,7 +475,7 @@ class Engine:
         return result
 
     def _create_run(self, run_id: str, user_id: str, base_model: str, lora: dict[str, Any] | None = None,
-                    seed: int = 0) -> dict[str, Any]:
+                    seed: int = 0, quantization: str | None = None) -> dict[str, Any]:
         check_id(user_id, "user_id")
         if run_id in self.pool.runs or find_run_dir(self.data_dir, run_id) is not None:
             raise BadInput(f"run {run_id!r} already exists", field="run_id")
@@ -481,10 +483,12 @@ class Engine:
             raise BadInput(f"seed must be a non-negative integer, got {seed!r}", field="seed")
         if not isinstance(base_model, str) or not base_model:
             raise BadInput("base_model must be a model name or path", field="base_model")
-        entry = self.pool.base(base_model)
+        quantization = checked_quantization(quantization)
+        entry = self.pool.base(base_model, quantization)
         config = {
             "run_id": run_id, "user_id": user_id, "base_model": base_model, "base_revision": entry.base.revision,
             "lora": lora_settings(lora, entry.available), "seed": seed, "created_at": time.time(),
+            "quantization": quantization,
         }
         state = self.pool.attach(config, self.data_dir)
         try:
@@ -507,7 +511,7 @@ class Engine:
             raise BadInput(f"mode must be one of {list(SAVE_MODES)}, got {mode!r}", field="mode")
         if push_to_hub:
             hub_model_id, hf_token = hub.check_push(hub_model_id, hf_token)
-        entry = self.pool.bases[state.base_model]
+        entry = self.pool.bases[state.base_key]
         started = time.perf_counter()
         self._snapshot(state)
         path = state.paths.checkpoint(mode, state.step)
@@ -519,8 +523,7 @@ class Engine:
                             "optimizer": state.optimizer.state_dict()}, tmp / "optimizer_state.pt")
                 write_json(tmp / "config.json", state.config)
             if mode == "merged":
-                merged_model(entry, state).save_pretrained(tmp)
-                entry.base.tokenizer.save_pretrained(tmp)
+                save_merged(entry, state, tmp)
         result = {"checkpoint_path": str(path.resolve()), "mode": mode, "step": state.step, "size_bytes": dir_size(path),
                   "compute_seconds": _device_seconds(self.device, started)}  # the upload below is not counted
         if push_to_hub and hub_model_id and hf_token:
@@ -578,9 +581,11 @@ class Engine:
         """What an operator wants to see: bases, resident and evicted runs, queues, and what ticks did."""
         return {
             "device": str(self.device),
-            "bases": [{"name": name, "params": e.params, "resident_runs": sum(r.base_model == name for r in self.pool.runs.values())}
+            "bases": [{"name": name, "params": e.params, "quantization": e.quantization,
+                       "resident_runs": sum(r.base_key == name for r in self.pool.runs.values())}
                       for name, e in self.pool.bases.items()],
-            "resident_runs": [{"run_id": r.run_id, "user_id": r.user_id, "base_model": r.base_model, "step": r.step,
+            "resident_runs": [{"run_id": r.run_id, "user_id": r.user_id, "base_model": r.base_model,
+                               "quantization": r.quantization, "step": r.step,
                                "bytes": r.resident_bytes()} for r in self.pool.runs.values()],
             "evicted_runs": sorted(self.pool.evicted),
             "resident_bytes": self.pool.resident_bytes(),
@@ -601,7 +606,7 @@ class Engine:
                         _request: Request | None = None) -> SampleJob:
         state = self._state(run_id)
         prompts, settings = sampling_settings(prompts, max_tokens, temperature, top_p, top_k, stop, num_samples, seed)
-        entry = self.pool.bases[state.base_model]
+        entry = self.pool.bases[state.base_key]
         limit = entry.renderer.max_length
         prompt_ids = [list(entry.base.tokenizer(p, add_special_tokens=True)["input_ids"]) for p in prompts]
         for i, ids in enumerate(prompt_ids):
@@ -690,7 +695,7 @@ class Engine:
         except BaseException:
             self.pool.detach(state.run_id)  # never leave a half-restored run in memory
             raise
-        if self.pool.bases[state.base_model].base.revision != config.get("base_revision"):
+        if self.pool.bases[state.base_key].base.revision != config.get("base_revision"):
             print(f"warning: run {state.run_id}: base model revision changed since the run was created", file=sys.stderr)
         return state
 
@@ -703,7 +708,7 @@ class Engine:
             loss, config = get_loss(record["loss_fn"], record.get("loss_fn_config") or None)
             progress = FbProgress(state, examples, record["loss_fn"], loss, config, record.get("batch_sha256", ""),
                                   call=record["call"], width=max(len(e.tokens) for e in examples) - 1)
-            entry = self.pool.bases[state.base_model]
+            entry = self.pool.bases[state.base_key]
             while progress.done < len(examples):  # split as the budget splits live calls
                 part = FbPart(None, progress, self._take_rows(progress, self.options.tick_tokens), progress.done)
                 (outcome,) = self._fb_pass(entry, [part])
@@ -743,7 +748,7 @@ class Engine:
     def _snapshot(self, state: RunState) -> None:
         state.journal.sync()  # a snapshot never covers records the journal could still lose
         fault = "during_snapshot" if "during_snapshot" in self.faults else None
-        state.write_snapshot(self.pool.bases[state.base_model].base.name, fault)
+        state.write_snapshot(self.pool.bases[state.base_key].base.name, fault)
         state.prune_snapshots(self.options.keep_snapshots)
         self.totals.snapshots += 1
 
@@ -796,9 +801,9 @@ class Engine:
         trainable = sum(p.numel() for p in state.parameters())
         return {
             "run_id": state.run_id, "user_id": state.user_id, "base_model": state.base_model,
-            "base_revision": state.config["base_revision"], "lora": state.lora,
+            "quantization": state.quantization, "base_revision": state.config["base_revision"], "lora": state.lora,
             "target_modules": state.lora["target_modules"], "seed": state.config["seed"], "step": state.step,
-            "trainable_params": trainable, "total_params": self.pool.bases[state.base_model].params + trainable,
+            "trainable_params": trainable, "total_params": self.pool.bases[state.base_key].params + trainable,
             "pending_forward_backward": state.pending_calls, "pending_tokens": state.pending_tokens,
             "path": str(state.paths.root),
         }

@@ -26,6 +26,7 @@ from gpu_runtime.model_files import (  # noqa: F401 - re-exported: the runtime's
     safe_name,
 )
 from gpu_runtime.persistence import atomic_dir, write_json
+from gpu_runtime.quantization import base_key, quantize_model, require_quantizable
 
 
 @dataclass
@@ -36,10 +37,13 @@ class LoadedBase:
     revision: str  # commit hash, or "sha256:…" of the GGUF / weight files
     source: str  # "local" | "cache" | "gguf" | "hub"
     path: str  # where it was read from
+    quantization: str | None = None  # "8bit" | "4bit": its Linear layers are bitsandbytes modules
     max_length: int = field(init=False)
+    params: int = field(init=False)  # unpacked: a 4-bit weight's storage holds two parameters per byte
 
     def __post_init__(self) -> None:
         self.max_length = context_length(self.model, self.tokenizer)
+        self.params = sum(p.numel() for p in self.model.parameters())
 
 
 def context_length(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> int:
@@ -73,14 +77,20 @@ class ModelRegistry:
         self.loaded: dict[str, LoadedBase] = {}
         self.load_count: dict[str, int] = {}
 
-    def get(self, name: str) -> LoadedBase:
-        if name not in self.loaded:
+    def get(self, name: str, quantization: str | None = None) -> LoadedBase:
+        key = base_key(name, quantization)
+        if key not in self.loaded:
+            require_quantizable(quantization, self.device)
             base = self._load(name)
+            if quantization:
+                # Counted before packing; the layers are then quantized one by one as they move to the device.
+                quantize_model(base.model, quantization, self.device, compute_dtype=self.dtype)
+                base.quantization = quantization
             # PreTrainedModel.to is @wraps(Module.to), which mypy reads as an unbound method; the cast only retypes it.
             cast(torch.nn.Module, base.model).to(self.device)
-            self.loaded[name] = base
-            self.load_count[name] = self.load_count.get(name, 0) + 1
-        return self.loaded[name]
+            self.loaded[key] = base
+            self.load_count[key] = self.load_count.get(key, 0) + 1
+        return self.loaded[key]
 
     def unload(self, name: str) -> None:
         self.loaded.pop(name, None)
@@ -187,4 +197,5 @@ def _plain_copy(quantized: PreTrainedModel) -> PreTrainedModel:
 
 
 def describe(base: LoadedBase) -> dict[str, Any]:
-    return {"name": base.name, "source": base.source, "revision": base.revision, "path": base.path}
+    return {"name": base.name, "source": base.source, "revision": base.revision, "path": base.path,
+            "quantization": base.quantization}

@@ -24,12 +24,14 @@ from gpu_runtime.journal import Journal
 from gpu_runtime.models import LoadedBase, ModelRegistry
 from gpu_runtime.multilora import MultiLoraLinear, Routing, init_lora, linear_module_names, wrap_targets
 from gpu_runtime.persistence import RunPaths
+from gpu_runtime.quantization import base_key
 from gpu_runtime.run_state import RunState
 
 
 @dataclass
 class BaseEntry:
     base: LoadedBase
+    quantization: str | None
     routing: Routing
     renderer: Renderer
     available: set[str]  # linear layer names LoRA may target
@@ -50,21 +52,22 @@ class Pool:
         self.runs: OrderedDict[str, RunState] = OrderedDict()  # least recently used first
         self.evicted: set[str] = set()  # runs evicted since this runtime started (they reload on their next call)
 
-    def base(self, name: str) -> BaseEntry:
-        if name not in self.bases:
-            base = self.models.get(name)
+    def base(self, name: str, quantization: str | None = None) -> BaseEntry:
+        key = base_key(name, quantization)
+        if key not in self.bases:
+            base = self.models.get(name, quantization)
             base.model.requires_grad_(False)  # only LoRA matrices train
             base.model.eval()  # no base dropout; LoRA dropout is drawn by the multi-LoRA layer itself
             vocab = cast(torch.nn.Embedding, base.model.get_input_embeddings()).num_embeddings  # typed as a plain Module
-            self.bases[name] = BaseEntry(
-                base=base, routing=Routing(), renderer=Renderer(base.tokenizer, vocab, base.max_length),
-                available=linear_module_names(base.model), params=sum(p.numel() for p in base.model.parameters()),
+            self.bases[key] = BaseEntry(
+                base=base, quantization=quantization, routing=Routing(), renderer=Renderer(base.tokenizer, vocab, base.max_length),
+                available=linear_module_names(base.model), params=base.params,
             )
-        return self.bases[name]
+        return self.bases[key]
 
     def attach(self, config: dict[str, Any], data_dir: Any) -> RunState:
         """Put a run in memory, freshly initialised from its seed (the engine then restores what it saved)."""
-        entry = self.base(config["base_model"])
+        entry = self.base(config["base_model"], config.get("quantization"))
         lora = config["lora"]
         entry.layers = wrap_targets(entry.model, lora["target_modules"], entry.routing)
         weights = init_lora(entry.layers, lora["target_modules"], lora["r"], lora["alpha"], config["seed"],
@@ -85,10 +88,10 @@ class Pool:
         state = self.runs.pop(run_id, None)
         if state is None:
             return
-        entry = self.bases.get(state.base_model)
+        entry = self.bases.get(state.base_key)
         if entry is not None:
             state.detach(entry.layers)
-            if not any(r.base_model == state.base_model for r in self.runs.values()):
+            if not any(r.base_key == state.base_key for r in self.runs.values()):
                 entry.idle_since = time.monotonic()
         state.journal.close()
         state.optimizer.state.clear()
@@ -123,7 +126,7 @@ class Pool:
     def unload_idle_bases(self) -> list[str]:
         now, unloaded = time.monotonic(), []
         for name, entry in list(self.bases.items()):
-            in_use = any(r.base_model == name for r in self.runs.values())
+            in_use = any(r.base_key == name for r in self.runs.values())
             if not in_use and now - entry.idle_since >= self.options.base_idle_seconds:
                 del self.bases[name]
                 self.models.unload(name)

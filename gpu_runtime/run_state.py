@@ -30,6 +30,7 @@ from safetensors.torch import load_file, save_file
 from gpu_runtime.journal import Journal
 from gpu_runtime.multilora import LoraWeights, MultiLoraLinear
 from gpu_runtime.persistence import RunPaths, atomic_dir, read_json, write_json
+from gpu_runtime.quantization import base_key
 
 SNAPSHOT_FORMAT = 2
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -73,6 +74,15 @@ class RunState:
     @property
     def lora(self) -> dict[str, Any]:
         return self.config["lora"]
+
+    @property
+    def quantization(self) -> str | None:
+        return self.config.get("quantization")
+
+    @property
+    def base_key(self) -> str:
+        """The pool entry this run trains on (a quantized base is an entry of its own)."""
+        return base_key(self.base_model, self.quantization)
 
     def named_parameters(self) -> dict[str, torch.nn.Parameter]:
         """PEFT-named parameters in a fixed order (the optimizer's order)."""
