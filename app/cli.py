@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
@@ -46,6 +47,11 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", help="bind address (default SIGNAL_HOST or 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port (default SIGNAL_PORT or 8000)")
     serve.set_defaults(handler=serve_command)
+
+    runtime = commands.add_parser("runtime", help="run the GPU runtime on the data directory's Unix socket "
+                                  "(DATA_DIR/runtime.sock) for every server process of this machine; `serve` "
+                                  "starts one itself when none runs")
+    runtime.set_defaults(handler=runtime_command)
 
     keys = commands.add_parser("keys", help="manage API keys").add_subparsers(title="keys commands")
     create = keys.add_parser("create", help="create a key (and the user, if new); prints the secret once")
@@ -106,6 +112,19 @@ def serve_command(settings: Settings, args: argparse.Namespace) -> int:
     print(f"Signal at {settings.resolved_public_url}  (GraphQL: {settings.resolved_public_url}/graphql)", flush=True)
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level)
     return 0
+
+
+def runtime_command(settings: Settings, args: argparse.Namespace) -> int:
+    """Become the runtime (exec): it holds DATA_DIR/runtime.lock, so a second one on the same data dir refuses."""
+    from gpu_runtime.worker_client import WorkerClient
+
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    client = WorkerClient(data_dir=str(settings.data_dir), device=settings.device, options=settings.runtime_options(),
+                          allow_downloads=settings.allow_downloads)
+    command = client.command(["--socket"])
+    sys.stdout.flush()
+    os.execve(command[0], command, client.environment())
+    return 0  # not reached: exec replaced this process
 
 
 def models_command(settings: Settings, args: argparse.Namespace) -> int:

@@ -3,13 +3,19 @@
 request  {"id": 7, "method": "forward_backward", "params": {...}}
 response {"id": 7, "result": {...}}  or  {"id": 7, "error": SignalError.to_dict()}
 first line from the worker: {"ready": true, "pid": 123}  (or {"ready": false, "error": {...}})
-No torch here: the server imports this module.
+The same lines travel over a pipe (a child runtime) or the data directory's Unix socket (`signal runtime`),
+where the runtime greets each connection with the ready line. No torch here: the server imports this module.
 """
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
+
+RUNTIME_SOCKET = "runtime.sock"  # in the data directory: one runtime per data directory
+RUNTIME_LOCK = "runtime.lock"  # flock'd by the runtime serving the socket, so a second one refuses
+LOCK_HELD = "runtime_lock"  # the `field` of that refusal, which a server that started a runtime waits out
 
 
 def encode(message: dict[str, Any]) -> bytes:
@@ -21,3 +27,11 @@ def decode(line: bytes) -> dict[str, Any]:
     if not isinstance(message, dict):
         raise ValueError("a protocol message must be a JSON object")
     return message
+
+
+def runtime_socket(data_dir: str | Path) -> Path:
+    return Path(data_dir).resolve() / RUNTIME_SOCKET
+
+
+def runtime_lock(data_dir: str | Path) -> Path:
+    return Path(data_dir).resolve() / RUNTIME_LOCK

@@ -1,6 +1,12 @@
 """The local runtime process: one Engine, requests in on stdin, answers out on stdout, many in flight.
 
-    python -m gpu_runtime.worker --data-dir D [--device auto] [--options JSON] [--allow-downloads]
+    python -m gpu_runtime.worker --data-dir D [--device auto] [--options JSON] [--allow-downloads] [--socket [--spawned]]
+
+With --socket (`signal runtime`) it serves the data directory's Unix socket instead (D/runtime.sock, guarded
+by an flock on D/runtime.lock, so a second runtime on D refuses): any number of server processes connect,
+each greeted with the ready line, and their calls share the one engine (per-run order across them is the
+servers' tickets, see scheduler.py). --spawned: started by a server that found no runtime; it reports
+readiness (or that another runtime holds the lock) on stdout, and exits once its last client has gone.
 
 Protocol (gpu_runtime/protocol.py): one JSON object per line each way; every request has an id and
 its answer carries it back, in whatever order the scheduler finishes them. A reader thread queues
@@ -15,14 +21,18 @@ kills the process (SIGKILL) at that point, as a power cut would.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import os
+import signal
+import socket
 import sys
 import threading
+from pathlib import Path
 from typing import IO, Any
 
-from gpu_runtime.errors import BadInput, SignalError
-from gpu_runtime.protocol import decode, encode
+from gpu_runtime.errors import BadInput, FailedPrecondition, SignalError
+from gpu_runtime.protocol import LOCK_HELD, decode, encode, runtime_lock, runtime_socket
 
 
 def claim_stdout() -> IO[bytes]:
@@ -40,6 +50,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--options", default="{}", help="RuntimeOptions as a JSON object")
     parser.add_argument("--allow-downloads", action="store_true")
+    parser.add_argument("--socket", action="store_true", help="serve DATA_DIR/runtime.sock to many servers")
+    parser.add_argument("--spawned", action="store_true", help="with --socket: started by a server; report "
+                        "readiness on stdout, exit when the last client leaves")
     return parser.parse_args(argv)
 
 
@@ -49,6 +62,8 @@ class Channel:
     def __init__(self, stream: IO[bytes]) -> None:
         self.stream = stream
         self.lock = threading.Lock()
+        self.unanswered = 0  # requests handed to the engine and not yet answered
+        self.answered = threading.Condition()
 
     def send(self, message: dict[str, Any]) -> None:
         try:
@@ -57,15 +72,31 @@ class Channel:
             line = encode({"id": message.get("id"), "error": {"type": "InternalError", "code": "INTERNAL",
                                                               "message": f"unserialisable answer: {exc}", "field": None}})
         with self.lock:
-            self.stream.write(line)
+            try:
+                self.stream.write(line)
+            except OSError:
+                pass  # the client has gone: its call was applied (and journaled) all the same
 
     def replier(self, request_id: Any) -> Any:
-        return lambda message: self.send({"id": request_id, **message})
+        with self.answered:
+            self.unanswered += 1
+
+        def reply(message: dict[str, Any]) -> None:
+            self.send({"id": request_id, **message})
+            with self.answered:
+                self.unanswered -= 1
+                self.answered.notify_all()
+
+        return reply
+
+    def wait_answered(self) -> None:
+        with self.answered:
+            self.answered.wait_for(lambda: self.unanswered == 0)
 
 
-def read_requests(engine: Any, channel: Channel) -> None:
-    """The reader thread: parse each line and hand it to the engine; at EOF, close the queue."""
-    for line in sys.stdin.buffer:
+def read_requests(engine: Any, channel: Channel, stream: IO[bytes]) -> None:
+    """Parse each line of `stream` and hand it to the engine, until end of input."""
+    for line in stream:
         if not line.strip():
             continue
         try:
@@ -74,11 +105,102 @@ def read_requests(engine: Any, channel: Channel) -> None:
             channel.send({"id": None, "error": BadInput(f"request is not a JSON object: {exc}", field="request").to_dict()})
             continue
         engine.submit(request.get("method"), request.get("params") or {}, channel.replier(request.get("id")))
+
+
+def read_stdin(engine: Any, channel: Channel) -> None:
+    """The pipe's reader thread: at end of input (the server closed it), close the queue."""
+    read_requests(engine, channel, sys.stdin.buffer)
     engine.scheduler.close()
+
+
+def take_lock(path: Path) -> IO[str]:
+    """Hold `path` (flock) for this process's life, our pid in it; FailedPrecondition when another runtime does."""
+    handle = open(path, "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "?"
+        handle.close()
+        raise FailedPrecondition(f"a runtime (pid {holder}) already serves {path.parent}: it holds {path}",
+                                 field=LOCK_HELD) from None
+    handle.truncate(0)
+    handle.write(f"{os.getpid()}\n")
+    handle.flush()
+    return handle
+
+
+class SocketServer:
+    """The runtime on the data directory's Unix socket: one Channel per connected server process."""
+
+    def __init__(self, path: Path, exit_when_unused: bool) -> None:
+        self.path = path
+        self.exit_when_unused = exit_when_unused
+        path.unlink(missing_ok=True)  # a dead runtime's socket: we hold the lock, so nobody else serves it
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(str(path))
+        self.listener.listen(128)  # bound before the engine loads: clients connect now, greeted once it is up
+        self.connections: set[socket.socket] = set()
+        self.lock = threading.Lock()
+        self.stopped = False
+
+    def start(self, engine: Any) -> None:
+        threading.Thread(target=self._accept, args=(engine,), name="accept", daemon=True).start()
+
+    def stop(self, engine: Any) -> None:
+        """Take no new calls: stop listening, stop reading; calls already taken are answered, then the engine stops."""
+        with self.lock:
+            if self.stopped:
+                return
+            self.stopped = True
+            connections = list(self.connections)
+        self.listener.close()
+        self.path.unlink(missing_ok=True)
+        for connection in connections:
+            try:
+                connection.shutdown(socket.SHUT_RD)
+            except OSError:
+                pass
+        engine.scheduler.close()
+
+    def _accept(self, engine: Any) -> None:
+        while True:
+            try:
+                connection, _ = self.listener.accept()
+            except OSError:
+                return  # stopped
+            with self.lock:
+                self.connections.add(connection)
+            threading.Thread(target=self._serve, args=(engine, connection), name="client", daemon=True).start()
+
+    def _serve(self, engine: Any, connection: socket.socket) -> None:
+        channel = Channel(connection.makefile("wb", buffering=0))
+        channel.send({"ready": True, "pid": os.getpid()})
+        try:
+            read_requests(engine, channel, connection.makefile("rb"))
+        except OSError:
+            pass  # the connection broke: what it sent is still answered (into the void)
+        channel.wait_answered()  # the client closed its side: answer what it sent, then close ours
+        connection.close()
+        with self.lock:
+            self.connections.discard(connection)
+            unused = not self.connections
+        if unused and self.exit_when_unused:
+            self.stop(engine)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    server: SocketServer | None = None
+    if args.socket:
+        try:
+            lock = take_lock(runtime_lock(args.data_dir))  # noqa: F841 - held until the process exits
+        except FailedPrecondition as exc:
+            print(f"error: {exc.message}", file=sys.stderr)
+            if args.spawned:  # the server that started us connects to that runtime instead
+                sys.stdout.buffer.write(encode({"ready": False, "error": exc.to_dict()}))
+            return 3
+        server = SocketServer(runtime_socket(args.data_dir), exit_when_unused=args.spawned)
     protocol = claim_stdout()
     # Imported only now, so anything torch & co print at import goes to stderr.
     from gpu_runtime.contract import RuntimeOptions
@@ -90,13 +212,30 @@ def main(argv: list[str] | None = None) -> int:
         engine = Engine(args.data_dir, args.device, options, args.allow_downloads, faults=faults)
     except (SignalError, ValueError) as exc:
         error = exc if isinstance(exc, SignalError) else BadInput(str(exc), field="options")
-        protocol.write(encode({"ready": False, "error": error.to_dict()}))
+        if server is None or args.spawned:
+            protocol.write(encode({"ready": False, "error": error.to_dict()}))
+        print(f"error: {error.message}", file=sys.stderr)
         return 2
-    channel = Channel(protocol)
-    channel.send({"ready": True, "pid": os.getpid()})
-    threading.Thread(target=read_requests, args=(engine, channel), name="requests", daemon=True).start()
+    if server is None:
+        channel = Channel(protocol)
+        channel.send({"ready": True, "pid": os.getpid()})
+        threading.Thread(target=read_stdin, args=(engine, channel), name="requests", daemon=True).start()
+    else:
+        serve_socket(server, engine, protocol if args.spawned else None)
     engine.serve_forever()
     return 0
+
+
+def serve_socket(server: SocketServer, engine: Any, spawner: IO[bytes] | None) -> None:
+    """Greet clients from now on; SIGTERM and SIGINT stop the runtime between ticks, never inside one."""
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        # In a thread: the handler runs on the engine's thread, which may hold the scheduler's lock.
+        signal.signal(signum, lambda *_: threading.Thread(target=server.stop, args=(engine,)).start())
+    server.start(engine)
+    if spawner is not None:
+        spawner.write(encode({"ready": True, "pid": os.getpid()}))
+        spawner.close()
+    print(f"signal runtime: serving {server.path} (pid {os.getpid()})", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,10 @@
 Pipelined: many requests are in flight at once, each with an id; a reader thread hands each answer
 to the Future of its request, in whatever order the runtime sends them. Thread-safe: any number
 of server tasks may `submit` at once. No torch here, directly or indirectly: the server imports this.
+
+Two transports, one protocol: a private child over pipes (the default), or, with `shared=True`, the data
+directory's runtime over its Unix socket, shared by every server process on the machine; when none
+listens, one is started detached (`--socket --spawned`), and it exits once its last client has gone.
 """
 
 from __future__ import annotations
@@ -10,16 +14,18 @@ from __future__ import annotations
 import itertools
 import os
 import select
+import socket
 import subprocess
 import sys
 import threading
+import time
 from concurrent.futures import Future
 from pathlib import Path
 from typing import IO, Any
 
 from gpu_runtime.contract import RuntimeOptions
-from gpu_runtime.errors import SignalError, WorkerFailed
-from gpu_runtime.protocol import decode, encode
+from gpu_runtime.errors import FailedPrecondition, SignalError, WorkerFailed
+from gpu_runtime.protocol import LOCK_HELD, decode, encode, runtime_socket
 
 PACKAGE_PARENT = str(Path(__file__).resolve().parent.parent)  # a checkout, or site-packages when installed
 
@@ -36,6 +42,7 @@ class WorkerClient:
         log_path: str | None = None,
         start_timeout: float = 300.0,
         stop_timeout: float = 30.0,
+        shared: bool = False,
     ) -> None:
         self.data_dir = str(Path(data_dir).resolve())  # the runtime may not share our working directory
         self.device = device
@@ -46,7 +53,9 @@ class WorkerClient:
         self.log_path = log_path
         self.start_timeout = start_timeout
         self.stop_timeout = stop_timeout
-        self._process: subprocess.Popen[bytes] | None = None
+        self.shared = shared  # the data directory's runtime on its socket, not a child of our own
+        self._process: subprocess.Popen[bytes] | RuntimeConnection | None = None
+        self._spawned: list[subprocess.Popen[bytes]] = []  # detached runtimes we started, reaped once they exit
         # request id → (method, its future, the process it was sent to: only that one's death fails it)
         self._pending: dict[int, tuple[str, Future[dict[str, Any]], Any]] = {}
         self._ids = itertools.count(1)
@@ -118,32 +127,33 @@ class WorkerClient:
 
     # ---- internals ------------------------------------------------------------------------
 
-    def _command(self) -> list[str]:
+    def command(self, extra: list[str] | None = None) -> list[str]:
         command = [self.python, "-m", "gpu_runtime.worker", "--data-dir", self.data_dir, "--device", self.device]
         command += ["--options", encode(self.options.to_dict()).decode().strip()]
-        return command + (["--allow-downloads"] if self.allow_downloads else [])
+        return command + (["--allow-downloads"] if self.allow_downloads else []) + (extra or [])
 
-    def _environment(self) -> dict[str, str]:
+    def environment(self) -> dict[str, str]:
         env = {**os.environ, **self.env}
         # The runtime must import this very gpu_runtime, whatever the server's working directory.
         env["PYTHONPATH"] = os.pathsep.join(p for p in (PACKAGE_PARENT, env.get("PYTHONPATH", "")) if p)
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
         return env
 
-    def _spawn(self) -> None:
+    def _launch(self, extra: list[str], stdin: Any, timeout: float) -> subprocess.Popen[bytes]:
+        """Start the runtime and wait for its ready line; the SignalError it sent if it refused."""
         log: IO[bytes] | None = open(self.log_path, "ab") if self.log_path else None
         try:
             # stderr goes to our stderr or the log file, never a pipe nobody drains.
             # A session of its own: Ctrl-C on the server does not kill a call mid-step.
             process = subprocess.Popen(
-                self._command(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
-                env=self._environment(), start_new_session=True,
+                self.command(extra), stdin=stdin, stdout=subprocess.PIPE, stderr=log,
+                env=self.environment(), start_new_session=True,
             )
         finally:
             if log is not None:
                 log.close()
         assert process.stdout is not None
-        ready, _, _ = select.select([process.stdout], [], [], self.start_timeout)
+        ready, _, _ = select.select([process.stdout], [], [], timeout)
         message = _read_message(process.stdout) if ready else None
         if not message or not message.get("ready"):
             process.kill()
@@ -151,12 +161,43 @@ class WorkerClient:
             if message is None:
                 raise WorkerFailed(f"worker did not become ready within {self.start_timeout:.0f} s")
             raise SignalError.from_dict(message.get("error") or {"message": "worker refused to start"})
+        return process
+
+    def _connect(self) -> RuntimeConnection:
+        """The data directory's runtime over its socket, started (detached) when none listens."""
+        path = runtime_socket(self.data_dir)
+        deadline = time.monotonic() + self.start_timeout
+        while True:
+            try:
+                return RuntimeConnection.open(path, deadline)
+            except (FileNotFoundError, ConnectionRefusedError):
+                pass  # nobody listens (none runs, or one is stopping)
+            if time.monotonic() > deadline:
+                raise WorkerFailed(f"no runtime answered on {path} within {self.start_timeout:.0f} s")
+            self._spawned = [p for p in self._spawned if p.poll() is None]
+            try:
+                spawned = self._launch(["--socket", "--spawned"], subprocess.DEVNULL, max(deadline - time.monotonic(), 1))
+            except FailedPrecondition as refusal:
+                if refusal.field != LOCK_HELD:
+                    raise
+                time.sleep(0.1)  # another runtime holds the lock (starting, or finishing its last calls): retry
+                continue
+            assert spawned.stdout is not None
+            spawned.stdout.close()
+            self._spawned.append(spawned)
+
+    def _spawn(self) -> None:
+        process: subprocess.Popen[bytes] | RuntimeConnection
+        if self.shared:
+            process = self._connect()
+        else:
+            process = self._launch([], subprocess.PIPE, self.start_timeout)
         self._process = process
         self.generation += 1
         threading.Thread(target=self._read_answers, args=(process,), name=f"worker-reader-{process.pid}",
                          daemon=True).start()
 
-    def _read_answers(self, process: subprocess.Popen[bytes]) -> None:
+    def _read_answers(self, process: subprocess.Popen[bytes] | RuntimeConnection) -> None:
         assert process.stdout is not None
         while (message := _read_message(process.stdout)) is not None:
             with self._lock:
@@ -186,9 +227,9 @@ class WorkerClient:
             if not future.set_running_or_notify_cancel():
                 continue
             # The log's path stays on the server: this message travels to API clients.
-            future.set_exception(WorkerFailed(f"worker process exited with code {code} during {method}"))
+            future.set_exception(WorkerFailed(f"worker process {_ended(process, code)} during {method}"))
         if failed:
-            print(f"gpu_runtime worker exited with code {code}; its log: {self.log_path or 'stderr'}", file=sys.stderr)
+            print(f"gpu_runtime worker {_ended(process, code)}; its log: {self.log_path or 'stderr'}", file=sys.stderr)
 
     def _stop(self, graceful: bool) -> None:
         process, self._process = self._process, None
@@ -210,7 +251,97 @@ class WorkerClient:
                 pass
 
 
-def _read_message(stream: IO[bytes]) -> dict[str, Any] | None:
+class RuntimeConnection:
+    """A connection to the runtime serving a data directory's socket, with the parts of Popen the client uses:
+    closing `stdin` half-closes it (the runtime answers what it has, then closes its side), `poll` is None
+    until then, `pid` is the runtime's."""
+
+    def __init__(self, sock: socket.socket, pid: int) -> None:
+        self.sock = sock
+        self.pid = pid
+        self.stdin = _HalfCloser(sock)
+        self.stdout = _EndWatcher(sock, self)
+        self.returncode: int | None = None
+        self.ended = threading.Event()
+
+    @classmethod
+    def open(cls, path: Path, deadline: float) -> RuntimeConnection:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(str(path))
+            # A runtime still loading its engine has accepted nothing yet: its greeting says it is up.
+            ready, _, _ = select.select([sock], [], [], max(deadline - time.monotonic(), 0))
+            greeting = _read_message(sock.makefile("rb", buffering=0)) if ready else None
+        except BaseException:
+            sock.close()
+            raise
+        if not greeting or not greeting.get("ready"):
+            sock.close()
+            raise ConnectionRefusedError(f"the runtime on {path} closed the connection before greeting")
+        return cls(sock, int(greeting["pid"]))
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if not self.ended.wait(timeout):
+            raise subprocess.TimeoutExpired("runtime connection", timeout or 0)
+        return self.returncode or 0
+
+    def kill(self) -> None:
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)  # the reader sees the end at once
+        except OSError:
+            self.end()
+
+    def end(self) -> None:
+        if self.returncode is None:
+            self.returncode = 0
+            self.sock.close()
+        self.ended.set()
+
+
+class _HalfCloser:
+    def __init__(self, sock: socket.socket) -> None:
+        self.file = sock.makefile("wb")
+        self.sock = sock
+
+    def write(self, data: bytes) -> int:
+        return self.file.write(data)
+
+    def flush(self) -> None:
+        self.file.flush()
+
+    def close(self) -> None:
+        try:
+            self.file.close()
+            self.sock.shutdown(socket.SHUT_WR)  # end of our input: the runtime answers what we sent, then closes
+        except OSError:
+            pass
+
+
+class _EndWatcher:
+    def __init__(self, sock: socket.socket, connection: RuntimeConnection) -> None:
+        self.file = sock.makefile("rb")
+        self.connection = connection
+
+    def readline(self) -> bytes:
+        try:
+            line = self.file.readline()
+        except OSError:
+            line = b""
+        if not line:
+            self.connection.end()
+        return line
+
+
+def _ended(process: subprocess.Popen[bytes] | RuntimeConnection, code: int) -> str:
+    if isinstance(process, RuntimeConnection):
+        return f"(pid {process.pid}) closed its connection"
+    return f"exited with code {code}"
+
+
+def _read_message(stream: Any) -> dict[str, Any] | None:
     """The next protocol message, or None at end of stream."""
     while True:
         line = stream.readline()

@@ -1,5 +1,9 @@
 """The local backend: one runtime process on this machine, driven through gpu_runtime's pipelined client.
 
+The runtime is the data directory's (`signal runtime`, on DATA_DIR/runtime.sock): every server process on
+the machine connects to it. When none listens, the first call starts one, detached, and it exits once its
+last server has gone; a second `signal runtime` or a racing server finds the lock taken and connects instead.
+
 Many calls are in flight at once: each is a Future of the client, awaited here without a lock.
 The runtime starts in the background, so the server answers (`/healthz`: warming) before it is ready;
 calls made meanwhile wait for it.
@@ -31,6 +35,7 @@ class LocalBackend:
             options=settings.runtime_options(),
             allow_downloads=settings.allow_downloads,
             log_path=str(settings.worker_log) if settings.worker_log else None,
+            shared=True,
         )
         self._starting: asyncio.Future[None] | None = None
         self.in_flight = 0  # calls taken and not yet answered (waiting for the runtime to start included)
