@@ -55,7 +55,7 @@ from gpu_runtime.persistence import RunPaths, atomic_dir, check_id, dir_size, fi
 from gpu_runtime.pool import BaseEntry, Pool
 from gpu_runtime.quantization import checked as checked_quantization
 from gpu_runtime.run_state import RunState, append_manifest, last_manifest_step
-from gpu_runtime.scheduler import Request, Scheduler, TickPlan
+from gpu_runtime.scheduler import Request, Scheduler, TickPlan, split_ticket
 
 FORWARD_BACKWARD, SAMPLE = "forward_backward", "sample"
 EXPORT_LIMIT_BYTES = 256 * 1024**2  # a checkpoint archive sent through the runtime (JSON, base64); bigger: signal pull
@@ -168,6 +168,7 @@ class Engine:
                 raise BadInput(f"unknown method {method!r}; the runtime answers {list(self._handlers)}", field="method")
             if not isinstance(params, dict) or any(str(k).startswith("_") for k in params):
                 raise BadInput("params must be an object of the method's arguments", field="params")
+            params, ticket = split_ticket(params)  # the call's place in its run's order across servers
             try:
                 inspect.signature(handler).bind(**params)
             except TypeError as exc:
@@ -177,7 +178,7 @@ class Engine:
         except SignalError as exc:
             reply({"error": exc.to_dict()})
             return
-        self.scheduler.submit(Request(method, params, reply, user_id=str(user), run_id=run_id))
+        self.scheduler.submit(Request(method, params, reply, user_id=str(user), run_id=run_id, ticket=ticket))
 
     def call(self, method: str, **params: Any) -> dict[str, Any]:
         """Submit and pump ticks in this thread until answered (in-process use: tests, benchmarks)."""

@@ -3,6 +3,11 @@
 - **Per-run order.** Each run has a FIFO queue and only its head is ever eligible, so calls on
   one run apply in arrival order whatever the server does. A head stays put until it is done:
   a forward_backward split across ticks, or a sample decoding over many ticks, holds its run.
+- **Tickets: one order across server processes.** A server numbers each call on a run from the
+  database (`runs.call_seq`); a ticketed call queues in ticket order and waits until the run's
+  earlier tickets are done, at most `ticket_wait` seconds (its server may have died between
+  ticket and call), then goes on, logged. A runtime that has not seen the run since it started
+  takes the first ticket it gets as the start; a ticket behind the run's goes when it arrives.
 - **Fairness: least recently served first.** A tick visits users in the order of the tick that
   last served them (never served: first; ties: whoever has waited longest), and takes one head
   per user per round until the tick's token budget is spent. A user who floods the queue gets
@@ -20,12 +25,19 @@ No torch here: what a request costs is asked of the engine through `cost`.
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpu_runtime.errors import BadInput
+
+log = logging.getLogger("gpu_runtime.scheduler")
+
+TICKET_WAIT_SECONDS = 30.0  # how long a call waits for an earlier ticket of its run before going on without it
 MIN_SHARE_TOKENS = 64  # a tick takes at most tick_tokens / 64 forward_backward heads
 SYSTEM = "__system__"  # the lane of calls on no run (ping, runtime_state): answered at the next tick, first
 
@@ -39,6 +51,8 @@ class Request:
     run_id: str | None = None
     arrival: int = 0
     progress: Any = None  # the engine's state for work spanning ticks (rows done, a decode group)
+    ticket: int | None = None  # the call's place in its run's order, from the server (runs.call_seq)
+    since: float = 0.0  # time.monotonic() at submit: how long a ticket has waited for the ones before it
 
     @property
     def request_id(self) -> str | None:
@@ -59,9 +73,19 @@ class TickPlan:
     picks: list[Pick] = field(default_factory=list)
 
 
+def split_ticket(params: dict[str, Any]) -> tuple[dict[str, Any], int | None]:
+    """The call's arguments without its `ticket`, and the ticket (a positive integer, or None)."""
+    ticket = params.get("ticket")
+    if ticket is not None and (type(ticket) is not int or ticket < 1):
+        raise BadInput(f"ticket must be a positive integer, got {ticket!r}", field="ticket")
+    return {k: v for k, v in params.items() if k != "ticket"}, ticket
+
+
 class Scheduler:
-    def __init__(self, tick_tokens: int) -> None:
+    def __init__(self, tick_tokens: int, ticket_wait: float = TICKET_WAIT_SECONDS) -> None:
         self.tick_tokens = tick_tokens
+        self.ticket_wait = ticket_wait
+        self._next_ticket: dict[str, int] = {}  # run → the ticket whose turn it is
         self.condition = threading.Condition()
         self._runs: dict[str, deque[Request]] = {}
         self._system: deque[Request] = deque()
@@ -76,11 +100,34 @@ class Scheduler:
     def submit(self, request: Request) -> None:
         with self.condition:
             request.arrival = next(self._arrivals)
+            request.since = time.monotonic()
             if request.run_id is None:
                 self._system.append(request)
             else:
-                self._runs.setdefault(request.run_id, deque()).append(request)
+                self._place(self._runs.setdefault(request.run_id, deque()), request)
             self.condition.notify_all()
+
+    def _place(self, queue: deque[Request], request: Request) -> None:
+        """Ticketed calls queue in ticket order, ahead of later tickets not yet started; others at the back."""
+        position = len(queue)
+        if request.ticket is not None:
+            started = bool(queue) and (queue[0].progress is not None or request.run_id in self._busy)
+            while position > int(started) and (queue[position - 1].ticket or 0) > request.ticket:
+                position -= 1
+        queue.insert(position, request)
+
+    def _turn(self, request: Request, now: float) -> bool:
+        """Whether a head may go: no ticket, its run's turn (or a new run's first), or it has waited long enough."""
+        expected = self._next_ticket.get(request.run_id or "")
+        if request.ticket is None or expected is None or request.ticket <= expected:
+            return True
+        return now - request.since >= self.ticket_wait
+
+    def _next_turn_in(self, now: float) -> float | None:
+        """Seconds until the first held head's wait runs out (None: none is held)."""
+        waits = [q[0].since + self.ticket_wait - now for run, q in self._runs.items()
+                 if q and run not in self._busy and not self._turn(q[0], now)]
+        return max(min(waits), 0.0) if waits else None
 
     def close(self) -> None:
         with self.condition:
@@ -90,13 +137,18 @@ class Scheduler:
     def wait_for_work(self, timeout: float | None, also_busy: bool = False) -> bool:
         """Block until something can be picked (or `also_busy`: some work is in flight); False on timeout/close."""
         with self.condition:
+            held = self._next_turn_in(time.monotonic())
+            if held is not None:
+                timeout = held if timeout is None else min(timeout, held)  # a held call's wait ends: work then
             return self.condition.wait_for(lambda: self.has_work() or also_busy or self.closed, timeout)
 
     # ---- the consumer (the engine's thread) ----------------------------------------------
 
     def has_work(self) -> bool:
         with self.condition:
-            return bool(self._system) or any(q and run not in self._busy for run, q in self._runs.items())
+            now = time.monotonic()
+            return bool(self._system) or any(q and run not in self._busy and self._turn(q[0], now)
+                                             for run, q in self._runs.items())
 
     def pending(self) -> int:
         with self.condition:
@@ -117,8 +169,9 @@ class Scheduler:
             plan = TickPlan(next(self._ticks), system=list(self._system))
             self._system.clear()
             heads: dict[str, list[str]] = {}  # user → runs with an eligible head, oldest head first
+            now = time.monotonic()
             for run_id, queue in sorted(self._runs.items(), key=lambda item: item[1][0].arrival if item[1] else 0):
-                if queue and run_id not in self._busy:
+                if queue and run_id not in self._busy and self._turn(queue[0], now):
                     heads.setdefault(queue[0].user_id, []).append(run_id)
         # Least recently served users first; among equals, whoever's head has waited longest.
         users = sorted(heads, key=lambda u: (self._last_served.get(u, -1), self._runs[heads[u][0]][0].arrival))
@@ -152,6 +205,7 @@ class Scheduler:
         """Answer a head and take it off its run's queue (the next call on the run becomes eligible)."""
         reply, request.reply = request.reply, _DONE
         with self.condition:
+            self._advance_tickets(request, message)
             if request.run_id is not None:
                 queue = self._runs.get(request.run_id)
                 if queue and queue[0] is request:
@@ -161,6 +215,19 @@ class Scheduler:
                 self._busy.discard(request.run_id)
             self.condition.notify_all()
         reply(message)
+
+    def _advance_tickets(self, request: Request, message: dict[str, Any]) -> None:
+        run_id = request.run_id
+        if run_id is None:
+            return
+        if request.method == "create_run" and "result" in message:
+            self._next_ticket[run_id] = 1  # the server's call_seq starts at 0: its first ticket is 1
+        if request.ticket is not None:
+            expected = self._next_ticket.get(run_id, request.ticket)
+            if request.ticket > expected:
+                log.warning("run %s: tickets %d..%d did not arrive within %.0f s; ticket %d went on without them",
+                            run_id, expected, request.ticket - 1, self.ticket_wait, request.ticket)
+            self._next_ticket[run_id] = max(expected, request.ticket + 1)
 
     def hold(self, run_id: str) -> None:
         """The run's head is in progress outside the picks (a decode group): not eligible until finished."""
