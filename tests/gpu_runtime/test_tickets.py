@@ -1,0 +1,79 @@
+"""Tickets order one run's calls across server processes: the scheduler alone, no engine, no torch."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+
+from gpu_runtime.errors import BadInput
+from gpu_runtime.scheduler import Request, Scheduler, split_ticket
+
+RUN = "run-1"
+
+
+def call(ticket: int | None, method: str = "optim_step", run_id: str = RUN) -> Request:
+    return Request(method, {"run_id": run_id}, lambda message: None, user_id="user", run_id=run_id, ticket=ticket)
+
+
+def tick(scheduler: Scheduler) -> list[int | None]:
+    """One tick's picks, answered: their tickets."""
+    picks = [pick.request for pick in scheduler.next_tick(lambda request: 0).picks]
+    for request in picks:
+        scheduler.finish(request, {"result": {}})
+    return [request.ticket for request in picks]
+
+
+def created(scheduler: Scheduler) -> Scheduler:
+    scheduler.submit(call(None, "create_run"))
+    assert tick(scheduler) == [None]
+    return scheduler
+
+
+def test_calls_apply_in_ticket_order_whatever_order_they_arrive_in() -> None:
+    scheduler = created(Scheduler(tick_tokens=1024))
+    for ticket in (3, 2):
+        scheduler.submit(call(ticket))
+    assert not scheduler.has_work()  # ticket 1 has not arrived: 2 and 3 wait for it
+    scheduler.submit(call(1))
+    assert [tick(scheduler) for _ in range(3)] == [[1], [2], [3]]
+
+
+def test_a_ticket_that_never_comes_is_waited_for_at_most_ticket_wait(caplog: pytest.LogCaptureFixture) -> None:
+    scheduler = created(Scheduler(tick_tokens=1024, ticket_wait=0.2))
+    scheduler.submit(call(2))  # ticket 1's server died between its ticket and its call
+    assert not scheduler.has_work()
+    # wait_for_work wakes when the hold runs out, not at its (longer) timeout.
+    with caplog.at_level(logging.WARNING, logger="gpu_runtime.scheduler"):
+        assert scheduler.wait_for_work(timeout=30)
+        assert tick(scheduler) == [2]
+    assert "tickets 1..1 did not arrive" in caplog.text
+    scheduler.submit(call(1))  # late after all: it goes when it comes
+    scheduler.submit(call(3))
+    assert tick(scheduler) == [1] and tick(scheduler) == [3]
+
+
+def test_a_runtime_that_has_not_seen_the_run_starts_from_the_first_ticket() -> None:
+    scheduler = Scheduler(tick_tokens=1024)  # e.g. restarted since the run was created
+    scheduler.submit(call(41))
+    assert tick(scheduler) == [41]
+    scheduler.submit(call(43))
+    assert not scheduler.has_work()
+    scheduler.submit(call(42))
+    assert tick(scheduler) == [42] and tick(scheduler) == [43]
+
+
+def test_calls_without_tickets_keep_arrival_order() -> None:
+    scheduler = created(Scheduler(tick_tokens=1024))
+    for _ in range(3):
+        scheduler.submit(call(None))
+    assert [tick(scheduler) for _ in range(3)] == [[None]] * 3
+
+
+@pytest.mark.parametrize("ticket", [0, -1, 1.5, "2", True])
+def test_a_ticket_is_a_positive_integer(ticket: Any) -> None:
+    with pytest.raises(BadInput) as refused:
+        split_ticket({"run_id": RUN, "ticket": ticket})
+    assert refused.value.field == "ticket"
+    assert split_ticket({"run_id": RUN, "ticket": 7}) == ({"run_id": RUN}, 7)
