@@ -12,15 +12,14 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from app.catalog import Catalog
-from app.db import Database, migrate
+from app.db import Database, migrate_async
 from app.errors import NotFound, SignalError
 from app.services.keys import KeyService
 from app.services.login_links import LoginLinkService
 from app.services.users import UserService
 from app.settings import Settings
+from app.startup import ADMIN_EMAIL, admin_key_notice, first_start, startup_lock
 from app.tables import Run, User
-
-ADMIN_EMAIL = "admin@localhost"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -98,12 +97,9 @@ def serve_command(settings: Settings, args: argparse.Namespace) -> int:
     updates: dict[str, Any] = {key: getattr(args, key) for key in ("host", "port") if getattr(args, key)}
     settings = settings.model_copy(update=updates)
     check_backend(settings)  # before anything is created or printed: a backend that cannot work says so first
-    _migrate(settings)
-    if settings.bootstrap_admin:
-        secret = asyncio.run(_bootstrap(settings))
-        if secret:
-            print("Created a local admin user and its API key (shown this once):\n")
-            print(f"    SIGNAL_API_KEY={secret}\n")
+    secret = asyncio.run(first_start(settings))
+    if secret:
+        print(admin_key_notice(secret))
     if not settings.supabase_enabled:
         link = asyncio.run(_serve_login_link(settings))
         if link:
@@ -179,22 +175,11 @@ def migrate_command(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def _migrate(settings: Settings) -> None:
-    settings.data_dir.mkdir(parents=True, exist_ok=True)
-    migrate(settings.resolved_database_url)
+    async def locked() -> None:
+        async with startup_lock(settings):
+            await migrate_async(settings.resolved_database_url)
 
-
-async def _bootstrap(settings: Settings) -> str | None:
-    """On first start (no users yet) create the admin and a key, so a newcomer can train at once."""
-    db = Database(settings.resolved_database_url)
-    try:
-        users = UserService(db)
-        if await users.count():
-            return None
-        admin, _ = await users.get_or_create(ADMIN_EMAIL, name="admin", is_admin=True)
-        secret, _ = await KeyService(db).create(admin, "first start")
-        return secret
-    finally:
-        await db.dispose()
+    asyncio.run(locked())
 
 
 def login_url(settings: Settings, token: str) -> str:

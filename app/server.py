@@ -15,10 +15,10 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route, WebSocketRoute
 
 from app.backends import Backend, check_backend
-from app.db import migrate_async
 from app.schema import schema
 from app.services import Services
 from app.settings import Settings
+from app.startup import admin_key_notice, first_start
 from web import middleware as dashboard_middleware
 from web import routes as dashboard_routes
 from web.graphiql import DashboardGraphQL
@@ -33,8 +33,10 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        settings.data_dir.mkdir(parents=True, exist_ok=True)
-        await migrate_async(settings.resolved_database_url)
+        # Once among all the processes `uvicorn --workers N` starts (`signal serve` did it already: a no-op then).
+        secret = await first_start(settings)
+        if secret:
+            print(admin_key_notice(secret), flush=True)
         services = Services.build(settings, backend)
         app.state.services = services
         app.state.started_at = time.time()

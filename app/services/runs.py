@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from sqlalchemy import delete, select, update
+from sqlalchemy import case, delete, select, update
 from sqlalchemy.exc import IntegrityError
 from strawberry.utils.str_converters import to_camel_case
 
@@ -186,7 +186,8 @@ class RunService:
 
         async def work() -> dict[str, Any]:
             result = await self._engine("forward_backward", pool=pool_of(run), run_id=run.id, batch=batch, loss_fn=loss_fn,
-                                        loss_fn_config=loss_fn_config, request_id=request_id)
+                                        loss_fn_config=loss_fn_config, request_id=request_id,
+                                        ticket=await self._ticket(run.id))
             if not result.get("replayed"):  # a retry of a call already applied and recorded: record nothing twice
                 await self._record(run.id, result["step"], "forward_backward", {
                     "loss": result["loss"], "num_tokens": result["num_tokens"], "num_examples": result["num_examples"],
@@ -205,14 +206,16 @@ class RunService:
         request_id = await self._check_credits(user, run, "optim_step", request_id)
 
         async def work() -> dict[str, Any]:
-            result = await self._engine("optim_step", pool=pool_of(run), run_id=run.id, adam=settings, request_id=request_id)
+            result = await self._engine("optim_step", pool=pool_of(run), run_id=run.id, adam=settings, request_id=request_id,
+                                        ticket=await self._ticket(run.id))
             await self._account(run, "optim_step", request_id, result)
             if result.get("replayed"):
                 return result  # its step was stored when it was applied; a later step may have followed
+            step = int(result["step"])
             async with self.db.session() as session:
-                stored = await session.get(Run, run.id)
-                if stored is not None:
-                    stored.step = int(result["step"])  # updated_at follows through the column's onupdate
+                # greatest(step, :s), portably: another server's later step may have been written first.
+                await session.execute(update(Run).where(Run.id == run.id)
+                                      .values(step=case((Run.step < step, step), else_=Run.step)))
             await self._record(run.id, result["step"], "optim_step", {
                 "grad_norm": result["grad_norm"], "learning_rate": result["learning_rate"],
             })
@@ -228,7 +231,8 @@ class RunService:
         request_id = await self._check_credits(user, run, "sample", request_id)
 
         async def work() -> dict[str, Any]:
-            result = await self._engine("sample", pool=pool_of(run), run_id=run.id, **params.engine_params(), request_id=request_id)
+            result = await self._engine("sample", pool=pool_of(run), run_id=run.id, **params.engine_params(), request_id=request_id,
+                                        ticket=await self._ticket(run.id))
             await self._account(run, "sample", request_id, result)
             if result.get("replayed"):
                 return result
@@ -263,7 +267,8 @@ class RunService:
             hub = {"push_to_hub": True, "hub_model_id": hub_model_id, "hf_token": hf_token}
 
         async def work() -> Checkpoint:
-            result = await self._engine("save_state", pool=pool_of(run), run_id=run.id, mode=mode, request_id=request_id, **hub)
+            result = await self._engine("save_state", pool=pool_of(run), run_id=run.id, mode=mode, request_id=request_id,
+                                        ticket=await self._ticket(run.id), **hub)
             await self._account(run, "save_state", request_id, result)
             async with self.db.session() as session:
                 # One row per checkpoint directory: saving again at the same step (a retry, say) rewrote it.
@@ -338,6 +343,16 @@ class RunService:
             self.billing.drain_soon()
 
     # ---- bookkeeping ---------------------------------------------------------------------
+
+    async def _ticket(self, run_id: str) -> int:
+        """The call's place in the run's order across server processes; the runtime applies calls in ticket order.
+        Taken under the run's lock (this process's arrival order) and committed at once, so every process sees it."""
+        async with self.db.session() as session:
+            ticket = await session.scalar(update(Run).where(Run.id == run_id).values(call_seq=Run.call_seq + 1)
+                                          .returning(Run.call_seq))
+        if ticket is None:
+            raise RunNotFound(f"run {run_id!r} not found", field="runId")
+        return int(ticket)
 
     async def _serialised(self, run_id: str, work: Callable[[], Awaitable[T]]) -> T:
         """Run `work` under the run's lock (FIFO: arrival order), to the end even if the caller goes away:
