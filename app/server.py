@@ -41,6 +41,7 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None)
         app.state.services = services
         app.state.started_at = time.time()
         await services.backend.start()
+        await services.feed.start()
         if services.billing is not None:
             services.billing.start()  # deductions a stopped (or crashed) server still owed are sent now
         try:

@@ -59,7 +59,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 class Channel:
     """Answers to the protocol stream, one whole line at a time, from any thread."""
 
-    def __init__(self, stream: IO[bytes]) -> None:
+    def __init__(self, stream: IO[bytes] | socket.SocketIO) -> None:
         self.stream = stream
         self.lock = threading.Lock()
         self.unanswered = 0  # requests handed to the engine and not yet answered

@@ -9,7 +9,7 @@ import httpx
 from app.backends import Backend, make_backend
 from app.catalog import Catalog
 from app.db import Database
-from app.events import EventBroker
+from app.events import EventBroker, MetricFeed
 from app.services.billing import BillingClient
 from app.services.dashboard import DashboardService
 from app.services.keys import KeyService
@@ -29,6 +29,7 @@ class Services:
     backend: Backend
     catalog: Catalog
     broker: EventBroker
+    feed: MetricFeed  # fills the broker with every process's metric rows; started in the app's lifespan
     users: UserService
     keys: KeyService
     runs: RunService
@@ -45,9 +46,10 @@ class Services:
         backend = backend or make_backend(settings)
         catalog = Catalog.from_file(settings.models_file)
         broker = EventBroker()
+        feed = MetricFeed(db, broker)
         users = UserService(db)
         billing = BillingClient(settings, db) if settings.billing_enabled else None
-        runs = RunService(db, backend, catalog, broker, settings.default_model, billing)
+        runs = RunService(db, backend, catalog, feed, settings.default_model, billing)
         http = httpx.AsyncClient(timeout=15)
         supabase = None
         if settings.supabase_enabled:
@@ -60,6 +62,7 @@ class Services:
             backend=backend,
             catalog=catalog,
             broker=broker,
+            feed=feed,
             users=users,
             keys=KeyService(db),
             runs=runs,
@@ -72,6 +75,7 @@ class Services:
         )
 
     async def close(self) -> None:
+        await self.feed.close()
         if self.billing is not None:
             await self.billing.close()
         await self.http.aclose()

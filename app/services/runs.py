@@ -25,7 +25,7 @@ from app.backends import Backend
 from app.catalog import Catalog
 from app.db import Database
 from app.errors import BadInput, Forbidden, RunNotFound
-from app.events import EventBroker
+from app.events import MetricFeed
 from app.services.billing import BillingClient
 from app.tables import BillingOutbox, Checkpoint, Metric, Run, Sample, User, new_id, utcnow
 from gpu_runtime.allocation import parse_gpu_config, pool_key, require_single_gpu, smallest_single_gpu
@@ -95,14 +95,14 @@ class SampleParams:
 
 
 class RunService:
-    def __init__(self, db: Database, backend: Backend, catalog: Catalog, broker: EventBroker,
+    def __init__(self, db: Database, backend: Backend, catalog: Catalog, feed: MetricFeed,
                  default_model: str, billing: BillingClient | None = None) -> None:
         self.db = db
         self.billing = billing  # None: FRONTIER_BACKEND_URL unset, no billing calls at all
         self.default_model = default_model
         self.backend = backend
         self.catalog = catalog
-        self.broker = broker
+        self.feed = feed
         self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
 
     # ---- reading -------------------------------------------------------------------------
@@ -189,7 +189,7 @@ class RunService:
                                         loss_fn_config=loss_fn_config, request_id=request_id,
                                         ticket=await self._ticket(run.id))
             if not result.get("replayed"):  # a retry of a call already applied and recorded: record nothing twice
-                await self._record(run.id, result["step"], "forward_backward", {
+                await self._record(run.id, result["step"], {
                     "loss": result["loss"], "num_tokens": result["num_tokens"], "num_examples": result["num_examples"],
                 })
             await self._account(run, "forward_backward", request_id, result)
@@ -216,7 +216,7 @@ class RunService:
                 # greatest(step, :s), portably: another server's later step may have been written first.
                 await session.execute(update(Run).where(Run.id == run.id)
                                       .values(step=case((Run.step < step, step), else_=Run.step)))
-            await self._record(run.id, result["step"], "optim_step", {
+            await self._record(run.id, result["step"], {
                 "grad_norm": result["grad_norm"], "learning_rate": result["learning_rate"],
             })
             return result
@@ -380,14 +380,17 @@ class RunService:
             # The engine names fields as its contract does (max_tokens); clients sent maxTokens.
             raise BadInput(error.message, field=graphql_field(error.field)) from None
 
-    async def _record(self, run_id: str, step: int, kind: str, values: dict[str, float]) -> None:
+    async def _record(self, run_id: str, step: int, values: dict[str, float]) -> None:
+        """Store a call's metric rows; every server process's subscribers get them as one event (events.MetricFeed)."""
         now = utcnow()
         async with self.db.session() as session:
-            for name, value in values.items():
-                if not math.isfinite(value):
-                    continue  # NaN is no point on a curve, and SQLite would store it as NULL
-                session.add(Metric(run_id=run_id, step=int(step), name=name, value=float(value), created_at=now))
-        self.broker.publish(run_id, {"run_id": run_id, "kind": kind, "step": int(step), "created_at": now, **values})
+            # NaN is no point on a curve, and SQLite would store it as NULL.
+            rows = [Metric(run_id=run_id, step=int(step), name=name, value=float(value), created_at=now)
+                    for name, value in values.items() if math.isfinite(value)]
+            session.add_all(rows)
+            await session.flush()  # their ids, for the announcement
+            await self.feed.announce(session, run_id, [row.id for row in rows])
+        self.feed.written()
 
 
 def _decode_archive(result: dict[str, Any]) -> bytes:
