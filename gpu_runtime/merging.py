@@ -37,13 +37,11 @@ def save_merged(entry: BaseEntry, state: RunState, directory: Path, shard_bytes:
     shard: dict[str, torch.Tensor] = {}
     size = 0
     written: list[str] = []
-    seen: set[int] = set()
+    tied = _tied_names(model)
     with torch.no_grad():
         for name, tensor in _merged_tensors(model, state.weights, scaling):
-            pointer = tensor.data_ptr()
-            if pointer in seen:  # a tied weight (lm_head = embeddings): saved once, tied again on load
+            if name in tied:  # lm_head = embeddings: saved once, tied again on load
                 continue
-            seen.add(pointer)
             tensor = tensor.to(dtype if tensor.is_floating_point() else tensor.dtype).to("cpu").contiguous()
             if size and size + tensor.numel() * tensor.element_size() > shard_bytes:
                 written.append(_write_shard(directory, shard, len(written)))
@@ -67,6 +65,17 @@ def save_merged(entry: BaseEntry, state: RunState, directory: Path, shard_bytes:
             "shards": len(written)}
     write_json(directory / MERGE_INFO, info)
     return info
+
+
+def _tied_names(model: nn.Module) -> set[str]:
+    """Every name of a parameter after its first (transformers ties them again from the config)."""
+    first: dict[int, str] = {}
+    tied = set()
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            tied.add(name)
+        first.setdefault(id(param), name)
+    return tied
 
 
 def _merged_tensors(model: nn.Module, weights: Mapping[str, tuple[torch.Tensor, torch.Tensor]],

@@ -56,6 +56,9 @@ def quantize_model(model: nn.Module, quantization: str, device: torch.device, co
                                              device="meta")
             q.weight = bnb.nn.Params4bit(linear.weight.data.to("cpu"), requires_grad=False, quant_type="nf4",
                                          compress_statistics=True)
+            # On CPUs with AVX512-BF16, bitsandbytes repacks a weight for a bf16 kernel on its first no-grad pass,
+            # and every later pass (training too) then computes in bf16: off, so compute_dtype means what it says.
+            q.support_avx512bf16_for_cpu = False
         else:
             # threshold 0: no fp16 outlier columns, so every weight is int8 and the memory saving is the full 2x.
             q = bnb.nn.Linear8bitLt(linear.in_features, linear.out_features, bias=linear.bias is not None,
@@ -66,6 +69,9 @@ def quantize_model(model: nn.Module, quantization: str, device: torch.device, co
         parent, leaf = _parent(model, path)
         setattr(parent, leaf, q.to(device))  # the move is what quantizes
         swapped += 1
+    # The flags transformers sets when it quantizes at load: PEFT reads them to pick its bitsandbytes LoRA.
+    model.is_loaded_in_8bit = quantization == "8bit"
+    model.is_loaded_in_4bit = quantization == "4bit"
     return swapped
 
 
