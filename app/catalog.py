@@ -11,12 +11,20 @@ from typing import Any
 import yaml
 
 from app.errors import BadInput
-from gpu_runtime.allocation import GB, allocate, check_fit, estimate_bytes, parse_gpu_config, parse_quantization
+from gpu_runtime.allocation import (
+    GB,
+    allocate,
+    check_fit,
+    estimate_bytes,
+    parse_gpu_config,
+    parse_quantization,
+    smallest_single_gpu,
+)
 from gpu_runtime.contract import LORA_DEFAULTS
 
 FRAMEWORKS = ("transformers", "unsloth")
 _FIELDS = {"name", "family", "parameters", "offline", "description", "path", "gpu", "context_length", "framework",
-           "quantization_allowed"}
+           "quantization_allowed", "quantized"}
 
 
 @dataclass(frozen=True)
@@ -31,6 +39,7 @@ class CatalogModel:
     context_length: int | None = None  # tokens; None when the catalogue does not say
     framework: str = "transformers"
     quantization_allowed: bool = False
+    quantized: str | None = None  # "4bit" / "8bit": the published weights are already quantized (bitsandbytes)
     unavailable: str | None = None  # why runs cannot use it here (a framework missing), or None
 
     @property
@@ -81,11 +90,28 @@ class Catalog:
         """
         if model.unavailable is not None:
             raise BadInput(f"{model.name} cannot be used here: {model.unavailable}", field="baseModel")
-        quantization = parse_quantization(quantization)
-        if quantization is not None and not model.quantization_allowed:
-            raise BadInput(f"{model.name} does not allow quantization", field="quantization")
+        quantization = self.resolve_quantization(model, quantization)
         allocation = parse_gpu_config(gpu_config or model.gpu, field="gpuConfig")
+        if quantization is not None and allocation.count > 1:
+            single = smallest_single_gpu(model.parameters, quantization, lora_r)
+            raise BadInput(f"a {quantization} base trains on one GPU only, and {allocation} asks for {allocation.count}; "
+                           + (f"{single} holds {model.name} in {quantization}" if single else
+                              f"no single GPU holds {model.name} even in {quantization}: drop quantization"),
+                           field="quantization")
         return str(check_fit(model.name, model.parameters, allocation, quantization, lora_r))
+
+    def resolve_quantization(self, model: CatalogModel, quantization: str | None) -> str | None:
+        """The quantization a run on `model` trains with: the request's, or the weights' own when pre-quantized."""
+        quantization = parse_quantization(quantization)
+        if model.quantized is not None:
+            if quantization not in (None, model.quantized):
+                raise BadInput(f"{model.name} is already quantized to {model.quantized}; it cannot be loaded in "
+                               f"{quantization}", field="quantization")
+            return model.quantized
+        if quantization is not None and not model.quantization_allowed:
+            raise BadInput(f"{model.name} does not allow quantization (config/models.yaml: quantization_allowed)",
+                           field="quantization")
+        return quantization
 
 
 def available_frameworks() -> set[str]:
@@ -124,8 +150,12 @@ def _parse_entry(entry: Any, source: Path, frameworks: Collection[str]) -> Catal
     if not isinstance(quantization_allowed, bool):
         raise bad(f"quantization_allowed must be true or false, got {quantization_allowed!r}")
     try:
+        quantized = parse_quantization(entry.get("quantized"), field="quantized")
+    except BadInput as error:
+        raise bad(error.message) from None
+    try:
         allocation = parse_gpu_config(entry["gpu"], field="gpu") if entry.get("gpu") else allocate(parameters)
-        check_fit(name, parameters, allocation, field="gpu")
+        check_fit(name, parameters, allocation, quantized, field="gpu")
     except BadInput as error:
         raise bad(f"gpu: {error.message}") from None
     unavailable = None
@@ -142,6 +172,7 @@ def _parse_entry(entry: Any, source: Path, frameworks: Collection[str]) -> Catal
         gpu=str(allocation),
         context_length=context_length,
         framework=framework,
-        quantization_allowed=quantization_allowed,
+        quantization_allowed=quantization_allowed or quantized is not None,
+        quantized=quantized,
         unavailable=unavailable,
     )

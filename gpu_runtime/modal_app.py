@@ -51,6 +51,7 @@ IMAGE_PACKAGES = (
     "torch==2.13.0",
     "transformers==5.24.0",
     "peft==0.21.2",
+    "bitsandbytes==0.50.2",
     "accelerate==1.16.0",
     "safetensors==0.8.0",
     "gguf==0.19.0",

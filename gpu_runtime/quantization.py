@@ -51,7 +51,7 @@ def quantize_model(model: nn.Module, quantization: str, device: torch.device, co
     for path, linear in list(_linears(model)):
         if quantization == "4bit":
             # QLoRA's recipe: NF4 with double quantization of the scales, computing in bf16 (fp32 on a fp32 base).
-            q: nn.Module = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=linear.bias is not None,
+            q: Any = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=linear.bias is not None,
                                              compute_dtype=compute_dtype, compress_statistics=True, quant_type="nf4",
                                              device="meta")
             q.weight = bnb.nn.Params4bit(linear.weight.data.to("cpu"), requires_grad=False, quant_type="nf4",
@@ -70,8 +70,8 @@ def quantize_model(model: nn.Module, quantization: str, device: torch.device, co
         setattr(parent, leaf, q.to(device))  # the move is what quantizes
         swapped += 1
     # The flags transformers sets when it quantizes at load: PEFT reads them to pick its bitsandbytes LoRA.
-    model.is_loaded_in_8bit = quantization == "8bit"
-    model.is_loaded_in_4bit = quantization == "4bit"
+    setattr(model, "is_loaded_in_8bit", quantization == "8bit")  # noqa: B010 - a plain Module declares neither
+    setattr(model, "is_loaded_in_4bit", quantization == "4bit")  # noqa: B010
     return swapped
 
 

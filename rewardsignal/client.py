@@ -109,7 +109,7 @@ class _ClientBase:
 
     def list_models(self, detailed: bool = False) -> Any:
         """Names of the base models, or with `detailed=True` their descriptions: gpu, contextLength, framework,
-        quantizationAllowed, available, estimatedMemoryGb, ..."""
+        quantizationAllowed, quantized, available, estimatedMemoryGb, ..."""
         wrap = None if detailed else (lambda models: [model["name"] for model in models])
         return self._run(Call("ListModels", {}, "models", wrap))
 
@@ -120,13 +120,16 @@ class _ClientBase:
         self, base_model: str | None = None, lora_r: int | None = None, lora_alpha: float | None = None,
         learning_rate: float | None = None, lora_dropout: float | None = None,
         lora_target_modules: list[str] | None = None, gpu_config: str | None = None, seed: int | None = None,
-        weight_decay: float | None = None, grad_clip_norm: float | None = None,
+        weight_decay: float | None = None, grad_clip_norm: float | None = None, quantization: str | None = None,
     ) -> Any:
-        """A new run; settings left as None take the server's defaults (LoRA r=32, alpha=2r, AdamW lr 1e-4)."""
+        """A new run; settings left as None take the server's defaults (LoRA r=32, alpha=2r, AdamW lr 1e-4).
+
+        quantization: "8bit" or "4bit" loads the base through bitsandbytes (4-bit is QLoRA's NF4), on one GPU.
+        """
         spec = _drop_none({
             "baseModel": base_model, "loraR": lora_r, "loraAlpha": lora_alpha, "learningRate": learning_rate,
             "loraDropout": lora_dropout, "loraTargetModules": lora_target_modules, "gpuConfig": gpu_config,
-            "seed": seed, "weightDecay": weight_decay, "gradClipNorm": grad_clip_norm,
+            "seed": seed, "weightDecay": weight_decay, "gradClipNorm": grad_clip_norm, "quantization": quantization,
         })
         return self._run(Call("CreateRun", {"input": spec}, "createRun", self._wrap_run))
 

@@ -23,13 +23,15 @@ class CreateRunInput:
                                              description="0 turns clipping off")
     seed: int = 0
     gpu_config: str | None = strawberry.field(default=None, description='e.g. "L40S:2"; default: allocation rules')
+    quantization: str | None = strawberry.field(
+        default=None, description='"8bit" or "4bit" (NF4, bitsandbytes) on one GPU; default: none (bf16)')
 
     def to_spec(self) -> RunSpec:
         return RunSpec(
             base_model=self.base_model, lora_r=self.lora_r, lora_alpha=self.lora_alpha,
             lora_dropout=self.lora_dropout, lora_target_modules=self.lora_target_modules,
             learning_rate=self.learning_rate, weight_decay=self.weight_decay, grad_clip_norm=self.grad_clip_norm,
-            seed=self.seed, gpu_config=self.gpu_config,
+            seed=self.seed, gpu_config=self.gpu_config, quantization=self.quantization,
         )
 
 

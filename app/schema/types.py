@@ -29,6 +29,7 @@ class ModelInfo:
     context_length: int | None = strawberry.field(description="Context window in tokens; null when unknown")
     framework: str = strawberry.field(description="What trains it: transformers, or unsloth (CUDA only)")
     quantization_allowed: bool = strawberry.field(description="Whether its base may be loaded in 8 or 4 bits")
+    quantized: str | None = strawberry.field(description='"4bit" / "8bit" when its published weights already are')
     available: bool = strawberry.field(description="Whether runs can be created on it on this server")
     unavailable_reason: str | None = strawberry.field(description="Why not, when it is unavailable")
     estimated_memory_gb: float = strawberry.field(
@@ -38,7 +39,7 @@ class ModelInfo:
     def from_catalog(cls, model: CatalogModel) -> ModelInfo:
         return cls(name=model.name, family=model.family, parameters=float(model.parameters), gpu=model.gpu,
                    offline=model.offline, description=model.description, context_length=model.context_length,
-                   framework=model.framework, quantization_allowed=model.quantization_allowed,
+                   framework=model.framework, quantization_allowed=model.quantization_allowed, quantized=model.quantized,
                    available=model.available, unavailable_reason=model.unavailable,
                    estimated_memory_gb=model.estimated_memory_gb)
 
@@ -148,6 +149,7 @@ class Run:
     optimizer: JSON = strawberry.field(description="AdamW defaults for optimStep")
     seed: int
     gpu_config: str
+    quantization: str | None = strawberry.field(description='"8bit" / "4bit" when its base is quantized, else null')
     trainable_params: float
     total_params: float
     compute_seconds: float = strawberry.field(
@@ -181,7 +183,7 @@ class Run:
             id=strawberry.ID(row.id), base_model=row.base_model, status=row.status, step=row.step,
             lora_r=int(lora["r"]), lora_alpha=float(lora["alpha"]), lora_dropout=float(lora["dropout"]),
             lora_target_modules=lora.get("target_modules"), learning_rate=float(adam["learning_rate"]),
-            optimizer=JSON(adam), seed=row.seed, gpu_config=row.gpu_config,
+            optimizer=JSON(adam), seed=row.seed, gpu_config=row.gpu_config, quantization=row.quantization or None,
             trainable_params=float(row.trainable_params), total_params=float(row.total_params),
             compute_seconds=float(row.compute_seconds or 0.0), gpu_seconds=gpu_seconds(row),
             created_at=row.created_at, updated_at=row.updated_at, row=row,

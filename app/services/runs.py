@@ -48,6 +48,7 @@ class RunSpec:
     grad_clip_norm: float | None = None
     seed: int = 0
     gpu_config: str | None = None
+    quantization: str | None = None  # None | "8bit" | "4bit" (bitsandbytes)
 
     def lora(self) -> dict[str, Any]:
         """The run's LoRA settings, checked and filled by the contract; errors name createRun's field (`loraR`)."""
@@ -145,18 +146,20 @@ class RunService:
         spec.validate()
         model = self.catalog.get(spec.base_model or self.default_model)
         lora, adam = spec.lora(), spec.adam()
-        gpu_config = self.catalog.resolve_gpu(model, spec.gpu_config, lora_r=lora["r"])  # checked to hold the model
+        # Checked to hold the model, quantized or not; then the quantization it was checked with.
+        gpu_config = self.catalog.resolve_gpu(model, spec.gpu_config, spec.quantization, lora_r=lora["r"])
+        quantization = self.catalog.resolve_quantization(model, spec.quantization)
         if not self.backend.multi_gpu:  # Modal pools are one GPU each until FSDP lands
-            single = smallest_single_gpu(model.parameters, lora_r=lora["r"])
+            single = smallest_single_gpu(model.parameters, quantization, lora_r=lora["r"])
             if not spec.gpu_config and parse_gpu_config(gpu_config).count > 1 and single is not None:
                 gpu_config = str(single)  # the catalogue's multi-GPU default, on the one GPU that holds it
-            require_single_gpu(gpu_config, model.parameters, lora_r=lora["r"], field="gpuConfig")
+            require_single_gpu(gpu_config, model.parameters, quantization, lora_r=lora["r"], field="gpuConfig")
         run_id = new_id()
         if self.billing is not None:
             await self.billing.validate(user.id, "create_run", run_id, gpu_config, model.name)
         created = await self._engine(
-            "create_run", pool=pool_key(model.name, gpu_config, None), run_id=run_id, user_id=user.id,
-            base_model=model.source, lora=lora, seed=spec.seed,
+            "create_run", pool=pool_key(model.name, gpu_config, quantization), run_id=run_id, user_id=user.id,
+            base_model=model.source, lora=lora, seed=spec.seed, quantization=quantization,
         )
         lora["target_modules"] = created.get("target_modules", lora["target_modules"])
         run = Run(
@@ -167,6 +170,7 @@ class RunService:
             optimizer_config=adam,
             seed=spec.seed,
             gpu_config=gpu_config,
+            quantization=quantization or "",
             trainable_params=int(created.get("trainable_params", 0)),
             total_params=int(created.get("total_params", 0)),
         )
@@ -399,7 +403,7 @@ def _decode_archive(result: dict[str, Any]) -> bytes:
 
 def pool_of(run: Run) -> str:
     """The run's pool: on Modal, the warm container its calls go to (base model, GPU configuration, quantization)."""
-    return pool_key(run.base_model, run.gpu_config, getattr(run, "quantization", None))
+    return pool_key(run.base_model, run.gpu_config, run.quantization or None)
 
 
 def graphql_field(field: str | None) -> str | None:

@@ -223,7 +223,7 @@ def server(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Ite
          "context_length": 2048, "quantization_allowed": True},
         {"name": "meta-llama/Llama-3.1-70B", "family": "llama", "parameters": LLAMA_70B, "context_length": 131072},
         {"name": "unsloth/gemma-2-9b-it-bnb-4bit", "family": "gemma", "parameters": 9_240_000_000,
-         "context_length": 8192, "framework": "unsloth", "quantization_allowed": True},
+         "context_length": 8192, "framework": "unsloth", "quantized": "4bit"},
     ]}))
     live = LiveServer.start(settings_for(data_dir, tiny_model_dir, models_file=catalog))
     yield live
@@ -277,3 +277,46 @@ def test_models_query_and_sdk_show_the_catalogue_fields(server: LiveServer) -> N
     assert detailed["meta-llama/Llama-3.1-70B"].context_length == 131072  # the SDK's results are snake_case
     assert detailed["meta-llama/Llama-3.1-70B"]["quantization_allowed"] is False
     assert detailed[TINY_MODEL].framework == "transformers" and detailed[TINY_MODEL].gpu == "L40S:1"
+
+
+# ---- quantization ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("spec", "field", "message"), [
+    ({"baseModel": "meta-llama/Llama-3.1-70B", "quantization": "4bit"}, "quantization", "does not allow quantization"),
+    ({"quantization": "4bit", "gpuConfig": "L40S:2"}, "quantization", "trains on one GPU only"),
+    ({"quantization": "2bit"}, "quantization", "quantization must be none, 8bit or 4bit"),
+    ({"baseModel": "unsloth/gemma-2-9b-it-bnb-4bit", "quantization": "8bit"}, "baseModel", "unsloth"),
+], ids=["catalogue-forbids", "multi-gpu", "unknown", "unsloth-missing-first"])
+def test_quantization_refusals_name_the_field(server: LiveServer, spec: dict, field: str, message: str) -> None:
+    key = server.new_user()
+    body = server.graphql(CREATE, {"input": {"loraR": 4, **spec}}, key=key)
+    assert error_code(body) == "BAD_INPUT", body
+    assert body["errors"][0]["extensions"]["field"] == field and message in body["errors"][0]["message"], body
+    assert server.graphql("{ runs { id } }", key=key)["data"]["runs"] == []
+
+
+def test_a_pre_quantized_model_says_so_and_refuses_another_precision(tmp_path: Path) -> None:
+    catalog = _load(tmp_path, {"name": "q", "parameters": 1 * B, "quantized": "4bit"})
+    model = catalog.get("q")
+    assert model.quantized == "4bit" and model.quantization_allowed
+    assert catalog.resolve_quantization(model, None) == "4bit"
+    with pytest.raises(BadInput, match="already quantized to 4bit") as caught:
+        catalog.resolve_quantization(model, "8bit")
+    assert caught.value.field == "quantization"
+
+
+def test_a_4bit_run_trains_through_the_sdk_and_shows_its_quantization(server: LiveServer) -> None:
+    key = server.new_user()
+    models = {m["name"]: m for m in server.graphql("{ models { name quantized } }", key=key)["data"]["models"]}
+    assert models["unsloth/gemma-2-9b-it-bnb-4bit"]["quantized"] == "4bit" and models[TINY_MODEL]["quantized"] is None
+    with SignalClient(api_key=key, base_url=server.url) as client:
+        run = client.create_run(lora_r=4, quantization="4bit")
+        plain = client.create_run(lora_r=4)
+        assert run.info["quantization"] == "4bit" and plain.info["quantization"] is None
+        batch = [{"input": "Q: 2 + 2?\nA:", "output": " 4"}]
+        first = run.forward_backward(batch)
+        run.optim_step(learning_rate=1e-2)
+        assert run.forward_backward(batch).loss < first.loss
+        assert plain.forward_backward(batch).loss != pytest.approx(first.loss, abs=1e-6)  # the unquantized base
+    shown = server.graphql("query($id: ID!) { run(id: $id) { quantization gpuConfig } }", {"id": run.id}, key=key)
+    assert shown["data"]["run"] == {"quantization": "4bit", "gpuConfig": "L40S:1"}
