@@ -6,6 +6,7 @@ bootstrap ran once. On SQLite (make test) and PostgreSQL (make test-postgres) al
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -13,7 +14,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -172,22 +173,10 @@ def test_calls_on_one_run_alternate_between_servers_and_apply_in_order(cluster: 
 
 async def test_a_subscriber_on_one_server_sees_metrics_made_through_the_other(cluster: Cluster) -> None:
     key = cluster.admin_key()
-    watcher = cluster.urls["b"]
     run = SignalClient(api_key=key, base_url=cluster.urls["a"]).create_run(lora_r=4)
     trainer = {name: SignalClient(api_key=key, base_url=url).get_run(run.id) for name, url in cluster.urls.items()}
-    async with websockets.connect(watcher.replace("http", "ws") + "/graphql", subprotocols=["graphql-transport-ws"]) as ws:
-        await ws.send(json.dumps({"type": "connection_init", "payload": {"Authorization": f"Bearer {key}"}}))
-        assert json.loads(await ws.recv())["type"] == "connection_ack"
-        await ws.send(json.dumps({"id": "1", "type": "subscribe",
-                                  "payload": {"query": document("Metrics"), "variables": {"runId": run.id}}}))
-        # The subscription has no acknowledgement: it is live once a call through its own server shows up.
-        for _ in range(20):
-            await asyncio.to_thread(trainer["b"].forward_backward, batch=BATCH)
-            if await _event(ws, timeout=5) is not None:
-                break
-        else:
-            raise AssertionError("the subscription never saw a call made through its own server")
-
+    async with _subscription(cluster.urls["b"], key, run.id) as ws:
+        await _prime(ws, trainer["b"])
         # Now through the other server (both of its processes, in turn): every event reaches the watcher.
         made: list[tuple[str, Any]] = []
         for _ in range(2):
@@ -200,6 +189,44 @@ async def test_a_subscriber_on_one_server_sees_metrics_made_through_the_other(cl
             assert event["loss"] == result.loss and event["numTokens"] == result.num_tokens
         else:
             assert event["step"] == result.step and event["gradNorm"] == result.grad_norm
+
+
+@pytest.mark.skipif(os.environ.get("SIGNAL_TEST_DATABASE") != "postgres", reason="LISTEN/NOTIFY is PostgreSQL's")
+async def test_live_metrics_survive_a_dropped_listen_connection(cluster: Cluster, request: pytest.FixtureRequest) -> None:
+    key = cluster.admin_key()
+    run = SignalClient(api_key=key, base_url=cluster.urls["a"]).create_run(lora_r=4)
+    async with _subscription(cluster.urls["b"], key, run.id) as ws:
+        await _prime(ws, SignalClient(api_key=key, base_url=cluster.urls["b"]).get_run(run.id))
+        # Drop every server's LISTEN connection, as a network blip or a database restart would.
+        database = cluster.env["SIGNAL_DATABASE_URL"].rsplit("/", 1)[-1]
+        killed = request.getfixturevalue("postgres_cluster").psql(
+            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+            f"WHERE datname = '{database}' AND query LIKE 'LISTEN%' AND pid <> pg_backend_pid()", database)
+        assert int(killed) == 3  # one per server process
+        cluster.servers["b"].wait_for_line("LISTEN connection (closed|lost)", timeout=60)
+        trainer = SignalClient(api_key=key, base_url=cluster.urls["a"]).get_run(run.id)
+        result = await asyncio.to_thread(trainer.forward_backward, batch=BATCH)
+        event = await _event(ws, timeout=60)
+    assert event is not None and event["kind"] == "forward_backward" and event["loss"] == result.loss
+
+
+@contextlib.asynccontextmanager
+async def _subscription(url: str, key: str, run_id: str) -> AsyncIterator[Any]:
+    async with websockets.connect(url.replace("http", "ws") + "/graphql", subprotocols=["graphql-transport-ws"]) as ws:
+        await ws.send(json.dumps({"type": "connection_init", "payload": {"Authorization": f"Bearer {key}"}}))
+        assert json.loads(await ws.recv())["type"] == "connection_ack"
+        await ws.send(json.dumps({"id": "1", "type": "subscribe",
+                                  "payload": {"query": document("Metrics"), "variables": {"runId": run_id}}}))
+        yield ws
+
+
+async def _prime(ws: Any, local_run: Any) -> None:
+    """The subscription has no acknowledgement: it is live once a call through its own server shows up."""
+    for _ in range(20):
+        await asyncio.to_thread(local_run.forward_backward, batch=BATCH)
+        if await _event(ws, timeout=5) is not None:
+            return
+    raise AssertionError("the subscription never saw a call made through its own server")
 
 
 async def _event(ws: Any, timeout: float) -> dict[str, Any] | None:
@@ -215,3 +242,4 @@ async def _event(ws: Any, timeout: float) -> dict[str, Any] | None:
             return message["payload"]["data"]["metrics"]
         assert message["type"] not in ("error", "complete"), message
     return None
+
