@@ -53,6 +53,7 @@ class Process:
             with self.changed:
                 self.lines.append(line.rstrip("\n"))
                 self.changed.notify_all()
+        self.popen.wait()  # reaped before the last notice, so a waiter sees that it exited
         with self.changed:
             self.changed.notify_all()
 
