@@ -114,6 +114,7 @@ class Checkpoint(Base):
     mode: Mapped[str] = mapped_column(String(20))
     path: Mapped[str] = mapped_column(Text)
     size_bytes: Mapped[int] = mapped_column(BigInteger)
+    hub_url: Mapped[str | None] = mapped_column(Text, default=None)  # where push_to_hub uploaded it, if it did
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 

@@ -117,6 +117,7 @@ class Checkpoint:
     mode: str
     checkpoint_path: str
     size_bytes: float
+    hub_url: str | None = strawberry.field(description="The Hugging Face repo it was pushed to (pushToHub), else null")
     created_at: datetime
     run_id: strawberry.Private[str]
 
@@ -132,7 +133,7 @@ class Checkpoint:
     @classmethod
     def from_row(cls, row: tables.Checkpoint) -> Checkpoint:
         return cls(id=strawberry.ID(str(row.id)), step=row.step, mode=row.mode, checkpoint_path=row.path,
-                   size_bytes=float(row.size_bytes), created_at=row.created_at, run_id=row.run_id)
+                   size_bytes=float(row.size_bytes), hub_url=row.hub_url, created_at=row.created_at, run_id=row.run_id)
 
 
 @strawberry.type

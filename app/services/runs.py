@@ -283,6 +283,7 @@ class RunService:
                     session.add(checkpoint)
                 checkpoint.step, checkpoint.mode = int(result["step"]), result["mode"]
                 checkpoint.size_bytes = int(result["size_bytes"])
+                checkpoint.hub_url = result.get("hub", {}).get("url") or checkpoint.hub_url
             return checkpoint
 
         return await self._serialised(run.id, work)

@@ -62,6 +62,8 @@ def test_push_to_hub_uploads_a_private_repo_with_card_and_manifest(server: LiveS
 
     repo = hub.repos["alice/tiny-adapter"]
     assert repo.private is True
+    assert artifact.hub_url == f"{hub.url}/alice/tiny-adapter"  # stored on the checkpoint, and listed with it
+    assert [c.hub_url for c in run.checkpoints()] == [artifact.hub_url]
     checkpoint = Path(artifact.checkpoint_path)  # the test shares the server's disk; the SDK never assumes it
     assert repo.files["adapter_model.safetensors"] == (checkpoint / "adapter_model.safetensors").read_bytes()
     assert json.loads(repo.files["adapter_config.json"]) == json.loads((checkpoint / "adapter_config.json").read_text())
