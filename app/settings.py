@@ -48,6 +48,11 @@ class Settings(BaseSettings):
     keep_snapshots: int = Field(RuntimeOptions.keep_snapshots, description="Snapshots kept per run, newest first.")
     base_idle_seconds: float = Field(RuntimeOptions.base_idle_seconds,
                                      description="A base model with no resident runs is unloaded after this long idle.")
+    local_ranks: int = Field(RuntimeOptions.local_ranks, description="Rank processes of the local runtime: N > 1 "
+                             "shards each base with FSDP across N CUDA GPUs, or N CPU processes over gloo.")
+    rank_timeout_seconds: float = Field(RuntimeOptions.rank_timeout_seconds, description="A multi-rank collective "
+                                        "that waits longer means a hung rank: every rank stops, the call fails "
+                                        "WORKER_FAILED and the pool restarts.")
     allow_downloads: bool = Field(False, description="Let the worker download models from the HF Hub.")
     worker_log: Path | None = Field(None, description="File for the worker's stderr; empty means inherit.")
     bootstrap_admin: bool = Field(True, description="On first start with no users, create an admin and print a key.")

@@ -181,6 +181,8 @@ class RuntimeOptions:
     snapshot_every_seconds: float = 600.0  # …or after this long, whichever comes first
     keep_snapshots: int = 2  # snapshots kept per run (the newest ones)
     base_idle_seconds: float = 900.0  # a base with no resident runs is unloaded after this long idle
+    local_ranks: int = 1  # rank processes of the pool: N > 1 shards each base with FSDP (N GPUs, or N CPU processes)
+    rank_timeout_seconds: float = 300.0  # a collective that waits longer means a hung rank: every rank stops
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -42,20 +42,22 @@ import peft
 import torch
 import transformers
 
-from gpu_runtime.batches import Collated, Example, collate
+from gpu_runtime.batches import Example
 from gpu_runtime.contract import SAVE_MODES, RuntimeOptions, adam_settings, lora_settings, sampling_settings
 from gpu_runtime.decoding import DecodeGroup, SampleJob
 from gpu_runtime.devices import dtype_name, resolve_device
-from gpu_runtime.errors import BadInput, FailedPrecondition, NotFound, RunNotFound, SignalError
-from gpu_runtime.losses import LossFn, get_loss, target_logprobs
+from gpu_runtime.errors import BadInput, FailedPrecondition, NotFound, RunNotFound, SignalError, WorkerFailed
+from gpu_runtime.losses import LossFn, get_loss
 from gpu_runtime.merging import save_merged
 from gpu_runtime.models import ModelRegistry, describe
-from gpu_runtime.multilora import Segment, routed
 from gpu_runtime.persistence import RunPaths, atomic_dir, check_id, dir_size, find_run_dir, read_json, sha256_json, write_json
 from gpu_runtime.pool import BaseEntry, Pool
 from gpu_runtime.quantization import checked as checked_quantization
+from gpu_runtime.ranks import RankGroup, RanksFailed
 from gpu_runtime.run_state import RunState, append_manifest, last_manifest_step
 from gpu_runtime.scheduler import Request, Scheduler, TickPlan, split_ticket
+from gpu_runtime.sharding import ShardedPool, ShardedRegistry
+from gpu_runtime.training import PassPart, adamw_step, forward_backward_pass
 
 FORWARD_BACKWARD, SAMPLE = "forward_backward", "sample"
 EXPORT_LIMIT_BYTES = 256 * 1024**2  # a checkpoint archive sent through the runtime (JSON, base64); bigger: signal pull
@@ -133,10 +135,21 @@ class Engine:
         self.options = RuntimeOptions.from_dict({**base, **overrides})
         self.data_dir = Path(data_dir).resolve()
         self.device, self.dtype = resolve_device(device)
-        self.models = ModelRegistry(self.data_dir, self.device, self.dtype, allow_downloads=allow_downloads)
-        self.pool = Pool(self.models, self.options)
-        self.scheduler = Scheduler(self.options.tick_tokens)
         self.faults = faults or set()
+        # local_ranks > 1: a multi-GPU pool (gpu_runtime/ranks.py), its bases sharded across the ranks with FSDP.
+        self.ranks: RankGroup | None = None
+        self.models: ModelRegistry
+        self.pool: Pool
+        if self.options.local_ranks > 1:
+            world = self.options.local_ranks
+            self.ranks = RankGroup(world, self.device, self.data_dir, self.options, allow_downloads, self.faults)
+            self.models = ShardedRegistry(self.data_dir, self.device, self.dtype, 0, world, allow_downloads)
+            self.pool = ShardedPool(self.models, self.options, self.ranks)
+            self.ranks.start()
+        else:
+            self.models = ModelRegistry(self.data_dir, self.device, self.dtype, allow_downloads=allow_downloads)
+            self.pool = Pool(self.models, self.options)
+        self.scheduler = Scheduler(self.options.tick_tokens)
         self.after_sync = after_sync  # called once per tick after its journal fsyncs, before its answers (Modal commits)
         self.decode_groups: list[DecodeGroup] = []
         self.totals = Totals()
@@ -246,6 +259,8 @@ class Engine:
 
     def tick(self) -> TickStats:
         started = time.monotonic()
+        if self.ranks is not None and self.ranks.failed:
+            self._restart_ranks()  # a rank failed between ticks
         plan: TickPlan = self.scheduler.next_tick(self._cost)
         stats = TickStats(number=plan.number, requests=len(plan.system) + len(plan.picks))
         for request in plan.system:
@@ -279,7 +294,10 @@ class Engine:
                 except Exception as exc:  # noqa: BLE001 - one bad call must not take the runtime down
                     deferred.append((request, {"error": _internal(exc)}))
         for key, parts in fb_parts.items():
-            deferred += self._run_fb(self.pool.bases[key], parts, stats)
+            try:
+                deferred += self._run_fb(self.pool.bases[key], parts, stats)
+            except RanksFailed as exc:  # every rank stopped: these calls fail; the pool restarts below
+                deferred += [(part.request, {"error": exc.to_dict()}) for part in parts if part.request is not None]
         self._sync_journals()
         if "after_journal" in self.faults and deferred:
             os.kill(os.getpid(), signal.SIGKILL)  # failpoint: journaled, not yet answered
@@ -289,6 +307,8 @@ class Engine:
             self._start_group(self.pool.bases[key], jobs)
         self._advance_decoding(stats)
         self._housekeeping()
+        if self.ranks is not None and self.ranks.failed:
+            self._restart_ranks()
         stats.seconds = time.monotonic() - started
         self._count(stats)
         return stats
@@ -377,35 +397,18 @@ class Engine:
         return answers
 
     def _fb_pass(self, entry: BaseEntry, parts: list[FbPart]) -> list[tuple[float, float] | SignalError]:
-        rows = [example for part in parts for example in part.examples]
-        data = collate(rows, self.device)
-        segments, start = [], 0
+        """One forward and backward pass for every part (gpu_runtime/training.py): here, or on every rank."""
+        plan = []
         for part in parts:
             progress = part.progress
-            end = start + len(part.examples)
-            dropout = _derive_seed(progress.state.config["seed"], progress.state.step, progress.call)
-            segments.append(Segment(progress.state.run_id, start, end, dropout_seed=dropout,
-                                    call_rows=len(progress.examples), call_width=progress.width,
-                                    row_offset=part.row_offset))
-            start = end
-        with routed(entry.routing, segments):
-            logits = entry.model(input_ids=data.input_ids, attention_mask=data.attention_mask).logits
-        logprobs = target_logprobs(logits, data.targets)
-        total: torch.Tensor | None = None
-        outcomes: list[tuple[float, float] | SignalError] = []
-        for part, segment in zip(parts, segments):
-            rows_of = slice(segment.start, segment.end)
-            loss_sum, normaliser = part.progress.loss(logprobs[rows_of], _rows(data, rows_of), part.progress.loss_config)
-            if not torch.isfinite(loss_sum):
-                # Left out of backward: a NaN/inf would poison every gradient this run accumulated so far.
-                outcomes.append(BadInput(f"the batch's loss is {loss_sum.item()}; check its weights and tokens",
-                                         field="batch"))
-                continue
-            total = loss_sum if total is None else total + loss_sum
-            outcomes.append((loss_sum.item(), normaliser))
-        if total is not None:
-            total.backward()  # sums, accumulated in .grad; optim_step divides by each run's own normaliser
-        return outcomes
+            plan.append(PassPart(
+                progress.state.run_id, part.examples, part.row_offset, call_rows=len(progress.examples),
+                call_width=progress.width, loss_fn=progress.loss_fn, loss_config=progress.loss_config,
+                dropout_seed=_derive_seed(progress.state.config["seed"], progress.state.step, progress.call),
+                backup=part.row_offset == 0 and len(part.examples) < len(progress.examples)))
+        if self.ranks is not None:
+            return self.ranks.forward_backward(entry, self.pool.runs, plan)
+        return forward_backward_pass(entry, self.pool.runs, plan, self.device)
 
     def _fb_done(self, part: FbPart, outcome: tuple[float, float], seconds: float = 0.0) -> dict[str, Any] | None:
         """Count a part (and its share of the pass's `seconds`); when the call is whole, journal it and return
@@ -458,7 +461,7 @@ class Engine:
         pending_tokens, pending_batches = state.pending_tokens, state.pending_batches
         started = time.perf_counter()
         try:
-            result: dict[str, Any] = _apply_optim(state, settings)
+            result: dict[str, Any] = _apply_optim(state, settings, self.ranks)
             result["compute_seconds"] = _device_seconds(self.device, started)
         except FailedPrecondition as exc:
             result = {"error": exc.to_dict()}  # journaled too: dropping the gradients is a change replay must repeat
@@ -643,10 +646,11 @@ class Engine:
             try:
                 finished = group.advance(deadline)
             except Exception as exc:  # noqa: BLE001 - fail its calls, keep the runtime
+                error = exc.to_dict() if isinstance(exc, SignalError) else _internal(exc)
                 for job in group.jobs:
                     if not job.done:
                         job.done = True
-                        self.scheduler.finish(job.request, {"error": _internal(exc)})
+                        self.scheduler.finish(job.request, {"error": error})
                 self.decode_groups.remove(group)
                 continue
             stats.decode_passes += group.passes - before
@@ -717,12 +721,14 @@ class Engine:
                 self._fb_done(part, outcome)
         elif "error" in record["result"]:
             # It failed live and dropped the gradients: the journal's outcome holds, whatever a recompute says.
+            if self.ranks is not None:
+                self.ranks.send("drop_grads", run_id=state.run_id)
             state.optimizer.zero_grad(set_to_none=True)
             state.clear_pending()
         else:
             pending_tokens, pending_batches = state.pending_tokens, state.pending_batches
             try:
-                _apply_optim(state, record["adam"])
+                _apply_optim(state, record["adam"], self.ranks)
             except FailedPrecondition:
                 pass  # it failed the first time too, and dropped the gradients as it does now
             else:
@@ -765,6 +771,8 @@ class Engine:
         for state in self.pool.over_budget(keep=lambda r: r in decoding or self.scheduler.is_queued(r)):
             self._evict(state)
         self.pool.unload_idle_bases()
+        if self.ranks is not None:
+            self.ranks.keepalive()
 
     def _idle_timeout(self) -> float:
         return min(self.options.base_idle_seconds, 60.0)
@@ -775,6 +783,28 @@ class Engine:
             if state.changed_since_snapshot:
                 self._snapshot(state)
             state.journal.close()
+        if self.ranks is not None:
+            self.ranks.stop()
+
+    def _restart_ranks(self) -> None:
+        """A rank died or hung, and every rank was stopped. The runs' in-memory state may be half a pass along, so it
+        is dropped unsaved: every acknowledged call is in a journal. What was mid-flight fails; calls still queued
+        start afresh; runs come back from snapshot + journal on their next call, through a fresh group."""
+        assert self.ranks is not None and isinstance(self.pool, ShardedPool)
+        error = WorkerFailed(f"a rank of this pool failed ({self.ranks.failed}); the pool restarted: retry the call")
+        for group in self.decode_groups:
+            for job in group.jobs:
+                if not job.done:
+                    job.done = True
+                    self.scheduler.finish(job.request, {"error": error.to_dict()})
+        self.decode_groups = []
+        for request in self.scheduler.queued():
+            if isinstance(request.progress, FbProgress) and request.progress.done > 0:
+                self.scheduler.finish(request, {"error": error.to_dict()})  # part of it went with the dropped state
+            else:
+                request.progress = None  # prepared again, against the restored run
+        self.pool.forget()
+        self.ranks.restart()
 
     # ---- bookkeeping -------------------------------------------------------------------------
 
@@ -810,28 +840,17 @@ class Engine:
         }
 
 
-def _apply_optim(state: RunState, settings: dict[str, float]) -> dict[str, Any]:
-    """AdamW on the run's summed gradients divided by their normaliser; clears them."""
+def _apply_optim(state: RunState, settings: dict[str, float], ranks: RankGroup | None = None) -> dict[str, Any]:
+    """AdamW on the run's summed gradients divided by their normaliser (on every rank, alike); clears them."""
     if state.pending_calls == 0:
         raise FailedPrecondition("no gradients to apply: call forward_backward before optim_step")
-    params = state.parameters()
-    for param in params:
-        if param.grad is not None:
-            param.grad.div_(state.pending_normaliser)  # summed token losses → their mean over all calls
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, settings["grad_clip_norm"] or math.inf))
-    if not math.isfinite(grad_norm):
-        state.optimizer.zero_grad(set_to_none=True)
-        state.clear_pending()
-        raise FailedPrecondition(f"gradient norm is {grad_norm}; the step was skipped and the gradients dropped")
-    for group in state.optimizer.param_groups:  # settings may change per call: schedules live in the user's loop
-        group["lr"] = settings["learning_rate"]
-        group["betas"] = (settings["beta1"], settings["beta2"])
-        group["eps"] = settings["eps"]
-        group["weight_decay"] = settings["weight_decay"]
-    state.optimizer.step()
-    state.optimizer.zero_grad(set_to_none=True)
-    state.step += 1
+    if ranks is not None:
+        ranks.send("optim", run_id=state.run_id, normaliser=state.pending_normaliser, settings=settings)
+    grad_norm = adamw_step(state.parameters(), state.optimizer, state.pending_normaliser, settings)
     state.clear_pending()
+    if not math.isfinite(grad_norm):
+        raise FailedPrecondition(f"gradient norm is {grad_norm}; the step was skipped and the gradients dropped")
+    state.step += 1
     return {"step": state.step, "grad_norm": grad_norm, "learning_rate": settings["learning_rate"]}
 
 
@@ -847,11 +866,6 @@ def _restore_grads(progress: FbProgress) -> None:
         return  # nothing of this call reached the gradients
     for param, grad in zip(progress.state.parameters(), progress.backup):
         param.grad = grad
-
-
-def _rows(data: Collated, rows: slice) -> Collated:
-    return Collated(data.input_ids[rows], data.attention_mask[rows], data.targets[rows], data.weights[rows],
-                    {k: v[rows] for k, v in data.extras.items()})
 
 
 def _check_request_id(request_id: Any) -> None:

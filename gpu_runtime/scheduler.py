@@ -238,6 +238,11 @@ class Scheduler:
         with self.condition:
             return bool(self._runs.get(run_id)) or run_id in self._busy
 
+    def queued(self) -> list[Request]:
+        """Every request still queued, oldest first (left in place)."""
+        with self.condition:
+            return sorted([r for q in self._runs.values() for r in q], key=lambda r: r.arrival)
+
     def drain(self) -> list[Request]:
         """Everything still queued (at shutdown), oldest first."""
         with self.condition:
