@@ -14,6 +14,8 @@ from gpu_runtime.contract import LORA_DEFAULTS
 from gpu_runtime.errors import BadInput
 
 MAX_GPUS = 8  # the most GPUs Modal attaches to one container
+# GPU counts a pool may have: a power of two shards every weight (and attention head) of the usual sizes evenly.
+LEGAL_COUNTS: tuple[int, ...] = (1, 2, 4, 8)
 
 
 @dataclass(frozen=True)
@@ -122,26 +124,38 @@ def lora_parameters(parameters: int, lora_r: int = LORA_DEFAULTS["r"],
 
 
 def estimate_bytes(parameters: int, quantization: str | None = None, lora_r: int = LORA_DEFAULTS["r"],
-                   target_fraction: float = DEFAULT_TARGET_FRACTION) -> int:
-    """GPU memory a LoRA run needs: base weights + LoRA with its AdamW state + an activation margin."""
-    weights = parameters * BYTES_PER_WEIGHT[parse_quantization(quantization)]
-    lora_state = lora_parameters(parameters, lora_r, target_fraction) * LORA_STATE_BYTES
+                   target_fraction: float = DEFAULT_TARGET_FRACTION, gpus: int = 1, runs: int = 1) -> int:
+    """GPU memory each of `gpus` GPUs needs for a pool of `runs` LoRA runs: its shard of the base weights (FSDP
+    splits them evenly) + every run's LoRA with its AdamW state (replicated on each GPU) + an activation margin."""
+    weights = parameters * BYTES_PER_WEIGHT[parse_quantization(quantization)] / gpus
+    lora_state = lora_parameters(parameters, lora_r, target_fraction) * LORA_STATE_BYTES * runs
     activations = weights * ACTIVATION_FRACTION + ACTIVATION_FIXED_BYTES
     return int(weights + lora_state + activations)
 
 
 def fits(allocation: GpuAllocation, parameters: int, quantization: str | None = None,
-         lora_r: int = LORA_DEFAULTS["r"]) -> bool:
-    return estimate_bytes(parameters, quantization, lora_r) <= allocation.memory_gb * GB
+         lora_r: int = LORA_DEFAULTS["r"], runs: int = 1) -> bool:
+    """Whether the allocation can serve the pool: a legal GPU count (one, if quantized) with room on each GPU."""
+    if allocation.count not in LEGAL_COUNTS or (quantization and allocation.count > 1):
+        return False
+    need = estimate_bytes(parameters, quantization, lora_r, gpus=allocation.count, runs=runs)
+    return need <= GPU_TYPES[allocation.gpu_type] * GB
+
+
+def legal_counts(gpu_type: str, parameters: int, quantization: str | None = None, lora_r: int = LORA_DEFAULTS["r"],
+                 runs: int = 1) -> list[int]:
+    """The GPU counts of this type that hold the model (quantized bases train on one GPU only)."""
+    most = _gpu(gpu_type).max_count
+    return [n for n in LEGAL_COUNTS if n <= most and fits(GpuAllocation(gpu_type, n), parameters, quantization, lora_r, runs)]
 
 
 def smallest_fit(parameters: int, quantization: str | None = None, lora_r: int = LORA_DEFAULTS["r"],
-                 max_count: int = MAX_GPUS) -> GpuAllocation | None:
+                 max_count: int = MAX_GPUS, runs: int = 1) -> GpuAllocation | None:
     """The smallest configuration that holds the model: fewest GPUs first, then the smallest GPU."""
-    for count in range(1, max_count + 1):
+    for count in [n for n in LEGAL_COUNTS if n <= max_count]:
         for gpu in GPUS:
             candidate = GpuAllocation(gpu.name, count)
-            if count <= gpu.max_count and fits(candidate, parameters, quantization, lora_r):
+            if count <= gpu.max_count and fits(candidate, parameters, quantization, lora_r, runs):
                 return candidate
     return None
 
@@ -153,16 +167,28 @@ def smallest_single_gpu(parameters: int, quantization: str | None = None,
 
 
 def check_fit(model_name: str, parameters: int, allocation: GpuAllocation | str, quantization: str | None = None,
-              lora_r: int = LORA_DEFAULTS["r"], field: str = "gpuConfig") -> GpuAllocation:
-    """The allocation, if it can hold the model; otherwise BadInput naming the smallest configuration that can."""
+              lora_r: int = LORA_DEFAULTS["r"], field: str = "gpuConfig", runs: int = 1) -> GpuAllocation:
+    """The allocation, if it can hold the model (and `runs` runs' LoRA state); otherwise BadInput naming the legal
+    GPU counts of that type and the smallest configuration that can."""
     allocation = parse_gpu_config(allocation, field=field)
-    if fits(allocation, parameters, quantization, lora_r):
+    if fits(allocation, parameters, quantization, lora_r, runs):
         return allocation
-    need = estimate_bytes(parameters, quantization, lora_r)
-    smallest = smallest_fit(parameters, quantization, lora_r)
+    smallest = smallest_fit(parameters, quantization, lora_r, runs=runs)
     remedy = f"the smallest that fits is {smallest}" if smallest else f"no configuration up to {MAX_GPUS} GPUs holds it"
-    raise BadInput(f"{allocation} has {allocation.memory_gb} GB but {model_name} needs ~{_gb(need)} GB "
-                   f"({_weights_kind(quantization)} weights, LoRA with AdamW state, activations); {remedy}", field=field)
+    counts = legal_counts(allocation.gpu_type, parameters, quantization, lora_r, runs)
+    legal = (f"on {allocation.gpu_type} it fits with {_counts(counts)} GPU{'s' if counts != [1] else ''}" if counts
+             else f"no count of {allocation.gpu_type} GPUs holds it")
+    if allocation.count not in LEGAL_COUNTS:
+        problem = f"a pool has {_counts(list(LEGAL_COUNTS))} GPUs, not {allocation.count}"
+    elif quantization and allocation.count > 1:
+        problem = f"a {quantization} base trains on one GPU, not {allocation.count}"
+    else:
+        need = estimate_bytes(parameters, quantization, lora_r, gpus=allocation.count, runs=runs)
+        per_gpu = f"{GPU_TYPES[allocation.gpu_type]} GB per GPU" if allocation.count > 1 else f"{allocation.memory_gb} GB"
+        problem = (f"{allocation} has {per_gpu} but {model_name} needs ~{_gb(need)} GB"
+                   + (" on each" if allocation.count > 1 else "")
+                   + f" ({_weights_kind(quantization)} weights, LoRA with AdamW state, activations)")
+    raise BadInput(f"{problem}; {legal}; {remedy}", field=field)
 
 
 def require_single_gpu(allocation: GpuAllocation | str, parameters: int, quantization: str | None = None,
@@ -208,6 +234,10 @@ def pool_key(base_model: str, gpu: str, quantization: str | None) -> str:
 
 def _gpu(name: str) -> GpuType:
     return next(gpu for gpu in GPUS if gpu.name == name)
+
+
+def _counts(counts: list[int]) -> str:
+    return ", ".join(map(str, counts[:-1])) + (" or " if len(counts) > 1 else "") + str(counts[-1])
 
 
 def _gb(nbytes: int) -> str:

@@ -17,6 +17,9 @@ from gpu_runtime.allocation import (
     allocate,
     check_fit,
     estimate_bytes,
+    fits,
+    legal_counts,
+    lora_parameters,
     modal_gpu,
     parse_gpu_config,
     pool_key,
@@ -100,7 +103,7 @@ def test_fit_check_refuses_a_70b_on_one_t4_naming_the_smallest_fit() -> None:
 @pytest.mark.parametrize(("parameters", "gpu", "fits"), [
     (LLAMA_8B, "H100:1", True), (LLAMA_8B, "L4:1", True), (LLAMA_8B, "A10G", True), (LLAMA_8B, "T4:1", False),
     (LLAMA_8B, "T4:2", True), (LLAMA_70B, "H100:1", False), (LLAMA_70B, "H200:1", False),
-    (LLAMA_70B, "H100:4", True), (LLAMA_70B, "A100-80GB:2", False), (LLAMA_70B, "A100-80GB:3", True), (QWEN_32B, "H100:1", False),
+    (LLAMA_70B, "H100:4", True), (LLAMA_70B, "A100-80GB:2", False), (LLAMA_70B, "A100-80GB:3", False), (QWEN_32B, "H100:1", False),
     (QWEN_32B, "L40S:2", True), (405 * B, "B200:8", True), (405 * B, "H100:8", False),
 ])
 def test_overrides_are_checked_to_fit(parameters: int, gpu: str, fits: bool) -> None:
@@ -110,6 +113,30 @@ def test_overrides_are_checked_to_fit(parameters: int, gpu: str, fits: bool) -> 
         with pytest.raises(BadInput, match="the smallest that fits is") as caught:
             check_fit("m", parameters, gpu)
         assert caught.value.field == "gpuConfig"
+
+
+def test_a_70b_in_bf16_needs_4_x_80_gb_or_2_x_141_gb_and_in_4bit_one_80_gb_gpu() -> None:
+    # FSDP shards the base: each GPU holds its share of the weights, and every run's LoRA with AdamW in full.
+    assert legal_counts("A100-80GB", LLAMA_70B) == legal_counts("H100", LLAMA_70B) == [4, 8]
+    assert legal_counts("H200", LLAMA_70B) == [2, 4, 8]
+    assert legal_counts("H100", LLAMA_70B, "4bit") == [1]  # quantized bases train on one GPU
+    assert check_fit("m", LLAMA_70B, "H100", "4bit") == GpuAllocation("H100", 1)
+    with pytest.raises(BadInput) as caught:
+        check_fit("meta-llama/Llama-3.1-70B", LLAMA_70B, "A100-80GB:2")
+    need = estimate_bytes(LLAMA_70B, gpus=2) / GB
+    assert caught.value.message == (
+        f"A100-80GB:2 has 80 GB per GPU but meta-llama/Llama-3.1-70B needs ~{need:.1f} GB on each (bf16 weights, "
+        "LoRA with AdamW state, activations); on A100-80GB it fits with 4 or 8 GPUs; the smallest that fits is B200:1")
+    with pytest.raises(BadInput, match="a pool has 1, 2, 4 or 8 GPUs, not 3; on H100 it fits with 4 or 8 GPUs"):
+        check_fit("m", LLAMA_70B, "H100:3")
+    with pytest.raises(BadInput, match="a 4bit base trains on one GPU, not 2; on H100 it fits with 1 GPU;"):
+        check_fit("m", LLAMA_70B, "H100:2", "4bit")
+
+
+def test_the_fit_counts_every_resident_runs_lora() -> None:
+    one, ten = estimate_bytes(LLAMA_8B, runs=1), estimate_bytes(LLAMA_8B, runs=10)
+    assert ten - one == 9 * lora_parameters(LLAMA_8B) * 16  # fp32 weight, gradient and two AdamW moments per run
+    assert fits(GpuAllocation("L4", 1), LLAMA_8B, runs=1) and not fits(GpuAllocation("L4", 1), LLAMA_8B, runs=10)
 
 
 def test_quantization_shrinks_the_estimate() -> None:
