@@ -515,6 +515,10 @@ class Engine:
             raise BadInput(f"mode must be one of {list(SAVE_MODES)}, got {mode!r}", field="mode")
         if push_to_hub:
             hub_model_id, hf_token = hub.check_push(hub_model_id, hf_token)
+        if mode == "merged" and self.ranks is not None:
+            # Folding needs whole base weights, which no rank holds (docs/MULTIGPU.md: merge the adapter elsewhere).
+            raise FailedPrecondition("a multi-GPU pool saves mode adapter or state; merged checkpoints need the whole "
+                                     "base on one machine: load the adapter onto the base there", field="mode")
         entry = self.pool.bases[state.base_key]
         started = time.perf_counter()
         self._snapshot(state)

@@ -122,14 +122,17 @@ class Pool:
     @modal.enter()
     def start(self) -> None:
         # The base loads now (offline: with its first run); runs restore lazily from the Volume, on their first call.
+        from gpu_runtime.allocation import parse_gpu_config
         from gpu_runtime.contract import RuntimeOptions
         from gpu_runtime.engine import Engine
 
         self.commits = VolumeCommits(offline=modal.is_local())
+        # A pool on N GPUs starts N ranks now, kept for the container's life (docs/MULTIGPU.md): rank i on GPU i.
+        ranks = parse_gpu_config(self.pool.split("|")[1]).count if self.pool.count("|") == 2 else 1
         self.engine = Engine(
             os.environ.get(DATA_DIR_ENV, VOLUME_PATH),
             os.environ.get(DEVICE_ENV, "auto"),
-            RuntimeOptions.from_dict(json.loads(self.options)),
+            RuntimeOptions.from_dict({**json.loads(self.options), "local_ranks": ranks}),
             allow_downloads=os.environ.get(DOWNLOADS_ENV, "1") != "0",
             after_sync=self.commits.commit,
         )

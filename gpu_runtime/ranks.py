@@ -99,6 +99,9 @@ class RankGroup:
 
     def start(self) -> None:
         """Spawn the followers, wait until they are ready, and join the process group as rank 0."""
+        if dist.is_initialized():
+            raise BadInput("this process already belongs to a process group: one multi-rank pool per process "
+                           "(a Modal container, or the local runtime)", field="local_ranks")
         store = dist.TCPStore("127.0.0.1", 0, self.world, is_master=True, wait_for_workers=False,
                               timeout=timedelta(seconds=START_TIMEOUT_S))
         self._store, self.failed, self._stopping = store, None, False

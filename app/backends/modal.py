@@ -60,7 +60,7 @@ def pool_gpu(pool: str) -> str:
 
 class ModalBackend:
     shares_disk = False  # run files live on the Volume: archives come through the runtime
-    multi_gpu = False  # one GPU per pool until FSDP across several lands: createRun refuses a count above 1
+    multi_gpu = True  # a pool on N GPUs runs N ranks, the base sharded with FSDP (docs/MULTIGPU.md)
 
     def __init__(self, settings: Settings, lookup: Callable[[], Any] | None = None, local: bool = False) -> None:
         if lookup is None:

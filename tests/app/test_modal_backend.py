@@ -213,12 +213,12 @@ def test_sdk_trains_on_modal_as_on_the_local_backend(modal_server: LiveServer, l
     assert len(journal.read()) == commits.journals[run_id] == 6
 
 
-def test_gpu_count_above_one_is_refused(modal_server: LiveServer) -> None:
+def test_a_gpu_count_no_pool_can_have_is_refused_naming_the_legal_ones(modal_server: LiveServer) -> None:
     client = SignalClient(api_key=modal_server.new_user(), base_url=modal_server.url)
     with pytest.raises(BadInputError) as refused:
-        client.create_run(lora_r=4, gpu_config="L40S:2")
+        client.create_run(lora_r=4, gpu_config="L40S:3")
     assert refused.value.code == "BAD_INPUT" and refused.value.field == "gpuConfig"
-    assert "single GPU" in str(refused.value) and "T4" in str(refused.value)  # the smallest single GPU that fits
+    assert "a pool has 1, 2, 4 or 8 GPUs, not 3; on L40S it fits with 1, 2, 4 or 8 GPUs" in str(refused.value)
     assert client.create_run(lora_r=4, gpu_config="H100").info.gpu_config == "H100:1"
 
 
@@ -257,27 +257,32 @@ def test_serve_without_modal_credentials_fails_at_start(tmp_path: Path, tiny_mod
     assert "Signal at" not in output and not (tmp_path / "data" / "signal.db").exists()  # refused before anything
 
 
-def test_a_multi_gpu_default_runs_on_the_one_gpu_that_holds_it(
+def test_a_multi_gpu_pool_starts_its_ranks_in_the_enter_hook_and_trains(
     tiny_model_dir: str, container_dir: Path, tmp_path: Path
 ) -> None:
-    # The catalogue's own 14B allocation (A100-80GB:2 by the README's table) is no refusal on Modal: with no
-    # override the run gets the smallest single GPU that holds it. The weights are the tiny model's; the
-    # allocation reads only the declared parameter count.
+    # The catalogue's own 14B allocation (A100-80GB:2 by the README's table): the container's enter hook starts
+    # 2 ranks (offline: 2 CPU processes over gloo) and the base is sharded across them. The weights are the tiny
+    # model's; the allocation reads only the declared parameter count.
     catalog = tmp_path / "models.yaml"
     catalog.write_text(f"models:\n  - {{name: signal-tests/declared-14b, path: {tiny_model_dir}, family: llama, "
                        "parameters: 14_700_000_000, offline: true}\n")
     settings = settings_for(tmp_path / "server", tiny_model_dir, backend="modal", models_file=catalog,
                             default_model="signal-tests/declared-14b")
-    server = LiveServer.start(settings, backend=offline_backend(settings))
+    backend = offline_backend(settings)
+    server = LiveServer.start(settings, backend=backend)
+    pool = pool_key("signal-tests/declared-14b", "A100-80GB:2", None)
     try:
         client = SignalClient(api_key=server.new_user(), base_url=server.url)
         run = client.create_run(lora_r=4)
-        assert run.info.gpu_config == "A100:1"  # ~38 GB estimated: the 40 GB A100 is the smallest single fit
+        assert run.info.gpu_config == "A100-80GB:2"
         assert run.forward_backward(batch=BATCH).num_tokens > 0
-        with pytest.raises(BadInputError) as refused:
-            client.create_run(lora_r=4, gpu_config="A100-80GB:2")  # an explicit count above one still is
-        assert refused.value.field == "gpuConfig"
+        assert run.optim_step().step == 1
+        engine = backend.instance(pool).engine
+        assert engine.ranks.world == 2 and engine.ranks.last_pass[1][1] > engine.ranks.last_pass[1][0]  # rank 1 had rows
     finally:
+        instance = backend.instance(pool)
+        instance.engine.scheduler.close()  # what the exit hook does: its ranks stop, leaving this process's group
+        instance.ticks.join(timeout=60)
         server.stop()
 
 
