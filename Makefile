@@ -55,6 +55,7 @@ bench: install
 	$(PY) bench/fairness.py $(BENCH_ARGS)
 	$(PY) bench/durability.py $(BENCH_ARGS)
 	$(PY) bench/memory.py $(BENCH_ARGS)
+	$(PY) bench/multigpu.py $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

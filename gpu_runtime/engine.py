@@ -604,6 +604,7 @@ class Engine:
                       "decode_passes": self.totals.decode_passes, "recent": list(self.totals.last_ticks)},
             "evictions": self.totals.evictions,
             "snapshots": self.totals.snapshots,
+            "ranks": self.ranks.describe() if self.ranks is not None else {"world": 1},
         }
 
     # ---- sampling ---------------------------------------------------------------------------
