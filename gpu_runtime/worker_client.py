@@ -170,8 +170,8 @@ class WorkerClient:
         while True:
             try:
                 return RuntimeConnection.open(path, deadline)
-            except (FileNotFoundError, ConnectionRefusedError):
-                pass  # nobody listens (none runs, or one is stopping)
+            except (FileNotFoundError, ConnectionError):
+                pass  # nobody listens (none runs, one is stopping, or it died with our connection in its backlog)
             if time.monotonic() > deadline:
                 raise WorkerFailed(f"no runtime answered on {path} within {self.start_timeout:.0f} s")
             self._spawned = [p for p in self._spawned if p.poll() is None]
