@@ -22,6 +22,7 @@ a Modal `.remote()` unchanged.
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 import inspect
 import io
@@ -31,9 +32,10 @@ import shutil
 import signal
 import sys
 import tarfile
+import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -59,7 +61,8 @@ from gpu_runtime.scheduler import Request, Scheduler, TickPlan, split_ticket
 from gpu_runtime.sharding import ShardedPool, ShardedRegistry
 from gpu_runtime.training import PassPart, adamw_step, forward_backward_pass
 
-FORWARD_BACKWARD, SAMPLE = "forward_backward", "sample"
+FORWARD_BACKWARD, SAMPLE, SAVE_STATE = "forward_backward", "sample", "save_state"
+UPLOAD_GRACE_SECONDS = 300  # at shutdown, Hub uploads in flight get this long to finish and answer
 EXPORT_LIMIT_BYTES = 256 * 1024**2  # a checkpoint archive sent through the runtime (JSON, base64); bigger: signal pull
 SYSTEM_METHODS = ("ping", "runtime_state")
 
@@ -155,6 +158,7 @@ class Engine:
         self.totals = Totals()
         self.last_tick = TickStats()
         self._owners: dict[str, str] = {}  # run → user, for fair turns
+        self._uploads: set[threading.Thread] = set()  # Hub uploads in flight, each answering its save_state
         self._touched: set[str] = set()  # runs whose journal has records not yet fsync'd
         self._handlers: dict[str, Callable[..., Any]] = {
             "create_run": self._create_run, "forward_backward": self._prepare_fb, "optim_step": self._optim_step,
@@ -199,6 +203,8 @@ class Engine:
         self.submit(method, params, future.set_result)
         while not future.done():
             self.tick()
+            if not future.done() and not self.scheduler.has_work() and not self.decode_groups:
+                wait([future], timeout=0.5)  # answered off the tick (a Hub upload): nothing to pump meanwhile
         message = future.result()
         if "error" in message:
             raise SignalError.from_dict(message["error"])
@@ -285,6 +291,8 @@ class Engine:
                     self.scheduler.finish(request, {"error": exc.to_dict()})
                     continue
                 samples.setdefault(job.state.base_key, []).append(job)
+            elif request.method == SAVE_STATE and request.params.get("push_to_hub"):
+                self._save_then_upload(request, deferred)
             else:
                 try:
                     result = self._handlers[request.method](**request.params)
@@ -505,16 +513,51 @@ class Engine:
         self._owners[run_id] = user_id
         return self._info(state)
 
-    def _save_state(self, run_id: str, mode: str = "adapter", request_id: str | None = None, push_to_hub: bool = False,
-                    hub_model_id: str | None = None, hf_token: str | None = None) -> dict[str, Any]:
+    def _save_then_upload(self, request: Request, deferred: list[tuple[Request, dict[str, Any]]]) -> None:
+        """save_state(push_to_hub=True): the checkpoint is written in this tick, then uploaded on a thread of its own,
+        so other runs' calls go on meanwhile; this run's next call waits, as its head is answered only after."""
         # hf_token is the user's: it reaches gpu_runtime.hub and nothing else (no journal, manifest or log).
         from gpu_runtime import hub
 
+        params = dict(request.params)
+        try:
+            hub_model_id, hf_token = hub.check_push(params.pop("hub_model_id", None), params.pop("hf_token", None))
+            params.pop("push_to_hub")
+            result = self._save_state(**params)
+            state = self._state(params["run_id"])
+            upload = functools.partial(
+                hub.push_checkpoint, Path(result["checkpoint_path"]), hub_model_id=hub_model_id, hf_token=hf_token,
+                base_model=self.pool.bases[state.base_key].base.name, manifest=state.paths.manifest,
+                mode=result["mode"], step=result["step"], run_id=state.run_id)
+        except SignalError as exc:
+            deferred.append((request, {"error": exc.to_dict()}))
+            return
+        except Exception as exc:  # noqa: BLE001 - one bad call must not take the runtime down
+            deferred.append((request, {"error": _internal(exc)}))
+            return
+
+        def run() -> None:
+            try:
+                message: dict[str, Any] = {"result": {**result, "hub": upload()}}  # upload time is not compute time
+            except SignalError as exc:
+                message = {"error": exc.to_dict()}
+            except Exception as exc:  # noqa: BLE001
+                message = {"error": _internal(exc)}
+            self.scheduler.finish(request, message)
+            self._uploads.discard(threading.current_thread())
+
+        thread = threading.Thread(target=run, name=f"hub-upload-{state.run_id[:8]}", daemon=True)
+        self.scheduler.hold(state.run_id)  # in progress outside the picks: not picked again until answered
+        self._uploads.add(thread)
+        thread.start()
+
+    def _save_state(self, run_id: str, mode: str = "adapter", request_id: str | None = None, push_to_hub: bool = False,
+                    hub_model_id: str | None = None, hf_token: str | None = None) -> dict[str, Any]:
+        """Write a checkpoint of the run. The Hub parameters are for _save_then_upload, which the tick sends them to."""
+        assert not push_to_hub, "uploads go through _save_then_upload"
         state = self._state(run_id)
         if mode not in SAVE_MODES:
             raise BadInput(f"mode must be one of {list(SAVE_MODES)}, got {mode!r}", field="mode")
-        if push_to_hub:
-            hub_model_id, hf_token = hub.check_push(hub_model_id, hf_token)
         if mode == "merged" and self.ranks is not None:
             # Folding needs whole base weights, which no rank holds (docs/MULTIGPU.md: merge the adapter elsewhere).
             raise FailedPrecondition("a multi-GPU pool saves mode adapter or state; merged checkpoints need the whole "
@@ -532,13 +575,8 @@ class Engine:
                 write_json(tmp / "config.json", state.config)
             if mode == "merged":
                 save_merged(entry, state, tmp)
-        result = {"checkpoint_path": str(path.resolve()), "mode": mode, "step": state.step, "size_bytes": dir_size(path),
-                  "compute_seconds": _device_seconds(self.device, started)}  # the upload below is not counted
-        if push_to_hub and hub_model_id and hf_token:
-            result["hub"] = hub.push_checkpoint(path, hub_model_id=hub_model_id, hf_token=hf_token,
-                                                base_model=entry.base.name, manifest=state.paths.manifest, mode=mode,
-                                                step=state.step, run_id=state.run_id)
-        return result
+        return {"checkpoint_path": str(path.resolve()), "mode": mode, "step": state.step, "size_bytes": dir_size(path),
+                "compute_seconds": _device_seconds(self.device, started)}
 
     def _export_checkpoint(self, run_id: str, mode: str, step: int) -> dict[str, Any]:
         """A saved checkpoint's directory as a base64 .tar.gz, for a server whose disk is not the runtime's (Modal)."""
@@ -783,7 +821,9 @@ class Engine:
         return min(self.options.base_idle_seconds, 60.0)
 
     def shutdown(self) -> None:
-        """Snapshot every resident run that changed, and close its journal."""
+        """Let Hub uploads in flight answer; snapshot every resident run that changed, and close its journal."""
+        for thread in list(self._uploads):
+            thread.join(timeout=UPLOAD_GRACE_SECONDS)
         for state in list(self.pool.runs.values()):
             if state.changed_since_snapshot:
                 self._snapshot(state)

@@ -18,6 +18,7 @@ so a test reads the upload as the Hub would have stored it. Requests must carry 
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
 import json
@@ -49,6 +50,9 @@ class HubStandIn:
     lfs_objects: dict[str, bytes] = field(default_factory=dict)
     authorizations: list[str] = field(default_factory=list)  # the Authorization header of every request
     calls: list[str] = field(default_factory=list)  # "METHOD /path" of every request, in order
+    # A test that holds uploads sets `release`: each commit then signals `committing` and waits for `release`.
+    release: threading.Event | None = None
+    committing: threading.Event = field(default_factory=threading.Event)
     _server: uvicorn.Server | None = None
     _thread: threading.Thread | None = None
 
@@ -168,6 +172,9 @@ class HubStandIn:
         if (missing := self._missing(request)) is not None:
             return missing
         assert request.headers.get("content-type") == "application/x-ndjson"
+        if self.release is not None:
+            self.committing.set()
+            await asyncio.to_thread(self.release.wait, 60)
         lines = [json.loads(line) for line in (await request.body()).decode().splitlines() if line.strip()]
         assert lines[0]["key"] == "header", lines[0]
         repo = self.repos[request.path_params["repo"]]
