@@ -236,6 +236,20 @@ def test_deleting_a_run_removes_its_files_from_the_volume(modal_server: LiveServ
     assert run.id not in runtime.runs
 
 
+def test_a_4bit_run_gets_a_pool_of_its_own_on_modal(modal_server: LiveServer) -> None:
+    client = SignalClient(api_key=modal_server.new_user(), base_url=modal_server.url)
+    run = client.create_run(lora_r=4, seed=3, quantization="4bit")
+    first = run.forward_backward(batch=BATCH)
+    run.optim_step(learning_rate=1e-2)
+    assert run.forward_backward(batch=BATCH).loss < first.loss
+    pool = pool_key(TINY_MODEL, "L40S:1", "4bit")
+    assert pool != TINY_POOL
+    engine = modal_server.backend.instance(pool).engine  # its own container, holding the base in 4 bits
+    (entry,) = engine.pool.bases.values()
+    assert entry.quantization == "4bit" and run.id in engine.runs
+    assert any(type(m).__name__ == "Linear4bit" for m in entry.model.modules())
+
+
 def test_runtime_state_reports_each_pool(modal_server: LiveServer) -> None:
     import asyncio
 

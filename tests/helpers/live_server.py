@@ -38,7 +38,7 @@ def free_port() -> int:
 def write_catalog(path: Path, tiny_model_dir: str) -> Path:
     catalog = {"models": [
         {"name": TINY_MODEL, "path": tiny_model_dir, "family": "llama", "parameters": 1_000_000, "offline": True,
-         "description": "random tiny Llama for tests"},
+         "description": "random tiny Llama for tests", "quantization_allowed": True},
         # In the catalogue but not on this machine: createRun must answer MODEL_UNAVAILABLE.
         {"name": "meta-llama/Llama-3.2-1B", "family": "llama", "parameters": 1_240_000_000},
     ]}
