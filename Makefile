@@ -56,6 +56,7 @@ bench: install
 	$(PY) bench/durability.py $(BENCH_ARGS)
 	$(PY) bench/memory.py $(BENCH_ARGS)
 	$(PY) bench/multigpu.py $(BENCH_ARGS)
+	$(PY) bench/quantization.py $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache
