@@ -35,6 +35,25 @@ class UTCDateTime(TypeDecorator[datetime]):
         return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
 
 
+class _WithoutNul(TypeDecorator[str]):
+    """Free text (model output, prompts, names) stored with NUL as U+FFFD on every backend: PostgreSQL's text
+    cannot hold NUL, and a byte-level tokenizer can sample one (SmolLM2's token 190 decodes to it)."""
+
+    impl = Text
+    cache_ok = True
+
+    def process_bind_param(self, value: str | None, dialect: Any) -> str | None:
+        return value.replace("\x00", "\ufffd") if value is not None else None
+
+
+class StoredText(_WithoutNul):
+    impl = Text
+
+
+class StoredString(_WithoutNul):
+    impl = String  # the migrations' VARCHAR(n), unchanged
+
+
 class Base(DeclarativeBase):
     type_annotation_map = {dict[str, Any]: JSON, list[Any]: JSON, datetime: UTCDateTime()}
 
@@ -47,7 +66,7 @@ class User(Base):
     __tablename__ = "users"
     id: Mapped[str] = mapped_column(USER_ID, primary_key=True, default=new_id)
     email: Mapped[str] = mapped_column(String(320), unique=True)
-    name: Mapped[str] = mapped_column(String(200), default="")
+    name: Mapped[str] = mapped_column(StoredString(200), default="")
     is_admin: Mapped[bool] = mapped_column(Boolean, default=False)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
@@ -56,7 +75,7 @@ class ApiKey(Base):
     __tablename__ = "api_keys"
     id: Mapped[str] = mapped_column(String(36), primary_key=True, default=new_id)
     user_id: Mapped[str] = mapped_column(USER_ID, ForeignKey("users.id", ondelete="CASCADE"), index=True)
-    name: Mapped[str] = mapped_column(String(200), default="")
+    name: Mapped[str] = mapped_column(StoredString(200), default="")
     prefix: Mapped[str] = mapped_column(String(16))
     key_hash: Mapped[str] = mapped_column(String(64), unique=True)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
@@ -90,7 +109,7 @@ class Metric(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
     step: Mapped[int] = mapped_column(Integer)
-    name: Mapped[str] = mapped_column(String(64))
+    name: Mapped[str] = mapped_column(StoredString(64))
     value: Mapped[float] = mapped_column(Float)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
@@ -100,8 +119,8 @@ class Sample(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
     step: Mapped[int] = mapped_column(Integer)
-    prompt: Mapped[str] = mapped_column(Text)
-    output: Mapped[str] = mapped_column(Text)
+    prompt: Mapped[str] = mapped_column(StoredText)
+    output: Mapped[str] = mapped_column(StoredText)
     params: Mapped[dict[str, Any]] = mapped_column(JSON)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
@@ -160,4 +179,4 @@ class BillingOutbox(Base):
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     sent_at: Mapped[datetime | None] = mapped_column(default=None, index=True)
     attempts: Mapped[int] = mapped_column(Integer, default=0)
-    last_error: Mapped[str] = mapped_column(Text, default="")
+    last_error: Mapped[str] = mapped_column(StoredText, default="")

@@ -202,3 +202,18 @@ def test_sdk_drives_the_same_server(live_server: LiveServer, key: str) -> None:
         assert result["loss"] == result.loss > 0
         assert run.optim_step().step == 1
         assert client.get_run(run.id).step == 1
+
+
+def test_a_sample_with_a_nul_character_is_answered_and_kept(live_server: LiveServer, key: str) -> None:
+    # SmolLM2's byte-level token 190 decodes to NUL, which PostgreSQL's text cannot hold: teach the run to emit it.
+    client = SignalClient(api_key=key, base_url=live_server.url)
+    run = client.create_run(lora_r=8, seed=1)
+    for _ in range(20):  # the tiny random model's logits are near flat: a few big steps move its argmax
+        run.forward_backward(batch=[{"input": "zero\x00", "output": "\x00" * 16}])
+        run.optim_step(learning_rate=0.2)
+    answer = run.sample(prompts=["zero\x00"], max_tokens=4, temperature=0.0)
+    output = answer.sequences[0][0].text
+    assert "\x00" in output  # the caller gets the model's text exactly
+    stored = run.samples()[0]
+    assert stored["prompt"] == "zero\ufffd"  # kept, with NUL shown as U+FFFD on every database
+    assert stored["output"] == output.replace("\x00", "\ufffd")
