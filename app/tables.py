@@ -39,7 +39,7 @@ class _WithoutNul(TypeDecorator[str]):
     """Free text (model output, prompts, names) stored with NUL as U+FFFD on every backend: PostgreSQL's text
     cannot hold NUL, and a byte-level tokenizer can sample one (SmolLM2's token 190 decodes to it)."""
 
-    impl = Text
+    impl: type[String] = Text
     cache_ok = True
 
     def process_bind_param(self, value: str | None, dialect: Any) -> str | None:
