@@ -48,10 +48,12 @@ class _WithoutNul(TypeDecorator[str]):
 
 class StoredText(_WithoutNul):
     impl = Text
+    cache_ok = True  # read from each class's own attributes, never inherited
 
 
 class StoredString(_WithoutNul):
     impl = String  # the migrations' VARCHAR(n), unchanged
+    cache_ok = True
 
 
 class Base(DeclarativeBase):
