@@ -44,6 +44,10 @@ def claim_stdout() -> IO[bytes]:
     return protocol
 
 
+# A server connects within moments of the runtime it spawned saying ready; one that never does has died.
+FIRST_CLIENT_SECONDS = 60.0
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m gpu_runtime.worker", description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--data-dir", required=True)
@@ -53,6 +57,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--socket", action="store_true", help="serve DATA_DIR/runtime.sock to many servers")
     parser.add_argument("--spawned", action="store_true", help="with --socket: started by a server; report "
                         "readiness on stdout, exit when the last client leaves")
+    parser.add_argument("--first-client-seconds", type=float, default=FIRST_CLIENT_SECONDS,
+                        help="with --spawned: exit if no client has connected by then (the server that started "
+                        "us died first)")
     return parser.parse_args(argv)
 
 
@@ -143,6 +150,7 @@ class SocketServer:
         self.connections: set[socket.socket] = set()
         self.lock = threading.Lock()
         self.stopped = False
+        self.ever_connected = False
 
     def start(self, engine: Any) -> None:
         threading.Thread(target=self._accept, args=(engine,), name="accept", daemon=True).start()
@@ -163,6 +171,13 @@ class SocketServer:
                 pass
         engine.scheduler.close()
 
+    def stop_if_never_used(self, engine: Any) -> None:
+        with self.lock:
+            never_used = not self.ever_connected
+        if never_used:
+            print(f"signal runtime: no server connected to {self.path}; exiting", file=sys.stderr, flush=True)
+            self.stop(engine)
+
     def _accept(self, engine: Any) -> None:
         while True:
             try:
@@ -170,7 +185,11 @@ class SocketServer:
             except OSError:
                 return  # stopped
             with self.lock:
+                if self.stopped:  # stopped for want of clients as this one arrived: it reconnects or respawns
+                    connection.close()
+                    return
                 self.connections.add(connection)
+                self.ever_connected = True
             threading.Thread(target=self._serve, args=(engine, connection), name="client", daemon=True).start()
 
     def _serve(self, engine: Any, connection: socket.socket) -> None:
@@ -221,12 +240,12 @@ def main(argv: list[str] | None = None) -> int:
         channel.send({"ready": True, "pid": os.getpid()})
         threading.Thread(target=read_stdin, args=(engine, channel), name="requests", daemon=True).start()
     else:
-        serve_socket(server, engine, protocol if args.spawned else None)
+        serve_socket(server, engine, protocol if args.spawned else None, args.first_client_seconds)
     engine.serve_forever()
     return 0
 
 
-def serve_socket(server: SocketServer, engine: Any, spawner: IO[bytes] | None) -> None:
+def serve_socket(server: SocketServer, engine: Any, spawner: IO[bytes] | None, first_client_seconds: float) -> None:
     """Greet clients from now on; SIGTERM and SIGINT stop the runtime between ticks, never inside one."""
     for signum in (signal.SIGTERM, signal.SIGINT):
         # In a thread: the handler runs on the engine's thread, which may hold the scheduler's lock.
@@ -235,6 +254,9 @@ def serve_socket(server: SocketServer, engine: Any, spawner: IO[bytes] | None) -
     if spawner is not None:
         spawner.write(encode({"ready": True, "pid": os.getpid()}))
         spawner.close()
+        timer = threading.Timer(first_client_seconds, server.stop_if_never_used, args=(engine,))
+        timer.daemon = True
+        timer.start()
     print(f"signal runtime: serving {server.path} (pid {os.getpid()})", file=sys.stderr, flush=True)
 
 

@@ -128,3 +128,20 @@ def test_library_output_never_reaches_the_protocol_channel(tmp_path: Path) -> No
     assert lines[0].startswith(b'{"ready":true')
     assert lines[1].startswith(b'{"id":1,"result":{')
     assert b"library chatter" in done.stderr and b"raw chatter" in done.stderr
+
+
+def test_a_spawned_runtime_no_server_connects_to_exits_by_itself(tmp_path: Path) -> None:
+    # The server that spawned it died between its "ready" and connecting: nothing else would ever stop it.
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    runtime = subprocess.Popen(
+        [sys.executable, "-m", "gpu_runtime.worker", "--data-dir", str(tmp_path), "--device", "cpu", "--socket",
+         "--spawned", "--first-client-seconds", "0.5"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+    )
+    assert runtime.stdout is not None
+    assert runtime.stdout.readline().startswith(b'{"ready":true')
+    assert (tmp_path / "runtime.sock").exists()
+    _, stderr = runtime.communicate(timeout=120)
+    assert runtime.returncode == 0, stderr.decode()
+    assert b"no server connected" in stderr
+    assert not (tmp_path / "runtime.sock").exists()
