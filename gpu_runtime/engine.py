@@ -153,13 +153,16 @@ class Engine:
             self.models = ModelRegistry(self.data_dir, self.device, self.dtype, allow_downloads=allow_downloads)
             self.pool = Pool(self.models, self.options)
         self.scheduler = Scheduler(self.options.tick_tokens)
-        self.after_sync = after_sync  # called once per tick after its journal fsyncs, before its answers (Modal commits)
+        # Called once per tick after its journal fsyncs, before its answers, and after snapshots written outside a
+        # tick's calls (evictions): Modal commits the Volume there.
+        self.after_sync = after_sync
         self.decode_groups: list[DecodeGroup] = []
         self.totals = Totals()
         self.last_tick = TickStats()
         self._owners: dict[str, str] = {}  # run → user, for fair turns
         self._uploads: set[threading.Thread] = set()  # Hub uploads in flight, each answering its save_state
         self._touched: set[str] = set()  # runs whose journal has records not yet fsync'd
+        self._snapshotted = False  # a snapshot was written since the last after_sync (Modal commits it then)
         self._handlers: dict[str, Callable[..., Any]] = {
             "create_run": self._create_run, "forward_backward": self._prepare_fb, "optim_step": self._optim_step,
             "sample": self._prepare_sample, "save_state": self._save_state, "load_run": self._run_info,
@@ -791,9 +794,10 @@ class Engine:
             state = self.pool.runs.get(run_id)
             if state is not None:
                 state.journal.sync()
-        if self._touched and self.after_sync is not None:
+        if (self._touched or self._snapshotted) and self.after_sync is not None:
             self.after_sync()
         self._touched = set()
+        self._snapshotted = False
 
     def _snapshot(self, state: RunState) -> None:
         state.journal.sync()  # a snapshot never covers records the journal could still lose
@@ -801,6 +805,7 @@ class Engine:
         state.write_snapshot(self.pool.bases[state.base_key].base.name, fault)
         state.prune_snapshots(self.options.keep_snapshots)
         self.totals.snapshots += 1
+        self._snapshotted = True
 
     def _evict(self, state: RunState, count: bool = True) -> None:
         if state.changed_since_snapshot or state.pending_calls:
@@ -813,6 +818,8 @@ class Engine:
         decoding = {run_id for group in self.decode_groups for run_id in group.run_ids}
         for state in self.pool.over_budget(keep=lambda r: r in decoding or self.scheduler.is_queued(r)):
             self._evict(state)
+        if self._snapshotted:
+            self._sync_journals()  # eviction snapshots are committed as they are written, not at the next tick
         self.pool.unload_idle_bases()
         if self.ranks is not None:
             self.ranks.keepalive()

@@ -10,8 +10,9 @@ The server looks the class up by name, picks the pool's GPU with `with_options(g
 This is a thin shell. The container's engine thread runs ticks (`serve_forever`), the methods (sync:
 under `@modal.concurrent` Modal runs them in threads) submit to it and wait, and the Volume is
 committed once per tick, after the journal fsyncs and before any answer of that tick goes out: an
-acknowledged forward_backward or optim_step is on the Volume. Calls that write files the journal does
-not cover (create_run, save_state, close_run, delete_run) commit before they answer.
+acknowledged forward_backward or optim_step is on the Volume. Snapshots an eviction writes between calls
+are committed at once. Calls that write files the journal does not cover (create_run, save_state,
+close_run, delete_run) commit before they answer.
 
 Offline (`modal.is_local()`: tests run the class through `.local()`, with no Volume and no credentials)
 a commit only records what it covers, so a test can check that every acknowledged record was committed

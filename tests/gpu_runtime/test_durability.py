@@ -155,6 +155,19 @@ def test_eviction_then_reload_gives_identical_weights_and_optimizer(
     assert_same(capture(engine, "b"), reference.after[1])  # and "b" reloads as it was left
 
 
+def test_an_eviction_snapshot_is_synced_as_it_is_written(tmp_path: Path, tiny_model_dir: str) -> None:
+    # On Modal, after_sync commits the Volume: an eviction's snapshot must not wait for the next call's tick.
+    synced: list[int] = []  # the snapshots written by each after_sync
+    engine = Engine(tmp_path, device="cpu", options=RuntimeOptions(resident_runs=1),
+                    after_sync=lambda: synced.append(engine.totals.snapshots))
+    create(engine, "a", tiny_model_dir)
+    do(engine, "a", 0)  # a forward_backward: "a" holds pending gradients, and no snapshot yet
+    assert engine.totals.snapshots == 0
+    create(engine, "b", tiny_model_dir)  # one resident run allowed: "a" is evicted after this call's answer
+    assert engine.totals.evictions == 1 and engine.totals.snapshots == 1
+    assert synced[-1] == 1  # synced after the eviction's snapshot, with no call since
+
+
 # ---- kill -9 of the worker -------------------------------------------------------------------
 
 # failpoint → the index in CALLS of the call the worker dies in (a snapshot is due at step 2).
