@@ -60,6 +60,9 @@ class Base(DeclarativeBase):
     type_annotation_map = {dict[str, Any]: JSON, list[Any]: JSON, datetime: UTCDateTime()}
 
 
+NAME_LENGTH = 200  # users' and API keys' display names
+NEXT_PATH_LENGTH = 500  # where a sign-in returns to
+
 # 36 characters: every id is a dashed UUID; a Supabase user id is used as the Signal user id as it is.
 USER_ID = String(36)
 
@@ -68,7 +71,7 @@ class User(Base):
     __tablename__ = "users"
     id: Mapped[str] = mapped_column(USER_ID, primary_key=True, default=new_id)
     email: Mapped[str] = mapped_column(String(320), unique=True)
-    name: Mapped[str] = mapped_column(StoredString(200), default="")
+    name: Mapped[str] = mapped_column(StoredString(NAME_LENGTH), default="")
     is_admin: Mapped[bool] = mapped_column(Boolean, default=False)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
@@ -77,7 +80,7 @@ class ApiKey(Base):
     __tablename__ = "api_keys"
     id: Mapped[str] = mapped_column(String(36), primary_key=True, default=new_id)
     user_id: Mapped[str] = mapped_column(USER_ID, ForeignKey("users.id", ondelete="CASCADE"), index=True)
-    name: Mapped[str] = mapped_column(StoredString(200), default="")
+    name: Mapped[str] = mapped_column(StoredString(NAME_LENGTH), default="")
     prefix: Mapped[str] = mapped_column(String(16))
     key_hash: Mapped[str] = mapped_column(String(64), unique=True)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
@@ -157,7 +160,7 @@ class LoginAttempt(Base):
     __tablename__ = "login_attempts"
     state: Mapped[str] = mapped_column(String(64), primary_key=True)
     code_verifier: Mapped[str] = mapped_column(String(200))
-    next_path: Mapped[str] = mapped_column(String(500), default="/")
+    next_path: Mapped[str] = mapped_column(String(NEXT_PATH_LENGTH), default="/")
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     expires_at: Mapped[datetime] = mapped_column()
     used_at: Mapped[datetime | None] = mapped_column(default=None)

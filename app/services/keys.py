@@ -9,7 +9,7 @@ from sqlalchemy import select
 from app.db import Database
 from app.errors import BadInput, NotFound, Unauthenticated
 from app.security import display_prefix, generate_api_key, hash_api_key
-from app.tables import ApiKey, User, utcnow
+from app.tables import NAME_LENGTH, ApiKey, User, utcnow
 
 # Writing last_used_at on every request would turn every read into a write.
 LAST_USED_RESOLUTION = timedelta(minutes=1)
@@ -21,8 +21,8 @@ class KeyService:
 
     async def create(self, user: User, name: str = "") -> tuple[str, ApiKey]:
         name = name.strip()
-        if len(name) > 200:
-            raise BadInput("name must be at most 200 characters", field="name")
+        if len(name) > NAME_LENGTH:
+            raise BadInput(f"name must be at most {NAME_LENGTH} characters", field="name")
         secret = generate_api_key()
         key = ApiKey(user_id=user.id, name=name or "default", prefix=display_prefix(secret), key_hash=hash_api_key(secret))
         async with self.db.session() as session:

@@ -22,7 +22,7 @@ from app.db import Database
 from app.errors import Unauthenticated
 from app.services.supabase_tokens import SupabaseTokenVerifier
 from app.services.users import UserService
-from app.tables import LoginAttempt, User, utcnow
+from app.tables import NEXT_PATH_LENGTH, LoginAttempt, User, utcnow
 
 ATTEMPT_TTL = timedelta(minutes=10)
 STORAGE_KEY = "signal.login"
@@ -107,4 +107,6 @@ def _with_state(callback_url: str, state: str) -> str:
 
 def _safe_next(path: str) -> str:
     # Only paths on this site: an open redirect after sign-in would hand a phishing page our credibility.
-    return path if path.startswith("/") and not path.startswith("//") else "/"
+    on_site = path.startswith("/") and not path.startswith("//")
+    # And one the column holds: PostgreSQL refuses NUL and over-long text where SQLite would not.
+    return path if on_site and len(path) <= NEXT_PATH_LENGTH and path.isprintable() else "/"

@@ -7,7 +7,7 @@ from sqlalchemy.exc import IntegrityError
 
 from app.db import Database
 from app.errors import Unauthenticated
-from app.tables import User
+from app.tables import NAME_LENGTH, User
 
 
 class UserService:
@@ -21,7 +21,7 @@ class UserService:
             return existing, False
         try:
             async with self.db.session() as session:
-                user = User(email=email, name=name or email.split("@")[0], is_admin=is_admin)
+                user = User(email=email, name=_display_name(name, email), is_admin=is_admin)
                 session.add(user)
         except IntegrityError:
             # Created by a concurrent request between our look-up and insert: that one is ours too.
@@ -61,8 +61,13 @@ class UserService:
             if user is None:
                 if not email:
                     raise Unauthenticated("the sign-in carried no email")
-                user = User(id=user_id, email=email, name=name or email.split("@")[0], is_admin=make_admin)
+                user = User(id=user_id, email=email, name=_display_name(name, email), is_admin=make_admin)
                 session.add(user)
             elif make_admin and not user.is_admin:
                 user.is_admin = True
             return user
+
+
+def _display_name(name: str, email: str) -> str:
+    # An identity provider's full name can be any length; the column holds NAME_LENGTH (PostgreSQL enforces it).
+    return (name.strip() or email.split("@")[0])[:NAME_LENGTH]

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterator
 
 import httpx
@@ -10,7 +11,7 @@ import pytest
 from sqlalchemy import update
 
 from app.db import Database
-from app.tables import LoginAttempt
+from app.tables import NAME_LENGTH, LoginAttempt
 from tests.helpers.live_server import LiveServer, settings_for
 from tests.web.conftest import csrf_of, run_async
 from tests.web.supabase_standin import SupabaseStandIn
@@ -33,12 +34,12 @@ def server(standin: SupabaseStandIn, tiny_model_dir: str, tmp_path_factory: pyte
     server.stop()
 
 
-def start_login(server: LiveServer) -> tuple[httpx.Client, str]:
+def start_login(server: LiveServer, next_path: str = "/keys") -> tuple[httpx.Client, str]:
     """A browser-like client that pressed "Sign in with Google"; returns it and the authorize URL."""
     client = httpx.Client(base_url=server.url, timeout=60)
     login = client.get("/login")
     assert "Sign in with Google" in login.text
-    started = client.post("/auth/google", data={"next": "/keys"},
+    started = client.post("/auth/google", data={"next": next_path},
                           headers={"X-CSRF-Token": csrf_of(login.text), "HX-Request": "true"})
     assert started.status_code == 204
     return client, started.headers["hx-redirect"]
@@ -109,6 +110,35 @@ def test_bad_tokens_are_refused(server: LiveServer, standin: SupabaseStandIn, be
     response = client.get(callback_of(authorize))
     assert response.status_code == 401 and why in response.text.lower()
     assert client.get("/keys").status_code == 303
+
+
+@pytest.mark.parametrize("next_path", ["/runs/" + "a" * 600, "/runs\x00/keys"], ids=["over-long", "nul"])
+def test_a_next_path_the_database_cannot_hold_returns_home(server: LiveServer, next_path: str) -> None:
+    # PostgreSQL refuses both in login_attempts.next_path (SQLite would keep them): sign-in must still work.
+    client, authorize = start_login(server, next_path)
+    done = client.get(callback_of(authorize))
+    assert done.status_code == 303 and done.headers["location"] == "/"
+
+
+def test_a_full_name_longer_than_the_column_is_shortened(server: LiveServer, standin: SupabaseStandIn) -> None:
+    client, authorize = start_login(server)
+    standin.next_token = {"sub": str(uuid.uuid4()), "email": "long-name@example.com",
+                          "user_metadata": {"full_name": "N" * 300, "email_verified": True}}
+    done = client.get(callback_of(authorize))
+    assert done.status_code == 303 and done.headers["location"] == "/keys"
+    assert run_async(_user_name(server, "long-name@example.com")) == "N" * NAME_LENGTH
+
+
+async def _user_name(server: LiveServer, email: str) -> str:
+    from app.services.users import UserService
+
+    db = Database(server.settings.resolved_database_url)
+    try:
+        user = await UserService(db).find(email)
+        assert user is not None
+        return user.name
+    finally:
+        await db.dispose()
 
 
 async def _user_id(server: LiveServer, email: str) -> str:
