@@ -60,6 +60,7 @@ class Base(DeclarativeBase):
     type_annotation_map = {dict[str, Any]: JSON, list[Any]: JSON, datetime: UTCDateTime()}
 
 
+EMAIL_LENGTH = 320  # an address's most: 64 local + @ + 255 domain
 NAME_LENGTH = 200  # users' and API keys' display names
 NEXT_PATH_LENGTH = 500  # where a sign-in returns to
 
@@ -70,7 +71,7 @@ USER_ID = String(36)
 class User(Base):
     __tablename__ = "users"
     id: Mapped[str] = mapped_column(USER_ID, primary_key=True, default=new_id)
-    email: Mapped[str] = mapped_column(String(320), unique=True)
+    email: Mapped[str] = mapped_column(String(EMAIL_LENGTH), unique=True)
     name: Mapped[str] = mapped_column(StoredString(NAME_LENGTH), default="")
     is_admin: Mapped[bool] = mapped_column(Boolean, default=False)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)

@@ -6,8 +6,8 @@ from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
 
 from app.db import Database
-from app.errors import Unauthenticated
-from app.tables import NAME_LENGTH, User
+from app.errors import BadInput, Unauthenticated
+from app.tables import EMAIL_LENGTH, NAME_LENGTH, User
 
 
 class UserService:
@@ -16,6 +16,8 @@ class UserService:
 
     async def get_or_create(self, email: str, name: str = "", is_admin: bool = False) -> tuple[User, bool]:
         email = email.strip().lower()
+        if len(email) > EMAIL_LENGTH:
+            raise BadInput(f"email must be at most {EMAIL_LENGTH} characters", field="email")
         existing = await self.find(email)
         if existing is not None:
             return existing, False

@@ -49,6 +49,9 @@ def test_keys_create_list_revoke(tmp_path: Path) -> None:
     missing = run_cli(env, "keys", "revoke", "sk-nothing", "--user", "ada@example.com")
     assert missing.returncode == 1 and "no single key" in missing.stderr
 
+    too_long = run_cli(env, "keys", "create", "--user", "a" * 320 + "@example.com")
+    assert too_long.returncode == 1 and "email must be at most 320 characters" in too_long.stderr
+
 
 def test_models_lists_the_catalogue(tmp_path: Path) -> None:
     result = run_cli(cli_env(tmp_path), "models")
