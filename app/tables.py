@@ -20,6 +20,11 @@ def new_id() -> str:
     return str(uuid.uuid4())
 
 
+def could_be_id(value: str) -> bool:
+    # What a caller sends as an id: anything else is no row, never a query (PostgreSQL refuses NUL in a parameter).
+    return 0 < len(value) <= 36 and value.isprintable()
+
+
 class UTCDateTime(TypeDecorator[datetime]):
     """Timezone-aware UTC on every backend: SQLite drops the zone that PostgreSQL keeps."""
 

@@ -9,7 +9,7 @@ from sqlalchemy import select
 from app.db import Database
 from app.errors import BadInput, NotFound, Unauthenticated
 from app.security import display_prefix, generate_api_key, hash_api_key
-from app.tables import NAME_LENGTH, ApiKey, User, utcnow
+from app.tables import NAME_LENGTH, ApiKey, User, could_be_id, utcnow
 
 # Writing last_used_at on every request would turn every read into a write.
 LAST_USED_RESOLUTION = timedelta(minutes=1)
@@ -38,7 +38,7 @@ class KeyService:
 
     async def revoke(self, user: User, key_id: str) -> ApiKey:
         async with self.db.session() as session:
-            key = await session.get(ApiKey, key_id)
+            key = await session.get(ApiKey, key_id) if could_be_id(key_id) else None
             if key is None or key.user_id != user.id:
                 raise NotFound(f"API key {key_id!r} not found", field="id")
             if key.revoked_at is None:

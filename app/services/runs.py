@@ -27,7 +27,7 @@ from app.db import Database
 from app.errors import BadInput, Forbidden, RunNotFound
 from app.events import MetricFeed
 from app.services.billing import BillingClient
-from app.tables import BillingOutbox, Checkpoint, Metric, Run, Sample, User, new_id, utcnow
+from app.tables import BillingOutbox, Checkpoint, Metric, Run, Sample, User, could_be_id, new_id, utcnow
 from gpu_runtime.allocation import parse_gpu_config, pool_key, require_single_gpu, smallest_single_gpu
 from gpu_runtime.contract import ADAM_DEFAULTS, LORA_DEFAULTS, adam_settings, lora_settings
 
@@ -110,7 +110,7 @@ class RunService:
 
     async def get(self, user: User, run_id: str) -> Run:
         async with self.db.session() as session:
-            run = await session.get(Run, run_id)
+            run = await session.get(Run, run_id) if could_be_id(run_id) else None
         if run is None or run.user_id != user.id:
             raise RunNotFound(f"run {run_id!r} not found", field="runId")
         return run

@@ -64,6 +64,9 @@ def test_one_user_cannot_revoke_anothers_key(live_server: LiveServer, key: str) 
     assert error_code(body) == "NOT_FOUND"
     assert "errors" not in live_server.graphql(ME, key=other)
     assert all(k["id"] != other_key_id for k in live_server.graphql("{ apiKeys { id } }", key=key)["data"]["apiKeys"])
+    # An id no key could have (PostgreSQL refuses NUL in a parameter) is NOT_FOUND too, never INTERNAL.
+    nul = live_server.graphql("mutation($id: ID!) { revokeApiKey(id: $id) { id } }", {"id": "k\x00"}, key=key)
+    assert error_code(nul) == "NOT_FOUND", nul
 
 
 def test_query_limits_refuse_deep_and_aliased_documents(live_server: LiveServer, key: str) -> None:

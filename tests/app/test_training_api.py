@@ -194,6 +194,14 @@ def test_another_users_run_is_not_found_for_every_operation(live_server: LiveSer
     assert live_server.graphql('query($id: ID!) { run(id: $id) { step } }', {"id": run_id}, key=key)["data"]["run"]["step"] == 0
 
 
+@pytest.mark.parametrize("run_id", ["a\x00b", "x" * 100], ids=["nul", "over-long"])
+def test_an_id_no_run_could_have_is_not_found(live_server: LiveServer, key: str, run_id: str) -> None:
+    # PostgreSQL refuses NUL in a query parameter: such an id must be NOT_FOUND on every database, never INTERNAL.
+    body = live_server.graphql('query($id: ID!) { run(id: $id) { id } }', {"id": run_id}, key=key)
+    assert error_code(body) == "NOT_FOUND", body
+    assert error_code(live_server.graphql(OPT, {"id": run_id}, key=key)) == "NOT_FOUND"
+
+
 def test_sdk_drives_the_same_server(live_server: LiveServer, key: str) -> None:
     with SignalClient(api_key=key, base_url=live_server.url) as client:
         assert "tiny-llama" in client.list_models()
