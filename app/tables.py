@@ -15,6 +15,9 @@ def utcnow() -> datetime:
     return datetime.now(UTC)
 
 
+ID_LENGTH = 36  # a dashed UUID
+
+
 def new_id() -> str:
     # A dashed UUID (36 characters): the text form of Supabase's user ids, which RLS compares with auth.uid()::text.
     return str(uuid.uuid4())
@@ -22,7 +25,7 @@ def new_id() -> str:
 
 def could_be_id(value: str) -> bool:
     # What a caller sends as an id: anything else is no row, never a query (PostgreSQL refuses NUL in a parameter).
-    return 0 < len(value) <= 36 and value.isprintable()
+    return 0 < len(value) <= ID_LENGTH and value.isprintable()
 
 
 class UTCDateTime(TypeDecorator[datetime]):
@@ -40,7 +43,7 @@ class UTCDateTime(TypeDecorator[datetime]):
         return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
 
 
-class _WithoutNul(TypeDecorator[str]):
+class StoredText(TypeDecorator[str]):
     """Free text (model output, prompts, names) stored with NUL as U+FFFD on every backend: PostgreSQL's text
     cannot hold NUL, and a byte-level tokenizer can sample one (SmolLM2's token 190 decodes to it)."""
 
@@ -51,14 +54,9 @@ class _WithoutNul(TypeDecorator[str]):
         return value.replace("\x00", "\ufffd") if value is not None else None
 
 
-class StoredText(_WithoutNul):
-    impl = Text
-    cache_ok = True  # read from each class's own attributes, never inherited
-
-
-class StoredString(_WithoutNul):
+class StoredString(StoredText):
     impl = String  # the migrations' VARCHAR(n), unchanged
-    cache_ok = True
+    cache_ok = True  # read from each class's own attributes, never inherited
 
 
 class Base(DeclarativeBase):
@@ -70,7 +68,7 @@ NAME_LENGTH = 200  # users' and API keys' display names
 NEXT_PATH_LENGTH = 500  # where a sign-in returns to
 
 # 36 characters: every id is a dashed UUID; a Supabase user id is used as the Signal user id as it is.
-USER_ID = String(36)
+USER_ID = String(ID_LENGTH)
 
 
 class User(Base):
@@ -84,7 +82,7 @@ class User(Base):
 
 class ApiKey(Base):
     __tablename__ = "api_keys"
-    id: Mapped[str] = mapped_column(String(36), primary_key=True, default=new_id)
+    id: Mapped[str] = mapped_column(String(ID_LENGTH), primary_key=True, default=new_id)
     user_id: Mapped[str] = mapped_column(USER_ID, ForeignKey("users.id", ondelete="CASCADE"), index=True)
     name: Mapped[str] = mapped_column(StoredString(NAME_LENGTH), default="")
     prefix: Mapped[str] = mapped_column(String(16))
@@ -96,7 +94,7 @@ class ApiKey(Base):
 
 class Run(Base):
     __tablename__ = "runs"
-    id: Mapped[str] = mapped_column(String(36), primary_key=True, default=new_id)
+    id: Mapped[str] = mapped_column(String(ID_LENGTH), primary_key=True, default=new_id)
     user_id: Mapped[str] = mapped_column(USER_ID, ForeignKey("users.id", ondelete="CASCADE"), index=True)
     base_model: Mapped[str] = mapped_column(String(300))
     lora_config: Mapped[dict[str, Any]] = mapped_column(JSON)
@@ -120,7 +118,7 @@ class Metric(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
     step: Mapped[int] = mapped_column(Integer)
-    name: Mapped[str] = mapped_column(StoredString(64))
+    name: Mapped[str] = mapped_column(String(64))
     value: Mapped[float] = mapped_column(Float)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
@@ -180,7 +178,7 @@ class BillingOutbox(Base):
     __tablename__ = "billing_outbox"
     idempotency_key: Mapped[str] = mapped_column(String(200), primary_key=True)
     user_id: Mapped[str] = mapped_column(USER_ID, index=True)
-    run_id: Mapped[str] = mapped_column(String(36))
+    run_id: Mapped[str] = mapped_column(String(ID_LENGTH))
     operation: Mapped[str] = mapped_column(String(32))
     compute_seconds: Mapped[float] = mapped_column(Float)
     gpu_type: Mapped[str] = mapped_column(String(40))

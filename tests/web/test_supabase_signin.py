@@ -11,7 +11,7 @@ import pytest
 from sqlalchemy import update
 
 from app.db import Database
-from app.tables import NAME_LENGTH, LoginAttempt
+from app.tables import NAME_LENGTH, LoginAttempt, User
 from tests.helpers.live_server import LiveServer, settings_for
 from tests.web.conftest import csrf_of, run_async
 from tests.web.supabase_standin import SupabaseStandIn
@@ -60,7 +60,7 @@ def test_google_sign_in_makes_the_supabase_user_a_signal_user(server: LiveServer
     keys = client.get("/keys")
     assert keys.status_code == 200 and "google-user@example.com" in keys.text
     assert client.get("/admin").status_code == 200  # listed in SIGNAL_ADMIN_EMAILS
-    me = run_async(_user_id(server, "google-user@example.com"))
+    me = run_async(_stored_user(server, "google-user@example.com")).id
     assert me == standin.user_id and len(me) == 36  # the Supabase UUID is the Signal user id
 
 
@@ -126,29 +126,17 @@ def test_a_full_name_longer_than_the_column_is_shortened(server: LiveServer, sta
                           "user_metadata": {"full_name": "N" * 300, "email_verified": True}}
     done = client.get(callback_of(authorize))
     assert done.status_code == 303 and done.headers["location"] == "/keys"
-    assert run_async(_user_name(server, "long-name@example.com")) == "N" * NAME_LENGTH
+    assert run_async(_stored_user(server, "long-name@example.com")).name == "N" * NAME_LENGTH
 
 
-async def _user_name(server: LiveServer, email: str) -> str:
+async def _stored_user(server: LiveServer, email: str) -> User:
     from app.services.users import UserService
 
     db = Database(server.settings.resolved_database_url)
     try:
         user = await UserService(db).find(email)
         assert user is not None
-        return user.name
-    finally:
-        await db.dispose()
-
-
-async def _user_id(server: LiveServer, email: str) -> str:
-    from app.services.users import UserService
-
-    db = Database(server.settings.resolved_database_url)
-    try:
-        user = await UserService(db).find(email)
-        assert user is not None
-        return user.id
+        return user
     finally:
         await db.dispose()
 
