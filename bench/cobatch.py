@@ -76,7 +76,7 @@ def main() -> None:
         for i in range(RUNS):
             engine.create_run(cobatch_runs[i], f"user-{i}", args.model, lora, seed=i)
             engine.create_run(sequential_runs[i], f"user-{i}", args.model, lora, seed=i)
-        tokenizer = engine.pool.bases[args.model].base.tokenizer
+        tokenizer = engine.residency.bases[args.model].base.tokenizer
         lengths = [len(tokenizer(e["text"])["input_ids"]) for e in examples]
         adam = dict(ADAM_DEFAULTS)
 

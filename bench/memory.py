@@ -85,7 +85,7 @@ def child_a(args: argparse.Namespace) -> dict[str, Any]:
 
     engine = Engine(args.child_data_dir, device=args.device)
     rss_start = proc_status()["VmRSS"]
-    engine.pool.base(args.model)
+    engine.residency.base(args.model)
     rss_base = proc_status()["VmRSS"]  # the weights may still be mapped, not paged in, until the first pass
     lora = {"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"]}
     run_ids = [f"run-{i}" for i in range(args.child_runs)]
@@ -108,7 +108,7 @@ def child_b(args: argparse.Namespace) -> dict[str, Any]:
     seen = {"max_bytes": 0, "max_runs": 0, "ticks": 0, "over_budget_ticks": 0}
 
     def after_tick() -> None:
-        resident, runs = engine.pool.resident_bytes(), len(engine.pool.runs)
+        resident, runs = engine.residency.resident_bytes(), len(engine.residency.runs)
         seen["max_bytes"] = max(seen["max_bytes"], resident)
         seen["max_runs"] = max(seen["max_runs"], runs)
         seen["ticks"] += 1

@@ -66,8 +66,8 @@ def compare(label: str, model: str, data_dir: Path, device: str, rounds: int) ->
                 log(f"{model}: round {round_number}{' (warm-up)' if not round_number else ''}: {name} {elapsed:.3f} s")
         two = engines["2_ranks"]
         assert two.ranks is not None
-        ranks = two.ranks.report(two.pool)
-        one = describe_rank(0, engines["1_rank"].pool)
+        ranks = two.ranks.report(two.residency)
+        one = describe_rank(0, engines["1_rank"].residency)
     finally:
         for engine in engines.values():
             engine.shutdown()

@@ -81,7 +81,7 @@ def main() -> None:
         engine = Engine(data_dir, device=args.device)
         sizes = {}
         for kind in KINDS:
-            sizes[str(kind)] = base_bytes(engine.pool.base(args.model, kind).model)
+            sizes[str(kind)] = base_bytes(engine.residency.base(args.model, kind).model)
             log(f"{kind or 'full precision'}: base {sizes[str(kind)] / 2**20:.1f} MiB")
         per_kind: dict[str, dict[str, list[float]]] = {str(k): {"losses": [], "seconds": []} for k in KINDS}
         for round_ in range(args.rounds):

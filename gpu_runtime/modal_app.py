@@ -100,7 +100,7 @@ class VolumeCommits:
 
     def commit(self) -> None:
         with self._committing:
-            runs = dict(self.engine.pool.runs) if self.engine is not None else {}
+            runs = dict(self.engine.residency.runs) if self.engine is not None else {}
             covered = {run_id: state.seq for run_id, state in runs.items()}  # on disk, fsync'd, as the commit begins
             if not self.offline:
                 volume.commit()
@@ -172,7 +172,7 @@ class Pool:
         # there). Best effort: a base that fails here fails its first call too, with a typed error the caller sees.
         base = self.pool.split("|")[0]
         try:
-            self.engine.pool.base(base)
+            self.engine.residency.base(base)
         except Exception as exc:  # noqa: BLE001
             print(f"pool {self.pool}: base {base!r} did not load at start: {type(exc).__name__}: {exc}", file=sys.stderr)
 

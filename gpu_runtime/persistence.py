@@ -13,16 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from gpu_runtime.errors import BadInput
-
-_SAFE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
-
-
-def check_id(value: Any, field: str) -> str:
-    # Ids become directory names, so nothing that could climb out of runs/.
-    if not isinstance(value, str) or not _SAFE_ID.match(value) or ".." in value:
-        raise BadInput(f"{field} must be 1-128 characters of letters, digits, '_', '-', '.', got {value!r}", field=field)
-    return value
+from gpu_runtime.contract.settings import check_id as check_id  # the rule lives in the contract
 
 
 def write_json(path: Path, data: Any) -> None:

@@ -1,9 +1,12 @@
-"""A pool: the bases this runtime holds and the runs resident on them, within a memory budget.
+"""Residency: the bases this runtime holds and the runs resident on them, within a memory budget.
+
+(A *pool* is the whole runtime for one pool key, a process or a Modal container; `Residency` is what it
+holds in memory. The deployed Modal class keeps the name `Pool`.)
 
 Each base is loaded once; its targeted Linear layers are wrapped by `MultiLoraLinear` as runs ask
 for them, and every resident run's matrices hang off those layers. Runs are kept in least recently
 used order; past the budget (bytes of LoRA + AdamW + gradients, or a count) the oldest idle ones
-are handed back to the engine to snapshot and evict. A base with no resident runs is unloaded
+are handed to the eviction (gpu_runtime/recovery.py) to snapshot and free. A base with no resident runs is unloaded
 after an idle time.
 """
 
@@ -44,7 +47,7 @@ class BaseEntry:
         return self.base.model
 
 
-class Pool:
+class Residency:
     def __init__(self, models: ModelRegistry, options: RuntimeOptions) -> None:
         self.models = models
         self.options = options

@@ -45,10 +45,10 @@ import torch.distributed as dist
 
 from gpu_runtime.contract import RuntimeOptions
 from gpu_runtime.errors import BadInput, SignalError, WorkerFailed
-from gpu_runtime.pool import BaseEntry, Pool
+from gpu_runtime.pool import BaseEntry, Residency
 from gpu_runtime.quantization import base_key
 from gpu_runtime.run_state import RunState
-from gpu_runtime.sharding import PassPlan, RankShard, ShardedPool, ShardedRegistry, local_param_bytes, split_rows
+from gpu_runtime.sharding import PassPlan, RankShard, ShardedRegistry, ShardedResidency, local_param_bytes, split_rows
 from gpu_runtime.training import Outcome, PassPart, adamw_step, forward_backward_pass
 
 RANK_FAULTS = ("rank_dies", "rank_hangs")
@@ -251,7 +251,7 @@ class RankGroup:
 
         model.register_forward_pre_hook(mirror, prepend=True)
 
-    def report(self, pool: Pool) -> list[dict[str, Any]]:
+    def report(self, pool: Residency) -> list[dict[str, Any]]:
         """What each rank holds: its shard of each base, and the LoRA and AdamW bytes of the runs it replicates."""
         self.send("report")
         gathered: list[Any] = [None] * self.world
@@ -275,7 +275,7 @@ class RankGroup:
                 "failed": self.failed, "timeout_seconds": self.timeout, "last_pass": self.last_pass}
 
 
-def describe_rank(rank: int, pool: Pool) -> dict[str, Any]:
+def describe_rank(rank: int, pool: Residency) -> dict[str, Any]:
     lora = sum(p.numel() * p.element_size() for state in pool.runs.values() for p in state.parameters())
     optimizer = sum(t.numel() * t.element_size() for state in pool.runs.values()
                     for moments in state.optimizer.state.values() for t in moments.values()
@@ -296,7 +296,7 @@ class Follower:
                  options: RuntimeOptions, faults: set[str], allow_downloads: bool) -> None:
         self.rank, self.world, self.device, self.data_dir = rank, world, device, data_dir
         self.models = ShardedRegistry(data_dir, device, dtype, rank, world, allow_downloads=allow_downloads)
-        self.pool = ShardedPool(self.models, options)
+        self.pool = ShardedResidency(self.models, options)
         self.faults = faults
         self.backups: dict[str, list[torch.Tensor | None]] = {}  # a split call's gradients from before it
 

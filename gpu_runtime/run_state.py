@@ -48,6 +48,22 @@ def peft_name(path: str, matrix: str) -> str:
 
 
 @dataclass
+class PendingGrads:
+    """Gradients summed in .grad since the last optim_step: what they are divided by, and what they came from."""
+
+    normaliser: float = 0.0  # the sum the losses are normalised by (weighted target tokens, over every call)
+    calls: int = 0  # forward_backward calls summed in
+    tokens: int = 0  # their target tokens
+    batches: list[dict[str, Any]] = field(default_factory=list)  # each call's hash and size, for the manifest
+
+    def add(self, normaliser: float, tokens: int, batch: dict[str, Any]) -> None:
+        self.normaliser += normaliser
+        self.calls += 1
+        self.tokens += tokens
+        self.batches.append(batch)
+
+
+@dataclass
 class RunState:
     run_id: str
     user_id: str
@@ -59,11 +75,7 @@ class RunState:
     journal: Journal
     step: int = 0
     seq: int = 0  # journal records applied
-    # Gradients summed since the last optim_step, and what they must be divided by.
-    pending_normaliser: float = 0.0
-    pending_calls: int = 0
-    pending_tokens: int = 0
-    pending_batches: list[dict[str, Any]] = field(default_factory=list)
+    pending: PendingGrads = field(default_factory=lambda: PendingGrads())
     answered: OrderedDict[str, dict[str, Any]] = field(default_factory=OrderedDict)  # request id → result
     sampled: OrderedDict[str, dict[str, Any]] = field(default_factory=OrderedDict)  # request id → sample result
     snapshot_step: int = -1
@@ -97,8 +109,7 @@ class RunState:
         return list(self.named_parameters().values())
 
     def clear_pending(self) -> None:
-        self.pending_normaliser, self.pending_calls, self.pending_tokens = 0.0, 0, 0
-        self.pending_batches = []
+        self.pending = PendingGrads()
 
     def remember(self, request_id: str | None, result: dict[str, Any]) -> None:
         if request_id:
@@ -171,15 +182,15 @@ class RunState:
                 os.kill(os.getpid(), signal.SIGKILL)  # failpoint for the crash tests: a half-written snapshot
             torch.save({"param_names": list(self.named_parameters()), "optimizer": self.optimizer.state_dict()},
                        tmp / OPTIMIZER_FILE)
-            pending = self.pending_calls > 0
+            pending = self.pending.calls > 0
             if pending:
                 grads = {name: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().cpu().contiguous()
                          for name, p in self.named_parameters().items()}
                 save_file(grads, str(tmp / PENDING_FILE))
             write_json(tmp / SNAPSHOT_FILE, {
                 "format": SNAPSHOT_FORMAT, "step": self.step, "seq": self.seq, "pending_included": pending,
-                "pending": {"normaliser": self.pending_normaliser, "calls": self.pending_calls,
-                            "tokens": self.pending_tokens, "batches": self.pending_batches},
+                "pending": {"normaliser": self.pending.normaliser, "calls": self.pending.calls,
+                            "tokens": self.pending.tokens, "batches": self.pending.batches},
                 "answered": list(self.answered.items())[-256:], "created_at": time.time(),
             })
             _fsync_tree(tmp)
@@ -210,8 +221,7 @@ class RunState:
             for name, param in self.named_parameters().items():
                 param.grad = grads[name].clone()
         pending = meta["pending"]
-        self.pending_normaliser, self.pending_calls = pending["normaliser"], pending["calls"]
-        self.pending_tokens, self.pending_batches = pending["tokens"], pending["batches"]
+        self.pending = PendingGrads(pending["normaliser"], pending["calls"], pending["tokens"], pending["batches"])
         self.answered = OrderedDict((k, v) for k, v in meta.get("answered", []))
         self.step, self.seq = meta["step"], meta["seq"]
         self.snapshot_step, self.snapshot_seq = self.step, self.seq

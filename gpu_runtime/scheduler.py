@@ -19,7 +19,8 @@
   continue next tick. Calls that cost no tokens (optim_step, save_state, starting a sample)
   ride along.
 
-No torch here: what a request costs is asked of the engine through `cost`.
+No torch here, and no engine state: the engine prices the heads before the tick (`cost` is a plain lookup:
+tokens, 0, or None for a head not ready this tick) and nothing is answered from inside the planner.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ MIN_SHARE_TOKENS = 64  # a tick takes at most tick_tokens / 64 forward_backward 
 SYSTEM = "__system__"  # the lane of calls on no run (ping, runtime_state): answered at the next tick, first
 
 
-@dataclass
+@dataclass(eq=False)  # compared and hashed by identity: the engine keys its work on requests
 class Request:
     method: str
     params: dict[str, Any]
@@ -50,9 +51,10 @@ class Request:
     user_id: str = SYSTEM
     run_id: str | None = None
     arrival: int = 0
-    progress: Any = None  # the engine's state for work spanning ticks (rows done, a decode group)
+    started: bool = False  # the engine has begun it (prepared rows, a decode group): later tickets queue behind it
     ticket: int | None = None  # the call's place in its run's order, from the server (runs.call_seq)
     since: float = 0.0  # time.monotonic() at submit: how long a ticket has waited for the ones before it
+    call: Any = None  # the typed request (gpu_runtime.contract.Call); the scheduler never looks inside
 
     @property
     def request_id(self) -> str | None:
@@ -111,7 +113,7 @@ class Scheduler:
         """Ticketed calls queue in ticket order, ahead of later tickets not yet started; others at the back."""
         position = len(queue)
         if request.ticket is not None:
-            started = bool(queue) and (queue[0].progress is not None or request.run_id in self._busy)
+            started = bool(queue) and (queue[0].started or request.run_id in self._busy)
             while position > int(started) and (queue[position - 1].ticket or 0) > request.ticket:
                 position -= 1
         queue.insert(position, request)
@@ -162,9 +164,16 @@ class Scheduler:
                     depth[request.user_id] = depth.get(request.user_id, 0) + 1
             return depth
 
-    def next_tick(self, cost: Callable[[Request], int]) -> TickPlan:
-        """Choose this tick's work. `cost` gives a head's remaining forward_backward tokens (0 for
-        other calls); it may answer and `finish` a head it finds invalid, which is then skipped."""
+    def heads(self) -> list[Request]:
+        """The heads that may go this tick, oldest first (the engine prices these before `next_tick`)."""
+        with self.condition:
+            now = time.monotonic()
+            heads = [q[0] for run, q in self._runs.items() if q and run not in self._busy and self._turn(q[0], now)]
+            return sorted(heads, key=lambda r: r.arrival)
+
+    def next_tick(self, cost: Callable[[Request], int | None]) -> TickPlan:
+        """Choose this tick's work. `cost` gives a head's remaining forward_backward tokens (0 for other calls;
+        None: not ready this tick, it keeps its place)."""
         with self.condition:
             plan = TickPlan(next(self._ticks), system=list(self._system))
             self._system.clear()
@@ -187,7 +196,7 @@ class Scheduler:
                     run_id = heads[user].pop(0)
                     request = self._runs[run_id][0]
                     tokens = cost(request)
-                    if request.reply is _DONE:  # `cost` answered it (bad input): the run's next call may go next tick
+                    if tokens is None:
                         continue
                     if tokens > 0 and (budget <= 0 or len(wanted) >= most_fb_picks):
                         continue  # no room for rows this tick; it keeps its place in line

@@ -9,7 +9,7 @@
   (`split_rows`); each rank computes its chunk (or one row of weight 0), the parts' loss sums and
   normalisers are all-reduced, and each run's gradients of this pass are all-reduced with SUM
   (not AVG: gloo's is unreliable, pytorch#162338) before they join the run's accumulated ones.
-- **The pool.** `ShardedPool` is the engine's pool with every change that ranks must mirror
+- **Residency.** `ShardedResidency` is the engine's residency with every change that ranks must mirror
   (a base loaded or unloaded, a run attached or detached) sent to them first.
 """
 
@@ -30,7 +30,7 @@ from gpu_runtime.contract import RuntimeOptions
 from gpu_runtime.errors import BadInput, ModelUnavailable
 from gpu_runtime.models import CACHE_MARKER, LoadedBase, ModelRegistry, builtin_gguf_path, sha256_files
 from gpu_runtime.multilora import linear_module_names, wrap_targets
-from gpu_runtime.pool import BaseEntry, Pool
+from gpu_runtime.pool import BaseEntry, Residency
 from gpu_runtime.quantization import base_key
 from gpu_runtime.run_state import RunState
 
@@ -284,7 +284,7 @@ def _require_grad(module: nn.Module, inputs: Any, output: torch.Tensor) -> torch
 # ---- the pool -----------------------------------------------------------------------------------
 
 
-class ShardedPool(Pool):
+class ShardedResidency(Residency):
     """A pool whose bases are sharded across ranks. On rank 0 (`group` set) every change is sent to the others first."""
 
     def __init__(self, models: ShardedRegistry, options: RuntimeOptions, group: RankGroup | None = None) -> None:

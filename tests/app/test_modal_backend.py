@@ -245,7 +245,7 @@ def test_a_4bit_run_gets_a_pool_of_its_own_on_modal(modal_server: LiveServer) ->
     pool = pool_key(TINY_MODEL, "L40S:1", "4bit")
     assert pool != TINY_POOL
     engine = modal_server.backend.instance(pool).engine  # its own container, holding the base in 4 bits
-    (entry,) = engine.pool.bases.values()
+    (entry,) = engine.residency.bases.values()
     assert entry.quantization == "4bit" and run.id in engine.runs
     assert any(type(m).__name__ == "Linear4bit" for m in entry.model.modules())
 

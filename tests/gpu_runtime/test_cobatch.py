@@ -38,7 +38,7 @@ def engine_with_runs(path: Path, model: str, runs: list[str], **options: Any) ->
 
 def count_base_passes(engine: Engine, model: str) -> list[int]:
     passes: list[int] = []
-    engine.pool.bases[model].model.register_forward_hook(lambda *_: passes.append(1))
+    engine.residency.bases[model].model.register_forward_hook(lambda *_: passes.append(1))
     return passes
 
 

@@ -119,7 +119,7 @@ def reference(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> 
         results.append(do(engine, "ref", index))
         after.append(capture(engine, "ref"))
     state = engine.runs["ref"]
-    order = [name for name, _ in engine.pool.bases[state.base_model].model.named_modules() if name in state.weights]
+    order = [name for name, _ in engine.residency.bases[state.base_model].model.named_modules() if name in state.weights]
     return Reference(results, after, copy.deepcopy(state.config), order)
 
 

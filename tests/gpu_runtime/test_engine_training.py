@@ -99,7 +99,7 @@ def test_optim_step_matches_plain_adamw_on_the_same_gradients(engine: Engine, ti
     params = run.parameters()
     reference = [p.detach().clone().requires_grad_(True) for p in params]
     for ref, p in zip(reference, params):
-        ref.grad = p.grad.detach().clone() / run.pending_normaliser
+        ref.grad = p.grad.detach().clone() / run.pending.normaliser
     adam = {"learning_rate": 1e-2, "beta1": 0.8, "beta2": 0.95, "eps": 1e-6, "weight_decay": 0.1, "grad_clip_norm": 0}
     engine.optim_step(tiny_run, adam)
     torch.optim.AdamW(reference, lr=1e-2, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1).step()
@@ -165,8 +165,8 @@ def test_second_run_on_a_base_reuses_the_loaded_base(engine: Engine, tiny_model_
     engine.create_run("r2", "u2", tiny_model_dir)
     assert engine.models.load_count == {tiny_model_dir: 1}
     assert engine.runs["r1"].base_model == engine.runs["r2"].base_model == tiny_model_dir
-    assert list(engine.pool.bases) == [tiny_model_dir]
-    assert engine.pool.bases[tiny_model_dir].model is engine.models.loaded[tiny_model_dir].model
+    assert list(engine.residency.bases) == [tiny_model_dir]
+    assert engine.residency.bases[tiny_model_dir].model is engine.models.loaded[tiny_model_dir].model
     assert engine.ping()["loaded_models"] == [tiny_model_dir]
 
 

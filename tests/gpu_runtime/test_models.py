@@ -60,5 +60,5 @@ def test_default_model_loads_from_its_cache_and_trains(smollm2_data_dir: tuple[P
     prompt = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
     seq = engine.sample("smol", [prompt], max_tokens=24, temperature=0)["sequences"][0][0]
     assert "Paris" in seq["text"]
-    assert seq["stop_reason"] == "stop" and seq["tokens"][-1] == engine.pool.bases[DEFAULT_BASE_MODEL].base.tokenizer.eos_token_id
+    assert seq["stop_reason"] == "stop" and seq["tokens"][-1] == engine.residency.bases[DEFAULT_BASE_MODEL].base.tokenizer.eos_token_id
     assert "<|im_end|>" not in seq["text"]

@@ -56,14 +56,14 @@ def test_each_rank_holds_half_the_base_and_processes_its_own_rows(sharded: Engin
     create([sharded], "halves", tiny_model_dir)
     sharded.forward_backward("halves", BATCH)
     assert sharded.ranks is not None
-    ranks = sharded.ranks.report(sharded.pool)
-    params = sharded.pool.bases[tiny_model_dir].params
+    ranks = sharded.ranks.report(sharded.residency)
+    params = sharded.residency.bases[tiny_model_dir].params
     assert [r["rank"] for r in ranks] == [0, 1] and ranks[0]["pid"] != ranks[1]["pid"]
     # fp32, dim 0 of every weight split in two (every dim 0 here is even): exactly half each.
     assert [r["base_bytes"][tiny_model_dir] for r in ranks] == [params * 4 // 2] * 2
     assert ranks[0]["lora_bytes"] == ranks[1]["lora_bytes"] > 0  # LoRA replicated on both
     # Each rank's (first row, end row, tokens), as each rank reported them: rows 0-1 on rank 0, 2-3 on rank 1.
-    tokens = [len(e.tokens) for e in sharded.pool.bases[tiny_model_dir].renderer.render_batch(BATCH, 64, "cross_entropy")]
+    tokens = [len(e.tokens) for e in sharded.residency.bases[tiny_model_dir].renderer.render_batch(BATCH, 64, "cross_entropy")]
     assert sharded.ranks.last_pass == [(0, 2, sum(tokens[:2])), (2, 4, sum(tokens[2:]))]
 
 

@@ -90,7 +90,7 @@ def test_training_on_a_quantized_base_then_adapter_and_merged(engine: Engine, ti
     info = engine.create_run("q1", "u1", tiny_model_dir, {"r": 4, "alpha": 8, "target_modules": TARGETS},
                              seed=1, quantization=kind)
     assert info["quantization"] == kind
-    entry = engine.pool.bases[f"{tiny_model_dir}#{kind}"]
+    entry = engine.residency.bases[f"{tiny_model_dir}#{kind}"]
     assert count_quantized(entry.model) == {kind: 2 * LINEARS_PER_LAYER}  # the real modules, still packed
     assert entry.params == sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(tiny_model_dir).parameters())
 
@@ -131,7 +131,7 @@ def test_merged_streams_into_shards_that_load_as_one_model(engine: Engine, tiny_
     state = engine.runs["q2"]
     out = tmp_path / "merged"
     out.mkdir()
-    info = save_merged(engine.pool.bases[state.base_key], state, out, shard_bytes=200_000)
+    info = save_merged(engine.residency.bases[state.base_key], state, out, shard_bytes=200_000)
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert info["shards"] == len(set(index["weight_map"].values())) >= 3
     assert not list(out.glob("*.tmp.safetensors"))
@@ -144,7 +144,7 @@ def test_quantized_and_plain_runs_are_separate_pools_and_co_batch_within_their_o
                                                                                    tiny_model_dir: str) -> None:
     for run_id, kind in (("a", "4bit"), ("b", "4bit"), ("c", None)):
         engine.create_run(run_id, "u1", tiny_model_dir, {"r": 4, "alpha": 8}, seed=3, quantization=kind)
-    assert sorted(engine.pool.bases) == sorted([tiny_model_dir, f"{tiny_model_dir}#4bit"])
+    assert sorted(engine.residency.bases) == sorted([tiny_model_dir, f"{tiny_model_dir}#4bit"])
     from tests.helpers.engine_tools import result_of, submit
 
     futures = [submit(engine, "forward_backward", run_id=r, batch=BATCH) for r in ("a", "b", "c")]

@@ -99,16 +99,16 @@ def test_a_bad_device_fails_start_with_a_typed_error(tmp_path: Path) -> None:
 
 NOISY_WORKER = """
 import os, sys
-from gpu_runtime import engine, worker
+from gpu_runtime import control_calls, worker
 
-original_ping = engine.Engine._ping
+original_ping = control_calls.Control.ping
 
 def noisy_ping(self):
     print("library chatter")  # what a library's print does
     os.write(1, b"raw chatter\\n")  # and a C extension writing to fd 1
     return original_ping(self)
 
-engine.Engine._ping = noisy_ping
+control_calls.Control.ping = noisy_ping
 sys.exit(worker.main(["--data-dir", sys.argv[1], "--device", "cpu"]))
 """
 

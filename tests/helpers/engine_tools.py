@@ -51,7 +51,7 @@ def assert_same_grads(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) ->
 def run_logits(engine: Engine, run_id: str, input_ids: list[int]) -> torch.Tensor:
     """Logits of `run_id`'s current weights (eval mode, no grad)."""
     engine.run_info(run_id)
-    entry = engine.pool.bases[engine.runs[run_id].base_key]
+    entry = engine.residency.bases[engine.runs[run_id].base_key]
     with torch.no_grad(), routed(entry.routing, [Segment(run_id, 0, 1)]):
         return entry.model(input_ids=torch.tensor([input_ids])).logits[0].float()
 

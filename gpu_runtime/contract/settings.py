@@ -10,10 +10,31 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from gpu_runtime.errors import BadInput
+
+# ---- ids ---------------------------------------------------------------------------------------
+
+SAFE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+MAX_REQUEST_ID_LENGTH = 128
+
+
+def check_id(value: Any, field: str) -> str:
+    # Run and user ids become directory names, so nothing that could climb out of runs/.
+    if not isinstance(value, str) or not SAFE_ID.match(value) or ".." in value:
+        raise BadInput(f"{field} must be 1-128 characters of letters, digits, '_', '-', '.', got {value!r}", field=field)
+    return value
+
+
+def check_request_id(request_id: Any) -> None:
+    # The runtime journals it with every call: a bounded, printable token (the SDK sends a UUID).
+    if request_id is not None and not (isinstance(request_id, str) and 0 < len(request_id) <= MAX_REQUEST_ID_LENGTH
+                                       and request_id.isprintable()):
+        raise BadInput(f"request_id must be 1..{MAX_REQUEST_ID_LENGTH} printable characters", field="request_id")
+
 
 # ---- AdamW -------------------------------------------------------------------------------------
 

@@ -1,0 +1,125 @@
+"""Where the tensor work of a tick runs: this process, or a group of ranks. The tick does not know which.
+
+`LocalCompute` runs the training step (gpu_runtime/training.py) here. `RankCompute` drives a multi-GPU pool
+(gpu_runtime/ranks.py): rank 0 is this process, the others follow its broadcast, and the same step runs on
+every rank. Both offer the same calls, so the engine has no `if ranks` branches.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gpu_runtime.contract import RuntimeOptions
+from gpu_runtime.models import ModelRegistry
+from gpu_runtime.pool import BaseEntry, Residency
+from gpu_runtime.ranks import RankGroup
+from gpu_runtime.run_state import RunState
+from gpu_runtime.sharding import ShardedRegistry, ShardedResidency
+from gpu_runtime.training import Outcome, PassPart, adamw_step, forward_backward_pass
+
+
+class LocalCompute:
+    """One process holds the base and every run's LoRA."""
+
+    world = 1
+    can_merge = True  # whole base weights are here, so merged checkpoints can be folded
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    @property
+    def failed(self) -> str | None:
+        """Why the compute stopped (a rank died or hung); None while it works. One process never fails alone."""
+        return None
+
+    def forward_backward(self, entry: BaseEntry, runs: dict[str, RunState], plan: list[PassPart]) -> list[Outcome]:
+        return forward_backward_pass(entry, runs, plan, self.device)
+
+    def optim(self, state: RunState, settings: dict[str, float]) -> float:
+        """AdamW on the run's summed gradients over their normaliser; returns the gradient norm."""
+        return adamw_step(state.parameters(), state.optimizer, state.pending.normaliser, settings)
+
+    def drop_grads(self, state: RunState) -> None:
+        state.optimizer.zero_grad(set_to_none=True)
+
+    def seconds_since(self, started: float) -> float:
+        """Seconds since `started` (time.perf_counter), once the device's queued work is done."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - started
+
+    def keepalive(self) -> None:
+        pass
+
+    def restart(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+    def describe(self) -> dict[str, Any]:
+        return {"world": 1}
+
+
+class RankCompute(LocalCompute):
+    """A multi-GPU pool: the base sharded with FSDP across the ranks, each run's LoRA and AdamW on every rank."""
+
+    can_merge = False  # no rank holds whole base weights (docs/MULTIGPU.md: merge the adapter elsewhere)
+
+    def __init__(self, device: torch.device, ranks: RankGroup) -> None:
+        super().__init__(device)
+        self.ranks = ranks
+        self.world = ranks.world
+
+    @property
+    def failed(self) -> str | None:
+        return self.ranks.failed
+
+    def forward_backward(self, entry: BaseEntry, runs: dict[str, RunState], plan: list[PassPart]) -> list[Outcome]:
+        return self.ranks.forward_backward(entry, runs, plan)
+
+    def optim(self, state: RunState, settings: dict[str, float]) -> float:
+        self.ranks.send("optim", run_id=state.run_id, normaliser=state.pending.normaliser, settings=settings)
+        return super().optim(state, settings)
+
+    def drop_grads(self, state: RunState) -> None:
+        self.ranks.send("drop_grads", run_id=state.run_id)
+        super().drop_grads(state)
+
+    def keepalive(self) -> None:
+        self.ranks.keepalive()
+
+    def restart(self) -> None:
+        self.ranks.restart()
+
+    def stop(self) -> None:
+        self.ranks.stop()
+
+    def describe(self) -> dict[str, Any]:
+        return self.ranks.describe()
+
+
+@dataclass
+class Hardware:
+    compute: LocalCompute
+    models: ModelRegistry
+    residency: Residency
+
+
+def open_hardware(data_dir: Path, device: torch.device, dtype: torch.dtype, options: RuntimeOptions,
+                  allow_downloads: bool, faults: set[str]) -> Hardware:
+    """`local_ranks` > 1: a multi-GPU pool, its bases sharded across the ranks; else this process alone."""
+    if options.local_ranks > 1:
+        world = options.local_ranks
+        ranks = RankGroup(world, device, data_dir, options, allow_downloads, faults)
+        sharded = ShardedRegistry(data_dir, device, dtype, 0, world, allow_downloads)
+        residency = ShardedResidency(sharded, options, ranks)
+        ranks.start()
+        return Hardware(RankCompute(device, ranks), sharded, residency)
+    models = ModelRegistry(data_dir, device, dtype, allow_downloads=allow_downloads)
+    return Hardware(LocalCompute(device), models, Residency(models, options))

@@ -1,0 +1,73 @@
+"""The engine contract, torch-free: the calls as types, every default and bound, and the validators.
+
+`app` and `gpu_runtime` both import it. One source for every default and bound: the server validates with
+these before a call leaves it, and the runtime validates again with the same functions, so a client that
+skips the server is held to the same rules. Errors are `BadInput` naming the field in the contract's own
+(snake_case) names; the server renames them to GraphQL's camelCase.
+
+- `settings`: AdamW, LoRA and sampling settings, ids, the runtime's own options.
+- `calls`: the `Method` enum and one frozen request type per method (`parse_call` for what arrives).
+- `results`: one frozen result type per call.
+"""
+
+from gpu_runtime.contract.calls import (
+    CALLS,
+    CONTRACT_VERSION,
+    SYSTEM_CALLS,
+    Call,
+    CloseRun,
+    CreateRun,
+    DeleteRun,
+    ExportCheckpoint,
+    ForwardBackward,
+    LoadRun,
+    Method,
+    OptimStep,
+    Ping,
+    RunCall,
+    RunInfo,
+    RuntimeState,
+    Sample,
+    SaveState,
+    parse_call,
+)
+from gpu_runtime.contract.results import (
+    ForwardBackwardResult,
+    OptimStepResult,
+    Result,
+    RunDescription,
+    SampleResult,
+    SaveStateResult,
+)
+from gpu_runtime.contract.settings import (
+    ADAM_BOUNDS,
+    ADAM_DEFAULTS,
+    ATTENTION_PROJECTIONS,
+    LORA_DEFAULTS,
+    LORA_KEYS,
+    LORA_R_MAX,
+    MAX_REQUEST_ID_LENGTH,
+    MAX_SAMPLES,
+    MAX_TOKENS_LIMIT,
+    SAMPLE_DEFAULTS,
+    SAVE_MODES,
+    RuntimeOptions,
+    SamplingSettings,
+    adam_settings,
+    check_adam_value,
+    check_id,
+    check_request_id,
+    default_target_modules,
+    lora_settings,
+    sampling_settings,
+)
+
+__all__ = [
+    "ADAM_BOUNDS", "ADAM_DEFAULTS", "ATTENTION_PROJECTIONS", "CALLS", "CONTRACT_VERSION", "LORA_DEFAULTS", "LORA_KEYS",
+    "LORA_R_MAX", "MAX_REQUEST_ID_LENGTH", "MAX_SAMPLES", "MAX_TOKENS_LIMIT", "SAMPLE_DEFAULTS", "SAVE_MODES",
+    "SYSTEM_CALLS", "Call", "CloseRun", "CreateRun", "DeleteRun", "ExportCheckpoint", "ForwardBackward",
+    "ForwardBackwardResult", "LoadRun", "Method", "OptimStep", "OptimStepResult", "Ping", "Result", "RunCall",
+    "RunDescription", "RunInfo", "RuntimeOptions", "RuntimeState", "Sample", "SampleResult", "SamplingSettings",
+    "SaveState", "SaveStateResult", "adam_settings", "check_adam_value", "check_id", "check_request_id",
+    "default_target_modules", "lora_settings", "parse_call", "sampling_settings",
+]

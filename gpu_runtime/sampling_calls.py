@@ -1,0 +1,98 @@
+"""sample on resident runs: check the prompts against the model, then decode in groups, chunk by chunk.
+
+A picked sample call becomes a `SampleJob`; the calls picked in one tick on one base form a decode group
+(gpu_runtime/decoding.py), which holds its runs until it finishes and advances by one time-bounded chunk
+per tick, so other calls interleave with a long generation.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from gpu_runtime.contract import Sample, SampleResult
+from gpu_runtime.decoding import DecodeGroup, SampleJob
+from gpu_runtime.errors import BadInput, SignalError
+from gpu_runtime.pool import BaseEntry
+from gpu_runtime.run_state import RunState
+from gpu_runtime.scheduler import Request
+from gpu_runtime.shared import Shared, TickStats, internal
+
+
+class Sampling:
+    def __init__(self, shared: Shared) -> None:
+        self.shared = shared
+        self.groups: list[DecodeGroup] = []
+
+    def replayed(self, state: RunState, call: Sample) -> SampleResult | None:
+        """A retry whose first answer may not have reached the caller: that answer again."""
+        previous = state.sampled.get(call.request_id) if call.request_id else None
+        return None if previous is None else SampleResult.from_dict(previous).replay()
+
+    def prepare(self, request: Request, state: RunState, call: Sample) -> SampleJob:
+        prompts, settings = call.settings()
+        entry = self.shared.entry(state)
+        limit = entry.renderer.max_length
+        prompt_ids = [list(entry.base.tokenizer(p, add_special_tokens=True)["input_ids"]) for p in prompts]
+        for i, ids in enumerate(prompt_ids):
+            if not ids or len(ids) >= limit:
+                raise BadInput(f"prompts[{i}] is {len(ids)} tokens; the model's context is {limit}", field=f"prompts[{i}]")
+            if len(ids) + settings.max_tokens > limit:
+                raise BadInput(f"prompts[{i}] ({len(ids)} tokens) + max_tokens ({settings.max_tokens}) exceeds "
+                               f"the context ({limit})", field="max_tokens")
+        generator = torch.Generator(device=self.shared.device).manual_seed(settings.seed)
+        return SampleJob(request, state, prompt_ids, settings, generator, step=state.step)
+
+    def start(self, entry: BaseEntry, jobs: list[SampleJob]) -> None:
+        for job in jobs:
+            assert job.request.run_id is not None
+            self.shared.scheduler.hold(job.request.run_id)
+            self.shared.residency.touch(job.state)
+        self.groups.append(DecodeGroup(entry, jobs, eos_ids(entry)))
+
+    def advance(self, stats: TickStats) -> None:
+        """Every decode group by one chunk; finished calls are answered, a failing group fails its calls alone."""
+        scheduler = self.shared.scheduler
+        deadline = time.monotonic() + self.shared.options.decode_chunk_seconds
+        for group in list(self.groups):
+            before = group.passes
+            active = [job for job in group.jobs if not job.done]
+            started = time.perf_counter()
+            try:
+                finished = group.advance(deadline)
+            except Exception as exc:  # noqa: BLE001 - fail its calls, keep the runtime
+                error = exc.to_dict() if isinstance(exc, SignalError) else internal(exc, active[0].request if active else None)
+                self.fail_all(error, [group])
+                continue
+            stats.decode_passes += group.passes - before
+            stats.decode_rows += group.rows
+            seconds, rows = self.shared.compute.seconds_since(started), sum(job.end - job.start for job in active)
+            for job in active:  # the chunk's seconds, shared by the rows of the calls still decoding
+                job.compute_seconds += seconds * (job.end - job.start) / max(rows, 1)
+            for job in finished:
+                result = {**group.result(job), "compute_seconds": job.compute_seconds}
+                job.state.remember_sample(job.request.request_id, result)
+                scheduler.finish(job.request, {"result": result})
+            if group.done:
+                self.groups.remove(group)
+
+    def fail_all(self, error: dict[str, object], groups: list[DecodeGroup] | None = None) -> None:
+        """Fail every call still decoding in `groups` (all groups: a rank failed) and drop those groups."""
+        for group in list(self.groups if groups is None else groups):
+            for job in group.jobs:
+                if not job.done:
+                    job.done = True
+                    self.shared.scheduler.finish(job.request, {"error": error})
+            self.groups.remove(group)
+
+    @property
+    def decoding_runs(self) -> set[str]:
+        return {run_id for group in self.groups for run_id in group.run_ids}
+
+
+def eos_ids(entry: BaseEntry) -> set[int]:
+    ids = {entry.base.tokenizer.eos_token_id}
+    configured = getattr(entry.model.generation_config, "eos_token_id", None)
+    ids.update(configured if isinstance(configured, list) else [configured])
+    return {i for i in ids if i is not None}

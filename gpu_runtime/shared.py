@@ -1,0 +1,107 @@
+"""What the engine's rooms share: the device, options, residency, compute, scheduler, journals and counters.
+
+The engine (gpu_runtime/engine.py) builds one `Shared` and hands it to each room: training calls,
+sampling calls, control calls and recovery. A room reads and changes these; none calls another's
+internals.
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gpu_runtime.compute import LocalCompute
+from gpu_runtime.contract import RuntimeOptions
+from gpu_runtime.models import ModelRegistry
+from gpu_runtime.pool import BaseEntry, Residency
+from gpu_runtime.run_state import RunState
+from gpu_runtime.scheduler import Request, Scheduler
+
+
+@dataclass
+class TickStats:
+    number: int = 0
+    requests: int = 0
+    fb_rows: int = 0
+    fb_runs: int = 0
+    base_passes: int = 0  # forward+backward passes of a base (one per base per tick when co-batched)
+    decode_passes: int = 0
+    decode_rows: int = 0
+    fb_seconds: float = 0.0  # of the forward+backward passes: what their calls' compute_seconds add up to
+    restores: int = 0  # evicted runs brought back in this tick (their journals replayed)
+    seconds: float = 0.0
+
+
+@dataclass
+class Totals:
+    ticks: int = 0
+    base_passes: int = 0
+    fb_rows: int = 0
+    decode_passes: int = 0
+    evictions: int = 0
+    snapshots: int = 0
+    last_ticks: list[dict[str, Any]] = field(default_factory=list)
+
+    def count(self, stats: TickStats) -> None:
+        self.ticks += 1
+        self.base_passes += stats.base_passes
+        self.fb_rows += stats.fb_rows
+        self.decode_passes += stats.decode_passes
+        if stats.requests or stats.decode_passes:
+            self.last_ticks = (self.last_ticks + [stats.__dict__.copy()])[-20:]
+
+
+Answer = tuple[Request, dict[str, Any]]  # a request and its {"result": …} or {"error": …}
+
+
+@dataclass
+class Shared:
+    data_dir: Path
+    device: torch.device
+    dtype: torch.dtype
+    options: RuntimeOptions
+    faults: set[str]
+    models: ModelRegistry
+    residency: Residency
+    compute: LocalCompute
+    scheduler: Scheduler
+    # Called once per tick after its journal fsyncs, before its answers, and after snapshots written outside a
+    # tick's calls (evictions): Modal commits the Volume there.
+    after_sync: Callable[[], None] | None = None
+    totals: Totals = field(default_factory=Totals)
+    owners: dict[str, str] = field(default_factory=dict)  # run → user, for fair turns
+    touched: set[str] = field(default_factory=set)  # runs whose journal has records not yet fsync'd
+    snapshotted: bool = False  # a snapshot was written since the last after_sync (Modal commits it then)
+
+    def entry(self, state: RunState) -> BaseEntry:
+        return self.residency.bases[state.base_key]
+
+    def journal(self, state: RunState, record: dict[str, Any]) -> None:
+        """Append an acknowledged call to its run's journal; it is fsync'd before the tick answers."""
+        state.journal.append(record)
+        state.seq += 1
+        self.touched.add(state.run_id)
+
+    def sync_journals(self) -> None:
+        for run_id in list(self.touched):
+            state = self.residency.runs.get(run_id)
+            if state is not None:
+                state.journal.sync()
+        if (self.touched or self.snapshotted) and self.after_sync is not None:
+            self.after_sync()
+        self.touched = set()
+        self.snapshotted = False
+
+
+def internal(exc: BaseException, request: Request | None = None) -> dict[str, Any]:
+    """An unexpected exception as an INTERNAL error for its call alone; logged with the call's request id."""
+    where = "" if request is None else f" in {request.method} (request {request.request_id or '-'}, run {request.run_id})"
+    print(f"error{where}: {type(exc).__name__}: {exc}", file=sys.stderr)
+    traceback.print_exception(exc, file=sys.stderr)
+    return {"type": "InternalError", "code": "INTERNAL", "message": f"{type(exc).__name__}: {exc}", "field": None}

@@ -1,0 +1,255 @@
+"""forward_backward and optim_step on resident runs: prepare, share a pass, count, journal, step.
+
+A forward_backward is prepared once (its batch rendered to token rows) before the scheduler prices it,
+may be split across ticks by the token budget, and is journaled when its last rows are done. Every
+part of a tick's calls on one base runs in one pass (gpu_runtime/training.py, through `Compute`).
+optim_step divides each run's summed gradients by their normaliser and applies AdamW.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import signal
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from gpu_runtime.batches import Example
+from gpu_runtime.contract import ForwardBackward, ForwardBackwardResult, OptimStep, OptimStepResult
+from gpu_runtime.errors import FailedPrecondition, SignalError
+from gpu_runtime.losses import LossFn, get_loss
+from gpu_runtime.persistence import sha256_json
+from gpu_runtime.pool import BaseEntry
+from gpu_runtime.run_state import RunState, append_manifest, last_manifest_step
+from gpu_runtime.scheduler import Request
+from gpu_runtime.shared import Answer, Shared, TickStats
+from gpu_runtime.training import PassPart
+
+FORWARD_BACKWARD, OPTIM_STEP = "forward_backward", "optim_step"  # journal record types
+
+
+@dataclass(eq=False)
+class FbProgress:
+    """A forward_backward call being computed, possibly across several ticks."""
+
+    state: RunState
+    examples: list[Example]
+    loss_fn: str
+    loss: LossFn
+    loss_config: dict[str, Any]
+    batch_hash: str
+    call: int  # which call since the last optim_step: seeds its dropout
+    width: int  # the call's own padded width: its dropout masks are drawn at this shape
+    done: int = 0
+    loss_sum: float = 0.0
+    normaliser: float = 0.0
+    compute_seconds: float = 0.0  # this call's share of its ticks' passes, by its rows' tokens
+    backup: list[torch.Tensor | None] | None = None  # gradients before a split call, restored if a later part fails
+
+    @property
+    def remaining_tokens(self) -> int:
+        return sum(len(e.tokens) for e in self.examples[self.done:])
+
+    def restore_grads(self) -> None:
+        """A later part of a split call failed: put back the gradients from before the call."""
+        if self.backup is None or self.done == 0:
+            return  # nothing of this call reached the gradients
+        for param, grad in zip(self.state.parameters(), self.backup):
+            param.grad = grad
+
+
+@dataclass
+class FbPart:
+    request: Request | None  # None while replaying the journal
+    progress: FbProgress
+    examples: list[Example]
+    row_offset: int
+
+
+class Training:
+    def __init__(self, shared: Shared) -> None:
+        self.shared = shared
+
+    # ---- forward_backward ----------------------------------------------------------------
+
+    def prepare(self, state: RunState, call: ForwardBackward) -> FbProgress | ForwardBackwardResult:
+        """The call's rows, ready to price and run; or, for a retry of a journaled call, its first answer."""
+        if call.request_id and call.request_id in state.answered:
+            return ForwardBackwardResult.from_dict(state.answered[call.request_id]).replay()
+        loss, config = get_loss(call.loss_fn, call.loss_fn_config)
+        examples = self.shared.entry(state).renderer.render_batch(call.batch, self.shared.options.max_batch_size,
+                                                                  call.loss_fn)
+        batch_hash = sha256_json({"loss_fn": call.loss_fn, "batch": call.batch})
+        return FbProgress(state, examples, call.loss_fn, loss, config, batch_hash, call=state.pending.calls,
+                          width=max(len(e.tokens) for e in examples) - 1)
+
+    @staticmethod
+    def take_rows(progress: FbProgress, allowance: int) -> list[Example]:
+        """The next rows of a call that fit in `allowance` tokens (at least one)."""
+        taken: list[Example] = []
+        tokens = 0
+        for example in progress.examples[progress.done:]:
+            if taken and tokens + len(example.tokens) > allowance:
+                break
+            taken.append(example)
+            tokens += len(example.tokens)
+        if progress.done == 0 and len(taken) < len(progress.examples):
+            # A split call: keep the gradients from before it, to put back if a later part fails.
+            progress.backup = [None if p.grad is None else p.grad.clone() for p in progress.state.parameters()]
+        return taken
+
+    def run_pass(self, entry: BaseEntry, parts: list[FbPart], stats: TickStats) -> list[Answer]:
+        """One forward and backward pass of the base for every part; journal the calls that completed.
+        The pass's seconds are shared among its parts by their tokens (a call's compute_seconds)."""
+        started = time.perf_counter()
+        outcomes = self._pass(entry, parts)
+        seconds = self.shared.compute.seconds_since(started)
+        tokens = [sum(len(e.tokens) for e in part.examples) for part in parts]
+        stats.fb_seconds += seconds
+        stats.base_passes += 1
+        stats.fb_rows += sum(len(p.examples) for p in parts)
+        stats.fb_runs += len(parts)
+        answers: list[Answer] = []
+        for part, outcome, part_tokens in zip(parts, outcomes, tokens):
+            assert part.request is not None
+            if isinstance(outcome, SignalError):
+                part.progress.restore_grads()
+                answers.append((part.request, {"error": outcome.to_dict()}))
+                continue
+            result = self._count(part, outcome, seconds * part_tokens / max(sum(tokens), 1))
+            if result is not None:
+                answers.append((part.request, {"result": result.to_dict()}))
+        return answers
+
+    def _pass(self, entry: BaseEntry, parts: list[FbPart]) -> list[tuple[float, float] | SignalError]:
+        plan = []
+        for part in parts:
+            progress = part.progress
+            plan.append(PassPart(
+                progress.state.run_id, part.examples, part.row_offset, call_rows=len(progress.examples),
+                call_width=progress.width, loss_fn=progress.loss_fn, loss_config=progress.loss_config,
+                dropout_seed=derive_seed(progress.state.config["seed"], progress.state.step, progress.call),
+                backup=part.row_offset == 0 and len(part.examples) < len(progress.examples)))
+        return self.shared.compute.forward_backward(entry, self.shared.residency.runs, plan)
+
+    def _count(self, part: FbPart, outcome: tuple[float, float], seconds: float = 0.0) -> ForwardBackwardResult | None:
+        """Count a part (and its share of the pass's `seconds`); when the call is whole, journal it and return
+        its result."""
+        progress, state = part.progress, part.progress.state
+        progress.compute_seconds += seconds
+        progress.loss_sum += outcome[0]
+        progress.normaliser += outcome[1]
+        progress.done += len(part.examples)
+        if progress.done < len(progress.examples):
+            return None
+        num_tokens = sum(e.num_targets for e in progress.examples)
+        state.pending.add(progress.normaliser, num_tokens, {"sha256": progress.batch_hash,
+                                                             "num_examples": len(progress.examples),
+                                                             "num_tokens": num_tokens})
+        result = ForwardBackwardResult(
+            loss=progress.loss_sum / progress.normaliser if progress.normaliser else 0.0, num_tokens=num_tokens,
+            num_examples=len(progress.examples), step=state.step, compute_seconds=progress.compute_seconds)
+        if part.request is None:  # replaying: the journal already holds it
+            return result
+        if "before_journal" in self.shared.faults:
+            os.kill(os.getpid(), signal.SIGKILL)  # failpoint: computed, not journaled
+        request_id = part.request.request_id
+        self.shared.journal(state, {
+            "type": FORWARD_BACKWARD, "request_id": request_id, "loss_fn": progress.loss_fn,
+            "loss_fn_config": progress.loss_config, "call": progress.call, "step": state.step,
+            "batch_sha256": progress.batch_hash,
+            "examples": [{"tokens": e.tokens, "weights": e.weights, "extras": e.extras} for e in progress.examples],
+            "result": result.to_dict(),
+        })
+        state.remember(request_id, result.to_dict())
+        self.shared.residency.touch(state)
+        return result
+
+    # ---- optim_step ------------------------------------------------------------------------
+
+    def optim_step(self, state: RunState, call: OptimStep) -> OptimStepResult:
+        if call.request_id and call.request_id in state.answered:
+            answered = state.answered[call.request_id]
+            if "error" in answered:  # it failed (and dropped the gradients) the first time: the retry fails alike
+                raise SignalError.from_dict(answered["error"])
+            return OptimStepResult.from_dict(answered).replay()
+        settings = call.settings()
+        if state.pending.calls == 0:
+            raise FailedPrecondition("no gradients to apply: call forward_backward before optim_step")
+        pending = state.pending
+        started = time.perf_counter()
+        record: dict[str, Any]
+        try:
+            result = self._apply(state, settings)
+            result = OptimStepResult(step=result.step, grad_norm=result.grad_norm, learning_rate=result.learning_rate,
+                                     compute_seconds=self.shared.compute.seconds_since(started))
+            record = result.to_dict()
+        except FailedPrecondition as exc:
+            record = {"error": exc.to_dict()}  # journaled too: dropping the gradients is a change replay must repeat
+        self.shared.journal(state, {"type": OPTIM_STEP, "request_id": call.request_id, "adam": settings,
+                                    "result": record})
+        state.remember(call.request_id, record)
+        self.shared.residency.touch(state)
+        if "error" in record:
+            raise SignalError.from_dict(record["error"])
+        append_manifest(state.paths.manifest, {"step": state.step, "adam": settings, "grad_norm": result.grad_norm,
+                                               "num_tokens": pending.tokens, "batches": pending.batches})
+        return result
+
+    def _apply(self, state: RunState, settings: dict[str, float]) -> OptimStepResult:
+        """AdamW on the run's summed gradients divided by their normaliser (on every rank, alike); clears them."""
+        if state.pending.calls == 0:
+            raise FailedPrecondition("no gradients to apply: call forward_backward before optim_step")
+        grad_norm = self.shared.compute.optim(state, settings)
+        state.clear_pending()
+        if not math.isfinite(grad_norm):
+            raise FailedPrecondition(f"gradient norm is {grad_norm}; the step was skipped and the gradients dropped")
+        state.step += 1
+        return OptimStepResult(step=state.step, grad_norm=grad_norm, learning_rate=settings["learning_rate"])
+
+    # ---- replay (restore = snapshot + these) -----------------------------------------------
+
+    def replay(self, state: RunState, record: dict[str, Any]) -> None:
+        """Apply one journal record again, as it was applied live."""
+        request_id = record.get("request_id")
+        if request_id and request_id in state.answered:
+            return  # a duplicate cannot be applied twice
+        if record["type"] == FORWARD_BACKWARD:
+            self._replay_fb(state, record)
+        elif "error" in record["result"]:
+            # It failed live and dropped the gradients: the journal's outcome holds, whatever a recompute says.
+            self.shared.compute.drop_grads(state)
+            state.clear_pending()
+        else:
+            pending = state.pending
+            try:
+                self._apply(state, record["adam"])
+            except FailedPrecondition:
+                pass  # it failed the first time too, and dropped the gradients as it does now
+            else:
+                if last_manifest_step(state.paths.manifest) < state.step:  # the crash came before its manifest line
+                    append_manifest(state.paths.manifest, {
+                        "step": state.step, "adam": record["adam"], "grad_norm": record["result"]["grad_norm"],
+                        "num_tokens": pending.tokens, "batches": pending.batches})
+        state.remember(request_id, record["result"])
+
+    def _replay_fb(self, state: RunState, record: dict[str, Any]) -> None:
+        examples = [Example(e["tokens"], e["weights"], e.get("extras") or {}) for e in record["examples"]]
+        loss, config = get_loss(record["loss_fn"], record.get("loss_fn_config") or None)
+        progress = FbProgress(state, examples, record["loss_fn"], loss, config, record.get("batch_sha256", ""),
+                              call=record["call"], width=max(len(e.tokens) for e in examples) - 1)
+        entry = self.shared.entry(state)
+        while progress.done < len(examples):  # split as the budget splits live calls
+            part = FbPart(None, progress, self.take_rows(progress, self.shared.options.tick_tokens), progress.done)
+            (outcome,) = self._pass(entry, [part])
+            assert not isinstance(outcome, SignalError), "a journaled call cannot fail on replay"
+            self._count(part, outcome)
+
+
+def derive_seed(*parts: int) -> int:
+    digest = hashlib.sha256(":".join(map(str, parts)).encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
