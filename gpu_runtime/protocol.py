@@ -2,7 +2,7 @@
 
 request  {"id": 7, "method": "forward_backward", "params": {...}}
 response {"id": 7, "result": {...}}  or  {"id": 7, "error": SignalError.to_dict()}
-first line from the worker: {"ready": true, "pid": 123}  (or {"ready": false, "error": {...}})
+first line from the worker: {"ready": true, "pid": 123, "contract": 2}  (or {"ready": false, "error": {...}})
 The same lines travel over a pipe (a child runtime) or the data directory's Unix socket (`signal runtime`),
 where the runtime greets each connection with the ready line. No torch here: the server imports this module.
 """
@@ -12,6 +12,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from typing import Any
+
+from gpu_runtime.contract import CONTRACT_VERSION
+from gpu_runtime.errors import FailedPrecondition
 
 RUNTIME_SOCKET = "runtime.sock"  # in the data directory: one runtime per data directory
 RUNTIME_LOCK = "runtime.lock"  # flock'd by the runtime serving the socket, so a second one refuses
@@ -35,3 +38,17 @@ def runtime_socket(data_dir: str | Path) -> Path:
 
 def runtime_lock(data_dir: str | Path) -> Path:
     return Path(data_dir).resolve() / RUNTIME_LOCK
+
+
+def greeting(pid: int) -> dict[str, Any]:
+    """The runtime's first line on every channel: it is up, who it is, and which contract it speaks."""
+    return {"ready": True, "pid": pid, "contract": CONTRACT_VERSION}
+
+
+def check_contract(greeted: dict[str, Any], where: str, fix: str) -> None:
+    """Refuse a runtime that speaks another contract version (a detached runtime outlives its server, and a
+    Modal deployment can lag the server's code): the calls' shapes would not agree."""
+    version = greeted.get("contract", 1)  # runtimes before the typed contract sent none
+    if version != CONTRACT_VERSION:
+        raise FailedPrecondition(f"the runtime {where} speaks contract version {version}, this server {CONTRACT_VERSION}: "
+                                 f"{fix}", field="runtime")

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from gpu_runtime.errors import BadInput, FailedPrecondition, SignalError
-from gpu_runtime.protocol import LOCK_HELD, decode, encode, runtime_lock, runtime_socket
+from gpu_runtime.protocol import LOCK_HELD, decode, encode, greeting, runtime_lock, runtime_socket
 
 
 def claim_stdout() -> IO[bytes]:
@@ -194,7 +194,7 @@ class SocketServer:
 
     def _serve(self, engine: Any, connection: socket.socket) -> None:
         channel = Channel(connection.makefile("wb", buffering=0))
-        channel.send({"ready": True, "pid": os.getpid()})
+        channel.send(greeting(os.getpid()))
         try:
             read_requests(engine, channel, connection.makefile("rb"))
         except OSError:
@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if server is None:
         channel = Channel(protocol)
-        channel.send({"ready": True, "pid": os.getpid()})
+        channel.send(greeting(os.getpid()))
         threading.Thread(target=read_stdin, args=(engine, channel), name="requests", daemon=True).start()
     else:
         serve_socket(server, engine, protocol if args.spawned else None, args.first_client_seconds)
@@ -252,7 +252,7 @@ def serve_socket(server: SocketServer, engine: Any, spawner: IO[bytes] | None, f
         signal.signal(signum, lambda *_: threading.Thread(target=server.stop, args=(engine,)).start())
     server.start(engine)
     if spawner is not None:
-        spawner.write(encode({"ready": True, "pid": os.getpid()}))
+        spawner.write(encode(greeting(os.getpid())))
         spawner.close()
         timer = threading.Timer(first_client_seconds, server.stop_if_never_used, args=(engine,))
         timer.daemon = True

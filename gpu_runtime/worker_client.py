@@ -25,7 +25,7 @@ from typing import IO, Any
 
 from gpu_runtime.contract import RuntimeOptions
 from gpu_runtime.errors import FailedPrecondition, SignalError, WorkerFailed
-from gpu_runtime.protocol import LOCK_HELD, decode, encode, runtime_socket
+from gpu_runtime.protocol import LOCK_HELD, check_contract, decode, encode, runtime_socket
 
 PACKAGE_PARENT = str(Path(__file__).resolve().parent.parent)  # a checkout, or site-packages when installed
 
@@ -161,6 +161,13 @@ class WorkerClient:
             if message is None:
                 raise WorkerFailed(f"worker did not become ready within {self.start_timeout:.0f} s")
             raise SignalError.from_dict(message.get("error") or {"message": "worker refused to start"})
+        try:
+            check_contract(message, f"this server started (pid {process.pid})", "reinstall: the server and its runtime "
+                           "come from one checkout")
+        except FailedPrecondition:
+            process.kill()
+            process.wait()
+            raise
         return process
 
     def _connect(self) -> RuntimeConnection:
@@ -278,6 +285,13 @@ class RuntimeConnection:
         if not greeting or not greeting.get("ready"):
             sock.close()
             raise ConnectionRefusedError(f"the runtime on {path} closed the connection before greeting")
+        try:
+            check_contract(greeting, f"on {path} (pid {greeting['pid']})",
+                           f"stop it (kill {greeting['pid']}) and start `signal runtime` from this checkout, or let "
+                           "`signal serve` start one")
+        except FailedPrecondition:
+            sock.close()
+            raise
         return cls(sock, int(greeting["pid"]))
 
     def poll(self) -> int | None:

@@ -57,6 +57,7 @@ from gpu_runtime.contract.settings import (
     check_adam_value,
     check_id,
     check_request_id,
+    check_text,
     default_target_modules,
     lora_settings,
     sampling_settings,
@@ -68,6 +69,6 @@ __all__ = [
     "SYSTEM_CALLS", "Call", "CloseRun", "CreateRun", "DeleteRun", "ExportCheckpoint", "ForwardBackward",
     "ForwardBackwardResult", "LoadRun", "Method", "OptimStep", "OptimStepResult", "Ping", "Result", "RunCall",
     "RunDescription", "RunInfo", "RuntimeOptions", "RuntimeState", "Sample", "SampleResult", "SamplingSettings",
-    "SaveState", "SaveStateResult", "adam_settings", "check_adam_value", "check_id", "check_request_id",
+    "SaveState", "SaveStateResult", "adam_settings", "check_adam_value", "check_id", "check_request_id", "check_text",
     "default_target_modules", "lora_settings", "parse_call", "sampling_settings",
 ]

@@ -19,6 +19,7 @@ from gpu_runtime.contract.settings import (
     adam_settings,
     check_id,
     check_request_id,
+    check_text,
     lora_settings,
     sampling_settings,
 )
@@ -117,6 +118,7 @@ class ForwardBackward(RunCall):
         check_request_id(self.request_id)
         if not isinstance(self.batch, list) or not self.batch:
             raise BadInput("batch must be a non-empty list of examples", field="batch")
+        check_text(self.batch, "batch")
 
 
 @dataclass(frozen=True, kw_only=True)

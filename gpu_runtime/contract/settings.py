@@ -36,6 +36,21 @@ def check_request_id(request_id: Any) -> None:
         raise BadInput(f"request_id must be 1..{MAX_REQUEST_ID_LENGTH} printable characters", field="request_id")
 
 
+def check_text(value: Any, field: str) -> None:
+    """Strings the tokenizer will see must be encodable: JSON's \\ud800 escapes deliver lone surrogates."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise BadInput(f"{field} has a character that is not valid Unicode text at {exc.start}", field=field) from None
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            check_text(item, f"{field}[{i}]")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            check_text(item, f"{field}.{key}")
+
+
 # ---- AdamW -------------------------------------------------------------------------------------
 
 ADAM_DEFAULTS: dict[str, float] = {
@@ -162,6 +177,7 @@ def sampling_settings(
     for i, prompt in enumerate(prompts):
         if not isinstance(prompt, str) or not prompt:
             raise BadInput(f"prompts[{i}] must be a non-empty string", field=f"prompts[{i}]")
+        check_text(prompt, f"prompts[{i}]")
     if not _is_int(max_tokens) or not 1 <= max_tokens <= MAX_TOKENS_LIMIT:
         raise BadInput(f"max_tokens must be an integer in 1..{MAX_TOKENS_LIMIT}, got {max_tokens!r}", field="max_tokens")
     if not _is_number(temperature) or temperature < 0:

@@ -1,0 +1,108 @@
+"""The typed contract: requests round-trip as data, unknown and missing arguments are refused by name, the
+runtime refuses text it cannot encode, and a server refuses a runtime that speaks another contract version."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpu_runtime.contract import CALLS, CONTRACT_VERSION, ForwardBackward, Method, Sample, parse_call
+from gpu_runtime.errors import BadInput, FailedPrecondition
+from gpu_runtime.worker_client import WorkerClient
+
+EXAMPLES: dict[Method, dict[str, Any]] = {
+    Method.CREATE_RUN: {"run_id": "r1", "user_id": "u1", "base_model": "m", "lora": {"r": 4}, "seed": 3},
+    Method.FORWARD_BACKWARD: {"run_id": "r1", "batch": [{"text": "hi"}], "request_id": "a"},
+    Method.OPTIM_STEP: {"run_id": "r1", "adam": {"learning_rate": 0.01}},
+    Method.SAMPLE: {"run_id": "r1", "prompts": ["hi"], "max_tokens": 3, "stop": ["x"]},
+    Method.SAVE_STATE: {"run_id": "r1", "mode": "state"},
+    Method.LOAD_RUN: {"run_id": "r1"},
+    Method.RUN_INFO: {"run_id": "r1"},
+    Method.CLOSE_RUN: {"run_id": "r1"},
+    Method.DELETE_RUN: {"run_id": "r1"},
+    Method.EXPORT_CHECKPOINT: {"run_id": "r1", "mode": "adapter", "step": 2},
+    Method.PING: {},
+    Method.RUNTIME_STATE: {},
+}
+
+
+def test_every_method_has_a_request_type_and_an_example() -> None:
+    assert set(CALLS) == set(Method) == set(EXAMPLES)
+
+
+@pytest.mark.parametrize("method", list(Method))
+def test_a_request_crosses_as_data_and_comes_back_equal(method: Method) -> None:
+    call = parse_call(method.value, EXAMPLES[method])
+    wire = json.loads(json.dumps(call.to_dict()))  # what the socket and Modal's .remote() carry
+    assert parse_call(method.value, wire) == call
+    assert {k: v for k, v in wire.items() if k in EXAMPLES[method]} == EXAMPLES[method]
+
+
+@pytest.mark.parametrize(("method", "params", "field"), [
+    ("nope", {}, "method"),
+    ("optim_step", {"run_id": "r1", "adma": {}}, "params"),
+    ("forward_backward", {"run_id": "r1"}, "params"),  # no batch
+    ("forward_backward", {"run_id": "../etc", "batch": [{"text": "a"}]}, "run_id"),
+    ("forward_backward", {"run_id": "r1", "batch": []}, "batch"),
+    ("forward_backward", {"run_id": "r1", "batch": [{"text": "a"}], "request_id": "x" * 129}, "request_id"),
+    ("forward_backward", {"run_id": "r1", "batch": [{"text": "a"}], "request_id": "tab\there"}, "request_id"),
+    ("sample", {"run_id": "r1", "prompts": ["ok", "a\ud800"]}, "prompts[1]"),
+    ("forward_backward", {"run_id": "r1", "batch": [{"input": "ok", "output": "b\udfff"}]}, "batch[0].output"),
+    ("forward_backward", {"run_id": "r1", "batch": [{"messages": [{"role": "user", "content": "\ud800"}]}]},
+     "batch[0].messages[0].content"),
+    ("optim_step", {"run_id": "r1", "adam": {"beta1": 1.0}}, "adam.beta1"),
+    ("save_state", {"run_id": "r1", "mode": "everything"}, "mode"),
+    ("create_run", {"run_id": "r1", "user_id": "u1", "base_model": "m", "seed": -1}, "seed"),
+    ("create_run", {"run_id": "r1", "user_id": "u1", "base_model": "m", "lora": {"r": 0}}, "lora.r"),
+])
+def test_bad_requests_are_refused_naming_the_field(method: str, params: dict[str, Any], field: str) -> None:
+    with pytest.raises(BadInput) as caught:
+        parse_call(method, params)
+    assert caught.value.field == field
+
+
+def test_defaults_are_the_contracts() -> None:
+    call = parse_call("sample", {"run_id": "r1", "prompts": ["hi"]})
+    assert isinstance(call, Sample)
+    assert (call.max_tokens, call.temperature, call.top_p, call.top_k, call.num_samples) == (64, 1.0, 1.0, 0, 1)
+    fb = parse_call("forward_backward", {"run_id": "r1", "batch": [{"text": "a"}]})
+    assert isinstance(fb, ForwardBackward) and fb.loss_fn == "cross_entropy"
+
+
+def _old_runtime(path: Path, greeting: dict[str, Any]) -> threading.Thread:
+    """What a runtime from an older checkout sends on its socket: its greeting line, then it waits."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    listener.listen(1)
+
+    def serve() -> None:
+        connection, _ = listener.accept()
+        connection.sendall(json.dumps(greeting).encode() + b"\n")
+        connection.recv(1)  # until the client hangs up
+        connection.close()
+        listener.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.parametrize("greeting", [
+    {"ready": True, "pid": 4242},  # before the typed contract: no version at all
+    {"ready": True, "pid": 4242, "contract": CONTRACT_VERSION + 1},
+])
+def test_a_server_refuses_a_runtime_of_another_contract_version_naming_the_fix(
+        tmp_path: Path, greeting: dict[str, Any]) -> None:
+    served = _old_runtime(tmp_path / "runtime.sock", greeting)
+    client = WorkerClient(str(tmp_path), device="cpu", start_timeout=30, shared=True)
+    with pytest.raises(FailedPrecondition) as caught:
+        client.start()
+    assert f"this server {CONTRACT_VERSION}" in caught.value.message
+    assert "kill 4242" in caught.value.message and caught.value.field == "runtime"
+    served.join(timeout=10)
+    assert not served.is_alive()
