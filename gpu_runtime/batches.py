@@ -14,10 +14,9 @@ from typing import Any, cast
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from gpu_runtime.contract.settings import TEXT_KEYS, TOKEN_KEYS
 from gpu_runtime.errors import BadInput
 
-TEXT_KEYS = ({"text"}, {"input", "output"}, {"input"}, {"output"}, {"messages"})
-TOKEN_KEYS = {"tokens", "weights", "logprobs", "advantages"}
 ROLES = {"system", "user", "assistant", "tool"}
 
 

@@ -49,10 +49,13 @@ class BatchItem:
     messages: list[MessageInput] | None = strawberry.field(default=None, description="Chat; loss on assistant turns")
     tokens: list[int] | None = strawberry.field(default=None, description="Token ids, with weights")
     weights: list[float] | None = None
+    logprobs: list[float] | None = strawberry.field(
+        default=None, description="The sampler's per-token logprobs (importance_sampling)")
+    advantages: list[float] | None = strawberry.field(default=None, description="Per-token advantages (importance_sampling)")
 
     def to_dict(self) -> dict[str, Any]:
         item: dict[str, Any] = {}
-        for key in ("text", "input", "output", "tokens", "weights"):
+        for key in ("text", "input", "output", "tokens", "weights", "logprobs", "advantages"):
             value = getattr(self, key)
             if value is not None:
                 item[key] = value

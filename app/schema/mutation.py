@@ -20,6 +20,7 @@ from app.schema.types import (
     SaveMode,
 )
 from app.services.runs import SampleParams
+from gpu_runtime.contract import DEFAULT_LOSS_FN, SAMPLE_DEFAULTS
 
 # An idempotency key: a retry that carries the id of a call already applied gets that call's answer again.
 RequestId = Annotated[str | None, strawberry.argument(
@@ -35,7 +36,7 @@ class Mutation:
 
     @strawberry.mutation(description="Compute the loss and accumulate gradients for a batch")
     async def forward_backward(
-        self, info: Info, run_id: strawberry.ID, batch: list[BatchItem], loss_fn: str = "cross_entropy",
+        self, info: Info, run_id: strawberry.ID, batch: list[BatchItem], loss_fn: str = DEFAULT_LOSS_FN,
         loss_fn_config: JSON | None = None, request_id: RequestId = None,
     ) -> ForwardBackwardResult:
         user = await info.context.user()
@@ -59,8 +60,10 @@ class Mutation:
 
     @strawberry.mutation(description="Generate from the run's current weights")
     async def sample(
-        self, info: Info, run_id: strawberry.ID, prompts: list[str], max_tokens: int = 64, temperature: float = 1.0,
-        top_p: float = 1.0, top_k: int = 0, stop: list[str] | None = None, num_samples: int = 1,
+        self, info: Info, run_id: strawberry.ID, prompts: list[str], max_tokens: int = SAMPLE_DEFAULTS["max_tokens"],
+        temperature: float = SAMPLE_DEFAULTS["temperature"], top_p: float = SAMPLE_DEFAULTS["top_p"],
+        top_k: int = SAMPLE_DEFAULTS["top_k"], stop: list[str] | None = None,
+        num_samples: int = SAMPLE_DEFAULTS["num_samples"],
         seed: int | None = None, request_id: RequestId = None,
     ) -> SampleResult:
         user = await info.context.user()

@@ -218,11 +218,15 @@ class SampledSequence:
 class SampleResult:
     outputs: list[str] = strawberry.field(description="The first sample of each prompt, in prompt order")
     sequences: list[list[SampledSequence]]
+    prompt_tokens: list[list[int]] = strawberry.field(description="Each prompt's token ids, as the model saw them")
+    step: int = strawberry.field(description="The run's step (optim_steps applied) whose weights sampled")
 
     @classmethod
     def from_result(cls, result: dict[str, Any]) -> SampleResult:
         return cls(
             outputs=list(result["outputs"]),
+            prompt_tokens=[list(ids) for ids in result["prompt_tokens"]],
+            step=int(result["step"]),
             sequences=[
                 [SampledSequence(text=s["text"], tokens=list(s["tokens"]), logprobs=[float(x) for x in s["logprobs"]],
                                  stop_reason=s["stop_reason"]) for s in per_prompt]

@@ -43,6 +43,8 @@ from gpu_runtime.contract.settings import (
     ADAM_BOUNDS,
     ADAM_DEFAULTS,
     ATTENTION_PROJECTIONS,
+    DEFAULT_LOSS_FN,
+    ITEM_KEYS,
     LORA_DEFAULTS,
     LORA_KEYS,
     LORA_R_MAX,
@@ -51,6 +53,8 @@ from gpu_runtime.contract.settings import (
     MAX_TOKENS_LIMIT,
     SAMPLE_DEFAULTS,
     SAVE_MODES,
+    TEXT_KEYS,
+    TOKEN_KEYS,
     RuntimeOptions,
     SamplingSettings,
     adam_settings,
@@ -64,11 +68,12 @@ from gpu_runtime.contract.settings import (
 )
 
 __all__ = [
-    "ADAM_BOUNDS", "ADAM_DEFAULTS", "ATTENTION_PROJECTIONS", "CALLS", "CONTRACT_VERSION", "LORA_DEFAULTS", "LORA_KEYS",
-    "LORA_R_MAX", "MAX_REQUEST_ID_LENGTH", "MAX_SAMPLES", "MAX_TOKENS_LIMIT", "SAMPLE_DEFAULTS", "SAVE_MODES",
-    "SYSTEM_CALLS", "Call", "CloseRun", "CreateRun", "DeleteRun", "ExportCheckpoint", "ForwardBackward",
-    "ForwardBackwardResult", "LoadRun", "Method", "OptimStep", "OptimStepResult", "Ping", "Result", "RunCall",
-    "RunDescription", "RunInfo", "RuntimeOptions", "RuntimeState", "Sample", "SampleResult", "SamplingSettings",
-    "SaveState", "SaveStateResult", "adam_settings", "check_adam_value", "check_id", "check_request_id", "check_text",
-    "default_target_modules", "lora_settings", "parse_call", "sampling_settings",
+    "ADAM_BOUNDS", "ADAM_DEFAULTS", "ATTENTION_PROJECTIONS", "CALLS", "CONTRACT_VERSION", "Call", "CloseRun",
+    "CreateRun", "DEFAULT_LOSS_FN", "DeleteRun", "ExportCheckpoint", "ForwardBackward", "ForwardBackwardResult",
+    "ITEM_KEYS", "LORA_DEFAULTS", "LORA_KEYS", "LORA_R_MAX", "LoadRun", "MAX_REQUEST_ID_LENGTH", "MAX_SAMPLES",
+    "MAX_TOKENS_LIMIT", "Method", "OptimStep", "OptimStepResult", "Ping", "Result", "RunCall", "RunDescription",
+    "RunInfo", "RuntimeOptions", "RuntimeState", "SAMPLE_DEFAULTS", "SAVE_MODES", "SYSTEM_CALLS", "Sample",
+    "SampleResult", "SamplingSettings", "SaveState", "SaveStateResult", "TEXT_KEYS", "TOKEN_KEYS", "adam_settings",
+    "check_adam_value", "check_id", "check_request_id", "check_text", "default_target_modules", "lora_settings",
+    "parse_call", "sampling_settings",
 ]

@@ -13,6 +13,7 @@ from dataclasses import MISSING, asdict, dataclass, fields
 from typing import Any, ClassVar, TypeVar
 
 from gpu_runtime.contract.settings import (
+    DEFAULT_LOSS_FN,
     SAMPLE_DEFAULTS,
     SAVE_MODES,
     SamplingSettings,
@@ -109,7 +110,7 @@ class CreateRun(RunCall):
 class ForwardBackward(RunCall):
     method = Method.FORWARD_BACKWARD
     batch: list[dict[str, Any]]
-    loss_fn: str = "cross_entropy"
+    loss_fn: str = DEFAULT_LOSS_FN
     loss_fn_config: dict[str, Any] | None = None
     request_id: str | None = None
 
@@ -162,7 +163,7 @@ class Sample(RunCall):
 @dataclass(frozen=True, kw_only=True)
 class SaveState(RunCall):
     method = Method.SAVE_STATE
-    mode: str = "adapter"
+    mode: str = SAVE_MODES[0]
     request_id: str | None = None
     push_to_hub: bool = False
     hub_model_id: str | None = None

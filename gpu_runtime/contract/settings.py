@@ -151,6 +151,15 @@ def lora_settings(lora: Any, available: set[str] | None = None) -> dict[str, Any
             "target_modules": sorted(set(targets)) if targets is not None else None}
 
 
+# ---- batches -------------------------------------------------------------------------------------
+
+# A batch item is one of these key sets (gpu_runtime/batches.py renders them): text, a prompt/answer pair, a chat,
+# or token level. Token items take per-token logprobs and advantages for the RL losses.
+TEXT_KEYS = ({"text"}, {"input", "output"}, {"input"}, {"output"}, {"messages"})
+TOKEN_KEYS = {"tokens", "weights", "logprobs", "advantages"}
+ITEM_KEYS = {"text", "input", "output", "messages"} | TOKEN_KEYS
+DEFAULT_LOSS_FN = "cross_entropy"
+
 # ---- sampling ----------------------------------------------------------------------------------
 
 MAX_TOKENS_LIMIT = 4096
