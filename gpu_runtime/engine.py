@@ -259,6 +259,8 @@ class Engine:
                 self._finish(request, message)
 
     def _resolve(self, request: Request, call: Call) -> dict[str, Any] | None:
+        if "raise_in_prepare" in self.shared.faults and (request.request_id or "").startswith("raise"):
+            raise RuntimeError("failpoint raise_in_prepare")  # what a library bug in one call's preparation does
         state = self.recovery.state(call.run_id)  # type: ignore[attr-defined]  # ON_RESIDENT_RUN calls carry run_id
         if isinstance(call, ForwardBackward):
             prepared = self.training.prepare(state, call)
