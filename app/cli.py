@@ -112,10 +112,10 @@ def serve_command(settings: Settings, args: argparse.Namespace) -> int:
 
 def runtime_command(settings: Settings, args: argparse.Namespace) -> int:
     """Become the runtime (exec): it holds DATA_DIR/runtime.lock, so a second one on the same data dir refuses."""
-    from gpu_runtime.worker_client import WorkerClient
+    from gpu_runtime.runtime_client import RuntimeClient
 
     settings.data_dir.mkdir(parents=True, exist_ok=True)
-    client = WorkerClient(data_dir=str(settings.data_dir), device=settings.device, options=settings.runtime_options(),
+    client = RuntimeClient(data_dir=str(settings.data_dir), device=settings.device, options=settings.runtime_options(),
                           allow_downloads=settings.allow_downloads)
     command = client.command(["--socket"])
     sys.stdout.flush()

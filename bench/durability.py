@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/durability.py [--steps 100] [--quick] [--tokens 8] [--rank 32] [--threads N]
 
-Two runtime processes (`WorkerClient`), each with one run of LoRA r=32 on the default model:
+Two runtime processes (`RuntimeClient`), each with one run of LoRA r=32 on the default model:
 
 - **journal**: the default RuntimeOptions: every forward_backward and optim_step is journaled and
   fsync'd before its answer, and the run is snapshotted every `snapshot_every_steps` (50) steps;
@@ -40,11 +40,11 @@ def parse_args() -> argparse.Namespace:
 class Side:
     def __init__(self, name: str, data_dir: str, args: argparse.Namespace, env: dict[str, str], **options: int) -> None:
         from gpu_runtime.contract import RuntimeOptions
-        from gpu_runtime.worker_client import WorkerClient
+        from gpu_runtime.runtime_client import RuntimeClient
 
         self.name = name
         self.options = RuntimeOptions(**options)
-        self.client = WorkerClient(data_dir, device=args.device, options=self.options, env=env)
+        self.client = RuntimeClient(data_dir, device=args.device, options=self.options, env=env)
         self.client.start()
         self.pid = self.client.pid
         assert self.pid is not None

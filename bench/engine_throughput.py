@@ -1,4 +1,4 @@
-"""Training throughput through the worker (WorkerClient → runtime) next to a plain in-process PEFT loop.
+"""Training throughput through the worker (RuntimeClient → runtime) next to a plain in-process PEFT loop.
 
     .venv/bin/python bench/engine_throughput.py [--steps 5] [--batch-size 8] [--seq-len 128] [--quick] [--model DIR] [--threads N]
 
@@ -39,13 +39,13 @@ def fixed_batch(batch_size: int, seq_len: int) -> list[dict[str, list[int] | lis
 
 
 class WorkerSide:
-    """The runtime in its worker process, through WorkerClient: what the server drives."""
+    """The runtime in its worker process, through RuntimeClient: what the server drives."""
 
     def __init__(self, args: argparse.Namespace, data_dir: str, env: dict[str, str]) -> None:
-        from gpu_runtime.worker_client import WorkerClient
+        from gpu_runtime.runtime_client import RuntimeClient
 
         self.run_id = f"bench-{uuid.uuid4().hex[:8]}"
-        self.client = WorkerClient(data_dir, device=args.device, env=env)
+        self.client = RuntimeClient(data_dir, device=args.device, env=env)
         self.client.start()
         self.created = self.client.call("create_run", run_id=self.run_id, user_id="bench", base_model=args.model,
                                         lora={**LORA, "target_modules": None}, seed=0)
@@ -126,7 +126,7 @@ def main() -> None:
     print(f"\nmodel {args.model}  device {worker.device}  {steps} timed steps × {batch_size} × {seq_len} tokens, "
           f"LoRA r={LORA['r']} on {baseline.targets}")
     print(f"{'path':<28}{'seconds':>10}{'tokens/s':>12}")
-    print(f"{'worker (WorkerClient)':<28}{seconds['worker']:>10.2f}{worker_tps:>12.1f}")
+    print(f"{'worker (RuntimeClient)':<28}{seconds['worker']:>10.2f}{worker_tps:>12.1f}")
     print(f"{'plain PEFT loop':<28}{seconds['baseline']:>10.2f}{baseline_tps:>12.1f}")
     print(f"ratio worker/baseline: {ratio:.3f} (target ≥ 0.95)")
     emit({"bench": "engine_throughput", "model": args.model, "device": worker.device, "steps": steps,

@@ -19,7 +19,7 @@ from typing import Any
 import anyio.to_thread
 
 from app.settings import Settings
-from gpu_runtime.worker_client import WorkerClient
+from gpu_runtime.runtime_client import RuntimeClient
 
 log = logging.getLogger("signal.backend")
 
@@ -29,7 +29,7 @@ class LocalBackend:
     multi_gpu = True  # the local runtime uses the machine's devices as they are; gpu_config is not applied here
 
     def __init__(self, settings: Settings) -> None:
-        self.client = WorkerClient(
+        self.client = RuntimeClient(
             data_dir=str(settings.data_dir),
             device=settings.device,
             options=settings.runtime_options(),

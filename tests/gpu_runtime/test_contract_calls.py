@@ -13,7 +13,7 @@ import pytest
 
 from gpu_runtime.contract import CALLS, CONTRACT_VERSION, ForwardBackward, Method, Sample, parse_call
 from gpu_runtime.errors import BadInput, FailedPrecondition
-from gpu_runtime.worker_client import WorkerClient
+from gpu_runtime.runtime_client import RuntimeClient
 
 EXAMPLES: dict[Method, dict[str, Any]] = {
     Method.CREATE_RUN: {"run_id": "r1", "user_id": "u1", "base_model": "m", "lora": {"r": 4}, "seed": 3},
@@ -99,7 +99,7 @@ def _old_runtime(path: Path, greeting: dict[str, Any]) -> threading.Thread:
 def test_a_server_refuses_a_runtime_of_another_contract_version_naming_the_fix(
         tmp_path: Path, greeting: dict[str, Any]) -> None:
     served = _old_runtime(tmp_path / "runtime.sock", greeting)
-    client = WorkerClient(str(tmp_path), device="cpu", start_timeout=30, shared=True)
+    client = RuntimeClient(str(tmp_path), device="cpu", start_timeout=30, shared=True)
     with pytest.raises(FailedPrecondition) as caught:
         client.start()
     assert f"this server {CONTRACT_VERSION}" in caught.value.message

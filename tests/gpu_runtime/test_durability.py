@@ -31,7 +31,7 @@ from gpu_runtime.engine import Engine
 from gpu_runtime.errors import FailedPrecondition, WorkerFailed
 from gpu_runtime.journal import HEADER, JOURNAL_FILE
 from gpu_runtime.persistence import write_json
-from gpu_runtime.worker_client import WorkerClient
+from gpu_runtime.runtime_client import RuntimeClient
 from tests.helpers.engine_tools import BATCH
 
 LORA = {"r": 4, "alpha": 8, "dropout": 0.1}  # dropout on: replay must redraw the same masks
@@ -192,7 +192,7 @@ class Crash:
 @dataclass
 class Crashes:
     data: Path
-    client: WorkerClient  # its worker died at every failpoint in turn; the next call respawns it without faults
+    client: RuntimeClient  # its worker died at every failpoint in turn; the next call respawns it without faults
     runs: dict[str, Crash]
 
 
@@ -214,7 +214,7 @@ def crashes(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> It
         state.journal.close()
     del first  # dropped without a shutdown: what a crash leaves is the journal, no snapshot
 
-    client = WorkerClient(str(data), device="cpu", options=CRASH_OPTIONS, log_path=str(root / "worker.log"))
+    client = RuntimeClient(str(data), device="cpu", options=CRASH_OPTIONS, log_path=str(root / "worker.log"))
     runs: dict[str, Crash] = {}
     try:
         for failpoint in ("before_journal", "after_journal", "during_snapshot"):
@@ -307,10 +307,10 @@ def test_a_worker_killed_between_calls_fails_only_the_calls_sent_to_it(tmp_path:
     """The call that respawns a dead worker is not failed by the dead one's reader cleaning up late."""
     script = tmp_path / "fake_worker.py"
     script.write_text(FAKE_WORKER)
-    launcher = tmp_path / "python"  # the client runs `python -m gpu_runtime.worker …`: this python runs the fake
+    launcher = tmp_path / "python"  # the client runs `python -m gpu_runtime.runtime_process …`: this python runs the fake
     launcher.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{script}" "$@"\n')
     launcher.chmod(0o755)
-    client = WorkerClient(str(tmp_path), python=str(launcher))
+    client = RuntimeClient(str(tmp_path), python=str(launcher))
     try:
         client.start()
         old = client._process

@@ -1,6 +1,6 @@
 """Order and fairness: calls on one run apply in arrival order, a user who floods the queue does not
 hold back another's single call (and is not starved), and a long sample does not block short calls.
-In-process ticks show what each tick did; the worker process shows the same through WorkerClient."""
+In-process ticks show what each tick did; the worker process shows the same through RuntimeClient."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 
 from gpu_runtime.contract import RuntimeOptions
 from gpu_runtime.engine import Engine
-from gpu_runtime.worker_client import WorkerClient
+from gpu_runtime.runtime_client import RuntimeClient
 from tests.helpers.engine_tools import BATCH, result_of, submit
 
 LORA = {"r": 4, "alpha": 8}
@@ -99,10 +99,10 @@ def test_a_runs_optim_step_waits_for_its_own_sample(tmp_path: Path, tiny_model_d
 
 
 @pytest.fixture(scope="module")
-def worker(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: str) -> Iterator[WorkerClient]:
+def worker(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: str) -> Iterator[RuntimeClient]:
     root = tmp_path_factory.mktemp("scheduling-worker")
     options = RuntimeOptions(tick_tokens=128, decode_chunk_seconds=0.005)
-    client = WorkerClient(str(root / "data"), device="cpu", options=options, log_path=str(root / "worker.log"))
+    client = RuntimeClient(str(root / "data"), device="cpu", options=options, log_path=str(root / "worker.log"))
     client.start()
     for run_id, user in (("w1", "u1"), ("w2", "u2"), ("w3", "u3"), ("flood", "flooder"), ("one", "bystander")):
         client.call("create_run", run_id=run_id, user_id=user, base_model=tiny_model_dir, lora=LORA)
@@ -110,7 +110,7 @@ def worker(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: str) -> Ite
     client.close()
 
 
-def test_per_run_order_holds_under_concurrent_submission(worker: WorkerClient) -> None:
+def test_per_run_order_holds_under_concurrent_submission(worker: RuntimeClient) -> None:
     start = threading.Barrier(3)
     futures: dict[str, list[tuple[str, Future[dict[str, Any]]]]] = {}
 
@@ -136,7 +136,7 @@ def test_per_run_order_holds_under_concurrent_submission(worker: WorkerClient) -
         assert worker.call("run_info", run_id=run_id)["step"] == 3
 
 
-def test_a_flood_through_the_worker_does_not_delay_a_single_call(worker: WorkerClient) -> None:
+def test_a_flood_through_the_worker_does_not_delay_a_single_call(worker: RuntimeClient) -> None:
     order: list[str] = []
     lock = threading.Lock()
 
@@ -160,7 +160,7 @@ def test_a_flood_through_the_worker_does_not_delay_a_single_call(worker: WorkerC
     assert worker.call("run_info", run_id="flood")["pending_forward_backward"] == 20
 
 
-def test_a_short_call_completes_while_the_worker_decodes_a_long_sample(worker: WorkerClient) -> None:
+def test_a_short_call_completes_while_the_worker_decodes_a_long_sample(worker: RuntimeClient) -> None:
     long = worker.submit("sample", run_id="w1", prompts=["hello"] * 4, max_tokens=200, seed=1)
     for _ in range(200):  # bounded: until the runtime reports the sample's decode group
         if worker.call("runtime_state")["decode_groups"]:

@@ -1,4 +1,4 @@
-"""The worker process through WorkerClient: typed errors, a clean protocol channel, crash and restart."""
+"""The worker process through RuntimeClient: typed errors, a clean protocol channel, crash and restart."""
 
 from __future__ import annotations
 
@@ -12,20 +12,20 @@ from pathlib import Path
 import pytest
 
 from gpu_runtime.errors import BadInput, RunNotFound, WorkerFailed
-from gpu_runtime.worker_client import WorkerClient
+from gpu_runtime.runtime_client import RuntimeClient
 from tests.helpers.engine_tools import BATCH
 
 
 @pytest.fixture(scope="module")
-def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerClient]:
+def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RuntimeClient]:
     root = tmp_path_factory.mktemp("worker")
-    worker = WorkerClient(str(root / "data"), device="cpu", log_path=str(root / "worker.log"))
+    worker = RuntimeClient(str(root / "data"), device="cpu", log_path=str(root / "worker.log"))
     worker.start()
     yield worker
     worker.close()
 
 
-def test_worker_survives_bad_requests_and_answers_typed_errors(client: WorkerClient, tiny_model_dir: str) -> None:
+def test_worker_survives_bad_requests_and_answers_typed_errors(client: RuntimeClient, tiny_model_dir: str) -> None:
     pid = client.pid
     created = client.call("create_run", run_id="w1", user_id="u1", base_model=tiny_model_dir, lora={"r": 4})
     assert created["step"] == 0
@@ -50,7 +50,7 @@ def test_worker_survives_bad_requests_and_answers_typed_errors(client: WorkerCli
     assert ping["pid"] == pid and ping["runs_in_memory"] == ["w1"] and ping["device"] == "cpu"
 
 
-def test_killed_worker_is_worker_failed_and_restart_resumes_from_disk(client: WorkerClient, tiny_model_dir: str) -> None:
+def test_killed_worker_is_worker_failed_and_restart_resumes_from_disk(client: RuntimeClient, tiny_model_dir: str) -> None:
     client.call("create_run", run_id="w2", user_id="u1", base_model=tiny_model_dir, lora={"r": 4})
     client.call("forward_backward", run_id="w2", batch=BATCH)
     client.call("optim_step", run_id="w2")
@@ -71,7 +71,7 @@ def test_killed_worker_is_worker_failed_and_restart_resumes_from_disk(client: Wo
     assert client.call("optim_step", run_id="w2")["step"] == 2
 
 
-def test_a_cancelled_call_still_applies_and_other_answers_keep_coming(client: WorkerClient, tiny_model_dir: str) -> None:
+def test_a_cancelled_call_still_applies_and_other_answers_keep_coming(client: RuntimeClient, tiny_model_dir: str) -> None:
     client.call("create_run", run_id="cancelled", user_id="u1", base_model=tiny_model_dir, lora={"r": 4})
     future = client.submit("forward_backward", run_id="cancelled", batch=BATCH)
     assert future.cancel()  # the caller went away; the runtime still has the call
@@ -80,7 +80,7 @@ def test_a_cancelled_call_still_applies_and_other_answers_keep_coming(client: Wo
 
 
 def test_close_stops_the_worker_and_start_is_idempotent(tmp_path: Path) -> None:
-    worker = WorkerClient(str(tmp_path), device="cpu", log_path=str(tmp_path / "w.log"))
+    worker = RuntimeClient(str(tmp_path), device="cpu", log_path=str(tmp_path / "w.log"))
     worker.start()
     pid = worker.pid
     worker.start()
@@ -90,7 +90,7 @@ def test_close_stops_the_worker_and_start_is_idempotent(tmp_path: Path) -> None:
 
 
 def test_a_bad_device_fails_start_with_a_typed_error(tmp_path: Path) -> None:
-    worker = WorkerClient(str(tmp_path), device="tpu", log_path=str(tmp_path / "w.log"))
+    worker = RuntimeClient(str(tmp_path), device="tpu", log_path=str(tmp_path / "w.log"))
     with pytest.raises(BadInput) as caught:
         worker.start()
     assert caught.value.field == "device"
@@ -99,7 +99,7 @@ def test_a_bad_device_fails_start_with_a_typed_error(tmp_path: Path) -> None:
 
 NOISY_WORKER = """
 import os, sys
-from gpu_runtime import control_calls, worker
+from gpu_runtime import control_calls, runtime_process
 
 original_ping = control_calls.Control.ping
 
@@ -109,7 +109,7 @@ def noisy_ping(self):
     return original_ping(self)
 
 control_calls.Control.ping = noisy_ping
-sys.exit(worker.main(["--data-dir", sys.argv[1], "--device", "cpu"]))
+sys.exit(runtime_process.main(["--data-dir", sys.argv[1], "--device", "cpu"]))
 """
 
 
@@ -134,7 +134,7 @@ def test_a_spawned_runtime_no_server_connects_to_exits_by_itself(tmp_path: Path)
     # The server that spawned it died between its "ready" and connecting: nothing else would ever stop it.
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     runtime = subprocess.Popen(
-        [sys.executable, "-m", "gpu_runtime.worker", "--data-dir", str(tmp_path), "--device", "cpu", "--socket",
+        [sys.executable, "-m", "gpu_runtime.runtime_process", "--data-dir", str(tmp_path), "--device", "cpu", "--socket",
          "--spawned", "--first-client-seconds", "0.5"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
     )

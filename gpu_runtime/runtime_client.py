@@ -1,4 +1,4 @@
-"""Drive a local runtime process (`python -m gpu_runtime.worker`) from the server.
+"""Drive a local runtime process (`python -m gpu_runtime.runtime_process`) from the server.
 
 Pipelined: many requests are in flight at once, each with an id; a reader thread hands each answer
 to the Future of its request, in whatever order the runtime sends them. Thread-safe: any number
@@ -30,7 +30,7 @@ from gpu_runtime.protocol import LOCK_HELD, check_contract, decode, encode, runt
 PACKAGE_PARENT = str(Path(__file__).resolve().parent.parent)  # a checkout, or site-packages when installed
 
 
-class WorkerClient:
+class RuntimeClient:
     def __init__(
         self,
         data_dir: str,
@@ -93,7 +93,7 @@ class WorkerClient:
         with self._lock:
             self._stop(graceful=True)
 
-    def __enter__(self) -> WorkerClient:
+    def __enter__(self) -> RuntimeClient:
         self.start()
         return self
 
@@ -128,7 +128,7 @@ class WorkerClient:
     # ---- internals ------------------------------------------------------------------------
 
     def command(self, extra: list[str] | None = None) -> list[str]:
-        command = [self.python, "-m", "gpu_runtime.worker", "--data-dir", self.data_dir, "--device", self.device]
+        command = [self.python, "-m", "gpu_runtime.runtime_process", "--data-dir", self.data_dir, "--device", self.device]
         command += ["--options", encode(self.options.to_dict()).decode().strip()]
         return command + (["--allow-downloads"] if self.allow_downloads else []) + (extra or [])
 
@@ -210,7 +210,7 @@ class WorkerClient:
             with self._lock:
                 entry = self._pending.pop(message.get("id"), None)  # type: ignore[arg-type]
             if entry is None:
-                print(f"gpu_runtime worker: answer for unknown request {message.get('id')!r}", file=sys.stderr)
+                print(f"gpu_runtime runtime: answer for unknown request {message.get('id')!r}", file=sys.stderr)
                 continue
             future = entry[1]
             if not future.set_running_or_notify_cancel():
@@ -236,7 +236,7 @@ class WorkerClient:
             # The log's path stays on the server: this message travels to API clients.
             future.set_exception(WorkerFailed(f"worker process {_ended(process, code)} during {method}"))
         if failed:
-            print(f"gpu_runtime worker {_ended(process, code)}; its log: {self.log_path or 'stderr'}", file=sys.stderr)
+            print(f"gpu_runtime runtime {_ended(process, code)}; its log: {self.log_path or 'stderr'}", file=sys.stderr)
 
     def _stop(self, graceful: bool) -> None:
         process, self._process = self._process, None
@@ -365,4 +365,4 @@ def _read_message(stream: Any) -> dict[str, Any] | None:
             return decode(line)
         except ValueError:
             # Only the runtime writes here; a stray line is reported, not fatal.
-            print(f"gpu_runtime worker: ignoring non-protocol line {line[:200]!r}", file=sys.stderr)
+            print(f"gpu_runtime runtime: ignoring non-protocol line {line[:200]!r}", file=sys.stderr)
