@@ -144,14 +144,36 @@ class MultiLoraLinear(nn.Module):
             rows.append(out.new_zeros(((x.shape[0] - cursor) * per_row, out.shape[-1]), dtype=rows[-1].dtype))
         return (out + torch.cat(rows).view(*out.shape[:-1], -1)).to(out.dtype)
 
+    def _group_input(self, x: torch.Tensor, group: list[Segment], dtype: torch.dtype) -> torch.Tensor:
+        """The group's rows, in its order, as [rows × tokens, in], each run's dropout mask applied. One gather (none
+        when the group is every row in order), not a slice per run: each slice's backward would fill a whole-x
+        gradient."""
+        whole = group[0].start == 0 and group[-1].end == x.shape[0] and all(
+            a.end == b.start for a, b in zip(group, group[1:]))
+        if whole:
+            xs = x.to(dtype)
+        else:
+            index = torch.cat([torch.arange(s.start, s.end) for s in group]).to(x.device)
+            xs = x.to(dtype).index_select(0, index)
+        masks = [self._mask_or_none(x[s.start : s.end], s, dtype) for s in group]
+        if any(mask is not None for mask in masks):  # ×1 where a run has no dropout: the bits of no mask
+            xs = xs * torch.cat([torch.ones(x[s.start : s.end].shape, dtype=dtype, device=x.device) if mask is None
+                                 else mask for s, mask in zip(group, masks)])
+        return xs.reshape(-1, x.shape[-1])
+
+    def _mask_or_none(self, x: torch.Tensor, segment: Segment, dtype: torch.dtype) -> torch.Tensor | None:
+        p = self.adapters[segment.key].dropout
+        if p > 0 and segment.dropout_seed is not None:
+            return self._dropout_mask(x.detach().to(dtype), segment, p)
+        return None
+
     def _group_delta(self, x: torch.Tensor, group: list[Segment], width: int, per_row: int) -> torch.Tensor:
         """`B(A(x)) * scaling` for the rows of runs of one padded width, as [rows × tokens, out]."""
         loras = [self.adapters[s.key] for s in group]
-        inputs = [self._input(x[s.start : s.end], s).reshape(-1, x.shape[-1]) for s in group]
-        xs = inputs[0] if len(inputs) == 1 else torch.cat(inputs)
+        xs = self._group_input(x, group, loras[0].A.dtype)
         # Zero rows of A and columns of B up to the run's own width: its numbers never depend on who else is here.
-        A = torch.stack([F.pad(lora.A, (0, 0, 0, width - lora.A.shape[0])) for lora in loras]).transpose(1, 2)
-        B = torch.stack([F.pad(lora.B, (0, width - lora.B.shape[1])) for lora in loras]).transpose(1, 2)
+        A = torch.stack([_pad_to(lora.A, width, dim=0) for lora in loras]).transpose(1, 2)
+        B = torch.stack([_pad_to(lora.B, width, dim=1) for lora in loras]).transpose(1, 2)
         counts = [(s.end - s.start) * per_row for s in group]
         offsets = torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(x.device)
         delta = _contiguous_grad(torch._grouped_mm(_contiguous_grad(torch._grouped_mm(xs, A, offs=offsets)), B, offs=offsets))
@@ -167,6 +189,14 @@ WIDTH_STEP = 16  # ranks pad up to a multiple of this: _grouped_mm's alignment, 
 
 def group_width(rank: int) -> int:
     return -(-rank // WIDTH_STEP) * WIDTH_STEP
+
+
+def _pad_to(matrix: torch.Tensor, width: int, dim: int) -> torch.Tensor:
+    """`matrix` with zeros appended along `dim` (the rank's) up to `width`; itself when it is that wide already."""
+    missing = width - matrix.shape[dim]
+    if not missing:
+        return matrix
+    return F.pad(matrix, (0, 0, 0, missing) if dim == 0 else (0, missing))
 
 
 def _contiguous_grad(t: torch.Tensor) -> torch.Tensor:
