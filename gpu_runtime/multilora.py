@@ -206,7 +206,7 @@ def _contiguous_grad(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether torch's private `_grouped_mm` runs here, forward and backward, and agrees with plain matmuls;
     where it does not (an older torch, a GPU or dtype it lacks a kernel for), the per-segment loop serves."""

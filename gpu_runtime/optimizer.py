@@ -8,14 +8,14 @@ device, and made again after `load_state_dict` (which puts back the saved group'
 from __future__ import annotations
 
 from collections.abc import Iterable
-from functools import lru_cache
+from functools import cache
 
 import torch
 
 LEARNING_RATE = 1e-4  # a placeholder: every optim_step sets the call's own settings on the groups
 
 
-@lru_cache(maxsize=None)
+@cache
 def fused_on(device_type: str) -> bool:
     """Whether torch has a fused AdamW kernel for this device type (the CPU has one since torch 2.4)."""
     try:

@@ -152,3 +152,18 @@ def test_grouped_path_equals_the_loop_on_cuda_in_bf16() -> None:
     for key in adapters:
         for ours, theirs in zip(grouped_grads[key], loop_grads[key]):
             torch.testing.assert_close(ours.float(), theirs.float(), rtol=0, atol=2e-2 * theirs.float().abs().max().item())
+
+
+def test_grouped_path_with_mixed_ranks_dropout_and_gaps_equals_the_loop() -> None:
+    # Ranks 4 and 16 share width 16, rank 20 pads to 32; run-1 drops out; rows 7-8 belong to no run here.
+    adapters = {f"run-{i}": lora(r, 16, 12, scaling=s, dropout=p, seed=i)
+                for i, (r, s, p) in enumerate([(4, 2.0, 0.0), (20, 0.5, 0.3), (16, 1.0, 0.0)])}
+    layer = layer_with(adapters, Routing())
+    x = torch.randn(9, 5, 16, generator=torch.Generator().manual_seed(5))
+    segments = [Segment("run-0", 0, 2), Segment("run-1", 2, 4, 11, 2, 5, 0), Segment("run-2", 4, 7), Segment("gone", 7, 9)]
+    looped, loop_grads = run_layer(layer, x, segments, grouped=False)
+    grouped, grouped_grads = run_layer(layer, x, segments, grouped=True)
+    torch.testing.assert_close(grouped, looped, rtol=1e-5, atol=1e-5 * looped.abs().max().item())
+    for key in adapters:
+        for ours, theirs in zip(grouped_grads[key], loop_grads[key]):
+            torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5 * theirs.abs().max().item())
