@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from gpu_runtime.optimizer import fused_on, new_adamw, restore_fused
@@ -36,7 +38,7 @@ def test_restored_state_steps_on_bitwise_like_the_live_optimizer() -> None:
     live, restored = params(), params()
     live_optimizer = new_adamw(live)
     step(live, live_optimizer, 0)
-    saved = live_optimizer.state_dict()
+    saved = copy.deepcopy(live_optimizer.state_dict())  # as a snapshot holds it: not the live moments
     saved["param_groups"][0]["fused"] = None  # a snapshot written before fused AdamW
     with torch.no_grad():
         for a, b in zip(restored, live):
