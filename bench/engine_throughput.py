@@ -71,6 +71,7 @@ class PeftSide:
         from gpu_runtime.devices import resolve_device
         from gpu_runtime.models import ModelRegistry
         from gpu_runtime.multilora import linear_module_names
+        from gpu_runtime.optimizer import new_adamw
 
         self.torch = torch
         self.device, dtype = resolve_device(args.device)
@@ -80,8 +81,10 @@ class PeftSide:
                             target_modules=self.targets, task_type="CAUSAL_LM")
         self.model = get_peft_model(model, config)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.params, lr=ADAM["learning_rate"], betas=(ADAM["beta1"], ADAM["beta2"]),
-                                           eps=ADAM["eps"])
+        self.optimizer = new_adamw(self.params)  # the runtime's own AdamW: the ratio measures the engine, not the optimizer
+        for group in self.optimizer.param_groups:
+            group.update(lr=ADAM["learning_rate"], betas=(ADAM["beta1"], ADAM["beta2"]), eps=ADAM["eps"],
+                         weight_decay=ADAM["weight_decay"])
         self.input_ids = torch.tensor([item["tokens"] for item in batch], device=self.device)
 
     def step(self, batch: list[dict]) -> None:

@@ -13,6 +13,7 @@ call across passes, replay and recompute all draw the same mask.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 from collections.abc import Iterator
@@ -40,7 +41,7 @@ class Segment:
 @dataclass
 class Routing:
     segments: list[Segment] = field(default_factory=list)
-    grouped: bool | None = None  # None: the grouped (bmm) path on CUDA only
+    grouped: bool | None = None  # False: the per-segment loop (the reference); else grouped matmuls where torch has them
 
 
 @dataclass
@@ -80,8 +81,7 @@ class MultiLoraLinear(nn.Module):
             return out
         if len(self.routing.segments) == 1:  # the whole pass is one run: no slicing
             return self._add(out, x, segments[0])
-        grouped = self.routing.grouped if self.routing.grouped is not None else x.is_cuda
-        if grouped and len(segments) == len(self.routing.segments) and self._groupable(segments):
+        if self.routing.grouped is not False and grouped_mm_works(x.device, self.adapters[segments[0].key].A.dtype):
             return self._grouped(out, x, segments)
         pieces = []
         for segment in self.routing.segments:
@@ -91,12 +91,17 @@ class MultiLoraLinear(nn.Module):
             pieces.append(piece)
         return torch.cat(pieces)
 
-    def _add(self, out: torch.Tensor, x: torch.Tensor, segment: Segment) -> torch.Tensor:
+    def _input(self, x: torch.Tensor, segment: Segment) -> torch.Tensor:
+        """The rows' input to their run's A: in the adapter's dtype, with the run's own dropout mask."""
         lora = self.adapters[segment.key]
         x = x.to(lora.A.dtype)  # fp32 adapters on a bf16 base, as PEFT does
         if lora.dropout > 0 and segment.dropout_seed is not None:
             x = x * self._dropout_mask(x, segment, lora.dropout)
-        delta = F.linear(F.linear(x, lora.A), lora.B) * lora.scaling
+        return x
+
+    def _add(self, out: torch.Tensor, x: torch.Tensor, segment: Segment) -> torch.Tensor:
+        lora = self.adapters[segment.key]
+        delta = F.linear(F.linear(self._input(x, segment), lora.A), lora.B) * lora.scaling
         return (out + delta).to(out.dtype)
 
     def _dropout_mask(self, x: torch.Tensor, segment: Segment, p: float) -> torch.Tensor:
@@ -112,23 +117,114 @@ class MultiLoraLinear(nn.Module):
             mask = mask[:, :t] if mask.shape[1] >= t else F.pad(mask, (0, 0, 0, t - mask.shape[1]), value=1.0)
         return mask
 
-    def _groupable(self, segments: list[Segment]) -> bool:
-        ranks = {self.adapters[s.key].A.shape[0] for s in segments}
-        return len(ranks) == 1 and all(self.adapters[s.key].dropout == 0 or s.dropout_seed is None for s in segments)
-
     def _grouped(self, out: torch.Tensor, x: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
-        """Every run's rows in two batched matmuls: A and B gathered per row (same rank only)."""
-        loras = [self.adapters[s.key] for s in segments]
-        counts = torch.tensor([s.end - s.start for s in segments], device=x.device)
-        A = torch.stack([lora.A for lora in loras]).repeat_interleave(counts, dim=0)  # [N, r, in]
-        B = torch.stack([lora.B for lora in loras]).repeat_interleave(counts, dim=0)  # [N, out, r]
-        scaling = torch.tensor([lora.scaling for lora in loras], device=x.device, dtype=A.dtype)
-        scaling = scaling.repeat_interleave(counts).view(-1, *([1] * (x.dim() - 1)))
-        xs = x.to(A.dtype)
-        flat = xs if x.dim() == 3 else xs.unsqueeze(1)
-        delta = torch.bmm(torch.bmm(flat, A.transpose(1, 2)), B.transpose(1, 2))
-        delta = delta if x.dim() == 3 else delta.squeeze(1)
-        return (out + delta * scaling).to(out.dtype)
+        """Every run's rows in two grouped matmuls per width: runs whose ranks pad to one width share them."""
+        per_row = math.prod(x.shape[1:-1])  # tokens per row: the matmuls see [rows × tokens, features]
+        groups: dict[tuple[int, torch.dtype], list[Segment]] = {}
+        for segment in segments:
+            A = self.adapters[segment.key].A
+            groups.setdefault((group_width(A.shape[0]), A.dtype), []).append(segment)
+        ordered = all(a.end == b.start for a, b in zip(segments, segments[1:]))
+        if len(groups) == 1 and ordered and segments[0].start == 0 and segments[-1].end == x.shape[0]:
+            (width, _), = groups
+            delta = self._group_delta(x, segments, width, per_row)  # already in row order: no scatter
+            return (out + delta.view(*out.shape[:-1], -1)).to(out.dtype)
+        pieces: dict[int, torch.Tensor] = {}
+        for (width, _), group in groups.items():
+            delta = self._group_delta(x, group, width, per_row)
+            for segment, piece in zip(group, delta.split([(s.end - s.start) * per_row for s in group])):
+                pieces[segment.start] = piece
+        rows, cursor = [], 0  # the deltas back in row order; rows of no run here get zero
+        for segment in sorted(segments, key=lambda s: s.start):
+            if segment.start > cursor:
+                rows.append(out.new_zeros(((segment.start - cursor) * per_row, out.shape[-1]), dtype=pieces[segment.start].dtype))
+            rows.append(pieces[segment.start])
+            cursor = segment.end
+        if cursor < x.shape[0]:
+            rows.append(out.new_zeros(((x.shape[0] - cursor) * per_row, out.shape[-1]), dtype=rows[-1].dtype))
+        return (out + torch.cat(rows).view(*out.shape[:-1], -1)).to(out.dtype)
+
+    def _group_input(self, x: torch.Tensor, group: list[Segment], dtype: torch.dtype) -> torch.Tensor:
+        """The group's rows, in its order, as [rows × tokens, in], each run's dropout mask applied. One gather (none
+        when the group is every row in order), not a slice per run: each slice's backward would fill a whole-x
+        gradient."""
+        whole = group[0].start == 0 and group[-1].end == x.shape[0] and all(
+            a.end == b.start for a, b in zip(group, group[1:]))
+        if whole:
+            xs = x.to(dtype)
+        else:
+            index = torch.cat([torch.arange(s.start, s.end) for s in group]).to(x.device)
+            xs = x.to(dtype).index_select(0, index)
+        masks = [self._mask_or_none(x[s.start : s.end], s, dtype) for s in group]
+        if any(mask is not None for mask in masks):  # ×1 where a run has no dropout: the bits of no mask
+            xs = xs * torch.cat([torch.ones(x[s.start : s.end].shape, dtype=dtype, device=x.device) if mask is None
+                                 else mask for s, mask in zip(group, masks)])
+        return xs.reshape(-1, x.shape[-1])
+
+    def _mask_or_none(self, x: torch.Tensor, segment: Segment, dtype: torch.dtype) -> torch.Tensor | None:
+        p = self.adapters[segment.key].dropout
+        if p > 0 and segment.dropout_seed is not None:
+            return self._dropout_mask(x.detach().to(dtype), segment, p)
+        return None
+
+    def _group_delta(self, x: torch.Tensor, group: list[Segment], width: int, per_row: int) -> torch.Tensor:
+        """`B(A(x)) * scaling` for the rows of runs of one padded width, as [rows × tokens, out]."""
+        loras = [self.adapters[s.key] for s in group]
+        xs = self._group_input(x, group, loras[0].A.dtype)
+        # Zero rows of A and columns of B up to the run's own width: its numbers never depend on who else is here.
+        A = torch.stack([_pad_to(lora.A, width, dim=0) for lora in loras]).transpose(1, 2)
+        B = torch.stack([_pad_to(lora.B, width, dim=1) for lora in loras]).transpose(1, 2)
+        counts = [(s.end - s.start) * per_row for s in group]
+        offsets = torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(x.device)
+        delta = _contiguous_grad(torch._grouped_mm(_contiguous_grad(torch._grouped_mm(xs, A, offs=offsets)), B, offs=offsets))
+        scalings = [lora.scaling for lora in loras]
+        if len(set(scalings)) == 1:
+            return delta * scalings[0]
+        scaling = torch.tensor(scalings, dtype=delta.dtype).repeat_interleave(torch.tensor(counts)).to(x.device)
+        return delta * scaling.unsqueeze(1)
+
+
+WIDTH_STEP = 16  # ranks pad up to a multiple of this: _grouped_mm's alignment, and fewer widths to group by
+
+
+def group_width(rank: int) -> int:
+    return -(-rank // WIDTH_STEP) * WIDTH_STEP
+
+
+def _pad_to(matrix: torch.Tensor, width: int, dim: int) -> torch.Tensor:
+    """`matrix` with zeros appended along `dim` (the rank's) up to `width`; itself when it is that wide already."""
+    missing = width - matrix.shape[dim]
+    if not missing:
+        return matrix
+    return F.pad(matrix, (0, 0, 0, missing) if dim == 0 else (0, missing))
+
+
+def _contiguous_grad(t: torch.Tensor) -> torch.Tensor:
+    """_grouped_mm's backward fails on a zero-stride gradient (what a `.sum()` sends back): make it dense first."""
+    if t.requires_grad:
+        t.register_hook(lambda grad: grad.contiguous())
+    return t
+
+
+@functools.cache
+def grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether torch's private `_grouped_mm` runs here, forward and backward, and agrees with plain matmuls;
+    where it does not (an older torch, a GPU or dtype it lacks a kernel for), the per-segment loop serves."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    try:
+        generator = torch.Generator().manual_seed(0)
+        x = torch.randn(24, 32, generator=generator).to(device, dtype).requires_grad_()
+        w = torch.randn(2, 32, 16, generator=generator).to(device, dtype).requires_grad_()
+        offsets = torch.tensor([8, 24], dtype=torch.int32, device=device)
+        got = _contiguous_grad(torch._grouped_mm(x, w, offs=offsets))
+        got.sum().backward()
+        expected = torch.cat([x[:8] @ w[0], x[8:] @ w[1]])
+        tolerance = 1e-4 if dtype == torch.float32 else 5e-2
+        return (torch.allclose(got.detach().float(), expected.detach().float(), rtol=tolerance, atol=tolerance)
+                and x.grad is not None and w.grad is not None)
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
 
 
 def linear_module_names(model: nn.Module) -> set[str]:

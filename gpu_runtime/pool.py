@@ -26,6 +26,7 @@ from gpu_runtime.contract import RuntimeOptions
 from gpu_runtime.journal import Journal
 from gpu_runtime.models import LoadedBase, ModelRegistry
 from gpu_runtime.multilora import MultiLoraLinear, Routing, init_lora, linear_module_names, wrap_targets
+from gpu_runtime.optimizer import new_adamw
 from gpu_runtime.persistence import RunPaths
 from gpu_runtime.quantization import base_key
 from gpu_runtime.run_state import RunState
@@ -80,7 +81,7 @@ class Residency:
         state = RunState(
             run_id=config["run_id"], user_id=config["user_id"], config=config, paths=paths,
             base_model=config["base_model"], weights=weights,
-            optimizer=torch.optim.AdamW(params, lr=1e-4), journal=Journal(paths.journal),
+            optimizer=new_adamw(params), journal=Journal(paths.journal),
         )
         state.attach(entry.layers)
         self.runs[state.run_id] = state

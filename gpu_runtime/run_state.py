@@ -29,6 +29,7 @@ from safetensors.torch import load_file, save_file
 
 from gpu_runtime.journal import Journal
 from gpu_runtime.multilora import LoraWeights, MultiLoraLinear
+from gpu_runtime.optimizer import restore_fused
 from gpu_runtime.persistence import RunPaths, atomic_dir, read_json, write_json
 from gpu_runtime.quantization import base_key
 
@@ -245,6 +246,7 @@ class RunState:
             index = {name: i for i, name in enumerate(payload["param_names"])}
             state["state"] = {names.index(n): state["state"][index[n]] for n in names if index[n] in state["state"]}
         self.optimizer.load_state_dict(state)
+        restore_fused(self.optimizer)  # load_state_dict puts back the saved groups' `fused`
 
     def prune_snapshots(self, keep: int) -> None:
         self.paths.prune_steps(keep)

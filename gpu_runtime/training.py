@@ -95,9 +95,9 @@ def adamw_step(params: list[torch.nn.Parameter], optimizer: torch.optim.Optimize
                settings: dict[str, float]) -> float:
     """AdamW on the summed gradients divided by their normaliser; clears them. Returns the gradient norm; a
     non-finite one skips the step (the gradients are dropped all the same)."""
-    for param in params:
-        if param.grad is not None:
-            param.grad.div_(normaliser)  # summed token losses → their mean over all calls
+    grads = [param.grad for param in params if param.grad is not None]
+    if grads:  # summed token losses → their mean over all calls; one foreach call, the bits of a div_ each
+        torch._foreach_div_(grads, normaliser)
     grad_norm = float(torch.nn.utils.clip_grad_norm_(params, settings["grad_clip_norm"] or math.inf))
     if not math.isfinite(grad_norm):
         optimizer.zero_grad(set_to_none=True)
