@@ -1,4 +1,4 @@
-"""The Modal transport: one warm container per pool, running the same Engine as the local worker.
+"""The Modal transport: one warm container per pool, running the same Engine as the local runtime process.
 
     modal deploy -m gpu_runtime.modal_app        # once, and after every upgrade
 
