@@ -888,7 +888,7 @@ class Engine:
             "target_modules": state.lora["target_modules"], "seed": state.config["seed"], "step": state.step,
             "trainable_params": trainable, "total_params": self.pool.bases[state.base_key].params + trainable,
             "pending_forward_backward": state.pending_calls, "pending_tokens": state.pending_tokens,
-            "path": str(state.paths.root),
+            "path": str(state.paths.root), "device": str(self.device),
         }
 
 
