@@ -140,7 +140,7 @@ class Checkpoint:
 class Run:
     id: strawberry.ID
     base_model: str
-    status: str = strawberry.field(description='"active", or "failed" once its runtime no longer has it')
+    status: str = strawberry.field(description="Either active, or failed once its runtime no longer has the run")
     step: int = strawberry.field(description="optim_steps applied and persisted")
     lora_r: int
     lora_alpha: float
