@@ -106,6 +106,8 @@ class RunService:
         self.backend = backend
         self.catalog = catalog
         self.feed = feed
+        # Still needed beside tickets: a restarted runtime knows no ticket (its journal keeps none) and takes the first
+        # it gets as the run's start, and results are recorded in the order calls finish. One call per run per process.
         self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
 
     # ---- reading -------------------------------------------------------------------------
