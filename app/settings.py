@@ -81,6 +81,8 @@ class Settings(BaseSettings):
                                    "this often (and after every call, and at start).")
     gpu_second_rate: float = Field(1.0, ge=0, description="Credits per GPU-second: a run's cost, and each "
                                    "deduction's `credits`.")
+    cpu_second_rate: float = Field(0.0, ge=0, description="Credits per compute second of a run on the CPU "
+                                   "(device `cpu`), in place of the GPU rate.")
 
     @field_validator("worker_log", mode="before")
     @classmethod

@@ -100,8 +100,12 @@ class Run(Base):
     lora_config: Mapped[dict[str, Any]] = mapped_column(JSON)
     optimizer_config: Mapped[dict[str, Any]] = mapped_column(JSON)
     seed: Mapped[int] = mapped_column(Integer, default=0)
-    gpu_config: Mapped[str] = mapped_column(String(40), default="")
+    gpu_config: Mapped[str] = mapped_column(String(40), default="")  # the requested allocation, and the pool key's
+    # What it trains on, as its runtime reported at createRun: "cpu", "cuda:0"; "" for runs older than the column.
+    device: Mapped[str] = mapped_column(String(40), default="", server_default="")
     quantization: Mapped[str] = mapped_column(String(8), default="", server_default="")  # "" | "8bit" | "4bit"
+    # What the database can know: "active", or "failed" once its runtime answered that it no longer has the run.
+    # Resident or evicted is the runtime's to say (runtime_state), read live.
     status: Mapped[str] = mapped_column(String(20), default="active")
     step: Mapped[int] = mapped_column(Integer, default=0)
     trainable_params: Mapped[int] = mapped_column(BigInteger, default=0)
@@ -171,7 +175,7 @@ class LoginAttempt(Base):
 
 
 class BillingOutbox(Base):
-    """One deduction owed to the billing backend (docs/BILLING.md), keyed by the call's idempotency key: written
+    """One deduction owed to the billing service (docs/BILLING.md), keyed by the call's idempotency key: written
     when the call's result is recorded, sent after it (and at start, and every SIGNAL_BILLING_RETRY_S), kept once
     sent (`sent_at`) so a retry of the call is never charged twice. No foreign key: deleting a run keeps what it owes."""
 
@@ -181,6 +185,7 @@ class BillingOutbox(Base):
     run_id: Mapped[str] = mapped_column(String(ID_LENGTH))
     operation: Mapped[str] = mapped_column(String(32))
     compute_seconds: Mapped[float] = mapped_column(Float)
+    device: Mapped[str] = mapped_column(String(40), default="", server_default="")  # the run's; "": before 0008
     gpu_type: Mapped[str] = mapped_column(String(40))
     gpu_count: Mapped[int] = mapped_column(Integer)
     gpu_seconds: Mapped[float] = mapped_column(Float)

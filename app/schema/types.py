@@ -15,7 +15,7 @@ from strawberry.scalars import JSON
 from app import tables
 from app.catalog import CatalogModel
 from app.schema.context import Info
-from app.services.billing import gpu_seconds
+from app.services.ledger import gpu_seconds
 
 
 @strawberry.type(name="BaseModel")
@@ -140,7 +140,7 @@ class Checkpoint:
 class Run:
     id: strawberry.ID
     base_model: str
-    status: str
+    status: str = strawberry.field(description="Either active, or failed once its runtime no longer has the run")
     step: int = strawberry.field(description="optim_steps applied and persisted")
     lora_r: int
     lora_alpha: float
@@ -149,20 +149,25 @@ class Run:
     learning_rate: float
     optimizer: JSON = strawberry.field(description="AdamW defaults for optimStep")
     seed: int
-    gpu_config: str
+    gpu_config: str = strawberry.field(description='The requested allocation, e.g. "L40S:1", and its pool\'s key: '
+                                       'what a pool on Modal gets. The local runtime trains on its own device')
+    device: str | None = strawberry.field(
+        description='What it trains on, as its runtime reported: "cpu", "cuda:0"; null for runs older than this field')
     quantization: str | None = strawberry.field(description='"8bit" / "4bit" when its base is quantized, else null')
     trainable_params: float
     total_params: float
     compute_seconds: float = strawberry.field(
         description="Device seconds its calls took (a co-batched pass shared among its runs by token share)")
-    gpu_seconds: float = strawberry.field(description="computeSeconds × the GPUs of its pool (gpuConfig)")
+    gpu_seconds: float = strawberry.field(
+        description="computeSeconds × the GPUs it trains on (gpuConfig's count); 0 on the CPU (device cpu)")
     created_at: datetime
     updated_at: datetime
     row: strawberry.Private[tables.Run]
 
-    @strawberry.field(description="Its cost so far in credits: gpuSeconds × the server's SIGNAL_GPU_SECOND_RATE")
+    @strawberry.field(description="Its cost so far in credits: gpuSeconds × the server's SIGNAL_GPU_SECOND_RATE, "
+                      "or on the CPU computeSeconds × SIGNAL_CPU_SECOND_RATE")
     def cost(self, info: Info) -> float:
-        return self.gpu_seconds * info.context.services.settings.gpu_second_rate
+        return info.context.services.runs.ledger.cost(self.row).credits
 
     @strawberry.field
     async def metrics(self, info: Info, name: str | None = None, limit: int = 1000) -> list[Metric]:
@@ -184,7 +189,8 @@ class Run:
             id=strawberry.ID(row.id), base_model=row.base_model, status=row.status, step=row.step,
             lora_r=int(lora["r"]), lora_alpha=float(lora["alpha"]), lora_dropout=float(lora["dropout"]),
             lora_target_modules=lora.get("target_modules"), learning_rate=float(adam["learning_rate"]),
-            optimizer=JSON(adam), seed=row.seed, gpu_config=row.gpu_config, quantization=row.quantization or None,
+            optimizer=JSON(adam), seed=row.seed, gpu_config=row.gpu_config, device=row.device or None,
+            quantization=row.quantization or None,
             trainable_params=float(row.trainable_params), total_params=float(row.total_params),
             compute_seconds=float(row.compute_seconds or 0.0), gpu_seconds=gpu_seconds(row),
             created_at=row.created_at, updated_at=row.updated_at, row=row,

@@ -13,6 +13,7 @@ from app.events import EventBroker, MetricFeed
 from app.services.billing import BillingClient
 from app.services.dashboard import DashboardService
 from app.services.keys import KeyService
+from app.services.ledger import Ledger, Rates
 from app.services.live import LiveMetrics
 from app.services.login_links import LoginLinkService
 from app.services.runs import RunService
@@ -49,7 +50,7 @@ class Services:
         feed = MetricFeed(db, broker)
         users = UserService(db)
         billing = BillingClient(settings, db) if settings.billing_enabled else None
-        runs = RunService(db, backend, catalog, feed, settings.default_model, billing)
+        runs = RunService(db, backend, catalog, feed, settings.default_model, Ledger(db, Rates.of(settings), billing))
         http = httpx.AsyncClient(timeout=15)
         supabase = None
         if settings.supabase_enabled:

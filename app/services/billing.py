@@ -1,16 +1,17 @@
-"""Billing hooks: the client of the billing backend at FRONTIER_BACKEND_URL (the contract: docs/BILLING.md).
+"""Billing hooks: the client of the billing service at FRONTIER_BACKEND_URL (the contract: docs/BILLING.md).
+What a call costs, and when it is owed, is the ledger's (app/services/ledger.py); this module only talks.
 
 - `validate` asks /internal/validate-credits before createRun and before each training primitive; a refusal is
-  INSUFFICIENT_CREDITS, a backend that cannot be asked is BILLING_UNAVAILABLE, and either way nothing runs.
+  INSUFFICIENT_CREDITS, a service that cannot be asked is BILLING_UNAVAILABLE, and either way nothing runs.
 - `hf_token` asks /internal/get-integrations when a push to the Hub needs the user's token and the call brought
   none; the token goes to that one runtime call and is neither stored nor logged.
-- Deductions go through the `billing_outbox` table: RunService writes a row per applied call, keyed by the call's
+- Deductions go through the `billing_outbox` table: the ledger writes a row per applied call, keyed by the call's
   idempotency key, and `drain` sends the unsent rows to /internal/deduct-credits (after each call, at start, and
-  every SIGNAL_BILLING_RETRY_S). A row is marked sent on 2xx or 409 (the backend already has that key), so a retry,
-  a second server process or a crash between the send and the mark never charges twice, and a crash before the
-  send is charged after the restart.
+  every SIGNAL_BILLING_RETRY_S). A row is marked sent on 2xx or 409 (the service already has that key), so a
+  retry, a second server process or a crash between the send and the mark never charges twice, and a crash
+  before the send is charged after the restart.
 
-Only built when FRONTIER_BACKEND_URL is set; otherwise RunService has no billing and makes no calls at all.
+Only built when FRONTIER_BACKEND_URL is set; otherwise the ledger has no billing and makes no calls at all.
 """
 
 from __future__ import annotations
@@ -26,9 +27,7 @@ from sqlalchemy import select
 from app.db import Database
 from app.errors import BillingUnavailable, InsufficientCredits
 from app.settings import Settings
-from app.tables import BillingOutbox, Run, utcnow
-from gpu_runtime.allocation import GpuAllocation, parse_gpu_config
-from gpu_runtime.errors import BadInput
+from app.tables import BillingOutbox, utcnow
 
 log = logging.getLogger("signal.billing")
 
@@ -39,24 +38,10 @@ REFUSED = (402, 403)  # validate-credits: the user may not spend (besides 200 wi
 DRAIN_BATCH = 500  # rows sent per drain round
 
 
-def allocation_of(gpu_config: str) -> GpuAllocation:
-    """The run's GPUs; a run stored without a (valid) configuration counts as one GPU of unknown type."""
-    try:
-        return parse_gpu_config(gpu_config)
-    except BadInput:
-        return GpuAllocation(gpu_config or "unknown", 1)
-
-
-def gpu_seconds(run: Run) -> float:
-    """Compute seconds times the GPUs of the run's pool: what a run costs, before the rate."""
-    return float(run.compute_seconds or 0.0) * allocation_of(run.gpu_config).count
-
-
 class BillingClient:
     def __init__(self, settings: Settings, db: Database) -> None:
         self.db = db
         self.base_url = settings.frontier_backend_url.strip().rstrip("/")
-        self.rate = settings.gpu_second_rate
         self.timeout = settings.billing_timeout_s
         self.retry_s = settings.billing_retry_s
         headers = {"Authorization": f"Bearer {settings.billing_secret}"} if settings.billing_secret else {}
@@ -68,32 +53,29 @@ class BillingClient:
 
     # ---- before a call --------------------------------------------------------------------
 
-    async def validate(self, user_id: str, operation: str, run_id: str, gpu_config: str, base_model: str) -> None:
-        """Raise InsufficientCredits or BillingUnavailable unless the backend allows `operation` now."""
-        gpus = allocation_of(gpu_config)
-        response = await self._post(VALIDATE_PATH, {
-            "user_id": user_id, "operation": operation, "run_id": run_id, "base_model": base_model,
-            "gpu_type": gpus.gpu_type, "gpu_count": gpus.count, "credits_per_gpu_second": self.rate,
-        })
+    async def validate(self, ask: dict[str, Any]) -> None:
+        """Raise InsufficientCredits or BillingUnavailable unless the billing service allows the call `ask`
+        describes (its fields: docs/BILLING.md; the ledger writes them)."""
+        response = await self._post(VALIDATE_PATH, ask)
         if response.status_code in REFUSED:
-            raise InsufficientCredits(_message(response, "the billing backend refused: not enough credits"))
+            raise InsufficientCredits(_message(response, "the billing service refused: not enough credits"))
         if response.status_code != 200:
-            raise BillingUnavailable(f"the billing backend answered {VALIDATE_PATH} with HTTP {response.status_code}"
+            raise BillingUnavailable(f"the billing service answered {VALIDATE_PATH} with HTTP {response.status_code}"
                                      + (" (SIGNAL_BILLING_SECRET is not the one it expects)"
                                         if response.status_code == 401 else ""))
         allowed = _json(response).get("allowed")
         if allowed is False:
             raise InsufficientCredits(_message(response, "not enough credits for this call"))
         if allowed is not True:
-            raise BillingUnavailable(f"the billing backend's answer to {VALIDATE_PATH} has no boolean `allowed`")
+            raise BillingUnavailable(f"the billing service's answer to {VALIDATE_PATH} has no boolean `allowed`")
 
     async def hf_token(self, user_id: str) -> str | None:
-        """The user's Hugging Face token from the backend's integrations, or None when it has none."""
+        """The user's Hugging Face token from the billing service's integrations, or None when it has none."""
         response = await self._post(INTEGRATIONS_PATH, {"user_id": user_id, "integrations": ["huggingface"]})
         if response.status_code == 404:
-            return None  # the backend knows no integrations for this user
+            return None  # the billing service knows no integrations for this user
         if response.status_code != 200:
-            raise BillingUnavailable(f"the billing backend answered {INTEGRATIONS_PATH} with HTTP "
+            raise BillingUnavailable(f"the billing service answered {INTEGRATIONS_PATH} with HTTP "
                                      f"{response.status_code}")
         huggingface = _json(response).get("huggingface")
         token = huggingface.get("token") if isinstance(huggingface, dict) else None
@@ -103,22 +85,12 @@ class BillingClient:
         try:
             return await self.http.post(path, json=body)
         except httpx.TimeoutException:
-            raise BillingUnavailable(f"the billing backend did not answer {path} within {self.timeout:g}s") from None
+            raise BillingUnavailable(f"the billing service did not answer {path} within {self.timeout:g}s") from None
         except httpx.HTTPError as error:
-            raise BillingUnavailable(f"the billing backend at {self.base_url} is unreachable: "
+            raise BillingUnavailable(f"the billing service at {self.base_url} is unreachable: "
                                      f"{type(error).__name__}") from None
 
     # ---- after a call: the outbox ----------------------------------------------------------
-
-    def deduction(self, run: Run, operation: str, key: str, compute_seconds: float) -> BillingOutbox:
-        """The outbox row for one applied call (the caller adds it in the transaction that records the call)."""
-        gpus = allocation_of(run.gpu_config)
-        seconds = max(float(compute_seconds), 0.0)
-        return BillingOutbox(
-            idempotency_key=key, user_id=run.user_id, run_id=run.id, operation=operation, compute_seconds=seconds,
-            gpu_type=gpus.gpu_type, gpu_count=gpus.count, gpu_seconds=seconds * gpus.count,
-            credits=seconds * gpus.count * self.rate, created_at=utcnow(), attempts=0, last_error="",
-        )
 
     def start(self) -> None:
         """At server start: send what earlier processes left owed, then keep retrying every SIGNAL_BILLING_RETRY_S."""
@@ -133,7 +105,7 @@ class BillingClient:
         self._spawn(self.drain())
 
     async def drain(self) -> int:
-        """Send every unsent deduction; returns how many the backend took. Stops the round at the first failure to
+        """Send every unsent deduction; returns how many the billing service took. Stops the round at the first failure to
         reach it (the rest wait for the next round)."""
         async with self._drain_lock:
             self._drain_pending = False
@@ -157,11 +129,12 @@ class BillingClient:
             return settled
 
     async def _deduct(self, row: BillingOutbox) -> str | None:
-        """Send one deduction; None when the backend has it (now or before), else why not."""
+        """Send one deduction; None when the billing service has it (now or before), else why not."""
         try:
             response = await self.http.post(DEDUCT_PATH, json={
                 "idempotency_key": row.idempotency_key, "user_id": row.user_id, "run_id": row.run_id,
-                "operation": row.operation, "compute_seconds": row.compute_seconds, "gpu_type": row.gpu_type,
+                "operation": row.operation, "compute_seconds": row.compute_seconds, "device": row.device or None,
+                "gpu_type": row.gpu_type,
                 "gpu_count": row.gpu_count, "gpu_seconds": row.gpu_seconds, "credits": row.credits,
                 "occurred_at": row.created_at.isoformat(),
             })
@@ -210,6 +183,6 @@ def _json(response: httpx.Response) -> dict[str, Any]:
 
 
 def _message(response: httpx.Response, default: str) -> str:
-    """The backend's own words for a refusal (its `message`), shown to the user as they are."""
+    """The billing service's own words for a refusal (its `message`), shown to the user as they are."""
     message = _json(response).get("message")
     return message.strip()[:500] if isinstance(message, str) and message.strip() else default

@@ -17,7 +17,7 @@ from app.backends import Backend
 from app.db import Database
 from app.errors import NotFound
 from app.events import EventBroker
-from app.services.runs import RunService
+from app.services.runs import FAILED, RunService
 from app.tables import Checkpoint, Metric, Run, User
 
 
@@ -78,14 +78,15 @@ class DashboardService:
         return Archive(path=path, filename=f"{name}.tar.gz")
 
     async def runtime_state(self) -> dict[str, Any]:
-        """The runtime as far as this server can see it; a backend with `status()` adds its own view."""
+        """The runtime as far as this server can see it: runs by what the database knows (active, failed), and
+        resident or evicted as the runtime says now (its own state; on Modal, each pool this server called)."""
         async with self.db.session() as session:
             by_status = dict((await session.execute(select(Run.status, func.count()).group_by(Run.status))).all())
             users = await session.scalar(select(func.count()).select_from(User))
         state: dict[str, Any] = {
             "backend": type(self.backend).__name__,
             "worker_pid": getattr(getattr(self.backend, "client", None), "pid", None),
-            "runs_by_status": by_status,
+            "runs": {"total": sum(by_status.values()), "failed": int(by_status.get(FAILED, 0))},
             "users": int(users or 0),
         }
         if not self.backend.ready:
@@ -95,7 +96,16 @@ class DashboardService:
             state["runtime"] = await self.backend.call("runtime_state")
         except Exception as error:  # noqa: BLE001 - the admin page must render even when the runtime is down
             state["runtime_error"] = f"{type(error).__name__}: {error}"
+            return state
+        state["runs"] |= residency(state["runtime"])
         return state
+
+
+def residency(runtime: dict[str, Any]) -> dict[str, int]:
+    """Resident and evicted runs in a runtime_state answer: one runtime's, or the sum over Modal's pools."""
+    states = [s for s in runtime.get("pools", {}).values() if isinstance(s, dict)] if "pools" in runtime else [runtime]
+    return {"resident": sum(len(s.get("resident_runs", [])) for s in states),
+            "evicted": sum(len(s.get("evicted_runs", [])) for s in states)}
 
 
 def _write_temporary(data: bytes) -> Path:

@@ -1,8 +1,9 @@
 """Runs and the four training primitives: the one place their rules live.
 
-GraphQL resolvers and dashboard handlers both call this. Every call checks ownership first
-(another user's run is "not found", never data), then takes the run's lock so calls on one run
-reach the worker in arrival order, then records what the worker returned.
+GraphQL resolvers and dashboard handlers both call this. Every primitive goes through one skeleton (`_apply`):
+ownership first (another user's run is "not found", never data), its arguments checked, the ledger's credit check,
+then in the run's order (its lock and ticket) the runtime call, its compute seconds accounted, and its result
+recorded.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from sqlalchemy import case, delete, select, update
-from sqlalchemy.exc import IntegrityError
 from strawberry.utils.str_converters import to_camel_case
 
 from app.backends import Backend
@@ -26,12 +26,14 @@ from app.catalog import Catalog
 from app.db import Database
 from app.errors import BadInput, Forbidden, RunNotFound
 from app.events import MetricFeed
-from app.services.billing import BillingClient
-from app.tables import BillingOutbox, Checkpoint, Metric, Run, Sample, User, could_be_id, new_id, utcnow
-from gpu_runtime.allocation import parse_gpu_config, pool_key, require_single_gpu, smallest_single_gpu
+from app.services.ledger import Ledger
+from app.tables import Checkpoint, Metric, Run, Sample, User, could_be_id, new_id, utcnow
+from gpu_runtime.allocation import pool_key
 from gpu_runtime.contract import ADAM_DEFAULTS, LORA_DEFAULTS, adam_settings, lora_settings
 
 T = TypeVar("T")
+
+FAILED = "failed"  # runs.status once the runtime no longer has the run (else "active", the column's default)
 
 
 @dataclass
@@ -97,13 +99,15 @@ class SampleParams:
 
 class RunService:
     def __init__(self, db: Database, backend: Backend, catalog: Catalog, feed: MetricFeed,
-                 default_model: str, billing: BillingClient | None = None) -> None:
+                 default_model: str, ledger: Ledger) -> None:
         self.db = db
-        self.billing = billing  # None: FRONTIER_BACKEND_URL unset, no billing calls at all
+        self.ledger = ledger  # compute seconds, credits and the billing service (docs/BILLING.md)
         self.default_model = default_model
         self.backend = backend
         self.catalog = catalog
         self.feed = feed
+        # Still needed beside tickets: a restarted runtime knows no ticket (its journal keeps none) and takes the first
+        # it gets as the run's start, and results are recorded in the order calls finish. One call per run per process.
         self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
 
     # ---- reading -------------------------------------------------------------------------
@@ -149,14 +153,8 @@ class RunService:
         # Checked to hold the model, quantized or not; then the quantization it was checked with.
         gpu_config = self.catalog.resolve_gpu(model, spec.gpu_config, spec.quantization, lora_r=lora["r"])
         quantization = self.catalog.resolve_quantization(model, spec.quantization)
-        if not self.backend.multi_gpu:  # Modal pools are one GPU each until FSDP lands
-            single = smallest_single_gpu(model.parameters, quantization, lora_r=lora["r"])
-            if not spec.gpu_config and parse_gpu_config(gpu_config).count > 1 and single is not None:
-                gpu_config = str(single)  # the catalogue's multi-GPU default, on the one GPU that holds it
-            require_single_gpu(gpu_config, model.parameters, quantization, lora_r=lora["r"], field="gpuConfig")
         run_id = new_id()
-        if self.billing is not None:
-            await self.billing.validate(user.id, "create_run", run_id, gpu_config, model.name)
+        await self.ledger.allow_create(user, run_id, gpu_config, model.name)
         created = await self._engine(
             "create_run", pool=pool_key(model.name, gpu_config, quantization), run_id=run_id, user_id=user.id,
             base_model=model.source, lora=lora, seed=spec.seed, quantization=quantization,
@@ -170,6 +168,7 @@ class RunService:
             optimizer_config=adam,
             seed=spec.seed,
             gpu_config=gpu_config,
+            device=str(created.get("device") or ""),
             quantization=quantization or "",
             trainable_params=int(created.get("trainable_params", 0)),
             total_params=int(created.get("total_params", 0)),
@@ -182,37 +181,27 @@ class RunService:
         self, user: User, run_id: str, batch: builtins.list[dict[str, Any]], loss_fn: str = "cross_entropy",
         loss_fn_config: dict[str, Any] | None = None, request_id: str | None = None,
     ) -> dict[str, Any]:
-        run = await self.get(user, run_id)
-        if not isinstance(batch, list) or not batch:
-            raise BadInput("batch must be a non-empty list of examples", field="batch")
-        _check_request_id(request_id)
-        request_id = await self._check_credits(user, run, "forward_backward", request_id)
+        def arguments(run: Run) -> dict[str, Any]:
+            if not isinstance(batch, list) or not batch:
+                raise BadInput("batch must be a non-empty list of examples", field="batch")
+            return {"batch": batch, "loss_fn": loss_fn, "loss_fn_config": loss_fn_config}
 
-        async def work() -> dict[str, Any]:
-            result = await self._engine("forward_backward", pool=pool_of(run), run_id=run.id, batch=batch, loss_fn=loss_fn,
-                                        loss_fn_config=loss_fn_config, request_id=request_id,
-                                        ticket=await self._ticket(run.id))
+        async def record(run: Run, result: dict[str, Any]) -> dict[str, Any]:
             if not result.get("replayed"):  # a retry of a call already applied and recorded: record nothing twice
                 await self._record(run.id, result["step"], {
                     "loss": result["loss"], "num_tokens": result["num_tokens"], "num_examples": result["num_examples"],
                 })
-            await self._account(run, "forward_backward", request_id, result)
             return result
 
-        return await self._serialised(run.id, work)
+        return await self._apply(user, run_id, "forward_backward", request_id, arguments, record)
 
     async def optim_step(self, user: User, run_id: str, adam: dict[str, Any] | None = None,
                          request_id: str | None = None) -> dict[str, Any]:
-        run = await self.get(user, run_id)
-        overrides = {key: value for key, value in (adam or {}).items() if value is not None}
-        settings = {**ADAM_DEFAULTS, **run.optimizer_config, **overrides}
-        _check_request_id(request_id)
-        request_id = await self._check_credits(user, run, "optim_step", request_id)
+        def arguments(run: Run) -> dict[str, Any]:
+            overrides = {key: value for key, value in (adam or {}).items() if value is not None}
+            return {"adam": {**ADAM_DEFAULTS, **run.optimizer_config, **overrides}}
 
-        async def work() -> dict[str, Any]:
-            result = await self._engine("optim_step", pool=pool_of(run), run_id=run.id, adam=settings, request_id=request_id,
-                                        ticket=await self._ticket(run.id))
-            await self._account(run, "optim_step", request_id, result)
+        async def record(run: Run, result: dict[str, Any]) -> dict[str, Any]:
             if result.get("replayed"):
                 return result  # its step was stored when it was applied; a later step may have followed
             step = int(result["step"])
@@ -225,19 +214,13 @@ class RunService:
             })
             return result
 
-        return await self._serialised(run.id, work)
+        return await self._apply(user, run_id, "optim_step", request_id, arguments, record)
 
     async def sample(self, user: User, run_id: str, params: SampleParams,
                      request_id: str | None = None) -> dict[str, Any]:
-        run = await self.get(user, run_id)
         stored_params = {k: v for k, v in params.engine_params().items() if k != "prompts"}
-        _check_request_id(request_id)
-        request_id = await self._check_credits(user, run, "sample", request_id)
 
-        async def work() -> dict[str, Any]:
-            result = await self._engine("sample", pool=pool_of(run), run_id=run.id, **params.engine_params(), request_id=request_id,
-                                        ticket=await self._ticket(run.id))
-            await self._account(run, "sample", request_id, result)
+        async def record(run: Run, result: dict[str, Any]) -> dict[str, Any]:
             if result.get("replayed"):
                 return result
             async with self.db.session() as session:
@@ -247,33 +230,35 @@ class RunService:
                                            output=sequence["text"], params=stored_params))
             return result
 
-        return await self._serialised(run.id, work)
+        return await self._apply(user, run_id, "sample", request_id, lambda run: params.engine_params(), record)
 
     async def save_state(self, user: User, run_id: str, mode: str = "adapter", push_to_hub: bool = False,
                          hub_model_id: str | None = None, request_id: str | None = None,
                          hf_token: str | None = None) -> Checkpoint:
         """Export the run; with push_to_hub, the runtime also uploads it (private) with the user's `hf_token`,
         which travels as this one call's argument and is stored nowhere. With billing on and no `hf_token`, the
-        token is the user's Hugging Face integration, fetched from the billing backend now (docs/BILLING.md)."""
-        run = await self.get(user, run_id)
-        if push_to_hub and not (hub_model_id or "").strip():
-            raise BadInput("pushToHub needs hubModelId (e.g. 'your-name/my-adapter')", field="hubModelId")
-        _check_request_id(request_id)
-        request_id = await self._check_credits(user, run, "save_state", request_id)
-        hub: dict[str, Any] = {}
-        if push_to_hub:
-            if not (hf_token or "").strip() and self.billing is not None:
-                hf_token = await self.billing.hf_token(user.id)
-            if not (hf_token or "").strip():
-                integration = "; the billing backend has no Hugging Face integration for you" if self.billing else ""
+        token is the user's Hugging Face integration, fetched from the billing service now (docs/BILLING.md)."""
+        billing = self.ledger.billing
+
+        def arguments(run: Run) -> dict[str, Any]:
+            if push_to_hub and not (hub_model_id or "").strip():
+                raise BadInput("pushToHub needs hubModelId (e.g. 'your-name/my-adapter')", field="hubModelId")
+            return {"mode": mode}
+
+        async def hub() -> dict[str, Any]:
+            """The push's arguments, once the call is allowed: the user's token is fetched only for a call that runs."""
+            token = hf_token
+            if not push_to_hub:
+                return {}
+            if not (token or "").strip() and billing is not None:
+                token = await billing.hf_token(user.id)
+            if not (token or "").strip():
+                integration = "; the billing service has no Hugging Face integration for you" if billing else ""
                 raise BadInput(f"pushToHub needs hfToken: a Hugging Face token with write access{integration}",
                                field="hfToken")
-            hub = {"push_to_hub": True, "hub_model_id": hub_model_id, "hf_token": hf_token}
+            return {"push_to_hub": True, "hub_model_id": hub_model_id, "hf_token": token}
 
-        async def work() -> Checkpoint:
-            result = await self._engine("save_state", pool=pool_of(run), run_id=run.id, mode=mode, request_id=request_id,
-                                        ticket=await self._ticket(run.id), **hub)
-            await self._account(run, "save_state", request_id, result)
+        async def record(run: Run, result: dict[str, Any]) -> Checkpoint:
             async with self.db.session() as session:
                 # One row per checkpoint directory: saving again at the same step (a retry, say) rewrote it.
                 checkpoint = await session.scalar(select(Checkpoint).where(
@@ -286,7 +271,7 @@ class RunService:
                 checkpoint.hub_url = result.get("hub", {}).get("url") or checkpoint.hub_url
             return checkpoint
 
-        return await self._serialised(run.id, work)
+        return await self._apply(user, run_id, "save_state", request_id, arguments, record, allowed=hub)
 
     async def delete(self, user: User, run_id: str) -> None:
         run = await self.get(user, run_id)
@@ -313,39 +298,38 @@ class RunService:
             raise Forbidden("only admins may read the runtime's state")
         return await self.backend.call("runtime_state")
 
-    # ---- billing and compute seconds -------------------------------------------------------
+    # ---- one skeleton for the four primitives ----------------------------------------------
 
-    async def _check_credits(self, user: User, run: Run, operation: str, request_id: str | None) -> str | None:
-        """With billing on: the call's request id (a new one when the client sent none, so its deduction has a key),
-        once the backend allowed the call; a retry of a call already charged is not asked about again."""
-        if self.billing is None:
-            return request_id
-        request_id = request_id or new_id()
-        async with self.db.session() as session:
-            charged = await session.get(BillingOutbox, _billing_key(run.id, request_id))
-        if charged is None:
-            await self.billing.validate(user.id, operation, run.id, run.gpu_config, run.base_model)
-        return request_id
+    async def _apply(self, user: User, run_id: str, operation: str, request_id: str | None,
+                     arguments: Callable[[Run], dict[str, Any]], record: Callable[[Run, dict[str, Any]], Awaitable[T]],
+                     allowed: Callable[[], Awaitable[dict[str, Any]]] | None = None) -> T:
+        """A primitive on the caller's run: its `arguments` checked (before anyone is asked about credits), the call
+        allowed by the ledger, then in the run's order the runtime call, its compute seconds accounted once, and
+        its result recorded by `record`. `allowed` adds arguments that only a call allowed to run may fetch."""
+        run = await self.get(user, run_id)
+        params = arguments(run)
+        _check_request_id(request_id)
+        request_id = await self.ledger.allow(user, run, operation, request_id)
+        if allowed is not None:
+            params |= await allowed()
 
-    async def _account(self, run: Run, operation: str, request_id: str | None, result: dict[str, Any]) -> None:
-        """Add the call's compute seconds to the run, once; with billing on, owe them in the same transaction through
-        the outbox, keyed by the call's idempotency key (a retry finds the key and adds nothing), then send them."""
-        seconds = max(float(result.get("compute_seconds") or 0.0), 0.0)
-        key = _billing_key(run.id, request_id) if request_id else None
+        async def work() -> T:
+            result = await self._on_run(run, operation, **params, request_id=request_id,
+                                        ticket=await self._ticket(run.id))
+            await self.ledger.account(run, operation, request_id, result)
+            return await record(run, result)
+
+        return await self._serialised(run.id, work)
+
+    async def _on_run(self, run: Run, method: str, **params: Any) -> dict[str, Any]:
+        """A runtime call on a run the database holds. The runtime answering that it has no such run means its
+        files are gone for good: the run is marked failed (runs.status), and the caller gets NOT_FOUND."""
         try:
+            return await self._engine(method, pool=pool_of(run), run_id=run.id, **params)
+        except RunNotFound:
             async with self.db.session() as session:
-                if self.billing is not None and key is not None:
-                    if await session.get(BillingOutbox, key) is not None:
-                        return  # applied and owed before: a retry
-                    session.add(self.billing.deduction(run, operation, key, seconds))
-                elif result.get("replayed"):
-                    return
-                await session.execute(update(Run).where(Run.id == run.id)
-                                      .values(compute_seconds=Run.compute_seconds + seconds))
-        except IntegrityError:
-            return  # another server process recorded this key first
-        if self.billing is not None:
-            self.billing.drain_soon()
+                await session.execute(update(Run).where(Run.id == run.id).values(status=FAILED))
+            raise
 
     # ---- bookkeeping ---------------------------------------------------------------------
 
@@ -427,11 +411,6 @@ def _fields_renamed(rename: Callable[[str], str]) -> Iterator[None]:
 
 
 MAX_REQUEST_ID_LENGTH = 128
-
-
-def _billing_key(run_id: str, request_id: str) -> str:
-    """A call's idempotency key for billing: request ids are unique per run (the runtime dedupes them per run)."""
-    return f"{run_id}:{request_id}"
 
 
 def _check_request_id(request_id: str | None) -> None:

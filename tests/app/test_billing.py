@@ -34,6 +34,7 @@ from tests.helpers.transports import DropFirstAnswer
 
 SECRET = "billing-secret-5d1c"
 RATE = 2.5  # credits per GPU-second
+CPU_RATE = 0.75  # credits per compute second on the CPU: what every run here trains on
 HF_TOKEN = "hf_billing_integration_3e8b1f0a9c"  # distinctive, so a grep finds every copy
 BATCH = [{"input": "Q: What is 2 + 2?\nA:", "output": " 4"}, {"text": "The quick brown fox jumps over the lazy dog."}]
 VALIDATE, DEDUCT, INTEGRATIONS = "/internal/validate-credits", "/internal/deduct-credits", "/internal/get-integrations"
@@ -59,7 +60,7 @@ def hub() -> Iterator[HubStandIn]:
 def billed_settings(data_dir: Path, tiny_model_dir: str, billing: BillingStandIn) -> Any:
     return settings_for(data_dir, tiny_model_dir, frontier_backend_url=billing.url, billing_secret=SECRET,
                         billing_timeout_s=0.5, billing_retry_s=3600, gpu_second_rate=RATE,
-                        worker_log=data_dir / "worker.log")
+                        cpu_second_rate=CPU_RATE, worker_log=data_dir / "worker.log")
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +126,10 @@ def test_credits_are_checked_before_each_call_and_each_primitive_is_deducted(ser
     checked = billing.calls(VALIDATE, user_id=user_id)
     assert [c["operation"] for c in checked] == ["create_run", "forward_backward", "optim_step", "sample", "save_state"]
     assert {c["run_id"] for c in checked} == {run.id}
-    assert checked[0]["gpu_type"] == "L40S" and checked[0]["gpu_count"] == 1
+    assert checked[0]["gpu_type"] == "L40S" and checked[0]["gpu_count"] == 1  # createRun: the requested allocation
+    assert checked[0]["device"] is None and checked[0]["credits_per_cpu_second"] == CPU_RATE
+    for check in checked[1:]:  # then what the run trains on: this machine's CPU, not the L40S it asked for
+        assert (check["device"], check["gpu_type"], check["gpu_count"]) == ("cpu", "cpu", 0)
 
     deductions = wait_charged(billing, run.id, 4)
     assert sorted(d["operation"] for d in deductions) == ["forward_backward", "optim_step", "sample", "save_state"]
@@ -133,11 +137,15 @@ def test_credits_are_checked_before_each_call_and_each_primitive_is_deducted(ser
         assert deduction["user_id"] == user_id and deduction["compute_seconds"] > 0
         assert deduction["idempotency_key"].startswith(f"{run.id}:")
         uuid.UUID(deduction["idempotency_key"].split(":", 1)[1])  # the SDK's request id
-        assert deduction["gpu_seconds"] == pytest.approx(deduction["compute_seconds"] * 1)
-        assert deduction["credits"] == pytest.approx(deduction["gpu_seconds"] * RATE)
+        # A CPU run: no GPU-seconds, its compute seconds at the CPU rate.
+        assert (deduction["device"], deduction["gpu_type"], deduction["gpu_count"]) == ("cpu", "cpu", 0)
+        assert deduction["gpu_seconds"] == 0
+        assert deduction["credits"] == pytest.approx(deduction["compute_seconds"] * CPU_RATE)
     state = run_state(server, client, run.id)
     assert state["computeSeconds"] == pytest.approx(sum(d["compute_seconds"] for d in deductions))
-    assert state["cost"] == pytest.approx(state["gpuSeconds"] * RATE) and state["cost"] > 0
+    assert state["gpuSeconds"] == 0
+    assert state["cost"] == pytest.approx(state["computeSeconds"] * CPU_RATE) and state["cost"] > 0
+    assert state["cost"] == pytest.approx(sum(d["credits"] for d in deductions))
     assert run.refresh().info["compute_seconds"] == pytest.approx(state["computeSeconds"])  # the SDK's fragment
 
 
