@@ -16,6 +16,7 @@ import torch
 
 from gpu_runtime.contract import RuntimeOptions
 from gpu_runtime.models import ModelRegistry
+from gpu_runtime.optimizer import kernel as optimizer_kernel
 from gpu_runtime.pool import BaseEntry, Residency
 from gpu_runtime.ranks import RankGroup
 from gpu_runtime.run_state import RunState
@@ -40,9 +41,11 @@ class LocalCompute:
     def forward_backward(self, entry: BaseEntry, runs: dict[str, RunState], plan: list[PassPart]) -> list[Outcome]:
         return forward_backward_pass(entry, runs, plan, self.device)
 
-    def optim(self, state: RunState, settings: dict[str, float]) -> float:
-        """AdamW on the run's summed gradients over their normaliser; returns the gradient norm."""
-        return adamw_step(state.parameters(), state.optimizer, state.pending.normaliser, settings)
+    def optim(self, state: RunState, settings: dict[str, float], kernel: str | None = None) -> float:
+        """AdamW on the run's summed gradients over their normaliser; returns the gradient norm. `kernel`: the one
+        a replayed journal record names (None: the run's own)."""
+        with optimizer_kernel(state.optimizer, kernel):
+            return adamw_step(state.parameters(), state.optimizer, state.pending.normaliser, settings)
 
     def drop_grads(self, state: RunState) -> None:
         state.optimizer.zero_grad(set_to_none=True)
@@ -83,9 +86,10 @@ class RankCompute(LocalCompute):
     def forward_backward(self, entry: BaseEntry, runs: dict[str, RunState], plan: list[PassPart]) -> list[Outcome]:
         return self.ranks.forward_backward(entry, runs, plan)
 
-    def optim(self, state: RunState, settings: dict[str, float]) -> float:
-        self.ranks.send("optim", run_id=state.run_id, normaliser=state.pending.normaliser, settings=settings)
-        return super().optim(state, settings)
+    def optim(self, state: RunState, settings: dict[str, float], kernel: str | None = None) -> float:
+        self.ranks.send("optim", run_id=state.run_id, normaliser=state.pending.normaliser, settings=settings,
+                        kernel=kernel)
+        return super().optim(state, settings, kernel)
 
     def drop_grads(self, state: RunState) -> None:
         self.ranks.send("drop_grads", run_id=state.run_id)

@@ -7,7 +7,8 @@ device, and made again after `load_state_dict` (which puts back the saved group'
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from functools import cache
 
 import torch
@@ -46,3 +47,27 @@ def restore_fused(optimizer: torch.optim.Optimizer) -> None:
             state = optimizer.state.get(param)
             if state and torch.is_tensor(state.get("step")):
                 state["step"] = state["step"].to(device=param.device, dtype=torch.float32)
+
+
+FUSED, PORTABLE = "fused", "portable"  # the kernels a journal's optim_step records name
+
+
+def kernel_of(optimizer: torch.optim.Optimizer) -> str:
+    return FUSED if any(group.get("fused") for group in optimizer.param_groups) else PORTABLE
+
+
+@contextmanager
+def kernel(optimizer: torch.optim.Optimizer, name: str | None) -> Iterator[None]:
+    """Step with the kernel a journal record names: records written before the fused kernel (none named) replay
+    with torch's default one, so a restored run's weights equal the live run's bit for bit."""
+    if name is None or name == kernel_of(optimizer):
+        yield
+        return
+    saved = [(group.get("fused"), group.get("foreach")) for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["fused"], group["foreach"] = (True, None) if name == FUSED else (None, None)
+    try:
+        yield
+    finally:
+        for group, (fused, foreach) in zip(optimizer.param_groups, saved):
+            group["fused"], group["foreach"] = fused, foreach

@@ -45,6 +45,7 @@ import torch.distributed as dist
 
 from gpu_runtime.contract import RuntimeOptions
 from gpu_runtime.errors import BadInput, SignalError, WorkerFailed
+from gpu_runtime.optimizer import kernel as optimizer_kernel
 from gpu_runtime.pool import BaseEntry, Residency
 from gpu_runtime.quantization import base_key
 from gpu_runtime.run_state import RunState
@@ -362,9 +363,10 @@ class Follower:
             elif part.row_offset + len(part.examples) >= part.call_rows:
                 self.backups.pop(part.run_id, None)
 
-    def optim(self, run_id: str, normaliser: float, settings: dict[str, float]) -> None:
+    def optim(self, run_id: str, normaliser: float, settings: dict[str, float], kernel: str | None = None) -> None:
         state = self.pool.runs[run_id]
-        adamw_step(state.parameters(), state.optimizer, normaliser, settings)
+        with optimizer_kernel(state.optimizer, kernel):
+            adamw_step(state.parameters(), state.optimizer, normaliser, settings)
 
     def drop_grads(self, run_id: str) -> None:
         self.pool.runs[run_id].optimizer.zero_grad(set_to_none=True)

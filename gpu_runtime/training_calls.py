@@ -22,6 +22,7 @@ from gpu_runtime.batches import Example
 from gpu_runtime.contract import ForwardBackward, ForwardBackwardResult, OptimStep, OptimStepResult
 from gpu_runtime.errors import FailedPrecondition, SignalError
 from gpu_runtime.losses import LossFn, get_loss
+from gpu_runtime.optimizer import PORTABLE, kernel_of
 from gpu_runtime.persistence import sha256_json
 from gpu_runtime.pool import BaseEntry
 from gpu_runtime.run_state import RunState, append_manifest, last_manifest_step
@@ -191,7 +192,7 @@ class Training:
         except FailedPrecondition as exc:
             record = {"error": exc.to_dict()}  # journaled too: dropping the gradients is a change replay must repeat
         self.shared.journal(state, {"type": OPTIM_STEP, "request_id": call.request_id, "adam": settings,
-                                    "result": record})
+                                    "kernel": kernel_of(state.optimizer), "result": record})
         state.remember(call.request_id, record)
         self.shared.residency.touch(state)
         if "error" in record:
@@ -200,11 +201,11 @@ class Training:
                                                "num_tokens": pending.tokens, "batches": pending.batches})
         return result
 
-    def _apply(self, state: RunState, settings: dict[str, float]) -> OptimStepResult:
+    def _apply(self, state: RunState, settings: dict[str, float], kernel: str | None = None) -> OptimStepResult:
         """AdamW on the run's summed gradients divided by their normaliser (on every rank, alike); clears them."""
         if state.pending.calls == 0:
             raise FailedPrecondition("no gradients to apply: call forward_backward before optim_step")
-        grad_norm = self.shared.compute.optim(state, settings)
+        grad_norm = self.shared.compute.optim(state, settings, kernel)
         state.clear_pending()
         if not math.isfinite(grad_norm):
             raise FailedPrecondition(f"gradient norm is {grad_norm}; the step was skipped and the gradients dropped")
@@ -227,7 +228,7 @@ class Training:
         else:
             pending = state.pending
             try:
-                self._apply(state, record["adam"])
+                self._apply(state, record["adam"], record.get("kernel", PORTABLE))  # unnamed: written before fused
             except FailedPrecondition:
                 pass  # it failed the first time too, and dropped the gradients as it does now
             else:

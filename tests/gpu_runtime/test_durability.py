@@ -26,7 +26,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from gpu_runtime.contract import RuntimeOptions
+from gpu_runtime.contract import CONTRACT_VERSION, RuntimeOptions
 from gpu_runtime.engine import Engine
 from gpu_runtime.errors import FailedPrecondition, WorkerFailed
 from gpu_runtime.journal import HEADER, JOURNAL_FILE
@@ -286,10 +286,12 @@ def test_kill_9_then_restart_and_retry_gives_the_uninterrupted_weights(
 
 # A stand-in for the worker, for the client's own bookkeeping: ready at once, answers in order;
 # "hold" is answered only with the next call.
-FAKE_WORKER = """
+FAKE_WORKER = f"""
+CONTRACT = {CONTRACT_VERSION}
+""" + """
 import json, os, sys
 out = sys.stdout.buffer
-out.write(json.dumps({"ready": True, "pid": os.getpid()}).encode() + b"\\n")
+out.write(json.dumps({"ready": True, "pid": os.getpid(), "contract": CONTRACT}).encode() + b"\\n")
 out.flush()
 held = []
 for line in sys.stdin.buffer:
