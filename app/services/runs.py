@@ -29,7 +29,7 @@ from app.events import MetricFeed
 from app.services.ledger import Ledger
 from app.tables import Checkpoint, Metric, Run, Sample, User, could_be_id, new_id, utcnow
 from gpu_runtime.allocation import pool_key
-from gpu_runtime.contract import ADAM_DEFAULTS, LORA_DEFAULTS, adam_settings, lora_settings
+from gpu_runtime.contract import ADAM_DEFAULTS, LORA_DEFAULTS, SAMPLE_DEFAULTS, adam_settings, lora_settings, parse_call
 
 T = TypeVar("T")
 
@@ -76,12 +76,12 @@ class RunSpec:
 @dataclass
 class SampleParams:
     prompts: list[str]
-    max_tokens: int = 64
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
+    max_tokens: int = SAMPLE_DEFAULTS["max_tokens"]
+    temperature: float = SAMPLE_DEFAULTS["temperature"]
+    top_p: float = SAMPLE_DEFAULTS["top_p"]
+    top_k: int = SAMPLE_DEFAULTS["top_k"]
     stop: list[str] | None = None
-    num_samples: int = 1
+    num_samples: int = SAMPLE_DEFAULTS["num_samples"]
     seed: int | None = None
 
     def engine_params(self) -> dict[str, Any]:
@@ -308,7 +308,8 @@ class RunService:
         its result recorded by `record`. `allowed` adds arguments that only a call allowed to run may fetch."""
         run = await self.get(user, run_id)
         params = arguments(run)
-        _check_request_id(request_id)
+        with _fields_renamed(lambda field: field):  # the contract's checks, here before the call leaves, and again there
+            parse_call(operation, {"run_id": run.id, **params, "request_id": request_id})
         request_id = await self.ledger.allow(user, run, operation, request_id)
         if allowed is not None:
             params |= await allowed()
@@ -408,15 +409,6 @@ def _fields_renamed(rename: Callable[[str], str]) -> Iterator[None]:
         yield
     except BadInput as error:
         raise BadInput(error.message, field=graphql_field(rename(error.field)) if error.field else None) from None
-
-
-MAX_REQUEST_ID_LENGTH = 128
-
-
-def _check_request_id(request_id: str | None) -> None:
-    # The runtime journals it with every call: a bounded, printable token (the SDK sends a UUID).
-    if request_id is not None and not (0 < len(request_id) <= MAX_REQUEST_ID_LENGTH and request_id.isprintable()):
-        raise BadInput(f"requestId must be 1..{MAX_REQUEST_ID_LENGTH} printable characters", field="requestId")
 
 
 def _clamp(limit: int, most: int = 1000) -> int:
