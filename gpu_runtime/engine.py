@@ -372,5 +372,5 @@ class Engine:
                 self.scheduler.finish(request, {"error": error.to_dict()})  # part of it went with the dropped state
             else:
                 request.started = False  # resolved again, against the restored run
-        self.residency.forget()  # type: ignore[attr-defined]  # a rank group's residency is a ShardedResidency
+        self.residency.forget()
         self.compute.restart()

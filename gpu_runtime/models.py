@@ -189,7 +189,7 @@ def _plain_copy(quantized: PreTrainedModel) -> PreTrainedModel:
     config = quantized.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model: PreTrainedModel = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(quantized.state_dict(), strict=True)
     model.tie_weights()
     model.eval()

@@ -75,7 +75,7 @@ class MultiLoraLinear(nn.Module):
         return self.base_layer.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.base_layer(x)
+        out: torch.Tensor = self.base_layer(x)
         segments = [s for s in self.routing.segments if s.key in self.adapters]
         if not segments:
             return out

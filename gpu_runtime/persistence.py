@@ -140,7 +140,7 @@ def _adopt_legacy(root: Path) -> Path:
     move it to runs/{dashed user}/{dashed run} and rewrite its config, once, on first use."""
     config = read_json(root / "config.json")
     config["run_id"], config["user_id"] = _dashed(config["run_id"]), _dashed(config["user_id"])
-    target = root.parent.parent / config["user_id"] / config["run_id"]
+    target: Path = root.parent.parent / config["user_id"] / config["run_id"]
     target.parent.mkdir(parents=True, exist_ok=True)
     os.replace(root, target)
     write_json(target / "config.json", config)

@@ -100,11 +100,11 @@ def dequantized_weight(module: nn.Module) -> torch.Tensor:
     weight: Any = module.weight  # Params4bit / Int8Params carry their quantization state as attributes
     if kind == "4bit":
         bnb = bitsandbytes()
-        return bnb.functional.dequantize_4bit(weight.data, weight.quant_state).float()
+        return cast(torch.Tensor, bnb.functional.dequantize_4bit(weight.data, weight.quant_state).float())
     if kind == "8bit":
         scales = weight.SCB if getattr(weight, "SCB", None) is not None else cast(Any, module).state.SCB
-        return weight.data.float() * (scales.float().unsqueeze(1) / 127.0)
-    return weight.detach().float()
+        return cast(torch.Tensor, weight.data.float() * (scales.float().unsqueeze(1) / 127.0))
+    return cast(torch.Tensor, weight.detach().float())
 
 
 def count_quantized(model: nn.Module) -> dict[str, int]:

@@ -86,7 +86,8 @@ class RunState:
 
     @property
     def lora(self) -> dict[str, Any]:
-        return self.config["lora"]
+        lora: dict[str, Any] = self.config["lora"]
+        return lora
 
     @property
     def quantization(self) -> str | None:
@@ -278,7 +279,8 @@ def last_manifest_step(path: Path) -> int:
         except ValueError:
             continue  # a torn or partial first line of the tail
         if isinstance(entry, dict) and isinstance(entry.get("step"), int) and "adam" in entry:
-            return entry["step"]
+            step: int = entry["step"]
+            return step
     return 0
 
 

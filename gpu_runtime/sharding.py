@@ -28,7 +28,8 @@ from torch import nn
 
 from gpu_runtime.contract import RuntimeOptions
 from gpu_runtime.errors import BadInput, ModelUnavailable
-from gpu_runtime.models import CACHE_MARKER, LoadedBase, ModelRegistry, builtin_gguf_path, sha256_files
+from gpu_runtime.model_files import CACHE_MARKER, builtin_gguf_path
+from gpu_runtime.models import LoadedBase, ModelRegistry, sha256_files
 from gpu_runtime.multilora import linear_module_names, wrap_targets
 from gpu_runtime.pool import BaseEntry, Residency
 from gpu_runtime.quantization import base_key
@@ -250,7 +251,7 @@ def _read_rows(model: nn.Module, directory: Path, rank: int, world: int) -> None
         for name, param in model.named_parameters():
             file = where.get(name, "model.safetensors")
             if file not in handles:
-                handles[file] = safe_open(str(directory / file), framework="pt").__enter__()
+                handles[file] = safe_open(str(directory / file), framework="pt").__enter__()  # type: ignore[no-untyped-call]  # safetensors types no __enter__
             local = param.to_local() if hasattr(param, "to_local") else param
             rows = math.ceil(param.shape[0] / world)
             start = rank * rows

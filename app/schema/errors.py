@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from graphql.error import GraphQLError
 from strawberry.extensions import MaskErrors
@@ -41,7 +42,7 @@ def _present(error: GraphQLError) -> GraphQLError:
     return _with_extensions(error, INTERNAL_MESSAGE, {"code": "INTERNAL"}, keep_original=False)
 
 
-def _with_extensions(error: GraphQLError, message: str, extensions: dict, keep_original: bool = True) -> GraphQLError:
+def _with_extensions(error: GraphQLError, message: str, extensions: dict[str, Any], keep_original: bool = True) -> GraphQLError:
     return GraphQLError(
         message=message, nodes=error.nodes, source=error.source, positions=error.positions, path=error.path,
         original_error=error.original_error if keep_original else None, extensions=extensions,
