@@ -1,13 +1,19 @@
 """The server's error hierarchy: the engine's typed errors plus the ones only the server raises.
 
-Each carries a stable `code` that GraphQL clients see as `extensions.code`.
+Each carries a stable `code` that GraphQL clients see as `extensions.code`, and an HTTP status that the
+dashboard and the download endpoints answer with (`http_status`). The server's own classes carry it as
+`status`, as Datasette's do; the runtime's classes know nothing of HTTP (gpu_runtime has no web stack), so
+their statuses are given once, in RUNTIME_STATUS below.
 """
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from gpu_runtime.errors import (
     BadInput,
     FailedPrecondition,
+    HubError,
     InternalError,
     ModelUnavailable,
     NotFound,
@@ -16,27 +22,75 @@ from gpu_runtime.errors import (
     WorkerFailed,
 )
 
+INTERNAL_STATUS = 500
 
-class Unauthenticated(SignalError, PermissionError):
+RUNTIME_STATUS: dict[type[SignalError], int] = {
+    BadInput: 422,
+    NotFound: 404,
+    RunNotFound: 404,
+    FailedPrecondition: 409,
+    ModelUnavailable: 503,
+    WorkerFailed: 502,
+    HubError: 502,  # the Hub, upstream of us, refused or failed
+    InternalError: INTERNAL_STATUS,
+}
+
+
+class AppError(SignalError):
+    """A typed error only the server raises; `status` is the HTTP status it is answered with."""
+
+    status: ClassVar[int] = INTERNAL_STATUS
+
+
+class Unauthenticated(AppError, PermissionError):
     code = "UNAUTHENTICATED"
+    status = 401
 
 
-class Forbidden(SignalError, PermissionError):
+class Forbidden(AppError, PermissionError):
     """The caller is known but may not do this (an admin-only field, say)."""
 
     code = "FORBIDDEN"
+    status = 403
 
 
-class InsufficientCredits(SignalError, PermissionError):
+class InsufficientCredits(AppError, PermissionError):
     """The billing backend refused the call (no credits left, or no account): nothing was run."""
 
     code = "INSUFFICIENT_CREDITS"
+    status = 402
 
 
-class BillingUnavailable(SignalError, RuntimeError):
+class BillingUnavailable(AppError, RuntimeError):
     """The billing backend could not be asked (unreachable, timed out, answered 5xx): nothing was run."""
 
     code = "BILLING_UNAVAILABLE"
+    status = 503
+
+
+class PayloadTooLarge(AppError, ValueError):
+    """The request body is over SIGNAL_MAX_REQUEST_BYTES (refused before anything parsed it)."""
+
+    code = "PAYLOAD_TOO_LARGE"
+    status = 413
+
+
+class InvalidDocument(AppError, ValueError):
+    """The client's GraphQL document does not parse or validate against the schema."""
+
+    code = "GRAPHQL_VALIDATION_FAILED"
+    status = 400
+
+
+def http_status(error: SignalError | type[SignalError]) -> int:
+    """The HTTP status of a typed error, from its class (the nearest one in its MRO that names one)."""
+    cls = error if isinstance(error, type) else type(error)
+    for klass in cls.__mro__:
+        if klass in RUNTIME_STATUS:
+            return RUNTIME_STATUS[klass]
+        if issubclass(klass, AppError):
+            return klass.status
+    return INTERNAL_STATUS
 
 
 __all__ = [
@@ -44,12 +98,17 @@ __all__ = [
     "BillingUnavailable",
     "FailedPrecondition",
     "Forbidden",
+    "HubError",
     "InsufficientCredits",
     "InternalError",
+    "InvalidDocument",
     "ModelUnavailable",
     "NotFound",
+    "PayloadTooLarge",
     "RunNotFound",
+    "AppError",
     "SignalError",
     "Unauthenticated",
     "WorkerFailed",
+    "http_status",
 ]

@@ -15,6 +15,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route, WebSocketRoute
 
 from app.backends import Backend, check_backend
+from app.errors import PayloadTooLarge
 from app.schema import schema
 from app.services import Services
 from app.settings import Settings
@@ -77,4 +78,5 @@ async def payload_too_large(request: Request, exc: Exception) -> JSONResponse:
     limit = request.app.state.settings.max_request_bytes
     detail = exc.detail if isinstance(exc, HTTPException) else "Content Too Large"
     return JSONResponse({"errors": [{"message": f"{detail}: the request body is over {limit} bytes",
-                                     "extensions": {"code": "PAYLOAD_TOO_LARGE"}}]}, status_code=413)
+                                     "extensions": {"code": PayloadTooLarge.code}}]},
+                        status_code=PayloadTooLarge.status)

@@ -32,6 +32,7 @@ from rewardsignal.errors import (
     SignalAPIError,
     TransportError,
     WorkerFailedError,
+    error_for_code,
     error_from_graphql,
 )
 from rewardsignal.operations import document
@@ -275,6 +276,9 @@ def _check_download(response: httpx.Response, url: str) -> None:
     if not response.is_stream_consumed:
         response.read()
     message = f"download of {url} answered HTTP {response.status_code}: {response.text[:200]}"
+    code = response.headers.get("x-signal-error-code")  # the server's typed errors name their code
+    if code:
+        raise error_for_code(code, message)
     cls = {401: AuthenticationError, 403: AuthenticationError, 404: NotFoundError}.get(response.status_code, ServerError)
     raise cls(message)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class SignalAPIError(Exception):
     """An error the Signal server answered with; `code` is its stable `extensions.code`."""
@@ -15,6 +17,10 @@ class SignalAPIError(Exception):
         self.code = code or self.code
         self.field = field
         self.path = path
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Default pickling calls cls(*args), and args holds the "[CODE] message" text: it would be prefixed twice.
+        return (type(self), (self.message, self.code, self.field, self.path), self.__dict__)
 
 
 class AuthenticationError(SignalAPIError, PermissionError):
@@ -93,8 +99,12 @@ _BY_CODE: dict[str, type[SignalAPIError]] = {
 _BY_CODE["GRAPHQL_VALIDATION_FAILED"] = BadInputError
 
 
+def error_for_code(code: str, message: str, field: str | None = None, path: list | None = None) -> SignalAPIError:
+    """The typed error for a server `code` (a code this SDK does not know yet: the base class, code kept)."""
+    return _BY_CODE.get(code, SignalAPIError)(message, code=code, field=field, path=path)
+
+
 def error_from_graphql(error: dict) -> SignalAPIError:
     extensions = error.get("extensions") or {}
-    code = extensions.get("code", "INTERNAL")
-    cls = _BY_CODE.get(code, SignalAPIError)
-    return cls(error.get("message", "unknown error"), code=code, field=extensions.get("field"), path=error.get("path"))
+    return error_for_code(extensions.get("code", "INTERNAL"), error.get("message", "unknown error"),
+                          field=extensions.get("field"), path=error.get("path"))

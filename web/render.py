@@ -13,7 +13,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, RedirectResponse, Response
 from starlette.templating import Jinja2Templates
 
-from app.errors import SignalError
+from app.errors import INTERNAL_STATUS, SignalError, http_status
 from app.services import Services
 from web.paths import TEMPLATES
 from web.session import csrf_token
@@ -24,9 +24,7 @@ if TYPE_CHECKING:  # rows are only ever received from app.services, never querie
 log = logging.getLogger("signal.web")
 templates = Jinja2Templates(directory=str(TEMPLATES))
 
-# By the errors' stable codes (RunNotFound and NotFound share NOT_FOUND without sharing a class).
-STATUS = {"NOT_FOUND": 404, "BAD_INPUT": 422, "UNAUTHENTICATED": 401, "FAILED_PRECONDITION": 409,
-          "MODEL_UNAVAILABLE": 503, "WORKER_FAILED": 502}
+INTERNAL_MESSAGE = "Something went wrong on our side; it has been logged."
 
 
 def _ago(value: datetime | None) -> str:
@@ -68,9 +66,9 @@ def page(request: Request, name: str, status_code: int = 200, **context: Any) ->
 
 
 def error_response(request: Request, error: SignalError, user: User | None = None) -> Response:
-    status = STATUS.get(error.code, 500)
-    message = error.message if status != 500 else "Something went wrong on our side; it has been logged."
-    if status == 500:
+    status = http_status(error)
+    message = error.message if status != INTERNAL_STATUS else INTERNAL_MESSAGE
+    if status == INTERNAL_STATUS:
         log.exception("dashboard error", exc_info=error)
     if is_htmx(request):
         # htmx swaps nothing on errors: app.js shows this text in a toast.
@@ -117,11 +115,11 @@ def signed_in_or_key(handler: Handler) -> Callable[[Request], Awaitable[Response
             user = await services(request).keys.authenticate(secret.strip() if scheme.lower() == "bearer" else None)
             return await handler(request, user)
         except SignalError as error:
-            status = STATUS.get(error.code, 500)
-            if status == 500:
+            status = http_status(error)
+            if status == INTERNAL_STATUS:
                 log.exception("download error", exc_info=error)
-            return Response(error.message if status != 500 else "internal error", status_code=status,
-                            media_type="text/plain")
+            return Response(error.message if status != INTERNAL_STATUS else "internal error", status_code=status,
+                            media_type="text/plain", headers={"X-Signal-Error-Code": error.code})
 
     return endpoint
 

@@ -9,7 +9,7 @@ from typing import Any
 from graphql.error import GraphQLError
 from strawberry.extensions import MaskErrors
 
-from app.errors import InternalError, SignalError
+from app.errors import BadInput, InternalError, InvalidDocument, SignalError
 
 log = logging.getLogger("signal.graphql")
 
@@ -33,13 +33,13 @@ def _present(error: GraphQLError) -> GraphQLError:
         return _with_extensions(error, original.message, extensions)
     if original is None:
         # Parse and validation errors: the client's document is wrong, and the message says where.
-        return _with_extensions(error, error.message, {"code": "GRAPHQL_VALIDATION_FAILED", **(error.extensions or {})})
+        return _with_extensions(error, error.message, {"code": InvalidDocument.code, **(error.extensions or {})})
     if isinstance(original, GraphQLError) and original.original_error is None and not error.path:
         # Variable coercion errors (wrong type, unknown batch key) arrive wrapped this way, with no path;
         # one with a path is our output failing to serialise, which is ours to fix.
-        return _with_extensions(error, error.message, {"code": "BAD_INPUT"})
+        return _with_extensions(error, error.message, {"code": BadInput.code})
     log.error("internal error in %s", error.path, exc_info=original)
-    return _with_extensions(error, INTERNAL_MESSAGE, {"code": "INTERNAL"}, keep_original=False)
+    return _with_extensions(error, INTERNAL_MESSAGE, {"code": InternalError.code}, keep_original=False)
 
 
 def _with_extensions(error: GraphQLError, message: str, extensions: dict[str, Any], keep_original: bool = True) -> GraphQLError:
