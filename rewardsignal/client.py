@@ -79,7 +79,7 @@ class _ClientBase:
         retryable = isinstance(error, (*RETRYABLE_TRANSPORT_ERRORS, WorkerFailedError))
         if not (call.retry and retryable and attempt < self.max_attempts):
             return None
-        return self.retry_backoff * 2 ** (attempt - 1)
+        return float(self.retry_backoff * 2 ** (attempt - 1))
 
     def _transport_error(self, error: httpx.HTTPError) -> TransportError:
         return TransportError(f"cannot reach Signal at {self.url}: {error}")
@@ -373,12 +373,14 @@ class _RunBase:
 
 class Run(_RunBase):
     def refresh(self) -> Run:
-        return self._client._run(Call("GetRun", {"id": self.id}, "run", self._store))
+        refreshed: Run = self._client._run(Call("GetRun", {"id": self.id}, "run", self._store))
+        return refreshed
 
 
 class AsyncRun(_RunBase):
     async def refresh(self) -> AsyncRun:
-        return await self._client._run(Call("GetRun", {"id": self.id}, "run", self._store))
+        refreshed: AsyncRun = await self._client._run(Call("GetRun", {"id": self.id}, "run", self._store))
+        return refreshed
 
 
 __all__ = ["Artifact", "AsyncRun", "AsyncSignalClient", "Run", "SignalAPIError", "SignalClient"]

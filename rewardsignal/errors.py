@@ -11,7 +11,7 @@ class SignalAPIError(Exception):
     code = "INTERNAL"
 
     def __init__(self, message: str, code: str | None = None, field: str | None = None,
-                 path: list | None = None) -> None:
+                 path: list[Any] | None = None) -> None:
         super().__init__(f"[{code or self.code}] {message}")
         self.message = message
         self.code = code or self.code
@@ -99,12 +99,12 @@ _BY_CODE: dict[str, type[SignalAPIError]] = {
 _BY_CODE["GRAPHQL_VALIDATION_FAILED"] = BadInputError
 
 
-def error_for_code(code: str, message: str, field: str | None = None, path: list | None = None) -> SignalAPIError:
+def error_for_code(code: str, message: str, field: str | None = None, path: list[Any] | None = None) -> SignalAPIError:
     """The typed error for a server `code` (a code this SDK does not know yet: the base class, code kept)."""
     return _BY_CODE.get(code, SignalAPIError)(message, code=code, field=field, path=path)
 
 
-def error_from_graphql(error: dict) -> SignalAPIError:
+def error_from_graphql(error: dict[str, Any]) -> SignalAPIError:
     extensions = error.get("extensions") or {}
     return error_for_code(extensions.get("code", "INTERNAL"), error.get("message", "unknown error"),
                           field=extensions.get("field"), path=error.get("path"))

@@ -12,7 +12,7 @@ _OPAQUE = {"optimizer", "params"}
 _INTEGRAL = {"trainable_params", "total_params", "size_bytes", "parameters"}
 
 
-class Result(dict):
+class Result(dict[str, Any]):
     def __getattr__(self, name: str) -> Any:
         try:
             return self[name]
