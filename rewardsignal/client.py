@@ -316,9 +316,10 @@ class _RunBase:
     def step(self) -> int:
         return int(self.info["step"])
 
-    def forward_backward(self, batch: list[dict[str, Any]], loss_fn: str = "cross_entropy",
+    def forward_backward(self, batch: list[dict[str, Any]], loss_fn: str | None = None,
                          loss_fn_config: dict[str, Any] | None = None) -> Any:
-        """Loss and gradients for `batch`; gradients add up until `optim_step`."""
+        """Loss and gradients for `batch`; gradients add up until `optim_step`. Unset: the server's
+        default loss (cross_entropy)."""
         variables = _drop_none({"runId": self.id, "batch": batch, "lossFn": loss_fn, "lossFnConfig": loss_fn_config})
         return self._client._run(_primitive("ForwardBackward", variables, "forwardBackward"))
 
@@ -330,8 +331,11 @@ class _RunBase:
                            "weightDecay": weight_decay, "gradClipNorm": grad_clip_norm})
         return self._client._run(_primitive("OptimStep", {"runId": self.id, "adam": adam or None}, "optimStep"))
 
-    def sample(self, prompts: list[str], max_tokens: int = 64, temperature: float = 1.0, top_p: float = 1.0,
-               top_k: int = 0, stop: list[str] | None = None, num_samples: int = 1, seed: int | None = None) -> Any:
+    def sample(self, prompts: list[str], max_tokens: int | None = None, temperature: float | None = None,
+               top_p: float | None = None, top_k: int | None = None, stop: list[str] | None = None,
+               num_samples: int | None = None, seed: int | None = None) -> Any:
+        """Generate from the run's current weights; settings left unset take the server's defaults (the engine
+        contract's: 64 tokens, temperature 1, top_p 1, no top_k, one sample)."""
         if isinstance(prompts, str):
             prompts = [prompts]
         variables = _drop_none({"runId": self.id, "prompts": prompts, "maxTokens": max_tokens,
