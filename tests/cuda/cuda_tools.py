@@ -7,8 +7,14 @@ import torch
 
 from gpu_runtime.engine import Engine
 from gpu_runtime.multilora import Segment, routed
+from gpu_runtime.pool import BaseEntry
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (bench/gpu.sh runs these)")
+
+
+def base_entry(engine: Engine, run_id: str) -> BaseEntry:
+    """The loaded base a resident run trains on (a quantized base is an entry of its own)."""
+    return engine.residency.bases[engine.runs[run_id].base_key]
 
 
 def weights(engine: Engine, run_id: str) -> dict[str, torch.Tensor]:
@@ -43,7 +49,7 @@ def assert_bitwise(got: dict[str, torch.Tensor], expected: dict[str, torch.Tenso
 def teacher_forced_logprobs(engine: Engine, run_id: str, prompt: list[int], continuation: list[int]) -> torch.Tensor:
     """The run's logprob of each continuation token after the prompt and the tokens before it (one unpadded pass)."""
     engine.run_info(run_id)
-    entry = engine.pool.bases[engine.runs[run_id].base_key]
+    entry = base_entry(engine, run_id)
     ids = torch.tensor([prompt + continuation], device=engine.device)
     with torch.no_grad(), routed(entry.routing, [Segment(run_id, 0, 1)]):
         logits = entry.model(input_ids=ids).logits[0].float()

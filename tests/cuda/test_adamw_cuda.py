@@ -45,7 +45,7 @@ def test_optim_steps_on_cuda_match_the_cpu_reference(tmp_path: Path, tiny_model_
     for step in range(3):
         engine.forward_backward("r", BATCH)
         copies, reference = cpu_reference(state.parameters(), state.optimizer)
-        expected_norm = adamw_step(copies, reference, state.pending_normaliser, ADAM)
+        expected_norm = adamw_step(copies, reference, state.pending.normaliser, ADAM)
         before = [p.detach().cpu().clone() for p in state.parameters()]
         result = engine.optim_step("r", ADAM)
         assert result["step"] == step + 1

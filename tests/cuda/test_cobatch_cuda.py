@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from gpu_runtime.engine import Engine
-from tests.cuda.cuda_tools import assert_close_to_scale, grads, requires_cuda
+from tests.cuda.cuda_tools import assert_close_to_scale, base_entry, grads, requires_cuda
 from tests.gpu_runtime.test_cobatch import BATCHES, LEARNING_RATES, RUNS
 from tests.helpers.engine_tools import result_of, submit
 
@@ -34,7 +34,7 @@ def engine_with_runs(path: Path, model: str, runs: list[str]) -> Engine:
 
 def test_the_engine_computes_on_the_gpu_in_bf16(tmp_path: Path, tiny_model_dir: str) -> None:
     engine = engine_with_runs(tmp_path, tiny_model_dir, ["a"])
-    entry = engine.pool.bases[tiny_model_dir]
+    entry = base_entry(engine, "a")
     assert engine.device.type == "cuda"
     assert next(entry.model.parameters()).device.type == "cuda"
     assert {p.dtype for p in entry.model.parameters()} == {torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32}

@@ -11,7 +11,7 @@ import torch
 
 from gpu_runtime.engine import Engine
 from gpu_runtime.quantization import count_quantized
-from tests.cuda.cuda_tools import requires_cuda
+from tests.cuda.cuda_tools import base_entry, requires_cuda
 from tests.helpers.engine_tools import BATCH
 
 pytestmark = [requires_cuda, pytest.mark.filterwarnings("ignore::UserWarning")]
@@ -27,7 +27,7 @@ def test_a_quantized_base_trains_on_cuda(tmp_path: Path, tiny_model_dir: str, ki
     engine = Engine(tmp_path, device="cuda")
     engine.create_run("plain", "u", tiny_model_dir, LORA, seed=1)
     engine.create_run("q", "u", tiny_model_dir, LORA, seed=1, quantization=kind)
-    entry = engine.pool.bases[engine.runs["q"].base_key]
+    entry = base_entry(engine, "q")
     assert count_quantized(entry.model) == {kind: LINEARS}
     assert {p.device.type for p in entry.model.parameters()} == {"cuda"}
     plain_loss = engine.forward_backward("plain", BATCH)["loss"]
