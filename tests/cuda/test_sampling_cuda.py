@@ -3,6 +3,8 @@ equals decoding alone, and sampling leaves the training state alone."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from gpu_runtime.engine import Engine
@@ -50,7 +52,7 @@ def test_logprobs_are_the_models_own_for_each_token(cuda_engine: Engine, tiny_mo
 
 def test_two_runs_decode_in_shared_passes_as_each_alone(cuda_engine: Engine, tiny_model_dir: str) -> None:
     runs = [trained(cuda_engine, tiny_model_dir, "a", seed=3), trained(cuda_engine, tiny_model_dir, "d", seed=4)]
-    prompt = dict(prompts=["The quick brown fox"], max_tokens=6, temperature=0)
+    prompt: dict[str, Any] = {"prompts": ["The quick brown fox"], "max_tokens": 6, "temperature": 0}
     futures = {run: submit(cuda_engine, "sample", run_id=run, **prompt) for run in runs}
     for _ in range(50):  # bounded: a prefill and five decode passes
         if all(f.done() for f in futures.values()):

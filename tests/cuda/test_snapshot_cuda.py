@@ -27,8 +27,8 @@ def optimizer_state(engine: Engine, run_id: str) -> dict[str, torch.Tensor]:
             for key, value in entry.items() if isinstance(value, torch.Tensor)}
 
 
-def trained(path: Path, model: str, **options: int) -> Engine:
-    engine = Engine(path, device="cuda", **options)
+def trained(path: Path, model: str) -> Engine:
+    engine = Engine(path, device="cuda")
     engine.create_run("r", "u", model, LORA, seed=7)
     for _ in range(2):
         engine.forward_backward("r", BATCH)
@@ -53,6 +53,8 @@ def test_a_snapshot_restores_bitwise_and_steps_alike(tmp_path: Path, tiny_model_
     assert_bitwise(grads(second, "r"), held[1])
     assert_bitwise(optimizer_state(second, "r"), held[2])
     assert {p.device.type for p in second.runs["r"].parameters()} == {"cuda"}
+    # load_state_dict put back the saved groups' kernel choice; the restore sets the fused kernel again.
+    assert [group["fused"] for group in second.runs["r"].optimizer.param_groups] == [True]
     second.optim_step("r", ADAM)  # from bitwise-equal state and gradients, the same step
     assert_bitwise(weights(second, "r"), stepped)
 
