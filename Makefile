@@ -58,5 +58,10 @@ bench: install
 	$(PY) bench/multigpu.py $(BENCH_ARGS)
 	$(PY) bench/quantization.py $(BENCH_ARGS)
 
+# The folder bench/gpu.sh carries to a bare GPU machine (docs/GPU_CHECKS.md): SmolLM2's tokenizer and wheels.
+.PHONY: gpu-prepare
+gpu-prepare: install
+	$(PY) bench/gpu_prepare.py
+
 clean:
 	rm -rf $(VENV) .pytest_cache

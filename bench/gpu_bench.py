@@ -1,0 +1,263 @@
+"""The parts of bench/gpu.sh that are not an existing benchmark: the machine, the wheels, the model, MFU, the tests' summary.
+
+    python3 bench/gpu_bench.py env
+    python3 bench/gpu_bench.py wheels --assets build/gpu-assets        # the carried wheels this machine needs
+    python3 bench/gpu_bench.py model --assets build/gpu-assets --out DIR [--tiny] [--device cuda]
+    python3 bench/gpu_bench.py mfu --model DIR [--device cuda] [--tiny] [--threads N]
+    python3 bench/gpu_bench.py junit FILE.xml                          # a pytest junit report as one JSON line
+
+Each prints progress on stderr and one JSON line last on stdout. `model` builds a random-weight Llama on SmolLM2's
+tokenizer: 1B-class (Llama-3.2-1B's shape, ~1.07B parameters with tied embeddings, saved in bf16) or, with --tiny, the
+tests' tiny model. `mfu` trains through an in-process Engine (one run of 8 rows, and 8 runs of one row co-batched in one
+tick, sides alternating) and counts 4N FLOPs per token: forward 2N, backward 2N for the activations' gradients (the base
+is frozen, so no weight gradients; LoRA's own FLOPs and attention's quadratic term are left out, so MFU is a floor).
+N is every Linear's weights (lm_head included): the matmuls a token goes through.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any, cast
+
+from benchlib import apply_threads, emit, log, median, scratch_data_dir
+
+H200_BF16_DENSE_TFLOPS = 989.0  # NVIDIA's datasheet figure for dense bf16 (no sparsity)
+# Llama-3.2-1B's shape on SmolLM2's 49k vocabulary: ~1.07B parameters, 0.97B of them in the 16 layers.
+ONE_B: dict[str, Any] = {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
+         "num_key_value_heads": 8, "max_position_embeddings": 4096, "rope_theta": 500000.0}
+
+
+def emit_json(result: dict[str, Any]) -> None:
+    print(json.dumps(result), flush=True)
+
+
+# ---- env, wheels -------------------------------------------------------------------------------
+
+
+def version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def env(_: argparse.Namespace) -> None:
+    import torch
+
+    result: dict[str, Any] = {"part": "env", "python": sys.version.split()[0], "torch": torch.__version__,
+                              "torch_cuda": torch.version.cuda, "cuda_available": torch.cuda.is_available()}
+    for name in ("transformers", "peft", "accelerate", "safetensors", "bitsandbytes", "tokenizers", "pytest"):
+        result[name] = version(name)
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        result.update(gpu=props.name, gpu_memory_gib=round(props.total_memory / 1024**3, 1),
+                      capability=".".join(map(str, torch.cuda.get_device_capability(0))),
+                      multiprocessors=props.multi_processor_count, bf16=torch.cuda.is_bf16_supported())
+    try:
+        import bitsandbytes  # noqa: F401 - loading it is the check: its CUDA library must match this torch
+        result["bitsandbytes_loads"] = True
+    except Exception as exc:  # noqa: BLE001 - any failure means the quantized tests skip; say why
+        result["bitsandbytes_loads"] = f"{type(exc).__name__}: {exc}"[:300]
+    emit_json(result)
+
+
+def wheels(args: argparse.Namespace) -> None:
+    """Paths of the carried wheels to install here: a pinned one whose version differs, a fallback that is missing."""
+    manifest = json.loads((Path(args.assets) / "manifest.json").read_text())
+    for wheel in manifest["wheels"]:
+        have = version(wheel["name"])
+        if (wheel["role"] == "pinned" and have != wheel["version"]) or (wheel["role"] == "fallback" and have is None):
+            print(Path(args.assets) / "wheels" / wheel["file"])
+            log(f"install {wheel['name']}=={wheel['version']} (here: {have or 'none'})")
+
+
+# ---- the model -----------------------------------------------------------------------------------
+
+
+def model(args: argparse.Namespace) -> None:
+    import torch
+
+    started = time.monotonic()
+    out, tokenizer_dir = Path(args.out), Path(args.assets) / "tokenizer"
+    if args.tiny:
+        from tests.helpers.tiny_model import build_tiny_model
+
+        path = build_tiny_model(out, tokenizer_cache=tokenizer_dir)
+        dtype = "float32"
+    else:
+        from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+        config = LlamaConfig(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                             pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=True,
+                             **{**ONE_B, "num_hidden_layers": args.layers})
+        torch.manual_seed(0)
+        device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+        with device:  # random init on the GPU: seconds, not the CPU's minute
+            built = LlamaForCausalLM(config)
+            cast(torch.nn.Module, built).to(torch.bfloat16)  # in place; PreTrainedModel.to's @wraps confuses mypy
+        built.save_pretrained(out)
+        tokenizer.save_pretrained(out)
+        path, dtype = str(out), "bfloat16"
+        del built
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path)
+    weights = sum(p.stat().st_size for p in Path(path).glob("*.safetensors"))
+    emit_json({"part": "model", "path": path, "tiny": args.tiny, "dtype": dtype, "hidden_size": config.hidden_size,
+               "layers": config.num_hidden_layers, "vocab_size": config.vocab_size, "weight_bytes": weights,
+               "seconds": round(time.monotonic() - started, 1)})
+
+
+# ---- MFU -----------------------------------------------------------------------------------------
+
+
+def matmul_tflops(device: Any, dtype: Any, n: int) -> float:
+    """The device's own n×n×n matmul rate: what MFU can reach here, beside the datasheet's."""
+    import torch
+
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    sync(device)
+    start, reps = time.perf_counter(), 10
+    for _ in range(reps):
+        a @ b
+    sync(device)
+    return 2 * n**3 * reps / (time.perf_counter() - start) / 1e12
+
+
+def sync(device: Any) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def mfu(args: argparse.Namespace) -> None:
+    from cobatch import pump, submit
+    from torch import nn
+
+    from gpu_runtime.engine import Engine
+
+    apply_threads(args.threads)
+    rows, length = (8, 64) if args.tiny else (8, args.seq_len)
+    rng = random.Random(0)
+    batch = [{"tokens": [rng.randrange(10_000) for _ in range(length)], "weights": [1.0] * length} for _ in range(rows)]
+    lora = {"r": 32, "alpha": 64}
+    adam = {"learning_rate": 1e-4}
+    with scratch_data_dir(args.data_dir) as data_dir:
+        engine = Engine(data_dir, device=args.device)
+        log(f"loading {args.model} on {engine.device}; {rows} rows of {length} tokens per step")
+        engine.create_run("one", "u0", args.model, lora, seed=0)
+        many = [f"co-{i}" for i in range(rows)]
+        for i, run in enumerate(many):
+            engine.create_run(run, f"u{i + 1}", args.model, lora, seed=i + 1)
+        base = engine.residency.bases[args.model].model
+        linear_params = sum(m.weight.numel() for m in base.modules() if isinstance(m, nn.Linear))
+
+        def one_run() -> None:
+            engine.forward_backward("one", batch)
+            engine.optim_step("one", adam)
+
+        def eight_runs() -> None:
+            futures = [submit(engine, "forward_backward", run_id=run, batch=[row]) for run, row in zip(many, batch)]
+            futures += [submit(engine, "optim_step", run_id=run, adam=adam) for run in many]
+            pump(engine, futures)
+
+        sides = {"one_run": one_run, "eight_runs": eight_runs}
+        seconds: dict[str, list[float]] = {name: [] for name in sides}
+        for step in range(args.steps + 1):
+            order = list(sides) if step % 2 == 0 else list(reversed(sides))  # sides alternate
+            for name in order:
+                sync(engine.device)
+                start = time.perf_counter()
+                sides[name]()
+                sync(engine.device)
+                if step:  # step 0 warms up
+                    seconds[name].append(time.perf_counter() - start)
+            log(f"step {step}{' (warm-up)' if not step else ''}: " + "  ".join(f"{n} {s[-1]:.3f} s" for n, s in seconds.items() if s))
+        cuda = engine.device.type == "cuda"
+        measured = matmul_tflops(engine.device, engine.dtype, 8192 if cuda else 512)
+        dtype = str(engine.dtype).removeprefix("torch.")
+        engine.shutdown()
+    tokens = rows * length
+    peak = H200_BF16_DENSE_TFLOPS if cuda and args.peak_tflops is None else args.peak_tflops
+    sides_out = {}
+    for name, values in seconds.items():
+        tokens_per_s = tokens / median(values)
+        achieved = tokens_per_s * 4 * linear_params / 1e12
+        sides_out[name] = {"median_seconds": round(median(values), 4), "tokens_per_s": round(tokens_per_s, 1),
+                           "tflops": round(achieved, 2), "mfu": round(achieved / peak, 4) if peak else None,
+                           "of_measured_matmul": round(achieved / measured, 4)}
+    emit({"bench": "gpu_mfu", "model": args.model, "device": str(args.device), "dtype": dtype, "linear_params": linear_params,
+          "flops_per_token": 4 * linear_params, "tokens_per_step": tokens, "lora": lora, "steps": args.steps,
+          "peak_tflops": peak, "matmul_tflops_measured": round(measured, 1), "sides": sides_out,
+          "note": "4N FLOPs per token (frozen base: no weight gradients); LoRA and attention-score FLOPs not counted"})
+
+
+# ---- the tests' summary ------------------------------------------------------------------------
+
+
+def junit(args: argparse.Namespace) -> None:
+    import xml.etree.ElementTree as ET
+
+    path = Path(args.report)
+    if not path.exists():
+        emit_json({"part": "cuda_tests", "pytest_rc": args.pytest_rc, "error": f"no report at {path}: pytest did not finish"})
+        return
+    outcomes: dict[str, list[str]] = {"passed": [], "failed": [], "skipped": []}
+    details: dict[str, str] = {}
+    for case in ET.parse(path).getroot().iter("testcase"):
+        name = f"{case.get('classname', '').rsplit('.', 1)[-1]}::{case.get('name')}"
+        problem = case.find("failure") if case.find("failure") is not None else case.find("error")
+        skipped = case.find("skipped")
+        if problem is not None:
+            outcomes["failed"].append(name)
+            details[name] = (problem.get("message") or problem.text or "")[:400]
+        elif skipped is not None:
+            outcomes["skipped"].append(name)
+            details[name] = (skipped.get("message") or "")[:200]
+        else:
+            outcomes["passed"].append(name)
+    emit_json({"part": "cuda_tests", "pytest_rc": args.pytest_rc, **{k: len(v) for k, v in outcomes.items()},
+               "failures": {n: details[n] for n in outcomes["failed"]},
+               "skip_reasons": sorted({details[n] for n in outcomes["skipped"]}), "passed_tests": outcomes["passed"]})
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parts = parser.add_subparsers(dest="part", required=True)
+    parts.add_parser("env")
+    p = parts.add_parser("wheels")
+    p.add_argument("--assets", required=True)
+    p = parts.add_parser("model")
+    p.add_argument("--assets", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--tiny", action="store_true")
+    p.add_argument("--layers", type=int, default=ONE_B["num_hidden_layers"], help="fewer: a smaller model of the same width")
+    p.add_argument("--device", default="auto")
+    p = parts.add_parser("mfu")
+    p.add_argument("--model", required=True)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--tiny", action="store_true", help="8 rows of 64 tokens")
+    p.add_argument("--seq-len", type=int, default=1024, help="tokens per row (8 rows: one tick's 8192)")
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--peak-tflops", type=float, default=None, help=f"the device's peak (CUDA default {H200_BF16_DENSE_TFLOPS})")
+    p.add_argument("--data-dir", default=str(Path(__file__).resolve().parent.parent / "data"))
+    p.add_argument("--threads", type=int, default=0)
+    p = parts.add_parser("junit")
+    p.add_argument("report")
+    p.add_argument("--pytest-rc", type=int, default=None)
+    args = parser.parse_args()
+    {"env": env, "wheels": wheels, "model": model, "mfu": mfu, "junit": junit}[args.part](args)
+
+
+if __name__ == "__main__":
+    main()
