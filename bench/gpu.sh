@@ -76,7 +76,7 @@ install_wheels() {
 }
 
 cuda_tests() {
-  "$PY" -m pytest tests/cuda -q -rs -p no:cacheprovider -W default --junitxml "$WORK/cuda-tests.xml" >&2
+  "$PY" -m pytest tests/cuda -v -rfEs -p no:cacheprovider -W default --junitxml "$WORK/cuda-tests.xml" >&2
   "$PY" bench/gpu_bench.py junit "$WORK/cuda-tests.xml" --pytest-rc $?
 }
 export -f install_wheels cuda_tests
