@@ -96,7 +96,7 @@ def test_every_error_renders_with_its_status_and_message(name: str, server: Live
 
 @pytest.mark.parametrize(("answer", "status", "message"), [
     ("refuse", 402, "Your balance is 0 credits: top up to keep training."),
-    ("error", 503, "the billing backend answered /internal/validate-credits with HTTP 500"),
+    ("error", 503, "the billing service answered /internal/validate-credits with HTTP 500"),
 ])
 def test_a_playground_sample_the_billing_backend_refuses_says_why(answer: str, status: int, message: str,
                                                                   server: LiveServer, visitor: Visitor,
