@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import httpx
 
@@ -16,10 +17,11 @@ from app.services.keys import KeyService
 from app.services.live import LiveMetrics
 from app.services.login_links import LoginLinkService
 from app.services.runs import RunService
-from app.services.supabase_signin import SupabaseSignIn
-from app.services.supabase_tokens import SupabaseTokenVerifier
 from app.services.users import UserService
 from app.settings import Settings
+
+if TYPE_CHECKING:  # imported when Supabase is configured: supabase_auth and jwt cost start-up 50 ms otherwise
+    from app.services.supabase_signin import SupabaseSignIn
 
 
 @dataclass
@@ -53,6 +55,9 @@ class Services:
         http = httpx.AsyncClient(timeout=15)
         supabase = None
         if settings.supabase_enabled:
+            from app.services.supabase_signin import SupabaseSignIn
+            from app.services.supabase_tokens import SupabaseTokenVerifier
+
             verifier = SupabaseTokenVerifier(settings.supabase_url, http, settings.supabase_jwt_secret)
             supabase = SupabaseSignIn(db, users, verifier, http, settings.supabase_url, settings.supabase_anon_key,
                                       settings.admin_email_set)
