@@ -122,7 +122,7 @@ def main() -> None:
                 figures[side][name].append(value)
     summary: dict[str, Any] = {"benchmark": "startup", "starts": args.starts}
     for side, values in figures.items():
-        summary[side] = {name: {"median": round(median(v), 3), "all": [round(x, 3) for x in v]}
+        summary[side] = {name: {"median": round(median(v), 3), "min": round(min(v), 3), "all": [round(x, 3) for x in v]}
                          for name, v in values.items()}
     summary["targets"] = {name: target(median(figures["this"][name]), "<=", TARGET_S)
                           for name in ("healthz_s", "me_s")}
