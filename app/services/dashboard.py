@@ -18,6 +18,7 @@ from app.db import Database
 from app.errors import NotFound
 from app.events import EventBroker
 from app.services.runs import RunService
+from app.services.users import require_admin
 from app.tables import Checkpoint, Metric, Run, User
 
 
@@ -77,8 +78,10 @@ class DashboardService:
             raise NotFound(f"checkpoint {checkpoint_id}'s files are not on this server", field="checkpointId")
         return Archive(path=path, filename=f"{name}.tar.gz")
 
-    async def runtime_state(self) -> dict[str, Any]:
-        """The runtime as far as this server can see it; a backend with `status()` adds its own view."""
+    async def runtime_state(self, user: User) -> dict[str, Any]:
+        """The runtime as far as this server can see it, for admins (it names every user's runs); a backend with
+        `status()` adds its own view."""
+        require_admin(user, "read the runtime's state")
         async with self.db.session() as session:
             by_status = dict((await session.execute(select(Run.status, func.count()).group_by(Run.status))).all())
             users = await session.scalar(select(func.count()).select_from(User))
