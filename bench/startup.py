@@ -124,6 +124,9 @@ def main() -> None:
     for side, values in figures.items():
         summary[side] = {name: {"median": round(median(v), 3), "min": round(min(v), 3), "all": [round(x, 3) for x in v]}
                          for name, v in values.items()}
+    if "baseline" in figures:  # below 1: this checkout starts sooner than the baseline did on the same machine
+        summary["ratio_to_baseline"] = {name: round(median(figures["this"][name]) / median(figures["baseline"][name]), 3)
+                                        for name in ("healthz_s", "me_s")}
     summary["targets"] = {name: target(median(figures["this"][name]), "<=", TARGET_S)
                           for name in ("healthz_s", "me_s")}
     summary["pass"] = all(t["pass"] for t in summary["targets"].values())
