@@ -14,11 +14,12 @@ from typing import Any, TypeVar
 from app.catalog import Catalog
 from app.db import Database, migrate_async
 from app.errors import NotFound, SignalError
+from app.server_url import running_url
 from app.services.keys import KeyService
 from app.services.login_links import LoginLinkService
 from app.services.users import UserService
 from app.settings import Settings
-from app.startup import ADMIN_EMAIL, admin_key_notice, first_start, startup_lock
+from app.startup import ADMIN_EMAIL, login_url, startup_lock
 from app.tables import Run, User
 
 
@@ -91,22 +92,14 @@ def _parser() -> argparse.ArgumentParser:
 def serve_command(settings: Settings, args: argparse.Namespace) -> int:
     import uvicorn
 
-    from app.backends import check_backend
     from app.server import create_app
 
     updates: dict[str, Any] = {key: getattr(args, key) for key in ("host", "port") if getattr(args, key)}
     settings = settings.model_copy(update=updates)
-    check_backend(settings)  # before anything is created or printed: a backend that cannot work says so first
-    secret = asyncio.run(first_start(settings))
-    if secret:
-        print(admin_key_notice(secret))
-    if not settings.supabase_enabled:
-        link = asyncio.run(_serve_login_link(settings))
-        if link:
-            print(f"Dashboard sign-in link for {ADMIN_EMAIL} (works once, expires in "
-                  f"{settings.login_link_ttl_s // 60} min; `signal login-link` mints another):\n\n    {link}\n")
-    print(f"Signal at {settings.resolved_public_url}  (GraphQL: {settings.resolved_public_url}/graphql)", flush=True)
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level)
+    # Migrations, the admin's key and sign-in link, the URL: all in the app's start, once (create_app refuses a
+    # backend that cannot work before anything is created or printed).
+    app = create_app(settings, announce=True)
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level)
     return 0
 
 
@@ -182,18 +175,14 @@ def _migrate(settings: Settings) -> None:
     asyncio.run(locked())
 
 
-def login_url(settings: Settings, token: str) -> str:
-    return f"{settings.resolved_public_url}/auth/link?token={token}"
-
-
-async def _serve_login_link(settings: Settings) -> str | None:
-    """The admin's sign-in link at start, as Jupyter prints its token; none when there is no admin user."""
-    db = Database(settings.resolved_database_url)
-    try:
-        admin = await UserService(db).find(ADMIN_EMAIL)
-        return login_url(settings, await LoginLinkService(db, settings.login_link_ttl_s).mint(admin)) if admin else None
-    finally:
-        await db.dispose()
+def server_url(settings: Settings) -> str:
+    """The URL of the server serving this data directory, else the settings' (saying so, on stderr)."""
+    url, source = running_url(settings.data_dir)
+    if url is None:
+        url = settings.resolved_public_url
+        print(f"{source}; the link uses the settings' URL {url} (SIGNAL_PUBLIC_URL, or SIGNAL_HOST and SIGNAL_PORT)",
+              file=sys.stderr)
+    return url
 
 
 async def _login_link(db: Database, settings: Settings, email: str) -> int:
@@ -203,7 +192,7 @@ async def _login_link(db: Database, settings: Settings, email: str) -> int:
     token = await LoginLinkService(db, settings.login_link_ttl_s).mint(user)
     print(f"sign-in link for {user.email} (works once, expires in {settings.login_link_ttl_s // 60} min):",
           file=sys.stderr)
-    print(login_url(settings, token))
+    print(login_url(server_url(settings), token))
     return 0
 
 

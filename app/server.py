@@ -17,9 +17,10 @@ from starlette.routing import Route, WebSocketRoute
 from app.backends import Backend, check_backend
 from app.errors import PayloadTooLarge
 from app.schema import schema
+from app.server_url import forget, record
 from app.services import Services
 from app.settings import Settings
-from app.startup import admin_key_notice, first_start
+from app.startup import ADMIN_EMAIL, admin_key_notice, first_start, login_url
 from web import middleware as dashboard_middleware
 from web import routes as dashboard_routes
 from web.graphiql import DashboardGraphQL
@@ -27,14 +28,15 @@ from web.graphiql import DashboardGraphQL
 log = logging.getLogger("signal.server")
 
 
-def create_app(settings: Settings | None = None, backend: Backend | None = None) -> Starlette:
+def create_app(settings: Settings | None = None, backend: Backend | None = None, announce: bool = False) -> Starlette:
+    """The app; with `announce` (`signal serve`), its start prints the admin's sign-in link and the URL too."""
     settings = settings or Settings()
     if backend is None:
         check_backend(settings)  # e.g. SIGNAL_BACKEND=modal without credentials: said now, not at the first call
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        # Once among all the processes `uvicorn --workers N` starts (`signal serve` did it already: a no-op then).
+        # Migrations and the admin's bootstrap: once among all the processes `uvicorn --workers N` starts.
         secret = await first_start(settings)
         if secret:
             print(admin_key_notice(secret), flush=True)
@@ -45,9 +47,13 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None)
         await services.feed.start()
         if services.billing is not None:
             services.billing.start()  # deductions a stopped (or crashed) server still owed are sent now
+        record(settings.data_dir, settings.resolved_public_url)  # what `signal login-link` prints links to
+        if announce:
+            await _announce(services)
         try:
             yield
         finally:
+            forget(settings.data_dir)
             await services.close()
 
     # DashboardGraphQL: SignalGraphQL with GraphiQL served from static/ (works offline).
@@ -64,6 +70,16 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None)
                     exception_handlers={413: payload_too_large}, middleware=dashboard_middleware(settings))
     app.state.settings = settings
     return app
+
+
+async def _announce(services: Services) -> None:
+    settings = services.settings
+    admin = None if settings.supabase_enabled else await services.users.find(ADMIN_EMAIL)
+    if admin is not None:  # the admin's sign-in link, as Jupyter prints its token
+        link = login_url(settings.resolved_public_url, await services.login_links.mint(admin))
+        print(f"Dashboard sign-in link for {ADMIN_EMAIL} (works once, expires in {settings.login_link_ttl_s // 60} "
+              f"min; `signal login-link` mints another):\n\n    {link}\n")
+    print(f"Signal at {settings.resolved_public_url}  (GraphQL: {settings.resolved_public_url}/graphql)", flush=True)
 
 
 async def healthz(request: Request) -> JSONResponse:

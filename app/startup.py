@@ -48,8 +48,8 @@ async def startup_lock(settings: Settings) -> AsyncIterator[None]:
 
 
 async def first_start(settings: Settings) -> str | None:
-    """Apply migrations and, with bootstrap_admin on an empty database, create the admin and a key: returns
-    the key's secret (to print once), or None when there was nothing to create."""
+    """Apply migrations (when the database is behind) and, with bootstrap_admin on an empty database, create the
+    admin and a key: returns the key's secret (to print once), or None when there was nothing to create."""
     async with startup_lock(settings):
         await migrate_async(settings.resolved_database_url)
         return await bootstrap_admin(settings) if settings.bootstrap_admin else None
@@ -67,6 +67,10 @@ async def bootstrap_admin(settings: Settings) -> str | None:
         return secret
     finally:
         await db.dispose()
+
+
+def login_url(base_url: str, token: str) -> str:
+    return f"{base_url}/auth/link?token={token}"
 
 
 def admin_key_notice(secret: str) -> str:

@@ -8,7 +8,7 @@ from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response
 from starlette.routing import Route
 
-from app.errors import NotFound
+from app.errors import Forbidden, NotFound
 from web.render import page, services, signed_in
 
 if TYPE_CHECKING:  # rows are only ever received from app.services, never queried here
@@ -35,9 +35,11 @@ async def start_page(request: Request, user: User) -> Response:
 
 @signed_in
 async def admin_page(request: Request, user: User) -> Response:
-    if not user.is_admin:
-        raise NotFound("page not found")  # the page's existence is not for everyone to learn
-    return page(request, "admin.html", user=user, state=await services(request).dashboard.runtime_state())
+    try:
+        state = await services(request).dashboard.runtime_state(user)
+    except Forbidden:
+        raise NotFound("page not found") from None  # the page's existence is not for everyone to learn
+    return page(request, "admin.html", user=user, state=state)
 
 
 routes = [

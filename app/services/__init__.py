@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import httpx
 
@@ -17,10 +18,11 @@ from app.services.ledger import Ledger, Rates
 from app.services.live import LiveMetrics
 from app.services.login_links import LoginLinkService
 from app.services.runs import RunService
-from app.services.supabase_signin import SupabaseSignIn
-from app.services.supabase_tokens import SupabaseTokenVerifier
 from app.services.users import UserService
 from app.settings import Settings
+
+if TYPE_CHECKING:  # imported when Supabase is configured: supabase_auth and jwt cost start-up 50 ms otherwise
+    from app.services.supabase_signin import SupabaseSignIn
 
 
 @dataclass
@@ -37,8 +39,9 @@ class Services:
     login_links: LoginLinkService
     live: LiveMetrics
     dashboard: DashboardService
-    http: httpx.AsyncClient  # shared by the Supabase client and the JWKS fetches; closed with the services
     supabase: SupabaseSignIn | None = None  # only when SUPABASE_URL and SUPABASE_ANON_KEY are set
+    # Shared by the Supabase client and the JWKS fetches; made only for them (its TLS context costs start-up 0.1 s).
+    http: httpx.AsyncClient | None = None
     billing: BillingClient | None = None  # only when FRONTIER_BACKEND_URL is set
 
     @classmethod
@@ -51,9 +54,12 @@ class Services:
         users = UserService(db)
         billing = BillingClient(settings, db) if settings.billing_enabled else None
         runs = RunService(db, backend, catalog, feed, settings.default_model, Ledger(db, Rates.of(settings), billing))
-        http = httpx.AsyncClient(timeout=15)
-        supabase = None
+        http = supabase = None
         if settings.supabase_enabled:
+            from app.services.supabase_signin import SupabaseSignIn
+            from app.services.supabase_tokens import SupabaseTokenVerifier
+
+            http = httpx.AsyncClient(timeout=15)
             verifier = SupabaseTokenVerifier(settings.supabase_url, http, settings.supabase_jwt_secret)
             supabase = SupabaseSignIn(db, users, verifier, http, settings.supabase_url, settings.supabase_anon_key,
                                       settings.admin_email_set)
@@ -79,6 +85,7 @@ class Services:
         await self.feed.close()
         if self.billing is not None:
             await self.billing.close()
-        await self.http.aclose()
+        if self.http is not None:
+            await self.http.aclose()
         await self.backend.close()
         await self.db.dispose()

@@ -18,6 +18,7 @@ from app.db import Database
 from app.errors import NotFound
 from app.events import EventBroker
 from app.services.runs import FAILED, RunService
+from app.services.users import require_admin
 from app.tables import Checkpoint, Metric, Run, User
 
 
@@ -77,9 +78,11 @@ class DashboardService:
             raise NotFound(f"checkpoint {checkpoint_id}'s files are not on this server", field="checkpointId")
         return Archive(path=path, filename=f"{name}.tar.gz")
 
-    async def runtime_state(self) -> dict[str, Any]:
-        """The runtime as far as this server can see it: runs by what the database knows (active, failed), and
-        resident or evicted as the runtime says now (its own state; on Modal, each pool this server called)."""
+    async def runtime_state(self, user: User) -> dict[str, Any]:
+        """The runtime as far as this server can see it, for admins (it names every user's runs): runs by what the
+        database knows (active, failed), and resident or evicted as the runtime says now (its own state; on Modal,
+        each pool this server called)."""
+        require_admin(user, "read the runtime's state")
         async with self.db.session() as session:
             by_status = dict((await session.execute(select(Run.status, func.count()).group_by(Run.status))).all())
             users = await session.scalar(select(func.count()).select_from(User))

@@ -24,9 +24,10 @@ from strawberry.utils.str_converters import to_camel_case
 from app.backends import Backend
 from app.catalog import Catalog
 from app.db import Database
-from app.errors import BadInput, Forbidden, RunNotFound
+from app.errors import BadInput, RunNotFound
 from app.events import MetricFeed
 from app.services.ledger import Ledger
+from app.services.users import require_admin
 from app.tables import Checkpoint, Metric, Run, Sample, User, could_be_id, new_id, utcnow
 from gpu_runtime.allocation import pool_key
 from gpu_runtime.contract import ADAM_DEFAULTS, LORA_DEFAULTS, SAMPLE_DEFAULTS, adam_settings, lora_settings, parse_call
@@ -294,8 +295,7 @@ class RunService:
     async def runtime_state(self, user: User) -> dict[str, Any]:
         """What the GPU runtime holds and does (bases, resident and evicted runs, queues, ticks): admins only,
         since it names every user's runs."""
-        if not user.is_admin:
-            raise Forbidden("only admins may read the runtime's state")
+        require_admin(user, "read the runtime's state")
         return await self.backend.call("runtime_state")
 
     # ---- one skeleton for the four primitives ----------------------------------------------

@@ -6,8 +6,14 @@ from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
 
 from app.db import Database
-from app.errors import BadInput, Unauthenticated
+from app.errors import BadInput, Forbidden, Unauthenticated
 from app.tables import EMAIL_LENGTH, NAME_LENGTH, User
+
+
+def require_admin(user: User, action: str) -> None:
+    """The one admin check of every front end: Forbidden, naming the action, unless `user` is an admin."""
+    if not user.is_admin:
+        raise Forbidden(f"only admins may {action}")
 
 
 class UserService:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -106,3 +107,74 @@ def _serve_once(env: dict[str, str]) -> dict:
     finally:
         process.send_signal(signal.SIGINT)
         process.wait(timeout=60)
+
+
+@pytest.mark.usefixtures("fresh_database")
+def test_login_link_names_the_running_servers_url_and_falls_back_to_the_settings(tmp_path: Path,
+                                                                                tiny_model_dir: str) -> None:
+    env = cli_env(tmp_path, SIGNAL_DEVICE="cpu", SIGNAL_DEFAULT_MODEL="tiny-llama",
+                  SIGNAL_MODELS_FILE=str(write_catalog(tmp_path / "models.yaml", tiny_model_dir)))
+    for name in ("SIGNAL_PUBLIC_URL", "SIGNAL_PORT"):  # the fallback below is the default URL
+        env.pop(name, None)
+    port = free_port()  # not the default 8000: the link must name the port the server really serves
+    process = subprocess.Popen([SIGNAL, "serve", "--port", str(port)], env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
+    try:
+        _read_until(process, "Signal at")
+        _wait_healthy(port)
+        printed = run_cli(env, "login-link", "--user", "grace@example.com")
+        assert printed.returncode == 0, printed.stderr
+        link = printed.stdout.strip()
+        assert re.fullmatch(rf"http://127\.0\.0\.1:{port}/auth/link\?token=[\w-]+", link)
+        assert "settings' URL" not in printed.stderr
+        with httpx.Client() as client:
+            page = client.get(link)
+            token = re.search(r'name="token" value="([^"]+)"', page.text)
+            csrf = re.search(r'"X-CSRF-Token": "([^"]+)"', page.text)
+            assert page.status_code == 200 and token and csrf
+            signed = client.post(f"http://127.0.0.1:{port}/auth/link", data={"token": token.group(1)},
+                                 headers={"X-CSRF-Token": csrf.group(1)})
+            assert signed.status_code == 303
+            assert "grace@example.com" in client.get(f"http://127.0.0.1:{port}/keys").text
+        # The login page names the command that mints such a link.
+        assert "signal login-link" in httpx.get(f"http://127.0.0.1:{port}/login").text
+    finally:
+        process.send_signal(signal.SIGINT)
+        process.wait(timeout=60)
+    assert not (tmp_path / "server.json").exists()  # a clean shutdown removes the record
+
+    stopped = run_cli(env, "login-link", "--user", "grace@example.com")
+    assert stopped.returncode == 0
+    assert stopped.stdout.startswith("http://127.0.0.1:8000/auth/link?token=")
+    assert "no running server has recorded its URL" in stopped.stderr and "settings' URL" in stopped.stderr
+
+
+def test_login_link_ignores_a_server_record_whose_process_has_ended(tmp_path: Path) -> None:
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    pid = int(ended.stdout)  # reaped: no process has this pid now (until the system reuses it)
+    (tmp_path / "server.json").write_text(json.dumps({"url": "http://127.0.0.1:9", "pid": pid}))
+    printed = run_cli(cli_env(tmp_path, SIGNAL_PUBLIC_URL="https://signal.example.org"), "login-link")
+    assert printed.returncode == 0
+    assert printed.stdout.startswith("https://signal.example.org/auth/link?token=")
+    assert f"(pid {pid}) is no longer running" in printed.stderr
+
+
+def _read_until(process: subprocess.Popen[str], text: str) -> str:
+    assert process.stdout is not None
+    lines: list[str] = []
+    for line in process.stdout:
+        lines.append(line)
+        if text in line:
+            return "".join(lines)
+    raise AssertionError(f"the server exited before printing {text!r}:\n" + "".join(lines))
+
+
+def _wait_healthy(port: int, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            time.sleep(0.05)
+    raise AssertionError(f"no /healthz answer on port {port} within {timeout}s")
