@@ -59,6 +59,7 @@ from gpu_runtime.contract.settings import (
     SamplingSettings,
     adam_settings,
     check_adam_value,
+    check_batch_text,
     check_id,
     check_request_id,
     check_text,
@@ -74,6 +75,6 @@ __all__ = [
     "MAX_TOKENS_LIMIT", "Method", "OptimStep", "OptimStepResult", "Ping", "Result", "RunCall", "RunDescription",
     "RunInfo", "RuntimeOptions", "RuntimeState", "SAMPLE_DEFAULTS", "SAVE_MODES", "SYSTEM_CALLS", "Sample",
     "SampleResult", "SamplingSettings", "SaveState", "SaveStateResult", "TEXT_KEYS", "TOKEN_KEYS", "adam_settings",
-    "check_adam_value", "check_id", "check_request_id", "check_text", "default_target_modules", "lora_settings",
+    "check_adam_value", "check_batch_text", "check_id", "check_request_id", "check_text", "default_target_modules", "lora_settings",
     "parse_call", "sampling_settings",
 ]

@@ -18,9 +18,9 @@ from gpu_runtime.contract.settings import (
     SAVE_MODES,
     SamplingSettings,
     adam_settings,
+    check_batch_text,
     check_id,
     check_request_id,
-    check_text,
     lora_settings,
     sampling_settings,
 )
@@ -119,7 +119,7 @@ class ForwardBackward(RunCall):
         check_request_id(self.request_id)
         if not isinstance(self.batch, list) or not self.batch:
             raise BadInput("batch must be a non-empty list of examples", field="batch")
-        check_text(self.batch, "batch")
+        check_batch_text(self.batch)
 
 
 @dataclass(frozen=True, kw_only=True)
