@@ -55,14 +55,14 @@ class Forbidden(AppError, PermissionError):
 
 
 class InsufficientCredits(AppError, PermissionError):
-    """The billing backend refused the call (no credits left, or no account): nothing was run."""
+    """The billing service refused the call (no credits left, or no account): nothing was run."""
 
     code = "INSUFFICIENT_CREDITS"
     status = 402
 
 
 class BillingUnavailable(AppError, RuntimeError):
-    """The billing backend could not be asked (unreachable, timed out, answered 5xx): nothing was run."""
+    """The billing service could not be asked (unreachable, timed out, answered 5xx): nothing was run."""
 
     code = "BILLING_UNAVAILABLE"
     status = 503

@@ -69,13 +69,13 @@ class HubError(SignalAPIError, RuntimeError):
 
 
 class InsufficientCreditsError(SignalAPIError, PermissionError):
-    """The server's billing backend refused the call (no credits left): nothing was run, nothing charged."""
+    """The server's billing service refused the call (no credits left): nothing was run, nothing charged."""
 
     code = "INSUFFICIENT_CREDITS"
 
 
 class BillingUnavailableError(SignalAPIError, RuntimeError):
-    """The server could not reach its billing backend to check credits: nothing was run; try again later."""
+    """The server could not reach its billing service to check credits: nothing was run; try again later."""
 
     code = "BILLING_UNAVAILABLE"
 
