@@ -6,7 +6,7 @@ import uuid
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import JSON, BigInteger, Boolean, DateTime, Float, ForeignKey, Integer, String, Text
+from sqlalchemy import JSON, BigInteger, Boolean, DateTime, Float, ForeignKey, Index, Integer, String, Text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
 
@@ -148,6 +148,12 @@ class Checkpoint(Base):
     size_bytes: Mapped[int] = mapped_column(BigInteger)
     hub_url: Mapped[str | None] = mapped_column(Text, default=None)  # where push_to_hub uploaded it, if it did
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    # Unique per run and mode (its kind: adapter, merged, state, sampler); a sampler snapshot and a state checkpoint
+    # may share one ("final"). Saved before names existed: step-N.
+    name: Mapped[str] = mapped_column(String(128), default="")
+    expires_at: Mapped[datetime | None] = mapped_column(default=None)  # unnamed sampler snapshots only
+
+    __table_args__ = (Index("ix_checkpoints_run_mode_name", "run_id", "mode", "name", unique=True),)
 
 
 class LoginLink(Base):

@@ -265,7 +265,7 @@ class RunService:
                 checkpoint = await session.scalar(select(Checkpoint).where(
                     Checkpoint.run_id == run.id, Checkpoint.path == result["checkpoint_path"]).limit(1))
                 if checkpoint is None:
-                    checkpoint = Checkpoint(run_id=run.id, path=result["checkpoint_path"])
+                    checkpoint = Checkpoint(run_id=run.id, path=result["checkpoint_path"], name=f"step-{result['step']}")
                     session.add(checkpoint)
                 checkpoint.step, checkpoint.mode = int(result["step"]), result["mode"]
                 checkpoint.size_bytes = int(result["size_bytes"])
