@@ -9,11 +9,22 @@ from __future__ import annotations
 
 from typing import Any
 
+MAX_MESSAGE_CHARS = 400  # a message that quotes the input quotes a prefix of it: a 10 MB name is no 10 MB error
+
+
+def bounded(message: str) -> str:
+    """`message` cut to MAX_MESSAGE_CHARS, keeping its head (what was wrong) and tail (what to do)."""
+    if len(message) <= MAX_MESSAGE_CHARS:
+        return message
+    head = MAX_MESSAGE_CHARS * 2 // 3
+    return f"{message[:head]}… ({len(message) - MAX_MESSAGE_CHARS} characters left out) …{message[head - MAX_MESSAGE_CHARS:]}"
+
 
 class SignalError(Exception):
     code = "INTERNAL"
 
     def __init__(self, message: str, *, field: str | None = None) -> None:
+        message = bounded(message)
         super().__init__(message)
         self.message = message
         self.field = field

@@ -236,7 +236,8 @@ class RuntimeClient:
             # The log's path stays on the server: this message travels to API clients.
             future.set_exception(WorkerFailed(f"worker process {_ended(process, code)} during {method}"))
         if failed:
-            print(f"gpu_runtime runtime {_ended(process, code)}; its log: {self.log_path or 'stderr'}", file=sys.stderr)
+            print(f"gpu_runtime runtime (pid {process.pid}) {_ended(process, code)}; its log: {self.log_path or 'stderr'}",
+                  file=sys.stderr)
 
     def _stop(self, graceful: bool) -> None:
         process, self._process = self._process, None
@@ -350,8 +351,9 @@ class _EndWatcher:
 
 
 def _ended(process: subprocess.Popen[bytes] | RuntimeConnection, code: int) -> str:
+    # Clients see this in WORKER_FAILED: the pid stays in the server's log (the reader thread's name carries it).
     if isinstance(process, RuntimeConnection):
-        return f"(pid {process.pid}) closed its connection"
+        return "closed its connection"
     return f"exited with code {code}"
 
 

@@ -24,7 +24,7 @@ from strawberry.utils.str_converters import to_camel_case
 from app.backends import Backend
 from app.catalog import Catalog
 from app.db import Database
-from app.errors import BadInput, RunNotFound
+from app.errors import BadInput, RunNotFound, SignalError
 from app.events import MetricFeed
 from app.services.ledger import Ledger
 from app.services.users import require_admin
@@ -68,6 +68,8 @@ class RunSpec:
             return adam_settings(adam)
 
     def validate(self) -> None:
+        if self.base_model is not None and not self.base_model.strip():
+            raise BadInput("baseModel is empty; leave it out for the server's default model", field="baseModel")
         self.lora()
         self.adam()
         if self.seed < 0:
@@ -366,9 +368,11 @@ class RunService:
     async def _engine(self, method: str, pool: str | None = None, **params: Any) -> dict[str, Any]:
         try:
             return await self.backend.call(method, pool=pool, **params)
-        except BadInput as error:
-            # The engine names fields as its contract does (max_tokens); clients sent maxTokens.
-            raise BadInput(error.message, field=graphql_field(error.field)) from None
+        except SignalError as error:
+            # The engine names fields as its contract does (max_tokens, base_model); clients sent maxTokens.
+            if not error.field:
+                raise
+            raise type(error)(error.message, field=graphql_field(error.field)) from None
 
     async def _record(self, run_id: str, step: int, values: dict[str, float]) -> None:
         """Store a call's metric rows; every server process's subscribers get them as one event (events.MetricFeed)."""
