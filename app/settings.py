@@ -15,6 +15,9 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from app.resources import resource_dir
 from gpu_runtime.contract import RuntimeOptions
 
+DB_LOCK_TIMEOUT_S = 5.0  # a write waits this long for a lock (SQLite's busy timeout, PostgreSQL's lock_timeout)
+DB_STATEMENT_TIMEOUT_S = 30.0  # PostgreSQL's statement_timeout: a stuck statement becomes UNAVAILABLE, not a hang
+
 
 class Settings(BaseSettings):
     # populate_by_name: tests and callers pass `supabase_url=...` even where the env name is an alias.
@@ -22,6 +25,10 @@ class Settings(BaseSettings):
 
     data_dir: Path = Field(Path("./data"), description="Runs, checkpoints, model cache and the SQLite file.")
     database_url: str = Field("", description="SQLAlchemy async URL; empty means sqlite in the data dir.")
+    db_lock_timeout_s: float = Field(DB_LOCK_TIMEOUT_S, gt=0, description="A write waits this long for a database "
+                                     "lock (SQLite's busy timeout, PostgreSQL's lock_timeout), then answers UNAVAILABLE.")
+    db_statement_timeout_s: float = Field(DB_STATEMENT_TIMEOUT_S, gt=0, description="PostgreSQL's statement_timeout: "
+                                          "a statement running longer answers UNAVAILABLE.")
     host: str = Field("127.0.0.1", description="Address `signal serve` binds.")
     port: int = Field(8000, description="Port `signal serve` binds.")
     public_url: str = Field("", description="URL printed for users; empty means http://host:port.")

@@ -28,9 +28,11 @@ from rewardsignal.errors import (
     AuthenticationError,
     NotFoundError,
     PayloadTooLargeError,
+    ResourceExhaustedError,
     ServerError,
     SignalAPIError,
     TransportError,
+    UnavailableError,
     WorkerFailedError,
     error_for_code,
     error_from_graphql,
@@ -42,6 +44,8 @@ DEFAULT_BASE_URL = "http://localhost:8000"
 DEFAULT_TIMEOUT = 600.0  # a forward_backward on a large model can take minutes
 DEFAULT_MAX_ATTEMPTS = 3  # tries of a primitive whose connection dropped or whose worker failed
 DEFAULT_RETRY_BACKOFF = 0.5  # seconds before the second try; doubled before each further one
+UNAVAILABLE_BUDGET_S = 60.0  # an UNAVAILABLE (locked database) or too-many-calls answer is retried this long in all
+MAX_RETRY_DELAY_S = 8.0
 # The connection dropped, or never came up: the call may or may not have reached the server.
 RETRYABLE_TRANSPORT_ERRORS = (httpx.NetworkError, httpx.TimeoutException, httpx.RemoteProtocolError)
 
@@ -75,11 +79,23 @@ class _ClientBase:
         self.retry_backoff = retry_backoff
 
     def _retry_delay(self, call: Call, attempt: int, error: Exception) -> float | None:
-        """Seconds to wait before sending `call` again after `error` on try `attempt`; None: give up."""
-        retryable = isinstance(error, (*RETRYABLE_TRANSPORT_ERRORS, WorkerFailedError))
-        if not (call.retry and retryable and attempt < self.max_attempts):
+        """Seconds to wait before sending `call` again (same request id) after `error` on try `attempt`; None: give
+        up. A dropped connection or a dead runtime: `max_attempts` tries. UNAVAILABLE (the call may be applied; a
+        retry records it): backoff for UNAVAILABLE_BUDGET_S in all. Too many calls in flight: after the server's
+        retryAfterS, within the same budget. Errors that mean "never applied" (deadline, full disk) are raised."""
+        if not call.retry:
             return None
-        return float(self.retry_backoff * 2 ** (attempt - 1))
+        backoff = self.retry_backoff * 2 ** (attempt - 1)
+        if isinstance(error, UnavailableError) or (isinstance(error, ResourceExhaustedError) and error.retryable):
+            delay = error.retry_after_s if isinstance(error, ResourceExhaustedError) else None
+            delay = min(delay if delay is not None else backoff, MAX_RETRY_DELAY_S)
+            spent = sum(min(self.retry_backoff * 2 ** (n - 1), MAX_RETRY_DELAY_S) for n in range(1, attempt))
+            return float(delay) if spent < UNAVAILABLE_BUDGET_S else None
+        if isinstance(error, WorkerFailedError) and error.retryable is False:
+            return None  # in flight through two runtime deaths: the server says not to send it a third time
+        if not (isinstance(error, (*RETRYABLE_TRANSPORT_ERRORS, WorkerFailedError)) and attempt < self.max_attempts):
+            return None
+        return float(backoff)
 
     def _transport_error(self, error: httpx.HTTPError) -> TransportError:
         return TransportError(f"cannot reach Signal at {self.url}: {error}")

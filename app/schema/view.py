@@ -71,7 +71,7 @@ class SignalGraphQL(GraphQL[Context, None]):
 
 
 def graphql_error(message: str, code: str, status: int, field: str | None = None) -> JSONResponse:
-    extensions = {"code": code} | ({"field": field} if field else {})
+    extensions = {"code": code, "retryable": False} | ({"field": field} if field else {})
     return JSONResponse({"errors": [{"message": message, "extensions": extensions}]}, status_code=status)
 
 

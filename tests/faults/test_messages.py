@@ -21,12 +21,12 @@ def create_run(server: LiveServer, key: str, base_model: str) -> dict[str, objec
 @pytest.mark.parametrize("base_model", ["", "   "], ids=["empty", "blank"])
 def test_an_empty_base_model_is_refused_not_the_default(live_server: LiveServer, key: str, base_model: str) -> None:
     error = create_run(live_server, key, base_model)
-    assert error["extensions"] == {"code": "BAD_INPUT", "field": "baseModel"}
+    assert error["extensions"] == {"code": "BAD_INPUT", "field": "baseModel", "retryable": False}
 
 
 def test_a_huge_input_is_quoted_by_a_prefix(live_server: LiveServer, key: str) -> None:
     error = create_run(live_server, key, "m" * 1_000_000)
-    assert error["extensions"] == {"code": "BAD_INPUT", "field": "baseModel"}
+    assert error["extensions"] == {"code": "BAD_INPUT", "field": "baseModel", "retryable": False}
     message = str(error["message"])
     assert len(message) < MAX_MESSAGE_CHARS + 60
     assert message.startswith("unknown base model 'mmm") and message.endswith("(add yours to config/models.yaml)")
