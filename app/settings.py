@@ -84,6 +84,15 @@ class Settings(BaseSettings):
                                       "integrations, no deductions.")
     billing_secret: str = Field("", description="Shared secret sent as `Authorization: Bearer …` on every billing call.")
     billing_timeout_s: float = Field(5.0, gt=0, description="Timeout of each billing call, in seconds.")
+    # ---- the runtime's heartbeat (/healthz) ----
+    heartbeat_interval_s: float = Field(2.0, gt=0, description="The server asks the local runtime for a heartbeat "
+                                        "this often (its reader thread answers, never the tick).")
+    busy_tick_s: float = Field(60.0, gt=0, description="/healthz says `busy` (200) while one tick runs longer.")
+    unresponsive_s: float = Field(10.0, gt=0, description="/healthz says `unresponsive` (503) after this long "
+                                  "without a heartbeat.")
+    restart_after_s: float = Field(120.0, gt=0, description="A runtime this server started that has not answered a "
+                                   "heartbeat for this long is killed; the next call starts another (a runtime "
+                                   "started by `signal runtime` is reported, never killed).")
     billing_retry_s: float = Field(30.0, gt=0, description="Deductions the backend did not take are sent again "
                                    "this often (and after every call, and at start).")
     gpu_second_rate: float = Field(1.0, ge=0, description="Credits per GPU-second: a run's cost, and each "

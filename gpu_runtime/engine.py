@@ -89,6 +89,7 @@ class Engine:
         self.recovery = Recovery(self.shared, self.training.replay)
         self.control = Control(self.shared, self.recovery, self.sampling)
         self.last_tick = TickStats()
+        self.ticking_since: float | None = None  # monotonic start of the tick running now (the heartbeat reads it)
         self._prepared: dict[Request, FbProgress] = {}  # forward_backward heads, rendered before they are priced
         self._handlers: dict[type[Call], Callable[[Any], dict[str, Any]]] = {
             CreateRun: lambda c: self.control.create_run(c).to_dict(),
@@ -206,8 +207,13 @@ class Engine:
 
     # ---- one tick -------------------------------------------------------------------------
 
+    def heartbeat(self) -> dict[str, Any]:
+        """Read from another thread without a lock: two attribute reads, so it answers while a tick runs."""
+        since = self.ticking_since
+        return {"tick": self.last_tick.number, "tick_seconds": time.monotonic() - since if since is not None else 0.0}
+
     def tick(self) -> TickStats:
-        started = time.monotonic()
+        started = self.ticking_since = time.monotonic()
         if self.compute.failed:
             self._restart_ranks()  # a rank failed between ticks
         stats = TickStats()
@@ -240,6 +246,7 @@ class Engine:
             self._restart_ranks()
         stats.seconds = time.monotonic() - started
         self.last_tick = stats
+        self.ticking_since = None
         self.totals.count(stats)
         return stats
 
