@@ -60,6 +60,9 @@ class Settings(BaseSettings):
     rank_timeout_seconds: float = Field(RuntimeOptions.rank_timeout_seconds, description="A multi-rank collective "
                                         "that waits longer means a hung rank: every rank stops, the call fails "
                                         "WORKER_FAILED and the pool restarts.")
+    min_free_disk_bytes: int = Field(RuntimeOptions.min_free_disk_bytes, description="Below this free space in the "
+                                     "data directory, the runtime refuses calls that write (forward_backward, "
+                                     "optim_step, save_state, create_run) with RESOURCE_EXHAUSTED; sampling goes on.")
     allow_downloads: bool = Field(False, description="Let the worker download models from the HF Hub.")
     worker_log: Path | None = Field(None, description="File for the worker's stderr; empty means inherit.")
     bootstrap_admin: bool = Field(True, description="On first start with no users, create an admin and print a key.")

@@ -52,6 +52,7 @@ from gpu_runtime.contract import (
 from gpu_runtime.control_calls import Control
 from gpu_runtime.decoding import SampleJob
 from gpu_runtime.devices import resolve_device
+from gpu_runtime.disk import disk_full_error, free_bytes
 from gpu_runtime.errors import BadInput, SignalError, WorkerFailed
 from gpu_runtime.ranks import RankGroup, RanksFailed
 from gpu_runtime.recovery import RESTORES_PER_TICK, Recovery
@@ -61,6 +62,8 @@ from gpu_runtime.scheduler import SYSTEM, Request, Scheduler, TickPlan, split_ti
 from gpu_runtime.shared import Answer, Shared, TickStats, internal
 from gpu_runtime.training_calls import FbPart, FbProgress, Training
 
+# Calls that write (journal, snapshot, checkpoint): refused at submit while the disk is below its margin.
+WRITING_CALLS = (CreateRun, ForwardBackward, OptimStep, SaveState)
 # Calls that need their run in memory before they can be priced and picked.
 ON_RESIDENT_RUN = (ForwardBackward, OptimStep, Sample, SaveState, RunInfo, LoadRun)
 
@@ -132,6 +135,8 @@ class Engine:
                 raise BadInput("params must be an object of the method's arguments", field="params")
             args, ticket = split_ticket(params)  # the call's place in its run's order across servers
             call = parse_call(method, args)
+            if isinstance(call, WRITING_CALLS):
+                self._check_disk()
             run_id = call.run
             user = call.user_id if isinstance(call, CreateRun) else self.recovery.owner(run_id) if run_id else SYSTEM
         except SignalError as exc:
@@ -139,6 +144,11 @@ class Engine:
             return
         self.scheduler.submit(Request(call.method.value, args, reply, user_id=user, run_id=run_id, ticket=ticket,
                                       call=call))
+
+    def _check_disk(self) -> None:
+        """Refuse a writing call before any state changes while free space is under the margin (sampling goes on)."""
+        if free_bytes(self.shared.data_dir) < self.options.min_free_disk_bytes:
+            raise disk_full_error(self.shared.data_dir)
 
     def call(self, method: str, **params: Any) -> dict[str, Any]:
         """Submit and pump ticks in this thread until answered (in-process use: tests, benchmarks)."""
@@ -233,7 +243,9 @@ class Engine:
                 answers.append((request, message))
         for key, parts in fb_parts.items():
             answers += self._run_pass(key, parts, stats)
-        self.shared.sync_journals()
+        unwritten = self.shared.sync_journals()
+        if unwritten:
+            answers = self._forget_unwritten(unwritten, answers)
         if "after_journal" in self.shared.faults and answers:
             os.kill(os.getpid(), signal.SIGKILL)  # failpoint: journaled, not yet answered
         for request, message in answers:
@@ -353,11 +365,28 @@ class Engine:
         self._prepared.pop(request, None)
         self.scheduler.finish(request, message)
 
+    def _forget_unwritten(self, failed: dict[str, OSError], answers: list[Answer]) -> list[Answer]:
+        """Runs whose journal write failed this tick (a full disk): each of their calls in it fails, none is answered
+        as applied; the runs leave memory unsaved and come back from snapshot + journal on their next call."""
+        errors = self.recovery.drop_unwritten(failed)
+        answering = {request for request, _ in answers}
+        for request in self.scheduler.queued():  # a split forward_backward part-done on a dropped run fails too
+            if request.run_id in errors and request in self._prepared and request not in answering:
+                if self._prepared.pop(request).done > 0:
+                    self.scheduler.finish(request, {"error": errors[request.run_id]})
+                else:
+                    request.started = False
+        self.sampling.fail_all(next(iter(errors.values())), [g for g in self.sampling.groups
+                                                            if any(r in errors for r in g.run_ids)])
+        return [(request, {"error": errors[request.run_id]}) if request.run_id in errors else (request, message)
+                for request, message in answers]
+
     # ---- between calls ----------------------------------------------------------------------
 
     def _housekeeping(self) -> None:
         decoding = self.sampling.decoding_runs
-        self.recovery.evict_over_budget(busy=lambda r: r in decoding or self.scheduler.is_queued(r))
+        if free_bytes(self.shared.data_dir) >= self.options.min_free_disk_bytes:  # eviction writes snapshots
+            self.recovery.evict_over_budget(busy=lambda r: r in decoding or self.scheduler.is_queued(r))
         self.residency.unload_idle_bases()
         self.compute.keepalive()
 

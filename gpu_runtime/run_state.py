@@ -252,6 +252,14 @@ class RunState:
     def prune_snapshots(self, keep: int) -> None:
         self.paths.prune_steps(keep)
 
+    def drop_snapshots_after(self, seq: int) -> None:
+        """Remove snapshots that cover journal records past `seq` (records a failed write cut off): restoring one
+        would bring back calls that were answered as failed."""
+        for step in self.paths.saved_steps():
+            meta = self.paths.adapter_step(step) / SNAPSHOT_FILE
+            if meta.exists() and read_json(meta)["seq"] > seq:
+                shutil.rmtree(self.paths.adapter_step(step), ignore_errors=True)
+
 
 def _fsync_tree(directory: Path) -> None:
     for path in directory.iterdir():

@@ -238,6 +238,7 @@ class RuntimeOptions:
     base_idle_seconds: float = 900.0  # a base with no resident runs is unloaded after this long idle
     local_ranks: int = 1  # rank processes of the pool: N > 1 shards each base with FSDP (N GPUs, or N CPU processes)
     rank_timeout_seconds: float = 300.0  # a collective that waits longer means a hung rank: every rank stops
+    min_free_disk_bytes: int = 64 * 1024**2  # below this free space, calls that write are refused (RESOURCE_EXHAUSTED)
 
     def __post_init__(self) -> None:
         for f in fields(self):
