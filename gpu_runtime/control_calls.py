@@ -123,6 +123,8 @@ class Control:
             raise BadInput(f"base_model: the checkpoint was trained on {meta['base_model']!r}, not {call.base_model!r}",
                            field="base_model")
         for key, value in (call.lora or {}).items():
+            if key == "target_modules" and isinstance(value, list):
+                value = sorted(set(value))  # as lora_settings keeps them
             if value is not None and value != meta["lora"].get(key):
                 raise BadInput(f"lora.{key}: the checkpoint's is {meta['lora'].get(key)!r}, not {value!r}; a run from "
                                "a checkpoint inherits its LoRA settings", field=f"lora.{key}")
