@@ -272,8 +272,8 @@ class ExportCheckpoint(RunCall):
         super().validate()
         if self.name is not None:
             check_checkpoint_name(self.name)
-        if self.mode not in SAVE_MODES:
-            raise BadInput(f"mode must be one of {list(SAVE_MODES)}, got {self.mode!r}", field="mode")
+        if self.mode not in CHECKPOINT_KINDS:  # a sampler snapshot downloads like a checkpoint
+            raise BadInput(f"mode must be one of {list(CHECKPOINT_KINDS)}, got {self.mode!r}", field="mode")
         if isinstance(self.step, bool) or not isinstance(self.step, int) or self.step < 0:
             raise BadInput(f"step must be a non-negative integer, got {self.step!r}", field="step")
 
