@@ -122,20 +122,21 @@ class _ClientBase:
         learning_rate: float | None = None, lora_dropout: float | None = None,
         lora_target_modules: list[str] | None = None, gpu_config: str | None = None, seed: int | None = None,
         weight_decay: float | None = None, grad_clip_norm: float | None = None, quantization: str | None = None,
-        from_checkpoint: str | None = None, with_optimizer: bool | None = None,
+        from_checkpoint: Any = None, with_optimizer: bool | None = None,
     ) -> Any:
         """A new run; settings left as None take the server's defaults (LoRA r=32, alpha=2r, AdamW lr 1e-4).
 
         quantization: "8bit" or "4bit" loads the base through bitsandbytes (4-bit is QLoRA's NF4), on one GPU.
-        from_checkpoint: a checkpoint's `path` (signal://<run_id>/<mode>/<name>, one of your runs'): the run starts
-        there, inheriting its base model, seed, step and LoRA settings (any given too must agree); with_optimizer
-        (default true) takes its AdamW state as well, so training resumes exactly.
+        from_checkpoint: an `Artifact` or its `path` (signal://<run_id>/<mode>/<name>, one of your runs'): the run
+        starts there, inheriting its base model, seed, step and LoRA settings (any given too must agree);
+        with_optimizer (default true) takes its AdamW state as well, so training resumes exactly.
         """
         spec = _drop_none({
             "baseModel": base_model, "loraR": lora_r, "loraAlpha": lora_alpha, "learningRate": learning_rate,
             "loraDropout": lora_dropout, "loraTargetModules": lora_target_modules, "gpuConfig": gpu_config,
             "seed": seed, "weightDecay": weight_decay, "gradClipNorm": grad_clip_norm, "quantization": quantization,
-            "fromCheckpoint": from_checkpoint, "withOptimizer": with_optimizer,
+            "fromCheckpoint": from_checkpoint["path"] if isinstance(from_checkpoint, dict) else from_checkpoint,
+            "withOptimizer": with_optimizer,
         })
         return self._run(Call("CreateRun", {"input": spec}, "createRun", self._wrap_run))
 

@@ -113,7 +113,7 @@ def test_the_sdk_saves_lists_downloads_loads_and_deletes(live_server: LiveServer
     files = final.download(tmp_path / "final")
     assert (Path(files) / "optimizer_state.pt").is_file() and (Path(files) / "checkpoint.json").is_file()
 
-    resumed = client.create_run(from_checkpoint=final.path)
+    resumed = client.create_run(from_checkpoint=final)
     assert resumed.step == 1
     train(client, run.id, 1)
     assert run.load_state(final)["step"] == 1

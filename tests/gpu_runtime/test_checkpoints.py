@@ -16,6 +16,7 @@ from gpu_runtime.engine import Engine
 from gpu_runtime.errors import BadInput, FailedPrecondition, NotFound, WorkerFailed
 from gpu_runtime.runtime_client import RuntimeClient
 from tests.helpers.engine_tools import BATCH, assert_same_weights, lora_weights, train
+from tests.helpers.tiny_model import build_tiny_model
 
 LORA = {"r": 4, "alpha": 8, "dropout": 0.1}
 BATCHES = [BATCH[:2], BATCH[2:], BATCH[1:3]]
@@ -134,6 +135,20 @@ def test_load_state_refuses_a_checkpoint_of_another_shape_naming_the_field(
     with pytest.raises(BadInput) as caught:
         engine.call("load_state", run_id="b", checkpoint="signal://a/state/w")
     assert caught.value.field == "checkpoint" and caught.value.message.startswith(field_text)
+
+
+def test_load_state_refuses_a_checkpoint_of_another_base_naming_it(engine: Engine, tiny_model_dir: str) -> None:
+    other_base = build_tiny_model(Path(engine.data_dir) / "other-llama",
+                                  tokenizer_cache=Path(tiny_model_dir).parent / "smollm2-tokenizer", seed=1)
+    engine.create_run("a", "u1", tiny_model_dir, LORA)
+    engine.create_run("b", "u1", other_base, LORA)
+    engine.call("save_state", run_id="a", name="w", mode="state")
+    with pytest.raises(BadInput) as caught:
+        engine.call("load_state", run_id="b", checkpoint="signal://a/state/w")
+    assert caught.value.field == "checkpoint" and caught.value.message.startswith("base_model")
+    with pytest.raises(BadInput) as created:
+        engine.call("create_run", run_id="c", user_id="u1", base_model=other_base, from_checkpoint="signal://a/state/w")
+    assert created.value.field == "base_model"
 
 
 def test_another_users_checkpoint_is_not_found(engine: Engine, tiny_model_dir: str) -> None:
