@@ -36,10 +36,12 @@ from gpu_runtime.contract import (
     Call,
     CloseRun,
     CreateRun,
+    DeleteCheckpoint,
     DeleteRun,
     ExportCheckpoint,
     ForwardBackward,
     LoadRun,
+    LoadState,
     OptimStep,
     Ping,
     RunInfo,
@@ -65,7 +67,7 @@ from gpu_runtime.training_calls import FbPart, FbProgress, Training
 # Calls that write (journal, snapshot, checkpoint): refused at submit while the disk is below its margin.
 WRITING_CALLS = (CreateRun, ForwardBackward, OptimStep, SaveState)
 # Calls that need their run in memory before they can be priced and picked.
-ON_RESIDENT_RUN = (ForwardBackward, OptimStep, Sample, SaveState, RunInfo, LoadRun)
+ON_RESIDENT_RUN = (ForwardBackward, OptimStep, Sample, SaveState, RunInfo, LoadRun, LoadState)
 
 
 class Engine:
@@ -103,6 +105,8 @@ class Engine:
             CloseRun: lambda c: self.control.close_run(c.run_id),
             DeleteRun: lambda c: self.control.delete_run(c.run_id),
             ExportCheckpoint: self.control.export_checkpoint,
+            LoadState: lambda c: self.control.load_state(self.recovery.state(c.run_id), c).to_dict(),
+            DeleteCheckpoint: self.control.delete_checkpoint,
             Ping: lambda c: self.control.ping(),
             RuntimeState: lambda c: self.control.runtime_state(),
         }

@@ -25,12 +25,13 @@ from gpu_runtime.losses import LossFn, get_loss
 from gpu_runtime.optimizer import PORTABLE, kernel_of
 from gpu_runtime.persistence import sha256_json
 from gpu_runtime.pool import BaseEntry
-from gpu_runtime.run_state import RunState, append_manifest, last_manifest_step
+from gpu_runtime.run_state import LOADS_DIR, RunState, append_manifest, last_manifest_step
 from gpu_runtime.scheduler import Request
 from gpu_runtime.shared import Answer, Shared, TickStats
 from gpu_runtime.training import PassPart
 
 FORWARD_BACKWARD, OPTIM_STEP = "forward_backward", "optim_step"  # journal record types
+LOAD_STATE = "load_state"  # written by control_calls.py's load_state
 
 
 @dataclass(eq=False)
@@ -221,6 +222,11 @@ class Training:
             return  # a duplicate cannot be applied twice
         if record["type"] == FORWARD_BACKWARD:
             self._replay_fb(state, record)
+        elif record["type"] == LOAD_STATE:
+            # Only a crash between the load's journal record and its snapshot gets here: the run's own copy of the
+            # checkpoint's files (never the checkpoint, which may be gone) is still there until a snapshot covers it.
+            staged = state.paths.root / LOADS_DIR / record["staged"]
+            state.load_checkpoint_files(staged, record["with_optimizer"], record["step"], self.shared.device)
         elif "error" in record["result"]:
             # It failed live and dropped the gradients: the journal's outcome holds, whatever a recompute says.
             self.shared.compute.drop_grads(state)

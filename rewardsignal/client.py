@@ -138,15 +138,21 @@ class _ClientBase:
         learning_rate: float | None = None, lora_dropout: float | None = None,
         lora_target_modules: list[str] | None = None, gpu_config: str | None = None, seed: int | None = None,
         weight_decay: float | None = None, grad_clip_norm: float | None = None, quantization: str | None = None,
+        from_checkpoint: Any = None, with_optimizer: bool | None = None,
     ) -> Any:
         """A new run; settings left as None take the server's defaults (LoRA r=32, alpha=2r, AdamW lr 1e-4).
 
         quantization: "8bit" or "4bit" loads the base through bitsandbytes (4-bit is QLoRA's NF4), on one GPU.
+        from_checkpoint: an `Artifact` or its `path` (signal://<run_id>/<mode>/<name>, one of your runs'): the run
+        starts there, inheriting its base model, seed, step and LoRA settings (any given too must agree);
+        with_optimizer (default true) takes its AdamW state as well, so training resumes exactly.
         """
         spec = _drop_none({
             "baseModel": base_model, "loraR": lora_r, "loraAlpha": lora_alpha, "learningRate": learning_rate,
             "loraDropout": lora_dropout, "loraTargetModules": lora_target_modules, "gpuConfig": gpu_config,
             "seed": seed, "weightDecay": weight_decay, "gradClipNorm": grad_clip_norm, "quantization": quantization,
+            "fromCheckpoint": from_checkpoint["path"] if isinstance(from_checkpoint, dict) else from_checkpoint,
+            "withOptimizer": with_optimizer,
         })
         return self._run(Call("CreateRun", {"input": spec}, "createRun", self._wrap_run))
 
@@ -360,16 +366,32 @@ class _RunBase:
         return self._client._run(_primitive("Sample", variables, "sample"))
 
     def save_state(self, mode: str = "adapter", push_to_hub: bool = False, hub_model_id: str | None = None,
-                   hf_token: str | None = None) -> Any:
-        """Export the run (an `Artifact`: `.download(dir)` fetches its files). With `push_to_hub`, the server also
-        uploads it to `hub_model_id` (a private repo) with `hf_token` (default: env HF_TOKEN), used for that upload only."""
+                   hf_token: str | None = None, name: str | None = None, with_optimizer: bool | None = None) -> Any:
+        """Export the run (an `Artifact`: `.download(dir)` fetches its files; its `path` is what `load_state` and
+        `create_run(from_checkpoint=…)` take). `name` is unique per run and mode (default step-N); `with_optimizer`
+        keeps AdamW's state (default: for mode "state" only). With `push_to_hub`, the server also uploads it to
+        `hub_model_id` (a private repo) with `hf_token` (default: env HF_TOKEN), used for that upload only."""
         if push_to_hub and hf_token is None:
             hf_token = os.environ.get("HF_TOKEN")
-        variables = _drop_none({"runId": self.id, "mode": mode.upper(), "pushToHub": push_to_hub,
-                                "hubModelId": hub_model_id, "hfToken": hf_token if push_to_hub else None})
+        variables = _drop_none({"runId": self.id, "mode": mode.upper(), "name": name, "withOptimizer": with_optimizer,
+                                "pushToHub": push_to_hub, "hubModelId": hub_model_id,
+                                "hfToken": hf_token if push_to_hub else None})
         call = _primitive("SaveState", variables, "saveState")
         call.wrap = self._client._wrap_artifact
         return self._client._run(call)
+
+    def load_state(self, checkpoint: Any, with_optimizer: bool = True) -> Any:
+        """Load a checkpoint into this run: an `Artifact`, its `path` (signal://…, one of your runs'), or the name
+        of this run's "state" checkpoint. Its weights, with `with_optimizer` its AdamW state, and its step."""
+        path = checkpoint["path"] if isinstance(checkpoint, dict) else checkpoint
+        variables = {"runId": self.id, "checkpoint": path, "withOptimizer": with_optimizer}
+        return self._client._run(_primitive("LoadState", variables, "loadState"))
+
+    def delete_checkpoint(self, checkpoint: Any) -> Any:
+        """Delete a checkpoint or sampler snapshot of this run (an `Artifact`, or its id): its files and its row."""
+        checkpoint_id = checkpoint["id"] if isinstance(checkpoint, dict) else checkpoint
+        return self._client._run(Call("DeleteCheckpoint", {"runId": self.id, "checkpointId": str(checkpoint_id)},
+                                      "deleteCheckpoint"))
 
     def metrics(self, name: str | None = None, limit: int = 1000) -> Any:
         variables = _drop_none({"id": self.id, "name": name, "limit": limit})

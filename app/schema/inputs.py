@@ -13,15 +13,21 @@ from gpu_runtime.contract import ADAM_DEFAULTS, LORA_DEFAULTS
 @strawberry.input
 class CreateRunInput:
     base_model: str | None = strawberry.field(default=None, description="Catalogue name; default: the server's")
-    lora_r: int = LORA_DEFAULTS["r"]
+    lora_r: int | None = strawberry.field(
+        default=None, description=f"Default: {LORA_DEFAULTS['r']} (from a checkpoint: the checkpoint's)")
     lora_alpha: float | None = strawberry.field(default=None, description="Default: 2 * loraR")
-    lora_dropout: float = LORA_DEFAULTS["dropout"]
+    lora_dropout: float | None = strawberry.field(
+        default=None, description=f"Default: {LORA_DEFAULTS['dropout']} (from a checkpoint: the checkpoint's)")
     lora_target_modules: list[str] | None = strawberry.field(default=None, description="Default: attention projections")
     learning_rate: float = ADAM_DEFAULTS["learning_rate"]
     weight_decay: float = ADAM_DEFAULTS["weight_decay"]
     grad_clip_norm: float = strawberry.field(default=ADAM_DEFAULTS["grad_clip_norm"],
                                              description="0 turns clipping off")
-    seed: int = 0
+    seed: int | None = strawberry.field(default=None, description="Default: 0 (from a checkpoint: the checkpoint's)")
+    from_checkpoint: str | None = strawberry.field(
+        default=None, description="signal://<runId>/<kind>/<name> (a Checkpoint's path): start from it, inheriting "
+        "its base model, seed, step and LoRA settings; LoRA settings or a seed given too must agree")
+    with_optimizer: bool = strawberry.field(default=True, description="With fromCheckpoint: its AdamW state too")
     gpu_config: str | None = strawberry.field(default=None, description='e.g. "L40S:2"; default: allocation rules')
     quantization: str | None = strawberry.field(
         default=None, description='"8bit" or "4bit" (NF4, bitsandbytes) on one GPU; default: none (bf16)')
@@ -32,6 +38,7 @@ class CreateRunInput:
             lora_dropout=self.lora_dropout, lora_target_modules=self.lora_target_modules,
             learning_rate=self.learning_rate, weight_decay=self.weight_decay, grad_clip_norm=self.grad_clip_norm,
             seed=self.seed, gpu_config=self.gpu_config, quantization=self.quantization,
+            from_checkpoint=self.from_checkpoint, with_optimizer=self.with_optimizer,
         )
 
 

@@ -14,6 +14,7 @@ from app.schema.types import (
     Checkpoint,
     CreatedApiKey,
     ForwardBackwardResult,
+    LoadStateResult,
     OptimStepResult,
     Run,
     SampleResult,
@@ -78,12 +79,38 @@ class Mutation:
         hub_model_id: str | None = None, request_id: RequestId = None,
         hf_token: Annotated[str | None, strawberry.argument(
             description="Hugging Face token for pushToHub; used for this upload only, never stored")] = None,
+        name: Annotated[str | None, strawberry.argument(
+            description="Unique per run and mode (a name saved twice is refused); default: step-N")] = None,
+        with_optimizer: Annotated[bool | None, strawberry.argument(
+            description="Keep AdamW's state, to resume exactly; default: true for STATE, false otherwise")] = None,
     ) -> Checkpoint:
         user = await info.context.user()
         checkpoint = await info.context.services.runs.save_state(
-            user, str(run_id), mode.value, push_to_hub, hub_model_id, request_id=request_id, hf_token=hf_token
+            user, str(run_id), mode.value, push_to_hub, hub_model_id, request_id=request_id, hf_token=hf_token,
+            name=name, with_optimizer=with_optimizer,
         )
         return Checkpoint.from_row(checkpoint)
+
+    @strawberry.mutation(description="Load a checkpoint (this run's or another of yours) into the run: its weights, "
+                         "with withOptimizer its AdamW state, and its step; pending gradients are dropped")
+    async def load_state(
+        self, info: Info, run_id: strawberry.ID,
+        checkpoint: Annotated[str, strawberry.argument(
+            description="signal://<runId>/<mode>/<name> (a Checkpoint's path), or a name: this run's STATE one")],
+        with_optimizer: bool = True, request_id: RequestId = None,
+    ) -> LoadStateResult:
+        user = await info.context.user()
+        result = await info.context.services.runs.load_state(user, str(run_id), checkpoint, with_optimizer,
+                                                             request_id=request_id)
+        return LoadStateResult(checkpoint=result["checkpoint"], step=result["step"],
+                               with_optimizer=result["with_optimizer"],
+                               pending_dropped=result.get("pending_dropped", 0))
+
+    @strawberry.mutation(description="Delete a checkpoint or sampler snapshot: its files and its row")
+    async def delete_checkpoint(self, info: Info, run_id: strawberry.ID, checkpoint_id: strawberry.ID) -> bool:
+        user = await info.context.user()
+        await info.context.services.runs.delete_checkpoint(user, str(run_id), str(checkpoint_id))
+        return True
 
     @strawberry.mutation
     async def delete_run(self, info: Info, run_id: strawberry.ID) -> bool:

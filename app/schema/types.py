@@ -16,6 +16,7 @@ from app import tables
 from app.catalog import CatalogModel
 from app.schema.context import Info
 from app.services.ledger import gpu_seconds
+from gpu_runtime.contract import CheckpointRef
 
 
 @strawberry.type(name="BaseModel")
@@ -110,11 +111,20 @@ class Sample:
                    params=JSON(row.params), created_at=row.created_at)
 
 
+@strawberry.type(description="What loadState did: the run's step is the checkpoint's now")
+class LoadStateResult:
+    checkpoint: str
+    step: int
+    with_optimizer: bool
+    pending_dropped: int = strawberry.field(description="forwardBackward calls pending before the load, now gone")
+
+
 @strawberry.type
 class Checkpoint:
     id: strawberry.ID
     step: int
-    mode: str
+    mode: str = strawberry.field(description="Its kind: adapter, merged, state (resumable), or sampler (a snapshot)")
+    name: str = strawberry.field(description="Unique per run and mode; step-N when saved without one")
     checkpoint_path: str
     size_bytes: float
     hub_url: str | None = strawberry.field(description="The Hugging Face repo it was pushed to (pushToHub), else null")
@@ -130,9 +140,13 @@ class Checkpoint:
         base = settings.public_url or (str(request.base_url) if request is not None else settings.resolved_public_url)
         return f"{base.rstrip('/')}/runs/{self.run_id}/checkpoints/{self.id}/archive"
 
+    @strawberry.field(description="What loadState and createRun(fromCheckpoint) take: signal://<runId>/<mode>/<name>")
+    def path(self) -> str:
+        return CheckpointRef(self.run_id, self.mode, self.name).path
+
     @classmethod
     def from_row(cls, row: tables.Checkpoint) -> Checkpoint:
-        return cls(id=strawberry.ID(str(row.id)), step=row.step, mode=row.mode, checkpoint_path=row.path,
+        return cls(id=strawberry.ID(str(row.id)), step=row.step, mode=row.mode, name=row.name, checkpoint_path=row.path,
                    size_bytes=float(row.size_bytes), hub_url=row.hub_url, created_at=row.created_at, run_id=row.run_id)
 
 

@@ -24,13 +24,22 @@ from strawberry.utils.str_converters import to_camel_case
 from app.backends import Backend
 from app.catalog import Catalog
 from app.db import Database
-from app.errors import BadInput, RunNotFound, SignalError
+from app.errors import BadInput, NotFound, RunNotFound, SignalError
 from app.events import MetricFeed
 from app.services.ledger import Ledger
 from app.services.users import require_admin
 from app.tables import Checkpoint, Metric, Run, Sample, User, could_be_id, new_id, utcnow
 from gpu_runtime.allocation import pool_key
-from gpu_runtime.contract import ADAM_DEFAULTS, LORA_DEFAULTS, SAMPLE_DEFAULTS, adam_settings, lora_settings, parse_call
+from gpu_runtime.contract import (
+    ADAM_DEFAULTS,
+    LORA_DEFAULTS,
+    SAMPLE_DEFAULTS,
+    CheckpointRef,
+    adam_settings,
+    checkpoint_ref,
+    lora_settings,
+    parse_call,
+)
 
 T = TypeVar("T")
 
@@ -41,24 +50,33 @@ FAILED = "failed"  # runs.status once the runtime no longer has the run (else "a
 class RunSpec:
     """What createRun asks for; defaults and bounds are the engine contract's (gpu_runtime.contract)."""
 
-    base_model: str | None = None  # None: the server's default model
-    lora_r: int = LORA_DEFAULTS["r"]
+    base_model: str | None = None  # None: the server's default model (or the checkpoint's)
+    lora_r: int | None = None  # None: LORA_DEFAULTS (or the checkpoint's)
     lora_alpha: float | None = None  # None: 2 * lora_r, the usual choice
-    lora_dropout: float = LORA_DEFAULTS["dropout"]
+    lora_dropout: float | None = None
     lora_target_modules: list[str] | None = None  # None: the model's attention projections
     learning_rate: float | None = None  # None: ADAM_DEFAULTS
     weight_decay: float | None = None
     grad_clip_norm: float | None = None
-    seed: int = 0
+    seed: int | None = None  # None: 0 (or the checkpoint's)
     gpu_config: str | None = None
     quantization: str | None = None  # None | "8bit" | "4bit" (bitsandbytes)
+    from_checkpoint: str | None = None  # signal://<run_id>/<kind>/<name>: start there (docs/CHECKPOINTS.md)
+    with_optimizer: bool = True  # with from_checkpoint: its AdamW state too
 
     def lora(self) -> dict[str, Any]:
         """The run's LoRA settings, checked and filled by the contract; errors name createRun's field (`loraR`)."""
-        lora = {"r": self.lora_r, "alpha": self.lora_alpha, "dropout": self.lora_dropout,
+        lora = {"r": self.lora_r if self.lora_r is not None else LORA_DEFAULTS["r"], "alpha": self.lora_alpha,
+                "dropout": self.lora_dropout if self.lora_dropout is not None else LORA_DEFAULTS["dropout"],
                 "target_modules": self.lora_target_modules}
         with _fields_renamed(lambda field: "lora_" + field.removeprefix("lora.")):
             return lora_settings(lora)
+
+    def explicit_lora(self) -> dict[str, Any] | None:
+        """Only the LoRA settings the caller gave: a run from a checkpoint inherits the rest, and these must agree."""
+        given = {"r": self.lora_r, "alpha": self.lora_alpha, "dropout": self.lora_dropout,
+                 "target_modules": self.lora_target_modules}
+        return {key: value for key, value in given.items() if value is not None} or None
 
     def adam(self) -> dict[str, float]:
         """The run's AdamW defaults for optim_step; errors name createRun's field (`learningRate`)."""
@@ -72,7 +90,7 @@ class RunSpec:
             raise BadInput("baseModel is empty; leave it out for the server's default model", field="baseModel")
         self.lora()
         self.adam()
-        if self.seed < 0:
+        if self.seed is not None and self.seed < 0:
             raise BadInput(f"seed must be >= 0, got {self.seed}", field="seed")
 
 
@@ -151,17 +169,29 @@ class RunService:
 
     async def create(self, user: User, spec: RunSpec) -> Run:
         spec.validate()
-        model = self.catalog.get(spec.base_model or self.default_model)
-        lora, adam = spec.lora(), spec.adam()
+        source = None
+        if spec.from_checkpoint is not None:  # inherits the checkpoint's base, seed, step and LoRA settings
+            ref = checkpoint_ref(spec.from_checkpoint, "fromCheckpoint")
+            source, _ = await self._checkpoint_row(user, ref, "fromCheckpoint")
+            if spec.base_model and spec.base_model != source.base_model:
+                raise BadInput(f"baseModel: the checkpoint was trained on {source.base_model!r}, not "
+                               f"{spec.base_model!r}", field="baseModel")
+        model = self.catalog.get(spec.base_model or (source.base_model if source else self.default_model))
+        lora, adam = (dict(source.lora_config) if source else spec.lora()), spec.adam()
+        requested_quantization = spec.quantization or (source.quantization or None if source else None)
         # Checked to hold the model, quantized or not; then the quantization it was checked with.
-        gpu_config = self.catalog.resolve_gpu(model, spec.gpu_config, spec.quantization, lora_r=lora["r"])
-        quantization = self.catalog.resolve_quantization(model, spec.quantization)
+        gpu_config = self.catalog.resolve_gpu(model, spec.gpu_config, requested_quantization, lora_r=lora["r"])
+        quantization = self.catalog.resolve_quantization(model, requested_quantization)
         run_id = new_id()
         await self.ledger.allow_create(user, run_id, gpu_config, model.name)
+        from_checkpoint = {"from_checkpoint": spec.from_checkpoint, "with_optimizer": spec.with_optimizer,
+                           "lora": spec.explicit_lora(), "seed": spec.seed} if source else {"lora": lora,
+                                                                                            "seed": spec.seed or 0}
         created = await self._engine(
             "create_run", pool=pool_key(model.name, gpu_config, quantization), run_id=run_id, user_id=user.id,
-            base_model=model.source, lora=lora, seed=spec.seed, quantization=quantization,
+            base_model=model.source, quantization=quantization, **from_checkpoint,
         )
+        lora = dict(created.get("lora") or lora)
         lora["target_modules"] = created.get("target_modules", lora["target_modules"])
         run = Run(
             id=run_id,
@@ -169,7 +199,8 @@ class RunService:
             base_model=model.name,
             lora_config=lora,
             optimizer_config=adam,
-            seed=spec.seed,
+            seed=int(created.get("seed", spec.seed or 0)),
+            step=int(created.get("step", 0)),
             gpu_config=gpu_config,
             device=str(created.get("device") or ""),
             quantization=quantization or "",
@@ -237,7 +268,8 @@ class RunService:
 
     async def save_state(self, user: User, run_id: str, mode: str = "adapter", push_to_hub: bool = False,
                          hub_model_id: str | None = None, request_id: str | None = None,
-                         hf_token: str | None = None) -> Checkpoint:
+                         hf_token: str | None = None, name: str | None = None,
+                         with_optimizer: bool | None = None) -> Checkpoint:
         """Export the run; with push_to_hub, the runtime also uploads it (private) with the user's `hf_token`,
         which travels as this one call's argument and is stored nowhere. With billing on and no `hf_token`, the
         token is the user's Hugging Face integration, fetched from the billing service now (docs/BILLING.md)."""
@@ -246,7 +278,7 @@ class RunService:
         def arguments(run: Run) -> dict[str, Any]:
             if push_to_hub and not (hub_model_id or "").strip():
                 raise BadInput("pushToHub needs hubModelId (e.g. 'your-name/my-adapter')", field="hubModelId")
-            return {"mode": mode}
+            return {"mode": mode, "name": name, "with_optimizer": with_optimizer}
 
         async def hub() -> dict[str, Any]:
             """The push's arguments, once the call is allowed: the user's token is fetched only for a call that runs."""
@@ -263,18 +295,66 @@ class RunService:
 
         async def record(run: Run, result: dict[str, Any]) -> Checkpoint:
             async with self.db.session() as session:
-                # One row per checkpoint directory: saving again at the same step (a retry, say) rewrote it.
+                # One row per run, kind and name: saving step-N again at the same step (a retry, say) rewrote it.
                 checkpoint = await session.scalar(select(Checkpoint).where(
-                    Checkpoint.run_id == run.id, Checkpoint.path == result["checkpoint_path"]).limit(1))
+                    Checkpoint.run_id == run.id, Checkpoint.mode == result["mode"],
+                    Checkpoint.name == result["name"]).limit(1))
                 if checkpoint is None:
-                    checkpoint = Checkpoint(run_id=run.id, path=result["checkpoint_path"], name=f"step-{result['step']}")
+                    checkpoint = Checkpoint(run_id=run.id, path=result["checkpoint_path"], name=result["name"])
                     session.add(checkpoint)
+                checkpoint.path = result["checkpoint_path"]
                 checkpoint.step, checkpoint.mode = int(result["step"]), result["mode"]
                 checkpoint.size_bytes = int(result["size_bytes"])
                 checkpoint.hub_url = result.get("hub", {}).get("url") or checkpoint.hub_url
             return checkpoint
 
         return await self._apply(user, run_id, "save_state", request_id, arguments, record, allowed=hub)
+
+    async def load_state(self, user: User, run_id: str, checkpoint: str, with_optimizer: bool = True,
+                         request_id: str | None = None) -> dict[str, Any]:
+        """A checkpoint of this run, or of another run of the same user, into this run (docs/CHECKPOINTS.md): its
+        adapter, with_optimizer its AdamW, and its step either way. Another user's checkpoint is NOT_FOUND."""
+        run = await self.get(user, run_id)
+        ref = checkpoint_ref(checkpoint, "checkpoint", run.id)
+        await self._checkpoint_row(user, ref, "checkpoint")
+
+        async def record(run: Run, result: dict[str, Any]) -> dict[str, Any]:
+            if not result.get("replayed"):  # the step is the checkpoint's: it may go back
+                async with self.db.session() as session:
+                    await session.execute(update(Run).where(Run.id == run.id).values(step=int(result["step"])))
+            return result
+
+        return await self._apply(user, run_id, "load_state", request_id,
+                                 lambda run: {"checkpoint": ref.path, "with_optimizer": with_optimizer}, record)
+
+    async def delete_checkpoint(self, user: User, run_id: str, checkpoint_id: str) -> None:
+        """A checkpoint's (or a sampler snapshot's) files in the runtime, then its row."""
+        run = await self.get(user, run_id)
+        async with self.db.session() as session:
+            row = await session.get(Checkpoint, int(checkpoint_id)) if str(checkpoint_id).isdigit() else None
+        if row is None or row.run_id != run.id:
+            raise NotFound(f"checkpoint {checkpoint_id} of run {run_id!r} not found", field="checkpointId")
+
+        async def work() -> None:
+            try:
+                await self._engine("delete_checkpoint", pool=pool_of(run), run_id=run.id, mode=row.mode,
+                                   name=row.name)
+            except NotFound:
+                pass  # its files are already gone (a delete half done): remove the row anyway
+            async with self.db.session() as session:
+                await session.execute(delete(Checkpoint).where(Checkpoint.id == row.id))
+
+        await self._serialised(run.id, work)
+
+    async def _checkpoint_row(self, user: User, ref: CheckpointRef, field: str) -> tuple[Run, Checkpoint]:
+        """The caller's run and checkpoint a reference names; another user's, or none, is NOT_FOUND alike."""
+        async with self.db.session() as session:
+            run = await session.get(Run, ref.run_id) if could_be_id(ref.run_id) else None
+            row = None if run is None or run.user_id != user.id else await session.scalar(select(Checkpoint).where(
+                Checkpoint.run_id == run.id, Checkpoint.mode == ref.kind, Checkpoint.name == ref.name).limit(1))
+        if run is None or row is None:
+            raise NotFound(f"checkpoint {ref.path} not found", field=field)
+        return run, row
 
     async def delete(self, user: User, run_id: str) -> None:
         run = await self.get(user, run_id)
@@ -356,14 +436,14 @@ class RunService:
 
         return await asyncio.shield(asyncio.ensure_future(locked()))
 
-    async def checkpoint_archive(self, run_id: str, mode: str, step: int) -> bytes:
+    async def checkpoint_archive(self, run_id: str, mode: str, step: int, name: str | None = None) -> bytes:
         """A checkpoint's files as .tar.gz bytes, from the runtime that holds them (the caller checked ownership)."""
         async with self.db.session() as session:
             run = await session.get(Run, run_id)
         if run is None:
             raise RunNotFound(f"run {run_id!r} not found", field="runId")
         return _decode_archive(await self._engine("export_checkpoint", pool=pool_of(run), run_id=run_id, mode=mode,
-                                                  step=step))
+                                                  step=step, name=name))
 
     async def _engine(self, method: str, pool: str | None = None, **params: Any) -> dict[str, Any]:
         try:

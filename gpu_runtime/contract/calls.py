@@ -13,14 +13,17 @@ from dataclasses import MISSING, asdict, dataclass, fields
 from typing import Any, ClassVar, TypeVar
 
 from gpu_runtime.contract.settings import (
+    CHECKPOINT_KINDS,
     DEFAULT_LOSS_FN,
     SAMPLE_DEFAULTS,
     SAVE_MODES,
     SamplingSettings,
     adam_settings,
     check_batch_text,
+    check_checkpoint_name,
     check_id,
     check_request_id,
+    checkpoint_ref,
     lora_settings,
     sampling_settings,
 )
@@ -28,7 +31,7 @@ from gpu_runtime.errors import BadInput
 
 # Bumped whenever a request or result changes shape: the runtime says it in its greeting, and a server that
 # meets another version refuses to talk to it (a detached runtime outlives its server; a Modal deployment lags).
-CONTRACT_VERSION = 2
+CONTRACT_VERSION = 3
 
 
 class Method(enum.StrEnum):
@@ -42,6 +45,8 @@ class Method(enum.StrEnum):
     CLOSE_RUN = "close_run"
     DELETE_RUN = "delete_run"
     EXPORT_CHECKPOINT = "export_checkpoint"
+    LOAD_STATE = "load_state"
+    DELETE_CHECKPOINT = "delete_checkpoint"
     PING = "ping"
     RUNTIME_STATE = "runtime_state"
 
@@ -93,17 +98,28 @@ class CreateRun(RunCall):
     user_id: str
     base_model: str
     lora: dict[str, Any] | None = None
-    seed: int = 0
+    seed: int | None = None  # None: 0, or the checkpoint's
     quantization: str | None = None
+    # signal://<run_id>/<kind>/<name>: start from that checkpoint's adapter (and its AdamW with with_optimizer),
+    # inheriting its seed, step and LoRA settings; `lora` keys and `seed` given as well must agree with them.
+    from_checkpoint: str | None = None
+    with_optimizer: bool = True
 
     def validate(self) -> None:
         super().validate()
         check_id(self.user_id, "user_id")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
             raise BadInput(f"seed must be a non-negative integer, got {self.seed!r}", field="seed")
         if not isinstance(self.base_model, str) or not self.base_model:
             raise BadInput("base_model must be a model name or path", field="base_model")
-        lora_settings(self.lora)  # shape only: the targets are checked against the model in the runtime
+        if not isinstance(self.with_optimizer, bool):
+            raise BadInput("with_optimizer must be true or false", field="with_optimizer")
+        if self.from_checkpoint is None:
+            lora_settings(self.lora)  # shape only: the targets are checked against the model in the runtime
+        else:
+            checkpoint_ref(self.from_checkpoint, "from_checkpoint")
+            if self.lora is not None and not isinstance(self.lora, dict):
+                raise BadInput("lora must be an object", field="lora")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -164,6 +180,8 @@ class Sample(RunCall):
 class SaveState(RunCall):
     method = Method.SAVE_STATE
     mode: str = SAVE_MODES[0]
+    name: str | None = None  # None: step-N; unique per run and mode (docs/CHECKPOINTS.md)
+    with_optimizer: bool | None = None  # None: the mode's own (state: with AdamW; adapter: without; merged: never)
     request_id: str | None = None
     push_to_hub: bool = False
     hub_model_id: str | None = None
@@ -174,9 +192,53 @@ class SaveState(RunCall):
         check_request_id(self.request_id)
         if self.mode not in SAVE_MODES:
             raise BadInput(f"mode must be one of {list(SAVE_MODES)}, got {self.mode!r}", field="mode")
+        if self.name is not None:
+            check_checkpoint_name(self.name)
+        if self.with_optimizer is not None and not isinstance(self.with_optimizer, bool):
+            raise BadInput("with_optimizer must be true, false or null", field="with_optimizer")
+        if self.with_optimizer and self.mode == "merged":
+            raise BadInput("a merged checkpoint holds no optimizer state: save mode state for that",
+                           field="with_optimizer")
+
+    @property
+    def optimizer_saved(self) -> bool:
+        return self.mode == "state" if self.with_optimizer is None else self.with_optimizer
 
     def __repr__(self) -> str:  # never print the token
-        return f"SaveState(run_id={self.run_id!r}, mode={self.mode!r}, push_to_hub={self.push_to_hub!r})"
+        return (f"SaveState(run_id={self.run_id!r}, mode={self.mode!r}, name={self.name!r}, "
+                f"push_to_hub={self.push_to_hub!r})")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoadState(RunCall):
+    """Put a checkpoint's adapter (and, with_optimizer, its AdamW and step) into an existing run."""
+
+    method = Method.LOAD_STATE
+    checkpoint: str  # signal://<run_id>/<kind>/<name>, or a name: this run's state checkpoint
+    with_optimizer: bool = True
+    request_id: str | None = None
+
+    def validate(self) -> None:
+        super().validate()
+        check_request_id(self.request_id)
+        checkpoint_ref(self.checkpoint, "checkpoint", self.run_id)
+        if not isinstance(self.with_optimizer, bool):
+            raise BadInput("with_optimizer must be true or false", field="with_optimizer")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeleteCheckpoint(RunCall):
+    """Remove a checkpoint's (or a sampler snapshot's) files from the runtime's disk."""
+
+    method = Method.DELETE_CHECKPOINT
+    mode: str
+    name: str
+
+    def validate(self) -> None:
+        super().validate()
+        if self.mode not in CHECKPOINT_KINDS:
+            raise BadInput(f"mode must be one of {list(CHECKPOINT_KINDS)}, got {self.mode!r}", field="mode")
+        check_checkpoint_name(self.name)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -204,11 +266,14 @@ class ExportCheckpoint(RunCall):
     method = Method.EXPORT_CHECKPOINT
     mode: str
     step: int
+    name: str | None = None  # None: step-N (what checkpoints saved before names are called)
 
     def validate(self) -> None:
         super().validate()
-        if self.mode not in SAVE_MODES:
-            raise BadInput(f"mode must be one of {list(SAVE_MODES)}, got {self.mode!r}", field="mode")
+        if self.name is not None:
+            check_checkpoint_name(self.name)
+        if self.mode not in CHECKPOINT_KINDS:  # a sampler snapshot downloads like a checkpoint
+            raise BadInput(f"mode must be one of {list(CHECKPOINT_KINDS)}, got {self.mode!r}", field="mode")
         if isinstance(self.step, bool) or not isinstance(self.step, int) or self.step < 0:
             raise BadInput(f"step must be a non-negative integer, got {self.step!r}", field="step")
 
@@ -225,7 +290,7 @@ class RuntimeState(Call):
 
 CALLS: dict[Method, type[Call]] = {cls.method: cls for cls in (
     CreateRun, ForwardBackward, OptimStep, Sample, SaveState, LoadRun, RunInfo, CloseRun, DeleteRun, ExportCheckpoint,
-    Ping, RuntimeState)}
+    LoadState, DeleteCheckpoint, Ping, RuntimeState)}
 SYSTEM_CALLS = (Ping, RuntimeState)  # calls on no run: answered first, at the next tick
 
 

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, TypeVar
 
 R = TypeVar("R", bound="Result")
-OMITTED_UNLESS_SET = ("replayed", "hub")
+OMITTED_UNLESS_SET = ("replayed", "hub", "pending_excluded")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,6 +69,19 @@ class SaveStateResult(Result):
     size_bytes: int
     compute_seconds: float = 0.0
     hub: dict[str, Any] | None = None  # push_to_hub: where the upload went
+    name: str = ""  # unique per run and mode; step-N unless named
+    with_optimizer: bool = False  # AdamW's state is in it (load_state can resume it exactly)
+    pending_excluded: int = 0  # forward_backward calls whose gradients were pending: not in the checkpoint
+    replayed: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoadStateResult(Result):
+    checkpoint: str  # signal://<run_id>/<kind>/<name> it came from
+    step: int  # the run's step now: the checkpoint's (docs/CHECKPOINTS.md)
+    with_optimizer: bool
+    pending_dropped: int = 0  # forward_backward calls pending before the load: their gradients are gone
+    compute_seconds: float = 0.0
     replayed: bool = False
 
 

@@ -27,6 +27,7 @@ MUTATIONS: list[tuple[str, type[contract.Call]]] = [
     ("optimStep", contract.OptimStep),
     ("sample", contract.Sample),
     ("saveState", contract.SaveState),
+    ("loadState", contract.LoadState),
 ]
 # Result fields GraphQL does not show, and why.
 NOT_SHOWN: dict[str, str] = {
@@ -40,6 +41,7 @@ RESULTS: list[tuple[str, type[contract.Result]]] = [
     ("ForwardBackwardResult", contract.ForwardBackwardResult),
     ("OptimStepResult", contract.OptimStepResult),
     ("SampleResult", contract.SampleResult),
+    ("LoadStateResult", contract.LoadStateResult),
 ]
 
 
