@@ -48,6 +48,8 @@ from gpu_runtime.contract.settings import (
     LORA_DEFAULTS,
     LORA_KEYS,
     LORA_R_MAX,
+    LORA_SWITCHES,
+    MLP_PROJECTIONS,
     MAX_REQUEST_ID_LENGTH,
     MAX_SAMPLES,
     MAX_TOKENS_LIMIT,
@@ -55,6 +57,7 @@ from gpu_runtime.contract.settings import (
     SAVE_MODES,
     TEXT_KEYS,
     TOKEN_KEYS,
+    UNEMBEDDING,
     RuntimeOptions,
     SamplingSettings,
     adam_settings,
@@ -66,15 +69,17 @@ from gpu_runtime.contract.settings import (
     default_target_modules,
     lora_settings,
     sampling_settings,
+    switched_target_modules,
+    target_families,
 )
 
 __all__ = [
     "ADAM_BOUNDS", "ADAM_DEFAULTS", "ATTENTION_PROJECTIONS", "CALLS", "CONTRACT_VERSION", "Call", "CloseRun",
     "CreateRun", "DEFAULT_LOSS_FN", "DeleteRun", "ExportCheckpoint", "ForwardBackward", "ForwardBackwardResult",
-    "ITEM_KEYS", "LORA_DEFAULTS", "LORA_KEYS", "LORA_R_MAX", "LoadRun", "MAX_REQUEST_ID_LENGTH", "MAX_SAMPLES",
+    "ITEM_KEYS", "LORA_DEFAULTS", "LORA_KEYS", "LORA_R_MAX", "LORA_SWITCHES", "LoadRun", "MLP_PROJECTIONS", "MAX_REQUEST_ID_LENGTH", "MAX_SAMPLES",
     "MAX_TOKENS_LIMIT", "Method", "OptimStep", "OptimStepResult", "Ping", "Result", "RunCall", "RunDescription",
     "RunInfo", "RuntimeOptions", "RuntimeState", "SAMPLE_DEFAULTS", "SAVE_MODES", "SYSTEM_CALLS", "Sample",
-    "SampleResult", "SamplingSettings", "SaveState", "SaveStateResult", "TEXT_KEYS", "TOKEN_KEYS", "adam_settings",
+    "SampleResult", "SamplingSettings", "SaveState", "SaveStateResult", "TEXT_KEYS", "TOKEN_KEYS", "UNEMBEDDING", "adam_settings",
     "check_adam_value", "check_batch_text", "check_id", "check_request_id", "check_text", "default_target_modules", "lora_settings",
-    "parse_call", "sampling_settings",
+    "parse_call", "sampling_settings", "switched_target_modules", "target_families",
 ]
