@@ -30,7 +30,16 @@ from app.services.ledger import Ledger
 from app.services.users import require_admin
 from app.tables import Checkpoint, Metric, Run, Sample, User, could_be_id, new_id, utcnow
 from gpu_runtime.allocation import pool_key
-from gpu_runtime.contract import ADAM_DEFAULTS, LORA_DEFAULTS, SAMPLE_DEFAULTS, adam_settings, lora_settings, parse_call
+from gpu_runtime.contract import (
+    ADAM_DEFAULTS,
+    LORA_DEFAULTS,
+    LORA_SWITCHES,
+    SAMPLE_DEFAULTS,
+    adam_settings,
+    lora_settings,
+    parse_call,
+    target_families,
+)
 
 T = TypeVar("T")
 
@@ -45,7 +54,11 @@ class RunSpec:
     lora_r: int = LORA_DEFAULTS["r"]
     lora_alpha: float | None = None  # None: 2 * lora_r, the usual choice
     lora_dropout: float = LORA_DEFAULTS["dropout"]
-    lora_target_modules: list[str] | None = None  # None: the model's attention projections
+    lora_target_modules: list[str] | None = None  # None: the switches below, else the model's attention projections
+    # Tinker's switches, instead of target modules (not both); None: LORA_DEFAULTS (attention only).
+    train_attn: bool | None = None
+    train_mlp: bool | None = None
+    train_unembed: bool | None = None
     learning_rate: float | None = None  # None: ADAM_DEFAULTS
     weight_decay: float | None = None
     grad_clip_norm: float | None = None
@@ -56,8 +69,9 @@ class RunSpec:
     def lora(self) -> dict[str, Any]:
         """The run's LoRA settings, checked and filled by the contract; errors name createRun's field (`loraR`)."""
         lora = {"r": self.lora_r, "alpha": self.lora_alpha, "dropout": self.lora_dropout,
-                "target_modules": self.lora_target_modules}
-        with _fields_renamed(lambda field: "lora_" + field.removeprefix("lora.")):
+                "target_modules": self.lora_target_modules, "train_attn": self.train_attn,
+                "train_mlp": self.train_mlp, "train_unembed": self.train_unembed}
+        with _fields_renamed(lambda field: field):  # graphql_field names them: loraR, trainMlp
             return lora_settings(lora)
 
     def adam(self) -> dict[str, float]:
@@ -152,7 +166,9 @@ class RunService:
         model = self.catalog.get(spec.base_model or self.default_model)
         lora, adam = spec.lora(), spec.adam()
         # Checked to hold the model, quantized or not; then the quantization it was checked with.
-        gpu_config = self.catalog.resolve_gpu(model, spec.gpu_config, spec.quantization, lora_r=lora["r"])
+        families = {s: lora[s] for s in LORA_SWITCHES} if "train_attn" in lora else target_families(lora["target_modules"])
+        gpu_config = self.catalog.resolve_gpu(model, spec.gpu_config, spec.quantization, lora_r=lora["r"],
+                                              targets=model.lora_targets(families))
         quantization = self.catalog.resolve_quantization(model, spec.quantization)
         run_id = new_id()
         await self.ledger.allow_create(user, run_id, gpu_config, model.name)
@@ -160,6 +176,8 @@ class RunService:
             "create_run", pool=pool_key(model.name, gpu_config, quantization), run_id=run_id, user_id=user.id,
             base_model=model.source, lora=lora, seed=spec.seed, quantization=quantization,
         )
+        # The runtime resolved the switches against the model: the run keeps the layers they named.
+        lora = {key: value for key, value in lora.items() if key not in LORA_SWITCHES}
         lora["target_modules"] = created.get("target_modules", lora["target_modules"])
         run = Run(
             id=run_id,
@@ -394,10 +412,13 @@ def pool_of(run: Run) -> str:
 
 def graphql_field(field: str | None) -> str | None:
     """The contract's field names in GraphQL's: `max_tokens` → `maxTokens`, `lora.target_modules` →
-    `loraTargetModules` (createRun's flat input), `batch[2].output` as is."""
+    `loraTargetModules` (createRun's flat input), `lora.train_mlp` → `trainMlp` (Tinker's switch names),
+    `batch[2].output` as is."""
     if not field:
         return field
-    if field.startswith("lora."):
+    if field.startswith("lora.train_"):
+        field = field.removeprefix("lora.")
+    elif field.startswith("lora."):
         field = "lora_" + field.removeprefix("lora.")
     return to_camel_case(field)  # the same converter the schema applies to every name
 
