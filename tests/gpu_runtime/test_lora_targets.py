@@ -183,3 +183,17 @@ def test_an_lm_head_run_cobatched_with_an_attention_run_equals_each_alone(tmp_pa
             assert alone.forward_backward(name, runs[name][1])["loss"] == pytest.approx(losses[name][step], rel=1e-5)
             assert_same_grads(grads(alone, name), step_grads[step][name])
             alone.optim_step(name, {"learning_rate": 5e-2})
+
+
+def test_an_lm_head_run_samples_from_its_own_logits_and_survives_eviction(engine: Engine, tiny_model_dir: str) -> None:
+    engine.create_run("r1", "u1", tiny_model_dir, {**UNEMBED, "train_attn": False})
+    train(engine, "r1", steps=3, lr=5e-2)
+    prompt = "The quick brown"
+    ids = list(engine.residency.bases[tiny_model_dir].base.tokenizer(prompt, add_special_tokens=True)["input_ids"])
+    logits = run_logits(engine, "r1", ids)[-1]
+    sampled = engine.sample("r1", [prompt], max_tokens=1, temperature=0.0)["sequences"][0][0]
+    assert sampled["tokens"] == [int(logits.argmax())]  # decoding goes through the run's lm_head delta
+    assert sampled["logprobs"][0] == pytest.approx(float(torch.log_softmax(logits, -1).max()), abs=1e-4)
+    engine.close_run("r1")  # evicted: snapshot written, adapters detached
+    assert "r1" not in engine.runs
+    torch.testing.assert_close(run_logits(engine, "r1", ids)[-1], logits)  # restored from the snapshot, lm_head too
