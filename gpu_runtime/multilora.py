@@ -228,8 +228,8 @@ def grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def linear_module_names(model: nn.Module, unembedding: bool = False) -> set[str]:
-    """Leaf names of the layers LoRA can wrap (q_proj, up_proj, …); the output projection (lm_head) only with
-    `unembedding`: a multi-GPU pool wraps every name here up front and leaves the unembedding alone."""
+    """Leaf names of the Linear layers in the model (q_proj, up_proj, …); the output projection (lm_head) among
+    them only with `unembedding` (what LoRA may target in the runtime: a switch of its own, train_unembed)."""
     names = set()
     for path, module in model.named_modules():
         if isinstance(module, (nn.Linear, MultiLoraLinear)) and (unembedding or not _is_unembedding(model, path)):
