@@ -308,7 +308,7 @@ class ShardedResidency(Residency):
         else:
             entry = super().base(name)
         # Every layer LoRA may target is wrapped once, now: runs attach to it later without touching the sharded tree.
-        entry.layers = wrap_targets(entry.model, sorted(linear_module_names(entry.model)), entry.routing)
+        entry.layers = wrap_targets(entry.model, sorted(linear_module_names(entry.model, unembedding=True)), entry.routing)
         cast(Any, entry.model).get_input_embeddings().register_forward_hook(_require_grad)
         if self.group is not None:
             self.group.mirror_forwards(key, entry.model)

@@ -138,10 +138,13 @@ class _ClientBase:
         learning_rate: float | None = None, lora_dropout: float | None = None,
         lora_target_modules: list[str] | None = None, gpu_config: str | None = None, seed: int | None = None,
         weight_decay: float | None = None, grad_clip_norm: float | None = None, quantization: str | None = None,
+        train_attn: bool | None = None, train_mlp: bool | None = None, train_unembed: bool | None = None,
         from_checkpoint: Any = None, with_optimizer: bool | None = None,
     ) -> Any:
         """A new run; settings left as None take the server's defaults (LoRA r=32, alpha=2r, AdamW lr 1e-4).
 
+        The LoRA targets: lora_target_modules (layer names), or Tinker's switches train_attn, train_mlp (gate, up,
+        down) and train_unembed (lm_head), not both; the default is attention only.
         quantization: "8bit" or "4bit" loads the base through bitsandbytes (4-bit is QLoRA's NF4), on one GPU.
         from_checkpoint: an `Artifact` or its `path` (signal://<run_id>/<mode>/<name>, one of your runs'): the run
         starts there, inheriting its base model, seed, step and LoRA settings (any given too must agree);
@@ -151,6 +154,7 @@ class _ClientBase:
             "baseModel": base_model, "loraR": lora_r, "loraAlpha": lora_alpha, "learningRate": learning_rate,
             "loraDropout": lora_dropout, "loraTargetModules": lora_target_modules, "gpuConfig": gpu_config,
             "seed": seed, "weightDecay": weight_decay, "gradClipNorm": grad_clip_norm, "quantization": quantization,
+            "trainAttn": train_attn, "trainMlp": train_mlp, "trainUnembed": train_unembed,
             "fromCheckpoint": from_checkpoint["path"] if isinstance(from_checkpoint, dict) else from_checkpoint,
             "withOptimizer": with_optimizer,
         })

@@ -18,7 +18,15 @@ class CreateRunInput:
     lora_alpha: float | None = strawberry.field(default=None, description="Default: 2 * loraR")
     lora_dropout: float | None = strawberry.field(
         default=None, description=f"Default: {LORA_DEFAULTS['dropout']} (from a checkpoint: the checkpoint's)")
-    lora_target_modules: list[str] | None = strawberry.field(default=None, description="Default: attention projections")
+    lora_target_modules: list[str] | None = strawberry.field(
+        default=None, description="Layer names; or the three switches below, not both. Default: attention projections")
+    train_attn: bool | None = strawberry.field(
+        default=None, description=f"LoRA on the attention projections (default: {str(LORA_DEFAULTS['train_attn']).lower()})")
+    train_mlp: bool | None = strawberry.field(
+        default=None, description=f"LoRA on the MLP: gate, up, down (default: {str(LORA_DEFAULTS['train_mlp']).lower()})")
+    train_unembed: bool | None = strawberry.field(
+        default=None, description="LoRA on the unembedding, lm_head; on tied embeddings the output side only (default: "
+                                  f"{str(LORA_DEFAULTS['train_unembed']).lower()})")
     learning_rate: float = ADAM_DEFAULTS["learning_rate"]
     weight_decay: float = ADAM_DEFAULTS["weight_decay"]
     grad_clip_norm: float = strawberry.field(default=ADAM_DEFAULTS["grad_clip_norm"],
@@ -36,6 +44,7 @@ class CreateRunInput:
         return RunSpec(
             base_model=self.base_model, lora_r=self.lora_r, lora_alpha=self.lora_alpha,
             lora_dropout=self.lora_dropout, lora_target_modules=self.lora_target_modules,
+            train_attn=self.train_attn, train_mlp=self.train_mlp, train_unembed=self.train_unembed,
             learning_rate=self.learning_rate, weight_decay=self.weight_decay, grad_clip_norm=self.grad_clip_norm,
             seed=self.seed, gpu_config=self.gpu_config, quantization=self.quantization,
             from_checkpoint=self.from_checkpoint, with_optimizer=self.with_optimizer,

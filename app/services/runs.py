@@ -33,12 +33,14 @@ from gpu_runtime.allocation import pool_key
 from gpu_runtime.contract import (
     ADAM_DEFAULTS,
     LORA_DEFAULTS,
+    LORA_SWITCHES,
     SAMPLE_DEFAULTS,
     CheckpointRef,
     adam_settings,
     checkpoint_ref,
     lora_settings,
     parse_call,
+    target_families,
 )
 
 T = TypeVar("T")
@@ -54,7 +56,11 @@ class RunSpec:
     lora_r: int | None = None  # None: LORA_DEFAULTS (or the checkpoint's)
     lora_alpha: float | None = None  # None: 2 * lora_r, the usual choice
     lora_dropout: float | None = None
-    lora_target_modules: list[str] | None = None  # None: the model's attention projections
+    lora_target_modules: list[str] | None = None  # None: the switches below, else the model's attention projections
+    # Tinker's switches, instead of target modules (not both); None: LORA_DEFAULTS (attention only).
+    train_attn: bool | None = None
+    train_mlp: bool | None = None
+    train_unembed: bool | None = None
     learning_rate: float | None = None  # None: ADAM_DEFAULTS
     weight_decay: float | None = None
     grad_clip_norm: float | None = None
@@ -68,8 +74,9 @@ class RunSpec:
         """The run's LoRA settings, checked and filled by the contract; errors name createRun's field (`loraR`)."""
         lora = {"r": self.lora_r if self.lora_r is not None else LORA_DEFAULTS["r"], "alpha": self.lora_alpha,
                 "dropout": self.lora_dropout if self.lora_dropout is not None else LORA_DEFAULTS["dropout"],
-                "target_modules": self.lora_target_modules}
-        with _fields_renamed(lambda field: "lora_" + field.removeprefix("lora.")):
+                "target_modules": self.lora_target_modules, "train_attn": self.train_attn,
+                "train_mlp": self.train_mlp, "train_unembed": self.train_unembed}
+        with _fields_renamed(lambda field: field):  # graphql_field names them: loraR, trainMlp
             return lora_settings(lora)
 
     def explicit_lora(self) -> dict[str, Any] | None:
@@ -88,6 +95,11 @@ class RunSpec:
     def validate(self) -> None:
         if self.base_model is not None and not self.base_model.strip():
             raise BadInput("baseModel is empty; leave it out for the server's default model", field="baseModel")
+        if self.from_checkpoint is not None:
+            switch = next((name for name in LORA_SWITCHES if getattr(self, name) is not None), None)
+            if switch is not None:
+                raise BadInput("a run from a checkpoint inherits its LoRA targets; leave the switches out",
+                               field=graphql_field(switch))
         self.lora()
         self.adam()
         if self.seed is not None and self.seed < 0:
@@ -180,7 +192,9 @@ class RunService:
         lora, adam = (dict(source.lora_config) if source else spec.lora()), spec.adam()
         requested_quantization = spec.quantization or (source.quantization or None if source else None)
         # Checked to hold the model, quantized or not; then the quantization it was checked with.
-        gpu_config = self.catalog.resolve_gpu(model, spec.gpu_config, requested_quantization, lora_r=lora["r"])
+        families = {s: lora[s] for s in LORA_SWITCHES} if "train_attn" in lora else target_families(lora["target_modules"])
+        gpu_config = self.catalog.resolve_gpu(model, spec.gpu_config, requested_quantization, lora_r=lora["r"],
+                                              targets=model.lora_targets(families))
         quantization = self.catalog.resolve_quantization(model, requested_quantization)
         run_id = new_id()
         await self.ledger.allow_create(user, run_id, gpu_config, model.name)
@@ -191,7 +205,8 @@ class RunService:
             "create_run", pool=pool_key(model.name, gpu_config, quantization), run_id=run_id, user_id=user.id,
             base_model=model.source, quantization=quantization, **from_checkpoint,
         )
-        lora = dict(created.get("lora") or lora)
+        # The runtime resolved the switches against the model: the run keeps the layers they named.
+        lora = {key: value for key, value in dict(created.get("lora") or lora).items() if key not in LORA_SWITCHES}
         lora["target_modules"] = created.get("target_modules", lora["target_modules"])
         run = Run(
             id=run_id,
@@ -478,10 +493,13 @@ def pool_of(run: Run) -> str:
 
 def graphql_field(field: str | None) -> str | None:
     """The contract's field names in GraphQL's: `max_tokens` → `maxTokens`, `lora.target_modules` →
-    `loraTargetModules` (createRun's flat input), `batch[2].output` as is."""
+    `loraTargetModules` (createRun's flat input), `lora.train_mlp` → `trainMlp` (Tinker's switch names),
+    `batch[2].output` as is."""
     if not field:
         return field
-    if field.startswith("lora."):
+    if field.startswith("lora.train_"):
+        field = field.removeprefix("lora.")
+    elif field.startswith("lora."):
         field = "lora_" + field.removeprefix("lora.")
     return to_camel_case(field)  # the same converter the schema applies to every name
 

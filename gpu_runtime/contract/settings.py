@@ -106,22 +106,54 @@ def adam_settings(adam: Any) -> dict[str, float]:
 
 # ---- LoRA --------------------------------------------------------------------------------------
 
-LORA_DEFAULTS: dict[str, Any] = {"r": 32, "alpha": 64.0, "dropout": 0.0}  # alpha = 2r, the usual choice
+LORA_DEFAULTS: dict[str, Any] = {
+    "r": 32, "alpha": 64.0, "dropout": 0.0,  # alpha = 2r, the usual choice
+    # Tinker's three switches (LoraConfig's train_attn/train_mlp/train_unembed; Tinker defaults all three to true).
+    # Signal's default stays attention only: the MLP triples the adapter, the unembedding adds a [vocab, r] B.
+    "train_attn": True, "train_mlp": False, "train_unembed": False,
+}
 LORA_R_MAX = 512
-LORA_KEYS = {"r", "alpha", "dropout", "target_modules"}
-# Attention projections by architecture family; the default targets are whichever the model has.
+LORA_SWITCHES = ("train_attn", "train_mlp", "train_unembed")
+LORA_KEYS = {"r", "alpha", "dropout", "target_modules", *LORA_SWITCHES}
+# The layers each switch targets, by architecture family (leaf names); a model gets whichever of them it has.
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "query_key_value", "c_attn", "Wqkv", "out_proj")
+MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj", "gate_up_proj", "fc1", "fc2", "dense_h_to_4h", "dense_4h_to_h",
+                   "w1", "w2", "w3", "c_fc")
+UNEMBEDDING = ("lm_head", "embed_out")  # the output projection (GPT-NeoX calls it embed_out)
+SWITCH_MODULES = {"train_attn": ATTENTION_PROJECTIONS, "train_mlp": MLP_PROJECTIONS, "train_unembed": UNEMBEDDING}
 
 
 def default_target_modules(available: set[str]) -> list[str]:
     return [name for name in ATTENTION_PROJECTIONS if name in available]
 
 
+def switched_target_modules(switches: dict[str, bool], available: set[str]) -> list[str]:
+    """The layers the switches name that this model has; BadInput naming the switch that finds none."""
+    targets: list[str] = []
+    for switch in LORA_SWITCHES:
+        if switches[switch]:
+            found = [name for name in SWITCH_MODULES[switch] if name in available]
+            if not found:
+                raise BadInput(f"lora.{switch}: this architecture has none of {list(SWITCH_MODULES[switch])}; name "
+                               f"lora.target_modules instead (it has {sorted(available)})", field=f"lora.{switch}")
+            targets += found
+    return targets
+
+
+def target_families(target_modules: list[str] | None) -> dict[str, bool]:
+    """Which switches a target list amounts to (None: the default); for the fit estimate, which has no model."""
+    if target_modules is None:
+        return {switch: LORA_DEFAULTS[switch] for switch in LORA_SWITCHES}
+    return {switch: any(t in SWITCH_MODULES[switch] for t in target_modules) for switch in LORA_SWITCHES}
+
+
 def lora_settings(lora: Any, available: set[str] | None = None) -> dict[str, Any]:
     """Validate the user's LoRA dict and fill defaults; errors name the field (`lora.r`).
 
-    With `available` (the base's linear layer names) the targets are checked and defaulted too;
-    without it (the server, which has no model) they are only checked for shape.
+    The targets are `target_modules` or the three switches (train_attn, train_mlp, train_unembed), not both.
+    With `available` (the base's layer names, lm_head included) the targets are resolved and checked: the result
+    names them in `target_modules` and carries no switch. Without it (the server, which has no model) they are
+    only checked for shape, and switches that were set stay in the result, each filled from LORA_DEFAULTS.
     """
     lora = {} if lora is None else lora
     if not isinstance(lora, dict):
@@ -143,9 +175,15 @@ def lora_settings(lora: Any, available: set[str] | None = None) -> dict[str, Any
     targets = lora.get("target_modules")
     if isinstance(targets, str):
         targets = [targets]
+    named = [switch for switch in LORA_SWITCHES if lora.get(switch) is not None]
+    if targets is not None and named:
+        raise BadInput(f"lora.target_modules and lora.{named[0]} both name the targets: give one or the other",
+                       field="lora.target_modules")
+    switches = _switches(lora)
     if targets is None:
         if available is not None:
-            targets = default_target_modules(available)
+            targets = (switched_target_modules(switches, available) if switches is not None
+                       else default_target_modules(available))
             if not targets:
                 raise BadInput("this architecture has no known attention projections; name lora.target_modules",
                                field="lora.target_modules")
@@ -156,8 +194,28 @@ def lora_settings(lora: Any, available: set[str] | None = None) -> dict[str, Any
         if missing:
             raise BadInput(f"lora.target_modules {missing} not in this model; it has {sorted(available)}",
                            field="lora.target_modules")
-    return {"r": r, "alpha": float(alpha), "dropout": float(dropout),
-            "target_modules": sorted(set(targets)) if targets is not None else None}
+    settings = {"r": r, "alpha": float(alpha), "dropout": float(dropout),
+                "target_modules": sorted(set(targets)) if targets is not None else None}
+    if targets is None and switches is not None:
+        settings.update(switches)  # for the runtime to resolve against its model
+    return settings
+
+
+def _switches(lora: dict[str, Any]) -> dict[str, bool] | None:
+    """The three switches filled from the defaults, or None when none was set (None counts as unset)."""
+    if all(lora.get(s) is None for s in LORA_SWITCHES):
+        return None
+    switches = {}
+    for switch in LORA_SWITCHES:
+        value = lora.get(switch)
+        if value is not None and not isinstance(value, bool):
+            raise BadInput(f"lora.{switch} must be true or false, got {value!r}", field=f"lora.{switch}")
+        switches[switch] = LORA_DEFAULTS[switch] if value is None else value
+    if not any(switches.values()):
+        off = next(s for s in LORA_SWITCHES if lora.get(s) is False)
+        raise BadInput(f"lora.{off}: with every switch off LoRA targets nothing; turn one of {list(LORA_SWITCHES)} on "
+                       "or name lora.target_modules", field=f"lora.{off}")
+    return switches
 
 
 # ---- batches -------------------------------------------------------------------------------------
