@@ -29,6 +29,7 @@ from gpu_runtime.contract.calls import (
     RuntimeState,
     Sample,
     SaveState,
+    Tokenizer,
     parse_call,
 )
 from gpu_runtime.contract.results import (
@@ -38,6 +39,7 @@ from gpu_runtime.contract.results import (
     RunDescription,
     SampleResult,
     SaveStateResult,
+    TokenizerResult,
 )
 from gpu_runtime.contract.settings import (
     ADAM_BOUNDS,
@@ -50,6 +52,7 @@ from gpu_runtime.contract.settings import (
     LORA_R_MAX,
     MAX_REQUEST_ID_LENGTH,
     MAX_SAMPLES,
+    MAX_TOPK_LOGPROBS,
     MAX_TOKENS_LIMIT,
     SAMPLE_DEFAULTS,
     SAVE_MODES,
@@ -65,16 +68,18 @@ from gpu_runtime.contract.settings import (
     check_text,
     default_target_modules,
     lora_settings,
+    sampling_prompts,
     sampling_settings,
+    stop_settings,
 )
 
 __all__ = [
     "ADAM_BOUNDS", "ADAM_DEFAULTS", "ATTENTION_PROJECTIONS", "CALLS", "CONTRACT_VERSION", "Call", "CloseRun",
     "CreateRun", "DEFAULT_LOSS_FN", "DeleteRun", "ExportCheckpoint", "ForwardBackward", "ForwardBackwardResult",
-    "ITEM_KEYS", "LORA_DEFAULTS", "LORA_KEYS", "LORA_R_MAX", "LoadRun", "MAX_REQUEST_ID_LENGTH", "MAX_SAMPLES",
+    "ITEM_KEYS", "LORA_DEFAULTS", "LORA_KEYS", "LORA_R_MAX", "LoadRun", "MAX_REQUEST_ID_LENGTH", "MAX_SAMPLES", "MAX_TOPK_LOGPROBS",
     "MAX_TOKENS_LIMIT", "Method", "OptimStep", "OptimStepResult", "Ping", "Result", "RunCall", "RunDescription",
     "RunInfo", "RuntimeOptions", "RuntimeState", "SAMPLE_DEFAULTS", "SAVE_MODES", "SYSTEM_CALLS", "Sample",
-    "SampleResult", "SamplingSettings", "SaveState", "SaveStateResult", "TEXT_KEYS", "TOKEN_KEYS", "adam_settings",
+    "SampleResult", "SamplingSettings", "SaveState", "SaveStateResult", "Tokenizer", "TokenizerResult", "TEXT_KEYS", "TOKEN_KEYS", "adam_settings",
     "check_adam_value", "check_batch_text", "check_id", "check_request_id", "check_text", "default_target_modules", "lora_settings",
-    "parse_call", "sampling_settings",
+    "parse_call", "sampling_prompts", "sampling_settings", "stop_settings",
 ]
