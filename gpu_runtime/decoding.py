@@ -157,7 +157,7 @@ class DecodeGroup:
                     routing.segments = [Segment(job.state.run_id, 0, len(job.prompt_ids))]  # the head's LoRA, if any
 
                     def project(h: torch.Tensor) -> torch.Tensor:
-                        logits = head(h)
+                        logits: torch.Tensor = head(h)
                         return torch.tanh(logits / cap) * cap if cap else logits
 
                     k = job.settings.topk_prompt_logprobs
