@@ -129,9 +129,11 @@ class DecodeGroup:
             out = self.entry.model(input_ids=self.input_ids, attention_mask=self.attention_mask,
                                    position_ids=self.position_ids, use_cache=True, logits_to_keep=1)
         self.passes += 1
-        self.cache = out.cache
+        self.cache, self.logits = out.cache, out.logits[:, -1, :].float()
+        if self.rows == self.prefill_rows:
+            return  # one sample per prompt: nothing to repeat
         self.cache.reorder_cache(self.expand)  # each layer's keys and values, index_select on the batch dimension
-        self.logits = out.logits[:, -1, :].float().index_select(0, self.expand)
+        self.logits = self.logits.index_select(0, self.expand)
         self.attention_mask = self.attention_mask.index_select(0, self.expand)
         self.position_ids = self.position_ids.index_select(0, self.expand)
 
