@@ -49,6 +49,7 @@ from gpu_runtime.contract import (
     RuntimeState,
     Sample,
     SaveState,
+    Tokenizer,
     parse_call,
 )
 from gpu_runtime.control_calls import Control
@@ -109,6 +110,8 @@ class Engine:
             DeleteCheckpoint: self.control.delete_checkpoint,
             Ping: lambda c: self.control.ping(),
             RuntimeState: lambda c: self.control.runtime_state(),
+            Tokenizer: lambda c: self.sampling.tokenizer(
+                c, self.recovery.state(c.run_id) if c.run_id is not None else None).to_dict(),
         }
 
     # What the rooms share, read by transports, tests and benchmarks.
@@ -195,8 +198,11 @@ class Engine:
     def optim_step(self, run_id: str, adam: dict[str, Any] | None = None, request_id: str | None = None) -> dict[str, Any]:
         return self.call("optim_step", run_id=run_id, adam=adam, request_id=request_id)
 
-    def sample(self, run_id: str, prompts: list[str], **params: Any) -> dict[str, Any]:
+    def sample(self, run_id: str, prompts: list[str] | None = None, **params: Any) -> dict[str, Any]:
         return self.call("sample", run_id=run_id, prompts=prompts, **params)
+
+    def tokenizer(self, base_model: str | None = None, run_id: str | None = None) -> dict[str, Any]:
+        return self.call("tokenizer", base_model=base_model, run_id=run_id)
 
     def save_state(self, run_id: str, mode: str = "adapter") -> dict[str, Any]:
         return self.call("save_state", run_id=run_id, mode=mode)

@@ -166,6 +166,11 @@ class _ClientBase:
     def list_runs(self, limit: int = 50) -> Any:
         return self._run(Call("ListRuns", {"limit": limit}, "runs", lambda runs: [self._wrap_run(r) for r in runs]))
 
+    def tokenizer(self, base_model: str | None = None, run_id: str | None = None) -> Any:
+        """A base model's tokenizer (a catalogue name; default: the server's model), or a run's base's: name,
+        vocab_size, eos_token_ids, bos_token_id, pad_token_id, chat_template."""
+        return self._run(Call("Tokenizer", _drop_none({"baseModel": base_model, "runId": run_id}), "tokenizer"))
+
     def create_api_key(self, name: str = "") -> Any:
         return self._run(Call("CreateApiKey", {"name": name}, "createApiKey"))
 
@@ -357,17 +362,36 @@ class _RunBase:
                            "weightDecay": weight_decay, "gradClipNorm": grad_clip_norm})
         return self._client._run(_primitive("OptimStep", {"runId": self.id, "adam": adam or None}, "optimStep"))
 
-    def sample(self, prompts: list[str], max_tokens: int | None = None, temperature: float | None = None,
-               top_p: float | None = None, top_k: int | None = None, stop: list[str] | None = None,
-               num_samples: int | None = None, seed: int | None = None) -> Any:
+    def sample(self, prompts: str | list[str] | None = None, max_tokens: int | None = None,
+               temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
+               stop: str | list[str] | list[int] | None = None, num_samples: int | None = None,
+               seed: int | None = None, prompt_tokens: list[list[int]] | None = None,
+               prompt_logprobs: bool | None = None, topk_prompt_logprobs: int | None = None,
+               topk_sample_logprobs: int | None = None, store: bool | None = None) -> Any:
         """Generate from the run's current weights; settings left unset take the server's defaults (the engine
-        contract's: 64 tokens, temperature 1, top_p 1, no top_k, one sample)."""
+        contract's: 64 tokens, temperature 1, top_p 1, no top_k, one sample).
+
+        Give `prompts` (text) or `prompt_tokens` (token ids). `stop`: strings or token ids; omitted, EOS stops;
+        `[]`, nothing but max_tokens stops; a non-empty list stops there and at EOS. Each sequence's `logprobs`
+        are the unmodified model's (temperature 1), what a teacher-forced forward returns. `store=False` keeps
+        no sample rows in the run's history."""
         if isinstance(prompts, str):
             prompts = [prompts]
-        variables = _drop_none({"runId": self.id, "prompts": prompts, "maxTokens": max_tokens,
-                                "temperature": temperature, "topP": top_p, "topK": top_k, "stop": stop,
-                                "numSamples": num_samples, "seed": seed})
+        if isinstance(stop, str):
+            stop = [stop]
+        tokens = isinstance(stop, list) and bool(stop) and all(isinstance(s, int) for s in stop)
+        variables = _drop_none({"runId": self.id, "prompts": prompts, "promptTokens": prompt_tokens,
+                                "maxTokens": max_tokens, "temperature": temperature, "topP": top_p, "topK": top_k,
+                                "stop": None if tokens else stop, "stopTokens": stop if tokens else None,
+                                "numSamples": num_samples, "seed": seed, "promptLogprobs": prompt_logprobs,
+                                "topkPromptLogprobs": topk_prompt_logprobs,
+                                "topkSampleLogprobs": topk_sample_logprobs, "store": store})
         return self._client._run(_primitive("Sample", variables, "sample"))
+
+    def tokenizer(self) -> Any:
+        """The tokenizer of this run's base: name, vocab_size, eos_token_ids, bos_token_id, pad_token_id,
+        chat_template."""
+        return self._client.tokenizer(run_id=self.id)
 
     def save_state(self, mode: str = "adapter", push_to_hub: bool = False, hub_model_id: str | None = None,
                    hf_token: str | None = None, name: str | None = None, with_optimizer: bool | None = None) -> Any:

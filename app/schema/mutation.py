@@ -59,17 +59,41 @@ class Mutation:
         return OptimStepResult(step=result["step"], grad_norm=result["grad_norm"],
                                learning_rate=result["learning_rate"])
 
-    @strawberry.mutation(description="Generate from the run's current weights")
+    @strawberry.mutation(description="Generate from the run's current weights (docs/SAMPLING.md)")
     async def sample(
-        self, info: Info, run_id: strawberry.ID, prompts: list[str], max_tokens: int = SAMPLE_DEFAULTS["max_tokens"],
+        self, info: Info, run_id: strawberry.ID,
+        prompts: Annotated[list[str] | None, strawberry.argument(
+            description="Text prompts; or give promptTokens")] = None,
+        prompt_tokens: Annotated[list[list[int]] | None, strawberry.argument(
+            description="Token-id prompts, as the model sees them (no BOS added)")] = None,
+        max_tokens: int = SAMPLE_DEFAULTS["max_tokens"],
         temperature: float = SAMPLE_DEFAULTS["temperature"], top_p: float = SAMPLE_DEFAULTS["top_p"],
-        top_k: int = SAMPLE_DEFAULTS["top_k"], stop: list[str] | None = None,
+        top_k: Annotated[int, strawberry.argument(description="0 or -1: off")] = SAMPLE_DEFAULTS["top_k"],
+        stop: Annotated[list[str] | None, strawberry.argument(
+            description="Stop strings. Omitted (and no stopTokens): EOS stops; []: nothing but maxTokens stops; "
+            "a non-empty list stops there and at EOS")] = None,
+        stop_tokens: Annotated[list[int] | None, strawberry.argument(
+            description="Stop token ids, instead of stop (not both); [] turns EOS off like stop: []")] = None,
         num_samples: int = SAMPLE_DEFAULTS["num_samples"],
-        seed: int | None = None, request_id: RequestId = None,
+        seed: int | None = None,
+        prompt_logprobs: Annotated[bool, strawberry.argument(
+            description="Return each prompt token's logprob")] = SAMPLE_DEFAULTS["prompt_logprobs"],
+        topk_prompt_logprobs: Annotated[int, strawberry.argument(
+            description="Return the k most likely tokens at each prompt position")]
+        = SAMPLE_DEFAULTS["topk_prompt_logprobs"],
+        topk_sample_logprobs: Annotated[int, strawberry.argument(
+            description="Return the k most likely tokens at each sampled position")]
+        = SAMPLE_DEFAULTS["topk_sample_logprobs"],
+        store: Annotated[bool | None, strawberry.argument(
+            description="false: keep no sample rows (the run's sample history); default: kept")] = None,
+        request_id: RequestId = None,
     ) -> SampleResult:
         user = await info.context.user()
-        params = SampleParams(prompts=prompts, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                              top_k=top_k, stop=stop, num_samples=num_samples, seed=seed)
+        params = SampleParams(prompts=prompts, prompt_tokens=prompt_tokens, max_tokens=max_tokens,
+                              temperature=temperature, top_p=top_p, top_k=top_k, stop=stop, stop_tokens=stop_tokens,
+                              num_samples=num_samples, seed=seed, prompt_logprobs=prompt_logprobs,
+                              topk_prompt_logprobs=topk_prompt_logprobs, topk_sample_logprobs=topk_sample_logprobs,
+                              store=store)
         result = await info.context.services.runs.sample(user, str(run_id), params, request_id=request_id)
         return SampleResult.from_result(result)
 

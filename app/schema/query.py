@@ -6,7 +6,7 @@ import strawberry
 from strawberry.scalars import JSON
 
 from app.schema.context import Info
-from app.schema.types import ApiKey, ModelInfo, Run, User
+from app.schema.types import ApiKey, ModelInfo, Run, TokenizerInfo, User
 
 
 @strawberry.type
@@ -28,6 +28,14 @@ class Query:
     async def run(self, info: Info, id: strawberry.ID) -> Run:
         user = await info.context.user()
         return Run.from_row(await info.context.services.runs.get(user, str(id)))
+
+    @strawberry.field(description="A base model's tokenizer: a run's base (runId), a catalogue model (baseModel), "
+                      "or the server's default model")
+    async def tokenizer(self, info: Info, run_id: strawberry.ID | None = None,
+                        base_model: str | None = None) -> TokenizerInfo:
+        user = await info.context.user()
+        result = await info.context.services.runs.tokenizer(user, None if run_id is None else str(run_id), base_model)
+        return TokenizerInfo.from_result(result)
 
     @strawberry.field(description="The GPU runtime's state: bases loaded, resident and evicted runs, queue depth "
                       "per user, rows and base forward passes per tick (admins only)")

@@ -226,12 +226,27 @@ class OptimStepResult:
     learning_rate: float
 
 
+@strawberry.type(description="A token and the model's logprob of it")
+class TokenLogprob:
+    token: int
+    logprob: float
+
+    @classmethod
+    def pairs(cls, pairs: list[list[float]] | None) -> list[TokenLogprob] | None:
+        return None if pairs is None else [cls(token=int(t), logprob=float(v)) for t, v in pairs]
+
+
 @strawberry.type
 class SampledSequence:
-    text: str
-    tokens: list[int]
-    logprobs: list[float]
-    stop_reason: str
+    text: str = strawberry.field(description="The decoded tokens, cut before a stop string, stop token or EOS")
+    tokens: list[int] = strawberry.field(description="Sampled token ids, the stop token (or the one completing a "
+                                         "stop string) included")
+    logprobs: list[float] = strawberry.field(
+        description="Each token's logprob under the unmodified model (temperature 1, no top-k/top-p): what a "
+        "teacher-forced forward returns, so samples at another temperature are off-policy (docs/SAMPLING.md)")
+    stop_reason: str = strawberry.field(description="stop (a stop or EOS) or length (maxTokens)")
+    topk_logprobs: list[list[TokenLogprob]] | None = strawberry.field(
+        default=None, description="Per token, the topkSampleLogprobs most likely tokens, most likely first")
 
 
 @strawberry.type
@@ -240,19 +255,47 @@ class SampleResult:
     sequences: list[list[SampledSequence]]
     prompt_tokens: list[list[int]] = strawberry.field(description="Each prompt's token ids, as the model saw them")
     step: int = strawberry.field(description="The run's step (optim_steps applied) whose weights sampled")
+    prompt_logprobs: list[list[float | None]] | None = strawberry.field(
+        default=None, description="With promptLogprobs: per prompt, each prompt token's logprob (null at position 0)")
+    topk_prompt_logprobs: list[list[list[TokenLogprob] | None]] | None = strawberry.field(
+        default=None, description="With topkPromptLogprobs: per prompt, per position, the most likely tokens, most "
+        "likely first (null at position 0)")
 
     @classmethod
     def from_result(cls, result: dict[str, Any]) -> SampleResult:
+        topk_prompt = result.get("topk_prompt_logprobs")
         return cls(
             outputs=list(result["outputs"]),
             prompt_tokens=[list(ids) for ids in result["prompt_tokens"]],
             step=int(result["step"]),
             sequences=[
                 [SampledSequence(text=s["text"], tokens=list(s["tokens"]), logprobs=[float(x) for x in s["logprobs"]],
-                                 stop_reason=s["stop_reason"]) for s in per_prompt]
+                                 stop_reason=s["stop_reason"],
+                                 topk_logprobs=None if s.get("topk_logprobs") is None else
+                                 [TokenLogprob.pairs(p) or [] for p in s["topk_logprobs"]])
+                 for s in per_prompt]
                 for per_prompt in result["sequences"]
             ],
+            prompt_logprobs=result.get("prompt_logprobs"),
+            topk_prompt_logprobs=None if topk_prompt is None else
+            [[TokenLogprob.pairs(p) for p in per_prompt] for per_prompt in topk_prompt],
         )
+
+
+@strawberry.type(description="A base model's tokenizer: what a client without it needs for token-level calls")
+class TokenizerInfo:
+    name: str = strawberry.field(description="The name or path the tokenizer loads from")
+    vocab_size: int = strawberry.field(description="Token ids are 0..vocabSize-1")
+    eos_token_ids: list[int] = strawberry.field(description="The ids that stop sampling when stop is omitted")
+    bos_token_id: int | None
+    pad_token_id: int | None
+    chat_template: str | None = strawberry.field(description="Its Jinja chat template, if it has one")
+
+    @classmethod
+    def from_result(cls, result: dict[str, Any]) -> TokenizerInfo:
+        return cls(name=result["name"], vocab_size=int(result["vocab_size"]),
+                   eos_token_ids=[int(i) for i in result["eos_token_ids"]], bos_token_id=result.get("bos_token_id"),
+                   pad_token_id=result.get("pad_token_id"), chat_template=result.get("chat_template"))
 
 
 @strawberry.type

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import builtins
+import json
 import math
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Iterator
@@ -108,26 +109,44 @@ class RunSpec:
 
 @dataclass
 class SampleParams:
-    prompts: list[str]
+    """sample's arguments as GraphQL takes them; `engine_params` is the contract's Sample (less run and request)."""
+
+    prompts: list[str] | None = None  # exactly one of prompts and prompt_tokens
+    prompt_tokens: list[list[int]] | None = None
     max_tokens: int = SAMPLE_DEFAULTS["max_tokens"]
     temperature: float = SAMPLE_DEFAULTS["temperature"]
     top_p: float = SAMPLE_DEFAULTS["top_p"]
     top_k: int = SAMPLE_DEFAULTS["top_k"]
-    stop: list[str] | None = None
+    stop: list[str] | None = None  # stop strings…
+    stop_tokens: list[int] | None = None  # …or stop token ids: GraphQL lists are typed, so two arguments
     num_samples: int = SAMPLE_DEFAULTS["num_samples"]
     seed: int | None = None
+    prompt_logprobs: bool = SAMPLE_DEFAULTS["prompt_logprobs"]
+    topk_prompt_logprobs: int = SAMPLE_DEFAULTS["topk_prompt_logprobs"]
+    topk_sample_logprobs: int = SAMPLE_DEFAULTS["topk_sample_logprobs"]
+    store: bool | None = None  # None: stored (the run's current weights); False: no sample rows
 
     def engine_params(self) -> dict[str, Any]:
+        if self.stop is not None and self.stop_tokens is not None:
+            raise BadInput("give stop (strings) or stopTokens (token ids), not both", field="stop")
         return {
             "prompts": self.prompts,
+            "prompt_tokens": self.prompt_tokens,
             "max_tokens": self.max_tokens,
             "temperature": self.temperature,
             "top_p": self.top_p,
             "top_k": self.top_k,
-            "stop": self.stop,
+            "stop": self.stop_tokens if self.stop_tokens is not None else self.stop,
             "num_samples": self.num_samples,
             "seed": self.seed,
+            "prompt_logprobs": self.prompt_logprobs,
+            "topk_prompt_logprobs": self.topk_prompt_logprobs,
+            "topk_sample_logprobs": self.topk_sample_logprobs,
         }
+
+    def stored_prompts(self) -> list[str]:
+        """What a sample row keeps as its prompt: the text, or a token-id prompt as its JSON list."""
+        return self.prompts if self.prompts is not None else [json.dumps(ids) for ids in self.prompt_tokens or []]
 
 
 class RunService:
@@ -267,19 +286,32 @@ class RunService:
 
     async def sample(self, user: User, run_id: str, params: SampleParams,
                      request_id: str | None = None) -> dict[str, Any]:
-        stored_params = {k: v for k, v in params.engine_params().items() if k != "prompts"}
-
+        """Sample from the run's weights. Each sequence becomes a sample row (the run's history on its page) unless
+        `params.store` is False: an RL step of 128 prompts x 16 samples would write 2,048 rows."""
         async def record(run: Run, result: dict[str, Any]) -> dict[str, Any]:
-            if result.get("replayed"):
+            if result.get("replayed") or params.store is False:
                 return result
+            stored_params = {k: v for k, v in params.engine_params().items() if k not in ("prompts", "prompt_tokens")}
             async with self.db.session() as session:
-                for prompt, sequences in zip(params.prompts, result["sequences"]):
+                for prompt, sequences in zip(params.stored_prompts(), result["sequences"]):
                     for sequence in sequences:
                         session.add(Sample(run_id=run.id, step=int(result.get("step", run.step)), prompt=prompt,
                                            output=sequence["text"], params=stored_params))
             return result
 
         return await self._apply(user, run_id, "sample", request_id, lambda run: params.engine_params(), record)
+
+    async def tokenizer(self, user: User, run_id: str | None = None, base_model: str | None = None) -> dict[str, Any]:
+        """The tokenizer of a run's base (the caller's run) or of a catalogue model (default: the server's): its id,
+        vocabulary size, EOS, BOS and pad ids, and chat template. Reads the base only: no run's queue, no credits."""
+        if run_id is not None and base_model is not None:
+            raise BadInput("give runId or baseModel, not both", field="runId")
+        if run_id is not None:
+            run = await self.get(user, run_id)
+            return await self._engine("tokenizer", pool=pool_of(run), run_id=run.id)
+        model = self.catalog.get(base_model or self.default_model)
+        pool = pool_key(model.name, self.catalog.resolve_gpu(model, None, None), None)
+        return await self._engine("tokenizer", pool=pool, base_model=model.source)
 
     async def save_state(self, user: User, run_id: str, mode: str = "adapter", push_to_hub: bool = False,
                          hub_model_id: str | None = None, request_id: str | None = None,

@@ -31,6 +31,7 @@ from gpu_runtime.contract.calls import (
     RuntimeState,
     Sample,
     SaveState,
+    Tokenizer,
     parse_call,
 )
 from gpu_runtime.contract.results import (
@@ -41,6 +42,7 @@ from gpu_runtime.contract.results import (
     RunDescription,
     SampleResult,
     SaveStateResult,
+    TokenizerResult,
 )
 from gpu_runtime.contract.settings import (
     ADAM_BOUNDS,
@@ -58,6 +60,7 @@ from gpu_runtime.contract.settings import (
     MAX_REQUEST_ID_LENGTH,
     MAX_SAMPLES,
     MAX_TOKENS_LIMIT,
+    MAX_TOPK_LOGPROBS,
     MLP_PROJECTIONS,
     SAMPLE_DEFAULTS,
     SAVE_MODES,
@@ -78,7 +81,9 @@ from gpu_runtime.contract.settings import (
     default_checkpoint_name,
     default_target_modules,
     lora_settings,
+    sampling_prompts,
     sampling_settings,
+    stop_settings,
     switched_target_modules,
     target_families,
 )
@@ -86,12 +91,14 @@ from gpu_runtime.contract.settings import (
 __all__ = [
     "ADAM_BOUNDS", "ADAM_DEFAULTS", "ATTENTION_PROJECTIONS", "CALLS", "CONTRACT_VERSION", "Call", "CloseRun",
     "CreateRun", "DEFAULT_LOSS_FN", "DeleteRun", "ExportCheckpoint", "ForwardBackward", "ForwardBackwardResult",
-    "ITEM_KEYS", "LORA_DEFAULTS", "LORA_KEYS", "LORA_R_MAX", "LORA_SWITCHES", "LoadRun", "MLP_PROJECTIONS", "MAX_REQUEST_ID_LENGTH", "MAX_SAMPLES",
-    "MAX_TOKENS_LIMIT", "Method", "OptimStep", "OptimStepResult", "Ping", "Result", "RunCall", "RunDescription",
-    "RunInfo", "RuntimeOptions", "RuntimeState", "SAMPLE_DEFAULTS", "SAVE_MODES", "SYSTEM_CALLS", "Sample",
-    "SampleResult", "SamplingSettings", "SaveState", "SaveStateResult", "TEXT_KEYS", "TOKEN_KEYS", "UNEMBEDDING", "adam_settings",
-    "check_adam_value", "check_batch_text", "check_id", "check_request_id", "check_text", "default_target_modules", "lora_settings",
-    "parse_call", "sampling_settings", "CHECKPOINT_KINDS", "CHECKPOINT_SCHEME", "LOADABLE_KINDS", "CheckpointRef",
-    "DeleteCheckpoint", "LoadState", "LoadStateResult", "check_checkpoint_name", "checkpoint_ref",
-    "default_checkpoint_name", "switched_target_modules", "target_families",
+    "ITEM_KEYS", "LORA_DEFAULTS", "LORA_KEYS", "LORA_R_MAX", "LORA_SWITCHES", "LoadRun", "MLP_PROJECTIONS",
+    "MAX_REQUEST_ID_LENGTH", "MAX_SAMPLES", "MAX_TOKENS_LIMIT", "Method", "OptimStep", "OptimStepResult", "Ping",
+    "Result", "RunCall", "RunDescription", "RunInfo", "RuntimeOptions", "RuntimeState", "SAMPLE_DEFAULTS",
+    "SAVE_MODES", "SYSTEM_CALLS", "Sample", "SampleResult", "SamplingSettings", "SaveState", "SaveStateResult",
+    "TEXT_KEYS", "TOKEN_KEYS", "UNEMBEDDING", "adam_settings", "check_adam_value", "check_batch_text", "check_id",
+    "check_request_id", "check_text", "default_target_modules", "lora_settings", "parse_call", "sampling_settings",
+    "CHECKPOINT_KINDS", "CHECKPOINT_SCHEME", "LOADABLE_KINDS", "CheckpointRef", "DeleteCheckpoint", "LoadState",
+    "LoadStateResult", "check_checkpoint_name", "checkpoint_ref", "default_checkpoint_name",
+    "switched_target_modules", "target_families", "MAX_TOPK_LOGPROBS", "Tokenizer", "TokenizerResult",
+    "sampling_prompts", "stop_settings",
 ]

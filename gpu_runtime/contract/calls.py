@@ -25,6 +25,7 @@ from gpu_runtime.contract.settings import (
     check_request_id,
     checkpoint_ref,
     lora_settings,
+    sampling_prompts,
     sampling_settings,
 )
 from gpu_runtime.errors import BadInput
@@ -49,6 +50,7 @@ class Method(enum.StrEnum):
     DELETE_CHECKPOINT = "delete_checkpoint"
     PING = "ping"
     RUNTIME_STATE = "runtime_state"
+    TOKENIZER = "tokenizer"
 
 
 R = TypeVar("R", bound="Call")
@@ -156,14 +158,18 @@ class OptimStep(RunCall):
 @dataclass(frozen=True, kw_only=True)
 class Sample(RunCall):
     method = Method.SAMPLE
-    prompts: list[str]
+    prompts: list[str] | None = None  # exactly one of prompts (text) and prompt_tokens (token ids)
+    prompt_tokens: list[list[int]] | None = None
     max_tokens: int = SAMPLE_DEFAULTS["max_tokens"]
     temperature: float = SAMPLE_DEFAULTS["temperature"]
     top_p: float = SAMPLE_DEFAULTS["top_p"]
-    top_k: int = SAMPLE_DEFAULTS["top_k"]
-    stop: str | list[str] | None = None
+    top_k: int = SAMPLE_DEFAULTS["top_k"]  # 0 or -1: off
+    stop: str | list[str] | list[int] | None = None  # None: EOS; []: nothing; strings or token ids (and EOS)
     num_samples: int = SAMPLE_DEFAULTS["num_samples"]
     seed: int | None = None  # None: drawn by the runtime
+    prompt_logprobs: bool = SAMPLE_DEFAULTS["prompt_logprobs"]
+    topk_prompt_logprobs: int = SAMPLE_DEFAULTS["topk_prompt_logprobs"]
+    topk_sample_logprobs: int = SAMPLE_DEFAULTS["topk_sample_logprobs"]
     request_id: str | None = None
 
     def validate(self) -> None:
@@ -171,9 +177,35 @@ class Sample(RunCall):
         check_request_id(self.request_id)
         self.settings()
 
-    def settings(self) -> tuple[list[str], SamplingSettings]:
-        return sampling_settings(self.prompts, self.max_tokens, self.temperature, self.top_p, self.top_k, self.stop,
-                                 self.num_samples, self.seed)
+    def settings(self) -> tuple[list[str] | list[list[int]], SamplingSettings]:
+        """The prompts (text, or token ids when prompt_tokens is set) and the checked settings."""
+        prompts = sampling_prompts(self.prompts, self.prompt_tokens)
+        return prompts, sampling_settings(self.max_tokens, self.temperature, self.top_p, self.top_k, self.stop,
+                                          self.num_samples, self.seed, self.prompt_logprobs,
+                                          self.topk_prompt_logprobs, self.topk_sample_logprobs)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Tokenizer(Call):
+    """A base model's tokenizer, as sampling and rendering use it: on `base_model` (a name or path the runtime
+    loads), or on the base of run `run_id`. A call on no run's queue: answered at the next tick."""
+
+    method = Method.TOKENIZER
+    base_model: str | None = None
+    quantization: str | None = None
+    run_id: str | None = None
+
+    def validate(self) -> None:
+        if (self.base_model is None) == (self.run_id is None):
+            raise BadInput("give exactly one of base_model or run_id", field="base_model")
+        if self.run_id is not None:
+            check_id(self.run_id, "run_id")
+        elif not isinstance(self.base_model, str) or not self.base_model:
+            raise BadInput("base_model must be a model name or path", field="base_model")
+
+    @property
+    def run(self) -> str | None:
+        return None  # reads the run's base, never its state: it waits on no run's calls
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -290,8 +322,8 @@ class RuntimeState(Call):
 
 CALLS: dict[Method, type[Call]] = {cls.method: cls for cls in (
     CreateRun, ForwardBackward, OptimStep, Sample, SaveState, LoadRun, RunInfo, CloseRun, DeleteRun, ExportCheckpoint,
-    LoadState, DeleteCheckpoint, Ping, RuntimeState)}
-SYSTEM_CALLS = (Ping, RuntimeState)  # calls on no run: answered first, at the next tick
+    LoadState, DeleteCheckpoint, Ping, RuntimeState, Tokenizer)}
+SYSTEM_CALLS = (Ping, RuntimeState, Tokenizer)  # calls on no run: answered first, at the next tick
 
 
 def parse_call(method: Any, params: Any) -> Call:

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, TypeVar
 
 R = TypeVar("R", bound="Result")
-OMITTED_UNLESS_SET = ("replayed", "hub", "pending_excluded")
+OMITTED_UNLESS_SET = ("replayed", "hub", "pending_excluded", "prompt_logprobs", "topk_prompt_logprobs")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,11 +54,28 @@ class OptimStepResult(Result):
 @dataclass(frozen=True, kw_only=True)
 class SampleResult(Result):
     outputs: list[str]  # the first sequence's text of each prompt
-    sequences: list[list[dict[str, Any]]]  # per prompt, per sample: text, tokens, logprobs, stop_reason
+    # per prompt, per sample: text, tokens, logprobs, stop_reason (+ topk_logprobs when asked)
+    sequences: list[list[dict[str, Any]]]
     prompt_tokens: list[list[int]]
     step: int
     compute_seconds: float = 0.0
+    # per prompt, per position: the model's logprob of that prompt token (None at 0), when asked
+    prompt_logprobs: list[list[float | None]] | None = None
+    # per prompt, per position: the top-k [token, logprob] pairs, most likely first (None at 0), when asked
+    topk_prompt_logprobs: list[list[list[list[float]] | None]] | None = None
     replayed: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class TokenizerResult(Result):
+    """What a client without the tokenizer needs to build token-level inputs and read token-level outputs."""
+
+    name: str  # the base model's name or path the tokenizer loads from
+    vocab_size: int  # token ids are 0..vocab_size-1 (the model's embedding rows)
+    eos_token_ids: list[int]  # the ids that stop sampling when `stop` is omitted
+    bos_token_id: int | None
+    pad_token_id: int | None
+    chat_template: str | None
 
 
 @dataclass(frozen=True, kw_only=True)

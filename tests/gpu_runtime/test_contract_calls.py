@@ -31,6 +31,7 @@ EXAMPLES: dict[Method, dict[str, Any]] = {
     Method.DELETE_CHECKPOINT: {"run_id": "r1", "mode": "sampler", "name": "final"},
     Method.PING: {},
     Method.RUNTIME_STATE: {},
+    Method.TOKENIZER: {"base_model": "m"},
 }
 
 
@@ -55,6 +56,11 @@ def test_a_request_crosses_as_data_and_comes_back_equal(method: Method) -> None:
     ("forward_backward", {"run_id": "r1", "batch": [{"text": "a"}], "request_id": "x" * 129}, "request_id"),
     ("forward_backward", {"run_id": "r1", "batch": [{"text": "a"}], "request_id": "tab\there"}, "request_id"),
     ("sample", {"run_id": "r1", "prompts": ["ok", "a\ud800"]}, "prompts[1]"),
+    ("sample", {"run_id": "r1", "prompt_tokens": [[1], [2, "3"]]}, "prompt_tokens[1]"),
+    ("sample", {"run_id": "r1", "prompts": ["ok"], "stop": [1, "x"]}, "stop"),
+    ("tokenizer", {}, "base_model"),
+    ("tokenizer", {"base_model": "m", "run_id": "r1"}, "base_model"),
+    ("tokenizer", {"run_id": "../r1"}, "run_id"),
     ("forward_backward", {"run_id": "r1", "batch": [{"input": "ok", "output": "b\udfff"}]}, "batch[0].output"),
     ("forward_backward", {"run_id": "r1", "batch": [{"messages": [{"role": "user", "content": "\ud800"}]}]},
      "batch[0].messages[0].content"),

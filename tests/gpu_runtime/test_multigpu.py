@@ -94,6 +94,24 @@ def test_forward_backward_gives_one_process_loss_gradients_and_weights(
     assert got_sample["sequences"][0][0]["tokens"] == expected_sample["sequences"][0][0]["tokens"]
 
 
+def test_prompt_logprobs_and_repeated_prefill_on_a_sharded_base_are_one_process_ones(
+    sharded: Engine, single: Engine, tiny_model_dir: str
+) -> None:
+    # The prompt's vocabulary projection runs inside the sharded forward (its head gathered there), then the cache
+    # is repeated for the samples: both as one process does them.
+    create([sharded, single], "scored", tiny_model_dir)
+    params: dict[str, Any] = {"max_tokens": 4, "temperature": 0.0, "num_samples": 2, "prompt_logprobs": True,
+                              "topk_prompt_logprobs": 3}
+    prompts = ["Hello", "The capital of France is"]
+    got, expected = sharded.sample("scored", prompts, **params), single.sample("scored", prompts, **params)
+    assert [[s["tokens"] for s in p] for p in got["sequences"]] == [[s["tokens"] for s in p] for p in expected["sequences"]]
+    for ours, theirs in zip(got["prompt_logprobs"], expected["prompt_logprobs"]):
+        assert ours[0] is None and theirs[0] is None
+        torch.testing.assert_close(torch.tensor(ours[1:]), torch.tensor(theirs[1:]), rtol=1e-5, atol=1e-5)
+    assert [[None if p is None else [t for t, _ in p] for p in row] for row in got["topk_prompt_logprobs"]] == \
+        [[None if p is None else [t for t, _ in p] for p in row] for row in expected["topk_prompt_logprobs"]]
+
+
 def test_two_runs_share_the_sharded_pool_in_one_tick(sharded: Engine, single: Engine, tiny_model_dir: str) -> None:
     lora_b = {"r": 8, "alpha": 8, "target_modules": ["o_proj", "down_proj"]}  # LoRA in other layers than "pair-a"
     create([sharded, single], "pair-a", tiny_model_dir, seed=2)
