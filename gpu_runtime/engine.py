@@ -38,10 +38,12 @@ from gpu_runtime.contract import (
     CreateRun,
     DeleteRun,
     ExportCheckpoint,
+    Forward,
     ForwardBackward,
     LoadRun,
     OptimStep,
     Ping,
+    RenderDatums,
     RunInfo,
     RuntimeOptions,
     RuntimeState,
@@ -62,7 +64,8 @@ from gpu_runtime.shared import Answer, Shared, TickStats, internal
 from gpu_runtime.training_calls import FbPart, FbProgress, Training
 
 # Calls that need their run in memory before they can be priced and picked.
-ON_RESIDENT_RUN = (ForwardBackward, OptimStep, Sample, SaveState, RunInfo, LoadRun)
+# A forward on a base model alone (run_id None) rides the system lane and needs no run.
+ON_RESIDENT_RUN = (ForwardBackward, Forward, RenderDatums, OptimStep, Sample, SaveState, RunInfo, LoadRun)
 
 
 class Engine:
@@ -93,6 +96,8 @@ class Engine:
         self._handlers: dict[type[Call], Callable[[Any], dict[str, Any]]] = {
             CreateRun: lambda c: self.control.create_run(c).to_dict(),
             OptimStep: self._optim_step,
+            Forward: self._forward,
+            RenderDatums: lambda c: self.training.render_datums(self.recovery.state(c.run_id), c).to_dict(),
             SaveState: lambda c: self.control.save_state(self.recovery.state(c.run_id), c).to_dict(),
             RunInfo: lambda c: self.control.describe(self.recovery.state(c.run_id)).to_dict(),
             LoadRun: lambda c: self.control.describe(self.recovery.state(c.run_id)).to_dict(),
@@ -133,6 +138,8 @@ class Engine:
             call = parse_call(method, args)
             run_id = call.run
             user = call.user_id if isinstance(call, CreateRun) else self.recovery.owner(run_id) if run_id else SYSTEM
+            if isinstance(call, Forward) and run_id is None:
+                user = call.user_id or SYSTEM
         except SignalError as exc:
             reply({"error": exc.to_dict()})
             return
@@ -173,9 +180,17 @@ class Engine:
                          quantization=quantization)
 
     def forward_backward(self, run_id: str, batch: list[dict[str, Any]], loss_fn: str = "cross_entropy",
-                         loss_fn_config: dict[str, Any] | None = None, request_id: str | None = None) -> dict[str, Any]:
+                         loss_fn_config: dict[str, Any] | None = None, request_id: str | None = None,
+                         reduction: str = "mean", return_outputs: bool = False) -> dict[str, Any]:
         return self.call("forward_backward", run_id=run_id, batch=batch, loss_fn=loss_fn,
-                         loss_fn_config=loss_fn_config, request_id=request_id)
+                         loss_fn_config=loss_fn_config, request_id=request_id, reduction=reduction,
+                         return_outputs=return_outputs)
+
+    def forward(self, batch: list[dict[str, Any]], run_id: str | None = None, **params: Any) -> dict[str, Any]:
+        return self.call("forward", batch=batch, run_id=run_id, **params)
+
+    def render_datums(self, run_id: str, batch: list[dict[str, Any]], loss_fn: str = "cross_entropy") -> dict[str, Any]:
+        return self.call("render_datums", run_id=run_id, batch=batch, loss_fn=loss_fn)
 
     def optim_step(self, run_id: str, adam: dict[str, Any] | None = None, request_id: str | None = None) -> dict[str, Any]:
         return self.call("optim_step", run_id=run_id, adam=adam, request_id=request_id)
@@ -248,7 +263,7 @@ class Engine:
         here are answered here, before the planner runs; a run past this tick's restores waits for the next."""
         for request in self.scheduler.heads():
             call = request.call
-            if request in self._prepared or not isinstance(call, ON_RESIDENT_RUN):
+            if request in self._prepared or not isinstance(call, ON_RESIDENT_RUN) or call.run is None:
                 continue
             if call.run_id not in self.runs:
                 if stats.restores >= RESTORES_PER_TICK:
@@ -275,7 +290,7 @@ class Engine:
         if isinstance(request.call, ForwardBackward):
             progress = self._prepared.get(request)
             return None if progress is None else max(progress.remaining_tokens, 1)
-        if isinstance(request.call, ON_RESIDENT_RUN) and request.run_id not in self.runs:
+        if isinstance(request.call, ON_RESIDENT_RUN) and request.run_id is not None and request.run_id not in self.runs:
             return None
         return 0
 
@@ -316,6 +331,11 @@ class Engine:
         if not result.replayed:
             self.recovery.snapshot_if_due(state)
         return result.to_dict()
+
+    def _forward(self, call: Forward) -> dict[str, Any]:
+        if call.run_id is not None:
+            self.recovery.state(call.run_id)  # resident (restored if it was evicted)
+        return self.training.forward(call).to_dict()
 
     def _run_pass(self, key: str, parts: list[FbPart], stats: TickStats) -> list[Answer]:
         """One co-batched pass; if it fails as a whole, its calls fail (with their gradients put back), no others."""
