@@ -117,6 +117,14 @@ class _ClientBase:
     def me(self) -> Any:
         return self._run(Call("Me", {}, "me"))
 
+    def forward(self, batch: list[dict[str, Any]], base_model: str, loss_fn: str | None = None,
+                loss_fn_config: dict[str, Any] | None = None) -> Any:
+        """The loss and per-position `logprobs` of `batch` on a base model alone (no run, no adapter): the
+        reference a DPO or KL term needs. `run.forward(...)` runs on a run's weights."""
+        variables = _drop_none({"batch": batch, "baseModel": base_model, "lossFn": loss_fn,
+                                "lossFnConfig": loss_fn_config})
+        return self._run(_primitive("Forward", variables, "forward"))
+
     def create_run(
         self, base_model: str | None = None, lora_r: int | None = None, lora_alpha: float | None = None,
         learning_rate: float | None = None, lora_dropout: float | None = None,
@@ -317,11 +325,27 @@ class _RunBase:
         return int(self.info["step"])
 
     def forward_backward(self, batch: list[dict[str, Any]], loss_fn: str | None = None,
-                         loss_fn_config: dict[str, Any] | None = None) -> Any:
+                         loss_fn_config: dict[str, Any] | None = None, reduction: str | None = None,
+                         return_outputs: bool = False) -> Any:
         """Loss and gradients for `batch`; gradients add up until `optim_step`. Unset: the server's
-        default loss (cross_entropy)."""
-        variables = _drop_none({"runId": self.id, "batch": batch, "lossFn": loss_fn, "lossFnConfig": loss_fn_config})
+        default loss (cross_entropy) and reduction ("mean"; "sum" is Tinker's: one per step). With
+        `return_outputs`, the result's `outputs` holds each datum's per-position `logprobs` and
+        `elementwise_loss` (a retried call's answer has none)."""
+        variables = _drop_none({"runId": self.id, "batch": batch, "lossFn": loss_fn, "lossFnConfig": loss_fn_config,
+                                "reduction": reduction, "withOutputs": return_outputs or None})
         return self._client._run(_primitive("ForwardBackward", variables, "forwardBackward"))
+
+    def forward(self, batch: list[dict[str, Any]], loss_fn: str | None = None,
+                loss_fn_config: dict[str, Any] | None = None) -> Any:
+        """The loss and each datum's per-position `logprobs` on the run's current weights, with no backward:
+        no gradient, step or dropout counter changes."""
+        variables = _drop_none({"runId": self.id, "batch": batch, "lossFn": loss_fn, "lossFnConfig": loss_fn_config})
+        return self._client._run(_primitive("Forward", variables, "forward"))
+
+    def render_datums(self, batch: list[dict[str, Any]], loss_fn: str | None = None) -> Any:
+        """The token-level datums ({model_input, loss_fn_inputs}) the server builds for `batch` on this run's model."""
+        variables = _drop_none({"runId": self.id, "batch": batch, "lossFn": loss_fn})
+        return self._client._run(Call("RenderDatums", variables, "renderDatums"))
 
     def optim_step(self, learning_rate: float | None = None, beta1: float | None = None, beta2: float | None = None,
                    eps: float | None = None, weight_decay: float | None = None,

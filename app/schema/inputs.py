@@ -7,7 +7,7 @@ from typing import Any
 import strawberry
 
 from app.services.runs import RunSpec
-from gpu_runtime.contract import ADAM_DEFAULTS, LORA_DEFAULTS
+from gpu_runtime.contract import ADAM_DEFAULTS, DATUM_INPUTS, LORA_DEFAULTS
 
 
 @strawberry.input
@@ -41,6 +41,20 @@ class MessageInput:
     content: str
 
 
+@strawberry.input(description="A datum's per-position inputs, each as long as modelInput (Tinker's loss_fn_inputs)")
+class LossFnInputs:
+    target_tokens: list[int] = strawberry.field(description="Position i predicts targetTokens[i]: already shifted")
+    weights: list[float] | None = strawberry.field(default=None, description="Per-position weights (cross_entropy)")
+    advantages: list[float] | None = None
+    logprobs: list[float] | None = strawberry.field(default=None, description="The sampler's logprobs (RL losses)")
+    clip_low_threshold: list[float] | None = strawberry.field(
+        default=None, description="Per-position clip thresholds (ppo, cispo); win over lossFnConfig")
+    clip_high_threshold: list[float] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {name: value for name in DATUM_INPUTS if (value := getattr(self, name)) is not None}
+
+
 @strawberry.input(description="One training example; set exactly one of the formats")
 class BatchItem:
     text: str | None = strawberry.field(default=None, description="Loss on every token")
@@ -52,6 +66,9 @@ class BatchItem:
     logprobs: list[float] | None = strawberry.field(
         default=None, description="The sampler's per-token logprobs (importance_sampling)")
     advantages: list[float] | None = strawberry.field(default=None, description="Per-token advantages (importance_sampling)")
+    model_input: list[int] | None = strawberry.field(
+        default=None, description="A datum's input token ids (N), with lossFnInputs: Tinker's token-level form")
+    loss_fn_inputs: LossFnInputs | None = None
 
     def to_dict(self) -> dict[str, Any]:
         item: dict[str, Any] = {}
@@ -61,6 +78,10 @@ class BatchItem:
                 item[key] = value
         if self.messages is not None:
             item["messages"] = [{"role": m.role, "content": m.content} for m in self.messages]
+        if self.model_input is not None:
+            item["model_input"] = self.model_input
+        if self.loss_fn_inputs is not None:
+            item["loss_fn_inputs"] = self.loss_fn_inputs.to_dict()
         return item
 
 

@@ -199,7 +199,7 @@ def loss_settings(loss_fn: Any, config: Any, reduction: Any = DEFAULT_REDUCTION)
     unknown = sorted(set(config or {}) - set(defaults))
     if unknown:
         takes = f"takes {sorted(defaults)}" if defaults else "takes no loss_fn_config"
-        raise BadInput(f"{loss_fn} {takes}, got key {unknown[0]!r}", field=f"loss_fn_config.{unknown[0]}")
+        raise BadInput(f"{loss_fn} {takes}, got key {unknown[0]!r}", field="loss_fn_config")
     settings = dict(defaults)
     for key, value in (config or {}).items():
         if not _is_number(value):

@@ -21,9 +21,11 @@ SDL = schema._schema  # graphql-core's schema, which strawberry builds
 NOT_ARGUMENTS: dict[str, str] = {
     "user_id": "the caller's key decides it",
     "run_id": "runId",  # present, camel-cased: checked below
+    "return_outputs": "the resolver sets it when the client selects forwardBackward's `outputs`",
 }
 MUTATIONS: list[tuple[str, type[contract.Call]]] = [
     ("forwardBackward", contract.ForwardBackward),
+    ("forward", contract.Forward),
     ("optimStep", contract.OptimStep),
     ("sample", contract.Sample),
     ("saveState", contract.SaveState),
@@ -38,6 +40,7 @@ NOT_SHOWN: dict[str, str] = {
 }
 RESULTS: list[tuple[str, type[contract.Result]]] = [
     ("ForwardBackwardResult", contract.ForwardBackwardResult),
+    ("ForwardResult", contract.ForwardResult),
     ("OptimStepResult", contract.OptimStepResult),
     ("SampleResult", contract.SampleResult),
 ]
