@@ -75,7 +75,7 @@ def test_each_result_type_shows_the_contracts_fields(type_name: str, result: typ
 def test_a_batch_item_takes_exactly_the_contracts_keys() -> None:
     item = SDL.get_type("BatchItem")
     assert isinstance(item, GraphQLInputObjectType)
-    assert set(item.fields) == contract.ITEM_KEYS
+    assert set(item.fields) == {to_camel_case(key) for key in contract.ITEM_KEYS}  # modelInput: model_input
 
 
 def _variable_defaults() -> list[tuple[str, str, str, Any]]:
