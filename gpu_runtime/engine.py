@@ -8,7 +8,8 @@ One tick:
    `RESTORES_PER_TICK` per tick) and each forward_backward is rendered, so that it has a price;
 2. asks the scheduler for this tick's work, given those prices: at most one call per run, users in fair
    order, forward_backward rows bounded by `tick_tokens`;
-3. runs system calls (ping, runtime_state) and control calls (create_run, optim_step, save_state, …);
+3. runs system calls (ping, runtime_state, a forward on a base model alone) and control calls (create_run,
+   optim_step, save_state, forward, render_datums, …); a forward is its own pass with no autograd;
 4. runs every picked forward_backward on one base as **one** forward and backward pass, each row routed
    to its run's LoRA; losses, normalisers and gradients stay per run;
 5. fsyncs the journals of the calls it applied (one group fsync per tick), then answers;

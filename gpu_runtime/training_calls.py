@@ -3,7 +3,9 @@
 A forward_backward is prepared once (its batch rendered to token rows) before the scheduler prices it,
 may be split across ticks by the token budget, and is journaled when its last rows are done. Every
 part of a tick's calls on one base runs in one pass (gpu_runtime/training.py, through `Compute`).
-optim_step divides each run's summed gradients by their normaliser and applies AdamW.
+optim_step divides each run's summed gradients by their normaliser ("mean"; by 1 for "sum") and applies AdamW.
+forward runs the same datums through a pass with no autograd and no dropout on a weights source
+(`weights_source`), changing nothing; render_datums shows what a batch renders to.
 """
 
 from __future__ import annotations

@@ -17,7 +17,6 @@ from gpu_runtime.batches import Datum, collate
 from gpu_runtime.engine import Engine
 from gpu_runtime.errors import BadInput, FailedPrecondition
 from gpu_runtime.losses import LOSSES
-from gpu_runtime.run_state import peft_name
 from tests.helpers.engine_tools import assert_relatively_close, result_of, submit
 
 LOSS_NAMES = ["cross_entropy", "importance_sampling", "ppo", "cispo", "dro"]
