@@ -275,14 +275,19 @@ def test_forward_on_a_base_model_alone_is_a_run_with_no_adapter(tmp_path: Path, 
 # ---- one reduction per step, restored by replay ---------------------------------------------------
 
 
-def test_another_reduction_before_optim_step_is_refused_naming_reduction(tmp_path: Path, tiny_model_dir: str) -> None:
+@pytest.mark.parametrize("restored_from", ["journal", "snapshot"])
+def test_another_reduction_before_optim_step_is_refused_naming_reduction(tmp_path: Path, tiny_model_dir: str,
+                                                                         restored_from: str) -> None:
     engine = make_engine(tmp_path, tiny_model_dir, {"r": 1})
     text = [{"text": "hello there"}]
     engine.forward_backward("r", text, reduction="sum")
     with pytest.raises(FailedPrecondition) as caught:
         engine.forward_backward("r", text, reduction="mean")
     assert caught.value.field == "reduction" and caught.value.code == "FAILED_PRECONDITION"
-    # A restarted runtime replays the journal (no snapshot yet): the step's reduction comes back with it.
+    if restored_from == "snapshot":
+        engine.shutdown()  # snapshots the run, its pending gradients with it
+        assert engine.runs["r"].snapshot_seq == engine.runs["r"].seq
+    # A restarted runtime restores the run (snapshot + journal after it): the step's reduction comes back with it.
     restarted = Engine(tmp_path, device="cpu")
     restarted.run_info("r")
     assert restarted.runs["r"].pending.reduction == "sum"
