@@ -11,14 +11,17 @@ weighs nothing: nothing predicts the first token). Journals written before datum
 
 from __future__ import annotations
 
+import base64
+import binascii
 import math
 from dataclasses import dataclass, field
 from typing import Any, cast
 
+import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from gpu_runtime.contract.settings import DATUM_INPUTS, RL_LOSSES, TEXT_KEYS, TOKEN_KEYS
+from gpu_runtime.contract.settings import DATUM_INPUTS, PACKED_KEY, PACKED_TOKENS, RL_LOSSES, TEXT_KEYS, TOKEN_KEYS
 from gpu_runtime.errors import BadInput
 
 ROLES = {"system", "user", "assistant", "tool"}
@@ -112,6 +115,8 @@ class Renderer:
         if not isinstance(item, dict) or not item:
             raise BadInput(f"{where} must be a non-empty object", field=where)
         keys = set(item)
+        if keys == {PACKED_KEY}:
+            return self._packed_item(item[PACKED_KEY], f"{where}.{PACKED_KEY}", loss_fn)
         if "model_input" in keys or "loss_fn_inputs" in keys:
             return self._datum_item(item, where, loss_fn)
         if "tokens" in keys:
@@ -215,7 +220,29 @@ class Renderer:
                 weights = [1.0 if a != 0 else 0.0 for a in extras["advantages"]]
         return _shifted(tokens, weights, extras)
 
-    def _datum_item(self, item: dict[str, Any], where: str, loss_fn: str) -> Datum:
+    def _packed_item(self, packed: Any, where: str, loss_fn: str) -> Datum:
+        """A datum whose lists came as base64 (int32 token ids, float32 values, little-endian); checked as a datum,
+        its errors naming the packed field."""
+        if not isinstance(packed, dict):
+            raise BadInput(f"{where} must be an object of base64 lists", field=where)
+        lists: dict[str, Any] = {}
+        for key, value in packed.items():
+            if key not in ("model_input", *DATUM_INPUTS):
+                raise BadInput(f"{where}.{key} is not a field of a packed datum", field=f"{where}.{key}")
+            if value is None:
+                continue
+            try:
+                raw = base64.b64decode(value, validate=True) if isinstance(value, str) else None
+            except (binascii.Error, ValueError):
+                raw = None
+            if raw is None or len(raw) % 4:
+                raise BadInput(f"{where}.{key} must be base64 of little-endian 4-byte values", field=f"{where}.{key}")
+            lists[key] = np.frombuffer(raw, dtype="<i4" if key in PACKED_TOKENS else "<f4").tolist()
+        inputs = {k: v for k, v in lists.items() if k != "model_input"}
+        return self._datum_item({"model_input": lists.get("model_input"), "loss_fn_inputs": inputs}, where, loss_fn,
+                                inputs_at=where)
+
+    def _datum_item(self, item: dict[str, Any], where: str, loss_fn: str, inputs_at: str | None = None) -> Datum:
         """Tinker's datum: model_input and loss_fn_inputs of the same length N, targets already shifted."""
         for key in item:
             if key not in ("model_input", "loss_fn_inputs"):
@@ -232,7 +259,7 @@ class Renderer:
                                field=f"{where}.model_input[{j}]")
         self._token_ids(model_input, f"{where}.model_input")
         inputs = item.get("loss_fn_inputs")
-        at = f"{where}.loss_fn_inputs"
+        at = inputs_at or f"{where}.loss_fn_inputs"
         if not isinstance(inputs, dict):
             raise BadInput(f"{at} must be an object with target_tokens", field=at)
         unknown = sorted(set(inputs) - set(DATUM_INPUTS))

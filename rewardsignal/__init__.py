@@ -7,6 +7,7 @@
 """
 
 from rewardsignal.client import Artifact, AsyncRun, AsyncSignalClient, Run, SignalClient
+from rewardsignal.datums import pack_datum
 from rewardsignal.errors import (
     AuthenticationError,
     BadInputError,
@@ -46,4 +47,5 @@ __all__ = [
     "SignalClient",
     "TransportError",
     "WorkerFailedError",
+    "pack_datum",
 ]

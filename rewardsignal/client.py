@@ -70,8 +70,9 @@ def _batch(batch: list[dict[str, Any]]) -> list[dict[str, Any]]:
     Signal's own keys are single words already."""
     def item(value: dict[str, Any]) -> dict[str, Any]:
         out = {_camel(k): v for k, v in value.items()}
-        if isinstance(out.get("lossFnInputs"), dict):
-            out["lossFnInputs"] = {_camel(k): v for k, v in out["lossFnInputs"].items()}
+        for nested in ("lossFnInputs", "packed"):
+            if isinstance(out.get(nested), dict):
+                out[nested] = {_camel(k): v for k, v in out[nested].items()}
         return out
 
     return [item(value) if isinstance(value, dict) else value for value in batch]

@@ -55,6 +55,21 @@ class LossFnInputs:
         return {name: value for name in DATUM_INPUTS if (value := getattr(self, name)) is not None}
 
 
+@strawberry.input(description="A datum with each list as one base64 string (little-endian int32 token ids, float32 "
+                  "values): for large batches, GraphQL coerces a string at once and a typed list element by element")
+class PackedDatum:
+    model_input: str
+    target_tokens: str
+    weights: str | None = None
+    advantages: str | None = None
+    logprobs: str | None = None
+    clip_low_threshold: str | None = None
+    clip_high_threshold: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {name: value for name in ("model_input", *DATUM_INPUTS) if (value := getattr(self, name)) is not None}
+
+
 @strawberry.input(description="One training example; set exactly one of the formats")
 class BatchItem:
     text: str | None = strawberry.field(default=None, description="Loss on every token")
@@ -69,6 +84,7 @@ class BatchItem:
     model_input: list[int] | None = strawberry.field(
         default=None, description="A datum's input token ids (N), with lossFnInputs: Tinker's token-level form")
     loss_fn_inputs: LossFnInputs | None = None
+    packed: PackedDatum | None = strawberry.field(default=None, description="A datum in base64 (rewardsignal.pack_datum)")
 
     def to_dict(self) -> dict[str, Any]:
         item: dict[str, Any] = {}
@@ -82,6 +98,8 @@ class BatchItem:
             item["model_input"] = self.model_input
         if self.loss_fn_inputs is not None:
             item["loss_fn_inputs"] = self.loss_fn_inputs.to_dict()
+        if self.packed is not None:
+            item["packed"] = self.packed.to_dict()
         return item
 
 

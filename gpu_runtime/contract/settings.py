@@ -169,7 +169,12 @@ TOKEN_KEYS = {"tokens", "weights", "logprobs", "advantages"}
 # Tinker's datum: {model_input: [ids], loss_fn_inputs: {target_tokens, weights, …}}, every list N = len(model_input).
 DATUM_KEYS = {"model_input", "loss_fn_inputs"}
 DATUM_INPUTS = ("target_tokens", "weights", "advantages", "logprobs", "clip_low_threshold", "clip_high_threshold")
-ITEM_KEYS = {"text", "input", "output", "messages"} | TOKEN_KEYS | DATUM_KEYS
+# The packed datum: {"packed": {"model_input": b64, "target_tokens": b64, "weights": b64, …}}, each list as base64 of
+# little-endian int32 (token ids) or float32 (the rest). One string per list: GraphQL coerces a typed list element by
+# element (about 0.9 µs each), a string at once.
+PACKED_KEY = "packed"
+PACKED_TOKENS = ("model_input", "target_tokens")
+ITEM_KEYS = {"text", "input", "output", "messages", PACKED_KEY} | TOKEN_KEYS | DATUM_KEYS
 
 # ---- losses (docs/LOSSES.md has the formulas) ------------------------------------------------------
 

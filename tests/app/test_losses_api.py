@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from rewardsignal import SignalClient
+from rewardsignal import SignalClient, pack_datum
 from rewardsignal.client import _batch as graphql_batch
 from rewardsignal.errors import BadInputError
 from tests.helpers.live_server import LiveServer, error_code
@@ -99,3 +99,13 @@ def test_forward_on_an_unknown_base_model_names_base_model(client: SignalClient)
     with pytest.raises(BadInputError) as caught:
         client.forward(DATUMS, base_model="no-such-model")
     assert caught.value.field == "baseModel"
+
+
+def test_a_packed_batch_trains_as_the_same_datums(client: SignalClient) -> None:
+    run = client.create_run(lora_r=4, seed=5)
+    plain = run.forward(DATUMS, loss_fn="importance_sampling")
+    packed = run.forward([pack_datum(d) for d in DATUMS], loss_fn="importance_sampling")
+    assert packed["outputs"] == plain["outputs"] and packed["loss"] == plain["loss"]
+    (rendered, _) = run.render_datums([pack_datum(d) for d in DATUMS])
+    assert rendered["model_input"] == DATUMS[0]["model_input"]
+    assert rendered["loss_fn_inputs"]["target_tokens"] == DATUMS[0]["loss_fn_inputs"]["target_tokens"]

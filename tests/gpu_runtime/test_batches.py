@@ -10,6 +10,7 @@ from transformers import AutoTokenizer
 
 from gpu_runtime.batches import Datum, Renderer, collate
 from gpu_runtime.errors import BadInput
+from rewardsignal import pack_datum
 
 
 @pytest.fixture(scope="module")
@@ -179,3 +180,29 @@ def test_an_old_journal_example_renders_shifted() -> None:
     datum = Datum.from_record({"tokens": [5, 6, 7], "weights": [9.0, 1.0, 0.5], "extras": {"advantages": [1, 2, 3]}})
     assert (datum.model_input, datum.targets, datum.weights) == ([5, 6], [6, 7], [1.0, 0.5])
     assert datum.inputs == {"advantages": [2, 3]}
+
+
+PACKABLE = {"model_input": [5, 6, 7], "loss_fn_inputs": {"target_tokens": [0, 8, 9], "weights": [0.0, -0.5, 2.25],
+                                                          "advantages": [0.0, 1.5, -1.0], "logprobs": [0.0, -2.5, -0.125]}}
+
+
+def test_a_packed_datum_renders_as_the_datum_itself(renderer: Renderer) -> None:
+    packed = pack_datum(PACKABLE)
+    assert set(packed["packed"]) == {"model_input", "target_tokens", "weights", "advantages", "logprobs"}
+    assert all(isinstance(v, str) for v in packed["packed"].values())
+    (got,) = renderer.render_batch([packed], 8, "importance_sampling")
+    (expected,) = renderer.render_batch([PACKABLE], 8, "importance_sampling")
+    assert got == expected  # these floats are exact in float32
+
+
+@pytest.mark.parametrize(("packed", "field"), [
+    ({"model_input": "!!", "target_tokens": "AAAAAA=="}, "batch[0].packed.model_input"),
+    ({"model_input": "AAAA", "target_tokens": "AAAAAA=="}, "batch[0].packed.model_input"),  # 3 bytes
+    ({"model_input": "AQAAAA==", "target_tokens": "AQAAAAIAAAA="}, "batch[0].packed.target_tokens"),  # 1 vs 2
+    ({"model_input": "AQAAAA==", "target_tokens": "AAAAAA==", "mask": "AAAAAA=="}, "batch[0].packed.mask"),
+    ({"model_input": "////fw==", "target_tokens": "AAAAAA=="}, "batch[0].packed.model_input"),  # 2**31 - 1
+], ids=["base64", "width", "lengths", "unknown", "vocabulary"])
+def test_bad_packed_datums_name_their_field(renderer: Renderer, packed: dict[str, str], field: str) -> None:
+    with pytest.raises(BadInput) as caught:
+        renderer.render_batch([{"packed": packed}], 8, "cross_entropy")
+    assert caught.value.field == field
