@@ -8,7 +8,8 @@ One tick:
    `RESTORES_PER_TICK` per tick) and each forward_backward is rendered, so that it has a price;
 2. asks the scheduler for this tick's work, given those prices: at most one call per run, users in fair
    order, forward_backward rows bounded by `tick_tokens`;
-3. runs system calls (ping, runtime_state) and control calls (create_run, optim_step, save_state, …);
+3. runs system calls (ping, runtime_state, a forward on a base model alone) and control calls (create_run,
+   optim_step, save_state, forward, render_datums, …); a forward is its own pass with no autograd;
 4. runs every picked forward_backward on one base as **one** forward and backward pass, each row routed
    to its run's LoRA; losses, normalisers and gradients stay per run;
 5. fsyncs the journals of the calls it applied (one group fsync per tick), then answers;
@@ -39,11 +40,13 @@ from gpu_runtime.contract import (
     DeleteCheckpoint,
     DeleteRun,
     ExportCheckpoint,
+    Forward,
     ForwardBackward,
     LoadRun,
     LoadState,
     OptimStep,
     Ping,
+    RenderDatums,
     RunInfo,
     RuntimeOptions,
     RuntimeState,
@@ -68,7 +71,8 @@ from gpu_runtime.training_calls import FbPart, FbProgress, Training
 # Calls that write (journal, snapshot, checkpoint): refused at submit while the disk is below its margin.
 WRITING_CALLS = (CreateRun, ForwardBackward, OptimStep, SaveState)
 # Calls that need their run in memory before they can be priced and picked.
-ON_RESIDENT_RUN = (ForwardBackward, OptimStep, Sample, SaveState, RunInfo, LoadRun, LoadState)
+# A forward on a base model alone (run_id None) rides the system lane and needs no run.
+ON_RESIDENT_RUN = (ForwardBackward, Forward, RenderDatums, OptimStep, Sample, SaveState, RunInfo, LoadRun, LoadState)
 
 
 class Engine:
@@ -100,6 +104,8 @@ class Engine:
         self._handlers: dict[type[Call], Callable[[Any], dict[str, Any]]] = {
             CreateRun: lambda c: self.control.create_run(c).to_dict(),
             OptimStep: self._optim_step,
+            Forward: self._forward,
+            RenderDatums: lambda c: self.training.render_datums(self.recovery.state(c.run_id), c).to_dict(),
             SaveState: lambda c: self.control.save_state(self.recovery.state(c.run_id), c).to_dict(),
             RunInfo: lambda c: self.control.describe(self.recovery.state(c.run_id)).to_dict(),
             LoadRun: lambda c: self.control.describe(self.recovery.state(c.run_id)).to_dict(),
@@ -146,6 +152,8 @@ class Engine:
                 self._check_disk()
             run_id = call.run
             user = call.user_id if isinstance(call, CreateRun) else self.recovery.owner(run_id) if run_id else SYSTEM
+            if isinstance(call, Forward) and run_id is None:
+                user = call.user_id or SYSTEM
         except SignalError as exc:
             reply({"error": exc.to_dict()})
             return
@@ -191,9 +199,17 @@ class Engine:
                          quantization=quantization)
 
     def forward_backward(self, run_id: str, batch: list[dict[str, Any]], loss_fn: str = "cross_entropy",
-                         loss_fn_config: dict[str, Any] | None = None, request_id: str | None = None) -> dict[str, Any]:
+                         loss_fn_config: dict[str, Any] | None = None, request_id: str | None = None,
+                         reduction: str = "mean", return_outputs: bool = False) -> dict[str, Any]:
         return self.call("forward_backward", run_id=run_id, batch=batch, loss_fn=loss_fn,
-                         loss_fn_config=loss_fn_config, request_id=request_id)
+                         loss_fn_config=loss_fn_config, request_id=request_id, reduction=reduction,
+                         return_outputs=return_outputs)
+
+    def forward(self, batch: list[dict[str, Any]], run_id: str | None = None, **params: Any) -> dict[str, Any]:
+        return self.call("forward", batch=batch, run_id=run_id, **params)
+
+    def render_datums(self, run_id: str, batch: list[dict[str, Any]], loss_fn: str = "cross_entropy") -> dict[str, Any]:
+        return self.call("render_datums", run_id=run_id, batch=batch, loss_fn=loss_fn)
 
     def optim_step(self, run_id: str, adam: dict[str, Any] | None = None, request_id: str | None = None) -> dict[str, Any]:
         return self.call("optim_step", run_id=run_id, adam=adam, request_id=request_id)
@@ -277,7 +293,7 @@ class Engine:
         here are answered here, before the planner runs; a run past this tick's restores waits for the next."""
         for request in self.scheduler.heads():
             call = request.call
-            if request in self._prepared or not isinstance(call, ON_RESIDENT_RUN):
+            if request in self._prepared or not isinstance(call, ON_RESIDENT_RUN) or call.run is None:
                 continue
             if call.run_id not in self.runs:
                 if stats.restores >= RESTORES_PER_TICK:
@@ -304,7 +320,7 @@ class Engine:
         if isinstance(request.call, ForwardBackward):
             progress = self._prepared.get(request)
             return None if progress is None else max(progress.remaining_tokens, 1)
-        if isinstance(request.call, ON_RESIDENT_RUN) and request.run_id not in self.runs:
+        if isinstance(request.call, ON_RESIDENT_RUN) and request.run_id is not None and request.run_id not in self.runs:
             return None
         return 0
 
@@ -345,6 +361,11 @@ class Engine:
         if not result.replayed:
             self.recovery.snapshot_if_due(state)
         return result.to_dict()
+
+    def _forward(self, call: Forward) -> dict[str, Any]:
+        if call.run_id is not None:
+            self.recovery.state(call.run_id)  # resident (restored if it was evicted)
+        return self.training.forward(call).to_dict()
 
     def _run_pass(self, key: str, parts: list[FbPart], stats: TickStats) -> list[Answer]:
         """One co-batched pass; if it fails as a whole, its calls fail (with their gradients put back), no others."""

@@ -27,7 +27,7 @@ import torch
 from peft import LoraConfig
 from safetensors.torch import load_file, save_file
 
-from gpu_runtime.contract.settings import DEFAULT_NAME
+from gpu_runtime.contract.settings import DEFAULT_NAME, DEFAULT_REDUCTION
 from gpu_runtime.journal import Journal
 from gpu_runtime.multilora import LoraWeights, MultiLoraLinear
 from gpu_runtime.optimizer import restore_fused
@@ -56,16 +56,36 @@ def peft_name(path: str, matrix: str) -> str:
 class PendingGrads:
     """Gradients summed in .grad since the last optim_step: what they are divided by, and what they came from."""
 
-    normaliser: float = 0.0  # the sum the losses are normalised by (weighted target tokens, over every call)
+    normaliser: float = 0.0  # the sum a "mean" reduction divides by (|weights| or counted positions, every call)
     calls: int = 0  # forward_backward calls summed in
     tokens: int = 0  # their target tokens
     batches: list[dict[str, Any]] = field(default_factory=list)  # each call's hash and size, for the manifest
+    reduction: str | None = None  # the reduction every call since the last step used (None: no call yet)
 
-    def add(self, normaliser: float, tokens: int, batch: dict[str, Any]) -> None:
+    def add(self, normaliser: float, tokens: int, batch: dict[str, Any], reduction: str = DEFAULT_REDUCTION) -> None:
         self.normaliser += normaliser
         self.calls += 1
         self.tokens += tokens
         self.batches.append(batch)
+        self.reduction = reduction
+
+    @property
+    def divisor(self) -> float:
+        """What optim_step divides the summed gradients by: the normaliser ("mean"), or 1 ("sum"). A mean over no
+        counted position divides by 1: those gradients are all zero."""
+        if self.reduction == "sum" or not self.normaliser:
+            return 1.0
+        return self.normaliser
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"normaliser": self.normaliser, "calls": self.calls, "tokens": self.tokens, "batches": self.batches,
+                "reduction": self.reduction}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> PendingGrads:
+        # Snapshots from before reductions hold none: their calls were all "mean".
+        reduction = data.get("reduction", DEFAULT_REDUCTION if data["calls"] else None)
+        return cls(data["normaliser"], data["calls"], data["tokens"], data["batches"], reduction)
 
 
 @dataclass
@@ -212,8 +232,7 @@ class RunState:
                 save_file(grads, str(tmp / PENDING_FILE))
             write_json(tmp / SNAPSHOT_FILE, {
                 "format": SNAPSHOT_FORMAT, "step": self.step, "seq": self.seq, "pending_included": pending,
-                "pending": {"normaliser": self.pending.normaliser, "calls": self.pending.calls,
-                            "tokens": self.pending.tokens, "batches": self.pending.batches},
+                "pending": self.pending.to_dict(),
                 "answered": list(self.answered.items())[-256:], "created_at": time.time(),
             })
             _fsync_tree(tmp)
@@ -242,8 +261,7 @@ class RunState:
             grads = load_file(str(directory / PENDING_FILE), device=str(device))
             for name, param in self.named_parameters().items():
                 param.grad = grads[name].clone()
-        pending = meta["pending"]
-        self.pending = PendingGrads(pending["normaliser"], pending["calls"], pending["tokens"], pending["batches"])
+        self.pending = PendingGrads.from_dict(meta["pending"])
         self.answered = OrderedDict((k, v) for k, v in meta.get("answered", []))
         self.step, self.seq = meta["step"], meta["seq"]
         self.snapshot_step, self.snapshot_seq = self.step, self.seq

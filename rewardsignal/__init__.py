@@ -7,6 +7,7 @@
 """
 
 from rewardsignal.client import Artifact, AsyncRun, AsyncSignalClient, Run, SignalClient
+from rewardsignal.datums import pack_datum
 from rewardsignal.errors import (
     AuthenticationError,
     BadInputError,
@@ -54,4 +55,5 @@ __all__ = [
     "TransportError",
     "UnavailableError",
     "WorkerFailedError",
+    "pack_datum",
 ]

@@ -64,6 +64,24 @@ def _primitive(operation: str, variables: dict[str, Any], field: str) -> Call:
     return Call(operation, {**variables, "requestId": str(uuid.uuid4())}, field, retry=True)
 
 
+def _camel(name: str) -> str:
+    head, *rest = name.split("_")
+    return head + "".join(part.title() for part in rest)
+
+
+def _batch(batch: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Items as GraphQL's BatchItem: Tinker's datum keys (model_input, loss_fn_inputs.target_tokens, …) in camelCase;
+    Signal's own keys are single words already."""
+    def item(value: dict[str, Any]) -> dict[str, Any]:
+        out = {_camel(k): v for k, v in value.items()}
+        for nested in ("lossFnInputs", "packed"):
+            if isinstance(out.get(nested), dict):
+                out[nested] = {_camel(k): v for k, v in out[nested].items()}
+        return out
+
+    return [item(value) if isinstance(value, dict) else value for value in batch]
+
+
 def _drop_none(values: dict[str, Any]) -> dict[str, Any]:
     return {key: value for key, value in values.items() if value is not None}
 
@@ -132,6 +150,14 @@ class _ClientBase:
 
     def me(self) -> Any:
         return self._run(Call("Me", {}, "me"))
+
+    def forward(self, batch: list[dict[str, Any]], base_model: str, loss_fn: str | None = None,
+                loss_fn_config: dict[str, Any] | None = None) -> Any:
+        """The loss and per-position `logprobs` of `batch` on a base model alone (no run, no adapter): the
+        reference a DPO or KL term needs. `run.forward(...)` runs on a run's weights."""
+        variables = _drop_none({"batch": _batch(batch), "baseModel": base_model, "lossFn": loss_fn,
+                                "lossFnConfig": loss_fn_config})
+        return self._run(_primitive("Forward", variables, "forward"))
 
     def create_run(
         self, base_model: str | None = None, lora_r: int | None = None, lora_alpha: float | None = None,
@@ -348,11 +374,29 @@ class _RunBase:
         return int(self.info["step"])
 
     def forward_backward(self, batch: list[dict[str, Any]], loss_fn: str | None = None,
-                         loss_fn_config: dict[str, Any] | None = None) -> Any:
+                         loss_fn_config: dict[str, Any] | None = None, reduction: str | None = None,
+                         return_outputs: bool = False) -> Any:
         """Loss and gradients for `batch`; gradients add up until `optim_step`. Unset: the server's
-        default loss (cross_entropy)."""
-        variables = _drop_none({"runId": self.id, "batch": batch, "lossFn": loss_fn, "lossFnConfig": loss_fn_config})
+        default loss (cross_entropy) and reduction ("mean"; "sum" is Tinker's: one per step). With
+        `return_outputs`, the result's `outputs` holds each datum's per-position `logprobs` and
+        `elementwise_loss` (a retried call's answer has none)."""
+        variables = _drop_none({"runId": self.id, "batch": _batch(batch), "lossFn": loss_fn,
+                                "lossFnConfig": loss_fn_config, "reduction": reduction,
+                                "withOutputs": return_outputs or None})
         return self._client._run(_primitive("ForwardBackward", variables, "forwardBackward"))
+
+    def forward(self, batch: list[dict[str, Any]], loss_fn: str | None = None,
+                loss_fn_config: dict[str, Any] | None = None) -> Any:
+        """The loss and each datum's per-position `logprobs` on the run's current weights, with no backward:
+        no gradient, step or dropout counter changes."""
+        variables = _drop_none({"runId": self.id, "batch": _batch(batch), "lossFn": loss_fn,
+                                "lossFnConfig": loss_fn_config})
+        return self._client._run(_primitive("Forward", variables, "forward"))
+
+    def render_datums(self, batch: list[dict[str, Any]], loss_fn: str | None = None) -> Any:
+        """The token-level datums ({model_input, loss_fn_inputs}) the server builds for `batch` on this run's model."""
+        variables = _drop_none({"runId": self.id, "batch": _batch(batch), "lossFn": loss_fn})
+        return self._client._run(Call("RenderDatums", variables, "renderDatums"))
 
     def optim_step(self, learning_rate: float | None = None, beta1: float | None = None, beta2: float | None = None,
                    eps: float | None = None, weight_decay: float | None = None,

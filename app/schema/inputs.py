@@ -7,7 +7,7 @@ from typing import Any
 import strawberry
 
 from app.services.runs import RunSpec
-from gpu_runtime.contract import ADAM_DEFAULTS, LORA_DEFAULTS
+from gpu_runtime.contract import ADAM_DEFAULTS, DATUM_INPUTS, LORA_DEFAULTS
 
 
 @strawberry.input
@@ -57,6 +57,35 @@ class MessageInput:
     content: str
 
 
+@strawberry.input(description="A datum's per-position inputs, each as long as modelInput (Tinker's loss_fn_inputs)")
+class LossFnInputs:
+    target_tokens: list[int] = strawberry.field(description="Position i predicts targetTokens[i]: already shifted")
+    weights: list[float] | None = strawberry.field(default=None, description="Per-position weights (cross_entropy)")
+    advantages: list[float] | None = None
+    logprobs: list[float] | None = strawberry.field(default=None, description="The sampler's logprobs (RL losses)")
+    clip_low_threshold: list[float] | None = strawberry.field(
+        default=None, description="Per-position clip thresholds (ppo, cispo); win over lossFnConfig")
+    clip_high_threshold: list[float] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {name: value for name in DATUM_INPUTS if (value := getattr(self, name)) is not None}
+
+
+@strawberry.input(description="A datum with each list as one base64 string (little-endian int32 token ids, float32 "
+                  "values): for large batches, GraphQL coerces a string at once and a typed list element by element")
+class PackedDatum:
+    model_input: str
+    target_tokens: str
+    weights: str | None = None
+    advantages: str | None = None
+    logprobs: str | None = None
+    clip_low_threshold: str | None = None
+    clip_high_threshold: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {name: value for name in ("model_input", *DATUM_INPUTS) if (value := getattr(self, name)) is not None}
+
+
 @strawberry.input(description="One training example; set exactly one of the formats")
 class BatchItem:
     text: str | None = strawberry.field(default=None, description="Loss on every token")
@@ -68,6 +97,10 @@ class BatchItem:
     logprobs: list[float] | None = strawberry.field(
         default=None, description="The sampler's per-token logprobs (importance_sampling)")
     advantages: list[float] | None = strawberry.field(default=None, description="Per-token advantages (importance_sampling)")
+    model_input: list[int] | None = strawberry.field(
+        default=None, description="A datum's input token ids (N), with lossFnInputs: Tinker's token-level form")
+    loss_fn_inputs: LossFnInputs | None = None
+    packed: PackedDatum | None = strawberry.field(default=None, description="A datum in base64 (rewardsignal.pack_datum)")
 
     def to_dict(self) -> dict[str, Any]:
         item: dict[str, Any] = {}
@@ -77,6 +110,12 @@ class BatchItem:
                 item[key] = value
         if self.messages is not None:
             item["messages"] = [{"role": m.role, "content": m.content} for m in self.messages]
+        if self.model_input is not None:
+            item["model_input"] = self.model_input
+        if self.loss_fn_inputs is not None:
+            item["loss_fn_inputs"] = self.loss_fn_inputs.to_dict()
+        if self.packed is not None:
+            item["packed"] = self.packed.to_dict()
         return item
 
 

@@ -7,21 +7,23 @@ from typing import Annotated, Any, cast
 import strawberry
 from strawberry.scalars import JSON
 
-from app.schema.context import Info
+from app.schema.context import Info, selects
 from app.schema.inputs import AdamInput, BatchItem, CreateRunInput
 from app.schema.types import (
     ApiKey,
     Checkpoint,
     CreatedApiKey,
     ForwardBackwardResult,
+    ForwardResult,
     LoadStateResult,
     OptimStepResult,
     Run,
     SampleResult,
     SaveMode,
+    datum_outputs,
 )
 from app.services.runs import SampleParams
-from gpu_runtime.contract import DEFAULT_LOSS_FN, SAMPLE_DEFAULTS
+from gpu_runtime.contract import DEFAULT_LOSS_FN, DEFAULT_REDUCTION, SAMPLE_DEFAULTS
 
 # An idempotency key: a retry that carries the id of a call already applied gets that call's answer again.
 RequestId = Annotated[str | None, strawberry.argument(
@@ -39,16 +41,36 @@ class Mutation:
     async def forward_backward(
         self, info: Info, run_id: strawberry.ID, batch: list[BatchItem], loss_fn: str = DEFAULT_LOSS_FN,
         loss_fn_config: JSON | None = None, request_id: RequestId = None,
+        reduction: Annotated[str, strawberry.argument(
+            description='"mean" (normalised over every call before optimStep) or "sum" (raw, as Tinker); one per '
+                        'step')] = DEFAULT_REDUCTION,
     ) -> ForwardBackwardResult:
         user = await info.context.user()
-        # JSON is NewType("JSON", object); the runtime checks the value is an object (gpu_runtime.losses.get_loss).
+        # JSON is NewType("JSON", object); the runtime checks the value is an object (contract.loss_settings).
         config = cast("dict[str, Any] | None", loss_fn_config)
         result = await info.context.services.runs.forward_backward(
             user, str(run_id), [item.to_dict() for item in batch], loss_fn=loss_fn, loss_fn_config=config,
-            request_id=request_id,
+            request_id=request_id, reduction=reduction, return_outputs=selects(info, "outputs"),
         )
         return ForwardBackwardResult(loss=result["loss"], num_tokens=result["num_tokens"],
-                                     num_examples=result["num_examples"], step=result["step"])
+                                     num_examples=result["num_examples"], step=result["step"],
+                                     reduction=result.get("reduction", DEFAULT_REDUCTION),
+                                     outputs=datum_outputs(result.get("outputs")))
+
+    @strawberry.mutation(description="The loss and per-position logprobs of a batch, with no backward: nothing "
+                         "changes. On a run's current weights (runId), or a base model alone (baseModel)")
+    async def forward(
+        self, info: Info, batch: list[BatchItem], run_id: strawberry.ID | None = None, base_model: str | None = None,
+        loss_fn: str = DEFAULT_LOSS_FN, loss_fn_config: JSON | None = None, request_id: RequestId = None,
+    ) -> ForwardResult:
+        user = await info.context.user()
+        config = cast("dict[str, Any] | None", loss_fn_config)
+        result = await info.context.services.runs.forward(
+            user, [item.to_dict() for item in batch], run_id=str(run_id) if run_id is not None else None,
+            base_model=base_model, loss_fn=loss_fn, loss_fn_config=config, request_id=request_id)
+        return ForwardResult(loss=result["loss"], loss_sum=result["loss_sum"], num_tokens=result["num_tokens"],
+                             num_examples=result["num_examples"], step=result.get("step"),
+                             outputs=datum_outputs(result["outputs"]) or [])
 
     @strawberry.mutation(description="Apply the accumulated gradients with AdamW")
     async def optim_step(self, info: Info, run_id: strawberry.ID, adam: AdamInput | None = None,

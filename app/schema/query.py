@@ -6,7 +6,9 @@ import strawberry
 from strawberry.scalars import JSON
 
 from app.schema.context import Info
-from app.schema.types import ApiKey, ModelInfo, Run, TokenizerInfo, User
+from app.schema.inputs import BatchItem
+from app.schema.types import ApiKey, Datum, ModelInfo, Run, TokenizerInfo, User
+from gpu_runtime.contract import DEFAULT_LOSS_FN
 
 
 @strawberry.type
@@ -42,6 +44,14 @@ class Query:
     async def runtime(self, info: Info) -> JSON:
         user = await info.context.user()
         return JSON(await info.context.services.runs.runtime_state(user))
+
+    @strawberry.field(description="The datums (token level) the server builds for a batch of items on a run's model")
+    async def render_datums(self, info: Info, run_id: strawberry.ID, batch: list[BatchItem],
+                            loss_fn: str = DEFAULT_LOSS_FN) -> list[Datum]:
+        user = await info.context.user()
+        result = await info.context.services.runs.render_datums(user, str(run_id), [item.to_dict() for item in batch],
+                                                                loss_fn=loss_fn)
+        return [Datum.from_dict(datum) for datum in result["datums"]]
 
     @strawberry.field
     async def api_keys(self, info: Info) -> list[ApiKey]:

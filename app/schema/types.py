@@ -211,12 +211,57 @@ class Run:
         )
 
 
+@strawberry.type(description="One datum's per-position values, each as long as its modelInput")
+class DatumOutput:
+    logprobs: list[float] = strawberry.field(description="log p(targetTokens[i]) under the weights that ran, at T=1")
+    elementwise_loss: list[float]
+
+
+def datum_outputs(outputs: list[dict[str, Any]] | None) -> list[DatumOutput] | None:
+    if outputs is None:
+        return None
+    return [DatumOutput(logprobs=o["logprobs"], elementwise_loss=o["elementwise_loss"]) for o in outputs]
+
+
 @strawberry.type
 class ForwardBackwardResult:
-    loss: float
+    loss: float = strawberry.field(description='reduction "mean": the loss per counted position; "sum": the raw sum')
     num_tokens: int
     num_examples: int
     step: int
+    reduction: str
+    outputs: list[DatumOutput] | None = strawberry.field(
+        default=None, description="Per datum, per position; computed only when selected. A retried call's answer has none")
+
+
+@strawberry.type
+class ForwardResult:
+    loss: float = strawberry.field(description="The loss per counted position (a mean)")
+    loss_sum: float
+    num_tokens: int
+    num_examples: int
+    step: int | None = strawberry.field(description="The run's step whose weights ran; null for a base model")
+    outputs: list[DatumOutput]
+
+
+@strawberry.type(description="A datum's per-position inputs, as the server renders them")
+class DatumInputs:
+    target_tokens: list[int]
+    weights: list[float] | None = None
+    advantages: list[float] | None = None
+    logprobs: list[float] | None = None
+    clip_low_threshold: list[float] | None = None
+    clip_high_threshold: list[float] | None = None
+
+
+@strawberry.type(description="A datum at token level (Tinker's shape): position i predicts targetTokens[i]")
+class Datum:
+    model_input: list[int]
+    loss_fn_inputs: DatumInputs
+
+    @classmethod
+    def from_dict(cls, datum: dict[str, Any]) -> Datum:
+        return cls(model_input=list(datum["model_input"]), loss_fn_inputs=DatumInputs(**datum["loss_fn_inputs"]))
 
 
 @strawberry.type

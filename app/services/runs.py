@@ -247,21 +247,58 @@ class RunService:
 
     async def forward_backward(
         self, user: User, run_id: str, batch: builtins.list[dict[str, Any]], loss_fn: str = "cross_entropy",
-        loss_fn_config: dict[str, Any] | None = None, request_id: str | None = None,
+        loss_fn_config: dict[str, Any] | None = None, request_id: str | None = None, reduction: str = "mean",
+        return_outputs: bool = False,
     ) -> dict[str, Any]:
+        """Loss and gradients of a batch. `reduction` is the step's (one per step: another is FAILED_PRECONDITION);
+        `return_outputs` asks for per-datum, per-position logprobs and losses (a retried call's answer has none)."""
         def arguments(run: Run) -> dict[str, Any]:
             if not isinstance(batch, list) or not batch:
                 raise BadInput("batch must be a non-empty list of examples", field="batch")
-            return {"batch": batch, "loss_fn": loss_fn, "loss_fn_config": loss_fn_config}
+            return {"batch": batch, "loss_fn": loss_fn, "loss_fn_config": loss_fn_config, "reduction": reduction,
+                    "return_outputs": return_outputs}
 
         async def record(run: Run, result: dict[str, Any]) -> dict[str, Any]:
             if not result.get("replayed"):  # a retry of a call already applied and recorded: record nothing twice
+                # Metric names carry their reduction (Tinker's name:reduction): loss:mean, loss:sum.
                 await self._record(run.id, result["step"], {
-                    "loss": result["loss"], "num_tokens": result["num_tokens"], "num_examples": result["num_examples"],
+                    loss_metric(result.get("reduction", reduction)): result["loss"],
+                    "num_tokens": result["num_tokens"], "num_examples": result["num_examples"],
                 })
             return result
 
         return await self._apply(user, run_id, "forward_backward", request_id, arguments, record)
+
+    async def forward(self, user: User, batch: builtins.list[dict[str, Any]], run_id: str | None = None,
+                      base_model: str | None = None, loss_fn: str = "cross_entropy",
+                      loss_fn_config: dict[str, Any] | None = None, request_id: str | None = None) -> dict[str, Any]:
+        """Losses and per-position logprobs with no backward, changing nothing: on the caller's run's current weights
+        (`run_id`, in the run's order), or on a catalogue base model alone (`base_model`, no run, nothing recorded)."""
+        params = {"batch": batch, "loss_fn": loss_fn, "loss_fn_config": loss_fn_config}
+        if run_id is not None:
+            if base_model is not None:
+                raise BadInput("forward takes runId or baseModel, not both", field="baseModel")
+
+            async def record(run: Run, result: dict[str, Any]) -> dict[str, Any]:
+                return result  # nothing changed, so nothing to record beyond the compute seconds
+
+            return await self._apply(user, run_id, "forward", request_id, lambda run: params, record)
+        if not base_model:
+            raise BadInput("forward needs runId or baseModel", field="baseModel")
+        model = self.catalog.get(base_model)
+        arguments = {**params, "run_id": None, "base_model": model.source, "user_id": user.id, "request_id": request_id}
+        with _fields_renamed(lambda field: field):
+            parse_call("forward", arguments)
+        pool = pool_key(model.name, self.catalog.resolve_gpu(model, None, None), None)
+        return await self._engine("forward", pool=pool, **arguments)
+
+    async def render_datums(self, user: User, run_id: str, batch: builtins.list[dict[str, Any]],
+                            loss_fn: str = "cross_entropy") -> dict[str, Any]:
+        """The datums the runtime would build for `batch` on the run's model; nothing is applied or billed."""
+        run = await self.get(user, run_id)
+        with _fields_renamed(lambda field: field):
+            parse_call("render_datums", {"run_id": run.id, "batch": batch, "loss_fn": loss_fn})
+        return await self._on_run(run, "render_datums", batch=batch, loss_fn=loss_fn)
 
     async def optim_step(self, user: User, run_id: str, adam: dict[str, Any] | None = None,
                          request_id: str | None = None) -> dict[str, Any]:
@@ -516,6 +553,11 @@ class RunService:
 
 def _decode_archive(result: dict[str, Any]) -> bytes:
     return base64.b64decode(result["archive_b64"])
+
+
+def loss_metric(reduction: str) -> str:
+    """The metric a forward_backward's loss is recorded as: `loss:mean` or `loss:sum` (Tinker's name:reduction)."""
+    return f"loss:{reduction}"
 
 
 def pool_of(run: Run) -> str:

@@ -15,6 +15,7 @@ from typing import Any, ClassVar, TypeVar
 from gpu_runtime.contract.settings import (
     CHECKPOINT_KINDS,
     DEFAULT_LOSS_FN,
+    DEFAULT_REDUCTION,
     SAMPLE_DEFAULTS,
     SAVE_MODES,
     SamplingSettings,
@@ -25,6 +26,7 @@ from gpu_runtime.contract.settings import (
     check_request_id,
     checkpoint_ref,
     lora_settings,
+    loss_settings,
     sampling_prompts,
     sampling_settings,
 )
@@ -38,6 +40,8 @@ CONTRACT_VERSION = 3
 class Method(enum.StrEnum):
     CREATE_RUN = "create_run"
     FORWARD_BACKWARD = "forward_backward"
+    FORWARD = "forward"
+    RENDER_DATUMS = "render_datums"
     OPTIM_STEP = "optim_step"
     SAMPLE = "sample"
     SAVE_STATE = "save_state"
@@ -124,20 +128,71 @@ class CreateRun(RunCall):
                 raise BadInput("lora must be an object", field="lora")
 
 
+def _check_batch(batch: Any) -> None:
+    if not isinstance(batch, list) or not batch:
+        raise BadInput("batch must be a non-empty list of examples", field="batch")
+    check_batch_text(batch)
+
+
 @dataclass(frozen=True, kw_only=True)
 class ForwardBackward(RunCall):
     method = Method.FORWARD_BACKWARD
     batch: list[dict[str, Any]]
     loss_fn: str = DEFAULT_LOSS_FN
     loss_fn_config: dict[str, Any] | None = None
+    reduction: str = DEFAULT_REDUCTION  # every call between two optim_steps uses the same one
+    return_outputs: bool = False  # per-datum, per-position logprobs and elementwise_loss in the result
     request_id: str | None = None
 
     def validate(self) -> None:
         super().validate()
         check_request_id(self.request_id)
-        if not isinstance(self.batch, list) or not self.batch:
-            raise BadInput("batch must be a non-empty list of examples", field="batch")
-        check_batch_text(self.batch)
+        _check_batch(self.batch)
+        loss_settings(self.loss_fn, self.loss_fn_config, self.reduction)
+        if not isinstance(self.return_outputs, bool):
+            raise BadInput("return_outputs must be a boolean", field="return_outputs")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Forward(Call):
+    """The loss and per-position logprobs of a batch, with no backward: nothing of the run changes (no gradient,
+    no dropout, no counter). Its weights: `run_id`'s current ones, or with run_id None the base model alone."""
+
+    method = Method.FORWARD
+    batch: list[dict[str, Any]]
+    run_id: str | None = None
+    base_model: str | None = None  # with run_id None: the base to run (rows reach no adapter)
+    user_id: str | None = None  # with run_id None: whose call it is
+    loss_fn: str = DEFAULT_LOSS_FN
+    loss_fn_config: dict[str, Any] | None = None
+    request_id: str | None = None
+
+    def validate(self) -> None:
+        check_request_id(self.request_id)
+        if self.run_id is not None:
+            check_id(self.run_id, "run_id")
+            if self.base_model is not None:
+                raise BadInput("forward takes run_id or base_model, not both", field="base_model")
+        else:
+            if not isinstance(self.base_model, str) or not self.base_model:
+                raise BadInput("forward needs run_id, or base_model with user_id", field="base_model")
+            check_id(self.user_id, "user_id")
+        _check_batch(self.batch)
+        loss_settings(self.loss_fn, self.loss_fn_config)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RenderDatums(RunCall):
+    """The datums the runtime would build for a batch of Signal items (renderDatums), changing nothing."""
+
+    method = Method.RENDER_DATUMS
+    batch: list[dict[str, Any]]
+    loss_fn: str = DEFAULT_LOSS_FN
+
+    def validate(self) -> None:
+        super().validate()
+        _check_batch(self.batch)
+        loss_settings(self.loss_fn, None)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -321,8 +376,8 @@ class RuntimeState(Call):
 
 
 CALLS: dict[Method, type[Call]] = {cls.method: cls for cls in (
-    CreateRun, ForwardBackward, OptimStep, Sample, SaveState, LoadRun, RunInfo, CloseRun, DeleteRun, ExportCheckpoint,
-    LoadState, DeleteCheckpoint, Ping, RuntimeState, Tokenizer)}
+    CreateRun, ForwardBackward, Forward, RenderDatums, OptimStep, Sample, SaveState, LoadRun, RunInfo, CloseRun,
+    DeleteRun, ExportCheckpoint, LoadState, DeleteCheckpoint, Ping, RuntimeState, Tokenizer)}
 SYSTEM_CALLS = (Ping, RuntimeState, Tokenizer)  # calls on no run: answered first, at the next tick
 
 

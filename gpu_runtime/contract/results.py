@@ -11,14 +11,15 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, TypeVar
 
 R = TypeVar("R", bound="Result")
-OMITTED_UNLESS_SET = ("replayed", "hub", "pending_excluded", "prompt_logprobs", "topk_prompt_logprobs")
+OMITTED_UNLESS_SET = ("replayed", "hub", "pending_excluded", "prompt_logprobs", "topk_prompt_logprobs", "outputs")
 
 
 @dataclass(frozen=True, kw_only=True)
 class Result:
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
-        for name in OMITTED_UNLESS_SET:  # a first answer carries no `replayed`; a save with no upload no `hub`
+        # A first answer carries no `replayed`; a save with no upload no `hub`; a call that asked for none no `outputs`.
+        for name in OMITTED_UNLESS_SET:
             if not data.get(name, True):
                 del data[name]
         return data
@@ -34,12 +35,41 @@ class Result:
 
 @dataclass(frozen=True, kw_only=True)
 class ForwardBackwardResult(Result):
-    loss: float  # the call's loss sum over its normaliser (its mean per weighted target token)
+    loss: float  # "mean": the call's loss sum over its normaliser; "sum": the raw sum
     num_tokens: int  # target tokens with weight
     num_examples: int
     step: int  # optim_steps applied before this call
     compute_seconds: float = 0.0
+    reduction: str = "mean"
+    # return_outputs: per datum {logprobs, elementwise_loss}, each of the datum's length. Never journaled, never kept
+    # for retries: a replayed answer has none.
+    outputs: list[dict[str, list[float]]] | None = None
     replayed: bool = False
+
+    def replay(self) -> ForwardBackwardResult:
+        return replace(self, replayed=True, outputs=None)
+
+    def kept(self) -> ForwardBackwardResult:
+        """What the journal and the retry cache hold: no per-position outputs."""
+        return replace(self, outputs=None)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ForwardResult(Result):
+    """forward: the batch's loss (its mean per counted position, as a "mean" reduction) and per-datum outputs."""
+
+    loss: float
+    loss_sum: float
+    num_tokens: int
+    num_examples: int
+    step: int | None  # the run's step whose weights ran; None for a base model
+    outputs: list[dict[str, list[float]]]  # per datum {logprobs, elementwise_loss}
+    compute_seconds: float = 0.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class RenderDatumsResult(Result):
+    datums: list[dict[str, Any]]  # Tinker's datum shape: {model_input, loss_fn_inputs: {target_tokens, weights, …}}
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -224,8 +224,56 @@ def _switches(lora: dict[str, Any]) -> dict[str, bool] | None:
 # or token level. Token items take per-token logprobs and advantages for the RL losses.
 TEXT_KEYS = ({"text"}, {"input", "output"}, {"input"}, {"output"}, {"messages"})
 TOKEN_KEYS = {"tokens", "weights", "logprobs", "advantages"}
-ITEM_KEYS = {"text", "input", "output", "messages"} | TOKEN_KEYS
+# Tinker's datum: {model_input: [ids], loss_fn_inputs: {target_tokens, weights, …}}, every list N = len(model_input).
+DATUM_KEYS = {"model_input", "loss_fn_inputs"}
+DATUM_INPUTS = ("target_tokens", "weights", "advantages", "logprobs", "clip_low_threshold", "clip_high_threshold")
+# The packed datum: {"packed": {"model_input": b64, "target_tokens": b64, "weights": b64, …}}, each list as base64 of
+# little-endian int32 (token ids) or float32 (the rest). One string per list: GraphQL coerces a typed list element by
+# element (about 0.9 µs each), a string at once.
+PACKED_KEY = "packed"
+PACKED_TOKENS = ("model_input", "target_tokens")
+ITEM_KEYS = {"text", "input", "output", "messages", PACKED_KEY} | TOKEN_KEYS | DATUM_KEYS
+
+# ---- losses (docs/LOSSES.md has the formulas) ------------------------------------------------------
+
 DEFAULT_LOSS_FN = "cross_entropy"
+# Each loss's loss_fn_config keys and their defaults; per-token loss_fn_inputs of the same name win over these.
+LOSS_CONFIG_DEFAULTS: dict[str, dict[str, float]] = {
+    "cross_entropy": {},
+    "importance_sampling": {},
+    "ppo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
+    "cispo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
+    "dro": {"beta": 0.05},  # the quadratic penalty's weight on (logp - sampling logp)^2
+}
+RL_LOSSES = ("importance_sampling", "ppo", "cispo", "dro")  # take the sampler's logprobs and advantages
+REDUCTIONS = ("mean", "sum")  # mean: normalised over every call before optim_step; sum: raw, as Tinker
+DEFAULT_REDUCTION = "mean"
+
+
+def loss_settings(loss_fn: Any, config: Any, reduction: Any = DEFAULT_REDUCTION) -> dict[str, float]:
+    """The loss's config, its defaults filled in; refuses unknown losses, keys, values and reductions."""
+    if loss_fn not in LOSS_CONFIG_DEFAULTS:
+        raise BadInput(f"unknown loss_fn {loss_fn!r}; available: {sorted(LOSS_CONFIG_DEFAULTS)}", field="loss_fn")
+    if reduction not in REDUCTIONS:
+        raise BadInput(f"reduction must be one of {list(REDUCTIONS)}, got {reduction!r}", field="reduction")
+    if config is not None and not isinstance(config, dict):
+        raise BadInput("loss_fn_config must be an object or null", field="loss_fn_config")
+    defaults = LOSS_CONFIG_DEFAULTS[loss_fn]
+    unknown = sorted(set(config or {}) - set(defaults))
+    if unknown:
+        takes = f"takes {sorted(defaults)}" if defaults else "takes no loss_fn_config"
+        raise BadInput(f"{loss_fn} {takes}, got key {unknown[0]!r}", field="loss_fn_config")
+    settings = dict(defaults)
+    for key, value in (config or {}).items():
+        if not _is_number(value):
+            raise BadInput(f"loss_fn_config.{key} must be a finite number, got {value!r}", field=f"loss_fn_config.{key}")
+        settings[key] = float(value)
+    if "beta" in settings and settings["beta"] < 0:
+        raise BadInput("loss_fn_config.beta must be >= 0", field="loss_fn_config.beta")
+    if "clip_low_threshold" in settings and not 0 <= settings["clip_low_threshold"] <= settings["clip_high_threshold"]:
+        raise BadInput("loss_fn_config needs 0 <= clip_low_threshold <= clip_high_threshold",
+                       field="loss_fn_config.clip_low_threshold")
+    return settings
 
 # ---- sampling ----------------------------------------------------------------------------------
 

@@ -21,9 +21,11 @@ SDL = schema._schema  # graphql-core's schema, which strawberry builds
 NOT_ARGUMENTS: dict[str, str] = {
     "user_id": "the caller's key decides it",
     "run_id": "runId",  # present, camel-cased: checked below
+    "return_outputs": "the resolver sets it when the client selects forwardBackward's `outputs`",
 }
 MUTATIONS: list[tuple[str, type[contract.Call]]] = [
     ("forwardBackward", contract.ForwardBackward),
+    ("forward", contract.Forward),
     ("optimStep", contract.OptimStep),
     ("sample", contract.Sample),
     ("saveState", contract.SaveState),
@@ -45,6 +47,7 @@ NOT_SHOWN: dict[str, str] = {
 }
 RESULTS: list[tuple[str, type[contract.Result]]] = [
     ("ForwardBackwardResult", contract.ForwardBackwardResult),
+    ("ForwardResult", contract.ForwardResult),
     ("OptimStepResult", contract.OptimStepResult),
     ("SampleResult", contract.SampleResult),
     ("LoadStateResult", contract.LoadStateResult),
@@ -80,7 +83,7 @@ def test_each_result_type_shows_the_contracts_fields(type_name: str, result: typ
 def test_a_batch_item_takes_exactly_the_contracts_keys() -> None:
     item = SDL.get_type("BatchItem")
     assert isinstance(item, GraphQLInputObjectType)
-    assert set(item.fields) == contract.ITEM_KEYS
+    assert set(item.fields) == {to_camel_case(key) for key in contract.ITEM_KEYS}  # modelInput: model_input
 
 
 def _variable_defaults() -> list[tuple[str, str, str, Any]]:

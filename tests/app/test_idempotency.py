@@ -28,7 +28,7 @@ MUTATIONS: dict[str, str] = {
 
 # What each mutation records, read back through the API: it must not change when the call is retried.
 RECORDED: dict[str, Callable[[Any], Any]] = {
-    "forwardBackward": lambda run: (run.refresh().step, len(run.metrics(name="loss"))),
+    "forwardBackward": lambda run: (run.refresh().step, len(run.metrics(name="loss:mean"))),
     "optimStep": lambda run: (run.refresh().step, len(run.metrics(name="grad_norm"))),
     "sample": lambda run: len(run.samples()),
     "saveState": lambda run: len(run.checkpoints()),

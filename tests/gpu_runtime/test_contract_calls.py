@@ -18,6 +18,8 @@ from gpu_runtime.runtime_client import RuntimeClient
 EXAMPLES: dict[Method, dict[str, Any]] = {
     Method.CREATE_RUN: {"run_id": "r1", "user_id": "u1", "base_model": "m", "lora": {"r": 4}, "seed": 3},
     Method.FORWARD_BACKWARD: {"run_id": "r1", "batch": [{"text": "hi"}], "request_id": "a"},
+    Method.FORWARD: {"base_model": "m", "user_id": "u1", "batch": [{"text": "hi"}], "loss_fn": "cross_entropy"},
+    Method.RENDER_DATUMS: {"run_id": "r1", "batch": [{"text": "hi"}]},
     Method.OPTIM_STEP: {"run_id": "r1", "adam": {"learning_rate": 0.01}},
     Method.SAMPLE: {"run_id": "r1", "prompts": ["hi"], "max_tokens": 3, "stop": ["x"]},
     Method.SAVE_STATE: {"run_id": "r1", "mode": "state"},

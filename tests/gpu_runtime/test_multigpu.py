@@ -63,7 +63,7 @@ def test_each_rank_holds_half_the_base_and_processes_its_own_rows(sharded: Engin
     assert [r["base_bytes"][tiny_model_dir] for r in ranks] == [params * 4 // 2] * 2
     assert ranks[0]["lora_bytes"] == ranks[1]["lora_bytes"] > 0  # LoRA replicated on both
     # Each rank's (first row, end row, tokens), as each rank reported them: rows 0-1 on rank 0, 2-3 on rank 1.
-    tokens = [len(e.tokens) for e in sharded.residency.bases[tiny_model_dir].renderer.render_batch(BATCH, 64, "cross_entropy")]
+    tokens = [e.cost for e in sharded.residency.bases[tiny_model_dir].renderer.render_batch(BATCH, 64, "cross_entropy")]
     assert sharded.ranks.last_pass == [(0, 2, sum(tokens[:2])), (2, 4, sum(tokens[2:]))]
 
 
@@ -110,6 +110,22 @@ def test_prompt_logprobs_and_repeated_prefill_on_a_sharded_base_are_one_process_
         torch.testing.assert_close(torch.tensor(ours[1:]), torch.tensor(theirs[1:]), rtol=1e-5, atol=1e-5)
     assert [[None if p is None else [t for t, _ in p] for p in row] for row in got["topk_prompt_logprobs"]] == \
         [[None if p is None else [t for t, _ in p] for p in row] for row in expected["topk_prompt_logprobs"]]
+
+
+def test_outputs_and_forward_gather_every_ranks_rows_in_order(sharded: Engine, single: Engine,
+                                                              tiny_model_dir: str) -> None:
+    create([sharded, single], "outputs", tiny_model_dir, seed=4)
+    got = sharded.forward_backward("outputs", BATCH, return_outputs=True)
+    expected = single.forward_backward("outputs", BATCH, return_outputs=True)
+    assert len(got["outputs"]) == len(BATCH)  # rows 0-1 from rank 0, 2-3 from rank 1
+    for mine, theirs in zip(got["outputs"], expected["outputs"]):
+        assert mine["logprobs"] == pytest.approx(theirs["logprobs"], rel=1e-5, abs=1e-6)
+    before = grads(sharded, "outputs")
+    got_forward, expected_forward = sharded.forward(BATCH, run_id="outputs"), single.forward(BATCH, run_id="outputs")
+    for mine, theirs in zip(got_forward["outputs"], expected_forward["outputs"]):
+        assert mine["elementwise_loss"] == pytest.approx(theirs["elementwise_loss"], rel=1e-5, abs=1e-6)
+    assert_same_grads(grads(sharded, "outputs"), before)  # the forward kept no gradient
+    assert sharded.runs["outputs"].pending.calls == 1
 
 
 def test_two_runs_share_the_sharded_pool_in_one_tick(sharded: Engine, single: Engine, tiny_model_dir: str) -> None:
