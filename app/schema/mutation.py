@@ -19,12 +19,18 @@ from app.schema.types import (
     SampleResult,
     SaveMode,
 )
+from app.services.call_order import Numbered
 from app.services.runs import SampleParams
 from gpu_runtime.contract import DEFAULT_LOSS_FN, SAMPLE_DEFAULTS
 
 # An idempotency key: a retry that carries the id of a call already applied gets that call's answer again.
 RequestId = Annotated[str | None, strawberry.argument(
     description="Idempotency key (the SDK sends a UUID): a retry with the same id is not applied twice")]
+# The SDK's numbering of a run's calls (docs/ORDERING.md): given both, the call applies after its session's seq - 1.
+Seq = Annotated[int | None, strawberry.argument(
+    description="This call's number in its session's order on the run (1, 2, ...): it applies after seq - 1")]
+Session = Annotated[str | None, strawberry.argument(
+    description="The client session that numbers its calls with seq (the SDK sends one id per client)")]
 
 
 @strawberry.type
@@ -37,24 +43,24 @@ class Mutation:
     @strawberry.mutation(description="Compute the loss and accumulate gradients for a batch")
     async def forward_backward(
         self, info: Info, run_id: strawberry.ID, batch: list[BatchItem], loss_fn: str = DEFAULT_LOSS_FN,
-        loss_fn_config: JSON | None = None, request_id: RequestId = None,
+        loss_fn_config: JSON | None = None, request_id: RequestId = None, seq: Seq = None, session: Session = None,
     ) -> ForwardBackwardResult:
         user = await info.context.user()
         # JSON is NewType("JSON", object); the runtime checks the value is an object (gpu_runtime.losses.get_loss).
         config = cast("dict[str, Any] | None", loss_fn_config)
         result = await info.context.services.runs.forward_backward(
             user, str(run_id), [item.to_dict() for item in batch], loss_fn=loss_fn, loss_fn_config=config,
-            request_id=request_id,
+            request_id=request_id, order=Numbered.of(seq, session),
         )
         return ForwardBackwardResult(loss=result["loss"], num_tokens=result["num_tokens"],
                                      num_examples=result["num_examples"], step=result["step"])
 
     @strawberry.mutation(description="Apply the accumulated gradients with AdamW")
     async def optim_step(self, info: Info, run_id: strawberry.ID, adam: AdamInput | None = None,
-                         request_id: RequestId = None) -> OptimStepResult:
+                         request_id: RequestId = None, seq: Seq = None, session: Session = None) -> OptimStepResult:
         user = await info.context.user()
         result = await info.context.services.runs.optim_step(user, str(run_id), adam.to_dict() if adam else None,
-                                                             request_id=request_id)
+                                                             request_id=request_id, order=Numbered.of(seq, session))
         return OptimStepResult(step=result["step"], grad_norm=result["grad_norm"],
                                learning_rate=result["learning_rate"])
 
@@ -64,12 +70,13 @@ class Mutation:
         temperature: float = SAMPLE_DEFAULTS["temperature"], top_p: float = SAMPLE_DEFAULTS["top_p"],
         top_k: int = SAMPLE_DEFAULTS["top_k"], stop: list[str] | None = None,
         num_samples: int = SAMPLE_DEFAULTS["num_samples"],
-        seed: int | None = None, request_id: RequestId = None,
+        seed: int | None = None, request_id: RequestId = None, seq: Seq = None, session: Session = None,
     ) -> SampleResult:
         user = await info.context.user()
         params = SampleParams(prompts=prompts, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                               top_k=top_k, stop=stop, num_samples=num_samples, seed=seed)
-        result = await info.context.services.runs.sample(user, str(run_id), params, request_id=request_id)
+        result = await info.context.services.runs.sample(user, str(run_id), params, request_id=request_id,
+                                                         order=Numbered.of(seq, session))
         return SampleResult.from_result(result)
 
     @strawberry.mutation(description="Export the adapter, a merged model, or the full training state")
@@ -78,10 +85,12 @@ class Mutation:
         hub_model_id: str | None = None, request_id: RequestId = None,
         hf_token: Annotated[str | None, strawberry.argument(
             description="Hugging Face token for pushToHub; used for this upload only, never stored")] = None,
+        seq: Seq = None, session: Session = None,
     ) -> Checkpoint:
         user = await info.context.user()
         checkpoint = await info.context.services.runs.save_state(
-            user, str(run_id), mode.value, push_to_hub, hub_model_id, request_id=request_id, hf_token=hf_token
+            user, str(run_id), mode.value, push_to_hub, hub_model_id, request_id=request_id, hf_token=hf_token,
+            order=Numbered.of(seq, session),
         )
         return Checkpoint.from_row(checkpoint)
 

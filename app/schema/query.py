@@ -6,7 +6,7 @@ import strawberry
 from strawberry.scalars import JSON
 
 from app.schema.context import Info
-from app.schema.types import ApiKey, ModelInfo, Run, User
+from app.schema.types import ApiKey, Limits, ModelInfo, Run, User
 
 
 @strawberry.type
@@ -14,6 +14,10 @@ class Query:
     @strawberry.field(description="Base models runs may be created on")
     def models(self, info: Info) -> list[ModelInfo]:
         return [ModelInfo.from_catalog(model) for model in info.context.services.catalog.list()]
+
+    @strawberry.field(description="What this server accepts in one call (the SDK splits larger batches)")
+    def limits(self, info: Info) -> Limits:
+        return Limits(max_batch_size=info.context.services.settings.max_batch_size)
 
     @strawberry.field
     async def me(self, info: Info) -> User:

@@ -26,6 +26,7 @@ from app.catalog import Catalog
 from app.db import Database
 from app.errors import BadInput, RunNotFound
 from app.events import MetricFeed
+from app.services.call_order import CallOrder, Numbered
 from app.services.ledger import Ledger
 from app.services.users import require_admin
 from app.tables import Checkpoint, Metric, Run, Sample, User, could_be_id, new_id, utcnow
@@ -110,6 +111,8 @@ class RunService:
         # Still needed beside tickets: a restarted runtime knows no ticket (its journal keeps none) and takes the first
         # it gets as the run's start, and results are recorded in the order calls finish. One call per run per process.
         self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+        # The SDK's numbers (seq, session): a numbered call joins its run's lock queue after its predecessor.
+        self.order = CallOrder()
 
     # ---- reading -------------------------------------------------------------------------
 
@@ -180,7 +183,7 @@ class RunService:
 
     async def forward_backward(
         self, user: User, run_id: str, batch: builtins.list[dict[str, Any]], loss_fn: str = "cross_entropy",
-        loss_fn_config: dict[str, Any] | None = None, request_id: str | None = None,
+        loss_fn_config: dict[str, Any] | None = None, request_id: str | None = None, order: Numbered | None = None,
     ) -> dict[str, Any]:
         def arguments(run: Run) -> dict[str, Any]:
             if not isinstance(batch, list) or not batch:
@@ -194,10 +197,10 @@ class RunService:
                 })
             return result
 
-        return await self._apply(user, run_id, "forward_backward", request_id, arguments, record)
+        return await self._apply(user, run_id, "forward_backward", request_id, arguments, record, order=order)
 
     async def optim_step(self, user: User, run_id: str, adam: dict[str, Any] | None = None,
-                         request_id: str | None = None) -> dict[str, Any]:
+                         request_id: str | None = None, order: Numbered | None = None) -> dict[str, Any]:
         def arguments(run: Run) -> dict[str, Any]:
             overrides = {key: value for key, value in (adam or {}).items() if value is not None}
             return {"adam": {**ADAM_DEFAULTS, **run.optimizer_config, **overrides}}
@@ -215,10 +218,10 @@ class RunService:
             })
             return result
 
-        return await self._apply(user, run_id, "optim_step", request_id, arguments, record)
+        return await self._apply(user, run_id, "optim_step", request_id, arguments, record, order=order)
 
     async def sample(self, user: User, run_id: str, params: SampleParams,
-                     request_id: str | None = None) -> dict[str, Any]:
+                     request_id: str | None = None, order: Numbered | None = None) -> dict[str, Any]:
         stored_params = {k: v for k, v in params.engine_params().items() if k != "prompts"}
 
         async def record(run: Run, result: dict[str, Any]) -> dict[str, Any]:
@@ -231,11 +234,12 @@ class RunService:
                                            output=sequence["text"], params=stored_params))
             return result
 
-        return await self._apply(user, run_id, "sample", request_id, lambda run: params.engine_params(), record)
+        return await self._apply(user, run_id, "sample", request_id, lambda run: params.engine_params(), record,
+                                 order=order)
 
     async def save_state(self, user: User, run_id: str, mode: str = "adapter", push_to_hub: bool = False,
                          hub_model_id: str | None = None, request_id: str | None = None,
-                         hf_token: str | None = None) -> Checkpoint:
+                         hf_token: str | None = None, order: Numbered | None = None) -> Checkpoint:
         """Export the run; with push_to_hub, the runtime also uploads it (private) with the user's `hf_token`,
         which travels as this one call's argument and is stored nowhere. With billing on and no `hf_token`, the
         token is the user's Hugging Face integration, fetched from the billing service now (docs/BILLING.md)."""
@@ -272,7 +276,7 @@ class RunService:
                 checkpoint.hub_url = result.get("hub", {}).get("url") or checkpoint.hub_url
             return checkpoint
 
-        return await self._apply(user, run_id, "save_state", request_id, arguments, record, allowed=hub)
+        return await self._apply(user, run_id, "save_state", request_id, arguments, record, allowed=hub, order=order)
 
     async def delete(self, user: User, run_id: str) -> None:
         run = await self.get(user, run_id)
@@ -289,6 +293,7 @@ class RunService:
 
         await self._serialised(run.id, work)
         self._locks.pop(run.id, None)
+        self.order.forget(run.id)
 
     # ---- the runtime ---------------------------------------------------------------------
 
@@ -302,10 +307,11 @@ class RunService:
 
     async def _apply(self, user: User, run_id: str, operation: str, request_id: str | None,
                      arguments: Callable[[Run], dict[str, Any]], record: Callable[[Run, dict[str, Any]], Awaitable[T]],
-                     allowed: Callable[[], Awaitable[dict[str, Any]]] | None = None) -> T:
+                     allowed: Callable[[], Awaitable[dict[str, Any]]] | None = None, order: Numbered | None = None) -> T:
         """A primitive on the caller's run: its `arguments` checked (before anyone is asked about credits), the call
         allowed by the ledger, then in the run's order the runtime call, its compute seconds accounted once, and
-        its result recorded by `record`. `allowed` adds arguments that only a call allowed to run may fetch."""
+        its result recorded by `record`. `allowed` adds arguments that only a call allowed to run may fetch.
+        `order`: the SDK's number for the call, which puts it in the run's order after its session's previous one."""
         run = await self.get(user, run_id)
         params = arguments(run)
         with _fields_renamed(lambda field: field):  # the contract's checks, here before the call leaves, and again there
@@ -320,7 +326,7 @@ class RunService:
             await self.ledger.account(run, operation, request_id, result)
             return await record(run, result)
 
-        return await self._serialised(run.id, work)
+        return await self._serialised(run.id, work, order)
 
     async def _on_run(self, run: Run, method: str, **params: Any) -> dict[str, Any]:
         """A runtime call on a run the database holds. The runtime answering that it has no such run means its
@@ -344,11 +350,15 @@ class RunService:
             raise RunNotFound(f"run {run_id!r} not found", field="runId")
         return int(ticket)
 
-    async def _serialised(self, run_id: str, work: Callable[[], Awaitable[T]]) -> T:
+    async def _serialised(self, run_id: str, work: Callable[[], Awaitable[T]], order: Numbered | None = None) -> T:
         """Run `work` under the run's lock (FIFO: arrival order), to the end even if the caller goes away:
-        a call the worker has taken is always recorded."""
+        a call the worker has taken is always recorded. A numbered call (`order`) joins the lock's queue only
+        after its session's previous number has (call_order.py), with no await in between: arrival order, and so
+        the tickets taken under the lock, follow the client's numbers."""
 
         async def locked() -> T:
+            if order is not None:
+                await self.order.admit(run_id, order)
             async with self._locks[run_id]:
                 return await work()
 
