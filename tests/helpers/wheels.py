@@ -31,7 +31,9 @@ def fresh_venv(root: Path, wheels: list[Path]) -> tuple[Path, Path]:
     """A venv without system site packages holding `wheels` only; returns (its python, its site-packages)."""
     venv.create(root, with_pip=True)
     python = root / "bin" / "python"
-    subprocess.run([str(python), "-m", "pip", "install", "--no-deps", "--no-index", "-q", *map(str, wheels)],
+    # Isolated (-I: no PYTHONPATH): the checkout on the path carries the egg-info a wheel build leaves there, and
+    # pip would take that for this project installed already.
+    subprocess.run([str(python), "-I", "-m", "pip", "install", "--no-deps", "--no-index", "-q", *map(str, wheels)],
                    check=True, capture_output=True, timeout=300)
     purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                              check=True, capture_output=True, text=True).stdout.strip()
