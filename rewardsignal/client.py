@@ -7,9 +7,9 @@ The four training primitives carry a fresh `requestId` each. When the connection
 answers WORKER_FAILED, the client sends the same call again, with the same id, a few times: the server
 applies a call once per id and answers a retry with the first attempt's result.
 
-Pipelining: each primitive on a run is numbered when it is made (`seq` 1, 2, ... per client and run, with the
-client's `session` id), and the server applies a session's calls on a run in that order whatever order they
-arrive in (docs/ORDERING.md). So `Run.forward_backward_async(...)` and `Run.optim_step_async()` (futures), or
+Pipelining: each primitive on a run is numbered when it is made (`seq` 1, 2, ... with a `session` id per client,
+run and pipeline), and the server applies a session's calls on a run in that order whatever order they arrive in
+(docs/ORDERING.md). So `Run.forward_backward_async(...)` and `Run.optim_step_async()` (futures), or
 two AsyncRun calls gathered, can be in flight together and still apply as written. A batch over the server's
 `limits.maxBatchSize` is sent as consecutive calls and answered as one result.
 """
@@ -56,6 +56,18 @@ DEFAULT_MAX_IN_FLIGHT = 32  # the sync client's threads for pipelined calls (its
 # Answers that hand out runs: the async client learns the server's limits with them, so that an AsyncRun's
 # calls are numbered (and a large batch split) when they are made, without a request of their own first.
 _RUN_OPERATIONS = {"CreateRun", "GetRun", "ListRuns"}
+# A sample or forward on a snapshot or checkpoint is ordered after the call that made its source and nothing else
+# (issue 15 §4): it never joins its run's queue, so it takes no number there (a number nobody admits is a gap).
+_OFF_THE_QUEUE = {"Sample", "Forward"}
+
+
+@dataclass
+class _Pipeline:
+    """A run's calls from one client that overlap in time: one `session`, numbered 1, 2, ..."""
+
+    session: str
+    seq: int = 0
+    unanswered: int = 0
 
 
 @dataclass
@@ -85,9 +97,9 @@ class _ClientBase:
         self.url = f"{self.base_url}/graphql"
         self.max_attempts = max(1, max_attempts)
         self.retry_backoff = retry_backoff
-        # The ordering of this client's calls on each run (docs/ORDERING.md): its session, the last number given.
-        self.session = uuid.uuid4().hex
-        self._seqs: dict[str, int] = {}
+        # The ordering of this client's calls on each run (docs/ORDERING.md): per run, the session of the pipeline
+        # now going (calls in flight), its last number, and how many of its calls are unanswered.
+        self._pipelines: dict[str, _Pipeline] = {}
         self._seq_lock = threading.Lock()  # the sync client's futures number calls from any thread
         self._limits: Limits | None = None  # the server's, once asked (`limits`)
 
@@ -95,11 +107,29 @@ class _ClientBase:
         """Give a primitive on a run its place in this client's order on that run, now, as it is made: a retry
         sends the same Call (same requestId, same seq)."""
         run_id = call.variables.get("runId")
+        if call.operation in _OFF_THE_QUEUE and any(call.variables.get(name) for name in ("snapshot", "checkpoint")):
+            return call  # reads frozen weights: not queued on the run, so not in its order (docs/ORDERING.md)
         if call.retry and run_id is not None and "seq" not in call.variables:
             with self._seq_lock:
-                seq = self._seqs[run_id] = self._seqs.get(run_id, 0) + 1
-            call.variables.update(seq=seq, session=self.session)
+                pipeline = self._pipelines.get(run_id)
+                if pipeline is None or not pipeline.unanswered:
+                    # Nothing in flight: no earlier call to wait for, so a new session, from 1. A server process
+                    # that never saw this run's earlier calls (another worker, a restart) has nothing to wait on.
+                    pipeline = self._pipelines[run_id] = _Pipeline(uuid.uuid4().hex)
+                pipeline.seq += 1
+                pipeline.unanswered += 1
+            call.variables.update(seq=pipeline.seq, session=pipeline.session)
         return call
+
+    def _answered(self, call: Call) -> None:
+        """A numbered call is done (answered, or failed for good): its pipeline has one call fewer in flight."""
+        session = call.variables.get("session")
+        if session is None:
+            return
+        with self._seq_lock:
+            pipeline = self._pipelines.get(call.variables["runId"])
+            if pipeline is not None and pipeline.session == session:
+                pipeline.unanswered -= 1
 
     def _split(self, batch: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
         """`batch` in parts of at most the server's max_batch_size (known: `_max_batch_size`), in order."""
@@ -258,6 +288,12 @@ class SignalClient(_ClientBase):
         return super()._max_batch_size()
 
     def _send(self, call: Call) -> Any:
+        try:
+            return self._attempts(call)
+        finally:
+            self._answered(call)
+
+    def _attempts(self, call: Call) -> Any:
         attempt = 1
         while True:
             try:
@@ -316,6 +352,12 @@ class AsyncSignalClient(_ClientBase):
         return together()
 
     async def _send(self, call: Call) -> Any:
+        try:
+            return await self._attempts(call)
+        finally:
+            self._answered(call)
+
+    async def _attempts(self, call: Call) -> Any:
         attempt = 1
         while True:
             try:

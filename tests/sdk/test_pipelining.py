@@ -38,15 +38,16 @@ def small_key(small_server: LiveServer) -> str:
 
 class Waits(logging.Handler):
     """The server's ordering log (signal.ordering, this process: the live server runs in a thread): `seen` is set
-    when call `seq` of `session` is held on the server, waiting for its predecessor."""
+    when call `seq` on `run_id` is held on the server, waiting for its predecessor."""
 
-    def __init__(self, session: str, seq: int, seen: threading.Event, events: list[str]) -> None:
+    def __init__(self, run_id: str, seq: int, seen: threading.Event, events: list[str]) -> None:
         super().__init__(logging.INFO)
-        self.wanted = f"call {seq} of session {session} waits for call {seq - 1}"
+        self.prefix, self.suffix = f"run {run_id}: call {seq} of session ", f" waits for call {seq - 1}"
         self.seen, self.events = seen, events
 
     def emit(self, record: logging.LogRecord) -> None:
-        if record.getMessage().endswith(self.wanted):
+        message = record.getMessage()
+        if message.startswith(self.prefix) and message.endswith(self.suffix):
             self.events.append("optim_step held on the server")
             self.seen.set()
 
@@ -88,10 +89,10 @@ def test_an_optim_step_sent_before_its_forward_backward_applies_after_it(
     reached = threading.Event()
     transport = HoldBack(reached, events)
     client = SignalClient(api_key=small_key, base_url=small_server.url, transport=transport)
-    waits = Waits(client.session, 2, reached, events)
+    run = client.create_run(lora_r=4, seed=7)
+    waits = Waits(run.id, 2, reached, events)
     ordering_log.addHandler(waits)
     try:
-        run = client.create_run(lora_r=4, seed=7)
         batch = BATCH[:SMALL_BATCH]
         backward = run.forward_backward_async(batch=batch)  # held in the transport until the optim_step waits
         step = run.optim_step_async(learning_rate=0.05)
@@ -149,12 +150,25 @@ def test_a_batch_over_max_batch_size_is_split_and_equals_the_unsplit_one(
     parts = [v for op, v in transport.sent if op == "ForwardBackward"]
     assert [len(v["batch"]) for v in parts] == [2, 2, 1]
     assert [v["seq"] for v in parts] == [1, 2, 3] and len({v["session"] for v in parts}) == 1
-    assert [v["seq"] for op, v in transport.sent if op == "OptimStep"] == [4]
+    # Made once the parts were answered: nothing in flight, so a pipeline of its own (nothing to wait for).
+    (step_variables,) = [v for op, v in transport.sent if op == "OptimStep"]
+    assert step_variables["seq"] == 1 and step_variables["session"] != parts[0]["session"]
     assert split.loss == pytest.approx(whole.loss, abs=1e-6)
     assert (split.num_tokens, split.num_examples, split.step) == (whole.num_tokens, whole.num_examples, 0)
     assert split.num_examples == len(BATCH)
     # `mean` normalises over every call before the optim_step: the split batch's step is the whole one's.
     assert split_step.grad_norm == pytest.approx(whole_step.grad_norm, rel=1e-5)
+
+
+def test_calls_made_one_after_another_each_start_a_pipeline(small_server: LiveServer, small_key: str) -> None:
+    """So a server of several worker processes, each seeing some of them, never waits for a number it cannot see."""
+    transport = Recording()
+    run = SignalClient(api_key=small_key, base_url=small_server.url, transport=transport).create_run(lora_r=4)
+    run.forward_backward(batch=BATCH[:1])
+    run.optim_step()
+    run.sample(prompts=["a"], max_tokens=2)
+    numbered = [(v["seq"], v["session"]) for op, v in transport.sent if "seq" in v]
+    assert [seq for seq, _ in numbered] == [1, 1, 1] and len({session for _, session in numbered}) == 3
 
 
 def _numbered(server: LiveServer, key: str, run_id: str, seq: int | None, session: str | None) -> dict:
