@@ -103,15 +103,19 @@ class _ClientBase:
         self._seq_lock = threading.Lock()  # the sync client's futures number calls from any thread
         self._limits: Limits | None = None  # the server's, once asked (`limits`)
 
-    def _number(self, call: Call) -> Call:
+    def _number(self, call: Call, pipelined: bool = True) -> Call:
         """Give a primitive on a run its place in this client's order on that run, now, as it is made: a retry
-        sends the same Call (same requestId, same seq)."""
+        sends the same Call (same requestId, same seq). A blocking call (`pipelined=False`: the sync client's
+        plain methods) is numbered only behind pipelined calls still in flight on the run: blocking calls made
+        at once from several threads have no order of their own to keep."""
         run_id = call.variables.get("runId")
         if call.operation in _OFF_THE_QUEUE and any(call.variables.get(name) for name in ("snapshot", "checkpoint")):
             return call  # reads frozen weights: not queued on the run, so not in its order (docs/ORDERING.md)
         if call.retry and run_id is not None and "seq" not in call.variables:
             with self._seq_lock:
                 pipeline = self._pipelines.get(run_id)
+                if not pipelined and (pipeline is None or not pipeline.unanswered):
+                    return call
                 if pipeline is None or not pipeline.unanswered:
                     # Nothing in flight: no earlier call to wait for, so a new session, from 1. A server process
                     # that never saw this run's earlier calls (another worker, a restart) has nothing to wait on.
@@ -251,14 +255,17 @@ class SignalClient(_ClientBase):
         self._pipelining = threading.local()  # set while a `*_async` method makes its calls: they become futures
 
     def _run(self, call: Call) -> Any:
-        self._number(call)
-        if getattr(self._pipelining, "on", False):
+        pipelined = getattr(self._pipelining, "on", False)
+        self._number(call, pipelined)
+        if pipelined:
             return self._pool().submit(self._send, call)
         return self._send(call)
 
     def _run_all(self, calls: list[Call], combine: Callable[[list[Any]], Any]) -> Any:
+        # A split batch's parts go together, so they are numbered (pipelined) whenever there is more than one.
+        pipelined = getattr(self._pipelining, "on", False) or len(calls) > 1
         for call in calls:
-            self._number(call)
+            self._number(call, pipelined)
         if len(calls) == 1 and not getattr(self._pipelining, "on", False):
             return combine([self._send(calls[0])])
         # The parts go together, so a later call (numbered after them) never waits on the server for a part

@@ -150,9 +150,9 @@ def test_a_batch_over_max_batch_size_is_split_and_equals_the_unsplit_one(
     parts = [v for op, v in transport.sent if op == "ForwardBackward"]
     assert [len(v["batch"]) for v in parts] == [2, 2, 1]
     assert [v["seq"] for v in parts] == [1, 2, 3] and len({v["session"] for v in parts}) == 1
-    # Made once the parts were answered: nothing in flight, so a pipeline of its own (nothing to wait for).
+    # A blocking call made once the parts were answered: nothing in flight to come after, so no number.
     (step_variables,) = [v for op, v in transport.sent if op == "OptimStep"]
-    assert step_variables["seq"] == 1 and step_variables["session"] != parts[0]["session"]
+    assert "seq" not in step_variables and "session" not in step_variables
     assert split.loss == pytest.approx(whole.loss, abs=1e-6)
     assert (split.num_tokens, split.num_examples, split.step) == (whole.num_tokens, whole.num_examples, 0)
     assert split.num_examples == len(BATCH)
@@ -160,15 +160,20 @@ def test_a_batch_over_max_batch_size_is_split_and_equals_the_unsplit_one(
     assert split_step.grad_norm == pytest.approx(whole_step.grad_norm, rel=1e-5)
 
 
-def test_calls_made_one_after_another_each_start_a_pipeline(small_server: LiveServer, small_key: str) -> None:
-    """So a server of several worker processes, each seeing some of them, never waits for a number it cannot see."""
+def test_blocking_calls_carry_no_number_and_each_pipeline_starts_at_one(small_server: LiveServer,
+                                                                        small_key: str) -> None:
+    """So a server of several worker processes, each seeing some of the calls, never waits for a number it cannot
+    see: blocking calls go unnumbered, and a pipeline made with nothing in flight starts a session of its own."""
     transport = Recording()
     run = SignalClient(api_key=small_key, base_url=small_server.url, transport=transport).create_run(lora_r=4)
     run.forward_backward(batch=BATCH[:1])
     run.optim_step()
-    run.sample(prompts=["a"], max_tokens=2)
-    numbered = [(v["seq"], v["session"]) for op, v in transport.sent if "seq" in v]
-    assert [seq for seq, _ in numbered] == [1, 1, 1] and len({session for _, session in numbered}) == 3
+    assert run.sample_async(prompts=["a"], max_tokens=2).result(timeout=300).outputs[0][0] is not None
+    assert run.forward_backward_async(batch=BATCH[:1]).result(timeout=300).step == 1
+    sent = [(op, v.get("seq"), v.get("session")) for op, v in transport.sent if op not in ("CreateRun", "Limits")]
+    assert [(op, seq) for op, seq, _ in sent] == [("ForwardBackward", None), ("OptimStep", None), ("Sample", 1),
+                                                  ("ForwardBackward", 1)]
+    assert sent[2][2] != sent[3][2]  # the sample was answered first: a new pipeline
 
 
 def _numbered(server: LiveServer, key: str, run_id: str, seq: int | None, session: str | None) -> dict:
