@@ -26,6 +26,7 @@ import uuid
 from collections.abc import Callable, Coroutine
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 from typing import IO, Any
 from urllib.parse import urljoin, urlsplit, urlunsplit
@@ -84,6 +85,13 @@ def _primitive(operation: str, variables: dict[str, Any], field: str) -> Call:
     return Call(operation, {**variables, "requestId": str(uuid.uuid4())}, field, retry=True)
 
 
+@cache
+def _takes_seq(operation: str) -> bool:
+    """Whether the operation's document passes `$seq` on: a number the server never sees would be a gap that the
+    calls after it wait on."""
+    return "$seq" in document(operation)
+
+
 def _drop_none(values: dict[str, Any]) -> dict[str, Any]:
     return {key: value for key, value in values.items() if value is not None}
 
@@ -111,7 +119,7 @@ class _ClientBase:
         run_id = call.variables.get("runId")
         if call.operation in _OFF_THE_QUEUE and any(call.variables.get(name) for name in ("snapshot", "checkpoint")):
             return call  # reads frozen weights: not queued on the run, so not in its order (docs/ORDERING.md)
-        if call.retry and run_id is not None and "seq" not in call.variables:
+        if call.retry and run_id is not None and "seq" not in call.variables and _takes_seq(call.operation):
             with self._seq_lock:
                 pipeline = self._pipelines.get(run_id)
                 if not pipelined and (pipeline is None or not pipeline.unanswered):
