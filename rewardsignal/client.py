@@ -6,18 +6,28 @@ the sync client runs it at once, the async client returns an awaitable that does
 The four training primitives carry a fresh `requestId` each. When the connection drops or the server
 answers WORKER_FAILED, the client sends the same call again, with the same id, a few times: the server
 applies a call once per id and answers a retry with the first attempt's result.
+
+Pipelining: each primitive on a run is numbered when it is made (`seq` 1, 2, ... with a `session` id per client,
+run and pipeline), and the server applies a session's calls on a run in that order whatever order they arrive in
+(docs/ORDERING.md). So `Run.forward_backward_async(...)` and `Run.optim_step_async()` (futures), or
+two AsyncRun calls gathered, can be in flight together and still apply as written. A batch over the server's
+`limits.maxBatchSize` is sent as consecutive calls and answered as one result.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import tarfile
 import tempfile
+import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 from typing import IO, Any
 from urllib.parse import urljoin, urlsplit, urlunsplit
@@ -38,7 +48,7 @@ from rewardsignal.errors import (
     error_from_graphql,
 )
 from rewardsignal.operations import document
-from rewardsignal.results import Result, convert
+from rewardsignal.results import TYPED, CheckpointResult, Limits, Result, combine_forward_backward, convert
 
 DEFAULT_BASE_URL = "http://localhost:8000"
 DEFAULT_TIMEOUT = 600.0  # a forward_backward on a large model can take minutes
@@ -48,6 +58,22 @@ UNAVAILABLE_BUDGET_S = 60.0  # an UNAVAILABLE (locked database) or too-many-call
 MAX_RETRY_DELAY_S = 8.0
 # The connection dropped, or never came up: the call may or may not have reached the server.
 RETRYABLE_TRANSPORT_ERRORS = (httpx.NetworkError, httpx.TimeoutException, httpx.RemoteProtocolError)
+DEFAULT_MAX_IN_FLIGHT = 32  # the sync client's threads for pipelined calls (its futures); more queue, in order
+# Answers that hand out runs: the async client learns the server's limits with them, so that an AsyncRun's
+# calls are numbered (and a large batch split) when they are made, without a request of their own first.
+_RUN_OPERATIONS = {"CreateRun", "GetRun", "ListRuns"}
+# A sample or forward on a snapshot or checkpoint is ordered after the call that made its source and nothing else
+# (issue 15 §4): it never joins its run's queue, so it takes no number there (a number nobody admits is a gap).
+_OFF_THE_QUEUE = {"Sample", "Forward"}
+
+
+@dataclass
+class _Pipeline:
+    """A run's calls from one client that overlap in time: one `session`, numbered 1, 2, ..."""
+
+    session: str
+    seq: int = 0
+    unanswered: int = 0
 
 
 @dataclass
@@ -82,6 +108,13 @@ def _batch(batch: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [item(value) if isinstance(value, dict) else value for value in batch]
 
 
+@cache
+def _takes_seq(operation: str) -> bool:
+    """Whether the operation's document passes `$seq` on: a number the server never sees would be a gap that the
+    calls after it wait on."""
+    return "$seq" in document(operation)
+
+
 def _drop_none(values: dict[str, Any]) -> dict[str, Any]:
     return {key: value for key, value in values.items() if value is not None}
 
@@ -95,6 +128,53 @@ class _ClientBase:
         self.url = f"{self.base_url}/graphql"
         self.max_attempts = max(1, max_attempts)
         self.retry_backoff = retry_backoff
+        # The ordering of this client's calls on each run (docs/ORDERING.md): per run, the session of the pipeline
+        # now going (calls in flight), its last number, and how many of its calls are unanswered.
+        self._pipelines: dict[str, _Pipeline] = {}
+        self._seq_lock = threading.Lock()  # the sync client's futures number calls from any thread
+        self._limits: Limits | None = None  # the server's, once asked (`limits`)
+
+    def _number(self, call: Call, pipelined: bool = True) -> Call:
+        """Give a primitive on a run its place in this client's order on that run, now, as it is made: a retry
+        sends the same Call (same requestId, same seq). A blocking call (`pipelined=False`: the sync client's
+        plain methods) is numbered only behind pipelined calls still in flight on the run: blocking calls made
+        at once from several threads have no order of their own to keep."""
+        run_id = call.variables.get("runId")
+        if call.operation in _OFF_THE_QUEUE and any(call.variables.get(name) for name in ("snapshot", "checkpoint")):
+            return call  # reads frozen weights: not queued on the run, so not in its order (docs/ORDERING.md)
+        if call.retry and run_id is not None and "seq" not in call.variables and _takes_seq(call.operation):
+            with self._seq_lock:
+                pipeline = self._pipelines.get(run_id)
+                if not pipelined and (pipeline is None or not pipeline.unanswered):
+                    return call
+                if pipeline is None or not pipeline.unanswered:
+                    # Nothing in flight: no earlier call to wait for, so a new session, from 1. A server process
+                    # that never saw this run's earlier calls (another worker, a restart) has nothing to wait on.
+                    pipeline = self._pipelines[run_id] = _Pipeline(uuid.uuid4().hex)
+                pipeline.seq += 1
+                pipeline.unanswered += 1
+            call.variables.update(seq=pipeline.seq, session=pipeline.session)
+        return call
+
+    def _answered(self, call: Call) -> None:
+        """A numbered call is done (answered, or failed for good): its pipeline has one call fewer in flight."""
+        session = call.variables.get("session")
+        if session is None:
+            return
+        with self._seq_lock:
+            pipeline = self._pipelines.get(call.variables["runId"])
+            if pipeline is not None and pipeline.session == session:
+                pipeline.unanswered -= 1
+
+    def _split(self, batch: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+        """`batch` in parts of at most the server's max_batch_size (known: `_max_batch_size`), in order."""
+        most = self._max_batch_size()
+        if not most or not isinstance(batch, list) or len(batch) <= most:
+            return [batch]
+        return [batch[start:start + most] for start in range(0, len(batch), most)]
+
+    def _max_batch_size(self) -> int | None:
+        return self._limits["max_batch_size"] if self._limits else None
 
     def _retry_delay(self, call: Call, attempt: int, error: Exception) -> float | None:
         """Seconds to wait before sending `call` again (same request id) after `error` on try `attempt`; None: give
@@ -137,7 +217,7 @@ class _ClientBase:
             raise error_from_graphql(body["errors"][0])
         if response.status_code >= 400 or not isinstance(body.get("data"), dict):
             raise ServerError(f"server answered HTTP {response.status_code}")
-        value = convert(body["data"][call.field])
+        value = convert(body["data"][call.field], TYPED.get(call.field, Result))
         return call.wrap(value) if call.wrap else value
 
     # ---- the calls ----------------------------------------------------------------------
@@ -223,6 +303,10 @@ class _ClientBase:
     def _run(self, call: Call) -> Any:  # pragma: no cover - each transport defines it
         raise NotImplementedError
 
+    def _run_all(self, calls: list[Call], combine: Callable[[list[Any]], Any]) -> Any:  # pragma: no cover - likewise
+        """Consecutive calls (a split batch), numbered now, answered as `combine` of their answers."""
+        raise NotImplementedError
+
     def _download(self, url: str, directory: str | os.PathLike[str]) -> Any:  # pragma: no cover - likewise
         raise NotImplementedError
 
@@ -233,8 +317,56 @@ class SignalClient(_ClientBase):
                  retry_backoff: float = DEFAULT_RETRY_BACKOFF) -> None:
         super().__init__(api_key, base_url, max_attempts, retry_backoff)
         self._http = httpx.Client(timeout=timeout, transport=transport)
+        self._executor: ThreadPoolExecutor | None = None  # made at the first pipelined call
+        self._pipelining = threading.local()  # set while a `*_async` method makes its calls: they become futures
 
     def _run(self, call: Call) -> Any:
+        pipelined = getattr(self._pipelining, "on", False)
+        self._number(call, pipelined)
+        if pipelined:
+            return self._pool().submit(self._send, call)
+        return self._send(call)
+
+    def _run_all(self, calls: list[Call], combine: Callable[[list[Any]], Any]) -> Any:
+        # A split batch's parts go together, so they are numbered (pipelined) whenever there is more than one.
+        pipelined = getattr(self._pipelining, "on", False) or len(calls) > 1
+        for call in calls:
+            self._number(call, pipelined)
+        if len(calls) == 1 and not getattr(self._pipelining, "on", False):
+            return combine([self._send(calls[0])])
+        # The parts go together, so a later call (numbered after them) never waits on the server for a part
+        # that this client has not sent yet.
+        gathered = _gathered([self._pool().submit(self._send, call) for call in calls], combine)
+        return gathered if getattr(self._pipelining, "on", False) else gathered.result()
+
+    def _pipelined(self, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Future[Any]:
+        """`method` (a Run primitive) made now, numbered now, sent from a thread: its future."""
+        self._pipelining.on = True
+        try:
+            future = method(*args, **kwargs)
+        finally:
+            self._pipelining.on = False
+        assert isinstance(future, Future), f"{method.__name__} is not a pipelined call"
+        return future
+
+    def _pool(self) -> ThreadPoolExecutor:
+        with self._seq_lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(DEFAULT_MAX_IN_FLIGHT, thread_name_prefix="rewardsignal")
+            return self._executor
+
+    def _max_batch_size(self) -> int | None:
+        if self._limits is None:  # asked once, at the first batch
+            self._limits = self._send(Call("Limits", {}, "limits"))
+        return super()._max_batch_size()
+
+    def _send(self, call: Call) -> Any:
+        try:
+            return self._attempts(call)
+        finally:
+            self._answered(call)
+
+    def _attempts(self, call: Call) -> Any:
         attempt = 1
         while True:
             try:
@@ -261,6 +393,8 @@ class SignalClient(_ClientBase):
             return _unpack(archive, directory)
 
     def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)  # pipelined calls still in flight finish first
         self._http.close()
 
     def __enter__(self) -> SignalClient:
@@ -277,12 +411,34 @@ class AsyncSignalClient(_ClientBase):
         super().__init__(api_key, base_url, max_attempts, retry_backoff)
         self._http = httpx.AsyncClient(timeout=timeout, transport=transport)
 
-    async def _run(self, call: Call) -> Any:
+    def _run(self, call: Call) -> Coroutine[Any, Any, Any]:
+        """The call, numbered now (when the method is called, not when it is awaited): its awaitable."""
+        return self._send(self._number(call))
+
+    def _run_all(self, calls: list[Call], combine: Callable[[list[Any]], Any]) -> Coroutine[Any, Any, Any]:
+        for call in calls:
+            self._number(call)
+
+        async def together() -> Any:
+            return combine(list(await asyncio.gather(*(self._send(call) for call in calls))))
+
+        return together()
+
+    async def _send(self, call: Call) -> Any:
+        try:
+            return await self._attempts(call)
+        finally:
+            self._answered(call)
+
+    async def _attempts(self, call: Call) -> Any:
         attempt = 1
         while True:
             try:
                 response = await self._http.post(self.url, json=self._payload(call), headers=self._headers())
-                return self._answer(call, response)
+                answer = self._answer(call, response)
+                if call.operation in _RUN_OPERATIONS and self._limits is None:
+                    self._limits = await self._send(Call("Limits", {}, "limits"))
+                return answer
             except (httpx.HTTPError, WorkerFailedError) as error:
                 delay = self._retry_delay(call, attempt, error)
                 if delay is None:
@@ -315,7 +471,7 @@ class AsyncSignalClient(_ClientBase):
         await self.close()
 
 
-class Artifact(Result):
+class Artifact(CheckpointResult):
     """A checkpoint (what save_state and checkpoints() return): its fields, and `download(dir)`, which fetches
     its files from the server as an archive and unpacks them into `dir` (awaitable on the async client)."""
 
@@ -325,6 +481,28 @@ class Artifact(Result):
 
     def download(self, directory: str | os.PathLike[str]) -> Any:
         return self._client._download(self["download_url"], directory)
+
+
+def _gathered(parts: list[Future[Any]], combine: Callable[[list[Any]], Any]) -> Future[Any]:
+    """One future for `parts`: `combine` of their results once all are done, or the first part's error."""
+    out: Future[Any] = Future()
+    out.set_running_or_notify_cancel()
+    left = [len(parts)]
+    lock = threading.Lock()
+
+    def done(_: Future[Any]) -> None:
+        with lock:
+            left[0] -= 1
+            if left[0]:
+                return
+        try:
+            out.set_result(combine([part.result() for part in parts]))
+        except BaseException as error:  # noqa: BLE001 - handed to the caller through the future, as a part's own would be
+            out.set_exception(error)
+
+    for part in parts:
+        part.add_done_callback(done)
+    return out
 
 
 def _check_download(response: httpx.Response, url: str) -> None:
@@ -379,11 +557,13 @@ class _RunBase:
         """Loss and gradients for `batch`; gradients add up until `optim_step`. Unset: the server's
         default loss (cross_entropy) and reduction ("mean"; "sum" is Tinker's: one per step). With
         `return_outputs`, the result's `outputs` holds each datum's per-position `logprobs` and
-        `elementwise_loss` (a retried call's answer has none)."""
-        variables = _drop_none({"runId": self.id, "batch": _batch(batch), "lossFn": loss_fn,
-                                "lossFnConfig": loss_fn_config, "reduction": reduction,
-                                "withOutputs": return_outputs or None})
-        return self._client._run(_primitive("ForwardBackward", variables, "forwardBackward"))
+        `elementwise_loss` (a retried call's answer has none). A batch over the server's max_batch_size goes as
+        consecutive calls with one answer (`mean` normalises across them)."""
+        variables = _drop_none({"runId": self.id, "lossFn": loss_fn, "lossFnConfig": loss_fn_config,
+                                "reduction": reduction, "withOutputs": return_outputs or None})
+        calls = [_primitive("ForwardBackward", {**variables, "batch": _batch(part)}, "forwardBackward")
+                 for part in self._client._split(batch)]
+        return self._client._run_all(calls, functools.partial(combine_forward_backward, reduction=reduction or "mean"))
 
     def forward(self, batch: list[dict[str, Any]], loss_fn: str | None = None,
                 loss_fn_config: dict[str, Any] | None = None) -> Any:
@@ -486,9 +666,28 @@ class _RunBase:
 
 
 class Run(_RunBase):
+    _client: SignalClient
+
     def refresh(self) -> Run:
         refreshed: Run = self._client._run(Call("GetRun", {"id": self.id}, "run", self._store))
         return refreshed
+
+    # Pipelined: the same calls, numbered when made and answered as futures (concurrent.futures.Future), so the
+    # next can be sent before this one's answer; the server applies them in the order they were made.
+    def forward_backward_async(self, *args: Any, **kwargs: Any) -> Future[Any]:
+        return self._client._pipelined(self.forward_backward, *args, **kwargs)
+
+    def forward_async(self, *args: Any, **kwargs: Any) -> Future[Any]:
+        return self._client._pipelined(self.forward, *args, **kwargs)
+
+    def optim_step_async(self, *args: Any, **kwargs: Any) -> Future[Any]:
+        return self._client._pipelined(self.optim_step, *args, **kwargs)
+
+    def sample_async(self, *args: Any, **kwargs: Any) -> Future[Any]:
+        return self._client._pipelined(self.sample, *args, **kwargs)
+
+    def save_state_async(self, *args: Any, **kwargs: Any) -> Future[Any]:
+        return self._client._pipelined(self.save_state, *args, **kwargs)
 
 
 class AsyncRun(_RunBase):

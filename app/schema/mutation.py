@@ -22,12 +22,18 @@ from app.schema.types import (
     SaveMode,
     datum_outputs,
 )
+from app.services.call_order import Numbered
 from app.services.runs import SampleParams
 from gpu_runtime.contract import DEFAULT_LOSS_FN, DEFAULT_REDUCTION, SAMPLE_DEFAULTS
 
 # An idempotency key: a retry that carries the id of a call already applied gets that call's answer again.
 RequestId = Annotated[str | None, strawberry.argument(
     description="Idempotency key (the SDK sends a UUID): a retry with the same id is not applied twice")]
+# The SDK's numbering of a run's calls (docs/ORDERING.md): given both, the call applies after its session's seq - 1.
+Seq = Annotated[int | None, strawberry.argument(
+    description="This call's number in its session's order on the run (1, 2, ...): it applies after seq - 1")]
+Session = Annotated[str | None, strawberry.argument(
+    description="The client session that numbers its calls with seq (the SDK sends one id per client)")]
 
 
 @strawberry.type
@@ -44,6 +50,7 @@ class Mutation:
         reduction: Annotated[str, strawberry.argument(
             description='"mean" (normalised over every call before optimStep) or "sum" (raw, as Tinker); one per '
                         'step')] = DEFAULT_REDUCTION,
+        seq: Seq = None, session: Session = None,
     ) -> ForwardBackwardResult:
         user = await info.context.user()
         # JSON is NewType("JSON", object); the runtime checks the value is an object (contract.loss_settings).
@@ -51,6 +58,7 @@ class Mutation:
         result = await info.context.services.runs.forward_backward(
             user, str(run_id), [item.to_dict() for item in batch], loss_fn=loss_fn, loss_fn_config=config,
             request_id=request_id, reduction=reduction, return_outputs=selects(info, "outputs"),
+            order=Numbered.of(seq, session),
         )
         return ForwardBackwardResult(loss=result["loss"], num_tokens=result["num_tokens"],
                                      num_examples=result["num_examples"], step=result["step"],
@@ -62,22 +70,24 @@ class Mutation:
     async def forward(
         self, info: Info, batch: list[BatchItem], run_id: strawberry.ID | None = None, base_model: str | None = None,
         loss_fn: str = DEFAULT_LOSS_FN, loss_fn_config: JSON | None = None, request_id: RequestId = None,
+        seq: Seq = None, session: Session = None,
     ) -> ForwardResult:
         user = await info.context.user()
         config = cast("dict[str, Any] | None", loss_fn_config)
         result = await info.context.services.runs.forward(
             user, [item.to_dict() for item in batch], run_id=str(run_id) if run_id is not None else None,
-            base_model=base_model, loss_fn=loss_fn, loss_fn_config=config, request_id=request_id)
+            base_model=base_model, loss_fn=loss_fn, loss_fn_config=config, request_id=request_id,
+            order=Numbered.of(seq, session))
         return ForwardResult(loss=result["loss"], loss_sum=result["loss_sum"], num_tokens=result["num_tokens"],
                              num_examples=result["num_examples"], step=result.get("step"),
                              outputs=datum_outputs(result["outputs"]) or [])
 
     @strawberry.mutation(description="Apply the accumulated gradients with AdamW")
     async def optim_step(self, info: Info, run_id: strawberry.ID, adam: AdamInput | None = None,
-                         request_id: RequestId = None) -> OptimStepResult:
+                         request_id: RequestId = None, seq: Seq = None, session: Session = None) -> OptimStepResult:
         user = await info.context.user()
         result = await info.context.services.runs.optim_step(user, str(run_id), adam.to_dict() if adam else None,
-                                                             request_id=request_id)
+                                                             request_id=request_id, order=Numbered.of(seq, session))
         return OptimStepResult(step=result["step"], grad_norm=result["grad_norm"],
                                learning_rate=result["learning_rate"])
 
@@ -108,7 +118,7 @@ class Mutation:
         = SAMPLE_DEFAULTS["topk_sample_logprobs"],
         store: Annotated[bool | None, strawberry.argument(
             description="false: keep no sample rows (the run's sample history); default: kept")] = None,
-        request_id: RequestId = None,
+        request_id: RequestId = None, seq: Seq = None, session: Session = None,
     ) -> SampleResult:
         user = await info.context.user()
         params = SampleParams(prompts=prompts, prompt_tokens=prompt_tokens, max_tokens=max_tokens,
@@ -116,7 +126,8 @@ class Mutation:
                               num_samples=num_samples, seed=seed, prompt_logprobs=prompt_logprobs,
                               topk_prompt_logprobs=topk_prompt_logprobs, topk_sample_logprobs=topk_sample_logprobs,
                               store=store)
-        result = await info.context.services.runs.sample(user, str(run_id), params, request_id=request_id)
+        result = await info.context.services.runs.sample(user, str(run_id), params, request_id=request_id,
+                                                         order=Numbered.of(seq, session))
         return SampleResult.from_result(result)
 
     @strawberry.mutation(description="Export the adapter, a merged model, or the full training state")
@@ -129,11 +140,12 @@ class Mutation:
             description="Unique per run and mode (a name saved twice is refused); default: step-N")] = None,
         with_optimizer: Annotated[bool | None, strawberry.argument(
             description="Keep AdamW's state, to resume exactly; default: true for STATE, false otherwise")] = None,
+        seq: Seq = None, session: Session = None,
     ) -> Checkpoint:
         user = await info.context.user()
         checkpoint = await info.context.services.runs.save_state(
             user, str(run_id), mode.value, push_to_hub, hub_model_id, request_id=request_id, hf_token=hf_token,
-            name=name, with_optimizer=with_optimizer,
+            name=name, with_optimizer=with_optimizer, order=Numbered.of(seq, session),
         )
         return Checkpoint.from_row(checkpoint)
 
@@ -143,11 +155,11 @@ class Mutation:
         self, info: Info, run_id: strawberry.ID,
         checkpoint: Annotated[str, strawberry.argument(
             description="signal://<runId>/<mode>/<name> (a Checkpoint's path), or a name: this run's STATE one")],
-        with_optimizer: bool = True, request_id: RequestId = None,
+        with_optimizer: bool = True, request_id: RequestId = None, seq: Seq = None, session: Session = None,
     ) -> LoadStateResult:
         user = await info.context.user()
         result = await info.context.services.runs.load_state(user, str(run_id), checkpoint, with_optimizer,
-                                                             request_id=request_id)
+                                                             request_id=request_id, order=Numbered.of(seq, session))
         return LoadStateResult(checkpoint=result["checkpoint"], step=result["step"],
                                with_optimizer=result["with_optimizer"],
                                pending_dropped=result.get("pending_dropped", 0))

@@ -7,7 +7,7 @@ from strawberry.scalars import JSON
 
 from app.schema.context import Info
 from app.schema.inputs import BatchItem
-from app.schema.types import ApiKey, Datum, ModelInfo, Run, TokenizerInfo, User
+from app.schema.types import ApiKey, Datum, Limits, ModelInfo, Run, TokenizerInfo, User
 from gpu_runtime.contract import DEFAULT_LOSS_FN
 
 
@@ -16,6 +16,10 @@ class Query:
     @strawberry.field(description="Base models runs may be created on")
     def models(self, info: Info) -> list[ModelInfo]:
         return [ModelInfo.from_catalog(model) for model in info.context.services.catalog.list()]
+
+    @strawberry.field(description="What this server accepts in one call (the SDK splits larger batches)")
+    def limits(self, info: Info) -> Limits:
+        return Limits(max_batch_size=info.context.services.settings.max_batch_size)
 
     @strawberry.field
     async def me(self, info: Info) -> User:

@@ -45,6 +45,11 @@ class ModelInfo:
                    estimated_memory_gb=model.estimated_memory_gb)
 
 
+@strawberry.type(description="What this server accepts in one call")
+class Limits:
+    max_batch_size: int = strawberry.field(description="Most items one forwardBackward carries (SIGNAL_MAX_BATCH_SIZE)")
+
+
 @strawberry.type
 class User:
     id: strawberry.ID

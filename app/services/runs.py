@@ -27,6 +27,7 @@ from app.catalog import Catalog
 from app.db import Database
 from app.errors import BadInput, NotFound, RunNotFound, SignalError
 from app.events import MetricFeed
+from app.services.call_order import CallOrder, Numbered
 from app.services.ledger import Ledger
 from app.services.users import require_admin
 from app.tables import Checkpoint, Metric, Run, Sample, User, could_be_id, new_id, utcnow
@@ -161,6 +162,8 @@ class RunService:
         # Still needed beside tickets: a restarted runtime knows no ticket (its journal keeps none) and takes the first
         # it gets as the run's start, and results are recorded in the order calls finish. One call per run per process.
         self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+        # The SDK's numbers (seq, session): a numbered call joins its run's lock queue after its predecessor.
+        self.order = CallOrder()
 
     # ---- reading -------------------------------------------------------------------------
 
@@ -248,7 +251,7 @@ class RunService:
     async def forward_backward(
         self, user: User, run_id: str, batch: builtins.list[dict[str, Any]], loss_fn: str = "cross_entropy",
         loss_fn_config: dict[str, Any] | None = None, request_id: str | None = None, reduction: str = "mean",
-        return_outputs: bool = False,
+        return_outputs: bool = False, order: Numbered | None = None,
     ) -> dict[str, Any]:
         """Loss and gradients of a batch. `reduction` is the step's (one per step: another is FAILED_PRECONDITION);
         `return_outputs` asks for per-datum, per-position logprobs and losses (a retried call's answer has none)."""
@@ -267,11 +270,12 @@ class RunService:
                 })
             return result
 
-        return await self._apply(user, run_id, "forward_backward", request_id, arguments, record)
+        return await self._apply(user, run_id, "forward_backward", request_id, arguments, record, order=order)
 
     async def forward(self, user: User, batch: builtins.list[dict[str, Any]], run_id: str | None = None,
                       base_model: str | None = None, loss_fn: str = "cross_entropy",
-                      loss_fn_config: dict[str, Any] | None = None, request_id: str | None = None) -> dict[str, Any]:
+                      loss_fn_config: dict[str, Any] | None = None, request_id: str | None = None,
+                      order: Numbered | None = None) -> dict[str, Any]:
         """Losses and per-position logprobs with no backward, changing nothing: on the caller's run's current weights
         (`run_id`, in the run's order), or on a catalogue base model alone (`base_model`, no run, nothing recorded)."""
         params = {"batch": batch, "loss_fn": loss_fn, "loss_fn_config": loss_fn_config}
@@ -282,7 +286,7 @@ class RunService:
             async def record(run: Run, result: dict[str, Any]) -> dict[str, Any]:
                 return result  # nothing changed, so nothing to record beyond the compute seconds
 
-            return await self._apply(user, run_id, "forward", request_id, lambda run: params, record)
+            return await self._apply(user, run_id, "forward", request_id, lambda run: params, record, order=order)
         if not base_model:
             raise BadInput("forward needs runId or baseModel", field="baseModel")
         model = self.catalog.get(base_model)
@@ -301,7 +305,7 @@ class RunService:
         return await self._on_run(run, "render_datums", batch=batch, loss_fn=loss_fn)
 
     async def optim_step(self, user: User, run_id: str, adam: dict[str, Any] | None = None,
-                         request_id: str | None = None) -> dict[str, Any]:
+                         request_id: str | None = None, order: Numbered | None = None) -> dict[str, Any]:
         def arguments(run: Run) -> dict[str, Any]:
             overrides = {key: value for key, value in (adam or {}).items() if value is not None}
             return {"adam": {**ADAM_DEFAULTS, **run.optimizer_config, **overrides}}
@@ -319,10 +323,10 @@ class RunService:
             })
             return result
 
-        return await self._apply(user, run_id, "optim_step", request_id, arguments, record)
+        return await self._apply(user, run_id, "optim_step", request_id, arguments, record, order=order)
 
     async def sample(self, user: User, run_id: str, params: SampleParams,
-                     request_id: str | None = None) -> dict[str, Any]:
+                     request_id: str | None = None, order: Numbered | None = None) -> dict[str, Any]:
         """Sample from the run's weights. Each sequence becomes a sample row (the run's history on its page) unless
         `params.store` is False: an RL step of 128 prompts x 16 samples would write 2,048 rows."""
         async def record(run: Run, result: dict[str, Any]) -> dict[str, Any]:
@@ -336,7 +340,8 @@ class RunService:
                                            output=sequence["text"], params=stored_params))
             return result
 
-        return await self._apply(user, run_id, "sample", request_id, lambda run: params.engine_params(), record)
+        return await self._apply(user, run_id, "sample", request_id, lambda run: params.engine_params(), record,
+                                 order=order)
 
     async def tokenizer(self, user: User, run_id: str | None = None, base_model: str | None = None) -> dict[str, Any]:
         """The tokenizer of a run's base (the caller's run) or of a catalogue model (default: the server's): its id,
@@ -353,7 +358,7 @@ class RunService:
     async def save_state(self, user: User, run_id: str, mode: str = "adapter", push_to_hub: bool = False,
                          hub_model_id: str | None = None, request_id: str | None = None,
                          hf_token: str | None = None, name: str | None = None,
-                         with_optimizer: bool | None = None) -> Checkpoint:
+                         with_optimizer: bool | None = None, order: Numbered | None = None) -> Checkpoint:
         """Export the run; with push_to_hub, the runtime also uploads it (private) with the user's `hf_token`,
         which travels as this one call's argument and is stored nowhere. With billing on and no `hf_token`, the
         token is the user's Hugging Face integration, fetched from the billing service now (docs/BILLING.md)."""
@@ -392,10 +397,10 @@ class RunService:
                 checkpoint.hub_url = result.get("hub", {}).get("url") or checkpoint.hub_url
             return checkpoint
 
-        return await self._apply(user, run_id, "save_state", request_id, arguments, record, allowed=hub)
+        return await self._apply(user, run_id, "save_state", request_id, arguments, record, allowed=hub, order=order)
 
     async def load_state(self, user: User, run_id: str, checkpoint: str, with_optimizer: bool = True,
-                         request_id: str | None = None) -> dict[str, Any]:
+                         request_id: str | None = None, order: Numbered | None = None) -> dict[str, Any]:
         """A checkpoint of this run, or of another run of the same user, into this run (docs/CHECKPOINTS.md): its
         adapter, with_optimizer its AdamW, and its step either way. Another user's checkpoint is NOT_FOUND."""
         run = await self.get(user, run_id)
@@ -409,7 +414,8 @@ class RunService:
             return result
 
         return await self._apply(user, run_id, "load_state", request_id,
-                                 lambda run: {"checkpoint": ref.path, "with_optimizer": with_optimizer}, record)
+                                 lambda run: {"checkpoint": ref.path, "with_optimizer": with_optimizer}, record,
+                                 order=order)
 
     async def delete_checkpoint(self, user: User, run_id: str, checkpoint_id: str) -> None:
         """A checkpoint's (or a sampler snapshot's) files in the runtime, then its row."""
@@ -455,6 +461,7 @@ class RunService:
 
         await self._serialised(run.id, work)
         self._locks.pop(run.id, None)
+        self.order.forget(run.id)
 
     # ---- the runtime ---------------------------------------------------------------------
 
@@ -468,10 +475,11 @@ class RunService:
 
     async def _apply(self, user: User, run_id: str, operation: str, request_id: str | None,
                      arguments: Callable[[Run], dict[str, Any]], record: Callable[[Run, dict[str, Any]], Awaitable[T]],
-                     allowed: Callable[[], Awaitable[dict[str, Any]]] | None = None) -> T:
+                     allowed: Callable[[], Awaitable[dict[str, Any]]] | None = None, order: Numbered | None = None) -> T:
         """A primitive on the caller's run: its `arguments` checked (before anyone is asked about credits), the call
         allowed by the ledger, then in the run's order the runtime call, its compute seconds accounted once, and
-        its result recorded by `record`. `allowed` adds arguments that only a call allowed to run may fetch."""
+        its result recorded by `record`. `allowed` adds arguments that only a call allowed to run may fetch.
+        `order`: the SDK's number for the call, which puts it in the run's order after its session's previous one."""
         run = await self.get(user, run_id)
         params = arguments(run)
         with _fields_renamed(lambda field: field):  # the contract's checks, here before the call leaves, and again there
@@ -486,7 +494,7 @@ class RunService:
             await self.ledger.account(run, operation, request_id, result)
             return await record(run, result)
 
-        return await self._serialised(run.id, work)
+        return await self._serialised(run.id, work, order)
 
     async def _on_run(self, run: Run, method: str, **params: Any) -> dict[str, Any]:
         """A runtime call on a run the database holds. The runtime answering that it has no such run means its
@@ -510,11 +518,15 @@ class RunService:
             raise RunNotFound(f"run {run_id!r} not found", field="runId")
         return int(ticket)
 
-    async def _serialised(self, run_id: str, work: Callable[[], Awaitable[T]]) -> T:
+    async def _serialised(self, run_id: str, work: Callable[[], Awaitable[T]], order: Numbered | None = None) -> T:
         """Run `work` under the run's lock (FIFO: arrival order), to the end even if the caller goes away:
-        a call the worker has taken is always recorded."""
+        a call the worker has taken is always recorded. A numbered call (`order`) joins the lock's queue only
+        after its session's previous number has (call_order.py), with no await in between: arrival order, and so
+        the tickets taken under the lock, follow the client's numbers."""
 
         async def locked() -> T:
+            if order is not None:
+                await self.order.admit(run_id, order)
             async with self._locks[run_id]:
                 return await work()
 

@@ -23,6 +23,8 @@ NOT_ARGUMENTS: dict[str, str] = {
     "run_id": "runId",  # present, camel-cased: checked below
     "return_outputs": "the resolver sets it when the client selects forwardBackward's `outputs`",
 }
+# Arguments of every primitive that the runtime never sees: the server orders calls by them (docs/ORDERING.md).
+ORDERING_ARGUMENTS = ("seq", "session")
 MUTATIONS: list[tuple[str, type[contract.Call]]] = [
     ("forwardBackward", contract.ForwardBackward),
     ("forward", contract.Forward),
@@ -66,7 +68,8 @@ def test_each_primitive_takes_the_contracts_arguments_with_its_defaults(mutation
             default = arguments[name].default_value
             default = getattr(default, "value", default)  # an enum's default (SaveMode.ADAPTER)
             assert default == field.default, f"{mutation}.{name} defaults to {default!r}, the contract to {field.default!r}"
-    known = {to_camel_case(f.name) for f in dataclasses.fields(call)} | set(GRAPHQL_ONLY)
+    assert set(ORDERING_ARGUMENTS) <= set(arguments), f"{mutation} lacks the SDK's ordering arguments"
+    known = {to_camel_case(f.name) for f in dataclasses.fields(call)} | set(GRAPHQL_ONLY) | set(ORDERING_ARGUMENTS)
     assert set(arguments) - known == set(), f"{mutation} takes arguments the contract does not know"
 
 
