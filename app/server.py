@@ -21,6 +21,7 @@ from app.server_url import forget, record
 from app.services import Services
 from app.settings import Settings
 from app.startup import ADMIN_EMAIL, admin_key_notice, first_start, login_url
+from app.tinker import routes as tinker_routes
 from web import middleware as dashboard_middleware
 from web import routes as dashboard_routes
 from web.graphiql import DashboardGraphQL
@@ -63,6 +64,7 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None,
         Route("/healthz", healthz),
         Route("/graphql", graphql_app, methods=["GET", "POST"]),
         WebSocketRoute("/graphql", graphql_app),
+        *tinker_routes(),  # /api/v1: Tinker's wire (docs/TINKER.md)
         *dashboard_routes(),
     ]
     # Starlette refuses bodies over max_body_size with 413 before anything parses them.

@@ -39,6 +39,8 @@ class Settings(BaseSettings):
     default_model: str = Field("HuggingFaceTB/SmolLM2-135M-Instruct", description="Base model when none is given.")
     max_request_bytes: int = Field(16 * 1024 * 1024, description="Largest request body; bigger ones get 413.")
     # ---- the GPU runtime's own settings: defaults from RuntimeOptions, their single source ----
+    tinker_poll_s: float = Field(30.0, gt=0, le=40, description="Tinker's retrieve_future holds a pending poll this "
+                                 "long, then answers try_again (the SDK times a poll out at 45 s).")
     max_batch_size: int = Field(RuntimeOptions.max_batch_size, description="Most items one forward_backward may carry.")
     tick_tokens: int = Field(RuntimeOptions.tick_tokens,
                              description="Most tokens of forward_backward rows in one co-batched pass.")

@@ -6,7 +6,19 @@ import uuid
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import JSON, BigInteger, Boolean, DateTime, Float, ForeignKey, Index, Integer, String, Text
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    LargeBinary,
+    String,
+    Text,
+)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
 
@@ -200,3 +212,61 @@ class BillingOutbox(Base):
     sent_at: Mapped[datetime | None] = mapped_column(default=None, index=True)
     attempts: Mapped[int] = mapped_column(Integer, default=0)
     last_error: Mapped[str] = mapped_column(StoredText, default="")
+
+
+# ---- Tinker's wire (/api/v1, app/tinker; docs/TINKER.md) ---------------------------------------------------
+
+TINKER_ID_LENGTH = 160  # `{session}:train:{n}` / `{session}:sample:{n}`: longer than a run id, so mapped to one
+
+
+class TinkerSession(Base):
+    """A Tinker ServiceClient's session: created once per client, heartbeated, finished (then 410)."""
+
+    __tablename__ = "tinker_sessions"
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    user_id: Mapped[str] = mapped_column(USER_ID, ForeignKey("users.id", ondelete="CASCADE"), index=True)
+    display_name: Mapped[str] = mapped_column(StoredString(NAME_LENGTH), default="")
+    user_metadata: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    heartbeat_at: Mapped[datetime] = mapped_column(default=utcnow)
+    finished_at: Mapped[datetime | None] = mapped_column(default=None)
+
+
+class TinkerModel(Base):
+    """A Tinker model id (kind "train") or sampling session id (kind "sample") and the Signal run behind it."""
+
+    __tablename__ = "tinker_models"
+    id: Mapped[str] = mapped_column(String(TINKER_ID_LENGTH), primary_key=True)
+    session_id: Mapped[str] = mapped_column(String(64), index=True)
+    user_id: Mapped[str] = mapped_column(USER_ID, ForeignKey("users.id", ondelete="CASCADE"), index=True)
+    kind: Mapped[str] = mapped_column(String(8))
+    run_id: Mapped[str | None] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), default=None, index=True)
+    base_model: Mapped[str] = mapped_column(String(300))  # the name the client used (get_info's model_name)
+    model_path: Mapped[str | None] = mapped_column(Text, default=None)  # a sampler's tinker:// path, if any
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class TinkerFuture(Base):
+    """One submitted Tinker operation: inserted before it is dispatched, its result stored once encoded.
+
+    Unique on (key_kind, key_scope, key_seq): "train" (model_id, seq_id) for training operations, "model"
+    (session_id, model_seq_id) for create_model and create-via-load, "sampler" (session_id,
+    sampling_session_seq_id) for create_sampling_session, "sample" (sampling_session_id, seq_id) for asample. A
+    resubmission finds the row and gets its request_id; nothing is dispatched twice."""
+
+    __tablename__ = "tinker_futures"
+    request_id: Mapped[str] = mapped_column(String(ID_LENGTH), primary_key=True, default=new_id)
+    user_id: Mapped[str] = mapped_column(USER_ID, ForeignKey("users.id", ondelete="CASCADE"), index=True)
+    key_kind: Mapped[str] = mapped_column(String(8))
+    key_scope: Mapped[str] = mapped_column(String(TINKER_ID_LENGTH))
+    key_seq: Mapped[int] = mapped_column(BigInteger)
+    request_type: Mapped[str] = mapped_column(String(40))  # the SDK's X-Tinker-Request-Type names: ForwardBackward
+    state: Mapped[str] = mapped_column(String(10), default="pending")  # pending | done | failed
+    media_type: Mapped[str] = mapped_column(String(40), default="")  # the stored result's: protobuf or JSON
+    result: Mapped[bytes | None] = mapped_column(LargeBinary, default=None)
+    sample_sequence_ids: Mapped[list[Any]] = mapped_column(JSON, default=list)
+    owner: Mapped[str] = mapped_column(String(64), default="")  # the process that runs it
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    finished_at: Mapped[datetime | None] = mapped_column(default=None)
+
+    __table_args__ = (Index("ix_tinker_futures_key", "key_kind", "key_scope", "key_seq", unique=True),)

@@ -1,7 +1,7 @@
 """Refuses any state-changing dashboard request without the session's CSRF token (header X-CSRF-Token).
 
-A middleware rather than a per-handler check, so a new route cannot forget it. /graphql is exempt: it
-authenticates with a bearer API key, never the cookie, so a forged cross-site request carries no credentials.
+A middleware rather than a per-handler check, so a new route cannot forget it. /graphql, /api/v1/ and /v1/ are
+exempt: they authenticate with an API key, never the cookie, so a forged cross-site request carries no credentials.
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from web.session import csrf_ok
 
 SAFE_METHODS = {"GET", "HEAD", "OPTIONS"}
-EXEMPT_PREFIXES = ("/graphql",)
+# /api/v1/ (Tinker's wire) and /v1/ (the OpenAI endpoint) authenticate by API key alone and never read the cookie.
+EXEMPT_PREFIXES = ("/graphql", "/api/v1/", "/v1/")
 
 
 class CSRFMiddleware:

@@ -18,6 +18,8 @@ from app.services.ledger import Ledger, Rates
 from app.services.live import LiveMetrics
 from app.services.login_links import LoginLinkService
 from app.services.runs import RunService
+from app.services.tinker_futures import TinkerFutures
+from app.services.tinker_sessions import TinkerSessions
 from app.services.users import UserService
 from app.settings import Settings
 
@@ -39,6 +41,8 @@ class Services:
     login_links: LoginLinkService
     live: LiveMetrics
     dashboard: DashboardService
+    tinker: TinkerFutures  # Tinker's futures (/api/v1, docs/TINKER.md)
+    tinker_sessions: TinkerSessions
     supabase: SupabaseSignIn | None = None  # only when SUPABASE_URL and SUPABASE_ANON_KEY are set
     # Shared by the Supabase client and the JWKS fetches; made only for them (its TLS context costs start-up 0.1 s).
     http: httpx.AsyncClient | None = None
@@ -76,12 +80,15 @@ class Services:
             login_links=LoginLinkService(db, settings.login_link_ttl_s),
             live=LiveMetrics(db, broker, runs),
             dashboard=DashboardService(db, backend, broker, runs, settings.data_dir),
+            tinker=TinkerFutures(db, settings.tinker_poll_s),
+            tinker_sessions=TinkerSessions(db),
             supabase=supabase,
             http=http,
             billing=billing,
         )
 
     async def close(self) -> None:
+        await self.tinker.close()
         await self.feed.close()
         if self.billing is not None:
             await self.billing.close()

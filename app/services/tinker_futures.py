@@ -1,0 +1,150 @@
+"""Tinker's futures (docs/TINKER.md): a row per submitted operation, inserted before it is dispatched, its result
+stored once, encoded; polls long-wait on an in-process event and hold no database connection while they wait.
+
+Keys: the row is unique on (key_kind, key_scope, key_seq) (tables.TinkerFuture says which kinds). A resubmission
+(the SDK resubmits after timeouts and 5xx with a fresh idempotency header) loses the insert and gets the first
+row's request_id; it dispatches nothing. Results are encoded once by the submitting process: protobuf bytes for
+ForwardBackwardOutput and SampleResponse, JSON otherwise; a failure is stored as `{"error", "category"}`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import os
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from sqlalchemy import select, update
+from sqlalchemy.exc import IntegrityError
+
+from app.db import Database
+from app.errors import NotFound, SignalError, http_status
+from app.tables import TinkerFuture, User, could_be_id, new_id, utcnow
+
+log = logging.getLogger("signal.tinker")
+
+JSON_TYPE = "application/json"
+PROTO_TYPE = "application/x-protobuf"
+POLL_SECONDS = 30.0  # a pending poll answers try_again after this (SIGNAL_TINKER_POLL_S); the SDK's timeout is 45 s
+POLL_SECONDS_MAX = 40.0
+RECHECK_SECONDS = 0.5  # how often a waiting poll re-reads its row: another process may have finished it
+RESULT_TTL = timedelta(hours=1)  # a finished future stays retrievable this long
+
+
+@dataclass(frozen=True)
+class Answer:
+    """What retrieve_future answers: a stored result (bytes of `media_type`), or None while pending."""
+
+    media_type: str
+    body: bytes
+
+
+def failure(exc: BaseException) -> dict[str, str]:
+    """A failed future's JSON: the user's fault (a typed 4xx error: bad datum, unknown checkpoint) or the server's."""
+    if isinstance(exc, SignalError):
+        return {"error": exc.message, "category": "user" if http_status(exc) < 500 else "server"}
+    return {"error": f"internal error: {type(exc).__name__}", "category": "server"}
+
+
+class TinkerFutures:
+    def __init__(self, db: Database, poll_seconds: float = POLL_SECONDS) -> None:
+        self.db = db
+        self.poll_seconds = min(poll_seconds, POLL_SECONDS_MAX)
+        self.owner = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self._done: dict[str, asyncio.Event] = {}  # request_id → set when this process stored its result
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._closing = asyncio.Event()
+
+    async def submit(self, user: User, key: tuple[str, str, int], request_type: str,
+                     work: Callable[[str], Awaitable[tuple[str, bytes]]], samples: int = 0) -> TinkerFuture:
+        """Insert the future's row, then dispatch `work(request_id)` (which returns (media type, bytes)) in the background; the
+        loser of an insert race (or a resubmission) gets the winner's row and dispatches nothing."""
+        request_id = new_id()
+        row = TinkerFuture(request_id=request_id, user_id=user.id, key_kind=key[0], key_scope=key[1], key_seq=key[2],
+                           request_type=request_type, owner=self.owner,
+                           sample_sequence_ids=[f"{request_id}:{i}" for i in range(samples)])
+        try:
+            async with self.db.session() as session:
+                session.add(row)
+        except IntegrityError:
+            async with self.db.session() as session:
+                winner = await session.scalar(select(TinkerFuture).where(
+                    TinkerFuture.key_kind == key[0], TinkerFuture.key_scope == key[1], TinkerFuture.key_seq == key[2]))
+            if winner is None or winner.user_id != user.id:
+                raise NotFound(f"{key[1]} not found", field="model_id") from None
+            return winner
+        self._done[request_id] = asyncio.Event()
+        task = asyncio.create_task(self._run(request_id, work))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return row
+
+    async def _run(self, request_id: str, work: Callable[[str], Awaitable[tuple[str, bytes]]]) -> None:
+        state = "done"
+        try:
+            media_type, body = await work(request_id)
+        except Exception as exc:  # every failure is the future's answer, never a lost poll
+            if not isinstance(exc, SignalError):
+                log.exception("tinker future %s failed", request_id)
+            state, media_type, body = "failed", JSON_TYPE, json.dumps(failure(exc)).encode()
+        try:
+            async with self.db.session() as session:
+                await session.execute(update(TinkerFuture).where(TinkerFuture.request_id == request_id).values(
+                    state=state, media_type=media_type, result=body, finished_at=utcnow()))
+        finally:
+            event = self._done.pop(request_id, None)
+            if event is not None:
+                event.set()
+
+    async def retrieve(self, user: User, request_id: str) -> Answer | None:
+        """The future's stored answer, waiting up to `poll_seconds` while it is pending (then None: try_again).
+        NotFound for ids unknown, expired or another user's."""
+        deadline = asyncio.get_running_loop().time() + self.poll_seconds
+        while True:
+            row = await self._row(request_id)
+            if row is None or row.user_id != user.id or (
+                    row.finished_at is not None and utcnow() - row.finished_at > RESULT_TTL):
+                raise NotFound(f"future {request_id!r} not found", field="request_id")
+            if row.state != "pending":
+                return Answer(row.media_type, row.result or b"")
+            remaining = deadline - asyncio.get_running_loop().time()
+            if remaining <= 0 or self._closing.is_set():
+                return None
+            # This process's completion wakes it at once; another process's is seen at the next re-read.
+            event = self._done.get(request_id)
+            waits = [asyncio.ensure_future(self._closing.wait())]
+            if event is not None:
+                waits.append(asyncio.ensure_future(event.wait()))
+            _, pending = await asyncio.wait(waits, timeout=min(remaining, RECHECK_SECONDS),
+                                            return_when=asyncio.FIRST_COMPLETED)
+            for waiter in pending:
+                waiter.cancel()
+
+    async def _row(self, request_id: str) -> TinkerFuture | None:
+        if not could_be_id(request_id):
+            return None
+        async with self.db.session() as session:
+            return await session.get(TinkerFuture, request_id)
+
+    async def close(self) -> None:
+        """Shutdown: pending polls answer try_again at once; running operations are left to finish or fail."""
+        self._closing.set()
+
+
+def json_answer(value: dict[str, Any]) -> tuple[str, bytes]:
+    """A JSON result as stored: non-finite numbers left out (JSON has none; the SDK would refuse NaN)."""
+    return JSON_TYPE, json.dumps(_finite(value), allow_nan=False).encode()
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items() if not (isinstance(v, float) and not math.isfinite(v))}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value

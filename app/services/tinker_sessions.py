@@ -1,0 +1,97 @@
+"""Tinker's sessions and ids (docs/TINKER.md): a ServiceClient's session, and the model ids
+(`{session}:train:{n}`) and sampling-session ids (`{session}:sample:{n}`) it names, each mapped to a Signal run.
+The ids are the SDK's own scheme (it derives a model id itself to resume), longer than a run id: hence a table."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from sqlalchemy import update
+from sqlalchemy.exc import IntegrityError
+
+from app.db import Database
+from app.errors import BadInput, NotFound
+from app.tables import NAME_LENGTH, TINKER_ID_LENGTH, TinkerModel, TinkerSession, User, utcnow
+
+FINISHED = "finished"
+
+
+class SessionFinished(Exception):
+    """A finished session's heartbeat (410) or operation (refused)."""
+
+
+class TinkerSessions:
+    def __init__(self, db: Database) -> None:
+        self.db = db
+
+    async def create(self, user: User, display_name: str | None, user_metadata: dict[str, Any] | None) -> str:
+        session_id = uuid.uuid4().hex  # 32 characters: ids built on it stay well under TINKER_ID_LENGTH
+        async with self.db.session() as session:
+            session.add(TinkerSession(id=session_id, user_id=user.id, display_name=(display_name or "")[:NAME_LENGTH],
+                                      user_metadata=user_metadata if isinstance(user_metadata, dict) else {}))
+        return session_id
+
+    async def get(self, user: User, session_id: str) -> TinkerSession:
+        async with self.db.session() as session:
+            row = await session.get(TinkerSession, session_id) if 0 < len(session_id) <= 64 else None
+        if row is None or row.user_id != user.id:
+            raise NotFound(f"session {session_id!r} not found", field="session_id")
+        return row
+
+    async def open(self, user: User, session_id: str) -> TinkerSession:
+        """The caller's session, refusing a finished one (its operations are refused, its heartbeats get 410)."""
+        row = await self.get(user, session_id)
+        if row.finished_at is not None:
+            raise SessionFinished(session_id)
+        return row
+
+    async def heartbeat(self, user: User, session_id: str) -> None:
+        await self.open(user, session_id)
+        async with self.db.session() as session:
+            await session.execute(update(TinkerSession).where(TinkerSession.id == session_id)
+                                  .values(heartbeat_at=utcnow()))
+
+    async def finish(self, user: User, session_id: str) -> None:
+        await self.get(user, session_id)
+        async with self.db.session() as session:
+            await session.execute(update(TinkerSession).where(TinkerSession.id == session_id,
+                                                               TinkerSession.finished_at.is_(None))
+                                  .values(finished_at=utcnow()))
+
+    async def map(self, user: User, tinker_id: str, session_id: str, kind: str, run_id: str | None,
+                  base_model: str, model_path: str | None = None) -> TinkerModel:
+        """Record that `tinker_id` names `run_id`; a resubmission finds the first mapping and keeps it."""
+        if len(tinker_id) > TINKER_ID_LENGTH:
+            raise BadInput(f"id {tinker_id[:40]!r}… is over {TINKER_ID_LENGTH} characters", field="session_id")
+        row = TinkerModel(id=tinker_id, session_id=session_id, user_id=user.id, kind=kind, run_id=run_id,
+                          base_model=base_model, model_path=model_path)
+        try:
+            async with self.db.session() as session:
+                session.add(row)
+        except IntegrityError:
+            return await self.model(user, tinker_id, kind)
+        return row
+
+    async def model(self, user: User, tinker_id: str, kind: str = "train") -> TinkerModel:
+        """The caller's model (kind "train") or sampling session (kind "sample"); another user's is not found."""
+        async with self.db.session() as session:
+            row = await session.get(TinkerModel, tinker_id) if 0 < len(tinker_id) <= TINKER_ID_LENGTH else None
+        if row is None or row.user_id != user.id or row.kind != kind:
+            what = "model" if kind == "train" else "sampling session"
+            raise NotFound(f"{what} {tinker_id!r} not found", field="model_id" if kind == "train" else
+                           "sampling_session_id")
+        return row
+
+
+def model_id(session_id: str, model_seq_id: int) -> str:
+    return f"{session_id}:train:{model_seq_id}"
+
+
+def sampling_session_id(session_id: str, seq: int) -> str:
+    return f"{session_id}:sample:{seq}"
+
+
+def session_of(tinker_id: str) -> str:
+    """The session a model or sampling-session id belongs to."""
+    return tinker_id.split(":", 1)[0]

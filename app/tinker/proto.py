@@ -1,0 +1,132 @@
+"""Tinker's protobuf messages, from the SDK's generated module loaded by file path, and their (de)coding.
+
+`import tinker…` would run tinker/__init__, which imports torch wherever torch is installed (and the SDK's
+client stack everywhere): the server must stay torch-free (`app` never imports torch). The generated
+`tinker/proto/tinker_public_pb2.py` needs only `google.protobuf`, so it is executed here on its own, under a
+private module name that puts nothing named `tinker` in sys.modules. Numeric byte fields are raw little-endian
+arrays (the SDK writes numpy's `tobytes()`), read and written with the stdlib's `array`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+from array import array
+from functools import cache
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from app.errors import BadInput
+
+MODULE_NAME = "signal_tinker_public_pb2"  # not under `tinker`: its parent package would have to be imported
+
+
+@cache
+def pb() -> ModuleType:
+    """The SDK's generated module, executed from its file (find_spec locates the package without importing it)."""
+    spec = importlib.util.find_spec("tinker")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("the tinker package (tinker==0.38.0, a server dependency) is not installed")
+    path = Path(next(iter(spec.submodule_search_locations))) / "proto" / "tinker_public_pb2.py"
+    file_spec = importlib.util.spec_from_file_location(MODULE_NAME, path)
+    if file_spec is None or file_spec.loader is None:
+        raise RuntimeError(f"cannot load {path}")
+    module = importlib.util.module_from_spec(file_spec)
+    sys.modules[MODULE_NAME] = module
+    file_spec.loader.exec_module(module)
+    return module
+
+
+def _numbers(typecode: str, data: bytes) -> list[Any]:
+    values = array(typecode)
+    if len(data) % values.itemsize:
+        raise BadInput(f"a byte field of {len(data)} bytes is no array of {values.itemsize}-byte values", field="data")
+    values.frombytes(data)
+    if sys.byteorder == "big":
+        values.byteswap()
+    return values.tolist()
+
+
+def _bytes(typecode: str, values: list[Any]) -> bytes:
+    packed = array(typecode, values)
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return packed.tobytes()
+
+
+# ---- ForwardBackwardRequest → Signal's datums -------------------------------------------------------------
+
+def decode_forward_backward(body: bytes) -> dict[str, Any]:
+    """The request as plain values: model_id, seq_id, loss_fn, loss_fn_config, forward_only, and datums in the
+    shape Signal's runtime takes ({model_input: [ids], loss_fn_inputs: {name: [values]}}). Raises BadInput for a
+    body that is no ForwardBackwardRequest or holds what Signal cannot train on (images, audio, sparse 2-D)."""
+    from google.protobuf.message import DecodeError
+
+    message = pb().ForwardBackwardRequest()
+    try:
+        message.ParseFromString(body)
+    except DecodeError as exc:
+        raise BadInput(f"the body is no ForwardBackwardRequest protobuf: {exc}", field="body") from None
+    datums = [_datum(datum, i) for i, datum in enumerate(message.data)]
+    config: dict[str, Any] = {key: float(value) for key, value in message.loss_fn_config.items()}
+    for key, value in message.loss_fn_config_v2.items():
+        config.setdefault(key, value.number if value.WhichOneof("value") == "number" else value.text)
+    return {"model_id": message.model_id, "seq_id": int(message.seq_id), "loss_fn": message.loss_fn or "cross_entropy",
+            "loss_fn_config": config or None, "forward_only": bool(message.forward_only), "data": datums}
+
+
+def _datum(datum: Any, index: int) -> dict[str, Any]:
+    tokens: list[int] = []
+    for chunk in datum.model_input:  # several encoded_text chunks are normal (rl_loop appends): concatenated
+        kind = chunk.WhichOneof("chunk")
+        if kind != "encoded_text":
+            raise BadInput(f"data[{index}]: {kind} chunks are not supported (text only)", field=f"data[{index}]")
+        tokens += _numbers("i", chunk.encoded_text.tokens)
+    inputs = {name: _tensor(tensor, f"data[{index}].loss_fn_inputs.{name}")
+              for name, tensor in datum.loss_fn_inputs.items()}
+    return {"model_input": tokens, "loss_fn_inputs": inputs}
+
+
+def _tensor(tensor: Any, field: str) -> list[Any]:
+    if tensor.WhichOneof("encoding") != "dense":
+        raise BadInput(f"{field}: sparse tensors are not supported", field=field)
+    dtype = pb().DType.Name(tensor.dtype)
+    typecode = {"DTYPE_FLOAT32": "f", "DTYPE_INT64": "q", "DTYPE_INT32": "i"}.get(dtype)
+    if typecode is None:
+        raise BadInput(f"{field}: dtype {dtype} is not supported", field=field)
+    return _numbers(typecode, tensor.dense)
+
+
+# ---- results → ForwardBackwardOutput / SampleResponse -------------------------------------------------------
+
+def encode_forward_backward_output(outputs: list[dict[str, list[float]]], metrics: dict[str, float]) -> bytes:
+    """One ArrayRecord of per-datum float32 fields (logprobs, elementwise_loss), in datum order; metrics named
+    name:reduction. Non-finite metrics are left out (JSON could not carry them either)."""
+    message = pb().ForwardBackwardOutput(loss_fn_output_type="ArrayRecord")
+    message.metrics.update({key: float(value) for key, value in metrics.items() if math.isfinite(value)})
+    if outputs:
+        record = message.loss_fn_outputs.add(num_datums=len(outputs))
+        for name in outputs[0]:
+            offsets, data = [0], b""
+            for output in outputs:
+                chunk = _bytes("f", [float(v) for v in output[name]])
+                data += chunk
+                offsets.append(len(data))
+            record.fields[name].CopyFrom(pb().BatchedTensor(data=data, offsets=_bytes("q", offsets),
+                                                            dtype=pb().DTYPE_FLOAT32))
+    return message.SerializeToString()
+
+
+def encode_sample_response(sequences: list[dict[str, Any]], prompt_logprobs: list[float | None] | None) -> bytes:
+    """The sequences in submit order (sample_sequence_ids), each with its tokens, per-token logprobs and stop
+    reason; prompt logprobs with NaN where undefined (position 0)."""
+    message = pb().SampleResponse()
+    for sequence in sequences:
+        reason = pb().STOP_REASON_LENGTH if sequence.get("stop_reason") == "length" else pb().STOP_REASON_STOP
+        message.sequences.add(stop_reason=reason, tokens=_bytes("i", sequence["tokens"]),
+                              logprobs=_bytes("f", [float(v) for v in sequence["logprobs"]]))
+    if prompt_logprobs is not None:
+        message.prompt_logprobs = _bytes("f", [math.nan if v is None else float(v) for v in prompt_logprobs])
+    return message.SerializeToString()

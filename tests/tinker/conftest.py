@@ -1,0 +1,31 @@
+"""The real `tinker==0.38.0` SDK against a live Signal server (tests/helpers/live_server.py) on the tiny model.
+
+The SDK is imported here, in the test process, never by the server (app/ loads only its protobuf module by path).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from tests.helpers.live_server import LiveServer
+
+os.environ.setdefault("TINKER_TELEMETRY", "0")  # the SDK's telemetry loop: served as a no-op anyway
+
+
+@pytest.fixture(scope="module")
+def tinker_key(live_server: LiveServer) -> str:
+    """A fresh user's Signal key in Tinker's form: `tml-` followed by the whole key (`tml-sk-…`)."""
+    return "tml-" + live_server.new_user()
+
+
+@pytest.fixture(scope="module")
+def service_client(live_server: LiveServer, tinker_key: str) -> Iterator[Any]:
+    import tinker
+
+    client = tinker.ServiceClient(base_url=live_server.url, api_key=tinker_key)
+    yield client
+    client.holder.close() if hasattr(client, "holder") else None

@@ -1,0 +1,192 @@
+"""Tinker's SDK, unmodified, trains and samples against Signal's /api/v1 (docs/TINKER.md)."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+import textwrap
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.helpers.live_server import TINY_MODEL, LiveServer
+
+TOKENS = [1, 450, 2011, 310, 264, 1421, 29889, 13, 450, 4996]  # arbitrary ids within the tiny vocabulary
+
+
+def datum(tokens: list[int], **inputs: list[float]) -> Any:
+    """Tinker's datum: position i of model_input predicts target_tokens[i] (already shifted)."""
+    from tinker import types
+
+    return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                       loss_fn_inputs={"target_tokens": tokens[1:], **inputs})
+
+
+def as_list(tensor: Any) -> list[float]:
+    return [float(v) for v in tensor.tolist()]
+
+
+@pytest.fixture(scope="module")
+def training(service_client: Any) -> Any:
+    return service_client.create_lora_training_client(base_model=TINY_MODEL, rank=8, seed=3).result()
+
+
+def test_cross_entropy_step_and_sampling(service_client: Any, training: Any) -> None:
+    from tinker import types
+
+    weights = [1.0] * 4 + [0.5] * 5
+    out = training.forward_backward([datum(TOKENS, weights=weights)], "cross_entropy").result()
+    logprobs = as_list(out.loss_fn_outputs[0]["logprobs"])
+    assert len(logprobs) == len(TOKENS) - 1 and all(lp < 0 for lp in logprobs)
+    # Tinker's losses are sums: loss:sum == −Σ w·logprob, no normaliser.
+    assert out.metrics["loss:sum"] == pytest.approx(-sum(w * lp for w, lp in zip(weights, logprobs)), rel=1e-5)
+    step = training.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    assert step.metrics["step"] == 1.0
+
+    # Ephemeral sampler (save_weights_for_sampler with a sampling_session_seq_id), two samples with logprobs.
+    sampler = training.save_weights_and_get_sampling_client().result()
+    result = sampler.sample(prompt=types.ModelInput.from_ints(TOKENS[:4]), num_samples=2,
+                            sampling_params=types.SamplingParams(max_tokens=5, temperature=1.0, seed=7)).result()
+    assert len(result.sequences) == 2
+    for sequence in result.sequences:
+        assert 1 <= len(sequence.tokens) <= 5 and len(sequence.logprobs) == len(sequence.tokens)
+        assert all(lp <= 0 for lp in sequence.logprobs)
+        assert sequence.stop_reason in ("stop", "length")
+
+    # A named sampler checkpoint, then a sampling client from its path; prompt logprobs (NaN → None at 0).
+    path = training.save_weights_for_sampler("first").result().path
+    assert path == f"tinker://{training.model_id}/sampler_weights/first"
+    named = service_client.create_sampling_client(model_path=path).result()
+    scored = named.sample(prompt=types.ModelInput.from_ints(TOKENS[:5]), num_samples=1, include_prompt_logprobs=True,
+                          sampling_params=types.SamplingParams(max_tokens=1)).result()
+    assert scored.prompt_logprobs[0] is None and len(scored.prompt_logprobs) == 5
+    assert all(lp is not None and lp < 0 for lp in scored.prompt_logprobs[1:])
+
+
+def test_importance_sampling_through_the_wire(training: Any) -> None:
+    tokens = TOKENS[:8]
+    sampled = [-2.0, -1.5, -3.0, -2.5, -1.0, -2.0, -4.0]
+    advantages = [0.0, 0.0, 1.0, -0.5, 2.0, 1.0, 0.0]
+    out = training.forward_backward([datum(tokens, logprobs=sampled, advantages=advantages)],
+                                    "importance_sampling").result()
+    logprobs = as_list(out.loss_fn_outputs[0]["logprobs"])
+    expected = -sum(math.exp(lp - q) * a for lp, q, a in zip(logprobs, sampled, advantages))
+    assert out.metrics["loss:sum"] == pytest.approx(expected, rel=1e-4)
+
+
+def test_pipelined_and_split_batches(live_server: LiveServer, training: Any) -> None:
+    """A batch over fwdbwd_max_chunk_len (max_batch_size) goes as chunks 2..k first, then chunk 1 (§14): each
+    takes its number from seq_id, nothing waits at submit, and the outputs come back in datum order."""
+    from tinker import types
+
+    n = live_server.settings.max_batch_size + 1
+    data = [datum(TOKENS[: 4 + i % 5], weights=[1.0] * (3 + i % 5)) for i in range(n)]
+    forward = training.forward(data, "cross_entropy")
+    fb = training.forward_backward(data, "cross_entropy")
+    step = training.optim_step(types.AdamParams(learning_rate=1e-3))
+    before, after = forward.result(), fb.result()
+    assert len(after.loss_fn_outputs) == n
+    assert after.metrics["loss:sum"] == pytest.approx(before.metrics["loss:sum"], rel=1e-5)  # the pre-step loss
+    assert [len(o["logprobs"].tolist()) for o in after.loss_fn_outputs] == [3 + i % 5 for i in range(n)]
+    assert step.result().metrics["step"] >= 2.0
+
+
+def test_save_state_and_resume(service_client: Any, training: Any) -> None:
+    from tinker import types
+
+    path = training.save_state("resume").result().path
+    assert path == f"tinker://{training.model_id}/weights/resume"
+    probe = [datum(TOKENS, weights=[1.0] * 9)]
+    resumed = service_client.create_training_client_from_state_with_optimizer(path).result()
+    assert resumed.model_id.endswith(":train:1")
+    a = training.forward(probe, "cross_entropy").result().metrics["loss:sum"]
+    b = resumed.forward(probe, "cross_entropy").result().metrics["loss:sum"]
+    assert b == pytest.approx(a, rel=1e-5)
+    with pytest.raises(Exception, match="exists"):
+        training.save_state("resume").result()
+    assert resumed.optim_step(types.AdamParams(learning_rate=1e-3)).result().metrics["step"] >= 1.0
+
+
+def test_bad_key_is_refused(live_server: LiveServer) -> None:
+    import tinker
+
+    client = tinker.ServiceClient(base_url=live_server.url, api_key="tml-sk-not-a-real-key")
+    with pytest.raises(tinker.AuthenticationError):
+        client.create_lora_training_client(base_model=TINY_MODEL, rank=4).result()
+
+
+def test_a_bad_datum_fails_the_future_with_the_user_category(training: Any) -> None:
+    import tinker
+
+    bad = datum([1, 2, 10**8], weights=[1.0, 1.0])  # a token id outside the vocabulary
+    with pytest.raises(tinker.RequestFailedError) as failed:
+        training.forward_backward([bad], "cross_entropy").result()
+    assert failed.value.error_category.value == "user"
+
+
+def test_cookie_only_request_is_unauthenticated(live_server: LiveServer) -> None:
+    from tests.web.conftest import sign_in
+
+    visitor = sign_in(live_server)  # a real dashboard session cookie and its CSRF token
+    try:
+        answer = visitor.post("/api/v1/create_session", json={"tags": [], "sdk_version": "0.38.0"})
+        assert answer.status_code == 401 and "API key" in answer.json()["detail"]
+        assert answer.headers["content-type"] == "application/json"
+        assert int(answer.headers["content-length"]) == len(answer.content)
+    finally:
+        visitor.client.close()
+
+
+def test_unknown_endpoint_and_future(live_server: LiveServer, tinker_key: str) -> None:
+    headers = {"X-API-Key": tinker_key}
+    unknown = httpx.post(f"{live_server.url}/api/v1/create_custom_loss", json={}, headers=headers)
+    assert unknown.status_code == 404 and "create_custom_loss" in unknown.json()["detail"]
+    missing = httpx.post(f"{live_server.url}/api/v1/retrieve_future", json={"request_id": "nope"}, headers=headers)
+    assert missing.status_code == 404 and missing.json()["detail"]
+    garbage = httpx.post(f"{live_server.url}/api/v1/forward_backward", content=b"\xff\x00garbage",
+                         headers={**headers, "Content-Type": "application/x-protobuf"})
+    assert garbage.status_code == 400 and "ForwardBackwardRequest" in garbage.json()["detail"]
+
+
+def test_server_imports_neither_torch_nor_tinker(tiny_model_dir: str, tmp_path: Any) -> None:
+    """A fresh interpreter: create_app, then a session, a model and one forward_backward over /api/v1 in process."""
+    script = textwrap.dedent(f"""
+        import asyncio, sys
+        import httpx
+        from tests.helpers.live_server import settings_for, LiveServer
+        from app.server import create_app
+        settings = settings_for(__import__("pathlib").Path({str(tmp_path)!r}), {tiny_model_dir!r})
+        live = LiveServer.start(settings)
+        secret = "tml-" + live.new_user()
+        h = {{"X-API-Key": secret}}
+        post = lambda path, **kw: httpx.post(live.url + "/api/v1/" + path, headers={{**h, **kw.pop("headers", {{}})}},
+                                             timeout=120, **kw)
+        session = post("create_session", json={{"tags": []}}).json()["session_id"]
+        rid = post("create_model", json={{"session_id": session, "model_seq_id": 0, "base_model": "tiny-llama",
+                                          "lora_config": {{"rank": 4}}}}).json()["request_id"]
+        while post("retrieve_future", json={{"request_id": rid}}).json().get("type") == "try_again":
+            pass
+        from app.tinker import proto
+        pb = proto.pb()
+        req = pb.ForwardBackwardRequest(model_id=session + ":train:0", seq_id=1, loss_fn="cross_entropy")
+        d = req.data.add()
+        d.model_input.add().encoded_text.tokens = proto._bytes("i", [1, 2, 3])
+        d.loss_fn_inputs["target_tokens"].CopyFrom(pb.Tensor(dense=proto._bytes("q", [2, 3, 4]), dtype=pb.DTYPE_INT64))
+        d.loss_fn_inputs["weights"].CopyFrom(pb.Tensor(dense=proto._bytes("f", [1, 1, 1]), dtype=pb.DTYPE_FLOAT32))
+        rid = post("forward_backward", content=req.SerializeToString(),
+                   headers={{"Content-Type": "application/x-protobuf"}}).json()["request_id"]
+        while True:
+            answer = post("retrieve_future", json={{"request_id": rid}}, headers={{"Accept": "application/x-protobuf"}})
+            if "protobuf" in answer.headers["content-type"]:
+                break
+            assert answer.json().get("type") == "try_again", answer.text
+        out = pb.ForwardBackwardOutput.FromString(answer.content)
+        assert out.metrics["loss:sum"] > 0
+        live.stop()
+        print("torch" in sys.modules, "tinker" in sys.modules)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split()[-2:] == ["False", "False"]
