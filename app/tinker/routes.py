@@ -82,8 +82,8 @@ def endpoint(handler: Callable[[Request, User], Awaitable[Response | dict[str, A
             return error(410, f"session {exc} has finished")
         except SignalError as exc:
             status = http_status(exc)
-            if status >= 500 and isinstance(exc, (BadInput, FailedPrecondition)):
-                status = 400
+            if isinstance(exc, (BadInput, FailedPrecondition)):
+                status = 400  # the SDK's user error at submit (422 is fatal too; 400 is what the issue names)
             return error(status if status < 500 else 503, exc.message, "user" if status < 500 else "server")
         return answer if isinstance(answer, Response) else JSONResponse(answer)
 

@@ -106,6 +106,7 @@ def test_save_state_and_resume(service_client: Any, training: Any) -> None:
     assert b == pytest.approx(a, rel=1e-5)
     with pytest.raises(Exception, match="exists"):
         training.save_state("resume").result()
+    resumed.forward_backward(probe, "cross_entropy").result()
     assert resumed.optim_step(types.AdamParams(learning_rate=1e-3)).result().metrics["step"] >= 1.0
 
 
@@ -123,7 +124,7 @@ def test_a_bad_datum_fails_the_future_with_the_user_category(training: Any) -> N
     bad = datum([1, 2, 10**8], weights=[1.0, 1.0])  # a token id outside the vocabulary
     with pytest.raises(tinker.RequestFailedError) as failed:
         training.forward_backward([bad], "cross_entropy").result()
-    assert failed.value.error_category.value == "user"
+    assert failed.value.category.value == "user"
 
 
 def test_cookie_only_request_is_unauthenticated(live_server: LiveServer) -> None:
