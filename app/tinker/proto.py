@@ -116,7 +116,7 @@ def encode_forward_backward_output(outputs: list[dict[str, list[float]]], metric
                 offsets.append(len(data))
             record.fields[name].CopyFrom(pb().BatchedTensor(data=data, offsets=_bytes("q", offsets),
                                                             dtype=pb().DTYPE_FLOAT32))
-    return message.SerializeToString()
+    return bytes(message.SerializeToString())
 
 
 def encode_sample_response(sequences: list[dict[str, Any]], prompt_logprobs: list[float | None] | None) -> bytes:
@@ -129,4 +129,4 @@ def encode_sample_response(sequences: list[dict[str, Any]], prompt_logprobs: lis
                               logprobs=_bytes("f", [float(v) for v in sequence["logprobs"]]))
     if prompt_logprobs is not None:
         message.prompt_logprobs = _bytes("f", [math.nan if v is None else float(v) for v in prompt_logprobs])
-    return message.SerializeToString()
+    return bytes(message.SerializeToString())

@@ -38,6 +38,7 @@ KEY_PREFIX = "tml-"  # the SDK refuses keys without it: users send tml- + their 
 TINKER_LORA_ALPHA = 32.0
 SAMPLE_MAX_CONCURRENT_REQUESTS = 64  # sampling futures one client keeps in flight; each holds a long-poll
 Handler = Callable[[Request], Awaitable[Response]]
+UserHandler = Callable[[Request, User], Awaitable[Response | dict[str, Any]]]
 
 
 def error(status: int, message: str, category: str = "user") -> JSONResponse:
@@ -72,7 +73,7 @@ async def body(request: Request) -> dict[str, Any]:
     return value
 
 
-def endpoint(handler: Callable[[Request, User], Awaitable[Response | dict[str, Any]]], auth: bool = True) -> Handler:
+def endpoint(handler: UserHandler, auth: bool = True) -> Handler:
     """A handler's typed errors as JSON: 401 bad key, 400 unparsable or invalid input, 404 unknown ids."""
     async def wrapped(request: Request) -> Response:
         try:
@@ -427,7 +428,7 @@ async def unsupported(request: Request, user: User | None) -> Response:
 
 
 def routes() -> list[Route]:
-    post = {
+    post: dict[str, UserHandler] = {
         "client/config": client_config, "create_session": create_session, "session_heartbeat": session_heartbeat,
         "telemetry": telemetry, "create_model": create_model, "get_info": get_info,
         "forward_backward": forward_backward, "optim_step": optim_step, "save_weights": save_weights,

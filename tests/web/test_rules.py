@@ -14,6 +14,7 @@ from starlette.routing import Route
 from rewardsignal import SignalClient
 from tests.helpers.live_server import LiveServer
 from tests.web.conftest import Visitor, api_key_for, mint_login_link, sign_in
+from web.csrf import EXEMPT_PREFIXES
 
 BATCH = [{"input": "The quick brown fox", "output": " jumps over the lazy dog."}]
 
@@ -22,7 +23,8 @@ def state_changing_routes(server: LiveServer) -> list[tuple[str, str]]:
     """(method, concrete path) for every POST and DELETE route of the dashboard, read from the router."""
     found = []
     for route in server.app.routes:
-        if not isinstance(route, Route) or route.path.startswith("/graphql"):
+        # The API-key endpoints (/graphql, Tinker's /api/v1/, OpenAI's /v1/) are exempt: they never read the cookie.
+        if not isinstance(route, Route) or route.path.startswith(EXEMPT_PREFIXES):
             continue
         params = {name: "1" if type(conv).__name__ == "IntegerConvertor" else "x" * 32
                   for name, conv in route.param_convertors.items()}
