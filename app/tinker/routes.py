@@ -188,7 +188,7 @@ async def load_weights(request: Request, user: User) -> dict[str, Any]:
                 user, model.run_id or "", checkpoint, with_optimizer=optimizer, request_id=rid, order=order), request_id)
             return json_answer({"path": source.path, "type": "load_weights"})
 
-        row = await svc.tinker.submit(user, ("train", model.id, seq), "LoadWeights", load)
+        row = await submit_training(svc, user, model, seq, "LoadWeights", load)
         return future_answer(row)
     session_id = str(data.get("session_id", ""))
     await svc.tinker_sessions.open(user, session_id)
@@ -233,17 +233,32 @@ def tokenizer_id(svc: Services, name: str) -> str:
 async def ordered(svc: Services, model: TinkerModel, seq: int,
                   call: Callable[[Numbered, str], Awaitable[Any]], request_id: str) -> Any:
     """A training operation in its model's order: seq_id is its number in the pipeline named by the model id
-    (app/services/call_order.py), so chunks 2..k sent before chunk 1 wait in the background, never at submit.
-    An operation refused before it joined the run's queue still releases its number, so the next one goes on."""
-    order = Numbered(model.id, seq)
-    try:
-        return await call(order, request_id)
-    except FailedPrecondition:
-        raise  # the number's wait itself failed (a gap): nothing to release
-    except Exception:
-        with contextlib.suppress(FailedPrecondition):  # admitted already: returns at once; else after seq - 1
-            await svc.runs.order.admit(model.run_id or "", order)
-        raise
+    (app/services/call_order.py), so chunks 2..k sent before chunk 1 wait in the background, never at submit."""
+    return await call(Numbered(model.id, seq), request_id)
+
+
+async def submit_training(svc: Services, user: User, model: TinkerModel, seq: int, request_type: str,
+                          work: Callable[[str], Awaitable[tuple[str, bytes]]]) -> Any:
+    """A training operation's future, keyed (model_id, seq_id). One refused before it joined the run's queue (a bad
+    datum, an existing name) still releases its number, so the operation after it does not wait for it."""
+    async def released(request_id: str) -> tuple[str, bytes]:
+        try:
+            return await work(request_id)
+        except FailedPrecondition as exc:
+            if exc.field != "seq":  # a gap in the numbers: this one never joined, and nothing can release it
+                await release(svc, model, seq)
+            raise
+        except Exception:
+            await release(svc, model, seq)
+            raise
+
+    return await svc.tinker.submit(user, ("train", model.id, seq), request_type, released)
+
+
+async def release(svc: Services, model: TinkerModel, seq: int) -> None:
+    # Already admitted: returns at once. Else it waits (bounded) for seq - 1, then counts this number as joined.
+    with contextlib.suppress(FailedPrecondition):
+        await svc.runs.order.admit(model.run_id or "", Numbered(model.id, seq))
 
 
 async def forward_backward(request: Request, user: User) -> dict[str, Any]:
@@ -272,8 +287,7 @@ async def forward_backward(request: Request, user: User) -> dict[str, Any]:
         outputs = result.get("outputs") or []
         return PROTO_TYPE, proto.encode_forward_backward_output(outputs, {"loss:sum": loss})
 
-    row = await svc.tinker.submit(user, ("train", model.id, seq), "Forward" if forward_only else "ForwardBackward",
-                                  work)
+    row = await submit_training(svc, user, model, seq, "Forward" if forward_only else "ForwardBackward", work)
     return future_answer(row)
 
 
@@ -295,7 +309,7 @@ async def optim_step(request: Request, user: User) -> dict[str, Any]:
             "step": float(result["step"]), "grad_norm": float(result["grad_norm"]),
             "learning_rate": float(result["learning_rate"])}})
 
-    row = await svc.tinker.submit(user, ("train", model.id, seq), "OptimStep", work)
+    row = await submit_training(svc, user, model, seq, "OptimStep", work)
     return future_answer(row)
 
 
@@ -317,7 +331,7 @@ async def save(request: Request, user: User, kind: str) -> dict[str, Any]:
             # still joins the model's order, so the operations after it go on.
             sampling_seq = integer(data.get("sampling_session_seq_id"), "sampling_session_seq_id")
             the_id = sampling_session_id(session_of(model.id), sampling_seq)
-            await svc.runs.order.admit(model.run_id or "", Numbered(model.id, seq))
+            await release(svc, model, seq)
             await svc.tinker_sessions.map(user, the_id, model.session_id, "sample", model.run_id, model.base_model)
             return json_answer({"sampling_session_id": the_id, "type": "save_weights_for_sampler"})
         target = paths.TinkerPath(model.id, kind, name or "")
@@ -331,7 +345,7 @@ async def save(request: Request, user: User, kind: str) -> dict[str, Any]:
         return json_answer({"path": target.path, "type": "save_weights" if kind == "weights" else
                             "save_weights_for_sampler"})
 
-    row = await svc.tinker.submit(user, ("train", model.id, seq), request_type, work)
+    row = await submit_training(svc, user, model, seq, request_type, work)
     return future_answer(row)
 
 

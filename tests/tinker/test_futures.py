@@ -1,0 +1,95 @@
+"""The futures protocol on the wire itself (raw HTTP, as the SDK sends it): resubmissions, try_again, sessions."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.helpers.live_server import TINY_MODEL, LiveServer, settings_for
+
+POLL_S = 1.0  # SIGNAL_TINKER_POLL_S here, so a pending poll's try_again comes within the test's patience
+
+
+@pytest.fixture(scope="module")
+def live_server(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    server = LiveServer.start(settings_for(Path(tmp_path_factory.mktemp("tinker-futures")), tiny_model_dir,
+                                           tinker_poll_s=POLL_S))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def wire(live_server: LiveServer) -> Any:
+    headers = {"X-API-Key": "tml-" + live_server.new_user()}
+
+    def post(path: str, **kwargs: Any) -> httpx.Response:
+        return httpx.post(f"{live_server.url}/api/v1/{path}", headers=headers, timeout=60, **kwargs)
+
+    return post
+
+
+def result(wire: Any, request_id: str) -> dict[str, Any]:
+    while True:  # the SDK's loop: try_again is re-polled at once, the server holds each poll
+        answer = wire("retrieve_future", json={"request_id": request_id}).json()
+        if answer.get("type") != "try_again":
+            return dict(answer)
+
+
+@pytest.fixture(scope="module")
+def model(wire: Any) -> str:
+    session = wire("create_session", json={"tags": [], "display_name": "futures"}).json()["session_id"]
+    body = {"session_id": session, "model_seq_id": 0, "base_model": TINY_MODEL, "lora_config": {"rank": 4}}
+    first, again = wire("create_model", json=body).json(), wire("create_model", json=body).json()
+    # A resubmission (same session and model_seq_id) gets the first request_id, and creates no second run.
+    assert again["request_id"] == first["request_id"] and first["model_id"] == f"{session}:train:0"
+    assert result(wire, first["request_id"]) == {"model_id": f"{session}:train:0", "type": "create_model"}
+    return str(first["model_id"])
+
+
+def test_a_resubmitted_operation_keeps_its_request_id_whatever_the_body(wire: Any, model: str) -> None:
+    first = wire("optim_step", json={"model_id": model, "seq_id": 1, "adam_params": {"learning_rate": 1e-3}})
+    again = wire("optim_step", json={"model_id": model, "seq_id": 1, "adam_params": {"learning_rate": 0.5}})
+    assert first.status_code == again.status_code == 200
+    assert first.json()["request_id"] == again.json()["request_id"]
+    failed = result(wire, first.json()["request_id"])  # no forward_backward before it: the user's error
+    assert failed["category"] == "user" and "forward_backward" in failed["error"]
+
+
+def test_a_later_seq_id_never_waits_at_submit_and_polls_answer_try_again(wire: Any, model: str) -> None:
+    # seq 3 with seq 2 not yet sent: the POST answers at once; the operation waits for seq 2 in the background.
+    ahead = wire("optim_step", json={"model_id": model, "seq_id": 3, "adam_params": {}})
+    assert ahead.status_code == 200
+    poll = wire("retrieve_future", json={"request_id": ahead.json()["request_id"]})
+    assert poll.status_code == 200 and poll.json()["type"] == "try_again"
+
+
+def test_unknown_and_foreign_futures_are_404(live_server: LiveServer, wire: Any, model: str) -> None:
+    mine = wire("optim_step", json={"model_id": model, "seq_id": 1}).json()["request_id"]
+    other = {"X-API-Key": "tml-" + live_server.new_user()}
+    foreign = httpx.post(f"{live_server.url}/api/v1/retrieve_future", json={"request_id": mine}, headers=other)
+    assert foreign.status_code == 404 and foreign.json()["detail"]
+    unknown_model = httpx.post(f"{live_server.url}/api/v1/optim_step", json={"model_id": model, "seq_id": 9},
+                               headers=other)
+    assert unknown_model.status_code == 404
+
+
+def test_a_finished_session_answers_410(wire: Any) -> None:
+    session = wire("create_session", json={"tags": []}).json()["session_id"]
+    assert wire("session_heartbeat", json={"session_id": session}).json() == {"type": "session_heartbeat"}
+    assert wire(f"sessions/{session}/finish", json={"reason": {"type": "success"}}).status_code == 200
+    assert wire("session_heartbeat", json={"session_id": session}).status_code == 410
+    refused = wire("create_model", json={"session_id": session, "model_seq_id": 0, "base_model": TINY_MODEL})
+    assert refused.status_code == 410
+
+
+def test_client_config(live_server: LiveServer, wire: Any) -> None:
+    config = wire("client/config", json={"sdk_version": "0.38.0"}).json()
+    assert config == {"pjwt_auth_enabled": False, "fwdbwd_max_chunk_len": live_server.settings.max_batch_size,
+                      "fwdbwd_max_chunk_bytes_count": live_server.settings.max_request_bytes // 2,
+                      "proto_compress_fwdbwd": False, "sample_max_concurrent_requests": 64}
+    assert wire("telemetry", json={"events": []}).json() == {"status": "accepted"}
+    assert wire("client/dynamic_config", json={}).status_code == 404
