@@ -8,6 +8,7 @@ per tick, so other calls interleave with a long generation.
 from __future__ import annotations
 
 import time
+from typing import cast
 
 import torch
 
@@ -72,12 +73,14 @@ class Sampling:
         if call.messages is not None:
             if not isinstance(getattr(tokenizer, "chat_template", None), str):
                 raise BadInput("this model has no chat template: use /v1/completions with a prompt", field="messages")
-            ids = [int(t) for t in tokenizer.apply_chat_template(call.messages, tokenize=True, add_generation_prompt=True,
-                                                               return_dict=False)]
+            rendered = tokenizer.apply_chat_template(call.messages, tokenize=True, add_generation_prompt=True,
+                                                     return_dict=False)
+            ids = [int(t) for t in cast(list[int], rendered)]  # tokenize=True, one conversation: its ids
         texts = None if call.prompts is None else [list(tokenizer(p, add_special_tokens=True)["input_ids"])
                                                     for p in call.prompts]  # as prepare() tokenises a text prompt
         vocab = entry.renderer.vocab_size
-        pieces = [tokenizer.decode([t], skip_special_tokens=True) if t < vocab else "" for t in call.decode or []]
+        pieces = [cast(str, tokenizer.decode([t], skip_special_tokens=True)) if t < vocab else ""  # one id in, one str
+                  for t in call.decode or []]
         return RenderChatResult(prompt_tokens=ids, prompts_tokens=texts, pieces=pieces, context_length=entry.renderer.max_length,
                                 eos_token_ids=sorted(eos_ids(entry)))
 

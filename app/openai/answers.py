@@ -48,7 +48,7 @@ def kept(sequence: dict[str, Any], pieces: dict[int, str], eos: set[int]) -> int
 
 
 def choices(result: dict[str, Any], pieces: dict[int, str], eos: set[int]) -> list[Choice]:
-    out = []
+    out: list[Choice] = []
     for p, sequences in enumerate(result["sequences"]):
         for sequence in sequences:
             k = kept(sequence, pieces, eos)
