@@ -27,6 +27,7 @@ from gpu_runtime.contract.calls import (
     Method,
     OptimStep,
     Ping,
+    RenderChat,
     RenderDatums,
     RunCall,
     RunInfo,
@@ -41,6 +42,7 @@ from gpu_runtime.contract.results import (
     ForwardResult,
     LoadStateResult,
     OptimStepResult,
+    RenderChatResult,
     RenderDatumsResult,
     Result,
     RunDescription,
@@ -115,5 +117,5 @@ __all__ = [
     "switched_target_modules", "target_families", "MAX_TOPK_LOGPROBS", "Tokenizer", "TokenizerResult",
     "sampling_prompts", "stop_settings", "DATUM_INPUTS", "DATUM_KEYS", "DEFAULT_REDUCTION", "Forward",
     "ForwardResult", "LOSS_CONFIG_DEFAULTS", "REDUCTIONS", "PACKED_KEY", "PACKED_TOKENS", "RL_LOSSES", "RenderDatums",
-    "RenderDatumsResult", "loss_settings",
+    "RenderDatumsResult", "loss_settings", "RenderChat", "RenderChatResult",
 ]
