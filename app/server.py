@@ -48,6 +48,7 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None,
         app.state.started_at = time.time()
         await services.backend.start()
         await services.feed.start()
+        services.tinker.start()  # Tinker futures' owner heartbeat and shared poll
         if services.billing is not None:
             services.billing.start()  # deductions a stopped (or crashed) server still owed are sent now
         record(settings.data_dir, settings.resolved_public_url)  # what `signal login-link` prints links to

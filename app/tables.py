@@ -261,11 +261,12 @@ class TinkerFuture(Base):
     key_scope: Mapped[str] = mapped_column(String(TINKER_ID_LENGTH))
     key_seq: Mapped[int] = mapped_column(BigInteger)
     request_type: Mapped[str] = mapped_column(String(40))  # the SDK's X-Tinker-Request-Type names: ForwardBackward
-    state: Mapped[str] = mapped_column(String(10), default="pending")  # pending | done | failed
+    state: Mapped[str] = mapped_column(String(10), default="pending", index=True)  # pending | done | failed
     media_type: Mapped[str] = mapped_column(String(40), default="")  # the stored result's: protobuf or JSON
     result: Mapped[bytes | None] = mapped_column(LargeBinary, default=None)
     sample_sequence_ids: Mapped[list[Any]] = mapped_column(JSON, default=list)
     owner: Mapped[str] = mapped_column(String(64), default="")  # the process that runs it
+    heartbeat_at: Mapped[datetime] = mapped_column(default=utcnow)  # its owner's last sign of life
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     finished_at: Mapped[datetime | None] = mapped_column(default=None)
 

@@ -10,6 +10,7 @@ ForwardBackwardOutput and SampleResponse, JSON otherwise; a failure is stored as
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import math
@@ -21,7 +22,7 @@ from datetime import timedelta
 from typing import Any
 
 from sqlalchemy import select, update
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
 from app.db import Database
 from app.errors import NotFound, SignalError, http_status
@@ -33,8 +34,10 @@ JSON_TYPE = "application/json"
 PROTO_TYPE = "application/x-protobuf"
 POLL_SECONDS = 30.0  # a pending poll answers try_again after this (SIGNAL_TINKER_POLL_S); the SDK's timeout is 45 s
 POLL_SECONDS_MAX = 40.0
-RECHECK_SECONDS = 0.5  # how often a waiting poll re-reads its row: another process may have finished it
+SHARED_POLL_SECONDS = 0.5  # one query per process this often finds other processes' completions polls wait for
 RESULT_TTL = timedelta(hours=1)  # a finished future stays retrievable this long
+HEARTBEAT_SECONDS = 10.0  # each owner process marks its pending rows alive this often…
+OWNER_SILENCE = timedelta(seconds=60)  # …and a pending row whose owner has been silent this long fails (server)
 
 
 @dataclass(frozen=True)
@@ -58,8 +61,14 @@ class TinkerFutures:
         self.poll_seconds = min(poll_seconds, POLL_SECONDS_MAX)
         self.owner = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._done: dict[str, asyncio.Event] = {}  # request_id → set when this process stored its result
+        self._remote: dict[str, asyncio.Event] = {}  # another process's pending futures that polls here wait on
         self._tasks: set[asyncio.Task[None]] = set()
         self._closing = asyncio.Event()
+        self._background: list[asyncio.Task[None]] = []
+
+    def start(self) -> None:
+        """The owner heartbeat, and the shared poll that wakes waits on other processes' futures."""
+        self._background = [asyncio.create_task(self._heartbeat()), asyncio.create_task(self._shared_poll())]
 
     async def submit(self, user: User, key: tuple[str, str, int], request_type: str,
                      work: Callable[[str], Awaitable[tuple[str, bytes]]], samples: int = 0) -> TinkerFuture:
@@ -104,7 +113,8 @@ class TinkerFutures:
 
     async def retrieve(self, user: User, request_id: str) -> Answer | None:
         """The future's stored answer, waiting up to `poll_seconds` while it is pending (then None: try_again).
-        NotFound for ids unknown, expired or another user's."""
+        NotFound for ids unknown, expired or another user's. The wait holds no database connection: it is woken by
+        this process's completion, or by the shared poll that reads other processes' completions."""
         deadline = asyncio.get_running_loop().time() + self.poll_seconds
         while True:
             row = await self._row(request_id)
@@ -116,15 +126,46 @@ class TinkerFutures:
             remaining = deadline - asyncio.get_running_loop().time()
             if remaining <= 0 or self._closing.is_set():
                 return None
-            # This process's completion wakes it at once; another process's is seen at the next re-read.
-            event = self._done.get(request_id)
-            waits = [asyncio.ensure_future(self._closing.wait())]
-            if event is not None:
-                waits.append(asyncio.ensure_future(event.wait()))
-            _, pending = await asyncio.wait(waits, timeout=min(remaining, RECHECK_SECONDS),
-                                            return_when=asyncio.FIRST_COMPLETED)
+            event = self._done.get(request_id) or self._remote.setdefault(request_id, asyncio.Event())
+            waits = [asyncio.ensure_future(self._closing.wait()), asyncio.ensure_future(event.wait())]
+            _, pending = await asyncio.wait(waits, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
             for waiter in pending:
                 waiter.cancel()
+
+    async def _shared_poll(self) -> None:
+        """One query per SHARED_POLL_SECONDS for every future polled here that another process runs."""
+        while not self._closing.is_set():
+            await asyncio.sleep(SHARED_POLL_SECONDS)
+            waited = list(self._remote)
+            if not waited:
+                continue
+            try:
+                async with self.db.session() as session:
+                    finished = set(await session.scalars(select(TinkerFuture.request_id).where(
+                        TinkerFuture.request_id.in_(waited), TinkerFuture.state != "pending")))
+            except (SQLAlchemyError, OSError) as exc:  # a locked database: the next round asks again
+                log.warning("tinker futures: shared poll failed: %s", exc)
+                continue
+            for request_id in finished:
+                event = self._remote.pop(request_id, None)
+                if event is not None:
+                    event.set()
+
+    async def _heartbeat(self) -> None:
+        """Mark this process's pending rows alive; fail the pending rows of owners silent for OWNER_SILENCE."""
+        lost = json.dumps({"error": "the server process running this operation stopped", "category": "server"})
+        while not self._closing.is_set():
+            try:
+                now = utcnow()
+                async with self.db.session() as session:
+                    await session.execute(update(TinkerFuture).where(
+                        TinkerFuture.owner == self.owner, TinkerFuture.state == "pending").values(heartbeat_at=now))
+                    await session.execute(update(TinkerFuture).where(
+                        TinkerFuture.state == "pending", TinkerFuture.heartbeat_at < now - OWNER_SILENCE).values(
+                        state="failed", media_type=JSON_TYPE, result=lost.encode(), finished_at=now))
+            except (SQLAlchemyError, OSError) as exc:  # the next round tries again
+                log.warning("tinker futures: heartbeat failed: %s", exc)
+            await asyncio.sleep(HEARTBEAT_SECONDS)
 
     async def _row(self, request_id: str) -> TinkerFuture | None:
         if not could_be_id(request_id):
@@ -133,8 +174,14 @@ class TinkerFutures:
             return await session.get(TinkerFuture, request_id)
 
     async def close(self) -> None:
-        """Shutdown: pending polls answer try_again at once; running operations are left to finish or fail."""
+        """Shutdown: pending polls answer try_again at once; running operations are left to finish or fail (their
+        rows fail OWNER_SILENCE after this process's last heartbeat, if it never stores them)."""
         self._closing.set()
+        for task in self._background:
+            task.cancel()
+        for task in self._background:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
 
 
 def json_answer(value: dict[str, Any]) -> tuple[str, bytes]:

@@ -58,12 +58,14 @@ def upgrade() -> None:
         sa.Column('result', sa.LargeBinary(), nullable=True),
         sa.Column('sample_sequence_ids', sa.JSON(), nullable=False),
         sa.Column('owner', sa.String(length=64), nullable=False),
+        sa.Column('heartbeat_at', sa.DateTime(timezone=True), nullable=False),
         sa.Column('created_at', sa.DateTime(timezone=True), nullable=False),
         sa.Column('finished_at', sa.DateTime(timezone=True), nullable=True),
         sa.ForeignKeyConstraint(['user_id'], ['users.id'], ondelete='CASCADE'),
         sa.PrimaryKeyConstraint('request_id'),
     )
     op.create_index('ix_tinker_futures_user_id', 'tinker_futures', ['user_id'])
+    op.create_index('ix_tinker_futures_state', 'tinker_futures', ['state'])
     op.create_index('ix_tinker_futures_key', 'tinker_futures', ['key_kind', 'key_scope', 'key_seq'], unique=True)
 
 

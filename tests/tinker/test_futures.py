@@ -29,6 +29,7 @@ def wire(live_server: LiveServer) -> Any:
     def post(path: str, **kwargs: Any) -> httpx.Response:
         return httpx.post(f"{live_server.url}/api/v1/{path}", headers=headers, timeout=60, **kwargs)
 
+    post.headers = headers  # type: ignore[attr-defined]  # the key, for requests to another server
     return post
 
 
@@ -93,3 +94,24 @@ def test_client_config(live_server: LiveServer, wire: Any) -> None:
                       "proto_compress_fwdbwd": False, "sample_max_concurrent_requests": 64}
     assert wire("telemetry", json={"events": []}).json() == {"status": "accepted"}
     assert wire("client/dynamic_config", json={}).status_code == 404
+
+
+def test_submit_through_one_server_and_retrieve_through_another(live_server: LiveServer, wire: Any, model: str,
+                                                                tmp_path: Path, tiny_model_dir: str) -> None:
+    """Two server processes on one database: the second reads the row the first stores (its shared poll wakes
+    the waiting poll), with nothing of the future in its memory."""
+    other = LiveServer.start(settings_for(tmp_path, tiny_model_dir, database_url=live_server.settings
+                                          .resolved_database_url, tinker_poll_s=POLL_S), wait_for_runtime=False)
+    try:
+        session = wire("create_session", json={"tags": []}).json()["session_id"]
+        submitted = wire("create_model", json={"session_id": session, "model_seq_id": 0, "base_model": TINY_MODEL,
+                                               "lora_config": {"rank": 4, "train_mlp": False}}).json()
+        via_other = httpx.post(f"{other.url}/api/v1/retrieve_future", json={"request_id": submitted["request_id"]},
+                               headers=wire.headers, timeout=60)
+        while via_other.json().get("type") == "try_again":
+            via_other = httpx.post(f"{other.url}/api/v1/retrieve_future",
+                                   json={"request_id": submitted["request_id"]}, headers=wire.headers, timeout=60)
+        assert via_other.status_code == 200
+        assert via_other.json() == {"model_id": f"{session}:train:0", "type": "create_model"}
+    finally:
+        other.stop()
