@@ -7,7 +7,7 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from sqlalchemy import update
+from sqlalchemy import func, select, update
 from sqlalchemy.exc import IntegrityError
 
 from app.db import Database
@@ -82,6 +82,15 @@ class TinkerSessions:
             raise NotFound(f"{what} {tinker_id!r} not found", field="model_id" if kind == "train" else
                            "sampling_session_id")
         return row
+
+
+    async def models(self, user: User, limit: int, offset: int) -> tuple[list[TinkerModel], int]:
+        """The caller's training models, newest first, and how many there are."""
+        query = select(TinkerModel).where(TinkerModel.user_id == user.id, TinkerModel.kind == "train")
+        async with self.db.session() as session:
+            total = await session.scalar(select(func.count()).select_from(query.subquery()))
+            rows = await session.scalars(query.order_by(TinkerModel.created_at.desc()).limit(limit).offset(offset))
+            return list(rows), int(total or 0)
 
 
 def model_id(session_id: str, model_seq_id: int) -> str:

@@ -26,7 +26,7 @@ from app.services.runs import RunSpec, SampleParams
 from app.services.tinker_futures import PROTO_TYPE, json_answer
 from app.services.tinker_sessions import SessionFinished, model_id, sampling_session_id, session_of
 from app.tables import TinkerModel, User
-from app.tinker import paths, proto
+from app.tinker import paths, proto, rest
 from gpu_runtime.contract.settings import MAX_TOKENS_LIMIT
 from gpu_runtime.errors import FailedPrecondition
 
@@ -436,6 +436,10 @@ async def retrieve_future(request: Request, user: User) -> Response:
     return Response(answer.body, media_type=answer.media_type)
 
 
+async def weights_info(request: Request, user: User) -> dict[str, Any]:
+    return await rest.weights_info(request, user, await body(request))
+
+
 async def unsupported(request: Request, user: User | None) -> Response:
     return error(404, f"{request.method} {request.url.path} is not supported by Signal's Tinker endpoint "
                  "(docs/TINKER.md lists what is)")
@@ -454,6 +458,16 @@ def routes() -> list[Route]:
         Route(f"{PREFIX}/sessions/{{session_id}}/finish", endpoint(finish_session), methods=["POST"]),
         Route(f"{PREFIX}/samplers/{{sampler_id}}", endpoint(get_sampler), methods=["GET"]),
         Route(f"{PREFIX}/healthz", endpoint(healthz, auth=False), methods=["GET"]),
+        # The REST surface (RestClient, the tinker CLI). Checkpoint ids hold a '/': the :path route comes after the
+        # fixed ones, and the model id segment cannot hold a '/'.
+        Route(f"{PREFIX}/weights_info", endpoint(weights_info), methods=["POST"]),
+        Route(f"{PREFIX}/get_server_capabilities", endpoint(rest.server_capabilities), methods=["GET"]),
+        Route(f"{PREFIX}/checkpoints", endpoint(rest.list_user_checkpoints), methods=["GET"]),
+        Route(f"{PREFIX}/training_runs", endpoint(rest.list_training_runs), methods=["GET"]),
+        Route(f"{PREFIX}/training_runs/{{model_id}}", endpoint(rest.get_training_run), methods=["GET"]),
+        Route(f"{PREFIX}/training_runs/{{model_id}}/checkpoints", endpoint(rest.list_checkpoints), methods=["GET"]),
+        Route(f"{PREFIX}/training_runs/{{model_id}}/checkpoints/{{checkpoint_id:path}}",
+              endpoint(rest.delete_checkpoint), methods=["DELETE"]),
         # Last: anything else under /api/v1 is 404 JSON naming it (a 404 on client/dynamic_config means defaults).
         Route(PREFIX + "/{rest:path}", endpoint(unsupported, auth=False),
               methods=["GET", "POST", "PUT", "DELETE", "PATCH"]),

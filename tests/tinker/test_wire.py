@@ -196,3 +196,24 @@ def test_server_imports_neither_torch_nor_tinker(tiny_model_dir: str, tmp_path: 
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split()[-2:] == ["False", "False"]
+
+
+def test_rest_client_lists_and_deletes_checkpoints(live_server: LiveServer, tinker_key: str, training: Any) -> None:
+    import tinker
+
+    rest = tinker.RestClient(base_url=live_server.url, api_key=tinker_key)
+    names = {m.model_name for m in rest.get_server_capabilities().result().supported_models}
+    assert TINY_MODEL in names
+    training.save_weights_for_sampler("doomed").result()
+    listed = {c.checkpoint_id: c for c in rest.list_checkpoints(training.model_id).result().checkpoints}
+    assert listed["sampler_weights/doomed"].checkpoint_type == "sampler"
+    assert listed["sampler_weights/doomed"].tinker_path == f"tinker://{training.model_id}/sampler_weights/doomed"
+    run = rest.get_training_run(training.model_id).result()
+    assert run.training_run_id == training.model_id and run.lora_rank == 8 and run.is_lora
+    assert training.model_id in {r.training_run_id for r in rest.list_training_runs().result().training_runs}
+    info = rest.get_weights_info_by_tinker_path(listed["sampler_weights/doomed"].tinker_path).result()
+    assert (info.base_model, info.lora_rank, info.train_attn, info.train_mlp, info.train_unembed) == (
+        TINY_MODEL, 8, True, True, True)  # the SDK's defaults: all three switches
+    rest.delete_checkpoint(training.model_id, "sampler_weights/doomed").result()
+    after = {c.checkpoint_id for c in rest.list_checkpoints(training.model_id).result().checkpoints}
+    assert "sampler_weights/doomed" not in after and "sampler_weights/first" in after

@@ -1,0 +1,131 @@
+"""Tinker's REST surface (RestClient, the `tinker` CLI): server capabilities, training runs, checkpoint listing and
+deletion, weights_info. Read-mostly views of the caller's models and their Signal checkpoints."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from starlette.requests import Request
+
+from app.errors import BadInput, NotFound
+from app.services import Services
+from app.tables import Checkpoint, Run, TinkerModel, User
+from app.tinker import paths
+from gpu_runtime.contract import target_families
+
+KINDS = {mode: kind for kind, mode in paths.MODES.items()}  # Signal's mode → Tinker's path segment
+TYPES = {"weights": "training", "sampler_weights": "sampler"}
+PAGE_MOST = 1000
+
+
+def services(request: Request) -> Services:
+    return request.app.state.services  # type: ignore[no-any-return]  # Starlette's state is untyped
+
+
+def page(request: Request) -> tuple[int, int]:
+    try:
+        limit = int(request.query_params.get("limit", 20))
+        offset = int(request.query_params.get("offset", 0))
+    except ValueError:
+        raise BadInput("limit and offset must be integers", field="limit") from None
+    return max(1, min(limit, PAGE_MOST)), max(0, offset)
+
+
+def checkpoint(model: TinkerModel, row: Checkpoint) -> dict[str, Any] | None:
+    kind = KINDS.get(row.mode)
+    if kind is None or not paths.NAME.match(row.name):
+        return None  # a merged export, or a name Tinker paths cannot carry
+    return {"checkpoint_id": f"{kind}/{row.name}", "checkpoint_type": TYPES[kind], "time": row.created_at.isoformat(),
+            "tinker_path": f"tinker://{model.id}/{kind}/{row.name}", "size_bytes": int(row.size_bytes),
+            "public": False}
+
+
+def switches(run: Run) -> dict[str, bool]:
+    return target_families(run.lora_config.get("target_modules"))
+
+
+async def training_run(svc: Services, user: User, model: TinkerModel) -> dict[str, Any]:
+    run = await svc.runs.get(user, model.run_id or "")
+    saved = [c for c in (checkpoint(model, row) for row in await svc.runs.checkpoints(run)) if c is not None]
+    last = {t: next((c for c in reversed(saved) if c["checkpoint_type"] == t), None) for t in ("training", "sampler")}
+    answer = {"training_run_id": model.id, "base_model": model.base_model, "model_owner": user.email, "is_lora": True,
+              "corrupted": run.status == "failed", "lora_rank": int(run.lora_config.get("r", 0)),
+              "last_request_time": run.updated_at.isoformat()}
+    if last["training"]:
+        answer["last_checkpoint"] = last["training"]
+    if last["sampler"]:
+        answer["last_sampler_checkpoint"] = last["sampler"]
+    return answer
+
+
+async def server_capabilities(request: Request, user: User) -> dict[str, Any]:
+    return {"supported_models": [
+        {"model_name": m.name, "max_context_length": m.context_length, "trainable": m.available,
+         "sampleable": m.available} for m in services(request).catalog.list()]}
+
+
+async def list_training_runs(request: Request, user: User) -> dict[str, Any]:
+    svc = services(request)
+    limit, offset = page(request)
+    models, total = await svc.tinker_sessions.models(user, limit, offset)
+    runs = []
+    for model in models:
+        try:
+            runs.append(await training_run(svc, user, model))
+        except NotFound:
+            continue  # its run was deleted
+    return {"training_runs": runs, "cursor": {"offset": offset, "limit": limit, "total_count": total}}
+
+
+async def get_training_run(request: Request, user: User) -> dict[str, Any]:
+    svc = services(request)
+    return await training_run(svc, user, await svc.tinker_sessions.model(user, request.path_params["model_id"]))
+
+
+async def list_checkpoints(request: Request, user: User) -> dict[str, Any]:
+    svc = services(request)
+    model = await svc.tinker_sessions.model(user, request.path_params["model_id"])
+    run = await svc.runs.get(user, model.run_id or "")
+    rows = [checkpoint(model, row) for row in await svc.runs.checkpoints(run)]
+    return {"checkpoints": [c for c in rows if c is not None]}
+
+
+async def list_user_checkpoints(request: Request, user: User) -> dict[str, Any]:
+    svc = services(request)
+    limit, offset = page(request)
+    models, _ = await svc.tinker_sessions.models(user, PAGE_MOST, 0)
+    found: list[dict[str, Any]] = []
+    for model in models:
+        try:
+            run = await svc.runs.get(user, model.run_id or "")
+        except NotFound:
+            continue
+        found += [c for c in (checkpoint(model, row) for row in await svc.runs.checkpoints(run)) if c is not None]
+    found.sort(key=lambda c: c["time"], reverse=True)
+    return {"checkpoints": found[offset:offset + limit],
+            "cursor": {"offset": offset, "limit": limit, "total_count": len(found)}}
+
+
+async def delete_checkpoint(request: Request, user: User) -> dict[str, Any]:
+    svc = services(request)
+    model = await svc.tinker_sessions.model(user, request.path_params["model_id"])
+    kind, _, name = str(request.path_params["checkpoint_id"]).partition("/")
+    if kind not in paths.MODES:
+        raise NotFound(f"checkpoint {request.path_params['checkpoint_id']!r} not found", field="checkpoint_id")
+    run = await svc.runs.get(user, model.run_id or "")
+    row = next((c for c in await svc.runs.checkpoints(run) if c.mode == paths.MODES[kind] and c.name == name), None)
+    if row is None:
+        raise NotFound(f"checkpoint {kind}/{name} of {model.id} not found", field="checkpoint_id")
+    await svc.runs.delete_checkpoint(user, run.id, str(row.id))
+    return {}
+
+
+async def weights_info(request: Request, user: User, data: dict[str, Any]) -> dict[str, Any]:
+    svc = services(request)
+    source = paths.parse(data.get("tinker_path"), "tinker_path")
+    model = await svc.tinker_sessions.model(user, source.model_id)
+    run = await svc.runs.get(user, model.run_id or "")
+    if not any(c.mode == source.mode and c.name == source.name for c in await svc.runs.checkpoints(run)):
+        raise NotFound(f"checkpoint {source.path} not found", field="tinker_path")
+    return {"base_model": model.base_model, "is_lora": True, "lora_rank": int(run.lora_config.get("r", 0)),
+            **switches(run), "optimizer_config": {"type": "adamw"}}
