@@ -66,15 +66,41 @@ def test_cross_entropy_step_and_sampling(service_client: Any, training: Any) -> 
     assert all(lp is not None and lp < 0 for lp in scored.prompt_logprobs[1:])
 
 
-def test_importance_sampling_through_the_wire(training: Any) -> None:
+def ratio_loss(loss_fn: str, logprobs: list[float], sampled: list[float], advantages: list[float]) -> float:
+    """Tinker's formulas (research note §9), summed over positions."""
+    ratios = [math.exp(lp - q) for lp, q in zip(logprobs, sampled)]
+    if loss_fn == "importance_sampling":
+        return -sum(r * a for r, a in zip(ratios, advantages))
+    return -sum(min(r * a, min(max(r, 0.8), 1.2) * a) for r, a in zip(ratios, advantages))  # ppo, clip 0.8/1.2
+
+
+@pytest.mark.parametrize("loss_fn", ["importance_sampling", "ppo"])
+def test_rl_losses_through_the_wire(training: Any, loss_fn: str) -> None:
     tokens = TOKENS[:8]
     sampled = [-2.0, -1.5, -3.0, -2.5, -1.0, -2.0, -4.0]
-    advantages = [0.0, 0.0, 1.0, -0.5, 2.0, 1.0, 0.0]
-    out = training.forward_backward([datum(tokens, logprobs=sampled, advantages=advantages)],
-                                    "importance_sampling").result()
+    advantages = [0.0, 0.0, 1.0, -0.5, 2.0, 1.0, 0.0]  # no weights: zero advantages mask (rl_loop pads with them)
+    out = training.forward_backward([datum(tokens, logprobs=sampled, advantages=advantages)], loss_fn).result()
     logprobs = as_list(out.loss_fn_outputs[0]["logprobs"])
-    expected = -sum(math.exp(lp - q) * a for lp, q, a in zip(logprobs, sampled, advantages))
-    assert out.metrics["loss:sum"] == pytest.approx(expected, rel=1e-4)
+    assert out.metrics["loss:sum"] == pytest.approx(ratio_loss(loss_fn, logprobs, sampled, advantages), rel=1e-4)
+
+
+def test_stops_and_compute_logprobs(training: Any) -> None:
+    from tinker import types
+
+    sampler = training.save_weights_and_get_sampling_client().result()
+    prompt = types.ModelInput.from_ints(TOKENS[:4])
+    free = sampler.sample(prompt=prompt, num_samples=1, sampling_params=types.SamplingParams(
+        max_tokens=6, temperature=0.0, stop=[])).result().sequences[0]  # []: EOS does not stop either
+    assert free.stop_reason == "length" and len(free.tokens) == 6
+    stop_id = free.tokens[2]
+    stopped = sampler.sample(prompt=prompt, num_samples=1, sampling_params=types.SamplingParams(
+        max_tokens=6, temperature=0.0, stop=[stop_id])).result().sequences[0]
+    # Greedy, so the same tokens; the stop token is included and ends the sequence at its first occurrence.
+    first = free.tokens.index(stop_id)
+    assert stopped.stop_reason == "stop" and stopped.tokens == free.tokens[:first + 1]
+    assert stopped.logprobs == pytest.approx(free.logprobs[:first + 1], abs=1e-4)
+    scores = sampler.compute_logprobs(types.ModelInput.from_ints(TOKENS)).result()
+    assert scores[0] is None and len(scores) == len(TOKENS) and all(s is not None and s < 0 for s in scores[1:])
 
 
 def test_pipelined_and_split_batches(live_server: LiveServer, training: Any) -> None:
@@ -107,6 +133,9 @@ def test_save_state_and_resume(service_client: Any, training: Any) -> None:
     assert b == pytest.approx(a, rel=1e-5)
     with pytest.raises(Exception, match="exists"):
         training.save_state("resume").result()
+    with pytest.warns(FutureWarning):  # the deprecated in-place load: a body with model_id and seq_id
+        training.load_state(path).result()
+    assert training.forward(probe, "cross_entropy").result().metrics["loss:sum"] == pytest.approx(a, rel=1e-5)
     resumed.forward_backward(probe, "cross_entropy").result()
     assert resumed.optim_step(types.AdamParams(learning_rate=1e-3)).result().metrics["step"] >= 1.0
 
