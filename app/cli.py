@@ -218,6 +218,7 @@ async def _keys_create(db: Database, email: str, name: str) -> int:
     if created:
         print(f"created user {user.email}", file=sys.stderr)
     print(f"created key {key.id} ({key.prefix}…) for {user.email}; the secret is shown this once:", file=sys.stderr)
+    print(f"(for Tinker's SDK: TINKER_API_KEY=tml-{secret}; docs/TINKER.md)", file=sys.stderr)
     print(secret)
     return 0
 
@@ -241,6 +242,7 @@ async def _keys_list(db: Database, email: str) -> int:
 async def _keys_revoke(db: Database, email: str, ident: str) -> int:
     user = await _existing_user(db, email)
     keys = KeyService(db)
+    ident = ident.removeprefix("tml-")  # the Tinker form of a key (tml-sk-…) names the same key
     matches = [key for key in await keys.list(user) if key.id == ident or key.prefix == ident]
     if len(matches) != 1:
         print(f"error: no single key of {user.email} has id or prefix {ident!r}", file=sys.stderr)

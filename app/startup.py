@@ -74,4 +74,5 @@ def login_url(base_url: str, token: str) -> str:
 
 
 def admin_key_notice(secret: str) -> str:
-    return f"Created a local admin user and its API key (shown this once):\n\n    SIGNAL_API_KEY={secret}\n"
+    return (f"Created a local admin user and its API key (shown this once):\n\n    SIGNAL_API_KEY={secret}\n"
+            f"    TINKER_API_KEY=tml-{secret}   (the same key, for Tinker's SDK: docs/TINKER.md)\n")

@@ -246,3 +246,34 @@ def test_rest_client_lists_and_deletes_checkpoints(live_server: LiveServer, tink
     rest.delete_checkpoint(training.model_id, "sampler_weights/doomed").result()
     after = {c.checkpoint_id for c in rest.list_checkpoints(training.model_id).result().checkpoints}
     assert "sampler_weights/doomed" not in after and "sampler_weights/first" in after
+
+
+def test_a_key_revoked_by_its_tinker_form_is_refused(live_server: LiveServer) -> None:
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+
+    import tinker
+
+    from app.cli import _keys_revoke
+    from app.db import Database
+    from app.security import display_prefix
+
+    email = "revoked-tinker@example.com"
+    secret = live_server.new_user(email)
+    client = tinker.ServiceClient(base_url=live_server.url, api_key="tml-" + secret)
+    client.create_lora_training_client(base_model=TINY_MODEL, rank=4).result()  # the key works
+
+    async def revoke() -> int:
+        db = Database(live_server.settings.resolved_database_url)
+        try:  # `signal keys revoke tml-sk-…` names the key by its Tinker form's prefix
+            return await _keys_revoke(db, email, "tml-" + display_prefix(secret))
+        finally:
+            await db.dispose()
+
+    with ThreadPoolExecutor(1) as pool:
+        assert pool.submit(asyncio.run, revoke()).result() == 0
+    started = time.monotonic()
+    with pytest.raises(tinker.AuthenticationError):
+        tinker.ServiceClient(base_url=live_server.url, api_key="tml-" + secret).create_lora_training_client(
+            base_model=TINY_MODEL, rank=4).result()
+    assert time.monotonic() - started < 10
