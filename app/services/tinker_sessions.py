@@ -73,10 +73,20 @@ class TinkerSessions:
             return await self.model(user, tinker_id, kind)
         return row
 
-    async def model(self, user: User, tinker_id: str, kind: str = "train") -> TinkerModel:
-        """The caller's model (kind "train") or sampling session (kind "sample"); another user's is not found."""
-        async with self.db.session() as session:
-            row = await session.get(TinkerModel, tinker_id) if 0 < len(tinker_id) <= TINKER_ID_LENGTH else None
+    async def model(self, user: User, tinker_id: str, kind: str = "train", live: bool = False) -> TinkerModel:
+        """The caller's model (kind "train") or sampling session (kind "sample"); another user's is not found.
+        `live`: for an operation, which a finished session refuses (its paths stay readable and loadable)."""
+        row, finished = None, None
+        if 0 < len(tinker_id) <= TINKER_ID_LENGTH:
+            async with self.db.session() as session:
+                found = (await session.execute(
+                    select(TinkerModel, TinkerSession.finished_at).join(
+                        TinkerSession, TinkerSession.id == TinkerModel.session_id, isouter=True)
+                    .where(TinkerModel.id == tinker_id))).first()
+            if found is not None:
+                row, finished = found
+        if row is not None and row.user_id == user.id and live and finished is not None:
+            raise SessionFinished(row.session_id)
         if row is None or row.user_id != user.id or row.kind != kind:
             what = "model" if kind == "train" else "sampling session"
             raise NotFound(f"{what} {tinker_id!r} not found", field="model_id" if kind == "train" else

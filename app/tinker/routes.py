@@ -179,7 +179,7 @@ async def load_weights(request: Request, user: User) -> dict[str, Any]:
     source = paths.parse(data.get("path"))
     optimizer = bool(data.get("optimizer", False))
     if "model_id" in data:  # the deprecated TrainingClient.load_state
-        model = await svc.tinker_sessions.model(user, str(data["model_id"]))
+        model = await svc.tinker_sessions.model(user, str(data["model_id"]), live=True)
         seq = integer(data.get("seq_id"), "seq_id", 1)
 
         async def load(request_id: str) -> tuple[str, bytes]:
@@ -268,7 +268,7 @@ async def forward_backward(request: Request, user: User) -> dict[str, Any]:
         raise BadInput("Content-Encoding is not supported (the server sets proto_compress_fwdbwd false)", field="body")
     message = proto.decode_forward_backward(await request.body())
     svc = services(request)
-    model = await svc.tinker_sessions.model(user, message["model_id"])
+    model = await svc.tinker_sessions.model(user, message["model_id"], live=True)
     seq = integer(message["seq_id"], "seq_id", 1)
     forward_only = message["forward_only"]
 
@@ -294,7 +294,7 @@ async def forward_backward(request: Request, user: User) -> dict[str, Any]:
 async def optim_step(request: Request, user: User) -> dict[str, Any]:
     data = await body(request)
     svc = services(request)
-    model = await svc.tinker_sessions.model(user, str(data.get("model_id", "")))
+    model = await svc.tinker_sessions.model(user, str(data.get("model_id", "")), live=True)
     seq = integer(data.get("seq_id"), "seq_id", 1)
     adam = data.get("adam_params") or {}
     if "optimizer_params" in data and (data["optimizer_params"] or {}).get("type", "adamw") != "adamw":
@@ -318,7 +318,7 @@ async def save(request: Request, user: User, kind: str) -> dict[str, Any]:
     ephemeral: a sampling session on the run)."""
     data = await body(request)
     svc = services(request)
-    model = await svc.tinker_sessions.model(user, str(data.get("model_id", "")))
+    model = await svc.tinker_sessions.model(user, str(data.get("model_id", "")), live=True)
     seq = integer(data.get("seq_id"), "seq_id", 1)
     ephemeral = kind == "sampler_weights" and data.get("path") is None
     name = None if ephemeral else paths.check_name(data.get("path"))
@@ -411,7 +411,7 @@ def sample_params(data: dict[str, Any]) -> SampleParams:
 async def asample(request: Request, user: User) -> dict[str, Any]:
     data = await body(request)
     svc = services(request)
-    sampler = await svc.tinker_sessions.model(user, str(data.get("sampling_session_id", "")), "sample")
+    sampler = await svc.tinker_sessions.model(user, str(data.get("sampling_session_id", "")), "sample", live=True)
     seq = integer(data.get("seq_id", 0), "seq_id")
     num_samples = integer(data.get("num_samples", 1), "num_samples", 1)
     params = sample_params(data)

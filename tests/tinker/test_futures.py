@@ -87,6 +87,18 @@ def test_a_finished_session_answers_410(wire: Any) -> None:
     assert refused.status_code == 410
 
 
+def test_a_finished_sessions_model_refuses_operations_but_its_info_stays(wire: Any) -> None:
+    session = wire("create_session", json={"tags": []}).json()["session_id"]
+    created = wire("create_model", json={"session_id": session, "model_seq_id": 0, "base_model": TINY_MODEL,
+                                         "lora_config": {"rank": 4}}).json()
+    result(wire, created["request_id"])
+    wire(f"sessions/{session}/finish", json={"reason": {"type": "success"}})
+    refused = wire("optim_step", json={"model_id": created["model_id"], "seq_id": 1})
+    assert refused.status_code == 410 and session in refused.json()["detail"]
+    info = wire("get_info", json={"model_id": created["model_id"]}).json()
+    assert info["model_data"]["model_name"] == TINY_MODEL and info["lora_rank"] == 4
+
+
 def test_client_config(live_server: LiveServer, wire: Any) -> None:
     config = wire("client/config", json={"sdk_version": "0.38.0"}).json()
     assert config == {"pjwt_auth_enabled": False, "fwdbwd_max_chunk_len": live_server.settings.max_batch_size,
