@@ -26,7 +26,7 @@ from gpu_runtime.contract import LORA_DEFAULTS
 
 FRAMEWORKS = ("transformers", "unsloth")
 _FIELDS = {"name", "family", "parameters", "offline", "description", "path", "gpu", "context_length", "framework",
-           "quantization_allowed", "quantized", "vocab_size"}
+           "quantization_allowed", "quantized", "vocab_size", "tokenizer"}
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,7 @@ class CatalogModel:
     quantized: str | None = None  # "4bit" / "8bit": the published weights are already quantized (bitsandbytes)
     unavailable: str | None = None  # why runs cannot use it here (a framework missing), or None
     vocab_size: int | None = None  # the unembedding's rows, for the fit of LoRA on lm_head (None: an estimate)
+    tokenizer: str | None = None  # the tokenizer's Hub id, where it is not the name (Tinker's get_info tokenizer_id)
 
     @property
     def source(self) -> str:
@@ -161,6 +162,9 @@ def _parse_entry(entry: Any, source: Path, frameworks: Collection[str]) -> Catal
         quantized = parse_quantization(entry.get("quantized"), field="quantized")
     except BadInput as error:
         raise bad(error.message) from None
+    tokenizer = entry.get("tokenizer")
+    if tokenizer is not None and (not isinstance(tokenizer, str) or not tokenizer or ":" in tokenizer):
+        raise bad(f"tokenizer must be a Hub id or a directory without ':', got {tokenizer!r}")
     vocab_size = entry.get("vocab_size")
     if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size <= 0):
         raise bad(f"vocab_size must be a positive integer, got {vocab_size!r}")
@@ -187,4 +191,5 @@ def _parse_entry(entry: Any, source: Path, frameworks: Collection[str]) -> Catal
         quantized=quantized,
         unavailable=unavailable,
         vocab_size=vocab_size,
+        tokenizer=tokenizer,
     )

@@ -224,8 +224,8 @@ async def get_info(request: Request, user: User) -> dict[str, Any]:
 
 
 def tokenizer_id(svc: Services, name: str) -> str:
-    # The catalogue's name (the SDK cuts a tokenizer id at its first ':', so none may hold one).
-    return name.split(":", 1)[0]
+    # The catalogue's `tokenizer`, else the model's name (the SDK cuts a tokenizer id at its first ':').
+    return (svc.catalog.get(name).tokenizer or name).split(":", 1)[0]
 
 
 # ---- training ------------------------------------------------------------------------------------------------

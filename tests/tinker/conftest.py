@@ -10,10 +10,26 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import yaml
 
-from tests.helpers.live_server import LiveServer
+from tests.helpers.live_server import TINY_MODEL, LiveServer, settings_for
 
 os.environ.setdefault("TINKER_TELEMETRY", "0")  # the SDK's telemetry loop: served as a no-op anyway
+
+
+@pytest.fixture(scope="module")
+def live_server(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    """The live server, its catalogue's tiny model naming its own directory as its tokenizer (get_info's
+    tokenizer_id), so TrainingClient.get_tokenizer() loads it offline (research note §10)."""
+    settings = settings_for(tmp_path_factory.mktemp("tinker-data"), tiny_model_dir)
+    catalog = yaml.safe_load(settings.models_file.read_text())
+    for model in catalog["models"]:
+        if model["name"] == TINY_MODEL:
+            model["tokenizer"] = tiny_model_dir
+    settings.models_file.write_text(yaml.safe_dump(catalog))
+    server = LiveServer.start(settings)
+    yield server
+    server.stop()
 
 
 @pytest.fixture(scope="module")

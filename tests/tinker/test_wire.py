@@ -34,8 +34,13 @@ def training(service_client: Any) -> Any:
     return service_client.create_lora_training_client(base_model=TINY_MODEL, rank=8, seed=3).result()
 
 
-def test_cross_entropy_step_and_sampling(service_client: Any, training: Any) -> None:
+def test_cross_entropy_step_and_sampling(service_client: Any, training: Any, tiny_model_dir: str) -> None:
     from tinker import types
+
+    info = training.get_info()
+    assert (info.model_data.model_name, info.model_data.tokenizer_id, info.lora_rank) == (TINY_MODEL, tiny_model_dir, 8)
+    tokenizer = training.get_tokenizer()  # from get_info's tokenizer_id: the catalogue's local directory, offline
+    assert tokenizer.decode(tokenizer.encode("hello world", add_special_tokens=False)) == "hello world"
 
     weights = [1.0] * 4 + [0.5] * 5
     out = training.forward_backward([datum(TOKENS, weights=weights)], "cross_entropy").result()
