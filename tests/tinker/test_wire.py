@@ -282,3 +282,20 @@ def test_a_key_revoked_by_its_tinker_form_is_refused(live_server: LiveServer) ->
         tinker.ServiceClient(base_url=live_server.url, api_key="tml-" + secret).create_lora_training_client(
             base_model=TINY_MODEL, rank=4).result()
     assert time.monotonic() - started < 10
+
+
+def test_lora_switches_reach_the_run(live_server: LiveServer) -> None:
+    """train_attn/train_mlp/train_unembed (all true in the SDK) become the run's LoRA targets: attention only has
+    fewer trainable parameters than the defaults, and Signal's own API shows the same runs."""
+    import tinker
+
+    secret = live_server.new_user()
+    client = tinker.ServiceClient(base_url=live_server.url, api_key="tml-" + secret)
+    client.create_lora_training_client(base_model=TINY_MODEL, rank=4).result()
+    client.create_lora_training_client(base_model=TINY_MODEL, rank=4, train_mlp=False, train_unembed=False).result()
+    runs = live_server.graphql("{ runs { trainableParams loraR loraAlpha loraTargetModules } }", key=secret)["data"]["runs"]
+    attention, default = sorted(runs, key=lambda run: run["trainableParams"])
+    assert attention["trainableParams"] < default["trainableParams"]
+    assert {(run["loraR"], run["loraAlpha"]) for run in runs} == {(4, 32.0)}  # Tinker's fixed alpha, not 2r
+    assert "lm_head" in default["loraTargetModules"] and "gate_proj" in default["loraTargetModules"]
+    assert not {"lm_head", "gate_proj", "up_proj", "down_proj"} & set(attention["loraTargetModules"])
