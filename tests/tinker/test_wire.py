@@ -299,3 +299,13 @@ def test_lora_switches_reach_the_run(live_server: LiveServer) -> None:
     assert {(run["loraR"], run["loraAlpha"]) for run in runs} == {(4, 32.0)}  # Tinker's fixed alpha, not 2r
     assert "lm_head" in default["loraTargetModules"] and "gate_proj" in default["loraTargetModules"]
     assert not {"lm_head", "gate_proj", "up_proj", "down_proj"} & set(attention["loraTargetModules"])
+
+
+def test_an_unknown_model_is_refused(service_client: Any) -> None:
+    import tinker
+
+    started = time.monotonic()
+    with pytest.raises(tinker.RequestFailedError) as failed:
+        service_client.create_training_client_from_state("tinker://nobody:train:0/weights/final").result()
+    assert failed.value.category.value == "user" and "not found" in str(failed.value)
+    assert time.monotonic() - started < 10
