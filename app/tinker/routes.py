@@ -384,7 +384,7 @@ async def get_sampler(request: Request, user: User) -> dict[str, Any]:
     return answer | ({"model_path": sampler.model_path} if sampler.model_path else {})
 
 
-def sample_params(data: dict[str, Any]) -> SampleParams:
+def sample_params(data: dict[str, Any], context_length: int | None) -> SampleParams:
     params = data.get("sampling_params") or {}
     chunks = (data.get("prompt") or {}).get("chunks") or []
     tokens: list[int] = []
@@ -400,12 +400,19 @@ def sample_params(data: dict[str, Any]) -> SampleParams:
     top_k = params.get("top_k", -1)
     return SampleParams(
         prompt_tokens=[tokens],
-        max_tokens=MAX_TOKENS_LIMIT if max_tokens is None else max_tokens,  # None: as far as the bound allows
+        max_tokens=room(len(tokens), context_length) if max_tokens is None else max_tokens,
         temperature=params.get("temperature", 1.0), top_p=params.get("top_p", 1.0),
         top_k=0 if top_k == -1 else top_k,  # Tinker's -1 is Signal's 0: off
         stop=None if is_ids else stop, stop_tokens=stop if is_ids else None,
         num_samples=data.get("num_samples", 1), seed=params.get("seed"),
         prompt_logprobs=bool(data.get("prompt_logprobs", False)), store=False)
+
+
+def room(prompt_length: int, context_length: int | None) -> int:
+    """max_tokens null: the room the prompt leaves in the context (the catalogue's context_length), up to the bound."""
+    if context_length is None:
+        return MAX_TOKENS_LIMIT
+    return max(1, min(MAX_TOKENS_LIMIT, context_length - prompt_length))
 
 
 async def asample(request: Request, user: User) -> dict[str, Any]:
@@ -414,7 +421,11 @@ async def asample(request: Request, user: User) -> dict[str, Any]:
     sampler = await svc.tinker_sessions.model(user, str(data.get("sampling_session_id", "")), "sample", live=True)
     seq = integer(data.get("seq_id", 0), "seq_id")
     num_samples = integer(data.get("num_samples", 1), "num_samples", 1)
-    params = sample_params(data)
+    context_length = None
+    if (data.get("sampling_params") or {}).get("max_tokens") is None:
+        run = await svc.runs.get(user, sampler.run_id or "")
+        context_length = svc.catalog.get(run.base_model).context_length
+    params = sample_params(data, context_length)
 
     async def work(request_id: str) -> tuple[str, bytes]:
         result = await svc.runs.sample(user, sampler.run_id or "", params, request_id=request_id)

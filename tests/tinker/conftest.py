@@ -14,18 +14,21 @@ import yaml
 
 from tests.helpers.live_server import TINY_MODEL, LiveServer, settings_for
 
-os.environ.setdefault("TINKER_TELEMETRY", "0")  # the SDK's telemetry loop: served as a no-op anyway
+os.environ.setdefault("TINKER_TELEMETRY", "0")
+CONTEXT_LENGTH = 16  # the test catalogue's context window for the tiny model  # the SDK's telemetry loop: served as a no-op anyway
 
 
 @pytest.fixture(scope="module")
 def live_server(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     """The live server, its catalogue's tiny model naming its own directory as its tokenizer (get_info's
-    tokenizer_id), so TrainingClient.get_tokenizer() loads it offline (research note §10)."""
+    tokenizer_id), so TrainingClient.get_tokenizer() loads it offline (research note §10), and a small context
+    window. Test configuration: the product's catalogue says what each model really has."""
     settings = settings_for(tmp_path_factory.mktemp("tinker-data"), tiny_model_dir)
     catalog = yaml.safe_load(settings.models_file.read_text())
     for model in catalog["models"]:
         if model["name"] == TINY_MODEL:
             model["tokenizer"] = tiny_model_dir
+            model["context_length"] = CONTEXT_LENGTH  # what max_tokens: null fills up to (the model has more)
     settings.models_file.write_text(yaml.safe_dump(catalog))
     server = LiveServer.start(settings)
     yield server

@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from tests.helpers.live_server import TINY_MODEL, LiveServer
+from tests.tinker.conftest import CONTEXT_LENGTH
 
 TOKENS = [1, 450, 2011, 310, 264, 1421, 29889, 13, 450, 4996]  # arbitrary ids within the tiny vocabulary
 
@@ -104,6 +105,10 @@ def test_stops_and_compute_logprobs(training: Any) -> None:
     first = free.tokens.index(stop_id)
     assert stopped.stop_reason == "stop" and stopped.tokens == free.tokens[:first + 1]
     assert stopped.logprobs == pytest.approx(free.logprobs[:first + 1], abs=1e-4)
+    # max_tokens null: the room the prompt leaves in the catalogue's context window.
+    filled = sampler.sample(prompt=prompt, num_samples=1, sampling_params=types.SamplingParams(
+        max_tokens=None, temperature=0.0, stop=[])).result().sequences[0]
+    assert len(filled.tokens) == CONTEXT_LENGTH - 4 and filled.stop_reason == "length"
     scores = sampler.compute_logprobs(types.ModelInput.from_ints(TOKENS)).result()
     assert scores[0] is None and len(scores) == len(TOKENS) and all(s is not None and s < 0 for s in scores[1:])
 
