@@ -33,7 +33,8 @@ async def run_page(request: Request, user: User) -> Response:
     svc = services(request)
     run = await svc.runs.get(user, request.path_params["run_id"])
     return page(request, "run.html", user=user, run=run, samples=await svc.runs.samples(run, limit=20),
-                checkpoints=await svc.runs.checkpoints(run), modes=SAVE_MODES)
+                checkpoints=await svc.runs.checkpoints(run), modes=SAVE_MODES,
+                tinker=await svc.tinker_sessions.of_run(run.id))  # a run a Tinker client made: its session
 
 
 @signed_in

@@ -94,6 +94,14 @@ class TinkerSessions:
         return row
 
 
+    async def of_run(self, run_id: str) -> tuple[TinkerModel, TinkerSession] | None:
+        """The Tinker model and session a run was created for, if it was (the run's page shows them)."""
+        async with self.db.session() as session:
+            found = (await session.execute(
+                select(TinkerModel, TinkerSession).join(TinkerSession, TinkerSession.id == TinkerModel.session_id)
+                .where(TinkerModel.run_id == run_id, TinkerModel.kind == "train").limit(1))).first()
+        return (found[0], found[1]) if found is not None else None
+
     async def models(self, user: User, limit: int, offset: int) -> tuple[list[TinkerModel], int]:
         """The caller's training models, newest first, and how many there are."""
         query = select(TinkerModel).where(TinkerModel.user_id == user.id, TinkerModel.kind == "train")

@@ -314,3 +314,23 @@ def test_an_unknown_model_is_refused(service_client: Any) -> None:
         service_client.create_training_client_from_state("tinker://nobody:train:0/weights/final").result()
     assert failed.value.category.value == "user" and "not found" in str(failed.value)
     assert time.monotonic() - started < 10
+
+
+def test_the_sessions_name_and_metadata_show_on_the_runs_page(live_server: LiveServer) -> None:
+    import tinker
+
+    from tests.web.conftest import sign_in
+
+    email = "cookbook-user@example.com"
+    secret = live_server.new_user(email)
+    client = tinker.ServiceClient(user_metadata={"recipe": "sl_loop", "git_rev": "<b>abc123</b>"},
+                                  display_name="my sft", base_url=live_server.url, api_key="tml-" + secret)
+    model_id = client.create_lora_training_client(base_model=TINY_MODEL, rank=4).result().model_id
+    run_id = live_server.graphql("{ runs { id } }", key=secret)["data"]["runs"][0]["id"]
+    visitor = sign_in(live_server, email)
+    try:
+        html = visitor.client.get(f"/runs/{run_id}").text
+    finally:
+        visitor.client.close()
+    assert "my sft" in html and model_id in html and "sl_loop" in html
+    assert "&lt;b&gt;abc123&lt;/b&gt;" in html  # escaped: metadata is the client's text
