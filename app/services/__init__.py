@@ -58,6 +58,8 @@ class Services:
         users = UserService(db)
         billing = BillingClient(settings, db) if settings.billing_enabled else None
         runs = RunService(db, backend, catalog, feed, settings.default_model, Ledger(db, Rates.of(settings), billing))
+        tinker_sessions = TinkerSessions(db)
+        runs.claim = tinker_sessions.claim  # Signal's own calls on a run a live Tinker session drives are refused
         http = supabase = None
         if settings.supabase_enabled:
             from app.services.supabase_signin import SupabaseSignIn
@@ -81,7 +83,7 @@ class Services:
             live=LiveMetrics(db, broker, runs),
             dashboard=DashboardService(db, backend, broker, runs, settings.data_dir),
             tinker=TinkerFutures(db, settings.tinker_poll_s),
-            tinker_sessions=TinkerSessions(db),
+            tinker_sessions=tinker_sessions,
             supabase=supabase,
             http=http,
             billing=billing,

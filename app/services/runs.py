@@ -164,6 +164,9 @@ class RunService:
         self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         # The SDK's numbers (seq, session): a numbered call joins its run's lock queue after its predecessor.
         self.order = CallOrder()
+        # A check of another client's claim on the run before each primitive (Tinker's: app/services/tinker_sessions.py
+        # refuses Signal's own calls on a run a live Tinker session drives); None: no check.
+        self.claim: Callable[[Run, str], Awaitable[None]] | None = None
 
     # ---- reading -------------------------------------------------------------------------
 
@@ -491,6 +494,8 @@ class RunService:
         its result recorded by `record`. `allowed` adds arguments that only a call allowed to run may fetch.
         `order`: the SDK's number for the call, which puts it in the run's order after its session's previous one."""
         run = await self.get(user, run_id)
+        if self.claim is not None:
+            await self.claim(run, operation)
         params = arguments(run)
         with _fields_renamed(lambda field: field):  # the contract's checks, here before the call leaves, and again there
             parse_call(operation, {"run_id": run.id, **params, "request_id": request_id})

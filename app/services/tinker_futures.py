@@ -26,6 +26,7 @@ from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
 from app.db import Database
 from app.errors import NotFound, SignalError, http_status
+from app.services.tinker_sessions import tinker_call
 from app.tables import TinkerFuture, User, could_be_id, new_id, utcnow
 
 log = logging.getLogger("signal.tinker")
@@ -96,6 +97,7 @@ class TinkerFutures:
 
     async def _run(self, request_id: str, work: Callable[[str], Awaitable[tuple[str, bytes]]]) -> None:
         state = "done"
+        tinker_call.set(True)  # this task's calls on a run are the Tinker session's own (TinkerSessions.claim)
         try:
             media_type, body = await work(request_id)
         except Exception as exc:  # every failure is the future's answer, never a lost poll

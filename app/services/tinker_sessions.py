@@ -4,7 +4,9 @@ The ids are the SDK's own scheme (it derives a model id itself to resume), longe
 
 from __future__ import annotations
 
+import contextvars
 import uuid
+from datetime import timedelta
 from typing import Any
 
 from sqlalchemy import func, select, update
@@ -12,7 +14,14 @@ from sqlalchemy.exc import IntegrityError
 
 from app.db import Database
 from app.errors import BadInput, NotFound
-from app.tables import NAME_LENGTH, TINKER_ID_LENGTH, TinkerModel, TinkerSession, User, utcnow
+from app.tables import NAME_LENGTH, TINKER_ID_LENGTH, Run, TinkerModel, TinkerSession, User, utcnow
+from gpu_runtime.errors import FailedPrecondition
+
+# Set while the Tinker adapter makes a call: its calls on the run are the session's own.
+tinker_call: contextvars.ContextVar[bool] = contextvars.ContextVar("tinker_call", default=False)
+# A session drives its runs while it heartbeats (the SDK sends one every 10 s) and has not finished.
+DRIVING = timedelta(minutes=2)
+READS = {"sample", "forward"}
 
 FINISHED = "finished"
 
@@ -93,6 +102,21 @@ class TinkerSessions:
                            "sampling_session_id")
         return row
 
+
+    async def claim(self, run: Run, operation: str) -> None:
+        """RunService's check before each primitive: Signal's own calls that change a run a live Tinker session drives
+        are FAILED_PRECONDITION naming the session (two clients interleaving steps would corrupt each other's).
+        Reads (sample, forward) change nothing and go on."""
+        if tinker_call.get() or operation in READS:
+            return
+        async with self.db.session() as session:
+            driver = await session.scalar(
+                select(TinkerSession.id).join(TinkerModel, TinkerModel.session_id == TinkerSession.id)
+                .where(TinkerModel.run_id == run.id, TinkerSession.finished_at.is_(None),
+                       TinkerSession.heartbeat_at > utcnow() - DRIVING).limit(1))
+        if driver is not None:
+            raise FailedPrecondition(f"run {run.id} is driven by Tinker session {driver}; finish that session (or "
+                                     "let it stop heartbeating) before calling it from Signal's API", field="runId")
 
     async def of_run(self, run_id: str) -> tuple[TinkerModel, TinkerSession] | None:
         """The Tinker model and session a run was created for, if it was (the run's page shows them)."""

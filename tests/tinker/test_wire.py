@@ -334,3 +334,20 @@ def test_the_sessions_name_and_metadata_show_on_the_runs_page(live_server: LiveS
         visitor.client.close()
     assert "my sft" in html and model_id in html and "sl_loop" in html
     assert "&lt;b&gt;abc123&lt;/b&gt;" in html  # escaped: metadata is the client's text
+
+
+def test_signals_own_mutations_on_a_tinker_run_are_refused(live_server: LiveServer) -> None:
+    import tinker
+
+    from tests.helpers.live_server import error_code
+
+    secret = live_server.new_user()
+    client = tinker.ServiceClient(base_url=live_server.url, api_key="tml-" + secret)
+    training = client.create_lora_training_client(base_model=TINY_MODEL, rank=4).result()
+    run_id = live_server.graphql("{ runs { id } }", key=secret)["data"]["runs"][0]["id"]
+    refused = live_server.graphql("mutation($id: ID!) { optimStep(runId: $id) { step } }", {"id": run_id},
+                                  key=secret)
+    assert error_code(refused) == "FAILED_PRECONDITION"
+    assert training.model_id.split(":")[0] in refused["errors"][0]["message"]
+    training.forward_backward([datum(TOKENS, weights=[1.0] * 9)], "cross_entropy").result()  # Tinker's own go on
+    assert training.optim_step(tinker.types.AdamParams(learning_rate=1e-3)).result().metrics["step"] == 1.0
