@@ -20,7 +20,17 @@ import peft
 import torch
 import transformers
 
-from gpu_runtime.contract import CreateRun, ExportCheckpoint, RunDescription, SaveState, SaveStateResult, lora_settings
+from gpu_runtime.compute import RankCompute
+from gpu_runtime.contract import (
+    CreateRun,
+    ExportCheckpoint,
+    RunDescription,
+    SaveState,
+    SaveStateResult,
+    SaveWeightsForSampler,
+    SaveWeightsForSamplerResult,
+    lora_settings,
+)
 from gpu_runtime.devices import dtype_name
 from gpu_runtime.errors import BadInput, FailedPrecondition, NotFound, RunNotFound, SignalError
 from gpu_runtime.merging import save_merged
@@ -33,16 +43,18 @@ from gpu_runtime.run_state import RunState, append_manifest
 from gpu_runtime.sampling_calls import Sampling
 from gpu_runtime.scheduler import Request
 from gpu_runtime.shared import Shared, internal
+from gpu_runtime.snapshots import SAMPLER_MODE, Snapshots, snapshot_dir
 
 UPLOAD_GRACE_SECONDS = 300  # at shutdown, Hub uploads in flight get this long to finish and answer
 EXPORT_LIMIT_BYTES = 256 * 1024**2  # a checkpoint archive sent through the runtime (JSON, base64); bigger: signal pull
 
 
 class Control:
-    def __init__(self, shared: Shared, recovery: Recovery, sampling: Sampling) -> None:
+    def __init__(self, shared: Shared, recovery: Recovery, sampling: Sampling, snapshots: Snapshots) -> None:
         self.shared = shared
         self.recovery = recovery
         self.sampling = sampling
+        self.snapshots = snapshots
         self.uploads: set[threading.Thread] = set()  # Hub uploads in flight, each answering its save_state
 
     # ---- runs ------------------------------------------------------------------------------
@@ -90,6 +102,8 @@ class Control:
         residency = self.shared.residency
         if not self.recovery.exists(run_id):
             raise RunNotFound(f"run {run_id!r} not found", field="run_id")
+        self.snapshots.check_run_deletable(run_id)  # refused while a sample reads one of its snapshots
+        self.snapshots.drop_run(run_id)
         residency.detach(run_id)
         residency.evicted.discard(run_id)
         root = find_run_dir(self.shared.data_dir, run_id)
@@ -97,6 +111,27 @@ class Control:
             shutil.rmtree(root)
         self.shared.owners.pop(run_id, None)
         return {"run_id": run_id, "deleted": True}
+
+    # ---- sampler snapshots -----------------------------------------------------------------
+
+    def save_weights_for_sampler(self, state: RunState, call: SaveWeightsForSampler) -> SaveWeightsForSamplerResult:
+        """Freeze the run's adapter as it is after every call before this one (gpu_runtime/snapshots.py). Not
+        journaled: a named one is its own fsync'd directory; an unnamed one is memory only by design."""
+        if call.request_id and call.request_id in state.answered:
+            return SaveWeightsForSamplerResult.from_dict(state.answered[call.request_id]).replay()
+        if isinstance(self.shared.compute, RankCompute):  # the ranks hold their own copies of every adapter
+            raise FailedPrecondition("a multi-GPU pool keeps no sampler snapshots yet: sample the run's current "
+                                     "weights", field="name")
+        started = time.perf_counter()
+        snapshot = self.snapshots.save(state, self.shared.entry(state), call.name)
+        expires = None if snapshot.named else self.shared.options.unnamed_snapshot_seconds
+        result = SaveWeightsForSamplerResult(
+            run_id=state.run_id, name=snapshot.name, step=snapshot.step, named=snapshot.named,
+            path=str(snapshot.path.resolve()) if snapshot.path is not None else "",
+            size_bytes=self.snapshots.size_bytes(snapshot), expires_in_seconds=expires,
+            compute_seconds=self.shared.compute.seconds_since(started))
+        state.remember(call.request_id, result.to_dict())
+        return result
 
     # ---- checkpoints -----------------------------------------------------------------------
 
@@ -162,15 +197,22 @@ class Control:
         root = find_run_dir(self.shared.data_dir, call.run_id)
         if root is None:
             raise RunNotFound(f"run {call.run_id!r} not found", field="run_id")
-        source = RunPaths(self.shared.data_dir, root.parent.name, call.run_id).checkpoint(call.mode, call.step)
-        if not source.is_dir():
-            raise NotFound(f"run {call.run_id!r} has no {call.mode} checkpoint at step {call.step}", field="checkpoint")
+        if call.mode == SAMPLER_MODE:  # a named sampler snapshot, by name
+            source = snapshot_dir(root, call.name or "")
+            if not call.name or not source.is_dir():
+                raise NotFound(f"run {call.run_id!r} has no named sampler snapshot {call.name!r}", field="name")
+        else:
+            source = RunPaths(self.shared.data_dir, root.parent.name, call.run_id).checkpoint(call.mode, call.step)
+            if not source.is_dir():
+                raise NotFound(f"run {call.run_id!r} has no {call.mode} checkpoint at step {call.step}",
+                               field="checkpoint")
         if dir_size(source) > EXPORT_LIMIT_BYTES:
             raise BadInput(f"the checkpoint is over {EXPORT_LIMIT_BYTES >> 20} MiB, too large to stream through the "
                            "runtime: copy it with `signal pull`", field="checkpoint")
         buffer = io.BytesIO()
         with tarfile.open(fileobj=buffer, mode="w:gz") as archive:
-            archive.add(source, arcname=f"{call.run_id[:8]}-step{call.step}-{call.mode}")
+            label = call.name if call.mode == SAMPLER_MODE else f"step{call.step}"
+            archive.add(source, arcname=f"{call.run_id[:8]}-{label}-{call.mode}")
         return {"archive_b64": base64.b64encode(buffer.getvalue()).decode()}
 
     def wait_for_uploads(self) -> None:
@@ -203,7 +245,9 @@ class Control:
             "resident_bytes": residency.resident_bytes(),
             "budget": {"bytes": shared.options.resident_bytes, "runs": shared.options.resident_runs},
             "queue_depth": shared.scheduler.queue_depth_by_user(),
-            "decode_groups": [{"runs": g.run_ids, "rows": g.rows, "tokens_done": g.t} for g in self.sampling.groups],
+            "decode_groups": [{"runs": g.run_ids, "calls": len(g.jobs), "rows": g.rows, "tokens_done": g.t}
+                              for g in self.sampling.groups],
+            "sampler_snapshots": self.snapshots.describe(),
             "ticks": {"count": totals.ticks, "base_passes": totals.base_passes, "fb_rows": totals.fb_rows,
                       "decode_passes": totals.decode_passes, "recent": list(totals.last_ticks)},
             "evictions": totals.evictions,

@@ -25,7 +25,7 @@ from gpu_runtime.scheduler import Request
 @dataclass
 class SampleJob:
     request: Request
-    state: RunState
+    state: RunState | None  # the run whose current weights it samples (None: frozen weights, `key`)
     prompt_ids: list[list[int]]
     settings: SamplingSettings
     generator: torch.Generator
@@ -38,6 +38,8 @@ class SampleJob:
     texts: list[str | None] = field(default_factory=list)
     done: bool = False
     compute_seconds: float = 0.0  # its rows' share of the group's decode chunks
+    key: str = ""  # its rows' routing key (gpu_runtime/weights_sources.py): a run, "<run>@<snapshot>", a base
+    snapshot: Any = None  # the snapshot it reads (gpu_runtime/snapshots.py), held in use until it finishes
 
 
 class DecodeGroup:
@@ -54,7 +56,7 @@ class DecodeGroup:
             job.tokens, job.logprobs = [[] for _ in range(n)], [[] for _ in range(n)]
             job.reasons, job.texts = [None] * n, [None] * n
         self.rows = len(rows)
-        self.segments = [Segment(job.state.run_id, job.start, job.end) for job in jobs]
+        self.segments = [Segment(job.key, job.start, job.end) for job in jobs]
         tokenizer = entry.base.tokenizer
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         width = max(len(p) for p in rows)
@@ -74,7 +76,7 @@ class DecodeGroup:
 
     @property
     def run_ids(self) -> list[str]:
-        return [job.state.run_id for job in self.jobs]
+        return [job.key for job in self.jobs]
 
     @torch.no_grad()
     def advance(self, deadline: float) -> list[SampleJob]:

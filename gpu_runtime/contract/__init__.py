@@ -29,6 +29,7 @@ from gpu_runtime.contract.calls import (
     RuntimeState,
     Sample,
     SaveState,
+    SaveWeightsForSampler,
     parse_call,
 )
 from gpu_runtime.contract.results import (
@@ -38,6 +39,7 @@ from gpu_runtime.contract.results import (
     RunDescription,
     SampleResult,
     SaveStateResult,
+    SaveWeightsForSamplerResult,
 )
 from gpu_runtime.contract.settings import (
     ADAM_BOUNDS,
@@ -62,6 +64,7 @@ from gpu_runtime.contract.settings import (
     check_batch_text,
     check_id,
     check_request_id,
+    check_snapshot_name,
     check_text,
     default_target_modules,
     lora_settings,
@@ -74,7 +77,9 @@ __all__ = [
     "ITEM_KEYS", "LORA_DEFAULTS", "LORA_KEYS", "LORA_R_MAX", "LoadRun", "MAX_REQUEST_ID_LENGTH", "MAX_SAMPLES",
     "MAX_TOKENS_LIMIT", "Method", "OptimStep", "OptimStepResult", "Ping", "Result", "RunCall", "RunDescription",
     "RunInfo", "RuntimeOptions", "RuntimeState", "SAMPLE_DEFAULTS", "SAVE_MODES", "SYSTEM_CALLS", "Sample",
-    "SampleResult", "SamplingSettings", "SaveState", "SaveStateResult", "TEXT_KEYS", "TOKEN_KEYS", "adam_settings",
-    "check_adam_value", "check_batch_text", "check_id", "check_request_id", "check_text", "default_target_modules", "lora_settings",
+    "SampleResult", "SamplingSettings", "SaveState", "SaveStateResult",
+    "SaveWeightsForSampler", "SaveWeightsForSamplerResult", "TEXT_KEYS", "TOKEN_KEYS", "adam_settings",
+    "check_adam_value", "check_batch_text", "check_id", "check_request_id",
+    "check_snapshot_name", "check_text", "default_target_modules", "lora_settings",
     "parse_call", "sampling_settings",
 ]

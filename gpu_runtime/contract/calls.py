@@ -21,6 +21,7 @@ from gpu_runtime.contract.settings import (
     check_batch_text,
     check_id,
     check_request_id,
+    check_snapshot_name,
     lora_settings,
     sampling_settings,
 )
@@ -28,7 +29,7 @@ from gpu_runtime.errors import BadInput
 
 # Bumped whenever a request or result changes shape: the runtime says it in its greeting, and a server that
 # meets another version refuses to talk to it (a detached runtime outlives its server; a Modal deployment lags).
-CONTRACT_VERSION = 2
+CONTRACT_VERSION = 3
 
 
 class Method(enum.StrEnum):
@@ -42,6 +43,7 @@ class Method(enum.StrEnum):
     CLOSE_RUN = "close_run"
     DELETE_RUN = "delete_run"
     EXPORT_CHECKPOINT = "export_checkpoint"
+    SAVE_WEIGHTS_FOR_SAMPLER = "save_weights_for_sampler"
     PING = "ping"
     RUNTIME_STATE = "runtime_state"
 
@@ -138,9 +140,18 @@ class OptimStep(RunCall):
 
 
 @dataclass(frozen=True, kw_only=True)
-class Sample(RunCall):
+class Sample(Call):
+    """Sampling from one weights source (gpu_runtime/weights_sources.py): `run_id` alone (the run's current weights,
+    in its queue), `run_id` + `snapshot` or `checkpoint` (frozen weights: off the run's queue), or no `run_id` and
+    `base_model` + `user_id` (the base alone)."""
+
     method = Method.SAMPLE
     prompts: list[str]
+    run_id: str | None = None
+    snapshot: str | None = None  # a sampler snapshot's name on the run (save_weights_for_sampler)
+    checkpoint: str | None = None  # a training checkpoint's name on the run
+    base_model: str | None = None  # with run_id None: the base alone
+    user_id: str | None = None  # whose base-model sample it is (billing, fair turns)
     max_tokens: int = SAMPLE_DEFAULTS["max_tokens"]
     temperature: float = SAMPLE_DEFAULTS["temperature"]
     top_p: float = SAMPLE_DEFAULTS["top_p"]
@@ -151,13 +162,34 @@ class Sample(RunCall):
     request_id: str | None = None
 
     def validate(self) -> None:
-        super().validate()
+        check_weights_source(self)
         check_request_id(self.request_id)
         self.settings()
+
+    @property
+    def frozen(self) -> bool:
+        """Whether its weights never change under it (a snapshot, a checkpoint, a base): then it is off the run's queue."""
+        return self.run_id is None or self.snapshot is not None or self.checkpoint is not None
 
     def settings(self) -> tuple[list[str], SamplingSettings]:
         return sampling_settings(self.prompts, self.max_tokens, self.temperature, self.top_p, self.top_k, self.stop,
                                  self.num_samples, self.seed)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SaveWeightsForSampler(RunCall):
+    """Freeze the run's current adapter as a read-only snapshot (docs/SNAPSHOTS.md); in the run's queue, so it sees
+    the weights after every call before it. `name` None: a generated name, and the snapshot expires."""
+
+    method = Method.SAVE_WEIGHTS_FOR_SAMPLER
+    name: str | None = None
+    request_id: str | None = None
+
+    def validate(self) -> None:
+        super().validate()
+        check_request_id(self.request_id)
+        if self.name is not None:
+            check_snapshot_name(self.name, "name")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -204,11 +236,14 @@ class ExportCheckpoint(RunCall):
     method = Method.EXPORT_CHECKPOINT
     mode: str
     step: int
+    name: str | None = None  # mode "sampler": the named snapshot's name (its step is not its key)
 
     def validate(self) -> None:
         super().validate()
-        if self.mode not in SAVE_MODES:
-            raise BadInput(f"mode must be one of {list(SAVE_MODES)}, got {self.mode!r}", field="mode")
+        if self.mode not in (*SAVE_MODES, "sampler"):
+            raise BadInput(f"mode must be one of {[*SAVE_MODES, 'sampler']}, got {self.mode!r}", field="mode")
+        if self.mode == "sampler":
+            check_snapshot_name(self.name, "name")
         if isinstance(self.step, bool) or not isinstance(self.step, int) or self.step < 0:
             raise BadInput(f"step must be a non-negative integer, got {self.step!r}", field="step")
 
@@ -225,8 +260,28 @@ class RuntimeState(Call):
 
 CALLS: dict[Method, type[Call]] = {cls.method: cls for cls in (
     CreateRun, ForwardBackward, OptimStep, Sample, SaveState, LoadRun, RunInfo, CloseRun, DeleteRun, ExportCheckpoint,
-    Ping, RuntimeState)}
+    SaveWeightsForSampler, Ping, RuntimeState)}
 SYSTEM_CALLS = (Ping, RuntimeState)  # calls on no run: answered first, at the next tick
+
+
+def check_weights_source(call: Any) -> None:
+    """One weights source (the issue's decision): run_id [+ snapshot | checkpoint], or base_model + user_id alone."""
+    if call.run_id is None:
+        if call.snapshot is not None or call.checkpoint is not None:
+            field = "snapshot" if call.snapshot is not None else "checkpoint"
+            raise BadInput(f"{field} names a run's weights: give run_id too", field=field)
+        if not isinstance(call.base_model, str) or not call.base_model:
+            raise BadInput("give run_id (a run's weights) or base_model and user_id (the base alone)", field="base_model")
+        check_id(call.user_id, "user_id")
+        return
+    check_id(call.run_id, "run_id")
+    if call.base_model is not None:
+        raise BadInput("base_model is for sampling the base alone, without run_id", field="base_model")
+    if call.snapshot is not None and call.checkpoint is not None:
+        raise BadInput("give one of snapshot and checkpoint, not both", field="checkpoint")
+    for field in ("snapshot", "checkpoint"):
+        if getattr(call, field) is not None:
+            check_snapshot_name(getattr(call, field), field)
 
 
 def parse_call(method: Any, params: Any) -> Call:
