@@ -53,6 +53,9 @@ class Settings(BaseSettings):
     rank_timeout_seconds: float = Field(RuntimeOptions.rank_timeout_seconds, description="A multi-rank collective "
                                         "that waits longer means a hung rank: every rank stops, the call fails "
                                         "WORKER_FAILED and the pool restarts.")
+    unnamed_snapshot_seconds: float = Field(RuntimeOptions.unnamed_snapshot_seconds, description="An unnamed "
+                                            "sampler snapshot (saveWeightsForSampler without a name) expires this "
+                                            "long after it was made (docs/SNAPSHOTS.md).")
     allow_downloads: bool = Field(False, description="Let the worker download models from the HF Hub.")
     worker_log: Path | None = Field(None, description="File for the worker's stderr; empty means inherit.")
     bootstrap_admin: bool = Field(True, description="On first start with no users, create an admin and print a key.")

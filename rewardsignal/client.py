@@ -117,6 +117,15 @@ class _ClientBase:
     def me(self) -> Any:
         return self._run(Call("Me", {}, "me"))
 
+    def sample_base(self, prompts: list[str], base_model: str | None = None, max_tokens: int | None = None,
+                    temperature: float | None = None, seed: int | None = None, num_samples: int | None = None) -> Any:
+        """Generate from a base model alone (no run; the server's default model when None), billed to you."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        variables = _drop_none({"prompts": prompts, "baseModel": base_model, "maxTokens": max_tokens,
+                                "temperature": temperature, "seed": seed, "numSamples": num_samples})
+        return self._run(_primitive("Sample", variables, "sample"))
+
     def create_run(
         self, base_model: str | None = None, lora_r: int | None = None, lora_alpha: float | None = None,
         learning_rate: float | None = None, lora_dropout: float | None = None,
@@ -333,15 +342,30 @@ class _RunBase:
 
     def sample(self, prompts: list[str], max_tokens: int | None = None, temperature: float | None = None,
                top_p: float | None = None, top_k: int | None = None, stop: list[str] | None = None,
-               num_samples: int | None = None, seed: int | None = None) -> Any:
-        """Generate from the run's current weights; settings left unset take the server's defaults (the engine
-        contract's: 64 tokens, temperature 1, top_p 1, no top_k, one sample)."""
+               num_samples: int | None = None, seed: int | None = None, snapshot: str | None = None,
+               store: bool | None = None) -> Any:
+        """Generate from the run's current weights, or with `snapshot` from a snapshot of it (save_weights_for_sampler:
+        it waits for none of the run's training); settings left unset take the server's defaults (the engine
+        contract's: 64 tokens, temperature 1, top_p 1, no top_k, one sample). `store` keeps the samples in the run's
+        history (default: yes for current weights, no for a snapshot)."""
         if isinstance(prompts, str):
             prompts = [prompts]
         variables = _drop_none({"runId": self.id, "prompts": prompts, "maxTokens": max_tokens,
                                 "temperature": temperature, "topP": top_p, "topK": top_k, "stop": stop,
-                                "numSamples": num_samples, "seed": seed})
+                                "numSamples": num_samples, "seed": seed, "snapshot": snapshot, "store": store})
         return self._client._run(_primitive("Sample", variables, "sample"))
+
+    def save_weights_for_sampler(self, name: str | None = None) -> Any:
+        """Freeze the run's current weights (after every call sent before this one) to sample from while it trains
+        on: {"name", "step", "named", "expires_in_seconds"}. Named snapshots are kept; unnamed ones expire
+        (docs/SNAPSHOTS.md)."""
+        variables = _drop_none({"runId": self.id, "name": name})
+        return self._client._run(_primitive("SaveWeightsForSampler", variables, "saveWeightsForSampler"))
+
+    def snapshots(self) -> Any:
+        wrap = self._client._wrap_artifact
+        return self._client._run(Call("RunSnapshots", {"id": self.id}, "run",
+                                      lambda run: [wrap(c) for c in run["snapshots"]]))
 
     def save_state(self, mode: str = "adapter", push_to_hub: bool = False, hub_model_id: str | None = None,
                    hf_token: str | None = None) -> Any:

@@ -17,6 +17,7 @@ from app.schema.types import (
     OptimStepResult,
     Run,
     SampleResult,
+    SamplerSnapshot,
     SaveMode,
 )
 from app.services.runs import SampleParams
@@ -58,19 +59,35 @@ class Mutation:
         return OptimStepResult(step=result["step"], grad_norm=result["grad_norm"],
                                learning_rate=result["learning_rate"])
 
-    @strawberry.mutation(description="Generate from the run's current weights")
+    @strawberry.mutation(description="Generate from a run's current weights (in its order), a snapshot of it "
+                         "(snapshot), or a base model alone (baseModel, no runId)")
     async def sample(
-        self, info: Info, run_id: strawberry.ID, prompts: list[str], max_tokens: int = SAMPLE_DEFAULTS["max_tokens"],
+        self, info: Info, prompts: list[str], run_id: strawberry.ID | None = None, snapshot: str | None = None,
+        checkpoint: str | None = None, base_model: str | None = None, max_tokens: int = SAMPLE_DEFAULTS["max_tokens"],
         temperature: float = SAMPLE_DEFAULTS["temperature"], top_p: float = SAMPLE_DEFAULTS["top_p"],
         top_k: int = SAMPLE_DEFAULTS["top_k"], stop: list[str] | None = None,
         num_samples: int = SAMPLE_DEFAULTS["num_samples"],
         seed: int | None = None, request_id: RequestId = None,
+        store: Annotated[bool | None, strawberry.argument(
+            description="Keep the samples in the run's history; default true for current weights, false for a "
+                        "snapshot or a base")] = None,
     ) -> SampleResult:
         user = await info.context.user()
         params = SampleParams(prompts=prompts, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                               top_k=top_k, stop=stop, num_samples=num_samples, seed=seed)
-        result = await info.context.services.runs.sample(user, str(run_id), params, request_id=request_id)
+        result = await info.context.services.runs.sample(
+            user, None if run_id is None else str(run_id), params, request_id=request_id, snapshot=snapshot,
+            checkpoint=checkpoint, base_model=base_model, store=store)
         return SampleResult.from_result(result)
+
+    @strawberry.mutation(description="Freeze the run's current weights as a snapshot to sample from while it trains "
+                         "on; named ones are kept (docs/SNAPSHOTS.md)")
+    async def save_weights_for_sampler(self, info: Info, run_id: strawberry.ID, name: str | None = None,
+                                       request_id: RequestId = None) -> SamplerSnapshot:
+        user = await info.context.user()
+        result = await info.context.services.runs.save_weights_for_sampler(user, str(run_id), name,
+                                                                           request_id=request_id)
+        return SamplerSnapshot.from_result(result)
 
     @strawberry.mutation(description="Export the adapter, a merged model, or the full training state")
     async def save_state(

@@ -120,6 +120,9 @@ class Checkpoint:
     hub_url: str | None = strawberry.field(description="The Hugging Face repo it was pushed to (pushToHub), else null")
     created_at: datetime
     run_id: strawberry.Private[str]
+    name: str = strawberry.field(default="", description="Unique per run and mode; a sampler snapshot's name is what "
+                                 "sample's `snapshot` takes")
+    expires_at: datetime | None = strawberry.field(default=None, description="An unnamed sampler snapshot's expiry")
 
     @strawberry.field(description="GET it with the API key (Bearer) or a dashboard session: the checkpoint's "
                       "files as a .tar.gz")
@@ -133,7 +136,8 @@ class Checkpoint:
     @classmethod
     def from_row(cls, row: tables.Checkpoint) -> Checkpoint:
         return cls(id=strawberry.ID(str(row.id)), step=row.step, mode=row.mode, checkpoint_path=row.path,
-                   size_bytes=float(row.size_bytes), hub_url=row.hub_url, created_at=row.created_at, run_id=row.run_id)
+                   size_bytes=float(row.size_bytes), hub_url=row.hub_url, created_at=row.created_at, run_id=row.run_id,
+                   name=row.name, expires_at=row.expires_at)
 
 
 @strawberry.type
@@ -182,6 +186,11 @@ class Run:
     async def checkpoints(self, info: Info) -> list[Checkpoint]:
         return [Checkpoint.from_row(row) for row in await info.context.services.runs.checkpoints(self.row)]
 
+    @strawberry.field(description="Its sampler snapshots (saveWeightsForSampler): mode sampler, by name")
+    async def snapshots(self, info: Info) -> list[Checkpoint]:
+        rows = await info.context.services.runs.checkpoints(self.row)
+        return [Checkpoint.from_row(row) for row in rows if row.mode == "sampler"]
+
     @classmethod
     def from_row(cls, row: tables.Run) -> Run:
         lora, adam = row.lora_config, row.optimizer_config
@@ -218,6 +227,20 @@ class SampledSequence:
     tokens: list[int]
     logprobs: list[float]
     stop_reason: str
+
+
+@strawberry.type(description="A frozen copy of a run's weights to sample from (docs/SNAPSHOTS.md)")
+class SamplerSnapshot:
+    run_id: strawberry.ID
+    name: str = strawberry.field(description="Pass it as sample's `snapshot` with the run's id")
+    step: int = strawberry.field(description="The run's step when it was frozen")
+    named: bool = strawberry.field(description="Named: kept on disk, listed and downloadable; unnamed: expires")
+    expires_in_seconds: float | None = strawberry.field(description="Unnamed only: seconds until it expires")
+
+    @classmethod
+    def from_result(cls, result: dict[str, Any]) -> SamplerSnapshot:
+        return cls(run_id=strawberry.ID(result["run_id"]), name=result["name"], step=int(result["step"]),
+                   named=bool(result["named"]), expires_in_seconds=result.get("expires_in_seconds"))
 
 
 @strawberry.type

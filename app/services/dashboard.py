@@ -72,7 +72,7 @@ class DashboardService:
         if source.is_relative_to(self.data_dir.resolve()) and source.exists():
             path = await asyncio.to_thread(_tar, source, name)
         elif not self.backend.shares_disk:  # on Modal the files are on the Volume: the runtime sends them
-            data = await self.runs.checkpoint_archive(run_id, checkpoint.mode, checkpoint.step)
+            data = await self.runs.checkpoint_archive(run_id, checkpoint.mode, checkpoint.step, checkpoint.name)
             path = await asyncio.to_thread(_write_temporary, data)
         else:
             raise NotFound(f"checkpoint {checkpoint_id}'s files are not on this server", field="checkpointId")

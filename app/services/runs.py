@@ -16,6 +16,7 @@ from collections import defaultdict
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
 
 from sqlalchemy import case, delete, select, update
@@ -110,6 +111,7 @@ class RunService:
         # Still needed beside tickets: a restarted runtime knows no ticket (its journal keeps none) and takes the first
         # it gets as the run's start, and results are recorded in the order calls finish. One call per run per process.
         self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+        self._devices: dict[str, str] = {}  # pool → its runtime's device, for pricing base samples
 
     # ---- reading -------------------------------------------------------------------------
 
@@ -141,9 +143,13 @@ class RunService:
             return list(await session.scalars(query))
 
     async def checkpoints(self, run: Run) -> builtins.list[Checkpoint]:
+        """The run's checkpoints and sampler snapshots; unnamed snapshots past their expiry are gone from the runtime,
+        so they are not listed."""
         async with self.db.session() as session:
             query = select(Checkpoint).where(Checkpoint.run_id == run.id).order_by(Checkpoint.id)
-            return list(await session.scalars(query))
+            now = utcnow()
+            return [row for row in await session.scalars(query)
+                    if row.expires_at is None or _aware(row.expires_at) > now]
 
     # ---- the primitives ------------------------------------------------------------------
 
@@ -217,12 +223,17 @@ class RunService:
 
         return await self._apply(user, run_id, "optim_step", request_id, arguments, record)
 
-    async def sample(self, user: User, run_id: str, params: SampleParams,
-                     request_id: str | None = None) -> dict[str, Any]:
+    async def sample(self, user: User, run_id: str | None, params: SampleParams, request_id: str | None = None,
+                     snapshot: str | None = None, checkpoint: str | None = None, base_model: str | None = None,
+                     store: bool | None = None) -> dict[str, Any]:
+        """Sample a run's current weights (in the run's order, under its lock), a snapshot or checkpoint of it, or a
+        base alone. Frozen sources (docs/SNAPSHOTS.md) take neither the run's lock nor a ticket: they wait for nothing
+        on the run. `store` (None: true for current weights, false otherwise) keeps the samples in the run's history."""
         stored_params = {k: v for k, v in params.engine_params().items() if k != "prompts"}
+        keep = store if store is not None else (run_id is not None and snapshot is None and checkpoint is None)
 
         async def record(run: Run, result: dict[str, Any]) -> dict[str, Any]:
-            if result.get("replayed"):
+            if result.get("replayed") or not keep:
                 return result
             async with self.db.session() as session:
                 for prompt, sequences in zip(params.prompts, result["sequences"]):
@@ -231,7 +242,72 @@ class RunService:
                                            output=sequence["text"], params=stored_params))
             return result
 
-        return await self._apply(user, run_id, "sample", request_id, lambda run: params.engine_params(), record)
+        if run_id is None:
+            if snapshot is not None or checkpoint is not None:
+                raise BadInput("snapshot and checkpoint name a run's weights: give runId too",
+                               field="snapshot" if snapshot is not None else "checkpoint")
+            return await self._sample_base(user, base_model, params, request_id)
+        if base_model is not None:
+            raise BadInput("baseModel samples the base alone: leave runId out", field="baseModel")
+        if snapshot is None and checkpoint is None:
+            return await self._apply(user, run_id, "sample", request_id, lambda run: params.engine_params(), record)
+        source = {"snapshot": snapshot, "checkpoint": checkpoint}
+        run = await self.get(user, run_id)
+        with _fields_renamed(lambda field: field):
+            parse_call("sample", {"run_id": run.id, **params.engine_params(), **source, "request_id": request_id})
+        request_id = await self.ledger.allow(user, run, "sample", request_id)
+
+        async def work() -> dict[str, Any]:
+            result = await self._on_run(run, "sample", **params.engine_params(), **source, request_id=request_id)
+            await self.ledger.account(run, "sample", request_id, result)
+            return await record(run, result)
+
+        return await asyncio.shield(asyncio.ensure_future(work()))  # recorded even if the caller goes away
+
+    async def _sample_base(self, user: User, base_model: str | None, params: SampleParams,
+                           request_id: str | None) -> dict[str, Any]:
+        """The base alone: no run, so no lock, no ticket and no history; billed to the user (Ledger.account_user)."""
+        model = self.catalog.get(base_model or self.default_model)
+        gpu_config = self.catalog.resolve_gpu(model, None, None)
+        pool = pool_key(model.name, gpu_config, None)
+        engine_params = {**params.engine_params(), "base_model": model.source, "user_id": user.id}
+        with _fields_renamed(lambda field: field):
+            parse_call("sample", {**engine_params, "request_id": request_id})
+        request_id = await self.ledger.allow_user(user, "sample", request_id, model.name, gpu_config)
+
+        async def work() -> dict[str, Any]:
+            result = await self._engine("sample", pool=pool, **engine_params, request_id=request_id)
+            await self.ledger.account_user(user, "sample", request_id, result, await self._device(pool), gpu_config)
+            return result
+
+        return await asyncio.shield(asyncio.ensure_future(work()))
+
+    async def _device(self, pool: str) -> str:
+        """The device a pool's runtime computes on (its ping), asked once per pool: what a base sample is priced by."""
+        if pool not in self._devices:
+            self._devices[pool] = str((await self.backend.call("ping", pool=pool)).get("device") or "")
+        return self._devices[pool]
+
+    async def save_weights_for_sampler(self, user: User, run_id: str, name: str | None = None,
+                                       request_id: str | None = None) -> dict[str, Any]:
+        """Freeze the run's weights as they are after its calls before this one (in the run's order). A named
+        snapshot gets a `checkpoints` row (mode "sampler"), so it is listed and downloadable; an unnamed one gets a
+        row with its expiry, dropped by listing once it is past."""
+
+        async def record(run: Run, result: dict[str, Any]) -> dict[str, Any]:
+            async with self.db.session() as session:
+                row = await session.scalar(select(Checkpoint).where(
+                    Checkpoint.run_id == run.id, Checkpoint.mode == "sampler", Checkpoint.name == result["name"]))
+                if row is None:
+                    row = Checkpoint(run_id=run.id, mode="sampler", name=result["name"])
+                    session.add(row)
+                row.step, row.path, row.size_bytes = int(result["step"]), result["path"], int(result["size_bytes"])
+                expires = result.get("expires_in_seconds")
+                row.expires_at = None if expires is None else utcnow() + timedelta(seconds=float(expires))
+            return result
+
+        return await self._apply(user, run_id, "save_weights_for_sampler", request_id, lambda run: {"name": name},
+                                 record)
 
     async def save_state(self, user: User, run_id: str, mode: str = "adapter", push_to_hub: bool = False,
                          hub_model_id: str | None = None, request_id: str | None = None,
@@ -354,14 +430,15 @@ class RunService:
 
         return await asyncio.shield(asyncio.ensure_future(locked()))
 
-    async def checkpoint_archive(self, run_id: str, mode: str, step: int) -> bytes:
+    async def checkpoint_archive(self, run_id: str, mode: str, step: int, name: str | None = None) -> bytes:
         """A checkpoint's files as .tar.gz bytes, from the runtime that holds them (the caller checked ownership)."""
         async with self.db.session() as session:
             run = await session.get(Run, run_id)
         if run is None:
             raise RunNotFound(f"run {run_id!r} not found", field="runId")
+        named = {"name": name} if mode == "sampler" else {}  # a sampler snapshot is found by its name
         return _decode_archive(await self._engine("export_checkpoint", pool=pool_of(run), run_id=run_id, mode=mode,
-                                                  step=step))
+                                                  step=step, **named))
 
     async def _engine(self, method: str, pool: str | None = None, **params: Any) -> dict[str, Any]:
         try:
@@ -381,6 +458,11 @@ class RunService:
             await session.flush()  # their ids, for the announcement
             await self.feed.announce(session, run_id, [row.id for row in rows])
         self.feed.written()
+
+
+def _aware(moment: datetime) -> datetime:
+    """SQLite hands datetimes back naive (they were stored as UTC)."""
+    return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
 
 
 def _decode_archive(result: dict[str, Any]) -> bytes:

@@ -27,6 +27,7 @@ MUTATIONS: list[tuple[str, type[contract.Call]]] = [
     ("optimStep", contract.OptimStep),
     ("sample", contract.Sample),
     ("saveState", contract.SaveState),
+    ("saveWeightsForSampler", contract.SaveWeightsForSampler),
 ]
 # Result fields GraphQL does not show, and why.
 NOT_SHOWN: dict[str, str] = {
@@ -55,7 +56,8 @@ def test_each_primitive_takes_the_contracts_arguments_with_its_defaults(mutation
             default = arguments[name].default_value
             default = getattr(default, "value", default)  # an enum's default (SaveMode.ADAPTER)
             assert default == field.default, f"{mutation}.{name} defaults to {default!r}, the contract to {field.default!r}"
-    known = {to_camel_case(f.name) for f in dataclasses.fields(call)} | {"hfToken"}
+    # hfToken: the user's, fetched by the server; store: whether the server keeps the samples (never the runtime's)
+    known = {to_camel_case(f.name) for f in dataclasses.fields(call)} | {"hfToken", "store"}
     assert set(arguments) - known == set(), f"{mutation} takes arguments the contract does not know"
 
 
