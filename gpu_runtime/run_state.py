@@ -195,7 +195,7 @@ class RunState:
                             "tokens": self.pending.tokens, "batches": self.pending.batches},
                 "answered": list(self.answered.items())[-256:], "created_at": time.time(),
             })
-            _fsync_tree(tmp)
+            fsync_tree(tmp)
         self.snapshot_step, self.snapshot_seq, self.snapshot_time = self.step, self.seq, time.monotonic()
         return target
 
@@ -253,7 +253,7 @@ class RunState:
         self.paths.prune_steps(keep)
 
 
-def _fsync_tree(directory: Path) -> None:
+def fsync_tree(directory: Path) -> None:
     for path in directory.iterdir():
         if path.is_file():
             with open(path, "rb") as fh:

@@ -29,12 +29,13 @@ from safetensors.torch import load_file, save_file
 
 from gpu_runtime.errors import FailedPrecondition, NotFound
 from gpu_runtime.multilora import LoraWeights, wrap_targets
-from gpu_runtime.persistence import atomic_dir, dir_size, find_run_dir, read_json
+from gpu_runtime.persistence import atomic_dir, dir_size, find_run_dir, read_json, write_json
 from gpu_runtime.pool import BaseEntry, Residency
 from gpu_runtime.quantization import base_key
-from gpu_runtime.run_state import ADAPTER_WEIGHTS, RunState, peft_name
+from gpu_runtime.run_state import ADAPTER_WEIGHTS, RunState, fsync_tree, peft_name
 
 SAMPLER_MODE = "sampler"  # the checkpoints table's `mode` of a named snapshot
+SAMPLER_FILE = "sampler.json"  # beside a named snapshot's adapter: its name, run and step
 
 
 def routing_key(run_id: str, name: str) -> str:
@@ -96,8 +97,10 @@ class Snapshots:
                             weights=weights)
         if name is not None:
             snapshot.path = snapshot_dir(state.paths.root, name)
-            with atomic_dir(snapshot.path) as tmp:  # fsync'd as it is renamed in place: the named snapshot's record
+            with atomic_dir(snapshot.path) as tmp:  # whole once renamed in place: the named snapshot's record
                 state.save_adapter(tmp, entry.base.name)
+                write_json(tmp / SAMPLER_FILE, {"name": name, "run_id": state.run_id, "step": state.step})
+                fsync_tree(tmp)
         else:
             snapshot.expires_at = time.monotonic() + self.expiry_seconds
         if old is not None:
@@ -137,7 +140,9 @@ class Snapshots:
         if root is None or not (snapshot_dir(root, name) / ADAPTER_WEIGHTS).is_file():
             return None
         config = read_json(root / "config.json")
-        return Snapshot(run_id=run_id, user_id=config["user_id"], name=name, named=True, step=-1,
+        meta = snapshot_dir(root, name) / SAMPLER_FILE
+        step = int(read_json(meta)["step"]) if meta.is_file() else -1
+        return Snapshot(run_id=run_id, user_id=config["user_id"], name=name, named=True, step=step,
                         base_key=base_key(config["base_model"], config.get("quantization")), config=config,
                         weights=None, path=snapshot_dir(root, name))
 

@@ -114,6 +114,7 @@ def test_named_snapshots_survive_a_restart_and_unnamed_ones_do_not(tmp_path: Pat
 
     again = Engine(tmp_path / "data", device="cpu")
     assert greedy(again, "run-a", "keep") == kept
+    assert again.call("sample", run_id="run-a", snapshot="keep", prompts=["hi"], max_tokens=1)["step"] == 2
     with pytest.raises(NotFound) as missing:
         greedy(again, "run-a", unnamed["name"])
     assert missing.value.field == "snapshot"
