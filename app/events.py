@@ -33,8 +33,10 @@ CHANNEL = "signal_metrics"
 POLL_SECONDS = 0.5  # SQLite only: how soon points written by another server process reach this one's subscribers
 RECENT_IDS = 10_000  # ids already published, remembered so a NOTIFY and a backfill never send a point twice
 # Each metric's event kind: the names RunService records for each primitive.
-METRIC_KINDS = {"loss": "forward_backward", "num_tokens": "forward_backward", "num_examples": "forward_backward",
-                "grad_norm": "optim_step", "learning_rate": "optim_step"}
+# A loss is recorded as name:reduction (`loss:mean`, `loss:sum`); rows written before reductions are named `loss`.
+LOSS_METRICS = ("loss:mean", "loss:sum", "loss")
+METRIC_KINDS = {**dict.fromkeys(LOSS_METRICS, "forward_backward"), "num_tokens": "forward_backward",
+                "num_examples": "forward_backward", "grad_norm": "optim_step", "learning_rate": "optim_step"}
 COUNTS = {"num_tokens", "num_examples"}
 
 
@@ -188,4 +190,6 @@ def events_from_rows(rows: Iterable[Metric]) -> list[dict[str, Any]]:
         key = (row.run_id, kind, row.step, row.created_at)
         event = events.setdefault(key, {"run_id": row.run_id, "kind": kind, "step": row.step, "created_at": row.created_at})
         event[row.name] = int(row.value) if row.name in COUNTS else row.value
+        if row.name in LOSS_METRICS:  # a training event's `loss`, whichever reduction its call used
+            event["loss"] = row.value
     return list(events.values())

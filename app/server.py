@@ -82,10 +82,14 @@ async def _announce(services: Services) -> None:
     print(f"Signal at {settings.resolved_public_url}  (GraphQL: {settings.resolved_public_url}/graphql)", flush=True)
 
 
+UNHEALTHY = {"unresponsive", "down"}  # 503: a load balancer should route elsewhere
+
+
 async def healthz(request: Request) -> JSONResponse:
-    # Answers from memory only: it must stay prompt while a run trains, and while the runtime starts.
-    status = "ok" if request.app.state.services.backend.ready else "warming"
-    return JSONResponse({"status": status, "uptime_s": round(time.time() - request.app.state.started_at, 3)})
+    # Answers from memory only: it must stay prompt while a run trains, and while the runtime starts or hangs.
+    status = request.app.state.services.backend.health
+    return JSONResponse({"status": status, "uptime_s": round(time.time() - request.app.state.started_at, 3)},
+                        status_code=503 if status in UNHEALTHY else 200)
 
 
 async def payload_too_large(request: Request, exc: Exception) -> JSONResponse:

@@ -15,6 +15,9 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from app.resources import resource_dir
 from gpu_runtime.contract import RuntimeOptions
 
+DB_LOCK_TIMEOUT_S = 5.0  # a write waits this long for a lock (SQLite's busy timeout, PostgreSQL's lock_timeout)
+DB_STATEMENT_TIMEOUT_S = 30.0  # PostgreSQL's statement_timeout: a stuck statement becomes UNAVAILABLE, not a hang
+
 
 class Settings(BaseSettings):
     # populate_by_name: tests and callers pass `supabase_url=...` even where the env name is an alias.
@@ -22,6 +25,10 @@ class Settings(BaseSettings):
 
     data_dir: Path = Field(Path("./data"), description="Runs, checkpoints, model cache and the SQLite file.")
     database_url: str = Field("", description="SQLAlchemy async URL; empty means sqlite in the data dir.")
+    db_lock_timeout_s: float = Field(DB_LOCK_TIMEOUT_S, gt=0, description="A write waits this long for a database "
+                                     "lock (SQLite's busy timeout, PostgreSQL's lock_timeout), then answers UNAVAILABLE.")
+    db_statement_timeout_s: float = Field(DB_STATEMENT_TIMEOUT_S, gt=0, description="PostgreSQL's statement_timeout: "
+                                          "a statement running longer answers UNAVAILABLE.")
     host: str = Field("127.0.0.1", description="Address `signal serve` binds.")
     port: int = Field(8000, description="Port `signal serve` binds.")
     public_url: str = Field("", description="URL printed for users; empty means http://host:port.")
@@ -56,6 +63,9 @@ class Settings(BaseSettings):
     unnamed_snapshot_seconds: float = Field(RuntimeOptions.unnamed_snapshot_seconds, description="An unnamed "
                                             "sampler snapshot (saveWeightsForSampler without a name) expires this "
                                             "long after it was made (docs/SNAPSHOTS.md).")
+    min_free_disk_bytes: int = Field(RuntimeOptions.min_free_disk_bytes, description="Below this free space in the "
+                                     "data directory, the runtime refuses calls that write (forward_backward, "
+                                     "optim_step, save_state, create_run) with RESOURCE_EXHAUSTED; sampling goes on.")
     allow_downloads: bool = Field(False, description="Let the worker download models from the HF Hub.")
     worker_log: Path | None = Field(None, description="File for the worker's stderr; empty means inherit.")
     bootstrap_admin: bool = Field(True, description="On first start with no users, create an admin and print a key.")
@@ -80,6 +90,15 @@ class Settings(BaseSettings):
                                       "integrations, no deductions.")
     billing_secret: str = Field("", description="Shared secret sent as `Authorization: Bearer …` on every billing call.")
     billing_timeout_s: float = Field(5.0, gt=0, description="Timeout of each billing call, in seconds.")
+    # ---- the runtime's heartbeat (/healthz) ----
+    heartbeat_interval_s: float = Field(2.0, gt=0, description="The server asks the local runtime for a heartbeat "
+                                        "this often (its reader thread answers, never the tick).")
+    busy_tick_s: float = Field(60.0, gt=0, description="/healthz says `busy` (200) while one tick runs longer.")
+    unresponsive_s: float = Field(10.0, gt=0, description="/healthz says `unresponsive` (503) after this long "
+                                  "without a heartbeat.")
+    restart_after_s: float = Field(120.0, gt=0, description="A runtime this server started that has not answered a "
+                                   "heartbeat for this long is killed; the next call starts another (a runtime "
+                                   "started by `signal runtime` is reported, never killed).")
     billing_retry_s: float = Field(30.0, gt=0, description="Deductions the backend did not take are sent again "
                                    "this often (and after every call, and at start).")
     gpu_second_rate: float = Field(1.0, ge=0, description="Credits per GPU-second: a run's cost, and each "

@@ -52,9 +52,35 @@ LORA_STATE_BYTES = 16  # per trainable parameter: fp32 weight, its gradient, Ada
 ACTIVATION_FRACTION = 0.20  # activation margin, as a share of the weights' bytes
 ACTIVATION_FIXED_BYTES = 2 * GIB  # plus a fixed margin: CUDA context, allocator slack, a modest batch
 DEFAULT_TARGET_FRACTION = 1 / 3  # share of parameters in LoRA-targeted matrices (attention q/k/v/o ≈ a third)
+MLP_TARGET_FRACTION = 2 / 3  # the MLP's gate/up/down hold the other two thirds
+VOCAB_ESTIMATE = 150_000  # the unembedding's rows when the catalogue does not say (Qwen's 151,936 is the largest usual)
 PARAMS_PER_HIDDEN_SQUARED = 500  # parameters ≈ 500 × hidden² from 135M to 70B; estimates the hidden size
 
 _BILLION = 1_000_000_000
+
+
+@dataclass(frozen=True)
+class LoraTargets:
+    """Which layer families a run's LoRA targets (the contract's three switches), and the vocabulary its
+    unembedding would have, for the estimate."""
+
+    attention: bool = True
+    mlp: bool = False
+    unembed: bool = False
+    vocab: int | None = None  # None: VOCAB_ESTIMATE
+
+    @classmethod
+    def of(cls, switches: dict[str, bool], vocab: int | None = None) -> LoraTargets:
+        """From `target_families(...)` or the settings' switches: {"train_attn": …, "train_mlp": …, "train_unembed": …}."""
+        return cls(bool(switches.get("train_attn", True)), bool(switches.get("train_mlp")),
+                   bool(switches.get("train_unembed")), vocab)
+
+    @property
+    def fraction(self) -> float:
+        return DEFAULT_TARGET_FRACTION * self.attention + MLP_TARGET_FRACTION * self.mlp
+
+
+ATTENTION_ONLY = LoraTargets()  # Signal's default
 
 
 @dataclass(frozen=True)
@@ -113,69 +139,78 @@ def allocate(parameters: int) -> GpuAllocation:
 
 # ---- fit --------------------------------------------------------------------------------------------
 
-def lora_parameters(parameters: int, lora_r: int = LORA_DEFAULTS["r"],
-                    target_fraction: float = DEFAULT_TARGET_FRACTION) -> int:
-    """Trainable LoRA parameters, roughly: each targeted hidden×hidden matrix gains 2·r·hidden."""
+def lora_parameters(parameters: int, lora_r: int = LORA_DEFAULTS["r"], target_fraction: float | None = None,
+                    targets: LoraTargets = ATTENTION_ONLY) -> int:
+    """Trainable LoRA parameters, roughly: each targeted hidden×hidden matrix gains 2·r·hidden, and the unembedding
+    (lm_head, [vocab, hidden]) gains r·(hidden + vocab). Its B is [vocab, r]: at r=32 that is 1.6M parameters on
+    SmolLM2-135M against 3.7M for all its attention LoRA, and 4.2M on Llama-3.2-1B (vocab 128,256) against 6.8M:
+    the same order as all of attention. It is counted whenever the unembedding is targeted (16 bytes a parameter
+    with AdamW's state), with the catalogue's vocab_size or VOCAB_ESTIMATE."""
     if parameters <= 0:
         return 0
     hidden = math.sqrt(parameters / PARAMS_PER_HIDDEN_SQUARED)
-    targeted = parameters * target_fraction
-    return int(min(targeted, targeted * 2 * lora_r / hidden))
+    targeted = parameters * (targets.fraction if target_fraction is None else target_fraction)
+    layers = int(min(targeted, targeted * 2 * lora_r / hidden))
+    unembedding = lora_r * (hidden + (targets.vocab or VOCAB_ESTIMATE)) if targets.unembed else 0
+    return layers + int(unembedding)
 
 
 def estimate_bytes(parameters: int, quantization: str | None = None, lora_r: int = LORA_DEFAULTS["r"],
-                   target_fraction: float = DEFAULT_TARGET_FRACTION, gpus: int = 1, runs: int = 1) -> int:
+                   target_fraction: float | None = None, gpus: int = 1, runs: int = 1,
+                   targets: LoraTargets = ATTENTION_ONLY) -> int:
     """GPU memory each of `gpus` GPUs needs for a pool of `runs` LoRA runs: its shard of the base weights (FSDP
-    splits them evenly) + every run's LoRA with its AdamW state (replicated on each GPU) + an activation margin."""
+    splits them evenly) + every run's LoRA with its AdamW state (replicated on each GPU; the unembedding's
+    [vocab, r] B included when targeted) + an activation margin."""
     weights = parameters * BYTES_PER_WEIGHT[parse_quantization(quantization)] / gpus
-    lora_state = lora_parameters(parameters, lora_r, target_fraction) * LORA_STATE_BYTES * runs
+    lora_state = lora_parameters(parameters, lora_r, target_fraction, targets) * LORA_STATE_BYTES * runs
     activations = weights * ACTIVATION_FRACTION + ACTIVATION_FIXED_BYTES
     return int(weights + lora_state + activations)
 
 
 def fits(allocation: GpuAllocation, parameters: int, quantization: str | None = None,
-         lora_r: int = LORA_DEFAULTS["r"], runs: int = 1) -> bool:
+         lora_r: int = LORA_DEFAULTS["r"], runs: int = 1, targets: LoraTargets = ATTENTION_ONLY) -> bool:
     """Whether the allocation can serve the pool: a legal GPU count (one, if quantized) with room on each GPU."""
     if allocation.count not in LEGAL_COUNTS or (quantization and allocation.count > 1):
         return False
-    need = estimate_bytes(parameters, quantization, lora_r, gpus=allocation.count, runs=runs)
+    need = estimate_bytes(parameters, quantization, lora_r, gpus=allocation.count, runs=runs, targets=targets)
     return need <= GPU_TYPES[allocation.gpu_type] * GB
 
 
 def legal_counts(gpu_type: str, parameters: int, quantization: str | None = None, lora_r: int = LORA_DEFAULTS["r"],
-                 runs: int = 1) -> list[int]:
+                 runs: int = 1, targets: LoraTargets = ATTENTION_ONLY) -> list[int]:
     """The GPU counts of this type that hold the model (quantized bases train on one GPU only)."""
     most = _gpu(gpu_type).max_count
-    return [n for n in LEGAL_COUNTS if n <= most and fits(GpuAllocation(gpu_type, n), parameters, quantization, lora_r, runs)]
+    return [n for n in LEGAL_COUNTS if n <= most and fits(GpuAllocation(gpu_type, n), parameters, quantization, lora_r, runs, targets)]
 
 
 def smallest_fit(parameters: int, quantization: str | None = None, lora_r: int = LORA_DEFAULTS["r"],
-                 max_count: int = MAX_GPUS, runs: int = 1) -> GpuAllocation | None:
+                 max_count: int = MAX_GPUS, runs: int = 1, targets: LoraTargets = ATTENTION_ONLY) -> GpuAllocation | None:
     """The smallest configuration that holds the model: fewest GPUs first, then the smallest GPU."""
     for count in [n for n in LEGAL_COUNTS if n <= max_count]:
         for gpu in GPUS:
             candidate = GpuAllocation(gpu.name, count)
-            if count <= gpu.max_count and fits(candidate, parameters, quantization, lora_r, runs):
+            if count <= gpu.max_count and fits(candidate, parameters, quantization, lora_r, runs, targets):
                 return candidate
     return None
 
 
-def smallest_single_gpu(parameters: int, quantization: str | None = None,
-                        lora_r: int = LORA_DEFAULTS["r"]) -> GpuAllocation | None:
+def smallest_single_gpu(parameters: int, quantization: str | None = None, lora_r: int = LORA_DEFAULTS["r"],
+                        targets: LoraTargets = ATTENTION_ONLY) -> GpuAllocation | None:
     """The smallest single GPU that holds the model, or None when none does."""
-    return smallest_fit(parameters, quantization, lora_r, max_count=1)
+    return smallest_fit(parameters, quantization, lora_r, max_count=1, targets=targets)
 
 
 def check_fit(model_name: str, parameters: int, allocation: GpuAllocation | str, quantization: str | None = None,
-              lora_r: int = LORA_DEFAULTS["r"], field: str = "gpuConfig", runs: int = 1) -> GpuAllocation:
+              lora_r: int = LORA_DEFAULTS["r"], field: str = "gpuConfig", runs: int = 1,
+              targets: LoraTargets = ATTENTION_ONLY) -> GpuAllocation:
     """The allocation, if it can hold the model (and `runs` runs' LoRA state); otherwise BadInput naming the legal
     GPU counts of that type and the smallest configuration that can."""
     allocation = parse_gpu_config(allocation, field=field)
-    if fits(allocation, parameters, quantization, lora_r, runs):
+    if fits(allocation, parameters, quantization, lora_r, runs, targets):
         return allocation
-    smallest = smallest_fit(parameters, quantization, lora_r, runs=runs)
+    smallest = smallest_fit(parameters, quantization, lora_r, runs=runs, targets=targets)
     remedy = f"the smallest that fits is {smallest}" if smallest else f"no configuration up to {MAX_GPUS} GPUs holds it"
-    counts = legal_counts(allocation.gpu_type, parameters, quantization, lora_r, runs)
+    counts = legal_counts(allocation.gpu_type, parameters, quantization, lora_r, runs, targets)
     legal = (f"on {allocation.gpu_type} it fits with {_counts(counts)} GPU{'s' if counts != [1] else ''}" if counts
              else f"no count of {allocation.gpu_type} GPUs holds it")
     if allocation.count not in LEGAL_COUNTS:
@@ -183,11 +218,11 @@ def check_fit(model_name: str, parameters: int, allocation: GpuAllocation | str,
     elif quantization and allocation.count > 1:
         problem = f"a {quantization} base trains on one GPU, not {allocation.count}"
     else:
-        need = estimate_bytes(parameters, quantization, lora_r, gpus=allocation.count, runs=runs)
+        need = estimate_bytes(parameters, quantization, lora_r, gpus=allocation.count, runs=runs, targets=targets)
         per_gpu = f"{GPU_TYPES[allocation.gpu_type]} GB per GPU" if allocation.count > 1 else f"{allocation.memory_gb} GB"
         problem = (f"{allocation} has {per_gpu} but {model_name} needs ~{_gb(need)} GB"
                    + (" on each" if allocation.count > 1 else "")
-                   + f" ({_weights_kind(quantization)} weights, LoRA with AdamW state, activations)")
+                   + f" ({_weights_kind(quantization)} weights, LoRA{_lora_kind(targets)} with AdamW state, activations)")
     raise BadInput(f"{problem}; {legal}; {remedy}", field=field)
 
 
@@ -242,6 +277,12 @@ def _counts(counts: list[int]) -> str:
 
 def _gb(nbytes: int) -> str:
     return f"{nbytes / GB:.1f}"
+
+
+def _lora_kind(targets: LoraTargets) -> str:
+    """What the LoRA share counts beyond attention: said, since the unembedding's B alone is [vocab, r]."""
+    extra = [name for name, on in (("MLP", targets.mlp), ("unembedding", targets.unembed)) if on]
+    return f" (with {' and '.join(extra)})" if extra else ""
 
 
 def _weights_kind(quantization: str | None) -> str:

@@ -1,47 +1,92 @@
-"""Training items → token ids and per-token weights, validated, then collated into tensors.
+"""Training items → datums (token level, Tinker's shape), validated, then collated into tensors.
 
-Convention (as Tinker's datums): every item becomes `tokens` with `weights` aligned to them;
-weights[i] weighs the loss of predicting tokens[i] from tokens[:i]. Nothing predicts the first
-token, so weights[0] is ignored. The model reads tokens[:-1] and is scored on tokens[1:].
+A datum is `model_input` (N token ids) and per-position inputs of length N: position i predicts
+`targets[i]`, weighted by `weights[i]`. Targets are explicit and already shifted: nothing here
+shifts them again or assumes targets[i] == model_input[i + 1] (an RL datum pads its prompt with
+target 0). Signal's own items (text, input/output, messages, tokens + weights) render into this
+form: tokens t with weights w become model_input = t[:-1], targets = t[1:], weights = w[1:] (w[0]
+weighs nothing: nothing predicts the first token). Journals written before datums (records of
+{tokens, weights, extras}) render the same way, so they replay bitwise.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import math
 from dataclasses import dataclass, field
 from typing import Any, cast
 
+import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from gpu_runtime.contract.settings import TEXT_KEYS, TOKEN_KEYS
+from gpu_runtime.contract.settings import DATUM_INPUTS, PACKED_KEY, PACKED_TOKENS, RL_LOSSES, TEXT_KEYS, TOKEN_KEYS
 from gpu_runtime.errors import BadInput
 
 ROLES = {"system", "user", "assistant", "tool"}
 
 
 @dataclass
-class Example:
-    tokens: list[int]
-    weights: list[float]
-    extras: dict[str, list[float]] = field(default_factory=dict)  # per-token logprobs, advantages
+class Datum:
+    model_input: list[int]
+    targets: list[int]
+    weights: list[float] | None  # None: every position weighs 1 (RL losses: their mean counts non-zero advantages)
+    inputs: dict[str, list[float]] = field(default_factory=dict)  # advantages, logprobs, clip thresholds
+
+    @property
+    def length(self) -> int:
+        return len(self.model_input)
+
+    @property
+    def cost(self) -> int:
+        """Tokens the scheduler prices the row at: its input and its last target (as `tokens` items counted)."""
+        return len(self.model_input) + 1
 
     @property
     def num_targets(self) -> int:
-        return sum(1 for w in self.weights[1:] if w != 0)
+        """Positions that count: non-zero weight (or, without weights, non-zero advantage where there are any)."""
+        if self.weights is not None:
+            return sum(1 for w in self.weights if w != 0)
+        if "advantages" in self.inputs:
+            return sum(1 for a in self.inputs["advantages"] if a != 0)
+        return len(self.targets)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Tinker's datum shape (what renderDatums returns and new journal records hold)."""
+        inputs: dict[str, list[Any]] = {"target_tokens": list(self.targets)}
+        if self.weights is not None:
+            inputs["weights"] = list(self.weights)
+        inputs.update({k: list(v) for k, v in sorted(self.inputs.items())})
+        return {"model_input": list(self.model_input), "loss_fn_inputs": inputs}
+
+    @classmethod
+    def from_record(cls, data: dict[str, Any]) -> Datum:
+        """A journal record's datum: the datum form, or the {tokens, weights, extras} form of older journals."""
+        if "model_input" in data:
+            inputs = dict(data["loss_fn_inputs"])
+            targets, weights = inputs.pop("target_tokens"), inputs.pop("weights", None)
+            return cls(list(data["model_input"]), list(targets), weights, inputs)
+        return _shifted(data["tokens"], data["weights"], data.get("extras") or {})
+
+
+def _shifted(tokens: list[int], weights: list[float], extras: dict[str, list[float]]) -> Datum:
+    return Datum(list(tokens[:-1]), list(tokens[1:]), list(weights[1:]), {k: list(v[1:]) for k, v in extras.items()})
 
 
 @dataclass
 class Collated:
-    input_ids: torch.Tensor  # [B, T] tokens[:-1], right-padded
+    input_ids: torch.Tensor  # [B, T] model_input, right-padded
     attention_mask: torch.Tensor
-    targets: torch.Tensor  # [B, T] tokens[1:]
-    weights: torch.Tensor  # [B, T] weights[1:], 0 on padding
-    extras: dict[str, torch.Tensor]
+    targets: torch.Tensor  # [B, T]
+    weights: torch.Tensor  # [B, T] 1 where a datum has no weights; 0 on padding
+    counted: torch.Tensor  # [B, T] 1 where a position counts toward the mean of an RL loss
+    extras: dict[str, torch.Tensor]  # NaN where a datum lacks the input (a clip threshold: the config's value)
+    lengths: list[int]
 
 
 class Renderer:
-    """Turns batch items into Examples for one tokenizer and context length."""
+    """Turns batch items into datums for one tokenizer and context length."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, max_length: int) -> None:
         self.tokenizer = tokenizer
@@ -49,35 +94,42 @@ class Renderer:
         self.max_length = max_length
         self.eos_id = tokenizer.eos_token_id
 
-    def render_batch(self, batch: Any, max_batch_size: int, loss_fn: str) -> list[Example]:
+    def render_batch(self, batch: Any, max_batch_size: int, loss_fn: str) -> list[Datum]:
         if not isinstance(batch, list) or not batch:
             raise BadInput("batch must be a non-empty list of items", field="batch")
         if len(batch) > max_batch_size:
             raise BadInput(f"batch has {len(batch)} items; this worker takes at most {max_batch_size}", field="batch")
-        examples = [self.render_item(item, f"batch[{i}]", loss_fn) for i, item in enumerate(batch)]
-        for i, example in enumerate(examples):
-            if len(example.tokens) > self.max_length:
-                raise BadInput(
-                    f"batch[{i}] is {len(example.tokens)} tokens; the model's context is {self.max_length}", field=f"batch[{i}]"
-                )
-            if example.num_targets == 0:
-                raise BadInput(f"batch[{i}] has no target tokens (every weight is 0)", field=f"batch[{i}]")
-        return examples
+        datums = [self.render_item(item, f"batch[{i}]", loss_fn) for i, item in enumerate(batch)]
+        for i, datum in enumerate(datums):
+            if datum.cost > self.max_length:
+                raise BadInput(f"batch[{i}] is {datum.cost} tokens; the model's context is {self.max_length}",
+                               field=f"batch[{i}]")
+        for i, datum in enumerate(datums):
+            if datum.length == 0:
+                raise BadInput(f"batch[{i}] has no positions to score", field=f"batch[{i}]")
+        # A datum whose weights (or advantages) are all 0 is accepted and contributes nothing: a GRPO group with
+        # equal rewards has every advantage 0.
+        return datums
 
-    def render_item(self, item: Any, where: str, loss_fn: str) -> Example:
+    def render_item(self, item: Any, where: str, loss_fn: str) -> Datum:
         if not isinstance(item, dict) or not item:
             raise BadInput(f"{where} must be a non-empty object", field=where)
         keys = set(item)
+        if keys == {PACKED_KEY}:
+            return self._packed_item(item[PACKED_KEY], f"{where}.{PACKED_KEY}", loss_fn)
+        if "model_input" in keys or "loss_fn_inputs" in keys:
+            return self._datum_item(item, where, loss_fn)
         if "tokens" in keys:
             return self._tokens_item(item, where, loss_fn)
-        if loss_fn != "cross_entropy":
-            raise BadInput(f"loss_fn {loss_fn!r} takes token items only ({{tokens, logprobs, advantages}})", field=where)
+        if loss_fn in RL_LOSSES:
+            raise BadInput(f"loss_fn {loss_fn!r} takes token items only ({{model_input, loss_fn_inputs}} or "
+                           "{tokens, logprobs, advantages})", field=where)
         if keys not in TEXT_KEYS:
             unknown = sorted(keys - {"text", "input", "output", "messages"})
             key = unknown[0] if unknown else sorted(keys)[0]
             raise BadInput(
                 f"{where} has keys {sorted(keys)}; an item is one of {{text}}, {{input, output}}, {{messages}}, "
-                "{tokens, weights}",
+                "{tokens, weights}, {model_input, loss_fn_inputs}",
                 field=f"{where}.{key}",
             )
         for key in keys - {"messages"}:
@@ -93,12 +145,11 @@ class Renderer:
         if not item[key]:
             raise BadInput(f"{where}.{key} is empty", field=f"{where}.{key}")
         return self._prompt_completion("", item[key])
-
     def _encode(self, text: str, first: bool) -> list[int]:
         # Only the first segment gets the tokenizer's own specials (BOS where the model uses one).
         return list(self.tokenizer(text, add_special_tokens=first)["input_ids"])
 
-    def _prompt_completion(self, prompt: str, completion: str) -> Example:
+    def _prompt_completion(self, prompt: str, completion: str) -> Datum:
         prompt_ids = self._encode(prompt, first=True)
         completion_ids = self._encode(completion, first=not prompt_ids)
         # EOS after the completion teaches the model to stop.
@@ -106,9 +157,9 @@ class Renderer:
             completion_ids.append(self.eos_id)
         tokens = prompt_ids + completion_ids
         weights = [0.0] * len(prompt_ids) + [1.0] * len(completion_ids)
-        return Example(tokens, weights)
+        return _shifted(tokens, weights, {})
 
-    def _messages_item(self, messages: Any, where: str) -> Example:
+    def _messages_item(self, messages: Any, where: str) -> Datum:
         if not isinstance(messages, list) or not messages:
             raise BadInput(f"{where} must be a non-empty list of {{role, content}}", field=where)
         for j, message in enumerate(messages):
@@ -138,7 +189,7 @@ class Renderer:
         encoded = self.tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
         tokens = list(encoded["input_ids"])
         weights = [1.0 if any(s <= a < e for s, e in spans) else 0.0 for a, _ in encoded["offset_mapping"]]
-        return Example(tokens, weights)
+        return _shifted(tokens, weights, {})
 
     def _template(self, messages: list[dict[str, str]], generation_prompt: bool) -> str:
         if not messages and not generation_prompt:
@@ -146,68 +197,153 @@ class Renderer:
         # tokenize=False returns the rendered text; the stub's return type covers every mode.
         return cast(str, self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt))
 
-    def _tokens_item(self, item: dict[str, Any], where: str, loss_fn: str) -> Example:
-        allowed = {"tokens", "weights"} if loss_fn == "cross_entropy" else TOKEN_KEYS
+    def _tokens_item(self, item: dict[str, Any], where: str, loss_fn: str) -> Datum:
+        """Signal's token item: tokens with weights aligned to them (weights[i] weighs predicting tokens[i])."""
+        allowed = {"tokens", "weights"} if loss_fn not in RL_LOSSES else TOKEN_KEYS
         for key in item:
             if key not in allowed:
-                raise BadInput(f"{where}.{key} is not a field of a token item for {loss_fn} (takes {sorted(allowed)})", field=f"{where}.{key}")
+                raise BadInput(f"{where}.{key} is not a field of a token item for {loss_fn} (takes {sorted(allowed)})",
+                               field=f"{where}.{key}")
         tokens = item["tokens"]
         if not isinstance(tokens, list) or len(tokens) < 2:
             raise BadInput(f"{where}.tokens must be a list of at least 2 token ids", field=f"{where}.tokens")
-        for t in tokens:
-            if isinstance(t, bool) or not isinstance(t, int):
-                raise BadInput(f"{where}.tokens must hold integers, got {t!r}", field=f"{where}.tokens")
-            if not 0 <= t < self.vocab_size:
-                raise BadInput(f"{where}.tokens has id {t} outside the vocabulary (0..{self.vocab_size - 1})", field=f"{where}.tokens")
-        weights = self._floats(item, "weights", where, len(tokens), default=1.0)
-        if loss_fn == "cross_entropy" and any(w < 0 for w in weights):
-            raise BadInput(f"{where}.weights must be >= 0 for cross_entropy", field=f"{where}.weights")
+        self._token_ids(tokens, f"{where}.tokens")
+        weights = self._floats(item, "weights", where, len(tokens), "tokens", default=1.0)
         extras = {}
-        if loss_fn == "importance_sampling":
+        if loss_fn in RL_LOSSES:
             for key in ("logprobs", "advantages"):
                 if key not in item:
-                    raise BadInput(f"{where}.{key} is required for importance_sampling", field=f"{where}.{key}")
-                extras[key] = self._floats(item, key, where, len(tokens), default=0.0)
+                    raise BadInput(f"{where}.{key} is required for {loss_fn}", field=f"{where}.{key}")
+                extras[key] = self._floats(item, key, where, len(tokens), "tokens", default=0.0)
             if "weights" not in item:
                 # Without a mask, the tokens that carry an advantage are the ones trained on.
                 weights = [1.0 if a != 0 else 0.0 for a in extras["advantages"]]
-        return Example(list(tokens), weights, extras)
+        return _shifted(tokens, weights, extras)
 
-    def _floats(self, item: dict[str, Any], key: str, where: str, length: int, default: float) -> list[float]:
+    def _packed_item(self, packed: Any, where: str, loss_fn: str) -> Datum:
+        """A datum whose lists came as base64 (int32 token ids, float32 values, little-endian); checked as a datum,
+        its errors naming the packed field."""
+        if not isinstance(packed, dict):
+            raise BadInput(f"{where} must be an object of base64 lists", field=where)
+        lists: dict[str, Any] = {}
+        for key, value in packed.items():
+            if key not in ("model_input", *DATUM_INPUTS):
+                raise BadInput(f"{where}.{key} is not a field of a packed datum", field=f"{where}.{key}")
+            if value is None:
+                continue
+            try:
+                raw = base64.b64decode(value, validate=True) if isinstance(value, str) else None
+            except (binascii.Error, ValueError):
+                raw = None
+            if raw is None or len(raw) % 4:
+                raise BadInput(f"{where}.{key} must be base64 of little-endian 4-byte values", field=f"{where}.{key}")
+            lists[key] = np.frombuffer(raw, dtype="<i4" if key in PACKED_TOKENS else "<f4").tolist()
+        inputs = {k: v for k, v in lists.items() if k != "model_input"}
+        return self._datum_item({"model_input": lists.get("model_input"), "loss_fn_inputs": inputs}, where, loss_fn,
+                                inputs_at=where)
+
+    def _datum_item(self, item: dict[str, Any], where: str, loss_fn: str, inputs_at: str | None = None) -> Datum:
+        """Tinker's datum: model_input and loss_fn_inputs of the same length N, targets already shifted."""
+        for key in item:
+            if key not in ("model_input", "loss_fn_inputs"):
+                raise BadInput(f"{where}.{key} is not a field of a datum (takes model_input, loss_fn_inputs)",
+                               field=f"{where}.{key}")
+        model_input = item.get("model_input")
+        if not isinstance(model_input, list) or not model_input:
+            raise BadInput(f"{where}.model_input must be a non-empty list of token ids", field=f"{where}.model_input")
+        for j, t in enumerate(model_input):
+            if isinstance(t, dict) or (not isinstance(t, int) or isinstance(t, bool)):
+                kind = t.get("type") if isinstance(t, dict) else None
+                what = f"a chunk of type {kind!r}" if kind else repr(t)
+                raise BadInput(f"{where}.model_input[{j}] is {what}; only token ids are taken (no image chunks)",
+                               field=f"{where}.model_input[{j}]")
+        self._token_ids(model_input, f"{where}.model_input")
+        inputs = item.get("loss_fn_inputs")
+        at = inputs_at or f"{where}.loss_fn_inputs"
+        if not isinstance(inputs, dict):
+            raise BadInput(f"{at} must be an object with target_tokens", field=at)
+        unknown = sorted(set(inputs) - set(DATUM_INPUTS))
+        if unknown:
+            raise BadInput(f"{at}.{unknown[0]} is not a loss input (takes {list(DATUM_INPUTS)})",
+                           field=f"{at}.{unknown[0]}")
+        if "target_tokens" not in inputs:
+            raise BadInput(f"{at}.target_tokens is required", field=f"{at}.target_tokens")
+        targets = inputs["target_tokens"]
+        if isinstance(targets, list) and any(isinstance(t, list) for t in targets):
+            raise BadInput(f"{at}.target_tokens must be 1-D (one target per position), not 2-D",
+                           field=f"{at}.target_tokens")
+        n = len(model_input)
+        if not isinstance(targets, list) or len(targets) != n:
+            got = len(targets) if isinstance(targets, list) else type(targets).__name__
+            raise BadInput(f"{at}.target_tokens must be a list as long as model_input ({n}), got {got}",
+                           field=f"{at}.target_tokens")
+        self._token_ids(targets, f"{at}.target_tokens")
+        floats = {k: self._floats(inputs, k, at, n, "model_input") for k in DATUM_INPUTS[1:] if inputs.get(k) is not None}
+        if loss_fn in RL_LOSSES:
+            for key in ("logprobs", "advantages"):
+                if key not in floats:
+                    raise BadInput(f"{at}.{key} is required for {loss_fn}", field=f"{at}.{key}")
+        weights = floats.pop("weights", None)
+        return Datum(list(model_input), list(targets), weights, floats)
+
+    def _token_ids(self, ids: list[Any], where: str) -> None:
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int):
+                raise BadInput(f"{where} must hold integers, got {t!r}", field=where)
+            if not 0 <= t < self.vocab_size:
+                raise BadInput(f"{where} has id {t} outside the vocabulary (0..{self.vocab_size - 1})", field=where)
+
+    def _floats(self, item: dict[str, Any], key: str, where: str, length: int, along: str,
+                default: float = 0.0) -> list[float]:
         if key not in item:
             return [default] * length
         values = item[key]
+        if isinstance(values, list) and any(isinstance(v, list) for v in values):
+            raise BadInput(f"{where}.{key} must be 1-D (one value per position), not 2-D", field=f"{where}.{key}")
         if not isinstance(values, list) or len(values) != length:
             got = len(values) if isinstance(values, list) else type(values).__name__
-            raise BadInput(f"{where}.{key} must be a list as long as tokens ({length}), got {got}", field=f"{where}.{key}")
+            raise BadInput(f"{where}.{key} must be a list as long as {along} ({length}), got {got}",
+                           field=f"{where}.{key}")
         for v in values:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
                 raise BadInput(f"{where}.{key} must hold finite numbers, got {v!r}", field=f"{where}.{key}")
         return [float(v) for v in values]
 
 
-def collate(examples: list[Example], device: torch.device) -> Collated:
-    """Right-pad tokens[:-1] / tokens[1:] to the longest item; padding has weight 0."""
-    width = max(len(e.tokens) for e in examples) - 1
-    rows = len(examples)
+def collate(datums: list[Datum], device: torch.device) -> Collated:
+    """Right-pad every datum to the longest; padding weighs 0 and counts for nothing."""
+    width = max(d.length for d in datums)
+    rows = len(datums)
     input_ids = torch.zeros(rows, width, dtype=torch.long)
     attention_mask = torch.zeros(rows, width, dtype=torch.long)
     targets = torch.zeros(rows, width, dtype=torch.long)
     weights = torch.zeros(rows, width, dtype=torch.float32)
-    extra_names = sorted({k for e in examples for k in e.extras})
-    extras = {k: torch.zeros(rows, width, dtype=torch.float32) for k in extra_names}
-    for i, example in enumerate(examples):
-        n = len(example.tokens) - 1
-        input_ids[i, :n] = torch.tensor(example.tokens[:-1])
+    counted = torch.zeros(rows, width, dtype=torch.float32)
+    extra_names = sorted({k for d in datums for k in d.inputs})
+    extras = {k: torch.full((rows, width), math.nan, dtype=torch.float32) for k in extra_names}
+    for i, datum in enumerate(datums):
+        n = datum.length
+        input_ids[i, :n] = torch.tensor(datum.model_input)
         attention_mask[i, :n] = 1
-        targets[i, :n] = torch.tensor(example.tokens[1:])
-        weights[i, :n] = torch.tensor(example.weights[1:])
+        targets[i, :n] = torch.tensor(datum.targets)
         for k in extra_names:
-            extras[k][i, :n] = torch.tensor(example.extras[k][1:])
-    return Collated(
-        input_ids.to(device),
-        attention_mask.to(device),
-        targets.to(device),
-        weights.to(device),
-        {k: v.to(device) for k, v in extras.items()},
-    )
+            if k in datum.inputs:
+                extras[k][i, :n] = torch.tensor(datum.inputs[k])
+            extras[k][i, n:] = 0.0  # padding: finite, weight 0
+        if datum.weights is not None:
+            weights[i, :n] = torch.tensor(datum.weights)
+            counted[i, :n] = (weights[i, :n] != 0).float()
+        else:
+            weights[i, :n] = 1.0
+            if "advantages" in datum.inputs:
+                counted[i, :n] = (extras["advantages"][i, :n] != 0).float()
+            else:
+                counted[i, :n] = 1.0
+    return Collated(input_ids.to(device), attention_mask.to(device), targets.to(device), weights.to(device),
+                    counted.to(device), {k: v.to(device) for k, v in extras.items()}, [d.length for d in datums])
+
+
+def rows(data: Collated, span: slice) -> Collated:
+    """The rows `span` of a collated batch."""
+    return Collated(data.input_ids[span], data.attention_mask[span], data.targets[span], data.weights[span],
+                    data.counted[span], {k: v[span] for k, v in data.extras.items()}, data.lengths[span])

@@ -45,7 +45,7 @@ class LocalCompute:
         """AdamW on the run's summed gradients over their normaliser; returns the gradient norm. `kernel`: the one
         a replayed journal record names (None: the run's own)."""
         with optimizer_kernel(state.optimizer, kernel):
-            return adamw_step(state.parameters(), state.optimizer, state.pending.normaliser, settings)
+            return adamw_step(state.parameters(), state.optimizer, state.pending.divisor, settings)
 
     def drop_grads(self, state: RunState) -> None:
         state.optimizer.zero_grad(set_to_none=True)
@@ -87,7 +87,7 @@ class RankCompute(LocalCompute):
         return self.ranks.forward_backward(entry, runs, plan)
 
     def optim(self, state: RunState, settings: dict[str, float], kernel: str | None = None) -> float:
-        self.ranks.send("optim", run_id=state.run_id, normaliser=state.pending.normaliser, settings=settings,
+        self.ranks.send("optim", run_id=state.run_id, normaliser=state.pending.divisor, settings=settings,
                         kernel=kernel)
         return super().optim(state, settings, kernel)
 

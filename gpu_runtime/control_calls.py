@@ -1,5 +1,10 @@
-"""The runtime's control calls: create, save (and upload), export, describe, close and delete runs; ping and
-the operator's view of the runtime.
+"""The runtime's control calls: create (from a checkpoint too), save (and upload), load, export, delete
+checkpoints, describe, close and delete runs; ping and the operator's view of the runtime.
+
+Checkpoints (docs/CHECKPOINTS.md): `checkpoints/{mode}_step_N` (named step-N, a save without a name) or
+`checkpoints/{mode}/{name}`, each with a `checkpoint.json` saying what resuming needs. load_state and
+create_run(from_checkpoint=…) copy the checkpoint's files into the run, journal the load, and snapshot at once,
+so the run never needs the checkpoint again (it may be deleted).
 """
 
 from __future__ import annotations
@@ -23,28 +28,45 @@ import transformers
 from gpu_runtime.compute import RankCompute
 from gpu_runtime.contract import (
     CreateRun,
+    DeleteCheckpoint,
     ExportCheckpoint,
+    LoadState,
+    LoadStateResult,
     RunDescription,
     SaveState,
     SaveStateResult,
     SaveWeightsForSampler,
     SaveWeightsForSamplerResult,
+    checkpoint_ref,
+    default_checkpoint_name,
     lora_settings,
 )
+from gpu_runtime.contract.settings import DEFAULT_NAME, CheckpointRef
 from gpu_runtime.devices import dtype_name
 from gpu_runtime.errors import BadInput, FailedPrecondition, NotFound, RunNotFound, SignalError
 from gpu_runtime.merging import save_merged
 from gpu_runtime.models import describe
-from gpu_runtime.persistence import RunPaths, atomic_dir, dir_size, find_run_dir, write_json
+from gpu_runtime.persistence import RunPaths, atomic_dir, dir_size, find_run_dir, read_json, write_json
 from gpu_runtime.pool import BaseEntry
 from gpu_runtime.quantization import checked as checked_quantization
 from gpu_runtime.recovery import Recovery
-from gpu_runtime.run_state import RunState, append_manifest
+from gpu_runtime.run_state import (
+    ADAPTER_WEIGHTS,
+    CHECKPOINT_FILE,
+    CHECKPOINT_FORMAT,
+    LEGACY_OPTIMIZER_FILE,
+    LOADS_DIR,
+    RunState,
+    append_manifest,
+    checkpoint_dir,
+)
 from gpu_runtime.sampling_calls import Sampling
 from gpu_runtime.scheduler import Request
 from gpu_runtime.shared import Shared, internal
-from gpu_runtime.snapshots import SAMPLER_MODE, Snapshots, snapshot_dir
+from gpu_runtime.snapshots import SAMPLER_MODE, Snapshots
+from gpu_runtime.training_calls import LOAD_STATE  # the journal record type, replayed from the run's own copy
 
+LORA_SHAPE = ("r", "alpha", "target_modules")  # a checkpoint loads into a run only where these agree
 UPLOAD_GRACE_SECONDS = 300  # at shutdown, Hub uploads in flight get this long to finish and answer
 EXPORT_LIMIT_BYTES = 256 * 1024**2  # a checkpoint archive sent through the runtime (JSON, base64); bigger: signal pull
 
@@ -64,22 +86,59 @@ class Control:
         if self.recovery.exists(call.run_id):
             raise BadInput(f"run {call.run_id!r} already exists", field="run_id")
         quantization = checked_quantization(call.quantization)
+        source = self._source(call)
         entry = shared.residency.base(call.base_model, quantization)
+        lora = source[2]["lora"] if source else lora_settings(call.lora, entry.available)
+        seed = source[2]["seed"] if source else call.seed or 0
         config = {
             "run_id": call.run_id, "user_id": call.user_id, "base_model": call.base_model,
-            "base_revision": entry.base.revision, "lora": lora_settings(call.lora, entry.available), "seed": call.seed,
+            "base_revision": entry.base.revision, "lora": lora, "seed": seed,
             "created_at": time.time(), "quantization": quantization,
         }
+        if source:
+            config["from_checkpoint"] = source[0].path
         state = shared.residency.attach(config, shared.data_dir)
         try:
             write_json(state.paths.config, config)
             append_manifest(state.paths.manifest, self._manifest_header(state, entry))
+            if source:
+                ref, directory, meta = source
+                state.load_checkpoint_files(directory, call.with_optimizer, int(meta["step"]), shared.device)
+                append_manifest(state.paths.manifest, {"event": "from_checkpoint", "checkpoint": ref.path,
+                                                       "step": state.step, "with_optimizer": call.with_optimizer})
+                self.recovery.snapshot(state)  # seq 0 at the checkpoint's step: the run never reads the checkpoint again
         except BaseException:
             shared.residency.detach(call.run_id)
             shutil.rmtree(state.paths.root, ignore_errors=True)
             raise
         shared.owners[call.run_id] = call.user_id
         return self.describe(state)
+
+    def _source(self, call: CreateRun) -> tuple[CheckpointRef, Path, dict[str, Any]] | None:
+        """create_run(from_checkpoint=…): the checkpoint, checked against what the call also says."""
+        if call.from_checkpoint is None:
+            return None
+        if isinstance(self.shared.compute, RankCompute):
+            raise FailedPrecondition("a multi-GPU pool cannot start a run from a checkpoint yet: start it on one GPU",
+                                     field="from_checkpoint")
+        ref = checkpoint_ref(call.from_checkpoint, "from_checkpoint")
+        directory, meta = self.find_checkpoint(ref, call.user_id, "from_checkpoint")
+        if meta["base_model"] != call.base_model:
+            raise BadInput(f"base_model: the checkpoint was trained on {meta['base_model']!r}, not {call.base_model!r}",
+                           field="base_model")
+        for key, value in (call.lora or {}).items():
+            if key == "target_modules" and isinstance(value, list):
+                value = sorted(set(value))  # as lora_settings keeps them
+            if value is not None and value != meta["lora"].get(key):
+                raise BadInput(f"lora.{key}: the checkpoint's is {meta['lora'].get(key)!r}, not {value!r}; a run from "
+                               "a checkpoint inherits its LoRA settings", field=f"lora.{key}")
+        if call.seed is not None and call.seed != meta["seed"]:
+            raise BadInput(f"seed: the checkpoint's is {meta['seed']}, not {call.seed}; a run from a checkpoint "
+                           "inherits its seed", field="seed")
+        if call.with_optimizer and not meta["with_optimizer"]:
+            raise FailedPrecondition("this checkpoint holds no optimizer state: pass with_optimizer false, or save "
+                                     "one with it (mode state)", field="with_optimizer")
+        return ref, directory, meta
 
     def describe(self, state: RunState) -> RunDescription:
         trainable = sum(p.numel() for p in state.parameters())
@@ -142,20 +201,127 @@ class Control:
             # Folding needs whole base weights, which no rank holds (docs/MULTIGPU.md: merge the adapter elsewhere).
             raise FailedPrecondition("a multi-GPU pool saves mode adapter or state; merged checkpoints need the whole "
                                      "base on one machine: load the adapter onto the base there", field="mode")
+        if call.request_id and call.request_id in state.answered:
+            return SaveStateResult.from_dict(state.answered[call.request_id]).replay()
+        name = call.name or default_checkpoint_name(state.step)
+        path = checkpoint_dir(state.paths, call.mode, name)
+        if path.is_dir() and not DEFAULT_NAME.match(name):
+            # A name is kept once per kind: saving over "final" would lose it. A retry of the save that wrote it
+            # (same request id, after a restart forgot the answer) gets that save's answer.
+            meta = read_json(path / CHECKPOINT_FILE) if (path / CHECKPOINT_FILE).exists() else {}
+            if call.request_id and meta.get("request_id") == call.request_id:
+                return SaveStateResult.from_dict(meta["result"]).replay()
+            raise FailedPrecondition(f"run {state.run_id} already has a {call.mode} checkpoint named {name!r}: pick "
+                                     "another name, or delete that one first", field="name")
         started = time.perf_counter()
         self.recovery.snapshot(state)
-        path = state.paths.checkpoint(call.mode, state.step)
+        with_optimizer = call.optimizer_saved
         with atomic_dir(path) as tmp:
             if call.mode in ("adapter", "state"):
                 state.save_adapter(tmp, entry.base.name)
+            if with_optimizer:
+                state.save_optimizer(tmp / LEGACY_OPTIMIZER_FILE)
             if call.mode == "state":
-                torch.save({"step": state.step, "param_names": list(state.named_parameters()),
-                            "optimizer": state.optimizer.state_dict()}, tmp / "optimizer_state.pt")
                 write_json(tmp / "config.json", state.config)
             if call.mode == "merged":
                 save_merged(entry, state, tmp)
-        return SaveStateResult(checkpoint_path=str(path.resolve()), mode=call.mode, step=state.step,
-                               size_bytes=dir_size(path), compute_seconds=self.shared.compute.seconds_since(started))
+            meta = self._checkpoint_meta(state, call.mode, name, with_optimizer)
+            result = SaveStateResult(checkpoint_path=str(path.resolve()), mode=call.mode, step=state.step,
+                                     size_bytes=dir_size(tmp), name=name, with_optimizer=with_optimizer,
+                                     pending_excluded=state.pending.calls,
+                                     compute_seconds=self.shared.compute.seconds_since(started))
+            write_json(tmp / CHECKPOINT_FILE, {**meta, "request_id": call.request_id, "result": result.to_dict()})
+        state.remember(call.request_id, result.to_dict())
+        return result
+
+    def _checkpoint_meta(self, state: RunState, mode: str, name: str, with_optimizer: bool) -> dict[str, Any]:
+        """What resuming needs besides the files: step, seed, LoRA settings, the base and its quantization. Pending
+        gradients are never in a checkpoint (`pending_excluded` counts the calls left out)."""
+        return {
+            "format": CHECKPOINT_FORMAT, "run_id": state.run_id, "user_id": state.user_id, "mode": mode, "name": name,
+            "step": state.step, "seed": state.config["seed"], "lora": state.lora, "base_model": state.base_model,
+            "base_revision": state.config.get("base_revision"), "quantization": state.quantization,
+            "with_optimizer": with_optimizer, "pending_excluded": state.pending.calls, "created_at": time.time(),
+        }
+
+    def find_checkpoint(self, ref: CheckpointRef, user_id: str, field: str) -> tuple[Path, dict[str, Any]]:
+        """A loadable checkpoint's directory and what it holds; another user's, or none, is NOT_FOUND alike."""
+        root = find_run_dir(self.shared.data_dir, ref.run_id)
+        config = read_json(root / "config.json") if root is not None else None
+        directory = checkpoint_dir(RunPaths(self.shared.data_dir, root.parent.name, ref.run_id), ref.kind, ref.name) \
+            if root is not None else None
+        if config is None or config["user_id"] != user_id or directory is None or not directory.is_dir():
+            raise NotFound(f"checkpoint {ref.path} not found", field=field)
+        if not (directory / ADAPTER_WEIGHTS).exists():
+            raise FailedPrecondition(f"checkpoint {ref.path} holds no adapter to load", field=field)
+        if (directory / CHECKPOINT_FILE).exists():
+            meta: dict[str, Any] = read_json(directory / CHECKPOINT_FILE)
+        else:  # saved before checkpoint.json: the run's config says the rest, the optimizer file the step
+            optimizer = directory / LEGACY_OPTIMIZER_FILE
+            step = torch.load(optimizer, map_location="cpu", weights_only=True)["step"] if optimizer.exists() else None
+            match = DEFAULT_NAME.match(ref.name)
+            meta = {"step": step if step is not None else int(match.group(1)) if match else 0, "seed": config["seed"],
+                    "lora": config["lora"], "base_model": config["base_model"],
+                    "quantization": config.get("quantization"), "with_optimizer": optimizer.exists()}
+        return directory, meta
+
+    def load_state(self, state: RunState, call: LoadState) -> LoadStateResult:
+        """The checkpoint's adapter (and AdamW) into this run: staged into the run's own directory, journaled, applied,
+        then a snapshot at once; the staged copy goes with the snapshot's pruning."""
+        if call.request_id and call.request_id in state.answered:
+            return LoadStateResult.from_dict(state.answered[call.request_id]).replay()
+        if isinstance(self.shared.compute, RankCompute):
+            raise FailedPrecondition("a multi-GPU pool cannot load a checkpoint into a run yet: create a run from it "
+                                     "on one GPU", field="checkpoint")
+        started = time.perf_counter()
+        ref = checkpoint_ref(call.checkpoint, "checkpoint", state.run_id)
+        directory, meta = self.find_checkpoint(ref, state.user_id, "checkpoint")
+        if meta["base_model"] != state.base_model:
+            raise BadInput(f"base_model: the checkpoint was trained on {meta['base_model']!r}, this run on "
+                           f"{state.base_model!r}", field="checkpoint")
+        for key in LORA_SHAPE:
+            if meta["lora"].get(key) != state.lora.get(key):
+                raise BadInput(f"lora.{key}: the checkpoint's is {meta['lora'].get(key)!r}, this run's "
+                               f"{state.lora.get(key)!r}", field="checkpoint")
+        if call.with_optimizer and not meta["with_optimizer"]:
+            raise FailedPrecondition("this checkpoint holds no optimizer state: pass with_optimizer false",
+                                     field="with_optimizer")
+        staged = f"seq_{state.seq}"
+        with atomic_dir(state.paths.root / LOADS_DIR / staged) as tmp:
+            files = [ADAPTER_WEIGHTS] + ([LEGACY_OPTIMIZER_FILE] if call.with_optimizer else [])
+            for name in files:
+                shutil.copyfile(directory / name, tmp / name)
+        dropped = state.pending.calls
+        state.load_checkpoint_files(state.paths.root / LOADS_DIR / staged, call.with_optimizer, int(meta["step"]),
+                                    self.shared.device)
+        result = LoadStateResult(checkpoint=ref.path, step=state.step, with_optimizer=call.with_optimizer,
+                                 pending_dropped=dropped, compute_seconds=self.shared.compute.seconds_since(started))
+        self.shared.journal(state, {"type": LOAD_STATE, "request_id": call.request_id, "staged": staged,
+                                    "with_optimizer": call.with_optimizer, "step": state.step,
+                                    "result": result.to_dict()})
+        state.remember(call.request_id, result.to_dict())
+        append_manifest(state.paths.manifest, {"event": LOAD_STATE, "checkpoint": ref.path, "step": state.step,
+                                               "with_optimizer": call.with_optimizer})
+        self.recovery.snapshot(state)  # the journal first, then the snapshot covering the load
+        return result
+
+    def delete_checkpoint(self, call: DeleteCheckpoint) -> dict[str, Any]:
+        root = find_run_dir(self.shared.data_dir, call.run_id)
+        if root is None:
+            raise RunNotFound(f"run {call.run_id!r} not found", field="run_id")
+        directory = checkpoint_dir(RunPaths(self.shared.data_dir, root.parent.name, call.run_id), call.mode, call.name)
+        missing = NotFound(f"run {call.run_id!r} has no {call.mode} checkpoint named {call.name!r}", field="name")
+        if call.mode == SAMPLER_MODE:
+            # A snapshot, named (its directory) or unnamed (memory or a spill): out of the layers and off the disk;
+            # refused while a decode group reads it (FAILED_PRECONDITION).
+            if self.snapshots.find(call.run_id, call.name) is None:
+                raise missing
+            self.snapshots.delete(call.run_id, call.name)
+        elif not directory.is_dir():
+            raise missing
+        else:
+            shutil.rmtree(directory)
+        return {"run_id": call.run_id, "mode": call.mode, "name": call.name, "deleted": True}
 
     def save_then_upload(self, request: Request, state: RunState, call: SaveState,
                          answer: Callable[[dict[str, Any]], None]) -> None:
@@ -197,21 +363,16 @@ class Control:
         root = find_run_dir(self.shared.data_dir, call.run_id)
         if root is None:
             raise RunNotFound(f"run {call.run_id!r} not found", field="run_id")
-        if call.mode == SAMPLER_MODE:  # a named sampler snapshot, by name
-            source = snapshot_dir(root, call.name or "")
-            if not call.name or not source.is_dir():
-                raise NotFound(f"run {call.run_id!r} has no named sampler snapshot {call.name!r}", field="name")
-        else:
-            source = RunPaths(self.shared.data_dir, root.parent.name, call.run_id).checkpoint(call.mode, call.step)
-            if not source.is_dir():
-                raise NotFound(f"run {call.run_id!r} has no {call.mode} checkpoint at step {call.step}",
-                               field="checkpoint")
+        name = call.name or default_checkpoint_name(call.step)
+        source = checkpoint_dir(RunPaths(self.shared.data_dir, root.parent.name, call.run_id), call.mode, name)
+        if not source.is_dir():
+            raise NotFound(f"run {call.run_id!r} has no {call.mode} checkpoint named {name!r}", field="checkpoint")
         if dir_size(source) > EXPORT_LIMIT_BYTES:
             raise BadInput(f"the checkpoint is over {EXPORT_LIMIT_BYTES >> 20} MiB, too large to stream through the "
                            "runtime: copy it with `signal pull`", field="checkpoint")
         buffer = io.BytesIO()
         with tarfile.open(fileobj=buffer, mode="w:gz") as archive:
-            label = call.name if call.mode == SAMPLER_MODE else f"step{call.step}"
+            label = f"step{call.step}" if call.name is None else name  # the name archives had before names
             archive.add(source, arcname=f"{call.run_id[:8]}-{label}-{call.mode}")
         return {"archive_b64": base64.b64encode(buffer.getvalue()).decode()}
 

@@ -1,14 +1,18 @@
 """Decode groups: the sample calls that arrived together, decoded as one batch in time-bounded chunks.
 
 A group is formed when its requests are picked, from runs on one base; each run's rows go through
-its own LoRA via the routing. Prompts are left-padded so every row's next token sits in the last
-column. The group advances by chunks of `decode_chunk_seconds`, so other calls interleave with a
-long generation; KV caches are never merged mid-flight: late sample calls form the next group.
+its own LoRA via the routing. Each prompt is prefilled once, whatever its `num_samples`: the prefill
+pass has one row per prompt, and its KV cache rows are then repeated for the samples before the
+first token is drawn. Prompts are left-padded so every row's next token sits in the last column.
+The group advances by chunks of `decode_chunk_seconds`, so other calls interleave with a long
+generation; KV caches are never merged mid-flight: late sample calls form the next group.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -18,7 +22,7 @@ from gpu_runtime.contract import SamplingSettings
 from gpu_runtime.multilora import Segment, routed
 from gpu_runtime.pool import BaseEntry
 from gpu_runtime.run_state import RunState
-from gpu_runtime.sampling import choose_tokens
+from gpu_runtime.sampling import choose_tokens, score_prompts, top_logprobs
 from gpu_runtime.scheduler import Request
 
 
@@ -30,12 +34,16 @@ class SampleJob:
     settings: SamplingSettings
     generator: torch.Generator
     step: int  # the run's step when sampling began
-    start: int = 0  # its rows in the group
+    start: int = 0  # its decode rows in the group (prompt by prompt, num_samples each)
     end: int = 0
+    prefill_start: int = 0  # its prefill rows (one per prompt)
     tokens: list[list[int]] = field(default_factory=list)
     logprobs: list[list[float]] = field(default_factory=list)
+    topk: list[list[list[list[float]]]] = field(default_factory=list)  # per row, per token: [token, logprob] pairs
     reasons: list[str | None] = field(default_factory=list)
     texts: list[str | None] = field(default_factory=list)
+    prompt_logprobs: list[list[float | None]] | None = None
+    topk_prompt_logprobs: list[list[list[list[float]] | None]] | None = None
     done: bool = False
     compute_seconds: float = 0.0  # its rows' share of the group's decode chunks
     key: str = ""  # its rows' routing key (gpu_runtime/weights_sources.py): a run, "<run>@<snapshot>", a base
@@ -47,26 +55,32 @@ class DecodeGroup:
         self.entry = entry
         self.jobs = jobs
         self.eos_ids = eos_ids
-        rows: list[list[int]] = []
+        prompts: list[list[int]] = []
+        expand: list[int] = []  # the prefill row each decode row continues
         for job in jobs:
-            job.start = len(rows)
-            rows += [ids for ids in job.prompt_ids for _ in range(job.settings.num_samples)]
-            job.end = len(rows)
+            job.prefill_start, job.start = len(prompts), len(expand)
+            for ids in job.prompt_ids:
+                expand += [len(prompts)] * job.settings.num_samples
+                prompts.append(ids)
+            job.end = len(expand)
             n = job.end - job.start
-            job.tokens, job.logprobs = [[] for _ in range(n)], [[] for _ in range(n)]
+            job.tokens, job.logprobs, job.topk = [[] for _ in range(n)], [[] for _ in range(n)], [[] for _ in range(n)]
             job.reasons, job.texts = [None] * n, [None] * n
-        self.rows = len(rows)
+        self.rows, self.prefill_rows = len(expand), len(prompts)
         self.segments = [Segment(job.key, job.start, job.end) for job in jobs]
+        self.prefill_segments = [Segment(job.key, job.prefill_start, job.prefill_start + len(job.prompt_ids))
+                                 for job in jobs]
         tokenizer = entry.base.tokenizer
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        width = max(len(p) for p in rows)
-        input_ids = torch.full((self.rows, width), self.pad, dtype=torch.long)
-        attention_mask = torch.zeros(self.rows, width, dtype=torch.long)
-        for i, ids in enumerate(rows):
+        width = max(len(p) for p in prompts)
+        input_ids = torch.full((self.prefill_rows, width), self.pad, dtype=torch.long)
+        attention_mask = torch.zeros(self.prefill_rows, width, dtype=torch.long)
+        for i, ids in enumerate(prompts):
             input_ids[i, width - len(ids):] = torch.tensor(ids)
             attention_mask[i, width - len(ids):] = 1
-        device = next(entry.model.parameters()).device
-        self.input_ids, self.attention_mask = input_ids.to(device), attention_mask.to(device)
+        self.device = next(entry.model.parameters()).device
+        self.input_ids, self.attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
+        self.expand = torch.tensor(expand, dtype=torch.long, device=self.device)
         # Positions count real tokens only, so left padding does not shift them.
         self.position_ids = (self.attention_mask.cumsum(-1) - 1).clamp(min=0)
         self.logits: torch.Tensor | None = None
@@ -82,20 +96,20 @@ class DecodeGroup:
     def advance(self, deadline: float) -> list[SampleJob]:
         """Decode until every job is done or `deadline` passes (at least one token); return jobs finished now."""
         finished: list[SampleJob] = []
+        if self.logits is None:
+            self._prefill()
         with routed(self.entry.routing, self.segments):
-            if self.logits is None:
-                out = self.entry.model(input_ids=self.input_ids, attention_mask=self.attention_mask,
-                                       position_ids=self.position_ids, use_cache=True, logits_to_keep=1)
-                self.logits, self.cache, self.passes = out.logits[:, -1, :].float(), out.cache, self.passes + 1
             while True:
                 assert self.logits is not None
                 chosen = torch.full((self.rows,), self.pad, dtype=torch.long, device=self.logits.device)
                 for job in self.jobs:
                     if job.done:
                         continue
-                    tokens, logprobs = choose_tokens(self.logits[job.start:job.end], job.settings, job.generator)
+                    logits = self.logits[job.start:job.end]
+                    tokens, logprobs = choose_tokens(logits, job.settings, job.generator)
                     chosen[job.start:job.end] = tokens
-                    self._record(job, tokens.tolist(), logprobs.tolist())
+                    topk = top_logprobs(logits, job.settings.topk_sample_logprobs) if job.settings.topk_sample_logprobs else None
+                    self._record(job, tokens.tolist(), logprobs.tolist(), topk)
                     if all(r is not None for r in job.reasons) or self.t + 1 >= job.settings.max_tokens:
                         job.done = True
                         finished.append(job)
@@ -110,23 +124,82 @@ class DecodeGroup:
                 if time.monotonic() >= deadline:
                     return finished
 
+    def _prefill(self) -> None:
+        """One pass over each prompt once; the prompt logprobs of the jobs that asked, from its final hidden state;
+        then the cache, mask, positions and next-token logits repeated into one row per sample."""
+        with routed(self.entry.routing, self.prefill_segments), self._scoring_prompts():
+            out = self.entry.model(input_ids=self.input_ids, attention_mask=self.attention_mask,
+                                   position_ids=self.position_ids, use_cache=True, logits_to_keep=1)
+        self.passes += 1
+        self.cache, self.logits = out.cache, out.logits[:, -1, :].float()
+        if self.rows == self.prefill_rows:
+            return  # one sample per prompt: nothing to repeat
+        self.cache.reorder_cache(self.expand)  # each layer's keys and values, index_select on the batch dimension
+        self.logits = self.logits.index_select(0, self.expand)
+        self.attention_mask = self.attention_mask.index_select(0, self.expand)
+        self.position_ids = self.position_ids.index_select(0, self.expand)
+
+    @contextmanager
+    def _scoring_prompts(self) -> Iterator[None]:
+        """While the prefill runs, score the prompts of the jobs that asked: hooked on the decoder, so the vocabulary
+        projection runs inside the model's own forward (where a sharded base has its head gathered), in chunks."""
+        asking = [job for job in self.jobs if job.settings.wants_prompt_logprobs]
+        if not asking:
+            yield
+            return
+        model = cast(Any, self.entry.model)  # a PreTrainedModel: get_decoder, get_output_embeddings, config
+        head, routing = model.get_output_embeddings(), self.entry.routing
+        cap = getattr(model.config, "final_logit_softcapping", None)  # Gemma 2 caps its logits after the head
+        vocab = int(head.weight.shape[0])
+
+        def score(module: torch.nn.Module, args: Any, output: Any) -> None:
+            hidden = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
+            outer = routing.segments
+            try:
+                for job in asking:
+                    rows = slice(job.prefill_start, job.prefill_start + len(job.prompt_ids))
+                    routing.segments = [Segment(job.key, 0, len(job.prompt_ids))]  # the head's LoRA, if any
+
+                    def project(h: torch.Tensor) -> torch.Tensor:
+                        logits: torch.Tensor = head(h)
+                        return torch.tanh(logits / cap) * cap if cap else logits
+
+                    k = job.settings.topk_prompt_logprobs
+                    scores, tops = score_prompts(hidden[rows], self.input_ids[rows], [len(p) for p in job.prompt_ids],
+                                                 vocab, project, k)
+                    job.prompt_logprobs = scores if job.settings.prompt_logprobs else None
+                    job.topk_prompt_logprobs = tops if k else None
+            finally:
+                routing.segments = outer
+
+        handle = model.get_decoder().register_forward_hook(score)
+        try:
+            yield
+        finally:
+            handle.remove()
+
     @property
     def done(self) -> bool:
         return all(job.done for job in self.jobs)
 
-    def _record(self, job: SampleJob, tokens: list[int], logprobs: list[float]) -> None:
+    def _record(self, job: SampleJob, tokens: list[int], logprobs: list[float],
+                topk: list[list[list[float]]] | None) -> None:
         tokenizer = self.entry.base.tokenizer
-        stops = job.settings.stop
+        settings = job.settings
         for i, (token, logprob) in enumerate(zip(tokens, logprobs)):
             if job.reasons[i] is not None:
                 continue
             job.tokens[i].append(token)
             job.logprobs[i].append(logprob)
-            if token in self.eos_ids:
+            if topk is not None:
+                job.topk[i].append(topk[i])
+            if token in settings.stop_tokens or (settings.eos and token in self.eos_ids):
+                # The stop token is the sequence's last; the text ends before it.
                 job.reasons[i] = "stop"
-            elif stops:
+                job.texts[i] = cast(str, tokenizer.decode(job.tokens[i][:-1], skip_special_tokens=True))
+            elif settings.stop:
                 text = cast(str, tokenizer.decode(job.tokens[i], skip_special_tokens=True))  # one sequence in, one str out
-                cut = min((k for k in (text.find(s) for s in stops) if k >= 0), default=-1)
+                cut = min((k for k in (text.find(s) for s in settings.stop) if k >= 0), default=-1)
                 if cut >= 0:
                     job.reasons[i], job.texts[i] = "stop", text[:cut]
 
@@ -136,11 +209,18 @@ class DecodeGroup:
         for i in range(job.end - job.start):
             text = job.texts[i]
             if text is None:
-                body = job.tokens[i][:-1] if job.tokens[i] and job.tokens[i][-1] in self.eos_ids else job.tokens[i]
-                text = cast(str, tokenizer.decode(body, skip_special_tokens=True))  # one sequence in, one str out
-            results.append({"text": text, "tokens": job.tokens[i], "logprobs": job.logprobs[i],
-                            "stop_reason": job.reasons[i] or "length"})
+                text = cast(str, tokenizer.decode(job.tokens[i], skip_special_tokens=True))  # one sequence in, one str
+            sequence: dict[str, Any] = {"text": text, "tokens": job.tokens[i], "logprobs": job.logprobs[i],
+                                        "stop_reason": job.reasons[i] or "length"}
+            if job.settings.topk_sample_logprobs:
+                sequence["topk_logprobs"] = job.topk[i]
+            results.append(sequence)
         n = job.settings.num_samples
         sequences = [results[i * n:(i + 1) * n] for i in range(len(job.prompt_ids))]
-        return {"outputs": [s[0]["text"] for s in sequences], "sequences": sequences,
-                "prompt_tokens": job.prompt_ids, "step": job.step}
+        result: dict[str, Any] = {"outputs": [s[0]["text"] for s in sequences], "sequences": sequences,
+                                  "prompt_tokens": job.prompt_ids, "step": job.step}
+        if job.prompt_logprobs is not None:
+            result["prompt_logprobs"] = job.prompt_logprobs
+        if job.topk_prompt_logprobs is not None:
+            result["topk_prompt_logprobs"] = job.topk_prompt_logprobs
+        return result

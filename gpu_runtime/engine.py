@@ -8,7 +8,8 @@ One tick:
    `RESTORES_PER_TICK` per tick) and each forward_backward is rendered, so that it has a price;
 2. asks the scheduler for this tick's work, given those prices: at most one call per run, users in fair
    order, forward_backward rows bounded by `tick_tokens`;
-3. runs system calls (ping, runtime_state) and control calls (create_run, optim_step, save_state, …);
+3. runs system calls (ping, runtime_state, a forward on a base model alone) and control calls (create_run,
+   optim_step, save_state, forward, render_datums, …); a forward is its own pass with no autograd;
 4. runs every picked forward_backward on one base as **one** forward and backward pass, each row routed
    to its run's LoRA; losses, normalisers and gradients stay per run;
 5. fsyncs the journals of the calls it applied (one group fsync per tick), then answers;
@@ -37,23 +38,29 @@ from gpu_runtime.contract import (
     Call,
     CloseRun,
     CreateRun,
+    DeleteCheckpoint,
     DeleteRun,
     ExportCheckpoint,
+    Forward,
     ForwardBackward,
     LoadRun,
+    LoadState,
     OptimStep,
     Ping,
+    RenderDatums,
     RunInfo,
     RuntimeOptions,
     RuntimeState,
     Sample,
     SaveState,
     SaveWeightsForSampler,
+    Tokenizer,
     parse_call,
 )
 from gpu_runtime.control_calls import Control
 from gpu_runtime.decoding import SampleJob
 from gpu_runtime.devices import resolve_device
+from gpu_runtime.disk import disk_full_error, free_bytes
 from gpu_runtime.errors import BadInput, SignalError, WorkerFailed
 from gpu_runtime.ranks import RankGroup, RanksFailed
 from gpu_runtime.recovery import RESTORES_PER_TICK, Recovery
@@ -64,8 +71,12 @@ from gpu_runtime.shared import Answer, Shared, TickStats, internal
 from gpu_runtime.snapshots import Snapshots
 from gpu_runtime.training_calls import FbPart, FbProgress, Training
 
+# Calls that write (journal, snapshot, checkpoint): refused at submit while the disk is below its margin.
+WRITING_CALLS = (CreateRun, ForwardBackward, OptimStep, SaveState, SaveWeightsForSampler)
 # Calls that need their run in memory before they can be priced and picked.
-ON_RESIDENT_RUN = (ForwardBackward, OptimStep, Sample, SaveState, RunInfo, LoadRun, SaveWeightsForSampler)
+# A forward on a base model alone (run_id None) rides the system lane and needs no run.
+ON_RESIDENT_RUN = (ForwardBackward, Forward, RenderDatums, OptimStep, Sample, SaveState, RunInfo, LoadRun, LoadState,
+                   SaveWeightsForSampler)
 
 
 class Engine:
@@ -93,10 +104,13 @@ class Engine:
         self.recovery = Recovery(self.shared, self.training.replay)
         self.control = Control(self.shared, self.recovery, self.sampling, self.snapshots)
         self.last_tick = TickStats()
+        self.ticking_since: float | None = None  # monotonic start of the tick running now (the heartbeat reads it)
         self._prepared: dict[Request, FbProgress] = {}  # forward_backward heads, rendered before they are priced
         self._handlers: dict[type[Call], Callable[[Any], dict[str, Any]]] = {
             CreateRun: lambda c: self.control.create_run(c).to_dict(),
             OptimStep: self._optim_step,
+            Forward: self._forward,
+            RenderDatums: lambda c: self.training.render_datums(self.recovery.state(c.run_id), c).to_dict(),
             SaveState: lambda c: self.control.save_state(self.recovery.state(c.run_id), c).to_dict(),
             RunInfo: lambda c: self.control.describe(self.recovery.state(c.run_id)).to_dict(),
             LoadRun: lambda c: self.control.describe(self.recovery.state(c.run_id)).to_dict(),
@@ -105,8 +119,12 @@ class Engine:
             ExportCheckpoint: self.control.export_checkpoint,
             SaveWeightsForSampler: lambda c: self.control.save_weights_for_sampler(self.recovery.state(c.run_id),
                                                                                    c).to_dict(),
+            LoadState: lambda c: self.control.load_state(self.recovery.state(c.run_id), c).to_dict(),
+            DeleteCheckpoint: self.control.delete_checkpoint,
             Ping: lambda c: self.control.ping(),
             RuntimeState: lambda c: self.control.runtime_state(),
+            Tokenizer: lambda c: self.sampling.tokenizer(
+                c, self.recovery.state(c.run_id) if c.run_id is not None else None).to_dict(),
         }
 
     # What the rooms share, read by transports, tests and benchmarks.
@@ -137,10 +155,15 @@ class Engine:
                 raise BadInput("params must be an object of the method's arguments", field="params")
             args, ticket = split_ticket(params)  # the call's place in its run's order across servers
             call = parse_call(method, args)
+            if isinstance(call, WRITING_CALLS):
+                self._check_disk()
             run_id = call.run
-            frozen = isinstance(call, Sample) and call.frozen  # off its run's queue (gpu_runtime/weights_sources.py)
+            # off its run's queue (gpu_runtime/weights_sources.py)
+            frozen = isinstance(call, (Sample, Forward)) and call.frozen
             if isinstance(call, CreateRun) or (frozen and run_id is None):
                 user = call.user_id  # type: ignore[attr-defined]  # both carry user_id: a new run's, a base sample's
+            elif isinstance(call, Forward) and run_id is None:
+                user = call.user_id or SYSTEM
             else:
                 user = self.recovery.owner(run_id) if run_id else SYSTEM
         except SignalError as exc:
@@ -148,6 +171,11 @@ class Engine:
             return
         self.scheduler.submit(Request(call.method.value, args, reply, user_id=user, run_id=None if frozen else run_id,
                                       ticket=None if frozen else ticket, call=call, frozen=frozen))
+
+    def _check_disk(self) -> None:
+        """Refuse a writing call before any state changes while free space is under the margin (sampling goes on)."""
+        if free_bytes(self.shared.data_dir) < self.options.min_free_disk_bytes:
+            raise disk_full_error(self.shared.data_dir)
 
     def call(self, method: str, **params: Any) -> dict[str, Any]:
         """Submit and pump ticks in this thread until answered (in-process use: tests, benchmarks)."""
@@ -183,19 +211,29 @@ class Engine:
                          quantization=quantization)
 
     def forward_backward(self, run_id: str, batch: list[dict[str, Any]], loss_fn: str = "cross_entropy",
-                         loss_fn_config: dict[str, Any] | None = None, request_id: str | None = None) -> dict[str, Any]:
+                         loss_fn_config: dict[str, Any] | None = None, request_id: str | None = None,
+                         reduction: str = "mean", return_outputs: bool = False) -> dict[str, Any]:
         return self.call("forward_backward", run_id=run_id, batch=batch, loss_fn=loss_fn,
-                         loss_fn_config=loss_fn_config, request_id=request_id)
+                         loss_fn_config=loss_fn_config, request_id=request_id, reduction=reduction,
+                         return_outputs=return_outputs)
+
+    def forward(self, batch: list[dict[str, Any]], run_id: str | None = None, **params: Any) -> dict[str, Any]:
+        return self.call("forward", batch=batch, run_id=run_id, **params)
+
+    def render_datums(self, run_id: str, batch: list[dict[str, Any]], loss_fn: str = "cross_entropy") -> dict[str, Any]:
+        return self.call("render_datums", run_id=run_id, batch=batch, loss_fn=loss_fn)
 
     def optim_step(self, run_id: str, adam: dict[str, Any] | None = None, request_id: str | None = None) -> dict[str, Any]:
         return self.call("optim_step", run_id=run_id, adam=adam, request_id=request_id)
 
-    def sample(self, run_id: str, prompts: list[str], **params: Any) -> dict[str, Any]:
+    def sample(self, run_id: str, prompts: list[str] | None = None, **params: Any) -> dict[str, Any]:
         return self.call("sample", run_id=run_id, prompts=prompts, **params)
 
     def save_weights_for_sampler(self, run_id: str, name: str | None = None,
                                  request_id: str | None = None) -> dict[str, Any]:
         return self.call("save_weights_for_sampler", run_id=run_id, name=name, request_id=request_id)
+    def tokenizer(self, base_model: str | None = None, run_id: str | None = None) -> dict[str, Any]:
+        return self.call("tokenizer", base_model=base_model, run_id=run_id)
 
     def save_state(self, run_id: str, mode: str = "adapter") -> dict[str, Any]:
         return self.call("save_state", run_id=run_id, mode=mode)
@@ -220,8 +258,13 @@ class Engine:
 
     # ---- one tick -------------------------------------------------------------------------
 
+    def heartbeat(self) -> dict[str, Any]:
+        """Read from another thread without a lock: two attribute reads, so it answers while a tick runs."""
+        since = self.ticking_since
+        return {"tick": self.last_tick.number, "tick_seconds": time.monotonic() - since if since is not None else 0.0}
+
     def tick(self) -> TickStats:
-        started = time.monotonic()
+        started = self.ticking_since = time.monotonic()
         if self.compute.failed:
             self._restart_ranks()  # a rank failed between ticks
         stats = TickStats()
@@ -245,7 +288,9 @@ class Engine:
                 answers.append((request, message))
         for key, parts in fb_parts.items():
             answers += self._run_pass(key, parts, stats)
-        self.shared.sync_journals()
+        unwritten = self.shared.sync_journals()
+        if unwritten:
+            answers = self._forget_unwritten(unwritten, answers)
         if "after_journal" in self.shared.faults and answers:
             os.kill(os.getpid(), signal.SIGKILL)  # failpoint: journaled, not yet answered
         for request, message in answers:
@@ -258,6 +303,7 @@ class Engine:
             self._restart_ranks()
         stats.seconds = time.monotonic() - started
         self.last_tick = stats
+        self.ticking_since = None
         self.totals.count(stats)
         return stats
 
@@ -266,7 +312,7 @@ class Engine:
         here are answered here, before the planner runs; a run past this tick's restores waits for the next."""
         for request in self.scheduler.heads():
             call = request.call
-            if request in self._prepared or not isinstance(call, ON_RESIDENT_RUN):
+            if request in self._prepared or not isinstance(call, ON_RESIDENT_RUN) or call.run is None:
                 continue
             if call.run_id not in self.runs:
                 if stats.restores >= RESTORES_PER_TICK:
@@ -293,7 +339,7 @@ class Engine:
         if isinstance(request.call, ForwardBackward):
             progress = self._prepared.get(request)
             return None if progress is None else max(progress.remaining_tokens, 1)
-        if isinstance(request.call, ON_RESIDENT_RUN) and request.run_id not in self.runs:
+        if isinstance(request.call, ON_RESIDENT_RUN) and request.run_id is not None and request.run_id not in self.runs:
             return None
         return 0
 
@@ -317,20 +363,28 @@ class Engine:
 
     def _begin_frozen(self, request: Request, samples: dict[str, list[SampleJob]]) -> dict[str, Any] | None:
         """A sample into this tick's decode group on its base, from the weights its call names (on frozen weights
-        or a run's current ones); one whose snapshot a queued call still makes waits for that call."""
+        or a run's current ones), or a forward on a snapshot, answered now; one whose snapshot a queued call still
+        makes waits for that call."""
         call = request.call
-        replayed = self.sampling.replayed(call)
-        if replayed is not None:
-            return {"result": replayed.to_dict()}
+        if isinstance(call, Sample):
+            replayed = self.sampling.replayed(call)
+            if replayed is not None:
+                return {"result": replayed.to_dict()}
+        assert isinstance(call, (Sample, Forward))
         try:
-            source = weights_sources.resolve(call, self.residency, self.snapshots, self.recovery.state,
-                                             self._save_pending)
+            source = self._source(call)
         except weights_sources.Pending:
             self.scheduler.park(request)
             return None
+        if isinstance(call, Forward):
+            return {"result": self.training.forward(call, source).to_dict()}
         job = self.sampling.prepare(request, source, call)
         samples.setdefault(source.base_key, []).append(job)
         return None
+
+    def _source(self, call: Sample | Forward) -> weights_sources.WeightsSource:
+        """The one way a call's weights are found: a run's current ones, a snapshot of it, or a base alone."""
+        return weights_sources.resolve(call, self.residency, self.snapshots, self.recovery.state, self._save_pending)
 
     def _save_pending(self, run_id: str, name: str) -> bool:
         return any(isinstance(r.call, SaveWeightsForSampler) and r.call.name == name
@@ -349,6 +403,10 @@ class Engine:
         if not result.replayed:
             self.recovery.snapshot_if_due(state)
         return result.to_dict()
+
+    def _forward(self, call: Forward) -> dict[str, Any]:
+        """A forward on a run's current weights (in its queue; restored if it was evicted) or on a base alone."""
+        return self.training.forward(call, self._source(call)).to_dict()
 
     def _run_pass(self, key: str, parts: list[FbPart], stats: TickStats) -> list[Answer]:
         """One co-batched pass; if it fails as a whole, its calls fail (with their gradients put back), no others."""
@@ -379,13 +437,30 @@ class Engine:
         self._prepared.pop(request, None)
         self.scheduler.finish(request, message)
 
+    def _forget_unwritten(self, failed: dict[str, OSError], answers: list[Answer]) -> list[Answer]:
+        """Runs whose journal write failed this tick (a full disk): each of their calls in it fails, none is answered
+        as applied; the runs leave memory unsaved and come back from snapshot + journal on their next call."""
+        errors = self.recovery.drop_unwritten(failed)
+        answering = {request for request, _ in answers}
+        for request in self.scheduler.queued():  # a split forward_backward part-done on a dropped run fails too
+            if request.run_id in errors and request in self._prepared and request not in answering:
+                if self._prepared.pop(request).done > 0:
+                    self.scheduler.finish(request, {"error": errors[request.run_id]})
+                else:
+                    request.started = False
+        self.sampling.fail_all(next(iter(errors.values())), [g for g in self.sampling.groups
+                                                            if any(r in errors for r in g.run_ids)])
+        return [(request, {"error": errors[request.run_id]}) if request.run_id in errors else (request, message)
+                for request, message in answers]
+
     # ---- between calls ----------------------------------------------------------------------
 
     def _housekeeping(self) -> None:
         decoding = self.sampling.decoding_runs
         self.snapshots.expire()
         self.snapshots.evict_over_budget()  # idle snapshots before runs: a run's training state is dearer to reload
-        self.recovery.evict_over_budget(busy=lambda r: r in decoding or self.scheduler.is_queued(r))
+        if free_bytes(self.shared.data_dir) >= self.options.min_free_disk_bytes:  # eviction writes snapshots
+            self.recovery.evict_over_budget(busy=lambda r: r in decoding or self.scheduler.is_queued(r))
         self.residency.unload_idle_bases()
         self.compute.keepalive()
 

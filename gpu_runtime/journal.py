@@ -28,6 +28,8 @@ class Journal:
         self._dirty = False
         self._opened = False
         self.next_seq = 0
+        self.synced_bytes = 0  # the file's durable length: a failed write is cut back to it (`abandon`)
+        self.synced_seq = 0  # records within it
 
     def read(self) -> list[dict[str, Any]]:
         """Every whole record, in order; a torn tail is cut off the file. Call before the first append."""
@@ -51,7 +53,8 @@ class Journal:
                 fh.truncate(good)
                 os.fsync(fh.fileno())
         self._opened = True
-        self.next_seq = len(records)
+        self.next_seq = self.synced_seq = len(records)
+        self.synced_bytes = good
         return records
 
     def append(self, record: dict[str, Any]) -> int:
@@ -61,20 +64,38 @@ class Journal:
         if self._file is None:
             created = not self.path.exists()
             self.directory.mkdir(parents=True, exist_ok=True)
-            self._file = open(self.path, "ab")
+            # Unbuffered: a write that fails (a full disk) leaves no bytes in a Python buffer to be written later,
+            # when the call it records has been answered as failed.
+            self._file = open(self.path, "ab", buffering=0)
             if created:
                 _fsync_dir(self.directory)  # the file's name must survive a crash too
         payload = json.dumps(record, separators=(",", ":")).encode()
-        self._file.write(HEADER.pack(len(payload), zlib.crc32(payload)) + payload)
+        self._dirty = True  # from here a failure leaves the file longer than synced_bytes: `abandon` cuts it back
+        frame = memoryview(HEADER.pack(len(payload), zlib.crc32(payload)) + payload)
+        while frame:
+            frame = frame[self._file.write(frame):]
         seq, self.next_seq = self.next_seq, self.next_seq + 1
         self._dirty = True
         return seq
 
     def sync(self) -> None:
         if self._dirty and self._file is not None:
-            self._file.flush()
             os.fsync(self._file.fileno())
             self._dirty = False
+            self.synced_bytes, self.synced_seq = self._file.tell(), self.next_seq
+
+    def abandon(self) -> None:
+        """After a failed append or fsync: cut the file back to its last synced length and close it. The records
+        since then are gone, so no call answered as failed becomes durable, and no torn frame hides later ones."""
+        if self._file is not None:
+            try:
+                os.ftruncate(self._file.fileno(), self.synced_bytes)
+                os.fsync(self._file.fileno())
+            finally:
+                self._file.close()
+                self._file = None
+        self._dirty = False
+        self.next_seq = self.synced_seq
 
     def close(self) -> None:
         if self._file is not None:

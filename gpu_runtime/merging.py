@@ -5,6 +5,10 @@ Layer by layer, each weight is read (de-quantized first when the base is 4- or 8
 once it reaches `shard_bytes`. So at most one shard of full-precision tensors is held at a time, never
 the whole model de-quantized. The shared base is read, never modified. The result loads with
 `AutoModelForCausalLM.from_pretrained` like any Hugging Face checkpoint.
+
+Tied embeddings (SmolLM2 ties lm_head to embed_tokens): a run whose LoRA targets the unembedding changed the output
+projection only, so the merged model is untied: lm_head is written as base + delta, embed_tokens as the base's, and
+the config says `tie_word_embeddings=False`. A run that leaves lm_head alone keeps the base's tying (one tensor).
 """
 
 from __future__ import annotations
@@ -38,9 +42,10 @@ def save_merged(entry: BaseEntry, state: RunState, directory: Path, shard_bytes:
     size = 0
     written: list[str] = []
     tied = _tied_names(model)
+    untie = any(f"{path}.weight" in tied for path in state.weights)  # a delta on a tied weight: the copies differ
     with torch.no_grad():
         for name, tensor in _merged_tensors(model, state.weights, scaling):
-            if name in tied:  # lm_head = embeddings: saved once, tied again on load
+            if name in tied and not untie:  # lm_head = embeddings: saved once, tied again on load
                 continue
             tensor = tensor.to(dtype if tensor.is_floating_point() else tensor.dtype).to("cpu").contiguous()
             if size and size + tensor.numel() * tensor.element_size() > shard_bytes:
@@ -56,22 +61,34 @@ def save_merged(entry: BaseEntry, state: RunState, directory: Path, shard_bytes:
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     config.dtype = dtype
+    if untie:
+        _untie(config)
     config.save_pretrained(directory)
     if model.generation_config is not None:
         model.generation_config.save_pretrained(directory)
     entry.base.tokenizer.save_pretrained(directory)
     info = {"base_model": entry.base.name, "base_revision": entry.base.revision, "run_id": state.run_id,
             "step": state.step, "dequantized_from": entry.quantization, "dtype": str(dtype).removeprefix("torch."),
-            "shards": len(written)}
+            "shards": len(written), "untied_embeddings": untie}
     write_json(directory / MERGE_INFO, info)
     return info
 
 
+def _untie(config: Any) -> None:
+    """`tie_word_embeddings=False`, where the model reads it (a multimodal config keeps it on its text config)."""
+    config.tie_word_embeddings = False
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if text is not config and hasattr(text, "tie_word_embeddings"):
+        text.tie_word_embeddings = False
+
+
 def _tied_names(model: nn.Module) -> set[str]:
-    """Every name of a parameter after its first (transformers ties them again from the config)."""
+    """Every name of a parameter after its first (transformers ties them again from the config), in the plain
+    model's names: a wrapped layer's `x.base_layer.weight` is `x.weight` there."""
     first: dict[int, str] = {}
     tied = set()
     for name, param in model.named_parameters(remove_duplicate=False):
+        name = name.replace(".base_layer.", ".")
         if id(param) in first:
             tied.add(name)
         first.setdefault(id(param), name)

@@ -11,8 +11,8 @@ This is a thin shell. The container's engine thread runs ticks (`serve_forever`)
 under `@modal.concurrent` Modal runs them in threads) submit to it and wait, and the Volume is
 committed once per tick, after the journal fsyncs and before any answer of that tick goes out: an
 acknowledged forward_backward or optim_step is on the Volume. Snapshots an eviction writes between calls
-are committed at once. Calls that write files the journal does not cover (create_run, save_state,
-close_run, delete_run) commit before they answer.
+are committed at once. Calls that write files the journal does not cover (create_run, save_state, load_state,
+delete_checkpoint, close_run, delete_run) commit before they answer.
 
 Offline (`modal.is_local()`: tests run the class through `.local()`, with no Volume and no credentials)
 a commit only records what it covers, so a test can check that every acknowledged record was committed
@@ -63,7 +63,7 @@ IMAGE_PACKAGES = (
 )
 
 # Files written outside the journal: committed before the call answers.
-COMMIT_AFTER = frozenset({"create_run", "save_state", "close_run", "delete_run"})
+COMMIT_AFTER = frozenset({"create_run", "save_state", "load_state", "delete_checkpoint", "close_run", "delete_run"})
 JOURNALED = frozenset({"forward_backward", "optim_step"})
 
 CLASS_OPTIONS: dict[str, Any] = {

@@ -227,20 +227,31 @@ def grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
         return False
 
 
-def linear_module_names(model: nn.Module) -> set[str]:
-    """Leaf names of the layers LoRA can wrap (q_proj, up_proj, …); lm_head is left alone."""
+def linear_module_names(model: nn.Module, unembedding: bool = False) -> set[str]:
+    """Leaf names of the Linear layers in the model (q_proj, up_proj, …); the output projection (lm_head) among
+    them only with `unembedding` (what LoRA may target in the runtime: a switch of its own, train_unembed)."""
     names = set()
     for path, module in model.named_modules():
-        if isinstance(module, (nn.Linear, MultiLoraLinear)) and not path.endswith("lm_head"):
+        if isinstance(module, (nn.Linear, MultiLoraLinear)) and (unembedding or not _is_unembedding(model, path)):
             names.add(path.rsplit(".", 1)[-1])
     return names
 
 
+def _is_unembedding(model: nn.Module, path: str) -> bool:
+    output = getattr(model, "get_output_embeddings", lambda: None)()
+    return path.endswith("lm_head") or (output is not None and model.get_submodule(path) is output)
+
+
 def wrap_targets(model: nn.Module, targets: list[str], routing: Routing) -> dict[str, MultiLoraLinear]:
-    """Replace every Linear whose leaf name is in `targets` by a MultiLoraLinear (idempotent); return all wrapped."""
+    """Replace every Linear whose leaf name is in `targets` by a MultiLoraLinear (idempotent); return all wrapped.
+
+    The unembedding (lm_head) is wrapped like any Linear. Where the base ties it to the input embedding (SmolLM2
+    does), the wrapper keeps the one shared weight as its base layer and adds the delta to its output alone: the
+    input embedding stays the base's, as if the two were untied (merging.py unties them when it folds the delta in).
+    """
     for path, module in list(model.named_modules()):
         leaf = path.rsplit(".", 1)[-1]
-        if leaf in targets and isinstance(module, nn.Linear) and not path.endswith("lm_head"):
+        if leaf in targets and isinstance(module, nn.Linear):
             parent = model.get_submodule(path.rsplit(".", 1)[0]) if "." in path else model
             setattr(parent, leaf, MultiLoraLinear(module, path, routing))
     return {path: m for path, m in model.named_modules() if isinstance(m, MultiLoraLinear)}

@@ -38,7 +38,7 @@ class BaseEntry:
     quantization: str | None
     routing: Routing
     renderer: Renderer
-    available: set[str]  # linear layer names LoRA may target
+    available: set[str]  # linear layer names LoRA may target, the unembedding (lm_head) included
     params: int
     layers: dict[str, MultiLoraLinear] = field(default_factory=dict)
     idle_since: float = field(default_factory=time.monotonic)
@@ -67,7 +67,7 @@ class Residency:
             vocab = cast(torch.nn.Embedding, base.model.get_input_embeddings()).num_embeddings  # typed as a plain Module
             self.bases[key] = BaseEntry(
                 base=base, quantization=quantization, routing=Routing(), renderer=Renderer(base.tokenizer, vocab, base.max_length),
-                available=linear_module_names(base.model), params=base.params,
+                available=linear_module_names(base.model, unembedding=True), params=base.params,
             )
         return self.bases[key]
 

@@ -351,11 +351,13 @@ class Follower:
             threading.Event().wait()  # failpoint: this rank hangs mid-call, until rank 0's timeout stops it
         runs = self.pool.runs
         for part in plan.parts:
-            if part.backup:
+            if part.backup and part.run_id is not None:
                 self.backups[part.run_id] = [None if p.grad is None else p.grad.clone() for p in runs[part.run_id].parameters()]
         shard = RankShard(self.rank, self.world, plan.chunks[self.rank])
         outcomes = forward_backward_pass(self.pool.bases[plan.key], runs, plan.parts, self.device, shard)
         for part, outcome in zip(plan.parts, outcomes):  # as the engine does on rank 0
+            if part.run_id is None or part.forward_only:
+                continue  # a forward keeps no gradient
             if isinstance(outcome, SignalError):
                 backup = self.backups.pop(part.run_id, None)
                 if backup is not None and part.row_offset > 0:  # a later part of a split call failed: undo the earlier

@@ -17,7 +17,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from gpu_runtime.errors import RunNotFound
+from gpu_runtime.disk import disk_full_error, is_disk_full
+from gpu_runtime.errors import InternalError, RunNotFound
 from gpu_runtime.persistence import check_id, find_run_dir, read_json
 from gpu_runtime.run_state import RunState
 from gpu_runtime.shared import Shared
@@ -83,7 +84,11 @@ class Recovery:
     # ---- snapshots -------------------------------------------------------------------------
 
     def snapshot(self, state: RunState) -> None:
-        state.journal.sync()  # a snapshot never covers records the journal could still lose
+        try:
+            state.journal.sync()  # a snapshot never covers records the journal could still lose
+        except OSError as exc:
+            self.shared.unwritten.setdefault(state.run_id, exc)  # the tick drops the run (drop_unwritten)
+            raise
         fault = "during_snapshot" if "during_snapshot" in self.shared.faults else None
         state.write_snapshot(self.shared.entry(state).base.name, fault)
         state.prune_snapshots(self.shared.options.keep_snapshots)
@@ -120,3 +125,27 @@ class Recovery:
             if state.changed_since_snapshot:
                 self.snapshot(state)
             state.journal.close()
+
+    def drop_unwritten(self, failed: dict[str, OSError]) -> dict[str, dict[str, Any]]:
+        """Runs whose journal could not be written this tick: the journal is cut back to what is durable, snapshots
+        past it are removed, and the run leaves memory unsaved (memory holds calls the disk does not), so its next
+        call restores it from snapshot + journal as if those calls never came, their request ids forgotten.
+        Returns each run's error, for every call of it in the tick."""
+        errors: dict[str, dict[str, Any]] = {}
+        options = self.shared.options
+        for run_id, exc in failed.items():
+            full = is_disk_full(exc, self.shared.data_dir, options.min_free_disk_bytes)
+            error = disk_full_error(self.shared.data_dir, exc) if full else InternalError(
+                f"the run's journal could not be written ({type(exc).__name__}); nothing of this call was applied")
+            errors[run_id] = error.to_dict()
+            state = self.shared.residency.runs.get(run_id)
+            if state is None:
+                continue
+            try:
+                state.journal.abandon()
+            except OSError as cut:  # the unsynced tail may survive: say so where the operator looks
+                print(f"run {run_id}: could not cut its journal back after a failed write: {cut}", file=sys.stderr)
+            state.drop_snapshots_after(state.journal.synced_seq)
+            self.shared.residency.detach(run_id)
+        return errors
+

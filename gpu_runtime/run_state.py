@@ -27,6 +27,7 @@ import torch
 from peft import LoraConfig
 from safetensors.torch import load_file, save_file
 
+from gpu_runtime.contract.settings import DEFAULT_NAME, DEFAULT_REDUCTION
 from gpu_runtime.journal import Journal
 from gpu_runtime.multilora import LoraWeights, MultiLoraLinear
 from gpu_runtime.optimizer import restore_fused
@@ -39,6 +40,9 @@ OPTIMIZER_FILE = "optimizer.pt"
 LEGACY_OPTIMIZER_FILE = "optimizer_state.pt"
 PENDING_FILE = "pending_grads.safetensors"
 SNAPSHOT_FILE = "snapshot.json"
+CHECKPOINT_FILE = "checkpoint.json"  # what a checkpoint is and what resuming from it needs (docs/CHECKPOINTS.md)
+CHECKPOINT_FORMAT = 1
+LOADS_DIR = "loads"  # a load_state's files, copied into the run until the snapshot after it is written
 REMEMBERED_REQUESTS = 4096  # request ids (and results) kept for answering retries
 REMEMBERED_SAMPLES = 64  # sample answers kept in memory only: a sample changes nothing, so none is journaled
 
@@ -52,16 +56,36 @@ def peft_name(path: str, matrix: str) -> str:
 class PendingGrads:
     """Gradients summed in .grad since the last optim_step: what they are divided by, and what they came from."""
 
-    normaliser: float = 0.0  # the sum the losses are normalised by (weighted target tokens, over every call)
+    normaliser: float = 0.0  # the sum a "mean" reduction divides by (|weights| or counted positions, every call)
     calls: int = 0  # forward_backward calls summed in
     tokens: int = 0  # their target tokens
     batches: list[dict[str, Any]] = field(default_factory=list)  # each call's hash and size, for the manifest
+    reduction: str | None = None  # the reduction every call since the last step used (None: no call yet)
 
-    def add(self, normaliser: float, tokens: int, batch: dict[str, Any]) -> None:
+    def add(self, normaliser: float, tokens: int, batch: dict[str, Any], reduction: str = DEFAULT_REDUCTION) -> None:
         self.normaliser += normaliser
         self.calls += 1
         self.tokens += tokens
         self.batches.append(batch)
+        self.reduction = reduction
+
+    @property
+    def divisor(self) -> float:
+        """What optim_step divides the summed gradients by: the normaliser ("mean"), or 1 ("sum"). A mean over no
+        counted position divides by 1: those gradients are all zero."""
+        if self.reduction == "sum" or not self.normaliser:
+            return 1.0
+        return self.normaliser
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"normaliser": self.normaliser, "calls": self.calls, "tokens": self.tokens, "batches": self.batches,
+                "reduction": self.reduction}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> PendingGrads:
+        # Snapshots from before reductions hold none: their calls were all "mean".
+        reduction = data.get("reduction", DEFAULT_REDUCTION if data["calls"] else None)
+        return cls(data["normaliser"], data["calls"], data["tokens"], data["batches"], reduction)
 
 
 @dataclass
@@ -175,6 +199,23 @@ class RunState:
 
     # ---- snapshots ----------------------------------------------------------------------------
 
+    def save_optimizer(self, path: Path) -> None:
+        """AdamW's state keyed by parameter name (`_load_optimizer` renumbers it for the loading run)."""
+        torch.save({"step": self.step, "param_names": list(self.named_parameters()),
+                    "optimizer": self.optimizer.state_dict()}, path)
+
+    def load_checkpoint_files(self, directory: Path, with_optimizer: bool, step: int, device: torch.device) -> None:
+        """A checkpoint's adapter, and its AdamW or a fresh one, into this run at `step`; pending gradients go."""
+        self.load_adapter(directory)
+        if with_optimizer:
+            payload = torch.load(Path(directory) / LEGACY_OPTIMIZER_FILE, map_location=device, weights_only=True)
+            self._load_optimizer(payload, Path(directory))
+        else:
+            self.optimizer.state.clear()  # a fresh AdamW: no moments, its own step count 0 (bias correction anew)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.clear_pending()
+        self.step = step
+
     def write_snapshot(self, base_name: str, fault: str | None = None) -> Path:
         """Snapshot everything the run holds at journal position `seq` (pending gradients included)."""
         target = self.paths.adapter_step(self.step)
@@ -191,8 +232,7 @@ class RunState:
                 save_file(grads, str(tmp / PENDING_FILE))
             write_json(tmp / SNAPSHOT_FILE, {
                 "format": SNAPSHOT_FORMAT, "step": self.step, "seq": self.seq, "pending_included": pending,
-                "pending": {"normaliser": self.pending.normaliser, "calls": self.pending.calls,
-                            "tokens": self.pending.tokens, "batches": self.pending.batches},
+                "pending": self.pending.to_dict(),
                 "answered": list(self.answered.items())[-256:], "created_at": time.time(),
             })
             fsync_tree(tmp)
@@ -204,8 +244,7 @@ class RunState:
         # A snapshot killed part-way leaves its temporary folder (never a step_N): it holds nothing to keep.
         for debris in self.paths.adapters.glob(".step_*.*-*"):
             shutil.rmtree(debris, ignore_errors=True)
-        for step in reversed(self.paths.saved_steps()):
-            directory = self.paths.adapter_step(step)
+        for directory in self.snapshots_newest_first():
             if (directory / SNAPSHOT_FILE).exists():
                 self._load_snapshot(directory, device)
                 return
@@ -222,8 +261,7 @@ class RunState:
             grads = load_file(str(directory / PENDING_FILE), device=str(device))
             for name, param in self.named_parameters().items():
                 param.grad = grads[name].clone()
-        pending = meta["pending"]
-        self.pending = PendingGrads(pending["normaliser"], pending["calls"], pending["tokens"], pending["batches"])
+        self.pending = PendingGrads.from_dict(meta["pending"])
         self.answered = OrderedDict((k, v) for k, v in meta.get("answered", []))
         self.step, self.seq = meta["step"], meta["seq"]
         self.snapshot_step, self.snapshot_seq = self.step, self.seq
@@ -249,8 +287,38 @@ class RunState:
         self.optimizer.load_state_dict(state)
         restore_fused(self.optimizer)  # load_state_dict puts back the saved groups' `fused`
 
+    def snapshots_newest_first(self) -> list[Path]:
+        """Snapshot directories, newest (highest journal position) first. Not by step: load_state can move a run's
+        step back, and the snapshot after it is then the newest at a lower step."""
+        def position(step: int) -> tuple[int, int]:
+            meta = self.paths.adapter_step(step) / SNAPSHOT_FILE
+            try:
+                return int(read_json(meta)["seq"]), step
+            except (OSError, ValueError, KeyError, TypeError):
+                return -1, step  # format 1 (no snapshot.json) or torn: before every journaled one, by step
+        return [self.paths.adapter_step(step) for step in sorted(self.paths.saved_steps(), key=position, reverse=True)]
+
     def prune_snapshots(self, keep: int) -> None:
-        self.paths.prune_steps(keep)
+        for directory in self.snapshots_newest_first()[keep:] if keep > 0 else []:
+            shutil.rmtree(directory, ignore_errors=True)
+        shutil.rmtree(self.paths.root / LOADS_DIR, ignore_errors=True)  # a snapshot now covers every load_state
+
+    def drop_snapshots_after(self, seq: int) -> None:
+        """Remove snapshots that cover journal records past `seq` (records a failed write cut off): restoring one
+        would bring back calls that were answered as failed."""
+        for step in self.paths.saved_steps():
+            meta = self.paths.adapter_step(step) / SNAPSHOT_FILE
+            if meta.exists() and read_json(meta)["seq"] > seq:
+                shutil.rmtree(self.paths.adapter_step(step), ignore_errors=True)
+
+
+def checkpoint_dir(paths: RunPaths, mode: str, name: str) -> Path:
+    """Where a checkpoint lives: step-N (a save without a name) where checkpoints always were, {mode}_step_N; any
+    other name under its kind, checkpoints/{mode}/{name}, so the two never meet."""
+    match = DEFAULT_NAME.match(name)
+    if match:
+        return paths.checkpoint(mode, int(match.group(1)))
+    return paths.root / "checkpoints" / mode / name
 
 
 def fsync_tree(directory: Path) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import os
 import select
+import signal
 import socket
 import subprocess
 import sys
@@ -25,7 +26,7 @@ from typing import IO, Any
 
 from gpu_runtime.contract import RuntimeOptions
 from gpu_runtime.errors import FailedPrecondition, SignalError, WorkerFailed
-from gpu_runtime.protocol import LOCK_HELD, check_contract, decode, encode, runtime_socket
+from gpu_runtime.protocol import HEARTBEAT, LOCK_HELD, check_contract, decode, encode, runtime_socket
 
 PACKAGE_PARENT = str(Path(__file__).resolve().parent.parent)  # a checkout, or site-packages when installed
 
@@ -120,6 +121,52 @@ class RuntimeClient:
                 self._pending.pop(request_id, None)
                 future.set_exception(WorkerFailed(f"worker process is gone; {method} was not sent"))
         return future
+
+    def heartbeat(self) -> Future[dict[str, Any]]:
+        """Ask the runtime it is connected to (never a new one) whether it is alive: its reader thread answers,
+        however long the current tick runs. WorkerFailed if there is none."""
+        future: Future[dict[str, Any]] = Future()
+        with self._lock:
+            process = self._process
+            if process is None or process.poll() is not None or process.stdin is None:
+                future.set_exception(WorkerFailed("no runtime is running"))
+                return future
+            request_id = next(self._ids)
+            self._pending[request_id] = (HEARTBEAT, future, process)
+            try:
+                process.stdin.write(encode({"id": request_id, "method": HEARTBEAT, "params": {}}))
+                process.stdin.flush()
+            except OSError:
+                self._pending.pop(request_id, None)
+                future.set_exception(WorkerFailed("the runtime's connection is gone"))
+        return future
+
+    def forget(self, future: Future[dict[str, Any]]) -> None:
+        """Drop an unanswered request (a heartbeat that timed out) so its entry does not linger."""
+        with self._lock:
+            for request_id, entry in list(self._pending.items()):
+                if entry[1] is future:
+                    del self._pending[request_id]
+
+    @property
+    def started_by_us(self) -> bool:
+        """Whether the runtime in use is a process this client spawned (a child, or a detached one it started), which
+        it may kill and replace; a runtime someone started with `signal runtime` is never killed."""
+        process = self._process
+        if isinstance(process, subprocess.Popen):
+            return True
+        return process is not None and any(p.pid == process.pid and p.poll() is None for p in self._spawned)
+
+    def kill(self) -> None:
+        """SIGKILL the runtime in use (only one this client started): its calls fail WORKER_FAILED, the next respawns."""
+        with self._lock:
+            process = self._process
+            if process is None or not self.started_by_us:
+                return
+            try:
+                os.kill(process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
     def call(self, method: str, timeout: float | None = None, **params: Any) -> dict[str, Any]:
         """Blocking form of `submit`."""
@@ -236,7 +283,8 @@ class RuntimeClient:
             # The log's path stays on the server: this message travels to API clients.
             future.set_exception(WorkerFailed(f"worker process {_ended(process, code)} during {method}"))
         if failed:
-            print(f"gpu_runtime runtime {_ended(process, code)}; its log: {self.log_path or 'stderr'}", file=sys.stderr)
+            print(f"gpu_runtime runtime (pid {process.pid}) {_ended(process, code)}; its log: {self.log_path or 'stderr'}",
+                  file=sys.stderr)
 
     def _stop(self, graceful: bool) -> None:
         process, self._process = self._process, None
@@ -350,8 +398,9 @@ class _EndWatcher:
 
 
 def _ended(process: subprocess.Popen[bytes] | RuntimeConnection, code: int) -> str:
+    # Clients see this in WORKER_FAILED: the pid stays in the server's log (the reader thread's name carries it).
     if isinstance(process, RuntimeConnection):
-        return f"(pid {process.pid}) closed its connection"
+        return "closed its connection"
     return f"exited with code {code}"
 
 

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from gpu_runtime.errors import BadInput, FailedPrecondition, SignalError
-from gpu_runtime.protocol import LOCK_HELD, decode, encode, greeting, runtime_lock, runtime_socket
+from gpu_runtime.protocol import HEARTBEAT, LOCK_HELD, decode, encode, greeting, runtime_lock, runtime_socket
 
 
 def claim_stdout() -> IO[bytes]:
@@ -110,6 +110,9 @@ def read_requests(engine: Any, channel: Channel, stream: IO[bytes]) -> None:
             request = decode(line)
         except ValueError as exc:
             channel.send({"id": None, "error": BadInput(f"request is not a JSON object: {exc}", field="request").to_dict()})
+            continue
+        if request.get("method") == HEARTBEAT:  # on this thread: it must answer while a tick runs
+            channel.send({"id": request.get("id"), "result": engine.heartbeat()})
             continue
         engine.submit(request.get("method"), request.get("params") or {}, channel.replier(request.get("id")))
 

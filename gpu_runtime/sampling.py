@@ -1,12 +1,14 @@
 """Choosing each next token: temperature, top-k and top-p, with the model's own logprobs.
 
-Reported logprobs are the model's own (temperature 1, unfiltered) log-probabilities of each
-chosen token. The decoding loop itself is `decoding.DecodeGroup`.
+Reported logprobs are the model's own (temperature 1, unfiltered) log-probabilities of each chosen token: the
+quantity a teacher-forced forward returns, whatever temperature, top-k or top-p chose it (docs/SAMPLING.md).
+The decoding loop itself is `decoding.DecodeGroup`.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -31,3 +33,44 @@ def choose_tokens(logits: torch.Tensor, settings: SamplingSettings, generator: t
             scaled = scaled.scatter(-1, order, ordered.masked_fill(drop, -math.inf))
         tokens = torch.multinomial(torch.softmax(scaled, dim=-1), 1, generator=generator).squeeze(-1)
     return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def top_logprobs(logits: torch.Tensor, k: int) -> list[list[list[float]]]:
+    """Per row of `logits` [rows, vocab], the k most likely [token, logprob] pairs, most likely first."""
+    values, ids = torch.topk(torch.log_softmax(logits.float(), dim=-1), min(k, logits.shape[-1]), dim=-1)
+    return [[[int(t), float(v)] for t, v in zip(row_ids, row_values)]
+            for row_ids, row_values in zip(ids.tolist(), values.tolist())]
+
+
+# Most logits one chunk of the prompt's vocabulary projection holds (64 MiB in fp32): 64 rows x 512 positions x
+# 49,152 would be 6.4 GB at once, so the positions are projected a few at a time.
+LOGIT_CHUNK_ELEMENTS = 2**24
+
+
+def score_prompts(hidden: torch.Tensor, input_ids: torch.Tensor, lengths: list[int], vocab: int,
+                  project: Callable[[torch.Tensor], torch.Tensor], k: int
+                  ) -> tuple[list[list[float | None]], list[list[list[list[float]] | None]]]:
+    """Each left-padded prompt row's logprob of its own tokens (None at position 0) and, with k > 0, its top-k
+    [token, logprob] pairs per position (most likely first; None at 0). `hidden` [rows, width, dim] is the final
+    hidden state; `project` maps a slice of it to logits. Columns are projected in bounded chunks."""
+    rows, width, _ = hidden.shape
+    first = width - max(lengths)  # columns before it are padding in every row
+    chunk = max(1, LOGIT_CHUNK_ELEMENTS // max(rows * vocab, 1))
+    own = torch.zeros(rows, width - 1)
+    top_values = torch.zeros(rows, width - 1, k)
+    top_ids = torch.zeros(rows, width - 1, k, dtype=torch.long)
+    for start in range(first, width - 1, chunk):  # column c predicts column c + 1
+        end = min(start + chunk, width - 1)
+        logprobs = torch.log_softmax(project(hidden[:, start:end]).float(), dim=-1)
+        own[:, start:end] = logprobs.gather(-1, input_ids[:, start + 1:end + 1, None]).squeeze(-1).cpu()
+        if k:
+            values, ids = torch.topk(logprobs, min(k, logprobs.shape[-1]), dim=-1)
+            top_values[:, start:end, :values.shape[-1]], top_ids[:, start:end, :ids.shape[-1]] = values.cpu(), ids.cpu()
+    scores: list[list[float | None]] = []
+    tops: list[list[list[list[float]] | None]] = []
+    for row, length in enumerate(lengths):
+        columns = slice(width - length, width - 1)  # the columns predicting prompt positions 1..length-1
+        scores.append([None, *own[row, columns].tolist()])
+        tops.append([None, *([[int(t), float(v)] for t, v in zip(ids, values)]
+                             for ids, values in zip(top_ids[row, columns].tolist(), top_values[row, columns].tolist()))])
+    return scores, tops

@@ -13,11 +13,11 @@ from collections import OrderedDict
 
 import torch
 
-from gpu_runtime.contract import Sample, SampleResult
+from gpu_runtime.contract import Sample, SampleResult, Tokenizer, TokenizerResult
 from gpu_runtime.decoding import DecodeGroup, SampleJob
 from gpu_runtime.errors import BadInput, SignalError
 from gpu_runtime.pool import BaseEntry
-from gpu_runtime.run_state import REMEMBERED_SAMPLES
+from gpu_runtime.run_state import REMEMBERED_SAMPLES, RunState
 from gpu_runtime.scheduler import Request
 from gpu_runtime.shared import Shared, TickStats, internal
 from gpu_runtime.snapshots import Snapshots
@@ -46,17 +46,37 @@ class Sampling:
     def prepare(self, request: Request, source: WeightsSource, call: Sample) -> SampleJob:
         prompts, settings = call.settings()
         entry = source.entry
-        limit = entry.renderer.max_length
-        prompt_ids = [list(entry.base.tokenizer(p, add_special_tokens=True)["input_ids"]) for p in prompts]
+        limit, vocab = entry.renderer.max_length, entry.renderer.vocab_size
+        field = "prompts" if call.prompt_tokens is None else "prompt_tokens"
+        prompt_ids = [list(entry.base.tokenizer(p, add_special_tokens=True)["input_ids"]) if isinstance(p, str)
+                      else list(p) for p in prompts]
         for i, ids in enumerate(prompt_ids):
             if not ids or len(ids) >= limit:
-                raise BadInput(f"prompts[{i}] is {len(ids)} tokens; the model's context is {limit}", field=f"prompts[{i}]")
+                raise BadInput(f"{field}[{i}] is {len(ids)} tokens; the model's context is {limit}", field=f"{field}[{i}]")
+            outside = [t for t in ids if t >= vocab]
+            if outside:
+                raise BadInput(f"{field}[{i}] has token id {outside[0]} outside the vocabulary (0..{vocab - 1})",
+                               field=f"{field}[{i}]")
             if len(ids) + settings.max_tokens > limit:
-                raise BadInput(f"prompts[{i}] ({len(ids)} tokens) + max_tokens ({settings.max_tokens}) exceeds "
+                raise BadInput(f"{field}[{i}] ({len(ids)} tokens) + max_tokens ({settings.max_tokens}) exceeds "
                                f"the context ({limit})", field="max_tokens")
+        outside = [t for t in settings.stop_tokens if t >= vocab]
+        if outside:
+            raise BadInput(f"stop token id {outside[0]} is outside the vocabulary (0..{vocab - 1})", field="stop")
         generator = torch.Generator(device=self.shared.device).manual_seed(settings.seed)
         return SampleJob(request, source.state, prompt_ids, settings, generator, step=source.step, key=source.key,
                          snapshot=source.snapshot)
+
+    def tokenizer(self, call: Tokenizer, state: RunState | None) -> TokenizerResult:
+        """The tokenizer of `state`'s base (a run's), else of `call.base_model` (loaded if it is not)."""
+        entry = self.shared.entry(state) if state is not None else \
+            self.shared.residency.base(str(call.base_model), call.quantization)
+        tokenizer = entry.base.tokenizer
+        template = getattr(tokenizer, "chat_template", None)
+        return TokenizerResult(name=entry.base.name, vocab_size=entry.renderer.vocab_size,
+                               eos_token_ids=sorted(eos_ids(entry)), bos_token_id=tokenizer.bos_token_id,
+                               pad_token_id=tokenizer.pad_token_id,
+                               chat_template=template if isinstance(template, str) else None)
 
     def start(self, entry: BaseEntry, jobs: list[SampleJob]) -> None:
         for job in jobs:

@@ -61,7 +61,7 @@ class PassPlan:
 
 def split_rows(parts: Sequence[PassPart], world: int) -> tuple[list[tuple[int, int]], list[int]]:
     """Contiguous row chunks, one per rank, as close to equal in tokens as whole rows allow."""
-    lengths = [len(e.tokens) for part in parts for e in part.examples]
+    lengths = [e.cost for part in parts for e in part.examples]
     prefix = [0]
     for length in lengths:
         prefix.append(prefix[-1] + length)
@@ -92,7 +92,7 @@ class RankShard:
             taken = part.examples[lo - index:hi - index] if hi > lo else []
             mine.append(replace(part, examples=taken, row_offset=part.row_offset + max(lo - index, 0)))
             index += len(part.examples)
-        self.tokens = sum(len(e.tokens) for part in mine for e in part.examples)
+        self.tokens = sum(e.cost for part in mine for e in part.examples)
         return mine
 
     def all_reduce_sums(self, sums: list[tuple[torch.Tensor | None, float]]) -> list[tuple[float, float]]:
@@ -109,10 +109,19 @@ class RankShard:
         self.processed = [(a, b, c) for a, b, c in tail]
         return [(float(values[2 * i]), float(values[2 * i + 1])) for i in range(len(sums))]
 
+    def gather_outputs(self, outputs: list[list[dict[str, list[float]]] | None]) -> list[list[dict[str, list[float]]] | None]:
+        """Each part's per-datum outputs from every rank, in row order (rank r holds a contiguous chunk of rows)."""
+        gathered: list[Any] = [None] * self.world
+        dist.all_gather_object(gathered, outputs)
+        merged: list[list[dict[str, list[float]]] | None] = []
+        for i, mine in enumerate(outputs):
+            merged.append(None if mine is None else [datum for rank in gathered for datum in rank[i]])
+        return merged
+
     def stash_grads(self, runs: dict[str, RunState], parts: list[PassPart]) -> list[tuple[list[nn.Parameter], list[Any]]]:
         """Set aside each run's accumulated gradients: only this pass's are summed over the ranks."""
         stash = []
-        for run_id in sorted({part.run_id for part in parts}):
+        for run_id in sorted({part.run_id for part in parts if part.run_id is not None and not part.forward_only}):
             params = runs[run_id].parameters()
             stash.append((params, [p.grad for p in params]))
             for param in params:
@@ -308,7 +317,7 @@ class ShardedResidency(Residency):
         else:
             entry = super().base(name)
         # Every layer LoRA may target is wrapped once, now: runs attach to it later without touching the sharded tree.
-        entry.layers = wrap_targets(entry.model, sorted(linear_module_names(entry.model)), entry.routing)
+        entry.layers = wrap_targets(entry.model, sorted(linear_module_names(entry.model, unembedding=True)), entry.routing)
         cast(Any, entry.model).get_input_embeddings().register_forward_hook(_require_grad)
         if self.group is not None:
             self.group.mirror_forwards(key, entry.model)

@@ -7,6 +7,7 @@ internals.
 
 from __future__ import annotations
 
+import errno
 import sys
 import traceback
 from collections.abc import Callable
@@ -77,26 +78,44 @@ class Shared:
     totals: Totals = field(default_factory=Totals)
     owners: dict[str, str] = field(default_factory=dict)  # run → user, for fair turns
     touched: set[str] = field(default_factory=set)  # runs whose journal has records not yet fsync'd
+    unwritten: dict[str, OSError] = field(default_factory=dict)  # runs whose journal write failed this tick
+    armed: set[str] = field(default_factory=set)  # failpoint enospc_journal: runs whose next sync fails
     snapshotted: bool = False  # a snapshot was written since the last after_sync (Modal commits it then)
 
     def entry(self, state: RunState) -> BaseEntry:
         return self.residency.bases[state.base_key]
 
     def journal(self, state: RunState, record: dict[str, Any]) -> None:
-        """Append an acknowledged call to its run's journal; it is fsync'd before the tick answers."""
-        state.journal.append(record)
+        """Append an acknowledged call to its run's journal; it is fsync'd before the tick answers. A failed write
+        is kept for `sync_journals` to report: every call of that run in this tick then fails."""
+        if "enospc_journal" in self.faults and str(record.get("request_id") or "").startswith("enospc"):
+            self.armed.add(state.run_id)  # failpoint: this run's journal sync fails as on a full disk
+        try:
+            state.journal.append(record)
+        except OSError as exc:
+            self.unwritten.setdefault(state.run_id, exc)
         state.seq += 1
         self.touched.add(state.run_id)
 
-    def sync_journals(self) -> None:
+    def sync_journals(self) -> dict[str, OSError]:
+        """fsync every journal written this tick; returns the runs whose records could not be made durable."""
+        failed, self.unwritten = self.unwritten, {}
         for run_id in list(self.touched):
             state = self.residency.runs.get(run_id)
-            if state is not None:
+            if state is None or run_id in failed:
+                continue
+            try:
+                if run_id in self.armed:
+                    self.armed.discard(run_id)
+                    raise OSError(errno.ENOSPC, "No space left on device (failpoint enospc_journal)")
                 state.journal.sync()
+            except OSError as exc:
+                failed[run_id] = exc
         if (self.touched or self.snapshotted) and self.after_sync is not None:
             self.after_sync()
         self.touched = set()
         self.snapshotted = False
+        return failed
 
 
 def internal(exc: BaseException, request: Request | None = None) -> dict[str, Any]:

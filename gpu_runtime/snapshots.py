@@ -4,7 +4,7 @@ A snapshot is a copy of the run's A/B matrices at the moment its call was applie
 multi-LoRA layers under the routing key "<run_id>@<name>", so its rows share decode groups with every other
 run's and the run trains on without touching it.
 
-- **Named** snapshots are written under the run's directory (`checkpoints/sampler_<name>/`, a PEFT adapter)
+- **Named** snapshots are written under the run's directory (`checkpoints/sampler/<name>/`, a PEFT adapter)
   before the call is answered: they are listed, downloadable, and load again from disk after a restart or an
   eviction. No journal record is needed: the directory is the record (fsync'd), and it never changes.
 - **Unnamed** snapshots live in memory only and expire `unnamed_snapshot_seconds` after they were made. One
@@ -29,10 +29,10 @@ from safetensors.torch import load_file, save_file
 
 from gpu_runtime.errors import FailedPrecondition, NotFound
 from gpu_runtime.multilora import LoraWeights, wrap_targets
-from gpu_runtime.persistence import atomic_dir, dir_size, find_run_dir, read_json, write_json
+from gpu_runtime.persistence import RunPaths, atomic_dir, dir_size, find_run_dir, read_json, write_json
 from gpu_runtime.pool import BaseEntry, Residency
 from gpu_runtime.quantization import base_key
-from gpu_runtime.run_state import ADAPTER_WEIGHTS, RunState, fsync_tree, peft_name
+from gpu_runtime.run_state import ADAPTER_WEIGHTS, RunState, checkpoint_dir, fsync_tree, peft_name
 
 SAMPLER_MODE = "sampler"  # the checkpoints table's `mode` of a named snapshot
 SAMPLER_FILE = "sampler.json"  # beside a named snapshot's adapter: its name, run and step
@@ -43,7 +43,10 @@ def routing_key(run_id: str, name: str) -> str:
 
 
 def snapshot_dir(run_root: Path, name: str) -> Path:
-    return Path(run_root) / "checkpoints" / f"{SAMPLER_MODE}_{name}"
+    """A named snapshot's directory: where every checkpoint of kind "sampler" lives (run_state.checkpoint_dir), so
+    listing, downloading and delete_checkpoint find it like any other."""
+    run_root = Path(run_root)
+    return checkpoint_dir(RunPaths(run_root.parents[2], run_root.parent.name, run_root.name), SAMPLER_MODE, name)
 
 
 @dataclass(eq=False)

@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from gpu_runtime.batches import Collated, Example, collate
+from gpu_runtime.batches import Datum, collate, rows
 from gpu_runtime.errors import BadInput, SignalError
-from gpu_runtime.losses import LOSSES, target_logprobs
+from gpu_runtime.losses import LOSSES, normaliser, target_logprobs
 from gpu_runtime.multilora import Segment, routed
 from gpu_runtime.pool import BaseEntry
 from gpu_runtime.run_state import RunState
@@ -25,70 +25,98 @@ from gpu_runtime.run_state import RunState
 if TYPE_CHECKING:
     from gpu_runtime.sharding import RankShard
 
-Outcome = tuple[float, float] | SignalError  # (loss sum, normaliser) of a part, or why it was left out
+
+@dataclass
+class PartOutcome:
+    """A part's loss sum and normaliser over every rank; with return_outputs, each datum's per-position values."""
+
+    loss_sum: float
+    normaliser: float
+    outputs: list[dict[str, list[float]]] | None = None  # [{logprobs, elementwise_loss}] per datum, in order
+
+
+Outcome = PartOutcome | SignalError  # a part's sums, or why it was left out
 
 
 @dataclass
 class PassPart:
     """One call's rows in one pass, as plain data: rank 0 broadcasts these, and every rank runs the same ones."""
 
-    run_id: str
-    examples: list[Example]
+    run_id: str | None  # None: the base alone (a forward on a base model: its rows reach no adapter)
+    examples: list[Datum]
     row_offset: int  # where these rows start within the call: its dropout masks are sliced from there
     call_rows: int  # the whole call's rows and padded width: its dropout masks are drawn at this shape
     call_width: int
-    dropout_seed: int
+    dropout_seed: int | None  # None: no dropout (a forward)
     loss_fn: str
     loss_config: dict[str, Any] = field(default_factory=dict)
     backup: bool = False  # the first part of a split call: keep the run's gradients, to put back if a later part fails
+    return_outputs: bool = False  # compute and ship per-position logprobs and elementwise losses
+    forward_only: bool = False  # a forward: no backward, no gradient kept
 
 
 def forward_backward_pass(entry: BaseEntry, runs: dict[str, RunState], parts: list[PassPart], device: torch.device,
                           shard: RankShard | None = None) -> list[Outcome]:
     """One forward and backward pass of the base; each run's loss sum is backpropagated into its own LoRA's .grad
-    (a sum: optim_step divides by the normaliser accumulated over the calls)."""
+    (a sum: optim_step divides by the normaliser accumulated over the calls). A pass of forward parts only runs
+    without autograd and touches no gradient."""
+    forward_only = all(part.forward_only for part in parts)
     local = parts if shard is None else shard.rows_of_this_rank(parts)
-    stash = None if shard is None else shard.stash_grads(runs, parts)  # this pass's gradients alone are all-reduced
-    rows = [example for part in local for example in part.examples] or [_padding_row(entry)]
-    data = collate(rows, device)
+    # this pass's gradients alone are all-reduced
+    stash = None if shard is None or forward_only else shard.stash_grads(runs, parts)
+    datums = [datum for part in local for datum in part.examples] or [_padding_row(entry)]
+    data = collate(datums, device)
     segments, spans, start = [], [], 0
     for part in local:
         end = start + len(part.examples)
         spans.append(slice(start, end))
-        if part.examples:
+        if part.examples and part.run_id is not None:
             segments.append(Segment(part.run_id, start, end, dropout_seed=part.dropout_seed, call_rows=part.call_rows,
                                     call_width=part.call_width, row_offset=part.row_offset))
         start = end
-    with routed(entry.routing, segments):
+    with torch.set_grad_enabled(not forward_only), routed(entry.routing, segments):
         logits = entry.model(input_ids=data.input_ids, attention_mask=data.attention_mask).logits
-    logprobs = target_logprobs(logits, data.targets)
-    sums: list[tuple[torch.Tensor | None, float]] = []
-    for part, span in zip(local, spans):
-        if part.examples:
-            sums.append(LOSSES[part.loss_fn](logprobs[span], _rows(data, span), part.loss_config))
-        else:
-            sums.append((None, 0.0))  # none of this call's rows are on this rank
+        logprobs = target_logprobs(logits, data.targets)
+        sums: list[tuple[torch.Tensor | None, float]] = []
+        outputs: list[list[dict[str, list[float]]] | None] = []
+        for part, span in zip(local, spans):
+            if not part.examples:
+                sums.append((None, 0.0))  # none of this call's rows are on this rank
+                outputs.append([] if part.return_outputs else None)
+                continue
+            part_rows = rows(data, span)
+            elementwise = LOSSES[part.loss_fn](logprobs[span], part_rows, part.loss_config)
+            sums.append((elementwise.sum(), normaliser(part.loss_fn, part_rows)))
+            outputs.append(_outputs(logprobs[span], elementwise, part_rows.lengths) if part.return_outputs else None)
     if shard is None:
         totals = [(float(s.item()) if s is not None else 0.0, n) for s, n in sums]
         total: torch.Tensor | None = None
     else:
         totals = shard.all_reduce_sums(sums)  # every rank decides alike which parts count
+        if any(part.return_outputs for part in parts):
+            outputs = shard.gather_outputs(outputs)
         # Every rank runs backward through every layer, rows or not: FSDP's gathers must match across ranks.
-        total = logprobs.nan_to_num().sum() * 0.0
+        total = None if forward_only else logprobs.nan_to_num().sum() * 0.0
     outcomes: list[Outcome] = []
-    for (loss_sum, _), (global_sum, normaliser) in zip(sums, totals):
+    for part, (loss_sum, _), (global_sum, norm), part_outputs in zip(parts, sums, totals, outputs):
         if not math.isfinite(global_sum):
             # Left out of backward: a NaN/inf would poison every gradient this run accumulated so far.
             outcomes.append(BadInput(f"the batch's loss is {global_sum}; check its weights and tokens", field="batch"))
             continue
-        if loss_sum is not None:
+        if loss_sum is not None and not part.forward_only:
             total = loss_sum if total is None else total + loss_sum
-        outcomes.append((global_sum, normaliser))
+        outcomes.append(PartOutcome(global_sum, norm, part_outputs))
     if total is not None:
         total.backward()  # sums, accumulated in .grad; optim_step divides by each run's own normaliser
     if shard is not None and stash is not None:
         shard.reduce_grads(stash)
     return outcomes
+
+
+def _outputs(logprobs: torch.Tensor, elementwise: torch.Tensor, lengths: list[int]) -> list[dict[str, list[float]]]:
+    """Each datum's per-position logprobs and losses, cut to its own length (one transfer for the whole part)."""
+    lp, el = logprobs.detach().float().cpu(), elementwise.detach().float().cpu()
+    return [{"logprobs": lp[i, :n].tolist(), "elementwise_loss": el[i, :n].tolist()} for i, n in enumerate(lengths)]
 
 
 def adamw_step(params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer, normaliser: float,
@@ -112,12 +140,7 @@ def adamw_step(params: list[torch.nn.Parameter], optimizer: torch.optim.Optimize
     return grad_norm
 
 
-def _padding_row(entry: BaseEntry) -> Example:
+def _padding_row(entry: BaseEntry) -> Datum:
     """A rank with no rows this pass runs one of weight 0: it must still take part in every gather."""
     pad = entry.base.tokenizer.pad_token_id or 0
-    return Example([pad, pad], [0.0, 0.0])
-
-
-def _rows(data: Collated, rows: slice) -> Collated:
-    return Collated(data.input_ids[rows], data.attention_mask[rows], data.targets[rows], data.weights[rows],
-                    {k: v[rows] for k, v in data.extras.items()})
+    return Datum([pad], [pad], [0.0])

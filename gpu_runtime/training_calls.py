@@ -3,7 +3,9 @@
 A forward_backward is prepared once (its batch rendered to token rows) before the scheduler prices it,
 may be split across ticks by the token budget, and is journaled when its last rows are done. Every
 part of a tick's calls on one base runs in one pass (gpu_runtime/training.py, through `Compute`).
-optim_step divides each run's summed gradients by their normaliser and applies AdamW.
+optim_step divides each run's summed gradients by their normaliser ("mean"; by 1 for "sum") and applies AdamW.
+forward runs the same datums through a pass with no autograd and no dropout on a weights source
+(gpu_runtime/weights_sources.py, as a sample's), changing nothing; render_datums shows what a batch renders to.
 """
 
 from __future__ import annotations
@@ -18,19 +20,31 @@ from typing import Any
 
 import torch
 
-from gpu_runtime.batches import Example
-from gpu_runtime.contract import ForwardBackward, ForwardBackwardResult, OptimStep, OptimStepResult
+from gpu_runtime.batches import Datum
+from gpu_runtime.contract import (
+    DEFAULT_REDUCTION,
+    Forward,
+    ForwardBackward,
+    ForwardBackwardResult,
+    ForwardResult,
+    OptimStep,
+    OptimStepResult,
+    RenderDatums,
+    RenderDatumsResult,
+    loss_settings,
+)
 from gpu_runtime.errors import FailedPrecondition, SignalError
-from gpu_runtime.losses import LossFn, get_loss
 from gpu_runtime.optimizer import PORTABLE, kernel_of
 from gpu_runtime.persistence import sha256_json
 from gpu_runtime.pool import BaseEntry
-from gpu_runtime.run_state import RunState, append_manifest, last_manifest_step
+from gpu_runtime.run_state import LOADS_DIR, RunState, append_manifest, last_manifest_step
 from gpu_runtime.scheduler import Request
 from gpu_runtime.shared import Answer, Shared, TickStats
-from gpu_runtime.training import PassPart
+from gpu_runtime.training import PartOutcome, PassPart
+from gpu_runtime.weights_sources import WeightsSource
 
 FORWARD_BACKWARD, OPTIM_STEP = "forward_backward", "optim_step"  # journal record types
+LOAD_STATE = "load_state"  # written by control_calls.py's load_state
 
 
 @dataclass(eq=False)
@@ -38,13 +52,15 @@ class FbProgress:
     """A forward_backward call being computed, possibly across several ticks."""
 
     state: RunState
-    examples: list[Example]
+    examples: list[Datum]
     loss_fn: str
-    loss: LossFn
     loss_config: dict[str, Any]
     batch_hash: str
     call: int  # which call since the last optim_step: seeds its dropout
     width: int  # the call's own padded width: its dropout masks are drawn at this shape
+    reduction: str = DEFAULT_REDUCTION
+    return_outputs: bool = False
+    outputs: list[dict[str, list[float]]] | None = None  # per datum, gathered across the call's parts
     done: int = 0
     loss_sum: float = 0.0
     normaliser: float = 0.0
@@ -53,7 +69,7 @@ class FbProgress:
 
     @property
     def remaining_tokens(self) -> int:
-        return sum(len(e.tokens) for e in self.examples[self.done:])
+        return sum(e.cost for e in self.examples[self.done:])
 
     def restore_grads(self) -> None:
         """A later part of a split call failed: put back the gradients from before the call."""
@@ -67,7 +83,7 @@ class FbProgress:
 class FbPart:
     request: Request | None  # None while replaying the journal
     progress: FbProgress
-    examples: list[Example]
+    examples: list[Datum]
     row_offset: int
 
 
@@ -81,23 +97,29 @@ class Training:
         """The call's rows, ready to price and run; or, for a retry of a journaled call, its first answer."""
         if call.request_id and call.request_id in state.answered:
             return ForwardBackwardResult.from_dict(state.answered[call.request_id]).replay()
-        loss, config = get_loss(call.loss_fn, call.loss_fn_config)
+        config = loss_settings(call.loss_fn, call.loss_fn_config, call.reduction)
+        if state.pending.calls and state.pending.reduction != call.reduction:
+            raise FailedPrecondition(
+                f"reduction {call.reduction!r} differs from the {state.pending.reduction!r} of the {state.pending.calls} "
+                "forward_backward call(s) since the last optim_step: every call between two steps uses one reduction",
+                field="reduction")
         examples = self.shared.entry(state).renderer.render_batch(call.batch, self.shared.options.max_batch_size,
                                                                   call.loss_fn)
         batch_hash = sha256_json({"loss_fn": call.loss_fn, "batch": call.batch})
-        return FbProgress(state, examples, call.loss_fn, loss, config, batch_hash, call=state.pending.calls,
-                          width=max(len(e.tokens) for e in examples) - 1)
+        return FbProgress(state, examples, call.loss_fn, config, batch_hash, call=state.pending.calls,
+                          width=max(e.length for e in examples), reduction=call.reduction,
+                          return_outputs=call.return_outputs)
 
     @staticmethod
-    def take_rows(progress: FbProgress, allowance: int) -> list[Example]:
+    def take_rows(progress: FbProgress, allowance: int) -> list[Datum]:
         """The next rows of a call that fit in `allowance` tokens (at least one)."""
-        taken: list[Example] = []
+        taken: list[Datum] = []
         tokens = 0
         for example in progress.examples[progress.done:]:
-            if taken and tokens + len(example.tokens) > allowance:
+            if taken and tokens + example.cost > allowance:
                 break
             taken.append(example)
-            tokens += len(example.tokens)
+            tokens += example.cost
         if progress.done == 0 and len(taken) < len(progress.examples):
             # A split call: keep the gradients from before it, to put back if a later part fails.
             progress.backup = [None if p.grad is None else p.grad.clone() for p in progress.state.parameters()]
@@ -109,7 +131,7 @@ class Training:
         started = time.perf_counter()
         outcomes = self._pass(entry, parts)
         seconds = self.shared.compute.seconds_since(started)
-        tokens = [sum(len(e.tokens) for e in part.examples) for part in parts]
+        tokens = [sum(e.cost for e in part.examples) for part in parts]
         stats.fb_seconds += seconds
         stats.base_passes += 1
         stats.fb_rows += sum(len(p.examples) for p in parts)
@@ -126,7 +148,7 @@ class Training:
                 answers.append((part.request, {"result": result.to_dict()}))
         return answers
 
-    def _pass(self, entry: BaseEntry, parts: list[FbPart]) -> list[tuple[float, float] | SignalError]:
+    def _pass(self, entry: BaseEntry, parts: list[FbPart]) -> list[PartOutcome | SignalError]:
         plan = []
         for part in parts:
             progress = part.progress
@@ -134,41 +156,78 @@ class Training:
                 progress.state.run_id, part.examples, part.row_offset, call_rows=len(progress.examples),
                 call_width=progress.width, loss_fn=progress.loss_fn, loss_config=progress.loss_config,
                 dropout_seed=derive_seed(progress.state.config["seed"], progress.state.step, progress.call),
-                backup=part.row_offset == 0 and len(part.examples) < len(progress.examples)))
+                backup=part.row_offset == 0 and len(part.examples) < len(progress.examples),
+                return_outputs=progress.return_outputs and part.request is not None))  # none when replaying
         return self.shared.compute.forward_backward(entry, self.shared.residency.runs, plan)
 
-    def _count(self, part: FbPart, outcome: tuple[float, float], seconds: float = 0.0) -> ForwardBackwardResult | None:
+    def _count(self, part: FbPart, outcome: PartOutcome, seconds: float = 0.0) -> ForwardBackwardResult | None:
         """Count a part (and its share of the pass's `seconds`); when the call is whole, journal it and return
         its result."""
         progress, state = part.progress, part.progress.state
         progress.compute_seconds += seconds
-        progress.loss_sum += outcome[0]
-        progress.normaliser += outcome[1]
+        progress.loss_sum += outcome.loss_sum
+        progress.normaliser += outcome.normaliser
+        if outcome.outputs is not None:
+            progress.outputs = (progress.outputs or []) + outcome.outputs
         progress.done += len(part.examples)
         if progress.done < len(progress.examples):
             return None
         num_tokens = sum(e.num_targets for e in progress.examples)
         state.pending.add(progress.normaliser, num_tokens, {"sha256": progress.batch_hash,
                                                              "num_examples": len(progress.examples),
-                                                             "num_tokens": num_tokens})
+                                                             "num_tokens": num_tokens}, progress.reduction)
+        if progress.reduction == "sum":
+            loss = progress.loss_sum
+        else:
+            loss = progress.loss_sum / progress.normaliser if progress.normaliser else 0.0
         result = ForwardBackwardResult(
-            loss=progress.loss_sum / progress.normaliser if progress.normaliser else 0.0, num_tokens=num_tokens,
-            num_examples=len(progress.examples), step=state.step, compute_seconds=progress.compute_seconds)
+            loss=loss, num_tokens=num_tokens, num_examples=len(progress.examples), step=state.step,
+            compute_seconds=progress.compute_seconds, reduction=progress.reduction, outputs=progress.outputs)
         if part.request is None:  # replaying: the journal already holds it
             return result
         if "before_journal" in self.shared.faults:
             os.kill(os.getpid(), signal.SIGKILL)  # failpoint: computed, not journaled
         request_id = part.request.request_id
+        kept = result.kept().to_dict()  # nothing per-position in the journal or the retry cache
         self.shared.journal(state, {
             "type": FORWARD_BACKWARD, "request_id": request_id, "loss_fn": progress.loss_fn,
-            "loss_fn_config": progress.loss_config, "call": progress.call, "step": state.step,
-            "batch_sha256": progress.batch_hash,
-            "examples": [{"tokens": e.tokens, "weights": e.weights, "extras": e.extras} for e in progress.examples],
-            "result": result.to_dict(),
+            "loss_fn_config": progress.loss_config, "reduction": progress.reduction, "call": progress.call,
+            "step": state.step, "batch_sha256": progress.batch_hash,
+            "datums": [e.to_dict() for e in progress.examples],
+            "result": kept,
         })
-        state.remember(request_id, result.to_dict())
+        state.remember(request_id, kept)
         self.shared.residency.touch(state)
         return result
+
+    # ---- forward and render_datums: change nothing --------------------------------------
+
+    def forward(self, call: Forward, source: WeightsSource) -> ForwardResult:
+        """The batch's losses and logprobs on the call's weights source (gpu_runtime/weights_sources.py: the engine
+        resolves it, as a sample's), without autograd or dropout: no gradient, step or dropout counter of any run
+        changes. Pure, so a retry (same request id) computes the same answer."""
+        started = time.perf_counter()
+        config = loss_settings(call.loss_fn, call.loss_fn_config)
+        examples = source.entry.renderer.render_batch(call.batch, self.shared.options.max_batch_size, call.loss_fn)
+        part = PassPart(source.routing_key, examples, 0, call_rows=len(examples),
+                        call_width=max(e.length for e in examples), dropout_seed=None, loss_fn=call.loss_fn,
+                        loss_config=config, return_outputs=True, forward_only=True)
+        (outcome,) = self.shared.compute.forward_backward(source.entry, self.shared.residency.runs, [part])
+        if isinstance(outcome, SignalError):
+            raise outcome
+        assert outcome.outputs is not None
+        if source.state is not None:
+            self.shared.residency.touch(source.state)
+        return ForwardResult(
+            loss=outcome.loss_sum / outcome.normaliser if outcome.normaliser else 0.0, loss_sum=outcome.loss_sum,
+            num_tokens=sum(e.num_targets for e in examples), num_examples=len(examples),
+            step=source.known_step, outputs=outcome.outputs,
+            compute_seconds=self.shared.compute.seconds_since(started))
+
+    def render_datums(self, state: RunState, call: RenderDatums) -> RenderDatumsResult:
+        examples = self.shared.entry(state).renderer.render_batch(call.batch, self.shared.options.max_batch_size,
+                                                                  call.loss_fn)
+        return RenderDatumsResult(datums=[e.to_dict() for e in examples])
 
     # ---- optim_step ------------------------------------------------------------------------
 
@@ -221,6 +280,11 @@ class Training:
             return  # a duplicate cannot be applied twice
         if record["type"] == FORWARD_BACKWARD:
             self._replay_fb(state, record)
+        elif record["type"] == LOAD_STATE:
+            # Only a crash between the load's journal record and its snapshot gets here: the run's own copy of the
+            # checkpoint's files (never the checkpoint, which may be gone) is still there until a snapshot covers it.
+            staged = state.paths.root / LOADS_DIR / record["staged"]
+            state.load_checkpoint_files(staged, record["with_optimizer"], record["step"], self.shared.device)
         elif "error" in record["result"]:
             # It failed live and dropped the gradients: the journal's outcome holds, whatever a recompute says.
             self.shared.compute.drop_grads(state)
@@ -239,10 +303,12 @@ class Training:
         state.remember(request_id, record["result"])
 
     def _replay_fb(self, state: RunState, record: dict[str, Any]) -> None:
-        examples = [Example(e["tokens"], e["weights"], e.get("extras") or {}) for e in record["examples"]]
-        loss, config = get_loss(record["loss_fn"], record.get("loss_fn_config") or None)
-        progress = FbProgress(state, examples, record["loss_fn"], loss, config, record.get("batch_sha256", ""),
-                              call=record["call"], width=max(len(e.tokens) for e in examples) - 1)
+        # Journals written before datums hold {tokens, weights, extras} per example: rendered as they were then.
+        examples = [Datum.from_record(e) for e in record.get("datums") or record["examples"]]
+        reduction = record.get("reduction", DEFAULT_REDUCTION)
+        config = loss_settings(record["loss_fn"], record.get("loss_fn_config") or None, reduction)
+        progress = FbProgress(state, examples, record["loss_fn"], config, record.get("batch_sha256", ""),
+                              call=record["call"], width=max(e.length for e in examples), reduction=reduction)
         entry = self.shared.entry(state)
         while progress.done < len(examples):  # split as the budget splits live calls
             part = FbPart(None, progress, self.take_rows(progress, self.shared.options.tick_tokens), progress.done)

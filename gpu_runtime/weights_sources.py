@@ -1,12 +1,12 @@
-"""Where a sample's (or a forward's) weights come from: one rule for every call that reads weights.
+"""Where a sample's or a forward's weights come from: one rule for every call that reads weights.
 
 A call names `run_id` (the run's current weights), `run_id` + `snapshot` (a sampler snapshot,
-gpu_runtime/snapshots.py), `run_id` + `checkpoint` (a training checkpoint: not on this branch), or no run with
+gpu_runtime/snapshots.py), `run_id` + `checkpoint` (a training checkpoint: refused for now), or no run with
 `base_model` + `user_id` (the base alone). The source gives the routing key its rows go to in the multi-LoRA
 layers: the run's id, "<run_id>@<name>", or a key no layer has an adapter under, so the rows compute the plain base.
 
-Only the current weights are in the run's queue; the frozen sources are not (`Sample.frozen`): they are
-resolved whenever they are picked, and wait only for the call that makes them (`pending_save`).
+Only the current weights are in the run's queue; the frozen sources are not (`Sample.frozen`, `Forward.frozen`):
+they are resolved whenever they are picked, and wait only for the call that makes them (`pending_save`).
 """
 
 from __future__ import annotations
@@ -24,11 +24,18 @@ BASE_KEY_PREFIX = "base:"  # a routing key no adapter is registered under: the b
 
 
 class WeightsCall(Protocol):
-    run_id: str | None
-    snapshot: str | None
-    checkpoint: str | None
-    base_model: str | None
-    user_id: str | None
+    """What a call that reads weights names (contract Sample and Forward; frozen dataclasses, so read-only)."""
+
+    @property
+    def run_id(self) -> str | None: ...
+    @property
+    def snapshot(self) -> str | None: ...
+    @property
+    def checkpoint(self) -> str | None: ...
+    @property
+    def base_model(self) -> str | None: ...
+    @property
+    def user_id(self) -> str | None: ...
 
 
 @dataclass
@@ -40,6 +47,16 @@ class WeightsSource:
     user_id: str
     state: RunState | None = None  # the run's current weights: the call is in the run's queue
     snapshot: Snapshot | None = None  # a frozen adapter: held (in use) while the call reads it
+
+    @property
+    def routing_key(self) -> str | None:
+        """The key a pass routes its rows to; None: the base alone (no adapter at all)."""
+        return None if self.state is None and self.snapshot is None else self.key
+
+    @property
+    def known_step(self) -> int | None:
+        """The run's step these weights are from, as an answer reports it: None for a base or an unknown step."""
+        return None if self.routing_key is None or self.step < 0 else self.step
 
 
 class Pending(Exception):

@@ -7,10 +7,13 @@
 """
 
 from rewardsignal.client import Artifact, AsyncRun, AsyncSignalClient, Run, SignalClient
+from rewardsignal.datums import pack_datum
 from rewardsignal.errors import (
     AuthenticationError,
     BadInputError,
     BillingUnavailableError,
+    CancelledError,
+    DeadlineExceededError,
     FailedPreconditionError,
     ForbiddenError,
     HubError,
@@ -18,9 +21,11 @@ from rewardsignal.errors import (
     ModelUnavailableError,
     NotFoundError,
     PayloadTooLargeError,
+    ResourceExhaustedError,
     ServerError,
     SignalAPIError,
     TransportError,
+    UnavailableError,
     WorkerFailedError,
 )
 from rewardsignal.results import Result
@@ -32,6 +37,8 @@ __all__ = [
     "AuthenticationError",
     "BadInputError",
     "BillingUnavailableError",
+    "CancelledError",
+    "DeadlineExceededError",
     "FailedPreconditionError",
     "ForbiddenError",
     "HubError",
@@ -39,11 +46,14 @@ __all__ = [
     "ModelUnavailableError",
     "NotFoundError",
     "PayloadTooLargeError",
+    "ResourceExhaustedError",
     "Result",
     "Run",
     "ServerError",
     "SignalAPIError",
     "SignalClient",
     "TransportError",
+    "UnavailableError",
     "WorkerFailedError",
+    "pack_datum",
 ]

@@ -11,16 +11,20 @@ class SignalAPIError(Exception):
     code = "INTERNAL"
 
     def __init__(self, message: str, code: str | None = None, field: str | None = None,
-                 path: list[Any] | None = None) -> None:
+                 path: list[Any] | None = None, retryable: bool | None = None,
+                 details: dict[str, Any] | None = None) -> None:
         super().__init__(f"[{code or self.code}] {message}")
         self.message = message
         self.code = code or self.code
         self.field = field
         self.path = path
+        self.retryable = retryable  # the server's extensions.retryable (None: it did not say)
+        self.details = details or {}  # the other extensions, e.g. resource, retryAfterS
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Default pickling calls cls(*args), and args holds the "[CODE] message" text: it would be prefixed twice.
-        return (type(self), (self.message, self.code, self.field, self.path), self.__dict__)
+        return (type(self), (self.message, self.code, self.field, self.path, self.retryable, self.details),
+                self.__dict__)
 
 
 class AuthenticationError(SignalAPIError, PermissionError):
@@ -80,6 +84,41 @@ class BillingUnavailableError(SignalAPIError, RuntimeError):
     code = "BILLING_UNAVAILABLE"
 
 
+class DeadlineExceededError(SignalAPIError, TimeoutError):
+    """The call's deadline passed before it was applied: it never was. Not retried automatically."""
+
+    code = "DEADLINE_EXCEEDED"
+
+
+class ResourceExhaustedError(SignalAPIError, RuntimeError):
+    """Nothing was applied. `resource` "disk": the server's disk is full (not retried); "calls": too many of your calls
+    in flight (retried with the same id after `retry_after_s`, within a total budget)."""
+
+    code = "RESOURCE_EXHAUSTED"
+
+    @property
+    def resource(self) -> str | None:
+        return self.details.get("resource")
+
+    @property
+    def retry_after_s(self) -> float | None:
+        value = self.details.get("retryAfterS")
+        return float(value) if value is not None else None
+
+
+class UnavailableError(SignalAPIError, RuntimeError):
+    """The server's database was locked, read-only or unreachable; the call may have been applied. The client retries
+    with the same id (which records it once) with exponential backoff, a minute in all."""
+
+    code = "UNAVAILABLE"
+
+
+class CancelledError(SignalAPIError, RuntimeError):
+    """The call was cancelled before it was applied."""
+
+    code = "CANCELLED"
+
+
 class ServerError(SignalAPIError, RuntimeError):
     code = "INTERNAL"
 
@@ -94,17 +133,22 @@ _BY_CODE: dict[str, type[SignalAPIError]] = {
     cls.code: cls
     for cls in (AuthenticationError, NotFoundError, BadInputError, ModelUnavailableError, FailedPreconditionError,
                 WorkerFailedError, ForbiddenError, PayloadTooLargeError, HubError, InsufficientCreditsError,
-                BillingUnavailableError, ServerError, TransportError)
+                BillingUnavailableError, DeadlineExceededError, ResourceExhaustedError, UnavailableError,
+                CancelledError, ServerError, TransportError)
 }
 _BY_CODE["GRAPHQL_VALIDATION_FAILED"] = BadInputError
 
 
-def error_for_code(code: str, message: str, field: str | None = None, path: list[Any] | None = None) -> SignalAPIError:
+def error_for_code(code: str, message: str, field: str | None = None, path: list[Any] | None = None,
+                   retryable: bool | None = None, details: dict[str, Any] | None = None) -> SignalAPIError:
     """The typed error for a server `code` (a code this SDK does not know yet: the base class, code kept)."""
-    return _BY_CODE.get(code, SignalAPIError)(message, code=code, field=field, path=path)
+    return _BY_CODE.get(code, SignalAPIError)(message, code=code, field=field, path=path, retryable=retryable,
+                                              details=details)
 
 
 def error_from_graphql(error: dict[str, Any]) -> SignalAPIError:
-    extensions = error.get("extensions") or {}
-    return error_for_code(extensions.get("code", "INTERNAL"), error.get("message", "unknown error"),
-                          field=extensions.get("field"), path=error.get("path"))
+    extensions = dict(error.get("extensions") or {})
+    code, field, retryable = extensions.pop("code", "INTERNAL"), extensions.pop("field", None), extensions.pop(
+        "retryable", None)
+    return error_for_code(code, error.get("message", "unknown error"), field=field, path=error.get("path"),
+                          retryable=retryable, details=extensions)

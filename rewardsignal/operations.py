@@ -1,15 +1,16 @@
-"""The GraphQL documents the SDK sends, read from graphql/operations/ (one file per operation)."""
+"""The GraphQL documents the SDK sends: package data in rewardsignal/graphql/ (one file per operation).
+
+The repository's graphql/operations is a symlink to that folder, so the checkout, an editable install and a
+wheel all read the same files from beside this module.
+"""
 
 from __future__ import annotations
 
 import re
-import sys
 from functools import cache
 from pathlib import Path
 
-_CHECKOUT = Path(__file__).resolve().parent.parent / "graphql" / "operations"
-_INSTALLED = Path(sys.prefix) / "share" / "rewardsignal" / "operations"  # pyproject's data-files
-OPERATIONS_DIR = _CHECKOUT if _CHECKOUT.is_dir() else _INSTALLED
+OPERATIONS_DIR = Path(__file__).resolve().parent / "graphql"
 
 
 @cache

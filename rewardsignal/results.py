@@ -1,4 +1,9 @@
-"""Results: dicts with snake_case keys that also allow attribute access (`r["loss"]` and `r.loss`)."""
+"""Results: Mappings with snake_case keys that also allow attribute access (`r["loss"]` and `r.loss`).
+
+Each training call answers with its own class (ForwardBackwardResult, OptimStepResult, ...), whose annotations
+name its fields for type checkers and editors; all of them are `Result`, a dict subclass, so `r["loss"]`, `get`,
+`keys`, `items`, `in`, `dict(r)`, equality with a dict and `json.dumps(r)` keep working as they always have.
+"""
 
 from __future__ import annotations
 
@@ -19,16 +24,66 @@ class Result(dict[str, Any]):
         except KeyError:
             raise AttributeError(name) from None
 
+    def __repr__(self) -> str:
+        if type(self) is Result:
+            return dict.__repr__(self)
+        return f"{type(self).__name__}({', '.join(f'{key}={value!r}' for key, value in self.items())})"
+
+
+# The typed answers. Annotations only: the values live in the mapping, read by __getattr__ (a class attribute
+# would shadow it), so an answer that lacks a field (a document that did not select it) raises AttributeError.
+class ForwardBackwardResult(Result):
+    loss: float
+    num_tokens: int
+    num_examples: int
+    step: int  # the step whose gradients this call added to (the next optim_step makes step + 1)
+
+
+class OptimStepResult(Result):
+    step: int
+    grad_norm: float
+    learning_rate: float
+
+
+class SampleResult(Result):
+    outputs: list[list[str]]  # per prompt, per sample: the text
+    sequences: list[list[Result]]  # per prompt, per sample: text, tokens, logprobs, stop_reason
+
+
+class CheckpointResult(Result):
+    id: str
+    step: int
+    mode: str
+    checkpoint_path: str
+    size_bytes: int
+    hub_url: str | None
+    created_at: str
+    download_url: str
+
+
+class Limits(Result):
+    max_batch_size: int  # most items one forward_backward carries; the SDK splits larger batches
+
+
+# The class each GraphQL field's answer becomes (client.Call.field); others stay plain Results.
+TYPED: dict[str, type[Result]] = {
+    "forwardBackward": ForwardBackwardResult,
+    "optimStep": OptimStepResult,
+    "sample": SampleResult,
+    "limits": Limits,
+}
+
 
 def snake(name: str) -> str:
     return _CAMEL.sub(r"_\1", name).lower()
 
 
-def convert(value: Any) -> Any:
+def convert(value: Any, cls: type[Result] = Result) -> Any:
+    """GraphQL's answer with snake_case keys, counts as ints; the top-level object becomes `cls`."""
     if isinstance(value, list):
         return [convert(item) for item in value]
     if isinstance(value, dict):
-        out = Result()
+        out = cls()
         for key, item in value.items():
             name = snake(key)
             if name in _OPAQUE:
@@ -39,3 +94,24 @@ def convert(value: Any) -> Any:
                 out[name] = convert(item)
         return out
     return value
+
+
+def combine_forward_backward(parts: list[ForwardBackwardResult], reduction: str = "mean") -> ForwardBackwardResult:
+    """One answer for a batch the SDK split into consecutive calls: with `mean` the loss weighted by each part's
+    tokens (each part's loss is its own mean per target token), with `sum` the losses added; counts summed,
+    per-datum outputs in batch order."""
+    if len(parts) == 1:
+        return parts[0]
+    tokens = sum(int(part["num_tokens"]) for part in parts)
+    combined = ForwardBackwardResult(parts[0])
+    if "loss" in combined and reduction == "sum":
+        combined["loss"] = sum(float(part["loss"]) for part in parts)
+    elif "loss" in combined:
+        combined["loss"] = (sum(float(p["loss"]) * int(p["num_tokens"]) for p in parts) / tokens if tokens
+                            else sum(float(p["loss"]) for p in parts) / len(parts))
+    combined["num_tokens"] = tokens
+    if "num_examples" in combined:
+        combined["num_examples"] = sum(int(part["num_examples"]) for part in parts)
+    if "outputs" in combined:
+        combined["outputs"] = [output for part in parts for output in part.get("outputs") or []]
+    return combined

@@ -50,8 +50,10 @@
     for (const row of rows) {
       if (row.id <= lastId) continue;  // belt and braces: the server already resumes after lastId
       lastId = row.id;
-      if (row.name === "loss") { xs.push(xs.length + 1); ys.push(row.value); }
-      newest[row.name] = row;
+      // A loss is recorded as loss:mean or loss:sum (older runs: loss), one row per forward_backward.
+      const isLoss = row.name === "loss" || row.name.startsWith("loss:");
+      if (isLoss) { xs.push(xs.length + 1); ys.push(row.value); }
+      newest[isLoss ? "loss" : row.name] = row;
     }
     if (newest.loss) text("stat-loss", newest.loss.value.toFixed(4));
     if (newest.grad_norm) text("stat-grad", newest.grad_norm.value.toFixed(3));

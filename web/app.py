@@ -10,6 +10,7 @@ from app.settings import Settings
 from web import auth, keys, pages, playground, runs
 from web.csrf import CSRFMiddleware
 from web.paths import STATIC
+from web.security_headers import SecurityHeaders
 from web.session import session_middleware
 
 
@@ -19,5 +20,6 @@ def routes() -> list[BaseRoute]:
 
 
 def middleware(settings: Settings) -> list[Middleware]:
-    # Order matters: the session must be decoded before the CSRF check reads its token.
-    return [session_middleware(settings), Middleware(CSRFMiddleware)]
+    # Order matters: the headers wrap every answer (a CSRF refusal too); the session is decoded before the CSRF check
+    # reads its token.
+    return [Middleware(SecurityHeaders), session_middleware(settings), Middleware(CSRFMiddleware)]

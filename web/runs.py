@@ -58,9 +58,22 @@ async def save_now(request: Request, user: User) -> Response:
     mode = str(form.get("mode", "adapter"))
     if mode not in SAVE_MODES:
         raise BadInput(f"mode must be one of {', '.join(SAVE_MODES)}", field="mode")
+    name = str(form.get("name") or "").strip() or None  # none: step-N
     svc = services(request)
     run_id = request.path_params["run_id"]
-    await svc.runs.save_state(user, run_id, mode)
+    await svc.runs.save_state(user, run_id, mode, name=name)
+    return await _checkpoints(request, user, run_id)
+
+
+@signed_in
+async def delete_checkpoint(request: Request, user: User) -> Response:
+    run_id = request.path_params["run_id"]
+    await services(request).runs.delete_checkpoint(user, run_id, str(request.path_params["checkpoint_id"]))
+    return await _checkpoints(request, user, run_id)
+
+
+async def _checkpoints(request: Request, user: User, run_id: str) -> Response:
+    svc = services(request)
     run = await svc.runs.get(user, run_id)
     return page(request, "_checkpoints.html", user=user, run=run, checkpoints=await svc.runs.checkpoints(run))
 
@@ -98,5 +111,6 @@ routes = [
     Route("/runs/{run_id}/events", run_events),
     Route("/runs/{run_id}/save", save_now, methods=["POST"]),
     Route("/runs/{run_id}/checkpoints/{checkpoint_id:int}/archive", download_checkpoint),
+    Route("/runs/{run_id}/checkpoints/{checkpoint_id:int}", delete_checkpoint, methods=["DELETE"]),
 ]
 

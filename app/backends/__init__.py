@@ -14,6 +14,9 @@ class Backend(Protocol):
     @property
     def ready(self) -> bool: ...  # the runtime answers calls (until then they wait)
 
+    @property
+    def health(self) -> str: ...  # /healthz's status: warming, ok, busy, unresponsive or down (memory only)
+
     async def start(self) -> None: ...  # begins starting the runtime; returns at once
 
     # `pool`: the run's pool key (gpu_runtime.allocation.pool_key), None for calls on no run. On Modal it picks the

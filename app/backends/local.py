@@ -14,11 +14,13 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import time
 from typing import Any
 
 import anyio.to_thread
 
 from app.settings import Settings
+from gpu_runtime.errors import SignalError
 from gpu_runtime.runtime_client import RuntimeClient
 
 log = logging.getLogger("signal.backend")
@@ -39,6 +41,19 @@ class LocalBackend:
         )
         self._starting: asyncio.Future[None] | None = None
         self.in_flight = 0  # calls taken and not yet answered (waiting for the runtime to start included)
+        self.watch = Watch(settings.heartbeat_interval_s, settings.busy_tick_s, settings.unresponsive_s,
+                           settings.restart_after_s)
+        self._watching: asyncio.Task[None] | None = None
+
+    @property
+    def health(self) -> str:
+        """warming, ok, busy (a tick running past busy_tick_s), unresponsive (no heartbeat past unresponsive_s) or
+        down (no runtime): what /healthz says, from memory only."""
+        if not self.ready:
+            return "down" if self._starting is not None and self._starting.done() else "warming"
+        if not self.client.alive:
+            return "down"
+        return self.watch.state()
 
     @property
     def ready(self) -> bool:
@@ -46,8 +61,30 @@ class LocalBackend:
         return starting is not None and starting.done() and not starting.cancelled() and starting.exception() is None
 
     async def start(self) -> None:
-        """Begin starting the runtime and return at once; `ready` says when it is up."""
+        """Begin starting the runtime and return at once; `ready` says when it is up. Then watch its heartbeat."""
         self._ensure_starting()
+        self._watching = asyncio.ensure_future(self._watch())
+
+    async def _watch(self) -> None:
+        """Ask for a heartbeat every interval. Only a runtime this server started is restarted, and only after
+        restart_after_s of silence: a busy tick still answers, so it is never taken for a hung one."""
+        watch = self.watch
+        while True:
+            await asyncio.sleep(watch.interval_s)  # a period, not a wait for an event
+            if not self.ready or not self.client.alive:
+                continue
+            beat = self.client.heartbeat()
+            try:
+                answer = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(beat)), watch.interval_s)
+            except (TimeoutError, SignalError):
+                self.client.forget(beat)
+                if watch.silent_for() > watch.restart_after_s and self.client.started_by_us:
+                    log.error("the GPU runtime has not answered a heartbeat for %.0f s: killing it; the next call "
+                              "starts another, which restores every run from its journal", watch.silent_for())
+                    await anyio.to_thread.run_sync(self.client.kill)
+                    watch.reset()
+                continue
+            watch.beat(float(answer.get("tick_seconds", 0.0)))
 
     async def call(self, method: str, pool: str | None = None, **params: Any) -> dict[str, Any]:
         # `pool` is ignored: this machine's runtime is one pool holding every base it is asked for.
@@ -67,6 +104,8 @@ class LocalBackend:
             self.in_flight -= 1
 
     async def close(self) -> None:
+        if self._watching is not None:
+            self._watching.cancel()
         if self._starting is not None and not self._starting.done():
             await asyncio.wait([self._starting])
         await anyio.to_thread.run_sync(self.client.close)
@@ -78,6 +117,29 @@ class LocalBackend:
             starting = self._starting = asyncio.ensure_future(anyio.to_thread.run_sync(self.client.start))
             starting.add_done_callback(_report_failed_start)
         return starting
+
+
+class Watch:
+    """The runtime's last heartbeat, read by /healthz (memory only) and by the restart rule."""
+
+    def __init__(self, interval_s: float, busy_tick_s: float, unresponsive_s: float, restart_after_s: float) -> None:
+        self.interval_s, self.busy_tick_s = interval_s, busy_tick_s
+        self.unresponsive_s, self.restart_after_s = unresponsive_s, restart_after_s
+        self.reset()
+
+    def reset(self) -> None:
+        self.last_beat, self.tick_seconds = time.monotonic(), 0.0  # a new runtime has its grace period
+
+    def beat(self, tick_seconds: float) -> None:
+        self.last_beat, self.tick_seconds = time.monotonic(), tick_seconds
+
+    def silent_for(self) -> float:
+        return time.monotonic() - self.last_beat
+
+    def state(self) -> str:
+        if self.silent_for() > self.unresponsive_s:
+            return "unresponsive"
+        return "busy" if self.tick_seconds > self.busy_tick_s else "ok"
 
 
 def _report_failed_start(starting: asyncio.Future[None]) -> None:

@@ -87,6 +87,11 @@ class ModalBackend:
     def ready(self) -> bool:
         return self._started  # pools start on their first call, each in its own container
 
+    @property
+    def health(self) -> str:
+        # 200 while serving: each pool's container is Modal's to keep alive, and a call to a dead one is retried there.
+        return "ok" if self._started else "warming"
+
     async def start(self) -> None:
         self._started = True
         if not self.local:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from strawberry.types import Info as StrawberryInfo
+from strawberry.types.nodes import SelectedField
 
 from app.services import Services
 from app.tables import User
@@ -28,6 +29,27 @@ class Context:
 
 
 Info = StrawberryInfo[Context, None]
+
+
+def selects(info: Info, name: str) -> bool:
+    """Whether the client selected `name` under the field being resolved (through fragments, honouring @include
+    and @skip): lets a resolver skip work whose result nobody reads (forwardBackward's per-position outputs)."""
+
+    def included(directives: dict[str, Any]) -> bool:
+        return bool(directives.get("include", {}).get("if", True)) and not directives.get("skip", {}).get("if", False)
+
+    def walk(selections: list[Any]) -> bool:
+        for selection in selections:
+            if not included(selection.directives):
+                continue
+            if isinstance(selection, SelectedField):
+                if selection.name == name:
+                    return True
+            elif walk(selection.selections):  # an inline fragment or a fragment spread
+                return True
+        return False
+
+    return any(walk(field.selections) for field in info.selected_fields)
 
 
 def bearer_from_header(value: str | None) -> str | None:

@@ -8,7 +8,9 @@ from typing import Any
 
 from graphql.error import GraphQLError
 from strawberry.extensions import MaskErrors
+from strawberry.utils.str_converters import to_camel_case
 
+from app.db import database_error
 from app.errors import BadInput, InternalError, InvalidDocument, SignalError
 
 log = logging.getLogger("signal.graphql")
@@ -24,22 +26,33 @@ class SignalErrors(MaskErrors):
         return [_present(error) for error in errors]
 
 
+def extensions_of(error: SignalError) -> dict[str, Any]:
+    """`code`, `retryable`, `field` when it names one, and the error's details in GraphQL's case (retryAfterS)."""
+    extensions: dict[str, Any] = {"code": error.code, "retryable": error.retryable}
+    if error.field:
+        extensions["field"] = error.field
+    return extensions | {to_camel_case(key): value for key, value in error.details.items()}
+
+
 def _present(error: GraphQLError) -> GraphQLError:
     original = error.original_error
+    if original is not None and not isinstance(original, SignalError):
+        original = database_error(original) or original  # a locked or full database is not our bug
     if isinstance(original, SignalError) and not isinstance(original, InternalError):
-        extensions = {"code": original.code}
-        if original.field:
-            extensions["field"] = original.field
-        return _with_extensions(error, original.message, extensions)
+        if original is not error.original_error:
+            log.warning("database error in %s: %s", error.path, error.original_error)
+        return _with_extensions(error, original.message, extensions_of(original))
     if original is None:
         # Parse and validation errors: the client's document is wrong, and the message says where.
-        return _with_extensions(error, error.message, {"code": InvalidDocument.code, **(error.extensions or {})})
+        return _with_extensions(error, error.message, {"code": InvalidDocument.code, "retryable": False,
+                                                       **(error.extensions or {})})
     if isinstance(original, GraphQLError) and original.original_error is None and not error.path:
         # Variable coercion errors (wrong type, unknown batch key) arrive wrapped this way, with no path;
         # one with a path is our output failing to serialise, which is ours to fix.
-        return _with_extensions(error, error.message, {"code": BadInput.code})
+        return _with_extensions(error, error.message, {"code": BadInput.code, "retryable": False})
     log.error("internal error in %s", error.path, exc_info=original)
-    return _with_extensions(error, INTERNAL_MESSAGE, {"code": InternalError.code}, keep_original=False)
+    return _with_extensions(error, INTERNAL_MESSAGE, {"code": InternalError.code, "retryable": False},
+                            keep_original=False)
 
 
 def _with_extensions(error: GraphQLError, message: str, extensions: dict[str, Any], keep_original: bool = True) -> GraphQLError:

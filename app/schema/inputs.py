@@ -7,21 +7,35 @@ from typing import Any
 import strawberry
 
 from app.services.runs import RunSpec
-from gpu_runtime.contract import ADAM_DEFAULTS, LORA_DEFAULTS
+from gpu_runtime.contract import ADAM_DEFAULTS, DATUM_INPUTS, LORA_DEFAULTS
 
 
 @strawberry.input
 class CreateRunInput:
     base_model: str | None = strawberry.field(default=None, description="Catalogue name; default: the server's")
-    lora_r: int = LORA_DEFAULTS["r"]
+    lora_r: int | None = strawberry.field(
+        default=None, description=f"Default: {LORA_DEFAULTS['r']} (from a checkpoint: the checkpoint's)")
     lora_alpha: float | None = strawberry.field(default=None, description="Default: 2 * loraR")
-    lora_dropout: float = LORA_DEFAULTS["dropout"]
-    lora_target_modules: list[str] | None = strawberry.field(default=None, description="Default: attention projections")
+    lora_dropout: float | None = strawberry.field(
+        default=None, description=f"Default: {LORA_DEFAULTS['dropout']} (from a checkpoint: the checkpoint's)")
+    lora_target_modules: list[str] | None = strawberry.field(
+        default=None, description="Layer names; or the three switches below, not both. Default: attention projections")
+    train_attn: bool | None = strawberry.field(
+        default=None, description=f"LoRA on the attention projections (default: {str(LORA_DEFAULTS['train_attn']).lower()})")
+    train_mlp: bool | None = strawberry.field(
+        default=None, description=f"LoRA on the MLP: gate, up, down (default: {str(LORA_DEFAULTS['train_mlp']).lower()})")
+    train_unembed: bool | None = strawberry.field(
+        default=None, description="LoRA on the unembedding, lm_head; on tied embeddings the output side only (default: "
+                                  f"{str(LORA_DEFAULTS['train_unembed']).lower()})")
     learning_rate: float = ADAM_DEFAULTS["learning_rate"]
     weight_decay: float = ADAM_DEFAULTS["weight_decay"]
     grad_clip_norm: float = strawberry.field(default=ADAM_DEFAULTS["grad_clip_norm"],
                                              description="0 turns clipping off")
-    seed: int = 0
+    seed: int | None = strawberry.field(default=None, description="Default: 0 (from a checkpoint: the checkpoint's)")
+    from_checkpoint: str | None = strawberry.field(
+        default=None, description="signal://<runId>/<kind>/<name> (a Checkpoint's path): start from it, inheriting "
+        "its base model, seed, step and LoRA settings; LoRA settings or a seed given too must agree")
+    with_optimizer: bool = strawberry.field(default=True, description="With fromCheckpoint: its AdamW state too")
     gpu_config: str | None = strawberry.field(default=None, description='e.g. "L40S:2"; default: allocation rules')
     quantization: str | None = strawberry.field(
         default=None, description='"8bit" or "4bit" (NF4, bitsandbytes) on one GPU; default: none (bf16)')
@@ -30,8 +44,10 @@ class CreateRunInput:
         return RunSpec(
             base_model=self.base_model, lora_r=self.lora_r, lora_alpha=self.lora_alpha,
             lora_dropout=self.lora_dropout, lora_target_modules=self.lora_target_modules,
+            train_attn=self.train_attn, train_mlp=self.train_mlp, train_unembed=self.train_unembed,
             learning_rate=self.learning_rate, weight_decay=self.weight_decay, grad_clip_norm=self.grad_clip_norm,
             seed=self.seed, gpu_config=self.gpu_config, quantization=self.quantization,
+            from_checkpoint=self.from_checkpoint, with_optimizer=self.with_optimizer,
         )
 
 
@@ -39,6 +55,35 @@ class CreateRunInput:
 class MessageInput:
     role: str
     content: str
+
+
+@strawberry.input(description="A datum's per-position inputs, each as long as modelInput (Tinker's loss_fn_inputs)")
+class LossFnInputs:
+    target_tokens: list[int] = strawberry.field(description="Position i predicts targetTokens[i]: already shifted")
+    weights: list[float] | None = strawberry.field(default=None, description="Per-position weights (cross_entropy)")
+    advantages: list[float] | None = None
+    logprobs: list[float] | None = strawberry.field(default=None, description="The sampler's logprobs (RL losses)")
+    clip_low_threshold: list[float] | None = strawberry.field(
+        default=None, description="Per-position clip thresholds (ppo, cispo); win over lossFnConfig")
+    clip_high_threshold: list[float] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {name: value for name in DATUM_INPUTS if (value := getattr(self, name)) is not None}
+
+
+@strawberry.input(description="A datum with each list as one base64 string (little-endian int32 token ids, float32 "
+                  "values): for large batches, GraphQL coerces a string at once and a typed list element by element")
+class PackedDatum:
+    model_input: str
+    target_tokens: str
+    weights: str | None = None
+    advantages: str | None = None
+    logprobs: str | None = None
+    clip_low_threshold: str | None = None
+    clip_high_threshold: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {name: value for name in ("model_input", *DATUM_INPUTS) if (value := getattr(self, name)) is not None}
 
 
 @strawberry.input(description="One training example; set exactly one of the formats")
@@ -52,6 +97,10 @@ class BatchItem:
     logprobs: list[float] | None = strawberry.field(
         default=None, description="The sampler's per-token logprobs (importance_sampling)")
     advantages: list[float] | None = strawberry.field(default=None, description="Per-token advantages (importance_sampling)")
+    model_input: list[int] | None = strawberry.field(
+        default=None, description="A datum's input token ids (N), with lossFnInputs: Tinker's token-level form")
+    loss_fn_inputs: LossFnInputs | None = None
+    packed: PackedDatum | None = strawberry.field(default=None, description="A datum in base64 (rewardsignal.pack_datum)")
 
     def to_dict(self) -> dict[str, Any]:
         item: dict[str, Any] = {}
@@ -61,6 +110,12 @@ class BatchItem:
                 item[key] = value
         if self.messages is not None:
             item["messages"] = [{"role": m.role, "content": m.content} for m in self.messages]
+        if self.model_input is not None:
+            item["model_input"] = self.model_input
+        if self.loss_fn_inputs is not None:
+            item["loss_fn_inputs"] = self.loss_fn_inputs.to_dict()
+        if self.packed is not None:
+            item["packed"] = self.packed.to_dict()
         return item
 
 

@@ -7,25 +7,34 @@ from typing import Annotated, Any, cast
 import strawberry
 from strawberry.scalars import JSON
 
-from app.schema.context import Info
+from app.schema.context import Info, selects
 from app.schema.inputs import AdamInput, BatchItem, CreateRunInput
 from app.schema.types import (
     ApiKey,
     Checkpoint,
     CreatedApiKey,
     ForwardBackwardResult,
+    ForwardResult,
+    LoadStateResult,
     OptimStepResult,
     Run,
     SampleResult,
     SamplerSnapshot,
     SaveMode,
+    datum_outputs,
 )
+from app.services.call_order import Numbered
 from app.services.runs import SampleParams
-from gpu_runtime.contract import DEFAULT_LOSS_FN, SAMPLE_DEFAULTS
+from gpu_runtime.contract import DEFAULT_LOSS_FN, DEFAULT_REDUCTION, SAMPLE_DEFAULTS
 
 # An idempotency key: a retry that carries the id of a call already applied gets that call's answer again.
 RequestId = Annotated[str | None, strawberry.argument(
     description="Idempotency key (the SDK sends a UUID): a retry with the same id is not applied twice")]
+# The SDK's numbering of a run's calls (docs/ORDERING.md): given both, the call applies after its session's seq - 1.
+Seq = Annotated[int | None, strawberry.argument(
+    description="This call's number in its session's order on the run (1, 2, ...): it applies after seq - 1")]
+Session = Annotated[str | None, strawberry.argument(
+    description="The client session that numbers its calls with seq (the SDK sends one id per client)")]
 
 
 @strawberry.type
@@ -39,54 +48,110 @@ class Mutation:
     async def forward_backward(
         self, info: Info, run_id: strawberry.ID, batch: list[BatchItem], loss_fn: str = DEFAULT_LOSS_FN,
         loss_fn_config: JSON | None = None, request_id: RequestId = None,
+        reduction: Annotated[str, strawberry.argument(
+            description='"mean" (normalised over every call before optimStep) or "sum" (raw, as Tinker); one per '
+                        'step')] = DEFAULT_REDUCTION,
+        seq: Seq = None, session: Session = None,
     ) -> ForwardBackwardResult:
         user = await info.context.user()
-        # JSON is NewType("JSON", object); the runtime checks the value is an object (gpu_runtime.losses.get_loss).
+        # JSON is NewType("JSON", object); the runtime checks the value is an object (contract.loss_settings).
         config = cast("dict[str, Any] | None", loss_fn_config)
         result = await info.context.services.runs.forward_backward(
             user, str(run_id), [item.to_dict() for item in batch], loss_fn=loss_fn, loss_fn_config=config,
-            request_id=request_id,
+            request_id=request_id, reduction=reduction, return_outputs=selects(info, "outputs"),
+            order=Numbered.of(seq, session),
         )
         return ForwardBackwardResult(loss=result["loss"], num_tokens=result["num_tokens"],
-                                     num_examples=result["num_examples"], step=result["step"])
+                                     num_examples=result["num_examples"], step=result["step"],
+                                     reduction=result.get("reduction", DEFAULT_REDUCTION),
+                                     outputs=datum_outputs(result.get("outputs")))
+
+    @strawberry.mutation(description="The loss and per-position logprobs of a batch, with no backward: nothing "
+                         "changes. On a run's current weights (runId), a snapshot of it (runId + snapshot), or a base "
+                         "model alone (baseModel)")
+    async def forward(
+        self, info: Info, batch: list[BatchItem], run_id: strawberry.ID | None = None, base_model: str | None = None,
+        loss_fn: str = DEFAULT_LOSS_FN, loss_fn_config: JSON | None = None, request_id: RequestId = None,
+        seq: Seq = None, session: Session = None,
+        snapshot: Annotated[str | None, strawberry.argument(
+            description="A sampler snapshot of the run (saveWeightsForSampler), by name")] = None,
+        checkpoint: str | None = None,
+    ) -> ForwardResult:
+        user = await info.context.user()
+        config = cast("dict[str, Any] | None", loss_fn_config)
+        result = await info.context.services.runs.forward(
+            user, [item.to_dict() for item in batch], run_id=str(run_id) if run_id is not None else None,
+            base_model=base_model, loss_fn=loss_fn, loss_fn_config=config, request_id=request_id,
+            order=Numbered.of(seq, session), snapshot=snapshot, checkpoint=checkpoint)
+        return ForwardResult(loss=result["loss"], loss_sum=result["loss_sum"], num_tokens=result["num_tokens"],
+                             num_examples=result["num_examples"], step=result.get("step"),
+                             outputs=datum_outputs(result["outputs"]) or [])
 
     @strawberry.mutation(description="Apply the accumulated gradients with AdamW")
     async def optim_step(self, info: Info, run_id: strawberry.ID, adam: AdamInput | None = None,
-                         request_id: RequestId = None) -> OptimStepResult:
+                         request_id: RequestId = None, seq: Seq = None, session: Session = None) -> OptimStepResult:
         user = await info.context.user()
         result = await info.context.services.runs.optim_step(user, str(run_id), adam.to_dict() if adam else None,
-                                                             request_id=request_id)
+                                                             request_id=request_id, order=Numbered.of(seq, session))
         return OptimStepResult(step=result["step"], grad_norm=result["grad_norm"],
                                learning_rate=result["learning_rate"])
 
     @strawberry.mutation(description="Generate from a run's current weights (in its order), a snapshot of it "
-                         "(snapshot), or a base model alone (baseModel, no runId)")
+                         "(snapshot), or a base model alone (baseModel, no runId) (docs/SAMPLING.md, docs/SNAPSHOTS.md)")
     async def sample(
-        self, info: Info, prompts: list[str], run_id: strawberry.ID | None = None, snapshot: str | None = None,
-        checkpoint: str | None = None, base_model: str | None = None, max_tokens: int = SAMPLE_DEFAULTS["max_tokens"],
+        self, info: Info, run_id: strawberry.ID | None = None,
+        prompts: Annotated[list[str] | None, strawberry.argument(
+            description="Text prompts; or give promptTokens")] = None,
+        prompt_tokens: Annotated[list[list[int]] | None, strawberry.argument(
+            description="Token-id prompts, as the model sees them (no BOS added)")] = None,
+        snapshot: Annotated[str | None, strawberry.argument(
+            description="A sampler snapshot of the run (saveWeightsForSampler), by name")] = None,
+        checkpoint: str | None = None,
+        base_model: Annotated[str | None, strawberry.argument(
+            description="With no runId: sample this base model alone, billed to you")] = None,
+        max_tokens: int = SAMPLE_DEFAULTS["max_tokens"],
         temperature: float = SAMPLE_DEFAULTS["temperature"], top_p: float = SAMPLE_DEFAULTS["top_p"],
-        top_k: int = SAMPLE_DEFAULTS["top_k"], stop: list[str] | None = None,
+        top_k: Annotated[int, strawberry.argument(description="0 or -1: off")] = SAMPLE_DEFAULTS["top_k"],
+        stop: Annotated[list[str] | None, strawberry.argument(
+            description="Stop strings. Omitted (and no stopTokens): EOS stops; []: nothing but maxTokens stops; "
+            "a non-empty list stops there and at EOS")] = None,
+        stop_tokens: Annotated[list[int] | None, strawberry.argument(
+            description="Stop token ids, instead of stop (not both); [] turns EOS off like stop: []")] = None,
         num_samples: int = SAMPLE_DEFAULTS["num_samples"],
-        seed: int | None = None, request_id: RequestId = None,
+        seed: int | None = None,
+        prompt_logprobs: Annotated[bool, strawberry.argument(
+            description="Return each prompt token's logprob")] = SAMPLE_DEFAULTS["prompt_logprobs"],
+        topk_prompt_logprobs: Annotated[int, strawberry.argument(
+            description="Return the k most likely tokens at each prompt position")]
+        = SAMPLE_DEFAULTS["topk_prompt_logprobs"],
+        topk_sample_logprobs: Annotated[int, strawberry.argument(
+            description="Return the k most likely tokens at each sampled position")]
+        = SAMPLE_DEFAULTS["topk_sample_logprobs"],
         store: Annotated[bool | None, strawberry.argument(
             description="Keep the samples in the run's history; default true for current weights, false for a "
                         "snapshot or a base")] = None,
+        request_id: RequestId = None, seq: Seq = None, session: Session = None,
     ) -> SampleResult:
         user = await info.context.user()
-        params = SampleParams(prompts=prompts, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                              top_k=top_k, stop=stop, num_samples=num_samples, seed=seed)
+        params = SampleParams(prompts=prompts, prompt_tokens=prompt_tokens, max_tokens=max_tokens,
+                              temperature=temperature, top_p=top_p, top_k=top_k, stop=stop, stop_tokens=stop_tokens,
+                              num_samples=num_samples, seed=seed, prompt_logprobs=prompt_logprobs,
+                              topk_prompt_logprobs=topk_prompt_logprobs, topk_sample_logprobs=topk_sample_logprobs,
+                              store=store)
         result = await info.context.services.runs.sample(
             user, None if run_id is None else str(run_id), params, request_id=request_id, snapshot=snapshot,
-            checkpoint=checkpoint, base_model=base_model, store=store)
+            checkpoint=checkpoint, base_model=base_model, order=Numbered.of(seq, session))
         return SampleResult.from_result(result)
 
     @strawberry.mutation(description="Freeze the run's current weights as a snapshot to sample from while it trains "
                          "on; named ones are kept (docs/SNAPSHOTS.md)")
     async def save_weights_for_sampler(self, info: Info, run_id: strawberry.ID, name: str | None = None,
-                                       request_id: RequestId = None) -> SamplerSnapshot:
+                                       request_id: RequestId = None, seq: Seq = None,
+                                       session: Session = None) -> SamplerSnapshot:
         user = await info.context.user()
         result = await info.context.services.runs.save_weights_for_sampler(user, str(run_id), name,
-                                                                           request_id=request_id)
+                                                                           request_id=request_id,
+                                                                           order=Numbered.of(seq, session))
         return SamplerSnapshot.from_result(result)
 
     @strawberry.mutation(description="Export the adapter, a merged model, or the full training state")
@@ -95,12 +160,39 @@ class Mutation:
         hub_model_id: str | None = None, request_id: RequestId = None,
         hf_token: Annotated[str | None, strawberry.argument(
             description="Hugging Face token for pushToHub; used for this upload only, never stored")] = None,
+        name: Annotated[str | None, strawberry.argument(
+            description="Unique per run and mode (a name saved twice is refused); default: step-N")] = None,
+        with_optimizer: Annotated[bool | None, strawberry.argument(
+            description="Keep AdamW's state, to resume exactly; default: true for STATE, false otherwise")] = None,
+        seq: Seq = None, session: Session = None,
     ) -> Checkpoint:
         user = await info.context.user()
         checkpoint = await info.context.services.runs.save_state(
-            user, str(run_id), mode.value, push_to_hub, hub_model_id, request_id=request_id, hf_token=hf_token
+            user, str(run_id), mode.value, push_to_hub, hub_model_id, request_id=request_id, hf_token=hf_token,
+            name=name, with_optimizer=with_optimizer, order=Numbered.of(seq, session),
         )
         return Checkpoint.from_row(checkpoint)
+
+    @strawberry.mutation(description="Load a checkpoint (this run's or another of yours) into the run: its weights, "
+                         "with withOptimizer its AdamW state, and its step; pending gradients are dropped")
+    async def load_state(
+        self, info: Info, run_id: strawberry.ID,
+        checkpoint: Annotated[str, strawberry.argument(
+            description="signal://<runId>/<mode>/<name> (a Checkpoint's path), or a name: this run's STATE one")],
+        with_optimizer: bool = True, request_id: RequestId = None, seq: Seq = None, session: Session = None,
+    ) -> LoadStateResult:
+        user = await info.context.user()
+        result = await info.context.services.runs.load_state(user, str(run_id), checkpoint, with_optimizer,
+                                                             request_id=request_id, order=Numbered.of(seq, session))
+        return LoadStateResult(checkpoint=result["checkpoint"], step=result["step"],
+                               with_optimizer=result["with_optimizer"],
+                               pending_dropped=result.get("pending_dropped", 0))
+
+    @strawberry.mutation(description="Delete a checkpoint or sampler snapshot: its files and its row")
+    async def delete_checkpoint(self, info: Info, run_id: strawberry.ID, checkpoint_id: strawberry.ID) -> bool:
+        user = await info.context.user()
+        await info.context.services.runs.delete_checkpoint(user, str(run_id), str(checkpoint_id))
+        return True
 
     @strawberry.mutation
     async def delete_run(self, info: Info, run_id: strawberry.ID) -> bool:

@@ -6,7 +6,9 @@ import strawberry
 from strawberry.scalars import JSON
 
 from app.schema.context import Info
-from app.schema.types import ApiKey, ModelInfo, Run, User
+from app.schema.inputs import BatchItem
+from app.schema.types import ApiKey, Datum, Limits, ModelInfo, Run, TokenizerInfo, User
+from gpu_runtime.contract import DEFAULT_LOSS_FN
 
 
 @strawberry.type
@@ -14,6 +16,10 @@ class Query:
     @strawberry.field(description="Base models runs may be created on")
     def models(self, info: Info) -> list[ModelInfo]:
         return [ModelInfo.from_catalog(model) for model in info.context.services.catalog.list()]
+
+    @strawberry.field(description="What this server accepts in one call (the SDK splits larger batches)")
+    def limits(self, info: Info) -> Limits:
+        return Limits(max_batch_size=info.context.services.settings.max_batch_size)
 
     @strawberry.field
     async def me(self, info: Info) -> User:
@@ -29,11 +35,27 @@ class Query:
         user = await info.context.user()
         return Run.from_row(await info.context.services.runs.get(user, str(id)))
 
+    @strawberry.field(description="A base model's tokenizer: a run's base (runId), a catalogue model (baseModel), "
+                      "or the server's default model")
+    async def tokenizer(self, info: Info, run_id: strawberry.ID | None = None,
+                        base_model: str | None = None) -> TokenizerInfo:
+        user = await info.context.user()
+        result = await info.context.services.runs.tokenizer(user, None if run_id is None else str(run_id), base_model)
+        return TokenizerInfo.from_result(result)
+
     @strawberry.field(description="The GPU runtime's state: bases loaded, resident and evicted runs, queue depth "
                       "per user, rows and base forward passes per tick (admins only)")
     async def runtime(self, info: Info) -> JSON:
         user = await info.context.user()
         return JSON(await info.context.services.runs.runtime_state(user))
+
+    @strawberry.field(description="The datums (token level) the server builds for a batch of items on a run's model")
+    async def render_datums(self, info: Info, run_id: strawberry.ID, batch: list[BatchItem],
+                            loss_fn: str = DEFAULT_LOSS_FN) -> list[Datum]:
+        user = await info.context.user()
+        result = await info.context.services.runs.render_datums(user, str(run_id), [item.to_dict() for item in batch],
+                                                                loss_fn=loss_fn)
+        return [Datum.from_dict(datum) for datum in result["datums"]]
 
     @strawberry.field
     async def api_keys(self, info: Info) -> list[ApiKey]:

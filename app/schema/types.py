@@ -16,6 +16,7 @@ from app import tables
 from app.catalog import CatalogModel
 from app.schema.context import Info
 from app.services.ledger import gpu_seconds
+from gpu_runtime.contract import CheckpointRef
 
 
 @strawberry.type(name="BaseModel")
@@ -42,6 +43,11 @@ class ModelInfo:
                    framework=model.framework, quantization_allowed=model.quantization_allowed, quantized=model.quantized,
                    available=model.available, unavailable_reason=model.unavailable,
                    estimated_memory_gb=model.estimated_memory_gb)
+
+
+@strawberry.type(description="What this server accepts in one call")
+class Limits:
+    max_batch_size: int = strawberry.field(description="Most items one forwardBackward carries (SIGNAL_MAX_BATCH_SIZE)")
 
 
 @strawberry.type
@@ -110,18 +116,26 @@ class Sample:
                    params=JSON(row.params), created_at=row.created_at)
 
 
+@strawberry.type(description="What loadState did: the run's step is the checkpoint's now")
+class LoadStateResult:
+    checkpoint: str
+    step: int
+    with_optimizer: bool
+    pending_dropped: int = strawberry.field(description="forwardBackward calls pending before the load, now gone")
+
+
 @strawberry.type
 class Checkpoint:
     id: strawberry.ID
     step: int
-    mode: str
+    mode: str = strawberry.field(description="Its kind: adapter, merged, state (resumable), or sampler (a snapshot)")
+    name: str = strawberry.field(description="Unique per run and mode; step-N when saved without one; a sampler "
+                                 "snapshot's name is what sample's `snapshot` takes")
     checkpoint_path: str
     size_bytes: float
     hub_url: str | None = strawberry.field(description="The Hugging Face repo it was pushed to (pushToHub), else null")
     created_at: datetime
     run_id: strawberry.Private[str]
-    name: str = strawberry.field(default="", description="Unique per run and mode; a sampler snapshot's name is what "
-                                 "sample's `snapshot` takes")
     expires_at: datetime | None = strawberry.field(default=None, description="An unnamed sampler snapshot's expiry")
 
     @strawberry.field(description="GET it with the API key (Bearer) or a dashboard session: the checkpoint's "
@@ -133,11 +147,15 @@ class Checkpoint:
         base = settings.public_url or (str(request.base_url) if request is not None else settings.resolved_public_url)
         return f"{base.rstrip('/')}/runs/{self.run_id}/checkpoints/{self.id}/archive"
 
+    @strawberry.field(description="What loadState and createRun(fromCheckpoint) take: signal://<runId>/<mode>/<name>")
+    def path(self) -> str:
+        return CheckpointRef(self.run_id, self.mode, self.name).path
+
     @classmethod
     def from_row(cls, row: tables.Checkpoint) -> Checkpoint:
-        return cls(id=strawberry.ID(str(row.id)), step=row.step, mode=row.mode, checkpoint_path=row.path,
+        return cls(id=strawberry.ID(str(row.id)), step=row.step, mode=row.mode, name=row.name, checkpoint_path=row.path,
                    size_bytes=float(row.size_bytes), hub_url=row.hub_url, created_at=row.created_at, run_id=row.run_id,
-                   name=row.name, expires_at=row.expires_at)
+                   expires_at=row.expires_at)
 
 
 @strawberry.type
@@ -206,12 +224,57 @@ class Run:
         )
 
 
+@strawberry.type(description="One datum's per-position values, each as long as its modelInput")
+class DatumOutput:
+    logprobs: list[float] = strawberry.field(description="log p(targetTokens[i]) under the weights that ran, at T=1")
+    elementwise_loss: list[float]
+
+
+def datum_outputs(outputs: list[dict[str, Any]] | None) -> list[DatumOutput] | None:
+    if outputs is None:
+        return None
+    return [DatumOutput(logprobs=o["logprobs"], elementwise_loss=o["elementwise_loss"]) for o in outputs]
+
+
 @strawberry.type
 class ForwardBackwardResult:
-    loss: float
+    loss: float = strawberry.field(description='reduction "mean": the loss per counted position; "sum": the raw sum')
     num_tokens: int
     num_examples: int
     step: int
+    reduction: str
+    outputs: list[DatumOutput] | None = strawberry.field(
+        default=None, description="Per datum, per position; computed only when selected. A retried call's answer has none")
+
+
+@strawberry.type
+class ForwardResult:
+    loss: float = strawberry.field(description="The loss per counted position (a mean)")
+    loss_sum: float
+    num_tokens: int
+    num_examples: int
+    step: int | None = strawberry.field(description="The run's step whose weights ran; null for a base model")
+    outputs: list[DatumOutput]
+
+
+@strawberry.type(description="A datum's per-position inputs, as the server renders them")
+class DatumInputs:
+    target_tokens: list[int]
+    weights: list[float] | None = None
+    advantages: list[float] | None = None
+    logprobs: list[float] | None = None
+    clip_low_threshold: list[float] | None = None
+    clip_high_threshold: list[float] | None = None
+
+
+@strawberry.type(description="A datum at token level (Tinker's shape): position i predicts targetTokens[i]")
+class Datum:
+    model_input: list[int]
+    loss_fn_inputs: DatumInputs
+
+    @classmethod
+    def from_dict(cls, datum: dict[str, Any]) -> Datum:
+        return cls(model_input=list(datum["model_input"]), loss_fn_inputs=DatumInputs(**datum["loss_fn_inputs"]))
 
 
 @strawberry.type
@@ -221,12 +284,27 @@ class OptimStepResult:
     learning_rate: float
 
 
+@strawberry.type(description="A token and the model's logprob of it")
+class TokenLogprob:
+    token: int
+    logprob: float
+
+    @classmethod
+    def pairs(cls, pairs: list[list[float]] | None) -> list[TokenLogprob] | None:
+        return None if pairs is None else [cls(token=int(t), logprob=float(v)) for t, v in pairs]
+
+
 @strawberry.type
 class SampledSequence:
-    text: str
-    tokens: list[int]
-    logprobs: list[float]
-    stop_reason: str
+    text: str = strawberry.field(description="The decoded tokens, cut before a stop string, stop token or EOS")
+    tokens: list[int] = strawberry.field(description="Sampled token ids, the stop token (or the one completing a "
+                                         "stop string) included")
+    logprobs: list[float] = strawberry.field(
+        description="Each token's logprob under the unmodified model (temperature 1, no top-k/top-p): what a "
+        "teacher-forced forward returns, so samples at another temperature are off-policy (docs/SAMPLING.md)")
+    stop_reason: str = strawberry.field(description="stop (a stop or EOS) or length (maxTokens)")
+    topk_logprobs: list[list[TokenLogprob]] | None = strawberry.field(
+        default=None, description="Per token, the topkSampleLogprobs most likely tokens, most likely first")
 
 
 @strawberry.type(description="A frozen copy of a run's weights to sample from (docs/SNAPSHOTS.md)")
@@ -249,19 +327,47 @@ class SampleResult:
     sequences: list[list[SampledSequence]]
     prompt_tokens: list[list[int]] = strawberry.field(description="Each prompt's token ids, as the model saw them")
     step: int = strawberry.field(description="The run's step (optim_steps applied) whose weights sampled")
+    prompt_logprobs: list[list[float | None]] | None = strawberry.field(
+        default=None, description="With promptLogprobs: per prompt, each prompt token's logprob (null at position 0)")
+    topk_prompt_logprobs: list[list[list[TokenLogprob] | None]] | None = strawberry.field(
+        default=None, description="With topkPromptLogprobs: per prompt, per position, the most likely tokens, most "
+        "likely first (null at position 0)")
 
     @classmethod
     def from_result(cls, result: dict[str, Any]) -> SampleResult:
+        topk_prompt = result.get("topk_prompt_logprobs")
         return cls(
             outputs=list(result["outputs"]),
             prompt_tokens=[list(ids) for ids in result["prompt_tokens"]],
             step=int(result["step"]),
             sequences=[
                 [SampledSequence(text=s["text"], tokens=list(s["tokens"]), logprobs=[float(x) for x in s["logprobs"]],
-                                 stop_reason=s["stop_reason"]) for s in per_prompt]
+                                 stop_reason=s["stop_reason"],
+                                 topk_logprobs=None if s.get("topk_logprobs") is None else
+                                 [TokenLogprob.pairs(p) or [] for p in s["topk_logprobs"]])
+                 for s in per_prompt]
                 for per_prompt in result["sequences"]
             ],
+            prompt_logprobs=result.get("prompt_logprobs"),
+            topk_prompt_logprobs=None if topk_prompt is None else
+            [[TokenLogprob.pairs(p) for p in per_prompt] for per_prompt in topk_prompt],
         )
+
+
+@strawberry.type(description="A base model's tokenizer: what a client without it needs for token-level calls")
+class TokenizerInfo:
+    name: str = strawberry.field(description="The name or path the tokenizer loads from")
+    vocab_size: int = strawberry.field(description="Token ids are 0..vocabSize-1")
+    eos_token_ids: list[int] = strawberry.field(description="The ids that stop sampling when stop is omitted")
+    bos_token_id: int | None
+    pad_token_id: int | None
+    chat_template: str | None = strawberry.field(description="Its Jinja chat template, if it has one")
+
+    @classmethod
+    def from_result(cls, result: dict[str, Any]) -> TokenizerInfo:
+        return cls(name=result["name"], vocab_size=int(result["vocab_size"]),
+                   eos_token_ids=[int(i) for i in result["eos_token_ids"]], bos_token_id=result.get("bos_token_id"),
+                   pad_token_id=result.get("pad_token_id"), chat_template=result.get("chat_template"))
 
 
 @strawberry.type

@@ -46,7 +46,7 @@ class Services:
 
     @classmethod
     def build(cls, settings: Settings, backend: Backend | None = None) -> Services:
-        db = Database(settings.resolved_database_url)
+        db = Database(settings.resolved_database_url, settings.db_lock_timeout_s, settings.db_statement_timeout_s)
         backend = backend or make_backend(settings)
         catalog = Catalog.from_file(settings.models_file)
         broker = EventBroker()

@@ -16,7 +16,7 @@ from sqlalchemy import func, select
 from app.backends import Backend
 from app.db import Database
 from app.errors import NotFound
-from app.events import EventBroker
+from app.events import LOSS_METRICS, EventBroker
 from app.services.runs import FAILED, RunService
 from app.services.users import require_admin
 from app.tables import Checkpoint, Metric, Run, User
@@ -51,7 +51,7 @@ class DashboardService:
         if not run_ids:
             return {}
         async with self.db.session() as session:
-            newest = (select(func.max(Metric.id)).where(Metric.run_id.in_(run_ids), Metric.name == "loss")
+            newest = (select(func.max(Metric.id)).where(Metric.run_id.in_(run_ids), Metric.name.in_(LOSS_METRICS))
                       .group_by(Metric.run_id))
             rows = await session.execute(select(Metric.run_id, Metric.value).where(Metric.id.in_(newest)))
             return {run_id: value for run_id, value in rows}
@@ -72,7 +72,7 @@ class DashboardService:
         if source.is_relative_to(self.data_dir.resolve()) and source.exists():
             path = await asyncio.to_thread(_tar, source, name)
         elif not self.backend.shares_disk:  # on Modal the files are on the Volume: the runtime sends them
-            data = await self.runs.checkpoint_archive(run_id, checkpoint.mode, checkpoint.step, checkpoint.name)
+            data = await self.runs.checkpoint_archive(run_id, checkpoint.mode, checkpoint.step, checkpoint.name or None)
             path = await asyncio.to_thread(_write_temporary, data)
         else:
             raise NotFound(f"checkpoint {checkpoint_id}'s files are not on this server", field="checkpointId")

@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import logging
 from datetime import timedelta
 
-from sqlalchemy import select
+from sqlalchemy import select, update
 
-from app.db import Database
+from app.db import Database, database_error
 from app.errors import BadInput, NotFound, Unauthenticated
 from app.security import display_prefix, generate_api_key, hash_api_key
 from app.tables import NAME_LENGTH, ApiKey, User, could_be_id, utcnow
 
 # Writing last_used_at on every request would turn every read into a write.
 LAST_USED_RESOLUTION = timedelta(minutes=1)
+log = logging.getLogger("signal.keys")
 
 
 class KeyService:
@@ -52,12 +54,21 @@ class KeyService:
             key = await session.scalar(select(ApiKey).where(ApiKey.key_hash == hash_api_key(secret)))
             if key is None or key.revoked_at is not None:
                 raise Unauthenticated("API key is invalid or revoked")
-            now = utcnow()
-            last = key.last_used_at
-            if last is None or now - last > LAST_USED_RESOLUTION:
-                key.last_used_at = now
             user = await session.get(User, key.user_id)
             if user is None:
                 raise Unauthenticated("API key is invalid or revoked")
-            return user
+            stale = key.last_used_at is None or utcnow() - key.last_used_at > LAST_USED_RESOLUTION
+        if stale:
+            await self._mark_used(key.id)
+        return user
+
+    async def _mark_used(self, key_id: str) -> None:
+        """Bookkeeping in a transaction of its own: a locked or read-only database still serves reads."""
+        try:
+            async with self.db.session() as session:
+                await session.execute(update(ApiKey).where(ApiKey.id == key_id).values(last_used_at=utcnow()))
+        except Exception as exc:
+            if database_error(exc) is None:
+                raise
+            log.warning("could not record the key's last use: %s", database_error(exc))
 

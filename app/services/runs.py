@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import builtins
+import json
 import math
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Iterator
@@ -25,13 +26,25 @@ from strawberry.utils.str_converters import to_camel_case
 from app.backends import Backend
 from app.catalog import Catalog
 from app.db import Database
-from app.errors import BadInput, RunNotFound
+from app.errors import BadInput, NotFound, RunNotFound, SignalError
 from app.events import MetricFeed
+from app.services.call_order import CallOrder, Numbered
 from app.services.ledger import Ledger
 from app.services.users import require_admin
 from app.tables import Checkpoint, Metric, Run, Sample, User, could_be_id, new_id, utcnow
 from gpu_runtime.allocation import pool_key
-from gpu_runtime.contract import ADAM_DEFAULTS, LORA_DEFAULTS, SAMPLE_DEFAULTS, adam_settings, lora_settings, parse_call
+from gpu_runtime.contract import (
+    ADAM_DEFAULTS,
+    LORA_DEFAULTS,
+    LORA_SWITCHES,
+    SAMPLE_DEFAULTS,
+    CheckpointRef,
+    adam_settings,
+    checkpoint_ref,
+    lora_settings,
+    parse_call,
+    target_families,
+)
 
 T = TypeVar("T")
 
@@ -42,24 +55,38 @@ FAILED = "failed"  # runs.status once the runtime no longer has the run (else "a
 class RunSpec:
     """What createRun asks for; defaults and bounds are the engine contract's (gpu_runtime.contract)."""
 
-    base_model: str | None = None  # None: the server's default model
-    lora_r: int = LORA_DEFAULTS["r"]
+    base_model: str | None = None  # None: the server's default model (or the checkpoint's)
+    lora_r: int | None = None  # None: LORA_DEFAULTS (or the checkpoint's)
     lora_alpha: float | None = None  # None: 2 * lora_r, the usual choice
-    lora_dropout: float = LORA_DEFAULTS["dropout"]
-    lora_target_modules: list[str] | None = None  # None: the model's attention projections
+    lora_dropout: float | None = None
+    lora_target_modules: list[str] | None = None  # None: the switches below, else the model's attention projections
+    # Tinker's switches, instead of target modules (not both); None: LORA_DEFAULTS (attention only).
+    train_attn: bool | None = None
+    train_mlp: bool | None = None
+    train_unembed: bool | None = None
     learning_rate: float | None = None  # None: ADAM_DEFAULTS
     weight_decay: float | None = None
     grad_clip_norm: float | None = None
-    seed: int = 0
+    seed: int | None = None  # None: 0 (or the checkpoint's)
     gpu_config: str | None = None
     quantization: str | None = None  # None | "8bit" | "4bit" (bitsandbytes)
+    from_checkpoint: str | None = None  # signal://<run_id>/<kind>/<name>: start there (docs/CHECKPOINTS.md)
+    with_optimizer: bool = True  # with from_checkpoint: its AdamW state too
 
     def lora(self) -> dict[str, Any]:
         """The run's LoRA settings, checked and filled by the contract; errors name createRun's field (`loraR`)."""
-        lora = {"r": self.lora_r, "alpha": self.lora_alpha, "dropout": self.lora_dropout,
-                "target_modules": self.lora_target_modules}
-        with _fields_renamed(lambda field: "lora_" + field.removeprefix("lora.")):
+        lora = {"r": self.lora_r if self.lora_r is not None else LORA_DEFAULTS["r"], "alpha": self.lora_alpha,
+                "dropout": self.lora_dropout if self.lora_dropout is not None else LORA_DEFAULTS["dropout"],
+                "target_modules": self.lora_target_modules, "train_attn": self.train_attn,
+                "train_mlp": self.train_mlp, "train_unembed": self.train_unembed}
+        with _fields_renamed(lambda field: field):  # graphql_field names them: loraR, trainMlp
             return lora_settings(lora)
+
+    def explicit_lora(self) -> dict[str, Any] | None:
+        """Only the LoRA settings the caller gave: a run from a checkpoint inherits the rest, and these must agree."""
+        given = {"r": self.lora_r, "alpha": self.lora_alpha, "dropout": self.lora_dropout,
+                 "target_modules": self.lora_target_modules}
+        return {key: value for key, value in given.items() if value is not None} or None
 
     def adam(self) -> dict[str, float]:
         """The run's AdamW defaults for optim_step; errors name createRun's field (`learningRate`)."""
@@ -69,34 +96,59 @@ class RunSpec:
             return adam_settings(adam)
 
     def validate(self) -> None:
+        if self.base_model is not None and not self.base_model.strip():
+            raise BadInput("baseModel is empty; leave it out for the server's default model", field="baseModel")
+        if self.from_checkpoint is not None:
+            switch = next((name for name in LORA_SWITCHES if getattr(self, name) is not None), None)
+            if switch is not None:
+                raise BadInput("a run from a checkpoint inherits its LoRA targets; leave the switches out",
+                               field=graphql_field(switch))
         self.lora()
         self.adam()
-        if self.seed < 0:
+        if self.seed is not None and self.seed < 0:
             raise BadInput(f"seed must be >= 0, got {self.seed}", field="seed")
 
 
 @dataclass
 class SampleParams:
-    prompts: list[str]
+    """sample's arguments as GraphQL takes them; `engine_params` is the contract's Sample (less run and request)."""
+
+    prompts: list[str] | None = None  # exactly one of prompts and prompt_tokens
+    prompt_tokens: list[list[int]] | None = None
     max_tokens: int = SAMPLE_DEFAULTS["max_tokens"]
     temperature: float = SAMPLE_DEFAULTS["temperature"]
     top_p: float = SAMPLE_DEFAULTS["top_p"]
     top_k: int = SAMPLE_DEFAULTS["top_k"]
-    stop: list[str] | None = None
+    stop: list[str] | None = None  # stop strings…
+    stop_tokens: list[int] | None = None  # …or stop token ids: GraphQL lists are typed, so two arguments
     num_samples: int = SAMPLE_DEFAULTS["num_samples"]
     seed: int | None = None
+    prompt_logprobs: bool = SAMPLE_DEFAULTS["prompt_logprobs"]
+    topk_prompt_logprobs: int = SAMPLE_DEFAULTS["topk_prompt_logprobs"]
+    topk_sample_logprobs: int = SAMPLE_DEFAULTS["topk_sample_logprobs"]
+    store: bool | None = None  # None: stored (the run's current weights); False: no sample rows
 
     def engine_params(self) -> dict[str, Any]:
+        if self.stop is not None and self.stop_tokens is not None:
+            raise BadInput("give stop (strings) or stopTokens (token ids), not both", field="stop")
         return {
             "prompts": self.prompts,
+            "prompt_tokens": self.prompt_tokens,
             "max_tokens": self.max_tokens,
             "temperature": self.temperature,
             "top_p": self.top_p,
             "top_k": self.top_k,
-            "stop": self.stop,
+            "stop": self.stop_tokens if self.stop_tokens is not None else self.stop,
             "num_samples": self.num_samples,
             "seed": self.seed,
+            "prompt_logprobs": self.prompt_logprobs,
+            "topk_prompt_logprobs": self.topk_prompt_logprobs,
+            "topk_sample_logprobs": self.topk_sample_logprobs,
         }
+
+    def stored_prompts(self) -> list[str]:
+        """What a sample row keeps as its prompt: the text, or a token-id prompt as its JSON list."""
+        return self.prompts if self.prompts is not None else [json.dumps(ids) for ids in self.prompt_tokens or []]
 
 
 class RunService:
@@ -112,6 +164,8 @@ class RunService:
         # it gets as the run's start, and results are recorded in the order calls finish. One call per run per process.
         self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         self._devices: dict[str, str] = {}  # pool → its runtime's device, for pricing base samples
+        # The SDK's numbers (seq, session): a numbered call joins its run's lock queue after its predecessor.
+        self.order = CallOrder()
 
     # ---- reading -------------------------------------------------------------------------
 
@@ -155,17 +209,32 @@ class RunService:
 
     async def create(self, user: User, spec: RunSpec) -> Run:
         spec.validate()
-        model = self.catalog.get(spec.base_model or self.default_model)
-        lora, adam = spec.lora(), spec.adam()
+        source = None
+        if spec.from_checkpoint is not None:  # inherits the checkpoint's base, seed, step and LoRA settings
+            ref = checkpoint_ref(spec.from_checkpoint, "fromCheckpoint")
+            source, _ = await self._checkpoint_row(user, ref, "fromCheckpoint")
+            if spec.base_model and spec.base_model != source.base_model:
+                raise BadInput(f"baseModel: the checkpoint was trained on {source.base_model!r}, not "
+                               f"{spec.base_model!r}", field="baseModel")
+        model = self.catalog.get(spec.base_model or (source.base_model if source else self.default_model))
+        lora, adam = (dict(source.lora_config) if source else spec.lora()), spec.adam()
+        requested_quantization = spec.quantization or (source.quantization or None if source else None)
         # Checked to hold the model, quantized or not; then the quantization it was checked with.
-        gpu_config = self.catalog.resolve_gpu(model, spec.gpu_config, spec.quantization, lora_r=lora["r"])
-        quantization = self.catalog.resolve_quantization(model, spec.quantization)
+        families = {s: lora[s] for s in LORA_SWITCHES} if "train_attn" in lora else target_families(lora["target_modules"])
+        gpu_config = self.catalog.resolve_gpu(model, spec.gpu_config, requested_quantization, lora_r=lora["r"],
+                                              targets=model.lora_targets(families))
+        quantization = self.catalog.resolve_quantization(model, requested_quantization)
         run_id = new_id()
         await self.ledger.allow_create(user, run_id, gpu_config, model.name)
+        from_checkpoint = {"from_checkpoint": spec.from_checkpoint, "with_optimizer": spec.with_optimizer,
+                           "lora": spec.explicit_lora(), "seed": spec.seed} if source else {"lora": lora,
+                                                                                            "seed": spec.seed or 0}
         created = await self._engine(
             "create_run", pool=pool_key(model.name, gpu_config, quantization), run_id=run_id, user_id=user.id,
-            base_model=model.source, lora=lora, seed=spec.seed, quantization=quantization,
+            base_model=model.source, quantization=quantization, **from_checkpoint,
         )
+        # The runtime resolved the switches against the model: the run keeps the layers they named.
+        lora = {key: value for key, value in dict(created.get("lora") or lora).items() if key not in LORA_SWITCHES}
         lora["target_modules"] = created.get("target_modules", lora["target_modules"])
         run = Run(
             id=run_id,
@@ -173,7 +242,8 @@ class RunService:
             base_model=model.name,
             lora_config=lora,
             optimizer_config=adam,
-            seed=spec.seed,
+            seed=int(created.get("seed", spec.seed or 0)),
+            step=int(created.get("step", 0)),
             gpu_config=gpu_config,
             device=str(created.get("device") or ""),
             quantization=quantization or "",
@@ -186,24 +256,70 @@ class RunService:
 
     async def forward_backward(
         self, user: User, run_id: str, batch: builtins.list[dict[str, Any]], loss_fn: str = "cross_entropy",
-        loss_fn_config: dict[str, Any] | None = None, request_id: str | None = None,
+        loss_fn_config: dict[str, Any] | None = None, request_id: str | None = None, reduction: str = "mean",
+        return_outputs: bool = False, order: Numbered | None = None,
     ) -> dict[str, Any]:
+        """Loss and gradients of a batch. `reduction` is the step's (one per step: another is FAILED_PRECONDITION);
+        `return_outputs` asks for per-datum, per-position logprobs and losses (a retried call's answer has none)."""
         def arguments(run: Run) -> dict[str, Any]:
             if not isinstance(batch, list) or not batch:
                 raise BadInput("batch must be a non-empty list of examples", field="batch")
-            return {"batch": batch, "loss_fn": loss_fn, "loss_fn_config": loss_fn_config}
+            return {"batch": batch, "loss_fn": loss_fn, "loss_fn_config": loss_fn_config, "reduction": reduction,
+                    "return_outputs": return_outputs}
 
         async def record(run: Run, result: dict[str, Any]) -> dict[str, Any]:
             if not result.get("replayed"):  # a retry of a call already applied and recorded: record nothing twice
+                # Metric names carry their reduction (Tinker's name:reduction): loss:mean, loss:sum.
                 await self._record(run.id, result["step"], {
-                    "loss": result["loss"], "num_tokens": result["num_tokens"], "num_examples": result["num_examples"],
+                    loss_metric(result.get("reduction", reduction)): result["loss"],
+                    "num_tokens": result["num_tokens"], "num_examples": result["num_examples"],
                 })
             return result
 
-        return await self._apply(user, run_id, "forward_backward", request_id, arguments, record)
+        return await self._apply(user, run_id, "forward_backward", request_id, arguments, record, order=order)
+
+    async def forward(self, user: User, batch: builtins.list[dict[str, Any]], run_id: str | None = None,
+                      base_model: str | None = None, loss_fn: str = "cross_entropy",
+                      loss_fn_config: dict[str, Any] | None = None, request_id: str | None = None,
+                      order: Numbered | None = None, snapshot: str | None = None,
+                      checkpoint: str | None = None) -> dict[str, Any]:
+        """Losses and per-position logprobs with no backward, changing nothing, on a weights source as sample's:
+        the caller's run's current weights (`run_id`, in the run's order), a snapshot of it (`snapshot`: off the
+        run's queue), or a catalogue base model alone (`base_model`, no run, nothing recorded)."""
+        params = {"batch": batch, "loss_fn": loss_fn, "loss_fn_config": loss_fn_config}
+
+        async def record(run: Run, result: dict[str, Any]) -> dict[str, Any]:
+            return result  # nothing changed, so nothing to record beyond the compute seconds
+
+        if run_id is not None:
+            if base_model is not None:
+                raise BadInput("forward takes runId or baseModel, not both", field="baseModel")
+            if snapshot is not None or checkpoint is not None:
+                return await self._off_the_queue(user, run_id, "forward", request_id, params,
+                                                 {"snapshot": snapshot, "checkpoint": checkpoint}, record)
+            return await self._apply(user, run_id, "forward", request_id, lambda run: params, record, order=order)
+        if snapshot is not None or checkpoint is not None:
+            raise BadInput("snapshot and checkpoint name a run's weights: give runId too",
+                           field="snapshot" if snapshot is not None else "checkpoint")
+        if not base_model:
+            raise BadInput("forward needs runId or baseModel", field="baseModel")
+        model = self.catalog.get(base_model)
+        arguments = {**params, "run_id": None, "base_model": model.source, "user_id": user.id, "request_id": request_id}
+        with _fields_renamed(lambda field: field):
+            parse_call("forward", arguments)
+        pool = pool_key(model.name, self.catalog.resolve_gpu(model, None, None), None)
+        return await self._engine("forward", pool=pool, **arguments)
+
+    async def render_datums(self, user: User, run_id: str, batch: builtins.list[dict[str, Any]],
+                            loss_fn: str = "cross_entropy") -> dict[str, Any]:
+        """The datums the runtime would build for `batch` on the run's model; nothing is applied or billed."""
+        run = await self.get(user, run_id)
+        with _fields_renamed(lambda field: field):
+            parse_call("render_datums", {"run_id": run.id, "batch": batch, "loss_fn": loss_fn})
+        return await self._on_run(run, "render_datums", batch=batch, loss_fn=loss_fn)
 
     async def optim_step(self, user: User, run_id: str, adam: dict[str, Any] | None = None,
-                         request_id: str | None = None) -> dict[str, Any]:
+                         request_id: str | None = None, order: Numbered | None = None) -> dict[str, Any]:
         def arguments(run: Run) -> dict[str, Any]:
             overrides = {key: value for key, value in (adam or {}).items() if value is not None}
             return {"adam": {**ADAM_DEFAULTS, **run.optimizer_config, **overrides}}
@@ -221,22 +337,24 @@ class RunService:
             })
             return result
 
-        return await self._apply(user, run_id, "optim_step", request_id, arguments, record)
+        return await self._apply(user, run_id, "optim_step", request_id, arguments, record, order=order)
 
     async def sample(self, user: User, run_id: str | None, params: SampleParams, request_id: str | None = None,
                      snapshot: str | None = None, checkpoint: str | None = None, base_model: str | None = None,
-                     store: bool | None = None) -> dict[str, Any]:
+                     order: Numbered | None = None) -> dict[str, Any]:
         """Sample a run's current weights (in the run's order, under its lock), a snapshot or checkpoint of it, or a
         base alone. Frozen sources (docs/SNAPSHOTS.md) take neither the run's lock nor a ticket: they wait for nothing
-        on the run. `store` (None: true for current weights, false otherwise) keeps the samples in the run's history."""
-        stored_params = {k: v for k, v in params.engine_params().items() if k != "prompts"}
-        keep = store if store is not None else (run_id is not None and snapshot is None and checkpoint is None)
+        on the run. Each sequence becomes a sample row (the run's history on its page) when `params.store` says so
+        (None: true for current weights, false otherwise): an RL step of 128 prompts x 16 samples would write 2,048."""
+        keep = params.store if params.store is not None else (
+            run_id is not None and snapshot is None and checkpoint is None)
 
         async def record(run: Run, result: dict[str, Any]) -> dict[str, Any]:
             if result.get("replayed") or not keep:
                 return result
+            stored_params = {k: v for k, v in params.engine_params().items() if k not in ("prompts", "prompt_tokens")}
             async with self.db.session() as session:
-                for prompt, sequences in zip(params.prompts, result["sequences"]):
+                for prompt, sequences in zip(params.stored_prompts(), result["sequences"]):
                     for sequence in sequences:
                         session.add(Sample(run_id=run.id, step=int(result.get("step", run.step)), prompt=prompt,
                                            output=sequence["text"], params=stored_params))
@@ -250,16 +368,24 @@ class RunService:
         if base_model is not None:
             raise BadInput("baseModel samples the base alone: leave runId out", field="baseModel")
         if snapshot is None and checkpoint is None:
-            return await self._apply(user, run_id, "sample", request_id, lambda run: params.engine_params(), record)
-        source = {"snapshot": snapshot, "checkpoint": checkpoint}
+            return await self._apply(user, run_id, "sample", request_id, lambda run: params.engine_params(), record,
+                                     order=order)
+        return await self._off_the_queue(user, run_id, "sample", request_id, params.engine_params(),
+                                         {"snapshot": snapshot, "checkpoint": checkpoint}, record)
+
+    async def _off_the_queue(self, user: User, run_id: str, method: str, request_id: str | None,
+                             params: dict[str, Any], source: dict[str, Any],
+                             record: Callable[[Run, dict[str, Any]], Awaitable[dict[str, Any]]]) -> dict[str, Any]:
+        """A call on a run's frozen weights (a snapshot or checkpoint: docs/SNAPSHOTS.md): owned and billed like the
+        run's calls, but it takes neither the run's lock nor a ticket, so it waits for nothing queued on the run."""
         run = await self.get(user, run_id)
         with _fields_renamed(lambda field: field):
-            parse_call("sample", {"run_id": run.id, **params.engine_params(), **source, "request_id": request_id})
-        request_id = await self.ledger.allow(user, run, "sample", request_id)
+            parse_call(method, {"run_id": run.id, **params, **source, "request_id": request_id})
+        request_id = await self.ledger.allow(user, run, method, request_id)
 
         async def work() -> dict[str, Any]:
-            result = await self._on_run(run, "sample", **params.engine_params(), **source, request_id=request_id)
-            await self.ledger.account(run, "sample", request_id, result)
+            result = await self._on_run(run, method, **params, **source, request_id=request_id)
+            await self.ledger.account(run, method, request_id, result)
             return await record(run, result)
 
         return await asyncio.shield(asyncio.ensure_future(work()))  # recorded even if the caller goes away
@@ -289,7 +415,7 @@ class RunService:
         return self._devices[pool]
 
     async def save_weights_for_sampler(self, user: User, run_id: str, name: str | None = None,
-                                       request_id: str | None = None) -> dict[str, Any]:
+                                       request_id: str | None = None, order: Numbered | None = None) -> dict[str, Any]:
         """Freeze the run's weights as they are after its calls before this one (in the run's order). A named
         snapshot gets a `checkpoints` row (mode "sampler"), so it is listed and downloadable; an unnamed one gets a
         row with its expiry, dropped by listing once it is past."""
@@ -307,11 +433,24 @@ class RunService:
             return result
 
         return await self._apply(user, run_id, "save_weights_for_sampler", request_id, lambda run: {"name": name},
-                                 record)
+                                 record, order=order)
+
+    async def tokenizer(self, user: User, run_id: str | None = None, base_model: str | None = None) -> dict[str, Any]:
+        """The tokenizer of a run's base (the caller's run) or of a catalogue model (default: the server's): its id,
+        vocabulary size, EOS, BOS and pad ids, and chat template. Reads the base only: no run's queue, no credits."""
+        if run_id is not None and base_model is not None:
+            raise BadInput("give runId or baseModel, not both", field="runId")
+        if run_id is not None:
+            run = await self.get(user, run_id)
+            return await self._engine("tokenizer", pool=pool_of(run), run_id=run.id)
+        model = self.catalog.get(base_model or self.default_model)
+        pool = pool_key(model.name, self.catalog.resolve_gpu(model, None, None), None)
+        return await self._engine("tokenizer", pool=pool, base_model=model.source)
 
     async def save_state(self, user: User, run_id: str, mode: str = "adapter", push_to_hub: bool = False,
                          hub_model_id: str | None = None, request_id: str | None = None,
-                         hf_token: str | None = None) -> Checkpoint:
+                         hf_token: str | None = None, name: str | None = None,
+                         with_optimizer: bool | None = None, order: Numbered | None = None) -> Checkpoint:
         """Export the run; with push_to_hub, the runtime also uploads it (private) with the user's `hf_token`,
         which travels as this one call's argument and is stored nowhere. With billing on and no `hf_token`, the
         token is the user's Hugging Face integration, fetched from the billing service now (docs/BILLING.md)."""
@@ -320,7 +459,7 @@ class RunService:
         def arguments(run: Run) -> dict[str, Any]:
             if push_to_hub and not (hub_model_id or "").strip():
                 raise BadInput("pushToHub needs hubModelId (e.g. 'your-name/my-adapter')", field="hubModelId")
-            return {"mode": mode}
+            return {"mode": mode, "name": name, "with_optimizer": with_optimizer}
 
         async def hub() -> dict[str, Any]:
             """The push's arguments, once the call is allowed: the user's token is fetched only for a call that runs."""
@@ -337,18 +476,67 @@ class RunService:
 
         async def record(run: Run, result: dict[str, Any]) -> Checkpoint:
             async with self.db.session() as session:
-                # One row per checkpoint directory: saving again at the same step (a retry, say) rewrote it.
+                # One row per run, kind and name: saving step-N again at the same step (a retry, say) rewrote it.
                 checkpoint = await session.scalar(select(Checkpoint).where(
-                    Checkpoint.run_id == run.id, Checkpoint.path == result["checkpoint_path"]).limit(1))
+                    Checkpoint.run_id == run.id, Checkpoint.mode == result["mode"],
+                    Checkpoint.name == result["name"]).limit(1))
                 if checkpoint is None:
-                    checkpoint = Checkpoint(run_id=run.id, path=result["checkpoint_path"], name=f"step-{result['step']}")
+                    checkpoint = Checkpoint(run_id=run.id, path=result["checkpoint_path"], name=result["name"])
                     session.add(checkpoint)
+                checkpoint.path = result["checkpoint_path"]
                 checkpoint.step, checkpoint.mode = int(result["step"]), result["mode"]
                 checkpoint.size_bytes = int(result["size_bytes"])
                 checkpoint.hub_url = result.get("hub", {}).get("url") or checkpoint.hub_url
             return checkpoint
 
-        return await self._apply(user, run_id, "save_state", request_id, arguments, record, allowed=hub)
+        return await self._apply(user, run_id, "save_state", request_id, arguments, record, allowed=hub, order=order)
+
+    async def load_state(self, user: User, run_id: str, checkpoint: str, with_optimizer: bool = True,
+                         request_id: str | None = None, order: Numbered | None = None) -> dict[str, Any]:
+        """A checkpoint of this run, or of another run of the same user, into this run (docs/CHECKPOINTS.md): its
+        adapter, with_optimizer its AdamW, and its step either way. Another user's checkpoint is NOT_FOUND."""
+        run = await self.get(user, run_id)
+        ref = checkpoint_ref(checkpoint, "checkpoint", run.id)
+        await self._checkpoint_row(user, ref, "checkpoint")
+
+        async def record(run: Run, result: dict[str, Any]) -> dict[str, Any]:
+            if not result.get("replayed"):  # the step is the checkpoint's: it may go back
+                async with self.db.session() as session:
+                    await session.execute(update(Run).where(Run.id == run.id).values(step=int(result["step"])))
+            return result
+
+        return await self._apply(user, run_id, "load_state", request_id,
+                                 lambda run: {"checkpoint": ref.path, "with_optimizer": with_optimizer}, record,
+                                 order=order)
+
+    async def delete_checkpoint(self, user: User, run_id: str, checkpoint_id: str) -> None:
+        """A checkpoint's (or a sampler snapshot's) files in the runtime, then its row."""
+        run = await self.get(user, run_id)
+        async with self.db.session() as session:
+            row = await session.get(Checkpoint, int(checkpoint_id)) if str(checkpoint_id).isdigit() else None
+        if row is None or row.run_id != run.id:
+            raise NotFound(f"checkpoint {checkpoint_id} of run {run_id!r} not found", field="checkpointId")
+
+        async def work() -> None:
+            try:
+                await self._engine("delete_checkpoint", pool=pool_of(run), run_id=run.id, mode=row.mode,
+                                   name=row.name)
+            except NotFound:
+                pass  # its files are already gone (a delete half done): remove the row anyway
+            async with self.db.session() as session:
+                await session.execute(delete(Checkpoint).where(Checkpoint.id == row.id))
+
+        await self._serialised(run.id, work)
+
+    async def _checkpoint_row(self, user: User, ref: CheckpointRef, field: str) -> tuple[Run, Checkpoint]:
+        """The caller's run and checkpoint a reference names; another user's, or none, is NOT_FOUND alike."""
+        async with self.db.session() as session:
+            run = await session.get(Run, ref.run_id) if could_be_id(ref.run_id) else None
+            row = None if run is None or run.user_id != user.id else await session.scalar(select(Checkpoint).where(
+                Checkpoint.run_id == run.id, Checkpoint.mode == ref.kind, Checkpoint.name == ref.name).limit(1))
+        if run is None or row is None:
+            raise NotFound(f"checkpoint {ref.path} not found", field=field)
+        return run, row
 
     async def delete(self, user: User, run_id: str) -> None:
         run = await self.get(user, run_id)
@@ -365,6 +553,7 @@ class RunService:
 
         await self._serialised(run.id, work)
         self._locks.pop(run.id, None)
+        self.order.forget(run.id)
 
     # ---- the runtime ---------------------------------------------------------------------
 
@@ -378,10 +567,11 @@ class RunService:
 
     async def _apply(self, user: User, run_id: str, operation: str, request_id: str | None,
                      arguments: Callable[[Run], dict[str, Any]], record: Callable[[Run, dict[str, Any]], Awaitable[T]],
-                     allowed: Callable[[], Awaitable[dict[str, Any]]] | None = None) -> T:
+                     allowed: Callable[[], Awaitable[dict[str, Any]]] | None = None, order: Numbered | None = None) -> T:
         """A primitive on the caller's run: its `arguments` checked (before anyone is asked about credits), the call
         allowed by the ledger, then in the run's order the runtime call, its compute seconds accounted once, and
-        its result recorded by `record`. `allowed` adds arguments that only a call allowed to run may fetch."""
+        its result recorded by `record`. `allowed` adds arguments that only a call allowed to run may fetch.
+        `order`: the SDK's number for the call, which puts it in the run's order after its session's previous one."""
         run = await self.get(user, run_id)
         params = arguments(run)
         with _fields_renamed(lambda field: field):  # the contract's checks, here before the call leaves, and again there
@@ -396,7 +586,7 @@ class RunService:
             await self.ledger.account(run, operation, request_id, result)
             return await record(run, result)
 
-        return await self._serialised(run.id, work)
+        return await self._serialised(run.id, work, order)
 
     async def _on_run(self, run: Run, method: str, **params: Any) -> dict[str, Any]:
         """A runtime call on a run the database holds. The runtime answering that it has no such run means its
@@ -420,11 +610,15 @@ class RunService:
             raise RunNotFound(f"run {run_id!r} not found", field="runId")
         return int(ticket)
 
-    async def _serialised(self, run_id: str, work: Callable[[], Awaitable[T]]) -> T:
+    async def _serialised(self, run_id: str, work: Callable[[], Awaitable[T]], order: Numbered | None = None) -> T:
         """Run `work` under the run's lock (FIFO: arrival order), to the end even if the caller goes away:
-        a call the worker has taken is always recorded."""
+        a call the worker has taken is always recorded. A numbered call (`order`) joins the lock's queue only
+        after its session's previous number has (call_order.py), with no await in between: arrival order, and so
+        the tickets taken under the lock, follow the client's numbers."""
 
         async def locked() -> T:
+            if order is not None:
+                await self.order.admit(run_id, order)
             async with self._locks[run_id]:
                 return await work()
 
@@ -436,16 +630,17 @@ class RunService:
             run = await session.get(Run, run_id)
         if run is None:
             raise RunNotFound(f"run {run_id!r} not found", field="runId")
-        named = {"name": name} if mode == "sampler" else {}  # a sampler snapshot is found by its name
         return _decode_archive(await self._engine("export_checkpoint", pool=pool_of(run), run_id=run_id, mode=mode,
-                                                  step=step, **named))
+                                                  step=step, name=name))
 
     async def _engine(self, method: str, pool: str | None = None, **params: Any) -> dict[str, Any]:
         try:
             return await self.backend.call(method, pool=pool, **params)
-        except BadInput as error:
-            # The engine names fields as its contract does (max_tokens); clients sent maxTokens.
-            raise BadInput(error.message, field=graphql_field(error.field)) from None
+        except SignalError as error:
+            # The engine names fields as its contract does (max_tokens, base_model); clients sent maxTokens.
+            if not error.field:
+                raise
+            raise type(error)(error.message, field=graphql_field(error.field)) from None
 
     async def _record(self, run_id: str, step: int, values: dict[str, float]) -> None:
         """Store a call's metric rows; every server process's subscribers get them as one event (events.MetricFeed)."""
@@ -469,6 +664,11 @@ def _decode_archive(result: dict[str, Any]) -> bytes:
     return base64.b64decode(result["archive_b64"])
 
 
+def loss_metric(reduction: str) -> str:
+    """The metric a forward_backward's loss is recorded as: `loss:mean` or `loss:sum` (Tinker's name:reduction)."""
+    return f"loss:{reduction}"
+
+
 def pool_of(run: Run) -> str:
     """The run's pool: on Modal, the warm container its calls go to (base model, GPU configuration, quantization)."""
     return pool_key(run.base_model, run.gpu_config, run.quantization or None)
@@ -476,10 +676,13 @@ def pool_of(run: Run) -> str:
 
 def graphql_field(field: str | None) -> str | None:
     """The contract's field names in GraphQL's: `max_tokens` → `maxTokens`, `lora.target_modules` →
-    `loraTargetModules` (createRun's flat input), `batch[2].output` as is."""
+    `loraTargetModules` (createRun's flat input), `lora.train_mlp` → `trainMlp` (Tinker's switch names),
+    `batch[2].output` as is."""
     if not field:
         return field
-    if field.startswith("lora."):
+    if field.startswith("lora.train_"):
+        field = field.removeprefix("lora.")
+    elif field.startswith("lora."):
         field = "lora_" + field.removeprefix("lora.")
     return to_camel_case(field)  # the same converter the schema applies to every name
 

@@ -13,16 +13,22 @@ from dataclasses import MISSING, asdict, dataclass, fields
 from typing import Any, ClassVar, TypeVar
 
 from gpu_runtime.contract.settings import (
+    CHECKPOINT_KINDS,
     DEFAULT_LOSS_FN,
+    DEFAULT_REDUCTION,
     SAMPLE_DEFAULTS,
     SAVE_MODES,
     SamplingSettings,
     adam_settings,
     check_batch_text,
+    check_checkpoint_name,
     check_id,
     check_request_id,
     check_snapshot_name,
+    checkpoint_ref,
     lora_settings,
+    loss_settings,
+    sampling_prompts,
     sampling_settings,
 )
 from gpu_runtime.errors import BadInput
@@ -35,6 +41,8 @@ CONTRACT_VERSION = 3
 class Method(enum.StrEnum):
     CREATE_RUN = "create_run"
     FORWARD_BACKWARD = "forward_backward"
+    FORWARD = "forward"
+    RENDER_DATUMS = "render_datums"
     OPTIM_STEP = "optim_step"
     SAMPLE = "sample"
     SAVE_STATE = "save_state"
@@ -44,8 +52,11 @@ class Method(enum.StrEnum):
     DELETE_RUN = "delete_run"
     EXPORT_CHECKPOINT = "export_checkpoint"
     SAVE_WEIGHTS_FOR_SAMPLER = "save_weights_for_sampler"
+    LOAD_STATE = "load_state"
+    DELETE_CHECKPOINT = "delete_checkpoint"
     PING = "ping"
     RUNTIME_STATE = "runtime_state"
+    TOKENIZER = "tokenizer"
 
 
 R = TypeVar("R", bound="Call")
@@ -95,17 +106,34 @@ class CreateRun(RunCall):
     user_id: str
     base_model: str
     lora: dict[str, Any] | None = None
-    seed: int = 0
+    seed: int | None = None  # None: 0, or the checkpoint's
     quantization: str | None = None
+    # signal://<run_id>/<kind>/<name>: start from that checkpoint's adapter (and its AdamW with with_optimizer),
+    # inheriting its seed, step and LoRA settings; `lora` keys and `seed` given as well must agree with them.
+    from_checkpoint: str | None = None
+    with_optimizer: bool = True
 
     def validate(self) -> None:
         super().validate()
         check_id(self.user_id, "user_id")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
             raise BadInput(f"seed must be a non-negative integer, got {self.seed!r}", field="seed")
         if not isinstance(self.base_model, str) or not self.base_model:
             raise BadInput("base_model must be a model name or path", field="base_model")
-        lora_settings(self.lora)  # shape only: the targets are checked against the model in the runtime
+        if not isinstance(self.with_optimizer, bool):
+            raise BadInput("with_optimizer must be true or false", field="with_optimizer")
+        if self.from_checkpoint is None:
+            lora_settings(self.lora)  # shape only: the targets are checked against the model in the runtime
+        else:
+            checkpoint_ref(self.from_checkpoint, "from_checkpoint")
+            if self.lora is not None and not isinstance(self.lora, dict):
+                raise BadInput("lora must be an object", field="lora")
+
+
+def _check_batch(batch: Any) -> None:
+    if not isinstance(batch, list) or not batch:
+        raise BadInput("batch must be a non-empty list of examples", field="batch")
+    check_batch_text(batch)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -114,14 +142,60 @@ class ForwardBackward(RunCall):
     batch: list[dict[str, Any]]
     loss_fn: str = DEFAULT_LOSS_FN
     loss_fn_config: dict[str, Any] | None = None
+    reduction: str = DEFAULT_REDUCTION  # every call between two optim_steps uses the same one
+    return_outputs: bool = False  # per-datum, per-position logprobs and elementwise_loss in the result
     request_id: str | None = None
 
     def validate(self) -> None:
         super().validate()
         check_request_id(self.request_id)
-        if not isinstance(self.batch, list) or not self.batch:
-            raise BadInput("batch must be a non-empty list of examples", field="batch")
-        check_batch_text(self.batch)
+        _check_batch(self.batch)
+        loss_settings(self.loss_fn, self.loss_fn_config, self.reduction)
+        if not isinstance(self.return_outputs, bool):
+            raise BadInput("return_outputs must be a boolean", field="return_outputs")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Forward(Call):
+    """The loss and per-position logprobs of a batch, with no backward: nothing of the run changes (no gradient,
+    no dropout, no counter). Its weights, as a sample's (gpu_runtime/weights_sources.py): `run_id`'s current ones
+    (in the run's queue), `run_id` + `snapshot` (frozen: off the queue), or with run_id None the base model alone."""
+
+    method = Method.FORWARD
+    batch: list[dict[str, Any]]
+    run_id: str | None = None
+    snapshot: str | None = None  # a sampler snapshot's name on the run (save_weights_for_sampler)
+    checkpoint: str | None = None  # a training checkpoint's name on the run (not readable yet: refused)
+    base_model: str | None = None  # with run_id None: the base to run (rows reach no adapter)
+    user_id: str | None = None  # with run_id None: whose call it is
+    loss_fn: str = DEFAULT_LOSS_FN
+    loss_fn_config: dict[str, Any] | None = None
+    request_id: str | None = None
+
+    def validate(self) -> None:
+        check_request_id(self.request_id)
+        check_weights_source(self)
+        _check_batch(self.batch)
+        loss_settings(self.loss_fn, self.loss_fn_config)
+
+    @property
+    def frozen(self) -> bool:
+        """On a snapshot or checkpoint: off the run's queue, like such a sample (a base alone rides the system lane)."""
+        return self.run_id is not None and (self.snapshot is not None or self.checkpoint is not None)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RenderDatums(RunCall):
+    """The datums the runtime would build for a batch of Signal items (renderDatums), changing nothing."""
+
+    method = Method.RENDER_DATUMS
+    batch: list[dict[str, Any]]
+    loss_fn: str = DEFAULT_LOSS_FN
+
+    def validate(self) -> None:
+        super().validate()
+        _check_batch(self.batch)
+        loss_settings(self.loss_fn, None)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -146,7 +220,8 @@ class Sample(Call):
     `base_model` + `user_id` (the base alone)."""
 
     method = Method.SAMPLE
-    prompts: list[str]
+    prompts: list[str] | None = None  # exactly one of prompts (text) and prompt_tokens (token ids)
+    prompt_tokens: list[list[int]] | None = None
     run_id: str | None = None
     snapshot: str | None = None  # a sampler snapshot's name on the run (save_weights_for_sampler)
     checkpoint: str | None = None  # a training checkpoint's name on the run
@@ -155,10 +230,13 @@ class Sample(Call):
     max_tokens: int = SAMPLE_DEFAULTS["max_tokens"]
     temperature: float = SAMPLE_DEFAULTS["temperature"]
     top_p: float = SAMPLE_DEFAULTS["top_p"]
-    top_k: int = SAMPLE_DEFAULTS["top_k"]
-    stop: str | list[str] | None = None
+    top_k: int = SAMPLE_DEFAULTS["top_k"]  # 0 or -1: off
+    stop: str | list[str] | list[int] | None = None  # None: EOS; []: nothing; strings or token ids (and EOS)
     num_samples: int = SAMPLE_DEFAULTS["num_samples"]
     seed: int | None = None  # None: drawn by the runtime
+    prompt_logprobs: bool = SAMPLE_DEFAULTS["prompt_logprobs"]
+    topk_prompt_logprobs: int = SAMPLE_DEFAULTS["topk_prompt_logprobs"]
+    topk_sample_logprobs: int = SAMPLE_DEFAULTS["topk_sample_logprobs"]
     request_id: str | None = None
 
     def validate(self) -> None:
@@ -171,9 +249,35 @@ class Sample(Call):
         """Whether its weights never change under it (a snapshot, a checkpoint, a base): then it is off the run's queue."""
         return self.run_id is None or self.snapshot is not None or self.checkpoint is not None
 
-    def settings(self) -> tuple[list[str], SamplingSettings]:
-        return sampling_settings(self.prompts, self.max_tokens, self.temperature, self.top_p, self.top_k, self.stop,
-                                 self.num_samples, self.seed)
+    def settings(self) -> tuple[list[str] | list[list[int]], SamplingSettings]:
+        """The prompts (text, or token ids when prompt_tokens is set) and the checked settings."""
+        prompts = sampling_prompts(self.prompts, self.prompt_tokens)
+        return prompts, sampling_settings(self.max_tokens, self.temperature, self.top_p, self.top_k, self.stop,
+                                          self.num_samples, self.seed, self.prompt_logprobs,
+                                          self.topk_prompt_logprobs, self.topk_sample_logprobs)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Tokenizer(Call):
+    """A base model's tokenizer, as sampling and rendering use it: on `base_model` (a name or path the runtime
+    loads), or on the base of run `run_id`. A call on no run's queue: answered at the next tick."""
+
+    method = Method.TOKENIZER
+    base_model: str | None = None
+    quantization: str | None = None
+    run_id: str | None = None
+
+    def validate(self) -> None:
+        if (self.base_model is None) == (self.run_id is None):
+            raise BadInput("give exactly one of base_model or run_id", field="base_model")
+        if self.run_id is not None:
+            check_id(self.run_id, "run_id")
+        elif not isinstance(self.base_model, str) or not self.base_model:
+            raise BadInput("base_model must be a model name or path", field="base_model")
+
+    @property
+    def run(self) -> str | None:
+        return None  # reads the run's base, never its state: it waits on no run's calls
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -196,6 +300,8 @@ class SaveWeightsForSampler(RunCall):
 class SaveState(RunCall):
     method = Method.SAVE_STATE
     mode: str = SAVE_MODES[0]
+    name: str | None = None  # None: step-N; unique per run and mode (docs/CHECKPOINTS.md)
+    with_optimizer: bool | None = None  # None: the mode's own (state: with AdamW; adapter: without; merged: never)
     request_id: str | None = None
     push_to_hub: bool = False
     hub_model_id: str | None = None
@@ -206,9 +312,53 @@ class SaveState(RunCall):
         check_request_id(self.request_id)
         if self.mode not in SAVE_MODES:
             raise BadInput(f"mode must be one of {list(SAVE_MODES)}, got {self.mode!r}", field="mode")
+        if self.name is not None:
+            check_checkpoint_name(self.name)
+        if self.with_optimizer is not None and not isinstance(self.with_optimizer, bool):
+            raise BadInput("with_optimizer must be true, false or null", field="with_optimizer")
+        if self.with_optimizer and self.mode == "merged":
+            raise BadInput("a merged checkpoint holds no optimizer state: save mode state for that",
+                           field="with_optimizer")
+
+    @property
+    def optimizer_saved(self) -> bool:
+        return self.mode == "state" if self.with_optimizer is None else self.with_optimizer
 
     def __repr__(self) -> str:  # never print the token
-        return f"SaveState(run_id={self.run_id!r}, mode={self.mode!r}, push_to_hub={self.push_to_hub!r})"
+        return (f"SaveState(run_id={self.run_id!r}, mode={self.mode!r}, name={self.name!r}, "
+                f"push_to_hub={self.push_to_hub!r})")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoadState(RunCall):
+    """Put a checkpoint's adapter (and, with_optimizer, its AdamW and step) into an existing run."""
+
+    method = Method.LOAD_STATE
+    checkpoint: str  # signal://<run_id>/<kind>/<name>, or a name: this run's state checkpoint
+    with_optimizer: bool = True
+    request_id: str | None = None
+
+    def validate(self) -> None:
+        super().validate()
+        check_request_id(self.request_id)
+        checkpoint_ref(self.checkpoint, "checkpoint", self.run_id)
+        if not isinstance(self.with_optimizer, bool):
+            raise BadInput("with_optimizer must be true or false", field="with_optimizer")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeleteCheckpoint(RunCall):
+    """Remove a checkpoint's (or a sampler snapshot's) files from the runtime's disk."""
+
+    method = Method.DELETE_CHECKPOINT
+    mode: str
+    name: str
+
+    def validate(self) -> None:
+        super().validate()
+        if self.mode not in CHECKPOINT_KINDS:
+            raise BadInput(f"mode must be one of {list(CHECKPOINT_KINDS)}, got {self.mode!r}", field="mode")
+        check_checkpoint_name(self.name)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -236,14 +386,16 @@ class ExportCheckpoint(RunCall):
     method = Method.EXPORT_CHECKPOINT
     mode: str
     step: int
-    name: str | None = None  # mode "sampler": the named snapshot's name (its step is not its key)
+    name: str | None = None  # None: step-N (what checkpoints saved before names are called)
 
     def validate(self) -> None:
         super().validate()
-        if self.mode not in (*SAVE_MODES, "sampler"):
-            raise BadInput(f"mode must be one of {[*SAVE_MODES, 'sampler']}, got {self.mode!r}", field="mode")
-        if self.mode == "sampler":
-            check_snapshot_name(self.name, "name")
+        if self.name is not None:
+            check_checkpoint_name(self.name)
+        if self.mode not in CHECKPOINT_KINDS:  # a sampler snapshot downloads like a checkpoint
+            raise BadInput(f"mode must be one of {list(CHECKPOINT_KINDS)}, got {self.mode!r}", field="mode")
+        if self.mode == "sampler" and self.name is None:  # a snapshot's key is its name, never its step
+            raise BadInput("a sampler snapshot is exported by its name", field="name")
         if isinstance(self.step, bool) or not isinstance(self.step, int) or self.step < 0:
             raise BadInput(f"step must be a non-negative integer, got {self.step!r}", field="step")
 
@@ -259,9 +411,9 @@ class RuntimeState(Call):
 
 
 CALLS: dict[Method, type[Call]] = {cls.method: cls for cls in (
-    CreateRun, ForwardBackward, OptimStep, Sample, SaveState, LoadRun, RunInfo, CloseRun, DeleteRun, ExportCheckpoint,
-    SaveWeightsForSampler, Ping, RuntimeState)}
-SYSTEM_CALLS = (Ping, RuntimeState)  # calls on no run: answered first, at the next tick
+    CreateRun, ForwardBackward, Forward, RenderDatums, OptimStep, Sample, SaveState, LoadRun, RunInfo, CloseRun,
+    DeleteRun, ExportCheckpoint, LoadState, DeleteCheckpoint, SaveWeightsForSampler, Ping, RuntimeState, Tokenizer)}
+SYSTEM_CALLS = (Ping, RuntimeState, Tokenizer)  # calls on no run: answered first, at the next tick
 
 
 def check_weights_source(call: Any) -> None:
@@ -271,12 +423,13 @@ def check_weights_source(call: Any) -> None:
             field = "snapshot" if call.snapshot is not None else "checkpoint"
             raise BadInput(f"{field} names a run's weights: give run_id too", field=field)
         if not isinstance(call.base_model, str) or not call.base_model:
-            raise BadInput("give run_id (a run's weights) or base_model and user_id (the base alone)", field="base_model")
+            raise BadInput("give run_id (a run's weights) or base_model and user_id (the base alone)",
+                           field="base_model")
         check_id(call.user_id, "user_id")
         return
     check_id(call.run_id, "run_id")
     if call.base_model is not None:
-        raise BadInput("base_model is for sampling the base alone, without run_id", field="base_model")
+        raise BadInput("base_model is for the base alone, without run_id", field="base_model")
     if call.snapshot is not None and call.checkpoint is not None:
         raise BadInput("give one of snapshot and checkpoint, not both", field="checkpoint")
     for field in ("snapshot", "checkpoint"):

@@ -11,14 +11,15 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, TypeVar
 
 R = TypeVar("R", bound="Result")
-OMITTED_UNLESS_SET = ("replayed", "hub")
+OMITTED_UNLESS_SET = ("replayed", "hub", "pending_excluded", "prompt_logprobs", "topk_prompt_logprobs", "outputs")
 
 
 @dataclass(frozen=True, kw_only=True)
 class Result:
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
-        for name in OMITTED_UNLESS_SET:  # a first answer carries no `replayed`; a save with no upload no `hub`
+        # A first answer carries no `replayed`; a save with no upload no `hub`; a call that asked for none no `outputs`.
+        for name in OMITTED_UNLESS_SET:
             if not data.get(name, True):
                 del data[name]
         return data
@@ -34,12 +35,41 @@ class Result:
 
 @dataclass(frozen=True, kw_only=True)
 class ForwardBackwardResult(Result):
-    loss: float  # the call's loss sum over its normaliser (its mean per weighted target token)
+    loss: float  # "mean": the call's loss sum over its normaliser; "sum": the raw sum
     num_tokens: int  # target tokens with weight
     num_examples: int
     step: int  # optim_steps applied before this call
     compute_seconds: float = 0.0
+    reduction: str = "mean"
+    # return_outputs: per datum {logprobs, elementwise_loss}, each of the datum's length. Never journaled, never kept
+    # for retries: a replayed answer has none.
+    outputs: list[dict[str, list[float]]] | None = None
     replayed: bool = False
+
+    def replay(self) -> ForwardBackwardResult:
+        return replace(self, replayed=True, outputs=None)
+
+    def kept(self) -> ForwardBackwardResult:
+        """What the journal and the retry cache hold: no per-position outputs."""
+        return replace(self, outputs=None)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ForwardResult(Result):
+    """forward: the batch's loss (its mean per counted position, as a "mean" reduction) and per-datum outputs."""
+
+    loss: float
+    loss_sum: float
+    num_tokens: int
+    num_examples: int
+    step: int | None  # the run's step whose weights ran; None for a base model
+    outputs: list[dict[str, list[float]]]  # per datum {logprobs, elementwise_loss}
+    compute_seconds: float = 0.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class RenderDatumsResult(Result):
+    datums: list[dict[str, Any]]  # Tinker's datum shape: {model_input, loss_fn_inputs: {target_tokens, weights, …}}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,11 +84,28 @@ class OptimStepResult(Result):
 @dataclass(frozen=True, kw_only=True)
 class SampleResult(Result):
     outputs: list[str]  # the first sequence's text of each prompt
-    sequences: list[list[dict[str, Any]]]  # per prompt, per sample: text, tokens, logprobs, stop_reason
+    # per prompt, per sample: text, tokens, logprobs, stop_reason (+ topk_logprobs when asked)
+    sequences: list[list[dict[str, Any]]]
     prompt_tokens: list[list[int]]
     step: int
     compute_seconds: float = 0.0
+    # per prompt, per position: the model's logprob of that prompt token (None at 0), when asked
+    prompt_logprobs: list[list[float | None]] | None = None
+    # per prompt, per position: the top-k [token, logprob] pairs, most likely first (None at 0), when asked
+    topk_prompt_logprobs: list[list[list[list[float]] | None]] | None = None
     replayed: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class TokenizerResult(Result):
+    """What a client without the tokenizer needs to build token-level inputs and read token-level outputs."""
+
+    name: str  # the base model's name or path the tokenizer loads from
+    vocab_size: int  # token ids are 0..vocab_size-1 (the model's embedding rows)
+    eos_token_ids: list[int]  # the ids that stop sampling when `stop` is omitted
+    bos_token_id: int | None
+    pad_token_id: int | None
+    chat_template: str | None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,6 +116,19 @@ class SaveStateResult(Result):
     size_bytes: int
     compute_seconds: float = 0.0
     hub: dict[str, Any] | None = None  # push_to_hub: where the upload went
+    name: str = ""  # unique per run and mode; step-N unless named
+    with_optimizer: bool = False  # AdamW's state is in it (load_state can resume it exactly)
+    pending_excluded: int = 0  # forward_backward calls whose gradients were pending: not in the checkpoint
+    replayed: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoadStateResult(Result):
+    checkpoint: str  # signal://<run_id>/<kind>/<name> it came from
+    step: int  # the run's step now: the checkpoint's (docs/CHECKPOINTS.md)
+    with_optimizer: bool
+    pending_dropped: int = 0  # forward_backward calls pending before the load: their gradients are gone
+    compute_seconds: float = 0.0
     replayed: bool = False
 
 

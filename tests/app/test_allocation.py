@@ -13,7 +13,11 @@ from app.catalog import Catalog, available_frameworks
 from gpu_runtime.allocation import (
     GB,
     GPU_TYPES,
+    LORA_STATE_BYTES,
+    PARAMS_PER_HIDDEN_SQUARED,
+    VOCAB_ESTIMATE,
     GpuAllocation,
+    LoraTargets,
     allocate,
     check_fit,
     estimate_bytes,
@@ -232,6 +236,37 @@ def test_a_high_lora_rank_is_part_of_the_fit(tmp_path: Path) -> None:
         catalog.resolve_gpu(catalog.get("m"), None, lora_r=512)
 
 
+@pytest.mark.parametrize("vocab", [None, 49_152, 128_256], ids=["estimate", "smollm2", "llama3"])
+@pytest.mark.parametrize("r", [8, 32])
+def test_the_unembedding_adds_its_vocab_by_r_term_to_the_fit(vocab: int | None, r: int) -> None:
+    hidden = (LLAMA_8B / PARAMS_PER_HIDDEN_SQUARED) ** 0.5
+    unembed = LoraTargets(unembed=True, vocab=vocab)
+    extra = lora_parameters(LLAMA_8B, r, targets=unembed) - lora_parameters(LLAMA_8B, r)
+    assert extra == int(r * (hidden + (vocab or VOCAB_ESTIMATE)))  # A is [r, hidden], B is [vocab, r]
+    grown = estimate_bytes(LLAMA_8B, lora_r=r, targets=unembed) - estimate_bytes(LLAMA_8B, lora_r=r)
+    assert abs(grown - extra * LORA_STATE_BYTES) <= 1  # with its gradient and AdamW's moments
+
+
+def test_the_mlp_and_every_family_grow_the_fit() -> None:
+    attention = lora_parameters(LLAMA_8B)
+    assert lora_parameters(LLAMA_8B, targets=LoraTargets(mlp=True)) == pytest.approx(3 * attention, rel=1e-6)
+    assert lora_parameters(LLAMA_8B, targets=LoraTargets(attention=False, mlp=True)) == pytest.approx(2 * attention,
+                                                                                                     rel=1e-6)
+    assert LoraTargets.of({"train_attn": False, "train_unembed": True}) == LoraTargets(False, False, True)
+
+
+def test_a_run_on_the_unembedding_can_need_a_bigger_gpu(tmp_path: Path) -> None:
+    # A 32B on one H200: attention LoRA at r=512 fits; with the MLP and the unembedding it does not, and says why.
+    catalog = _load(tmp_path, {"name": "m", "parameters": QWEN_32B, "gpu": "H200:1", "vocab_size": 152_064})
+    model = catalog.get("m")
+    assert model.vocab_size == 152_064
+    assert catalog.resolve_gpu(model, None, lora_r=512) == "H200:1"
+    with pytest.raises(BadInput, match=r"LoRA \(with MLP and unembedding\) with AdamW state") as refused:
+        catalog.resolve_gpu(model, None, lora_r=512, targets=model.lora_targets(
+            {"train_attn": True, "train_mlp": True, "train_unembed": True}))
+    assert refused.value.field == "gpuConfig"
+
+
 # ---- over the API --------------------------------------------------------------------------------------
 
 CREATE = "mutation($input: CreateRunInput) { createRun(input: $input) { id gpuConfig baseModel } }"
@@ -287,6 +322,29 @@ def test_unsloth_entry_over_the_api(server: LiveServer) -> None:
     else:
         assert error_code(body) == "BAD_INPUT" and body["errors"][0]["extensions"]["field"] == "baseModel", body
         assert "unsloth" in body["errors"][0]["message"]
+
+
+@pytest.mark.parametrize(("switches", "targets"), [
+    ({"train_unembed": True}, ["k_proj", "lm_head", "o_proj", "q_proj", "v_proj"]),
+    ({"train_attn": False, "train_mlp": True}, ["down_proj", "gate_proj", "up_proj"]),
+], ids=["unembed", "mlp-only"])
+def test_create_run_takes_tinkers_switches(server: LiveServer, switches: dict, targets: list[str]) -> None:
+    key = server.new_user()
+    with SignalClient(api_key=key, base_url=server.url) as client:
+        run = client.create_run(lora_r=4, **switches)
+    assert run.info.lora_target_modules == targets
+    shown = server.graphql("query($id: ID!) { run(id: $id) { loraTargetModules } }", {"id": run.id}, key=key)
+    assert shown["data"]["run"]["loraTargetModules"] == targets
+
+
+@pytest.mark.parametrize(("spec", "field"), [
+    ({"loraTargetModules": ["q_proj"], "trainMlp": True}, "loraTargetModules"),
+    ({"trainAttn": False}, "trainAttn"),
+], ids=["targets-and-switch", "all-off"])
+def test_create_run_refuses_bad_switches_naming_the_field(server: LiveServer, spec: dict, field: str) -> None:
+    key = server.new_user()
+    body = server.graphql(CREATE, {"input": spec}, key=key)
+    assert error_code(body) == "BAD_INPUT" and body["errors"][0]["extensions"]["field"] == field, body
 
 
 def test_models_query_and_sdk_show_the_catalogue_fields(server: LiveServer) -> None:

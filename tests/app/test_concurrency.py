@@ -49,7 +49,7 @@ def test_concurrent_calls_on_one_run_are_each_applied_once(live_server: LiveServ
     for thread in threads:
         thread.join(timeout=300)
     assert run.optim_step().step == 1
-    losses = [m.value for m in run.metrics(name="loss")]
+    losses = [m.value for m in run.metrics(name="loss:mean")]
     assert len(losses) == 6 and max(losses) - min(losses) < 1e-6  # same weights each time: no step in between
 
 
@@ -94,4 +94,4 @@ def test_a_flooding_user_does_not_hold_back_another_users_call(live_server: Live
     assert sorted(order) == sorted([f"flood-{i}" for i in range(20)] + ["single"])
     # Served first in the tick after it arrived: at most the calls of two ticks (4 runs each) finish before it.
     assert order.index("single") <= 8
-    assert [len(run.metrics(name="loss")) for run in runs] == [5, 5, 5, 5]  # each flood call applied once
+    assert [len(run.metrics(name="loss:mean")) for run in runs] == [5, 5, 5, 5]  # each flood call applied once

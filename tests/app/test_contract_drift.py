@@ -21,14 +21,25 @@ SDL = schema._schema  # graphql-core's schema, which strawberry builds
 NOT_ARGUMENTS: dict[str, str] = {
     "user_id": "the caller's key decides it",
     "run_id": "runId",  # present, camel-cased: checked below
+    "return_outputs": "the resolver sets it when the client selects forwardBackward's `outputs`",
 }
+# Arguments of every primitive that the runtime never sees: the server orders calls by them (docs/ORDERING.md).
+ORDERING_ARGUMENTS = ("seq", "session")
 MUTATIONS: list[tuple[str, type[contract.Call]]] = [
     ("forwardBackward", contract.ForwardBackward),
+    ("forward", contract.Forward),
     ("optimStep", contract.OptimStep),
     ("sample", contract.Sample),
     ("saveState", contract.SaveState),
     ("saveWeightsForSampler", contract.SaveWeightsForSampler),
+    ("loadState", contract.LoadState),
 ]
+# Arguments GraphQL takes that the runtime's request does not, and why.
+GRAPHQL_ONLY: dict[str, str] = {
+    "hfToken": "fetched by the server and passed to that one upload",
+    "stopTokens": "GraphQL lists are typed: stop token ids arrive apart from stop strings, and join `stop`",
+    "store": "whether the server writes sample rows; the runtime keeps none",
+}
 # Result fields GraphQL does not show, and why.
 NOT_SHOWN: dict[str, str] = {
     "compute_seconds": "billed (a run's cost), not part of one call's answer",
@@ -39,8 +50,10 @@ NOT_SHOWN: dict[str, str] = {
 }
 RESULTS: list[tuple[str, type[contract.Result]]] = [
     ("ForwardBackwardResult", contract.ForwardBackwardResult),
+    ("ForwardResult", contract.ForwardResult),
     ("OptimStepResult", contract.OptimStepResult),
     ("SampleResult", contract.SampleResult),
+    ("LoadStateResult", contract.LoadStateResult),
 ]
 
 
@@ -56,8 +69,8 @@ def test_each_primitive_takes_the_contracts_arguments_with_its_defaults(mutation
             default = arguments[name].default_value
             default = getattr(default, "value", default)  # an enum's default (SaveMode.ADAPTER)
             assert default == field.default, f"{mutation}.{name} defaults to {default!r}, the contract to {field.default!r}"
-    # hfToken: the user's, fetched by the server; store: whether the server keeps the samples (never the runtime's)
-    known = {to_camel_case(f.name) for f in dataclasses.fields(call)} | {"hfToken", "store"}
+    assert set(ORDERING_ARGUMENTS) <= set(arguments), f"{mutation} lacks the SDK's ordering arguments"
+    known = {to_camel_case(f.name) for f in dataclasses.fields(call)} | set(GRAPHQL_ONLY) | set(ORDERING_ARGUMENTS)
     assert set(arguments) - known == set(), f"{mutation} takes arguments the contract does not know"
 
 
@@ -74,7 +87,7 @@ def test_each_result_type_shows_the_contracts_fields(type_name: str, result: typ
 def test_a_batch_item_takes_exactly_the_contracts_keys() -> None:
     item = SDL.get_type("BatchItem")
     assert isinstance(item, GraphQLInputObjectType)
-    assert set(item.fields) == contract.ITEM_KEYS
+    assert set(item.fields) == {to_camel_case(key) for key in contract.ITEM_KEYS}  # modelInput: model_input
 
 
 def _variable_defaults() -> list[tuple[str, str, str, Any]]:

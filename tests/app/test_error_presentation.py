@@ -54,7 +54,7 @@ async def test_internal_errors_are_masked_and_logged(error: Exception, caplog: p
         result = await SCHEMA.execute('{ fails(kind: "it") }')
     [formatted] = [e.formatted for e in result.errors or []]
     assert formatted["message"] == INTERNAL_MESSAGE
-    assert formatted["extensions"] == {"code": "INTERNAL"}
+    assert formatted["extensions"] == {"code": "INTERNAL", "retryable": False}
     assert str(error) not in str(formatted)
     assert any(record.exc_info and record.exc_info[1] is error for record in caplog.records)
 
@@ -69,4 +69,4 @@ async def test_validation_errors_say_where() -> None:
 async def test_output_we_cannot_serialise_is_ours_not_the_clients() -> None:
     result = await SCHEMA.execute("{ notANumber }")
     [formatted] = [e.formatted for e in result.errors or []]
-    assert formatted["extensions"] == {"code": "INTERNAL"} and formatted["message"] == INTERNAL_MESSAGE
+    assert formatted["extensions"] == {"code": "INTERNAL", "retryable": False} and formatted["message"] == INTERNAL_MESSAGE

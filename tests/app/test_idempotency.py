@@ -28,7 +28,7 @@ MUTATIONS: dict[str, str] = {
 
 # What each mutation records, read back through the API: it must not change when the call is retried.
 RECORDED: dict[str, Callable[[Any], Any]] = {
-    "forwardBackward": lambda run: (run.refresh().step, len(run.metrics(name="loss"))),
+    "forwardBackward": lambda run: (run.refresh().step, len(run.metrics(name="loss:mean"))),
     "optimStep": lambda run: (run.refresh().step, len(run.metrics(name="grad_norm"))),
     "sample": lambda run: len(run.samples()),
     "saveState": lambda run: len(run.checkpoints()),
@@ -87,3 +87,22 @@ def test_sdk_retry_of_a_dropped_optim_step_is_applied_once(live_server: LiveServ
     assert run.optim_step(learning_rate=0.01).step == 1
     assert len(transport.sent) == 2
     assert run.refresh().step == 1 and len(run.metrics(name="grad_norm")) == 1
+
+
+def test_a_named_save_and_a_load_sent_twice_are_applied_once(live_server: LiveServer, key: str) -> None:
+    run = ready_run(SignalClient(api_key=key, base_url=live_server.url))
+    run.optim_step()
+    save = """mutation($id: ID!, $rid: String) {
+        saveState(runId: $id, mode: STATE, name: "one", requestId: $rid) { id name step path } }"""
+    saved = [live_server.graphql(save, {"id": run.id, "rid": "save-1"}, key=key) for _ in range(2)]
+    assert "errors" not in saved[0] and saved[1] == saved[0]  # a retry, not a second save of the name
+    load = """mutation($id: ID!, $path: String!, $rid: String) {
+        loadState(runId: $id, checkpoint: $path, requestId: $rid) { step } }"""
+    variables = {"id": run.id, "path": saved[0]["data"]["saveState"]["path"], "rid": str(uuid.uuid4())}
+    run.forward_backward(batch=BATCH)
+    run.optim_step()
+    assert live_server.graphql(load, variables, key=key)["data"]["loadState"]["step"] == 1
+    run.forward_backward(batch=BATCH)
+    run.optim_step()
+    assert live_server.graphql(load, variables, key=key)["data"]["loadState"]["step"] == 1  # the first answer
+    assert run.refresh().step == 2  # and nothing loaded again

@@ -1,9 +1,10 @@
 """Signal from an installed wheel, with no checkout: the templates, static files, migrations, catalogue and the
 worker are found through the installed package (a Modal image or `pip install` has no repository).
 
-The wheel is built from this tree and installed without dependencies into a fresh venv, which borrows the
-test venv's third-party packages through a .pth line (a path, so the test venv's editable install of this
-repository is not activated there). The server runs from a directory unrelated to the checkout.
+The server's wheel and the SDK's (its own distribution, rewardsignal/pyproject.toml, which the server depends on)
+are built from this tree and installed without dependencies into a fresh venv, which borrows the test venv's
+third-party packages through a .pth line (a path, so the test venv's editable install of this repository is not
+activated there). The server runs from a directory unrelated to the checkout.
 """
 
 from __future__ import annotations
@@ -13,8 +14,6 @@ import re
 import signal
 import site
 import subprocess
-import sys
-import venv
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,39 +22,31 @@ import pytest
 
 from rewardsignal import SignalClient
 from tests.helpers.live_server import TINY_MODEL, free_port, write_catalog
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.helpers.wheels import REPO, SDK, build_wheel, fresh_venv
 
 
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A fresh venv holding the wheel of this tree; returns its python."""
+    """A fresh venv holding the wheels of this tree (the server's and the SDK's); returns its python."""
     root = tmp_path_factory.mktemp("installed")
-    subprocess.run([sys.executable, "-m", "pip", "wheel", str(REPO), "--no-deps", "--no-build-isolation", "-q",
-                    "-w", str(root / "dist")], check=True, capture_output=True, timeout=300)
-    (wheel,) = (root / "dist").glob("*.whl")
-    venv.create(root / "venv", with_pip=True)
-    python = root / "venv" / "bin" / "python"
-    # The fresh venv's own pip: the test venv's pip would uninstall the test venv's editable install first.
-    subprocess.run([str(python), "-m", "pip", "install", "--no-deps", "--no-index", "-q", str(wheel)],
-                   check=True, capture_output=True, timeout=300)
-    purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                             check=True, capture_output=True, text=True).stdout.strip()
+    wheels = [build_wheel(REPO, root / "dist"), build_wheel(SDK, root / "dist")]
+    python, purelib = fresh_venv(root / "venv", wheels)
     # Borrowed only now, so pip above saw no other copy of this project to replace.
-    Path(purelib, "borrowed.pth").write_text("\n".join(site.getsitepackages()) + "\n")
+    (purelib / "borrowed.pth").write_text("\n".join(site.getsitepackages()) + "\n")
     return python
 
 
 def test_the_installed_package_is_not_the_checkout(installed: Path, tmp_path: Path) -> None:
     where = subprocess.run(
         [str(installed), "-c", "import app, web, gpu_runtime, rewardsignal.operations as o, app.resources as r; "
-         "print(app.__file__, web.__file__, gpu_runtime.__file__, o.OPERATIONS_DIR, "
+         "print(app.__file__, web.__file__, gpu_runtime.__file__, o.__file__, o.OPERATIONS_DIR, "
          "*(r.resource_dir(n) for n in r.NAMES))"],
         cwd=tmp_path, capture_output=True, text=True, check=True, env={**os.environ, "PYTHONPATH": ""},
     ).stdout.split()
-    assert len(where) == 8
+    assert len(where) == 9
+    assert Path(where[3]).is_relative_to(installed.parents[1]), where  # the SDK's own wheel, in the fresh venv
     assert not any(Path(p).is_relative_to(REPO) for p in where), where
-    for path in where[3:]:
+    for path in where[4:]:
         assert Path(path).is_dir(), path
 
 

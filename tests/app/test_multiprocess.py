@@ -169,7 +169,7 @@ def test_calls_on_one_run_alternate_between_servers_and_apply_in_order(cluster: 
     assert [result.step for result in concurrent] == [4] * 6
     assert handles["b"].optim_step().step == 5
     assert {name: client.get_run(run.id).step for name, client in clients.items()} == {"a": 5, "b": 5}
-    assert len(clients["a"].get_run(run.id).metrics(name="loss")) == 4 + 6
+    assert len(clients["a"].get_run(run.id).metrics(name="loss:mean")) == 4 + 6
 
 
 async def test_a_subscriber_on_one_server_sees_metrics_made_through_the_other(cluster: Cluster) -> None:

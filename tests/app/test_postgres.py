@@ -27,7 +27,7 @@ def test_training_and_ownership_on_postgres(pg_server: LiveServer) -> None:
     for _ in range(3):
         losses.append(run.forward_backward(batch=[{"text": "stored in PostgreSQL"}]).loss)
         run.optim_step(learning_rate=0.01)
-    assert [m.value for m in run.metrics(name="loss")] == losses
+    assert [m.value for m in run.metrics(name="loss:mean")] == losses
     stored = client.get_run(run.id)
     assert stored.step == 3 and stored.info.created_at.endswith("+00:00")
     assert run.save_state().size_bytes > 0

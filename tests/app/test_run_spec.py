@@ -24,6 +24,8 @@ def test_defaults_are_the_contracts() -> None:
     ({"lora_alpha": 0.0}, "loraAlpha"),
     ({"lora_dropout": 1.0}, "loraDropout"),
     ({"lora_target_modules": []}, "loraTargetModules"),
+    ({"lora_target_modules": ["q_proj"], "train_unembed": True}, "loraTargetModules"),
+    ({"train_attn": False}, "trainAttn"),
     ({"learning_rate": 0.0}, "learningRate"),
     ({"learning_rate": 1.5}, "learningRate"),  # (0, 1]: the engine holds the same bound
     ({"weight_decay": -0.1}, "weightDecay"),
@@ -46,6 +48,7 @@ def test_settings_at_the_bounds_are_accepted(spec: dict) -> None:
     ("max_tokens", "maxTokens"),
     ("lora.target_modules", "loraTargetModules"),
     ("lora.r", "loraR"),
+    ("lora.train_unembed", "trainUnembed"),
     ("batch[2].output", "batch[2].output"),
     ("batch[0].messages[1].content", "batch[0].messages[1].content"),
     ("adam.learning_rate", "adam.learningRate"),

@@ -63,3 +63,22 @@ def test_a_base_model_sample_needs_no_run(live_server: LiveServer) -> None:
     assert body["data"]["sample"]["sequences"][0][0]["tokens"] == untrained["sequences"][0][0]["tokens"]
     with pytest.raises(NotFoundError):
         fresh.sample(["hi"], max_tokens=2, snapshot="nope")
+
+
+def test_a_forward_on_a_snapshot_and_deleting_its_row(live_server: LiveServer) -> None:
+    client = SignalClient(api_key=live_server.new_user(), base_url=live_server.url)
+    run = trained(client)
+    datums = [{"model_input": [1, 2, 3, 4], "loss_fn_inputs": {"target_tokens": [2, 3, 4, 5], "weights": [1, 1, 1, 1]}}]
+    at_save = run.forward(datums)
+    run.save_weights_for_sampler("frozen")
+    run.forward_backward(batch=BATCH)
+    run.optim_step(learning_rate=5e-2)
+    frozen = run.forward(datums, snapshot="frozen")
+    assert frozen["step"] == 1 and run.forward(datums)["step"] == 2
+    assert frozen["outputs"][0]["logprobs"] == pytest.approx(at_save["outputs"][0]["logprobs"], abs=1e-5)
+    row = next(c for c in run.checkpoints() if c["mode"] == "sampler")
+    assert row["path"] == f"signal://{run.id}/sampler/frozen"
+    run.delete_checkpoint(row)
+    assert run.snapshots() == []
+    with pytest.raises(NotFoundError):
+        run.forward(datums, snapshot="frozen")

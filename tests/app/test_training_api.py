@@ -81,14 +81,14 @@ def test_train_sample_save_and_read_back(live_server: LiveServer, key: str) -> N
     assert str(runtime_data_dir(live_server).resolve()) in os.path.realpath(checkpoint["checkpointPath"])
 
     read = live_server.graphql(
-        'query($id: ID!) { run(id: $id) { step createdAt metrics(name: "loss") { step value createdAt } '
+        'query($id: ID!) { run(id: $id) { step createdAt metrics(name: "loss:mean") { step value createdAt } '
         "samples { prompt output step } checkpoints { mode step checkpointPath } } }", {"id": run["id"]}, key=key)
     assert "errors" not in read, read
     stored = read["data"]["run"]
     assert stored["step"] == 4
     # Times read back from the database are UTC and say so, on SQLite as on PostgreSQL.
     assert stored["createdAt"].endswith("+00:00") and stored["metrics"][0]["createdAt"].endswith("+00:00")
-    last_two = live_server.graphql('query($id: ID!) { run(id: $id) { metrics(name: "loss", limit: 2) { step } } }',
+    last_two = live_server.graphql('query($id: ID!) { run(id: $id) { metrics(name: "loss:mean", limit: 2) { step } } }',
                                    {"id": run["id"]}, key=key)["data"]["run"]["metrics"]
     assert [m["step"] for m in last_two] == [2, 3]
     assert [m["value"] for m in stored["metrics"]] == losses

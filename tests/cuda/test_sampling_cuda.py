@@ -1,5 +1,6 @@
-"""sample() on CUDA: seeded draws repeat, results have their shape, logprobs are the model's own, co-batched decoding
-equals decoding alone, and sampling leaves the training state alone."""
+"""sample() on CUDA: seeded draws repeat, results have their shape, logprobs are the model's own (sampled and the
+prompt's, with the prefill repeated for several samples), co-batched decoding equals decoding alone, and sampling
+leaves the training state alone."""
 
 from __future__ import annotations
 
@@ -48,6 +49,21 @@ def test_logprobs_are_the_models_own_for_each_token(cuda_engine: Engine, tiny_mo
         expected = teacher_forced_logprobs(cuda_engine, run, prompt, seq["tokens"])
         error = (torch.tensor(seq["logprobs"]) - expected).abs().max().item()
         assert error <= LOGPROB_ABS, f"sampled logprobs off the model's by {error:.3g}"
+
+
+def test_repeated_prefill_and_prompt_logprobs_are_the_models_own(cuda_engine: Engine, tiny_model_dir: str) -> None:
+    # Each prompt prefilled once and its cache repeated for 3 samples; the prompt's logprobs from the chunked head.
+    run = trained(cuda_engine, tiny_model_dir, "r", seed=7)
+    result = cuda_engine.sample(run, ["The capital of France is"], max_tokens=6, num_samples=3, temperature=0.7,
+                                seed=5, prompt_logprobs=True)
+    prompt = result["prompt_tokens"][0]
+    for seq in result["sequences"][0]:
+        expected = teacher_forced_logprobs(cuda_engine, run, prompt, seq["tokens"])
+        assert (torch.tensor(seq["logprobs"]) - expected).abs().max().item() <= LOGPROB_ABS
+    scores = result["prompt_logprobs"][0]
+    assert len(scores) == len(prompt) and scores[0] is None
+    expected = teacher_forced_logprobs(cuda_engine, run, prompt[:1], prompt[1:])
+    assert (torch.tensor(scores[1:]) - expected).abs().max().item() <= LOGPROB_ABS
 
 
 def test_two_runs_decode_in_shared_passes_as_each_alone(cuda_engine: Engine, tiny_model_dir: str) -> None:

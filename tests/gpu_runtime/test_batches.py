@@ -1,4 +1,4 @@
-"""Rendering items to tokens + weights: the convention, and every bad item named by its field."""
+"""Rendering items to datums: Signal's items in Tinker's token-level form, and every bad item named by its field."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from gpu_runtime.batches import Renderer, collate
+from gpu_runtime.batches import Datum, Renderer, collate
 from gpu_runtime.errors import BadInput
+from rewardsignal import pack_datum
 
 
 @pytest.fixture(scope="module")
@@ -19,8 +20,10 @@ def renderer(tiny_model_dir: str) -> Renderer:
 
 
 def render(renderer: Renderer, item: dict[str, Any]) -> tuple[list[int], list[float]]:
-    (example,) = renderer.render_batch([item], max_batch_size=8, loss_fn="cross_entropy")
-    return example.tokens, example.weights
+    """The item as Signal's tokens + weights (weights[0] weighs nothing), from its datum."""
+    (datum,) = renderer.render_batch([item], max_batch_size=8, loss_fn="cross_entropy")
+    assert datum.weights is not None and datum.model_input[1:] == datum.targets[:-1]  # Signal's items: next token
+    return datum.model_input + datum.targets[-1:], [0.0] + datum.weights
 
 
 def test_token_items_keep_tokens_and_weights_as_given(renderer: Renderer) -> None:
@@ -53,7 +56,7 @@ def test_input_output_weighs_only_the_output_and_appends_eos(renderer: Renderer)
 def test_text_weighs_every_token_and_ends_with_eos(renderer: Renderer) -> None:
     tokens, weights = render(renderer, {"text": "hello world"})
     assert tokens == renderer.tokenizer("hello world")["input_ids"] + [renderer.tokenizer.eos_token_id]
-    assert weights == [1.0] * len(tokens)
+    assert weights == [0.0] + [1.0] * (len(tokens) - 1)  # nothing predicts the first token
 
 
 @pytest.mark.parametrize("key", ["input", "output"])
@@ -96,10 +99,21 @@ BAD_ITEMS: list[tuple[Any, str]] = [
     ({"tokens": [1, -1]}, "batch[0].tokens"),
     ({"tokens": [1, 2], "weights": [1]}, "batch[0].weights"),
     ({"tokens": [1, 2], "weights": [0, "x"]}, "batch[0].weights"),
-    ({"tokens": [1, 2], "weights": [0, -1]}, "batch[0].weights"),
-    ({"tokens": [1, 2], "weights": [1, 0]}, "batch[0]"),  # zero target tokens: weights[0] is ignored
     ({"tokens": [1, 2], "weights": [0, 1], "logprobs": [0, 0]}, "batch[0].logprobs"),
     ({"tokens": [1] * 300}, "batch[0]"),  # longer than the context (256)
+    # Tinker's datums
+    ({"model_input": [1, 2], "loss_fn_inputs": {"target_tokens": [[2, 3], [3, 4]]}}, "batch[0].loss_fn_inputs.target_tokens"),
+    ({"model_input": [1, {"type": "image", "data": "AA==", "format": "png"}], "loss_fn_inputs": {"target_tokens": [2, 3]}},
+     "batch[0].model_input[1]"),
+    ({"model_input": [1, 2], "loss_fn_inputs": {"target_tokens": [2]}}, "batch[0].loss_fn_inputs.target_tokens"),
+    ({"model_input": [1, 2], "loss_fn_inputs": {"target_tokens": [2, 3], "weights": [1]}},
+     "batch[0].loss_fn_inputs.weights"),
+    ({"model_input": [1, 2], "loss_fn_inputs": {"target_tokens": [2, 10**6]}}, "batch[0].loss_fn_inputs.target_tokens"),
+    ({"model_input": [1, 10**6], "loss_fn_inputs": {"target_tokens": [2, 3]}}, "batch[0].model_input"),
+    ({"model_input": [1, 2], "loss_fn_inputs": {"target_tokens": [2, 3], "mask": [1, 1]}}, "batch[0].loss_fn_inputs.mask"),
+    ({"model_input": [1, 2], "loss_fn_inputs": {}}, "batch[0].loss_fn_inputs.target_tokens"),
+    ({"model_input": [], "loss_fn_inputs": {"target_tokens": []}}, "batch[0].model_input"),
+    ({"model_input": [1, 2], "target_tokens": [2, 3]}, "batch[0].target_tokens"),
 ]
 
 
@@ -128,3 +142,67 @@ def test_batch_larger_than_max_batch_size(renderer: Renderer) -> None:
         renderer.render_batch([{"text": "a"}] * 3, max_batch_size=2, loss_fn="cross_entropy")
     assert caught.value.field == "batch"
     assert "at most 2" in caught.value.message
+
+
+@pytest.mark.parametrize("item", [
+    {"tokens": [1, 2, 3], "weights": [0, 0, 0]},  # every weight 0
+    {"tokens": [1, 2], "weights": [1, 0]},  # weights[0] weighs nothing, so no target counts
+    {"model_input": [1, 2], "loss_fn_inputs": {"target_tokens": [0, 0], "weights": [0.0, 0.0]}},
+], ids=["all-zero", "first-only", "datum"])
+def test_a_datum_that_weighs_nothing_is_accepted_and_counts_no_target(renderer: Renderer, item: dict[str, Any]) -> None:
+    # Refused before issue 15 (a GRPO group with equal rewards has every advantage 0): now it contributes nothing.
+    (datum,) = renderer.render_batch([item], 8, "cross_entropy")
+    assert datum.num_targets == 0
+
+
+def test_a_datum_keeps_its_targets_as_given_unshifted(renderer: Renderer) -> None:
+    # rl_loop's shape: the prompt's targets are 0, not the next input token.
+    item = {"model_input": [5, 6, 7], "loss_fn_inputs": {"target_tokens": [0, 0, 9], "weights": [0, -0.5, 2.5],
+                                                         "clip_low_threshold": [0.5, 0.5, 0.5]}}
+    (datum,) = renderer.render_batch([item], 8, "cross_entropy")
+    assert (datum.model_input, datum.targets, datum.weights) == ([5, 6, 7], [0, 0, 9], [0.0, -0.5, 2.5])
+    assert datum.to_dict() == item | {"loss_fn_inputs": {**item["loss_fn_inputs"], "weights": [0.0, -0.5, 2.5]}}
+    data = collate([datum], torch.device("cpu"))
+    assert data.input_ids.tolist() == [[5, 6, 7]] and data.targets.tolist() == [[0, 0, 9]]
+
+
+@pytest.mark.parametrize("loss_fn", ["importance_sampling", "ppo", "cispo", "dro"])
+@pytest.mark.parametrize("missing", ["advantages", "logprobs"])
+def test_rl_losses_need_advantages_and_logprobs(renderer: Renderer, loss_fn: str, missing: str) -> None:
+    inputs = {"target_tokens": [2, 3], "advantages": [0.0, 1.0], "logprobs": [-1.0, -2.0]}
+    del inputs[missing]
+    with pytest.raises(BadInput) as caught:
+        renderer.render_batch([{"model_input": [1, 2], "loss_fn_inputs": inputs}], 8, loss_fn)
+    assert caught.value.field == f"batch[0].loss_fn_inputs.{missing}"
+
+
+def test_an_old_journal_example_renders_shifted() -> None:
+    datum = Datum.from_record({"tokens": [5, 6, 7], "weights": [9.0, 1.0, 0.5], "extras": {"advantages": [1, 2, 3]}})
+    assert (datum.model_input, datum.targets, datum.weights) == ([5, 6], [6, 7], [1.0, 0.5])
+    assert datum.inputs == {"advantages": [2, 3]}
+
+
+PACKABLE = {"model_input": [5, 6, 7], "loss_fn_inputs": {"target_tokens": [0, 8, 9], "weights": [0.0, -0.5, 2.25],
+                                                          "advantages": [0.0, 1.5, -1.0], "logprobs": [0.0, -2.5, -0.125]}}
+
+
+def test_a_packed_datum_renders_as_the_datum_itself(renderer: Renderer) -> None:
+    packed = pack_datum(PACKABLE)
+    assert set(packed["packed"]) == {"model_input", "target_tokens", "weights", "advantages", "logprobs"}
+    assert all(isinstance(v, str) for v in packed["packed"].values())
+    (got,) = renderer.render_batch([packed], 8, "importance_sampling")
+    (expected,) = renderer.render_batch([PACKABLE], 8, "importance_sampling")
+    assert got == expected  # these floats are exact in float32
+
+
+@pytest.mark.parametrize(("packed", "field"), [
+    ({"model_input": "!!", "target_tokens": "AAAAAA=="}, "batch[0].packed.model_input"),
+    ({"model_input": "AAAA", "target_tokens": "AAAAAA=="}, "batch[0].packed.model_input"),  # 3 bytes
+    ({"model_input": "AQAAAA==", "target_tokens": "AQAAAAIAAAA="}, "batch[0].packed.target_tokens"),  # 1 vs 2
+    ({"model_input": "AQAAAA==", "target_tokens": "AAAAAA==", "mask": "AAAAAA=="}, "batch[0].packed.mask"),
+    ({"model_input": "////fw==", "target_tokens": "AAAAAA=="}, "batch[0].packed.model_input"),  # 2**31 - 1
+], ids=["base64", "width", "lengths", "unknown", "vocabulary"])
+def test_bad_packed_datums_name_their_field(renderer: Renderer, packed: dict[str, str], field: str) -> None:
+    with pytest.raises(BadInput) as caught:
+        renderer.render_batch([{"packed": packed}], 8, "cross_entropy")
+    assert caught.value.field == field

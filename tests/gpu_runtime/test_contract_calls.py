@@ -18,6 +18,8 @@ from gpu_runtime.runtime_client import RuntimeClient
 EXAMPLES: dict[Method, dict[str, Any]] = {
     Method.CREATE_RUN: {"run_id": "r1", "user_id": "u1", "base_model": "m", "lora": {"r": 4}, "seed": 3},
     Method.FORWARD_BACKWARD: {"run_id": "r1", "batch": [{"text": "hi"}], "request_id": "a"},
+    Method.FORWARD: {"base_model": "m", "user_id": "u1", "batch": [{"text": "hi"}], "loss_fn": "cross_entropy"},
+    Method.RENDER_DATUMS: {"run_id": "r1", "batch": [{"text": "hi"}]},
     Method.OPTIM_STEP: {"run_id": "r1", "adam": {"learning_rate": 0.01}},
     Method.SAMPLE: {"run_id": "r1", "prompts": ["hi"], "max_tokens": 3, "stop": ["x"]},
     Method.SAVE_STATE: {"run_id": "r1", "mode": "state"},
@@ -27,8 +29,12 @@ EXAMPLES: dict[Method, dict[str, Any]] = {
     Method.CLOSE_RUN: {"run_id": "r1"},
     Method.DELETE_RUN: {"run_id": "r1"},
     Method.EXPORT_CHECKPOINT: {"run_id": "r1", "mode": "adapter", "step": 2},
+    Method.LOAD_STATE: {"run_id": "r1", "checkpoint": "signal://r0/state/final", "with_optimizer": False,
+                        "request_id": "b"},
+    Method.DELETE_CHECKPOINT: {"run_id": "r1", "mode": "sampler", "name": "final"},
     Method.PING: {},
     Method.RUNTIME_STATE: {},
+    Method.TOKENIZER: {"base_model": "m"},
 }
 
 
@@ -53,6 +59,11 @@ def test_a_request_crosses_as_data_and_comes_back_equal(method: Method) -> None:
     ("forward_backward", {"run_id": "r1", "batch": [{"text": "a"}], "request_id": "x" * 129}, "request_id"),
     ("forward_backward", {"run_id": "r1", "batch": [{"text": "a"}], "request_id": "tab\there"}, "request_id"),
     ("sample", {"run_id": "r1", "prompts": ["ok", "a\ud800"]}, "prompts[1]"),
+    ("sample", {"run_id": "r1", "prompt_tokens": [[1], [2, "3"]]}, "prompt_tokens[1]"),
+    ("sample", {"run_id": "r1", "prompts": ["ok"], "stop": [1, "x"]}, "stop"),
+    ("tokenizer", {}, "base_model"),
+    ("tokenizer", {"base_model": "m", "run_id": "r1"}, "base_model"),
+    ("tokenizer", {"run_id": "../r1"}, "run_id"),
     ("forward_backward", {"run_id": "r1", "batch": [{"input": "ok", "output": "b\udfff"}]}, "batch[0].output"),
     ("forward_backward", {"run_id": "r1", "batch": [{"messages": [{"role": "user", "content": "\ud800"}]}]},
      "batch[0].messages[0].content"),
@@ -67,6 +78,14 @@ def test_a_request_crosses_as_data_and_comes_back_equal(method: Method) -> None:
     ("sample", {"run_id": "r1", "prompts": ["hi"], "snapshot": "s", "checkpoint": "c"}, "checkpoint"),
     ("sample", {"run_id": "r1", "prompts": ["hi"], "snapshot": "a/b"}, "snapshot"),
     ("export_checkpoint", {"run_id": "r1", "mode": "sampler", "step": 0}, "name"),
+    ("save_state", {"run_id": "r1", "name": "../up"}, "name"),
+    ("save_state", {"run_id": "r1", "mode": "merged", "with_optimizer": True}, "with_optimizer"),
+    ("load_state", {"run_id": "r1", "checkpoint": "signal://r0/weights"}, "checkpoint"),
+    ("load_state", {"run_id": "r1", "checkpoint": "signal://r0/merged/final"}, "checkpoint"),
+    ("load_state", {"run_id": "r1", "checkpoint": "signal://../state/final"}, "checkpoint"),
+    ("create_run", {"run_id": "r1", "user_id": "u1", "base_model": "m", "from_checkpoint": "final"},
+     "from_checkpoint"),
+    ("delete_checkpoint", {"run_id": "r1", "mode": "weights", "name": "final"}, "mode"),
     ("create_run", {"run_id": "r1", "user_id": "u1", "base_model": "m", "seed": -1}, "seed"),
     ("create_run", {"run_id": "r1", "user_id": "u1", "base_model": "m", "lora": {"r": 0}}, "lora.r"),
 ])

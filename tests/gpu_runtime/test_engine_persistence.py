@@ -140,7 +140,8 @@ def test_state_mode_holds_adapter_and_optimizer(engine: Engine, tiny_run: str) -
     train(engine, tiny_run, steps=1)
     saved = engine.save_state(tiny_run, "state")
     names = sorted(p.name for p in Path(saved["checkpoint_path"]).iterdir())
-    assert names == ["adapter_config.json", "adapter_model.safetensors", "config.json", "optimizer_state.pt"]
+    assert names == ["adapter_config.json", "adapter_model.safetensors", "checkpoint.json", "config.json",
+                     "optimizer_state.pt"]
     payload = torch.load(Path(saved["checkpoint_path"]) / "optimizer_state.pt", weights_only=True)
     assert payload["step"] == 1 and payload["optimizer"]["state"]
 

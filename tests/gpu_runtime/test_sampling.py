@@ -79,11 +79,24 @@ BAD: list[tuple[dict[str, Any], str]] = [
     ({"temperature": -0.1}, "temperature"),
     ({"top_p": 0}, "top_p"),
     ({"top_p": 1.5}, "top_p"),
-    ({"top_k": -1}, "top_k"),
+    ({"top_k": -2}, "top_k"),  # -1, like 0, means off (Tinker's spelling)
     ({"num_samples": 0}, "num_samples"),
     ({"num_samples": 17}, "num_samples"),
     ({"stop": [""]}, "stop"),
     ({"stop": 5}, "stop"),
+    ({"stop": ["a", 3]}, "stop"),  # strings and token ids mixed
+    ({"stop": [3, -1]}, "stop"),
+    ({"stop": [49152]}, "stop"),  # outside the vocabulary
+    ({"stop": [True]}, "stop"),
+    ({"prompts": None, "prompt_tokens": [[1, 2], [3, 49152]]}, "prompt_tokens[1]"),
+    ({"prompts": None, "prompt_tokens": [[1, 2], []]}, "prompt_tokens[1]"),
+    ({"prompts": None, "prompt_tokens": [[1, -2]]}, "prompt_tokens[0]"),
+    ({"prompts": None, "prompt_tokens": []}, "prompt_tokens"),
+    ({"prompts": None, "prompt_tokens": None}, "prompts"),
+    ({"prompt_tokens": [[1, 2]]}, "prompts"),  # both
+    ({"prompt_logprobs": 1}, "prompt_logprobs"),
+    ({"topk_prompt_logprobs": -1}, "topk_prompt_logprobs"),
+    ({"topk_sample_logprobs": 21}, "topk_sample_logprobs"),
     ({"seed": -1}, "seed"),
     ({"prompts": ["word " * 300]}, "prompts[0]"),
 ]

@@ -156,3 +156,57 @@ def test_a_snapshot_being_sampled_is_never_evicted_and_its_run_cannot_be_deleted
     assert engine.delete_run("run-a")["deleted"]
     with pytest.raises(RunNotFound):  # the run is gone, and its snapshots with it
         greedy(engine, "run-a", "s")
+
+
+def test_a_forward_on_a_snapshot_reads_its_frozen_weights(engine: Engine, tiny_run: str) -> None:
+    train(engine, tiny_run, steps=2, lr=5e-2)
+    at_save = engine.forward(BATCH, tiny_run)
+    saved = engine.save_weights_for_sampler(tiny_run, "frozen")
+    assert Path(saved["path"]).parts[-3:] == ("checkpoints", "sampler", "frozen")  # where checkpoints of its kind live
+    train(engine, tiny_run, steps=3, lr=5e-2)
+    moved = engine.forward(BATCH, tiny_run)
+    frozen = engine.forward(BATCH, tiny_run, snapshot="frozen")
+    assert frozen["step"] == 2 and moved["step"] == 5
+    assert frozen["loss"] == pytest.approx(at_save["loss"], abs=1e-5)
+    assert moved["loss"] != pytest.approx(at_save["loss"], abs=1e-3)
+    for mine, theirs in zip(frozen["outputs"], at_save["outputs"]):
+        assert mine["logprobs"] == pytest.approx(theirs["logprobs"], abs=1e-5)
+
+
+def test_a_forward_sent_with_its_save_waits_for_the_save(engine: Engine, tiny_run: str) -> None:
+    train(engine, tiny_run, steps=1)
+    save = submit(engine, "save_weights_for_sampler", run_id=tiny_run, name="next")
+    forward = submit(engine, "forward", run_id=tiny_run, snapshot="next", batch=BATCH)
+    pump_until(engine, forward)
+    assert result_of(save)["name"] == "next"
+    assert result_of(forward)["step"] == 1 and result_of(forward)["num_examples"] == len(BATCH)
+
+
+def test_deleting_a_sampler_checkpoint_deletes_the_snapshot_unless_it_is_sampled(tmp_path: Path,
+                                                                                 tiny_model_dir: str) -> None:
+    engine = Engine(tmp_path / "data", device="cpu", decode_chunk_seconds=1e-4)
+    engine.create_run("run-a", "user-1", tiny_model_dir, {"r": 4, "alpha": 8}, seed=1)
+    path = Path(engine.save_weights_for_sampler("run-a", "s")["path"])
+    sample = submit(engine, "sample", run_id="run-a", snapshot="s", prompts=["hello"], max_tokens=30,
+                    temperature=1.0, seed=2)
+    engine.tick()
+    with pytest.raises(FailedPrecondition) as refused:
+        engine.call("delete_checkpoint", run_id="run-a", mode="sampler", name="s")
+    assert refused.value.field == "snapshot" and path.is_dir()
+    pump_until(engine, sample)
+    deleted = engine.call("delete_checkpoint", run_id="run-a", mode="sampler", name="s")
+    assert deleted == {"run_id": "run-a", "mode": "sampler", "name": "s", "deleted": True}
+    assert not path.exists() and "run-a@s" not in engine.snapshots.entries
+    with pytest.raises(NotFound) as missing:
+        greedy(engine, "run-a", "s")
+    assert missing.value.field == "snapshot"
+
+
+def test_deleting_an_unnamed_snapshots_row_drops_it_from_memory(engine: Engine, tiny_run: str) -> None:
+    name = engine.save_weights_for_sampler(tiny_run)["name"]
+    assert f"{tiny_run}@{name}" in engine.snapshots.entries
+    engine.call("delete_checkpoint", run_id=tiny_run, mode="sampler", name=name)
+    assert f"{tiny_run}@{name}" not in engine.snapshots.entries
+    with pytest.raises(NotFound) as again:
+        engine.call("delete_checkpoint", run_id=tiny_run, mode="sampler", name=name)
+    assert again.value.field == "name"

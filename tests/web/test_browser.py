@@ -110,6 +110,39 @@ def test_train_watch_sample_download_revoke(page: Page, live_server: LiveServer,
         client.list_runs()
 
 
+def test_the_run_page_lists_names_and_deletes_checkpoints(page: Page, live_server: LiveServer) -> None:
+    email = "checkpoints@example.com"
+    client = SignalClient(api_key=api_key_for(live_server, email), base_url=live_server.url)
+    run = client.create_run(lora_r=4, seed=1)
+    run.forward_backward(batch=BATCH)
+    run.optim_step()
+    sign_in(page, live_server, email)
+    page.goto(f"{live_server.url}/runs/{run.id}")
+
+    page.select_option("select[name=mode]", "state")
+    page.fill("input[name=name]", "final")
+    page.get_by_role("button", name="Save now").click()
+    row = page.locator("#checkpoints tr[data-checkpoint='state/final']")
+    expect(row.locator("code")).to_have_text("final")
+    expect(row.locator("code")).to_have_attribute("title", f"signal://{run.id}/state/final: what load_state and "
+                                                          "create_run(from_checkpoint=…) take")
+    expect(row).to_contain_text("state")
+    page.get_by_role("button", name="Save now").click()  # the same name and kind again: refused, shown
+    expect(page.locator(".toast.error")).to_contain_text("already has a state checkpoint named 'final'")
+    page.select_option("select[name=mode]", "adapter")
+    page.get_by_role("button", name="Save now").click()  # the same name, another kind
+    expect(page.locator("#checkpoints tbody tr")).to_have_count(2)
+    shot(page, "run-checkpoints")
+
+    (saved,) = [c for c in run.checkpoints() if c.mode == "state"]
+    page.once("dialog", lambda dialog: dialog.accept())
+    row.get_by_role("button", name="Delete").click()
+    expect(page.locator("#checkpoints tbody tr")).to_have_count(1)
+    expect(page.locator("#checkpoints tr[data-checkpoint='adapter/final']")).to_have_count(1)
+    assert [(c.mode, c.name) for c in run.checkpoints()] == [("adapter", "final")]
+    assert not Path(saved.checkpoint_path).exists()
+
+
 def test_error_and_loading_states(page: Page, live_server: LiveServer) -> None:
     sign_in(page, live_server, "states@example.com")
     page.goto(f"{live_server.url}/runs/{'0' * 32}")

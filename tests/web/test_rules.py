@@ -115,13 +115,13 @@ def test_event_stream_resumes_after_last_event_id_without_duplicates(live_server
     with viewer.client.stream("GET", f"/runs/{run.id}/events") as response:
         assert response.headers["content-type"].startswith("text/event-stream")
         first_id, rows = next(metric_events(response))
-    assert [row["name"] for row in rows] == ["loss", "num_tokens", "num_examples", "grad_norm", "learning_rate"]
+    assert [row["name"] for row in rows] == ["loss:mean", "num_tokens", "num_examples", "grad_norm", "learning_rate"]
     assert first_id == rows[-1]["id"]
 
     run.forward_backward(batch=BATCH)  # written while nobody listens
     with viewer.client.stream("GET", f"/runs/{run.id}/events", headers={"Last-Event-ID": str(first_id)}) as response:
         second_id, rows = next(metric_events(response))
-    assert [row["name"] for row in rows] == ["loss", "num_tokens", "num_examples"]
+    assert [row["name"] for row in rows] == ["loss:mean", "num_tokens", "num_examples"]
     assert min(row["id"] for row in rows) > first_id and second_id == rows[-1]["id"]
 
 

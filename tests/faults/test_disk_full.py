@@ -1,0 +1,71 @@
+"""A journal write that fails on a full disk (the failpoint enospc_journal raises ENOSPC at the fsync of any call
+whose request id starts with "enospc") answers RESOURCE_EXHAUSTED, resource disk, and the runtime stays up. The
+failed call is never applied, not in memory (the run is dropped and restored) and not after a restart; calls
+acknowledged around it survive a restore. Below the free-space margin, writing calls are refused at submit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from gpu_runtime.engine import Engine
+from gpu_runtime.errors import ResourceExhausted
+from tests.helpers.engine_tools import assert_same_weights, lora_weights
+
+BATCH = [{"text": "The quick brown fox jumps over the lazy dog."}]
+OTHER = [{"input": "Q: What is 2 + 2?\nA:", "output": " 4"}]
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> None:
+    torch.set_num_threads(1)  # bitwise comparisons across engines
+
+
+def reference(tmp_path: Path, model: str) -> dict[str, torch.Tensor]:
+    """The same run without the failed calls."""
+    engine = Engine(tmp_path / "reference", device="cpu")
+    engine.create_run("r", "u", model, lora={"r": 4}, seed=3)
+    engine.forward_backward("r", BATCH)
+    engine.optim_step("r")
+    engine.forward_backward("r", OTHER)
+    engine.optim_step("r")
+    return lora_weights(engine, "r")
+
+
+@pytest.mark.parametrize("failing", ["forward_backward", "optim_step"])
+def test_a_call_whose_journal_write_fails_is_never_applied(tmp_path: Path, tiny_model_dir: str, failing: str,
+                                                           capfd: pytest.CaptureFixture[str]) -> None:
+    engine = Engine(tmp_path / "data", device="cpu", faults={"enospc_journal"})
+    engine.create_run("r", "u", tiny_model_dir, lora={"r": 4}, seed=3)
+    engine.forward_backward("r", BATCH, request_id="a1")
+    assert engine.optim_step("r", request_id="a2")["step"] == 1
+    engine.forward_backward("r", OTHER, request_id="a3")
+    with pytest.raises(ResourceExhausted) as refused:
+        if failing == "forward_backward":
+            engine.forward_backward("r", BATCH, request_id="enospc-1")
+        else:
+            engine.optim_step("r", request_id="enospc-1")
+    assert refused.value.details == {"resource": "disk"} and "disk is full" in refused.value.message
+    assert str(tmp_path) not in refused.value.message  # the path goes to the log only
+    assert "disk full under" in capfd.readouterr().err
+    assert "r" not in engine.runs  # dropped unsaved: memory held the failed call
+
+    # The runtime goes on; a3's gradients (acknowledged) survived the drop, the failed call's did not.
+    assert engine.optim_step("r", request_id="a4")["step"] == 2
+    assert_same_weights(lora_weights(engine, "r"), reference(tmp_path, tiny_model_dir))
+    engine.shutdown()
+
+    restarted = Engine(tmp_path / "data", device="cpu")  # and after a restart, from snapshot + journal
+    assert_same_weights(lora_weights(restarted, "r"), reference(tmp_path / "again", tiny_model_dir))
+
+
+def test_writing_calls_are_refused_below_the_free_space_margin(tmp_path: Path, tiny_model_dir: str) -> None:
+    engine = Engine(tmp_path / "data", device="cpu")
+    engine.create_run("r", "u", tiny_model_dir, lora={"r": 4})
+    tight = Engine(tmp_path / "data", device="cpu", min_free_disk_bytes=2**62)  # more than any disk has free
+    with pytest.raises(ResourceExhausted) as refused:
+        tight.forward_backward("r", BATCH)
+    assert refused.value.details == {"resource": "disk"}
+    assert tight.sample("r", ["Hello"], max_tokens=2)["sequences"]  # sampling goes on
