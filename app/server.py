@@ -12,10 +12,12 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse
-from starlette.routing import Route, WebSocketRoute
+from starlette.routing import Mount, Route, WebSocketRoute
+from starlette.types import ASGIApp
 
 from app.backends import Backend, check_backend
 from app.errors import PayloadTooLarge
+from app.openai import OpenAIBodyLimit, openai_app
 from app.schema import schema
 from app.server_url import forget, record
 from app.services import Services
@@ -63,13 +65,22 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None,
         Route("/healthz", healthz),
         Route("/graphql", graphql_app, methods=["GET", "POST"]),
         WebSocketRoute("/graphql", graphql_app),
+        Mount("/v1", app=openai_app()),  # OpenAI-compatible (docs/OPENAI.md)
         *dashboard_routes(),
     ]
     # Starlette refuses bodies over max_body_size with 413 before anything parses them.
-    app = Starlette(routes=routes, lifespan=lifespan, max_body_size=settings.max_request_bytes,
+    app = SignalApp(routes=routes, lifespan=lifespan, max_body_size=settings.max_request_bytes,
                     exception_handlers={413: payload_too_large}, middleware=dashboard_middleware(settings))
     app.state.settings = settings
     return app
+
+
+class SignalApp(Starlette):
+    """Starlette with /v1's declared-too-large bodies answered in OpenAI's shape, outside Starlette's body limit."""
+
+    def build_middleware_stack(self) -> ASGIApp:
+        stack = super().build_middleware_stack()
+        return OpenAIBodyLimit(stack, self.max_body_size) if self.max_body_size is not None else stack
 
 
 async def _announce(services: Services) -> None:
@@ -97,6 +108,10 @@ async def payload_too_large(request: Request, exc: Exception) -> JSONResponse:
     # Content-Length is over the limit gets Starlette's own text 413 instead: it answers those itself.)
     limit = request.app.state.settings.max_request_bytes
     detail = exc.detail if isinstance(exc, HTTPException) else "Content Too Large"
+    if request.url.path.startswith("/v1/"):  # OpenAI's clients read OpenAI's error shape
+        return JSONResponse({"error": {"message": f"{detail}: the request body is over {limit} bytes",
+                                       "type": "invalid_request_error", "param": None, "code": "request_too_large"}},
+                            status_code=PayloadTooLarge.status)
     return JSONResponse({"errors": [{"message": f"{detail}: the request body is over {limit} bytes",
                                      "extensions": {"code": PayloadTooLarge.code}}]},
                         status_code=PayloadTooLarge.status)

@@ -47,6 +47,7 @@ from gpu_runtime.contract import (
     LoadState,
     OptimStep,
     Ping,
+    RenderChat,
     RenderDatums,
     RunInfo,
     RuntimeOptions,
@@ -124,6 +125,8 @@ class Engine:
             Ping: lambda c: self.control.ping(),
             RuntimeState: lambda c: self.control.runtime_state(),
             Tokenizer: lambda c: self.sampling.tokenizer(
+                c, self.recovery.state(c.run_id) if c.run_id is not None else None).to_dict(),
+            RenderChat: lambda c: self.sampling.render_chat(
                 c, self.recovery.state(c.run_id) if c.run_id is not None else None).to_dict(),
         }
 

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from typing import cast
 
 import torch
 
-from gpu_runtime.contract import Sample, SampleResult, Tokenizer, TokenizerResult
+from gpu_runtime.contract import RenderChat, RenderChatResult, Sample, SampleResult, Tokenizer, TokenizerResult
 from gpu_runtime.decoding import DecodeGroup, SampleJob
 from gpu_runtime.errors import BadInput, SignalError
 from gpu_runtime.pool import BaseEntry
@@ -77,6 +78,25 @@ class Sampling:
                                eos_token_ids=sorted(eos_ids(entry)), bos_token_id=tokenizer.bos_token_id,
                                pad_token_id=tokenizer.pad_token_id,
                                chat_template=template if isinstance(template, str) else None)
+
+    def render_chat(self, call: RenderChat, state: RunState | None) -> RenderChatResult:
+        """Messages through the chat template as ids (tokenize=True: the template's own BOS, once), ids as text."""
+        entry = self.shared.entry(state) if state is not None else self.shared.residency.base(str(call.base_model), None)
+        tokenizer = entry.base.tokenizer
+        ids = None
+        if call.messages is not None:
+            if not isinstance(getattr(tokenizer, "chat_template", None), str):
+                raise BadInput("this model has no chat template: use /v1/completions with a prompt", field="messages")
+            rendered = tokenizer.apply_chat_template(call.messages, tokenize=True, add_generation_prompt=True,
+                                                     return_dict=False)
+            ids = [int(t) for t in cast(list[int], rendered)]  # tokenize=True, one conversation: its ids
+        texts = None if call.prompts is None else [list(tokenizer(p, add_special_tokens=True)["input_ids"])
+                                                    for p in call.prompts]  # as prepare() tokenises a text prompt
+        vocab = entry.renderer.vocab_size
+        pieces = [cast(str, tokenizer.decode([t], skip_special_tokens=True)) if t < vocab else ""  # one id in, one str
+                  for t in call.decode or []]
+        return RenderChatResult(prompt_tokens=ids, prompts_tokens=texts, pieces=pieces, context_length=entry.renderer.max_length,
+                                eos_token_ids=sorted(eos_ids(entry)))
 
     def start(self, entry: BaseEntry, jobs: list[SampleJob]) -> None:
         for job in jobs:

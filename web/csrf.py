@@ -1,7 +1,7 @@
 """Refuses any state-changing dashboard request without the session's CSRF token (header X-CSRF-Token).
 
-A middleware rather than a per-handler check, so a new route cannot forget it. /graphql is exempt: it
-authenticates with a bearer API key, never the cookie, so a forged cross-site request carries no credentials.
+A middleware rather than a per-handler check, so a new route cannot forget it. /graphql and /v1/ are exempt:
+they authenticate with a bearer API key, never the cookie, so a forged cross-site request carries no credentials.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from web.session import csrf_ok
 
 SAFE_METHODS = {"GET", "HEAD", "OPTIONS"}
-EXEMPT_PREFIXES = ("/graphql",)
+EXEMPT_PREFIXES = ("/graphql", "/v1/")  # both authenticate by API key only, never the cookie
 
 
 class CSRFMiddleware:

@@ -57,6 +57,7 @@ class Method(enum.StrEnum):
     PING = "ping"
     RUNTIME_STATE = "runtime_state"
     TOKENIZER = "tokenizer"
+    RENDER_CHAT = "render_chat"
 
 
 R = TypeVar("R", bound="Call")
@@ -297,6 +298,45 @@ class SaveWeightsForSampler(RunCall):
 
 
 @dataclass(frozen=True, kw_only=True)
+class RenderChat(Call):
+    """The tokenizer's text work for a client that has none (the OpenAI endpoint): `messages` rendered with the
+    model's chat template and the generation prompt, as token ids (rendering to text and tokenising again would
+    double BOS), `prompts` tokenised as sample would, and the ids in `decode` as text, one token each. On a run's base (`run_id`) or on `base_model`.
+    A call on no run's queue, like `tokenizer`."""
+
+    method = Method.RENDER_CHAT
+    base_model: str | None = None
+    run_id: str | None = None
+    messages: list[dict[str, str]] | None = None  # [{role, content}], content already text
+    prompts: list[str] | None = None  # plain text, tokenised as sample tokenises a text prompt (with BOS)
+    decode: list[int] | None = None
+
+    def validate(self) -> None:
+        if (self.base_model is None) == (self.run_id is None):
+            raise BadInput("give exactly one of base_model or run_id", field="base_model")
+        if self.run_id is not None:
+            check_id(self.run_id, "run_id")
+        elif not isinstance(self.base_model, str) or not self.base_model:
+            raise BadInput("base_model must be a model name or path", field="base_model")
+        if self.messages is not None:
+            if not isinstance(self.messages, list) or not self.messages:
+                raise BadInput("messages must be a non-empty list", field="messages")
+            for i, message in enumerate(self.messages):
+                if (not isinstance(message, dict) or set(message) != {"role", "content"}
+                        or not all(isinstance(v, str) for v in message.values())):
+                    raise BadInput(f"messages[{i}] must be {{role, content}} with text values", field=f"messages[{i}]")
+        if self.prompts is not None:
+            sampling_prompts(self.prompts, None)
+        if self.decode is not None and (not isinstance(self.decode, list) or any(
+                isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.decode)):
+            raise BadInput("decode must be a list of token ids", field="decode")
+
+    @property
+    def run(self) -> str | None:
+        return None  # reads the run's base, never its state: it waits on no run's calls
+
+
+@dataclass(frozen=True, kw_only=True)
 class SaveState(RunCall):
     method = Method.SAVE_STATE
     mode: str = SAVE_MODES[0]
@@ -412,8 +452,9 @@ class RuntimeState(Call):
 
 CALLS: dict[Method, type[Call]] = {cls.method: cls for cls in (
     CreateRun, ForwardBackward, Forward, RenderDatums, OptimStep, Sample, SaveState, LoadRun, RunInfo, CloseRun,
-    DeleteRun, ExportCheckpoint, LoadState, DeleteCheckpoint, SaveWeightsForSampler, Ping, RuntimeState, Tokenizer)}
-SYSTEM_CALLS = (Ping, RuntimeState, Tokenizer)  # calls on no run: answered first, at the next tick
+    DeleteRun, ExportCheckpoint, LoadState, DeleteCheckpoint, SaveWeightsForSampler, Ping, RuntimeState, Tokenizer,
+    RenderChat)}
+SYSTEM_CALLS = (Ping, RuntimeState, Tokenizer, RenderChat)  # calls on no run: answered first, at the next tick
 
 
 def check_weights_source(call: Any) -> None:

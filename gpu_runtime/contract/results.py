@@ -109,6 +109,17 @@ class TokenizerResult(Result):
 
 
 @dataclass(frozen=True, kw_only=True)
+class RenderChatResult(Result):
+    """render_chat: the rendered prompt's ids (None without messages), the text prompts' ids, each `decode` id's text, the context."""
+
+    prompt_tokens: list[int] | None
+    prompts_tokens: list[list[int]] | None  # `prompts`' ids
+    pieces: list[str]
+    context_length: int  # prompt + generated tokens fit in this many
+    eos_token_ids: list[int]
+
+
+@dataclass(frozen=True, kw_only=True)
 class SaveStateResult(Result):
     checkpoint_path: str
     mode: str

@@ -5,6 +5,7 @@ acknowledged around it survive a restore. Below the free-space margin, writing c
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,8 +20,11 @@ OTHER = [{"input": "Q: What is 2 + 2?\nA:", "output": " 4"}]
 
 
 @pytest.fixture(autouse=True)
-def one_thread() -> None:
+def one_thread() -> Iterator[None]:
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)  # bitwise comparisons across engines
+    yield
+    torch.set_num_threads(threads)  # later tests compare in-process results with workers' (default threads)
 
 
 def reference(tmp_path: Path, model: str) -> dict[str, torch.Tensor]:

@@ -35,6 +35,7 @@ EXAMPLES: dict[Method, dict[str, Any]] = {
     Method.PING: {},
     Method.RUNTIME_STATE: {},
     Method.TOKENIZER: {"base_model": "m"},
+    Method.RENDER_CHAT: {"run_id": "r1", "messages": [{"role": "user", "content": "hi"}], "decode": [1, 2]},
 }
 
 

@@ -1,0 +1,206 @@
+"""A /v1 request body checked into what one `sample` needs. Every refusal is a 400 naming the parameter.
+
+Parameters are refused only when their value asks for something Signal does not do (tools, a response format,
+penalties, logit bias); null values, `user`, `metadata` and `store` are accepted and change nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from app.openai.errors import bad
+from gpu_runtime.contract import MAX_SAMPLES, MAX_TOKENS_LIMIT, MAX_TOPK_LOGPROBS
+
+MAX_COMPLETION_LOGPROBS = 5  # the legacy completions API's bound
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+@dataclass
+class Request:
+    """One /v1 completion or chat request, checked. `prompts` or `messages` is set (not both)."""
+
+    model: str
+    chat: bool
+    prompts: list[str] | list[list[int]] | None = None
+    messages: list[dict[str, str]] | None = None
+    max_tokens: int | None = None  # None: the room left in the context, up to MAX_TOKENS_LIMIT
+    temperature: float = 1.0
+    top_p: float = 1.0
+    n: int = 1
+    stop: list[str] | None = None
+    seed: int | None = None
+    logprobs: int | None = None  # completions: 0..5; chat: top_logprobs when logprobs is true
+    echo: bool = False
+    return_token_ids: bool = False
+    stream: bool = False
+    include_usage: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _number(body: dict[str, Any], name: str, default: float, low: float, high: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float) or not low <= value <= high:
+        raise bad(name, f"{name} must be a number in {low}..{high}, got {value!r}")
+    return float(value)
+
+
+def _int(body: dict[str, Any], name: str, low: int, high: int) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if not _is_int(value) or not low <= value <= high:
+        raise bad(name, f"{name} must be an integer in {low}..{high}, got {value!r}")
+    return int(value)
+
+
+def _bool(body: dict[str, Any], name: str) -> bool:
+    value = body.get(name)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise bad(name, f"{name} must be true or false, got {value!r}")
+    return value
+
+
+def _refusals(body: dict[str, Any]) -> None:
+    """What Signal does not do, refused by name; the same parameters at their neutral values pass."""
+    for name in ("tools", "functions"):
+        if body.get(name):
+            raise bad(name, f"{name} are not supported: Signal's /v1 serves plain text generation (docs/OPENAI.md)")
+    for name in ("tool_choice", "function_call"):
+        if body.get(name) not in (None, "none"):
+            raise bad(name, f"{name} must be 'none' or omitted: tools are not supported")
+    response_format = body.get("response_format")
+    if response_format is not None and (not isinstance(response_format, dict) or response_format.get("type") != "text"):
+        raise bad("response_format", "response_format must be {'type': 'text'} or omitted: structured output is "
+                                     "not supported")
+    for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
+        value = body.get(name)
+        if value is not None and value != 0:
+            raise bad(name, f"{name} must be 0 or omitted: penalties are not supported")
+    if body.get("logit_bias"):
+        raise bad("logit_bias", "logit_bias must be empty or omitted: it is not supported")
+    if body.get("suffix"):
+        raise bad("suffix", "suffix is not supported")
+    best_of = body.get("best_of")
+    if best_of is not None and best_of != body.get("n", 1):
+        raise bad("best_of", "best_of is not supported (leave it out, or equal to n)")
+
+
+def _stop(body: dict[str, Any]) -> list[str] | None:
+    stop = body.get("stop")
+    if stop is None:
+        return None
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not stops or not all(isinstance(s, str) and s for s in stops):
+        raise bad("stop", "stop must be a non-empty string or a list of non-empty strings")
+    return stops
+
+
+def _prompts(prompt: Any) -> list[str] | list[list[int]]:
+    """A string, a list of strings, a list of token ids, or a list of token-id lists."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(p, str) for p in prompt):
+            return list(prompt)
+        if all(_is_int(t) and t >= 0 for t in prompt):
+            return [list(prompt)]
+        if all(isinstance(p, list) and p and all(_is_int(t) and t >= 0 for t in p) for p in prompt):
+            return [list(p) for p in prompt]
+    raise bad("prompt", "prompt must be a string, a list of strings, a list of token ids or a list of token-id lists, "
+                        "none empty")
+
+
+def _content(content: Any, i: int) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad(f"messages[{i}].content", f"messages[{i}].content must be a string or a list of text parts")
+    texts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            kind = part.get("type") if isinstance(part, dict) else None
+            raise bad(f"messages[{i}].content[{j}]", f"messages[{i}].content[{j}]: only text parts are supported"
+                      + (f", not {kind!r}" if kind else ""))
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def _messages(messages: Any) -> list[dict[str, str]]:
+    if not isinstance(messages, list) or not messages:
+        raise bad("messages", "messages must be a non-empty list")
+    rendered = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise bad(f"messages[{i}]", f"messages[{i}] must be an object with role and content")
+        role = message.get("role")
+        if role in ("tool", "function"):
+            raise bad(f"messages[{i}].role", f"messages[{i}]: {role} messages are not supported (no tools)")
+        if role not in ROLES:
+            raise bad(f"messages[{i}].role", f"messages[{i}].role must be one of {sorted(ROLES)}, got {role!r}")
+        if message.get("tool_calls") or message.get("function_call"):
+            raise bad(f"messages[{i}].tool_calls", f"messages[{i}]: tool calls are not supported")
+        rendered.append({"role": ROLES[role], "content": _content(message.get("content"), i)})
+    return rendered
+
+
+def parse(body: Any, chat: bool) -> Request:
+    if not isinstance(body, dict):
+        raise bad("body", "the request body must be a JSON object")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad("model", "model is required: a run id (see GET /v1/models)")
+    _refusals(body)
+    request = Request(model=model, chat=chat)
+    if chat:
+        request.messages = _messages(body.get("messages"))
+        if body.get("prompt") is not None:
+            raise bad("prompt", "chat completions take messages, not prompt")
+    else:
+        if body.get("prompt") is None:
+            raise bad("prompt", "prompt is required")
+        request.prompts = _prompts(body["prompt"])
+    max_tokens = _int(body, "max_tokens", 1, MAX_TOKENS_LIMIT)
+    max_completion = _int(body, "max_completion_tokens", 1, MAX_TOKENS_LIMIT)
+    if max_tokens is not None and max_completion is not None and max_tokens != max_completion:
+        raise bad("max_completion_tokens", "max_tokens and max_completion_tokens differ; give one")
+    request.max_tokens = max_tokens if max_tokens is not None else max_completion
+    request.temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
+    request.top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
+    if body.get("top_p") is not None and request.top_p == 0:
+        raise bad("top_p", "top_p must be greater than 0")
+    request.n = _int(body, "n", 1, MAX_SAMPLES) or 1
+    request.stop = _stop(body)
+    seed = body.get("seed")
+    if seed is not None and (not _is_int(seed) or seed < 0):
+        raise bad("seed", f"seed must be a non-negative integer, got {seed!r}")
+    request.seed = seed
+    if chat:
+        wants = _bool(body, "logprobs")
+        top = _int(body, "top_logprobs", 0, MAX_TOPK_LOGPROBS)
+        if top and not wants:
+            raise bad("top_logprobs", "top_logprobs needs logprobs: true")
+        request.logprobs = (top or 0) if wants else None
+    else:
+        request.logprobs = _int(body, "logprobs", 0, MAX_COMPLETION_LOGPROBS)
+        request.echo = _bool(body, "echo")
+    request.return_token_ids = _bool(body, "return_token_ids")
+    request.stream = _bool(body, "stream")
+    options = body.get("stream_options")
+    if options is not None:
+        if not isinstance(options, dict):
+            raise bad("stream_options", "stream_options must be an object")
+        if not request.stream:
+            raise bad("stream_options", "stream_options needs stream: true")
+        request.include_usage = _bool(options, "include_usage")
+    return request
