@@ -47,7 +47,6 @@ def test_results_allow_keys_and_attributes(live_server: LiveServer, key: str) ->
     assert artifact["checkpoint_path"].endswith("checkpoints/adapter_step_1")
     assert artifact.size_bytes > 0
     assert [c.mode for c in run.checkpoints()] == ["adapter"]
-    # the loss metric is named by its reduction (loss:mean, loss:sum) since token-level losses (issue 15)
     assert [m.name for m in run.metrics()] == ["loss:mean", "num_tokens", "num_examples", "grad_norm", "learning_rate"]
     assert run.refresh().step == 1
 

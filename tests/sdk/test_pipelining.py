@@ -112,7 +112,6 @@ def test_an_optim_step_sent_before_its_forward_backward_applies_after_it(
     ref_opt = reference.optim_step(learning_rate=0.05)
     assert fb.loss == pytest.approx(ref_fb.loss, abs=1e-6)
     assert opt.grad_norm == pytest.approx(ref_opt.grad_norm, rel=1e-6) and opt.grad_norm > 0
-    # the loss metric is named by its reduction (loss:mean, loss:sum) since token-level losses (issue 15)
     assert [m.name for m in run.metrics()] == ["loss:mean", "num_tokens", "num_examples", "grad_norm", "learning_rate"]
 
 

@@ -13,8 +13,6 @@ from rewardsignal import SignalClient
 from rewardsignal.results import CheckpointResult, ForwardBackwardResult, OptimStepResult, Result, SampleResult
 from tests.helpers.live_server import LiveServer
 
-# What each operation document selects (rewardsignal/graphql/): issue 15 added reduction, the token-level sample
-# fields, and checkpoint names and paths.
 KEYS: dict[str, set[str]] = {
     "forward_backward": {"loss", "num_tokens", "num_examples", "step", "reduction"},
     "optim_step": {"step", "grad_norm", "learning_rate"},
