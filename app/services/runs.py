@@ -447,15 +447,21 @@ class RunService:
         pool = pool_key(model.name, self.catalog.resolve_gpu(model, None, None), None)
         return await self._engine("tokenizer", pool=pool, base_model=model.source)
 
-    async def render_chat(self, run: Run, messages: builtins.list[dict[str, str]] | None = None,
-                          prompts: builtins.list[str] | None = None,
-                          decode: builtins.list[int] | None = None) -> dict[str, Any]:
-        """On the caller's run's base (ownership checked by `get`): messages through its chat template as token ids,
-        text `prompts` as ids, and `decode`'s ids as text, one each: the OpenAI endpoint's tokenizer work. No run
-        queue, no credits."""
-        params = {"run_id": run.id, "messages": messages, "prompts": prompts, "decode": decode}
+    async def render_chat(self, run: Run | None, messages: builtins.list[dict[str, str]] | None = None,
+                          prompts: builtins.list[str] | None = None, decode: builtins.list[int] | None = None,
+                          base_model: str | None = None) -> dict[str, Any]:
+        """On the caller's run's base (ownership checked by `get`), or a catalogue model's (`base_model`, run None):
+        messages through its chat template as token ids, text `prompts` as ids, and `decode`'s ids as text, one
+        each: the OpenAI endpoint's tokenizer work. No run queue, no credits."""
+        params: dict[str, Any] = {"messages": messages, "prompts": prompts, "decode": decode}
+        if run is not None:
+            params["run_id"], pool = run.id, pool_of(run)
+        else:
+            model = self.catalog.get(base_model or self.default_model)
+            params["base_model"], pool = model.source, pool_key(model.name, self.catalog.resolve_gpu(model, None, None),
+                                                                None)
         parse_call("render_chat", params)
-        return await self._engine("render_chat", pool=pool_of(run), **params)
+        return await self._engine("render_chat", pool=pool, **params)
 
     async def save_state(self, user: User, run_id: str, mode: str = "adapter", push_to_hub: bool = False,
                          hub_model_id: str | None = None, request_id: str | None = None,
