@@ -63,7 +63,7 @@ from gpu_runtime.run_state import (
 from gpu_runtime.sampling_calls import Sampling
 from gpu_runtime.scheduler import Request
 from gpu_runtime.shared import Shared, internal
-from gpu_runtime.snapshots import SAMPLER_MODE, Snapshots
+from gpu_runtime.snapshots import READABLE_KINDS, SAMPLER_MODE, Snapshots
 from gpu_runtime.training_calls import LOAD_STATE  # the journal record type, replayed from the run's own copy
 
 LORA_SHAPE = ("r", "alpha", "target_modules")  # a checkpoint loads into a run only where these agree
@@ -320,6 +320,8 @@ class Control:
         elif not directory.is_dir():
             raise missing
         else:
+            if call.mode in READABLE_KINDS:
+                self.snapshots.forget_checkpoint(call.run_id, call.name)  # refused while a sample reads it
             shutil.rmtree(directory)
         return {"run_id": call.run_id, "mode": call.mode, "name": call.name, "deleted": True}
 

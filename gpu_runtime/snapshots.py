@@ -32,10 +32,14 @@ from gpu_runtime.multilora import LoraWeights, wrap_targets
 from gpu_runtime.persistence import RunPaths, atomic_dir, dir_size, find_run_dir, read_json, write_json
 from gpu_runtime.pool import BaseEntry, Residency
 from gpu_runtime.quantization import base_key
-from gpu_runtime.run_state import ADAPTER_WEIGHTS, RunState, checkpoint_dir, fsync_tree, peft_name
+from gpu_runtime.run_state import ADAPTER_WEIGHTS, CHECKPOINT_FILE, RunState, checkpoint_dir, fsync_tree, peft_name
 
 SAMPLER_MODE = "sampler"  # the checkpoints table's `mode` of a named snapshot
 SAMPLER_FILE = "sampler.json"  # beside a named snapshot's adapter: its name, run and step
+
+
+CHECKPOINT_PREFIX = "checkpoint:"  # a training checkpoint read as a snapshot: "<run_id>@checkpoint:<name>"
+READABLE_KINDS = ("state", "adapter")  # training checkpoints that hold an adapter to sample or score
 
 
 def routing_key(run_id: str, name: str) -> str:
@@ -114,11 +118,12 @@ class Snapshots:
 
     # ---- finding one -----------------------------------------------------------------------
 
-    def find(self, run_id: str, name: str) -> Snapshot | None:
-        """The snapshot, in memory (loaded back if it was evicted), or None: no such snapshot."""
-        snapshot = self.entries.get(routing_key(run_id, name))
+    def find(self, run_id: str, name: str, checkpoint: bool = False) -> Snapshot | None:
+        """The snapshot, in memory (loaded back if it was evicted), or None: no such snapshot. With `checkpoint`, the
+        run's training checkpoint `name` (kind state, else adapter), loaded read-only as a named snapshot would be."""
+        snapshot = self.entries.get(routing_key(run_id, CHECKPOINT_PREFIX + name if checkpoint else name))
         if snapshot is None:
-            snapshot = self._from_disk(run_id, name)
+            snapshot = self._checkpoint_from_disk(run_id, name) if checkpoint else self._from_disk(run_id, name)
             if snapshot is None:
                 return None
             self.entries[snapshot.key] = snapshot
@@ -148,6 +153,34 @@ class Snapshots:
         return Snapshot(run_id=run_id, user_id=config["user_id"], name=name, named=True, step=step,
                         base_key=base_key(config["base_model"], config.get("quantization")), config=config,
                         weights=None, path=snapshot_dir(root, name))
+
+    def _checkpoint_from_disk(self, run_id: str, name: str) -> Snapshot | None:
+        root = find_run_dir(self.data_dir, run_id)
+        if root is None:
+            return None
+        paths = RunPaths(root.parents[2], root.parent.name, root.name)
+        for kind in READABLE_KINDS:
+            directory = checkpoint_dir(paths, kind, name)
+            if (directory / ADAPTER_WEIGHTS).is_file():
+                break
+        else:
+            return None
+        config = read_json(root / "config.json")
+        meta = directory / CHECKPOINT_FILE
+        step = int(read_json(meta).get("step", -1)) if meta.is_file() else -1
+        return Snapshot(run_id=run_id, user_id=config["user_id"], name=CHECKPOINT_PREFIX + name, named=True, step=step,
+                        base_key=base_key(config["base_model"], config.get("quantization")), config=config,
+                        weights=None, path=directory)
+
+    def forget_checkpoint(self, run_id: str, name: str) -> None:
+        """A training checkpoint about to be deleted: out of the layers, or FAILED_PRECONDITION while it is read."""
+        snapshot = self.entries.get(routing_key(run_id, CHECKPOINT_PREFIX + name))
+        if snapshot is None:
+            return
+        if snapshot.in_use:
+            raise FailedPrecondition(f"checkpoint {name!r} of run {run_id} is being sampled; delete it once those "
+                                     "calls finish", field="name")
+        self._drop(snapshot)
 
     # ---- using one -------------------------------------------------------------------------
 

@@ -1,7 +1,8 @@
 """Where a sample's or a forward's weights come from: one rule for every call that reads weights.
 
 A call names `run_id` (the run's current weights), `run_id` + `snapshot` (a sampler snapshot,
-gpu_runtime/snapshots.py), `run_id` + `checkpoint` (a training checkpoint: refused for now), or no run with
+gpu_runtime/snapshots.py), `run_id` + `checkpoint` (a training checkpoint's adapter, kind state or else adapter,
+read-only like a named snapshot under "<run_id>@checkpoint:<name>"), or no run with
 `base_model` + `user_id` (the base alone). The source gives the routing key its rows go to in the multi-LoRA
 layers: the run's id, "<run_id>@<name>", or a key no layer has an adapter under, so the rows compute the plain base.
 
@@ -14,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from gpu_runtime.errors import BadInput
+from gpu_runtime.errors import NotFound
 from gpu_runtime.pool import BaseEntry, Residency
 from gpu_runtime.quantization import base_key
 from gpu_runtime.run_state import RunState
@@ -72,20 +73,25 @@ def resolve(call: WeightsCall, residency: Residency, snapshots: Snapshots, state
         entry = residency.base(call.base_model, None)
         return WeightsSource(key=BASE_KEY_PREFIX + call.base_model, base_key=base_key(call.base_model, None),
                              entry=entry, step=0, user_id=call.user_id)
-    if call.checkpoint is not None:
-        raise BadInput("sampling a training checkpoint is not supported yet: save_weights_for_sampler makes a snapshot "
-                       "to sample", field="checkpoint")
-    if call.snapshot is None:
+    if call.snapshot is None and call.checkpoint is None:
         state: RunState = state_of(call.run_id)
         return WeightsSource(key=state.run_id, base_key=state.base_key, entry=residency.bases[state.base_key],
                              step=state.step,
                              user_id=state.user_id, state=state)
-    snapshot = snapshots.find(call.run_id, call.snapshot)
-    if snapshot is None:
-        if pending_save(call.run_id, call.snapshot):
-            raise Pending(call.snapshot)
-        state_of(call.run_id)  # NOT_FOUND for the run itself, when it is the run that is missing
-        raise snapshots.not_found(call.run_id, call.snapshot)
+    if call.checkpoint is not None:  # a training checkpoint's adapter, read-only, like a named snapshot
+        snapshot = snapshots.find(call.run_id, call.checkpoint, checkpoint=True)
+        if snapshot is None:
+            state_of(call.run_id)  # NOT_FOUND for the run itself, when it is the run that is missing
+            raise NotFound(f"run {call.run_id} has no state or adapter checkpoint named {call.checkpoint!r}",
+                           field="checkpoint")
+    else:
+        assert call.snapshot is not None
+        snapshot = snapshots.find(call.run_id, call.snapshot)
+        if snapshot is None:
+            if pending_save(call.run_id, call.snapshot):
+                raise Pending(call.snapshot)
+            state_of(call.run_id)
+            raise snapshots.not_found(call.run_id, call.snapshot)
     entry = residency.bases[snapshot.base_key]
     return WeightsSource(key=snapshot.key, base_key=snapshot.base_key, entry=entry, step=snapshot.step, user_id=snapshot.user_id,
                          snapshot=snapshot)

@@ -210,3 +210,34 @@ def test_deleting_an_unnamed_snapshots_row_drops_it_from_memory(engine: Engine, 
     with pytest.raises(NotFound) as again:
         engine.call("delete_checkpoint", run_id=tiny_run, mode="sampler", name=name)
     assert again.value.field == "name"
+
+
+@pytest.mark.parametrize("mode", ["state", "adapter"])
+def test_a_named_training_checkpoint_is_a_weights_source(tmp_path: Path, tiny_model_dir: str, mode: str) -> None:
+    """sample and forward read a state or adapter checkpoint's adapter, frozen, while the run trains on; deleting it
+    is refused while a sample reads it."""
+    engine = Engine(tmp_path / "data", device="cpu", decode_chunk_seconds=1e-4)
+    engine.create_run("run-c", "user-1", tiny_model_dir, {"r": 4, "alpha": 8}, seed=1)
+    train(engine, "run-c", steps=2, lr=5e-2)
+    at_save = greedy(engine, "run-c")
+    batch = [{"text": "checkpoints are weights too"}]
+    scored = engine.forward(batch, run_id="run-c")["outputs"][0]["logprobs"]
+    engine.call("save_state", run_id="run-c", mode=mode, name="best")
+    train(engine, "run-c", steps=3, lr=5e-2)
+    assert greedy(engine, "run-c") != at_save  # the run moved on
+    assert engine.call("sample", run_id="run-c", checkpoint="best", prompts=PROMPTS, max_tokens=8,
+                       temperature=0.0)["step"] == 2
+    assert greedy(engine, "run-c", checkpoint="best") == at_save
+    again = engine.call("forward", batch=batch, run_id="run-c", checkpoint="best")["outputs"][0]["logprobs"]
+    assert again == pytest.approx(scored, abs=1e-5)
+    sample = submit(engine, "sample", run_id="run-c", checkpoint="best", prompts=["hello"], max_tokens=30,
+                    temperature=1.0, seed=2)
+    engine.tick()
+    with pytest.raises(FailedPrecondition) as refused:
+        engine.call("delete_checkpoint", run_id="run-c", mode=mode, name="best")
+    assert refused.value.field == "name"
+    pump_until(engine, sample)
+    engine.call("delete_checkpoint", run_id="run-c", mode=mode, name="best")
+    with pytest.raises(NotFound) as missing:
+        greedy(engine, "run-c", checkpoint="best")
+    assert missing.value.field == "checkpoint"
