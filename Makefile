@@ -33,7 +33,7 @@ test-fast: install
 # Every test that touches the database (all but the runtime's own, tests/gpu_runtime), on a PostgreSQL the
 # tests start themselves (Debian's postgresql package): one server, a fresh database per module.
 test-postgres: install
-	SIGNAL_TEST_DATABASE=postgres $(PY) -m pytest -q --durations=15 tests/app tests/web tests/examples tests/sdk tests/faults tests/tinker
+	SIGNAL_TEST_DATABASE=postgres $(PY) -m pytest -q --durations=15 tests/app tests/web tests/examples tests/sdk tests/faults tests/openai tests/tinker
 
 # The dashboard alone, in Debian's chromium (apt-get install chromium).
 test-web: install

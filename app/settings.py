@@ -62,6 +62,9 @@ class Settings(BaseSettings):
     rank_timeout_seconds: float = Field(RuntimeOptions.rank_timeout_seconds, description="A multi-rank collective "
                                         "that waits longer means a hung rank: every rank stops, the call fails "
                                         "WORKER_FAILED and the pool restarts.")
+    unnamed_snapshot_seconds: float = Field(RuntimeOptions.unnamed_snapshot_seconds, description="An unnamed "
+                                            "sampler snapshot (saveWeightsForSampler without a name) expires this "
+                                            "long after it was made (docs/SNAPSHOTS.md).")
     min_free_disk_bytes: int = Field(RuntimeOptions.min_free_disk_bytes, description="Below this free space in the "
                                      "data directory, the runtime refuses calls that write (forward_backward, "
                                      "optim_step, save_state, create_run) with RESOURCE_EXHAUSTED; sampling goes on.")

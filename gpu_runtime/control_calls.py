@@ -35,6 +35,8 @@ from gpu_runtime.contract import (
     RunDescription,
     SaveState,
     SaveStateResult,
+    SaveWeightsForSampler,
+    SaveWeightsForSamplerResult,
     checkpoint_ref,
     default_checkpoint_name,
     lora_settings,
@@ -61,6 +63,7 @@ from gpu_runtime.run_state import (
 from gpu_runtime.sampling_calls import Sampling
 from gpu_runtime.scheduler import Request
 from gpu_runtime.shared import Shared, internal
+from gpu_runtime.snapshots import READABLE_KINDS, SAMPLER_MODE, Snapshots
 from gpu_runtime.training_calls import LOAD_STATE  # the journal record type, replayed from the run's own copy
 
 LORA_SHAPE = ("r", "alpha", "target_modules")  # a checkpoint loads into a run only where these agree
@@ -69,10 +72,11 @@ EXPORT_LIMIT_BYTES = 256 * 1024**2  # a checkpoint archive sent through the runt
 
 
 class Control:
-    def __init__(self, shared: Shared, recovery: Recovery, sampling: Sampling) -> None:
+    def __init__(self, shared: Shared, recovery: Recovery, sampling: Sampling, snapshots: Snapshots) -> None:
         self.shared = shared
         self.recovery = recovery
         self.sampling = sampling
+        self.snapshots = snapshots
         self.uploads: set[threading.Thread] = set()  # Hub uploads in flight, each answering its save_state
 
     # ---- runs ------------------------------------------------------------------------------
@@ -157,6 +161,8 @@ class Control:
         residency = self.shared.residency
         if not self.recovery.exists(run_id):
             raise RunNotFound(f"run {run_id!r} not found", field="run_id")
+        self.snapshots.check_run_deletable(run_id)  # refused while a sample reads one of its snapshots
+        self.snapshots.drop_run(run_id)
         residency.detach(run_id)
         residency.evicted.discard(run_id)
         root = find_run_dir(self.shared.data_dir, run_id)
@@ -164,6 +170,27 @@ class Control:
             shutil.rmtree(root)
         self.shared.owners.pop(run_id, None)
         return {"run_id": run_id, "deleted": True}
+
+    # ---- sampler snapshots -----------------------------------------------------------------
+
+    def save_weights_for_sampler(self, state: RunState, call: SaveWeightsForSampler) -> SaveWeightsForSamplerResult:
+        """Freeze the run's adapter as it is after every call before this one (gpu_runtime/snapshots.py). Not
+        journaled: a named one is its own fsync'd directory; an unnamed one is memory only by design."""
+        if call.request_id and call.request_id in state.answered:
+            return SaveWeightsForSamplerResult.from_dict(state.answered[call.request_id]).replay()
+        if isinstance(self.shared.compute, RankCompute):  # the ranks hold their own copies of every adapter
+            raise FailedPrecondition("a multi-GPU pool keeps no sampler snapshots yet: sample the run's current "
+                                     "weights", field="name")
+        started = time.perf_counter()
+        snapshot = self.snapshots.save(state, self.shared.entry(state), call.name)
+        expires = None if snapshot.named else self.shared.options.unnamed_snapshot_seconds
+        result = SaveWeightsForSamplerResult(
+            run_id=state.run_id, name=snapshot.name, step=snapshot.step, named=snapshot.named,
+            path=str(snapshot.path.resolve()) if snapshot.path is not None else "",
+            size_bytes=self.snapshots.size_bytes(snapshot), expires_in_seconds=expires,
+            compute_seconds=self.shared.compute.seconds_since(started))
+        state.remember(call.request_id, result.to_dict())
+        return result
 
     # ---- checkpoints -----------------------------------------------------------------------
 
@@ -283,9 +310,19 @@ class Control:
         if root is None:
             raise RunNotFound(f"run {call.run_id!r} not found", field="run_id")
         directory = checkpoint_dir(RunPaths(self.shared.data_dir, root.parent.name, call.run_id), call.mode, call.name)
-        if not directory.is_dir():
-            raise NotFound(f"run {call.run_id!r} has no {call.mode} checkpoint named {call.name!r}", field="name")
-        shutil.rmtree(directory)
+        missing = NotFound(f"run {call.run_id!r} has no {call.mode} checkpoint named {call.name!r}", field="name")
+        if call.mode == SAMPLER_MODE:
+            # A snapshot, named (its directory) or unnamed (memory or a spill): out of the layers and off the disk;
+            # refused while a decode group reads it (FAILED_PRECONDITION).
+            if self.snapshots.find(call.run_id, call.name) is None:
+                raise missing
+            self.snapshots.delete(call.run_id, call.name)
+        elif not directory.is_dir():
+            raise missing
+        else:
+            if call.mode in READABLE_KINDS:
+                self.snapshots.forget_checkpoint(call.run_id, call.name)  # refused while a sample reads it
+            shutil.rmtree(directory)
         return {"run_id": call.run_id, "mode": call.mode, "name": call.name, "deleted": True}
 
     def save_then_upload(self, request: Request, state: RunState, call: SaveState,
@@ -371,7 +408,9 @@ class Control:
             "resident_bytes": residency.resident_bytes(),
             "budget": {"bytes": shared.options.resident_bytes, "runs": shared.options.resident_runs},
             "queue_depth": shared.scheduler.queue_depth_by_user(),
-            "decode_groups": [{"runs": g.run_ids, "rows": g.rows, "tokens_done": g.t} for g in self.sampling.groups],
+            "decode_groups": [{"runs": g.run_ids, "calls": len(g.jobs), "rows": g.rows, "tokens_done": g.t}
+                              for g in self.sampling.groups],
+            "sampler_snapshots": self.snapshots.describe(),
             "ticks": {"count": totals.ticks, "base_passes": totals.base_passes, "fb_rows": totals.fb_rows,
                       "decode_passes": totals.decode_passes, "recent": list(totals.last_ticks)},
             "evictions": totals.evictions,

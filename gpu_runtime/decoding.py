@@ -29,7 +29,7 @@ from gpu_runtime.scheduler import Request
 @dataclass
 class SampleJob:
     request: Request
-    state: RunState
+    state: RunState | None  # the run whose current weights it samples (None: frozen weights, `key`)
     prompt_ids: list[list[int]]
     settings: SamplingSettings
     generator: torch.Generator
@@ -46,6 +46,8 @@ class SampleJob:
     topk_prompt_logprobs: list[list[list[list[float]] | None]] | None = None
     done: bool = False
     compute_seconds: float = 0.0  # its rows' share of the group's decode chunks
+    key: str = ""  # its rows' routing key (gpu_runtime/weights_sources.py): a run, "<run>@<snapshot>", a base
+    snapshot: Any = None  # the snapshot it reads (gpu_runtime/snapshots.py), held in use until it finishes
 
 
 class DecodeGroup:
@@ -65,8 +67,8 @@ class DecodeGroup:
             job.tokens, job.logprobs, job.topk = [[] for _ in range(n)], [[] for _ in range(n)], [[] for _ in range(n)]
             job.reasons, job.texts = [None] * n, [None] * n
         self.rows, self.prefill_rows = len(expand), len(prompts)
-        self.segments = [Segment(job.state.run_id, job.start, job.end) for job in jobs]
-        self.prefill_segments = [Segment(job.state.run_id, job.prefill_start, job.prefill_start + len(job.prompt_ids))
+        self.segments = [Segment(job.key, job.start, job.end) for job in jobs]
+        self.prefill_segments = [Segment(job.key, job.prefill_start, job.prefill_start + len(job.prompt_ids))
                                  for job in jobs]
         tokenizer = entry.base.tokenizer
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -88,7 +90,7 @@ class DecodeGroup:
 
     @property
     def run_ids(self) -> list[str]:
-        return [job.state.run_id for job in self.jobs]
+        return [job.key for job in self.jobs]
 
     @torch.no_grad()
     def advance(self, deadline: float) -> list[SampleJob]:
@@ -156,7 +158,7 @@ class DecodeGroup:
             try:
                 for job in asking:
                     rows = slice(job.prefill_start, job.prefill_start + len(job.prompt_ids))
-                    routing.segments = [Segment(job.state.run_id, 0, len(job.prompt_ids))]  # the head's LoRA, if any
+                    routing.segments = [Segment(job.key, 0, len(job.prompt_ids))]  # the head's LoRA, if any
 
                     def project(h: torch.Tensor) -> torch.Tensor:
                         logits: torch.Tensor = head(h)

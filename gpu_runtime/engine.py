@@ -32,6 +32,7 @@ from concurrent.futures import Future, wait
 from pathlib import Path
 from typing import Any
 
+from gpu_runtime import weights_sources
 from gpu_runtime.compute import RankCompute, open_hardware
 from gpu_runtime.contract import (
     Call,
@@ -53,6 +54,7 @@ from gpu_runtime.contract import (
     RuntimeState,
     Sample,
     SaveState,
+    SaveWeightsForSampler,
     Tokenizer,
     parse_call,
 )
@@ -67,13 +69,15 @@ from gpu_runtime.run_state import RunState
 from gpu_runtime.sampling_calls import Sampling
 from gpu_runtime.scheduler import SYSTEM, Request, Scheduler, TickPlan, split_ticket
 from gpu_runtime.shared import Answer, Shared, TickStats, internal
+from gpu_runtime.snapshots import Snapshots
 from gpu_runtime.training_calls import FbPart, FbProgress, Training
 
 # Calls that write (journal, snapshot, checkpoint): refused at submit while the disk is below its margin.
-WRITING_CALLS = (CreateRun, ForwardBackward, OptimStep, SaveState)
+WRITING_CALLS = (CreateRun, ForwardBackward, OptimStep, SaveState, SaveWeightsForSampler)
 # Calls that need their run in memory before they can be priced and picked.
 # A forward on a base model alone (run_id None) rides the system lane and needs no run.
-ON_RESIDENT_RUN = (ForwardBackward, Forward, RenderDatums, OptimStep, Sample, SaveState, RunInfo, LoadRun, LoadState)
+ON_RESIDENT_RUN = (ForwardBackward, Forward, RenderDatums, OptimStep, Sample, SaveState, RunInfo, LoadRun, LoadState,
+                   SaveWeightsForSampler)
 
 
 class Engine:
@@ -96,9 +100,10 @@ class Engine:
         self.shared = Shared(root, torch_device, dtype, options, faults, hardware.models, hardware.residency,
                              hardware.compute, Scheduler(options.tick_tokens), after_sync)
         self.training = Training(self.shared)
-        self.sampling = Sampling(self.shared)
+        self.snapshots = Snapshots(root, hardware.residency, options.unnamed_snapshot_seconds)
+        self.sampling = Sampling(self.shared, self.snapshots)
         self.recovery = Recovery(self.shared, self.training.replay)
-        self.control = Control(self.shared, self.recovery, self.sampling)
+        self.control = Control(self.shared, self.recovery, self.sampling, self.snapshots)
         self.last_tick = TickStats()
         self.ticking_since: float | None = None  # monotonic start of the tick running now (the heartbeat reads it)
         self._prepared: dict[Request, FbProgress] = {}  # forward_backward heads, rendered before they are priced
@@ -113,6 +118,8 @@ class Engine:
             CloseRun: lambda c: self.control.close_run(c.run_id),
             DeleteRun: lambda c: self.control.delete_run(c.run_id),
             ExportCheckpoint: self.control.export_checkpoint,
+            SaveWeightsForSampler: lambda c: self.control.save_weights_for_sampler(self.recovery.state(c.run_id),
+                                                                                   c).to_dict(),
             LoadState: lambda c: self.control.load_state(self.recovery.state(c.run_id), c).to_dict(),
             DeleteCheckpoint: self.control.delete_checkpoint,
             Ping: lambda c: self.control.ping(),
@@ -154,14 +161,19 @@ class Engine:
             if isinstance(call, WRITING_CALLS):
                 self._check_disk()
             run_id = call.run
-            user = call.user_id if isinstance(call, CreateRun) else self.recovery.owner(run_id) if run_id else SYSTEM
-            if isinstance(call, Forward) and run_id is None:
+            # off its run's queue (gpu_runtime/weights_sources.py)
+            frozen = isinstance(call, (Sample, Forward)) and call.frozen
+            if isinstance(call, CreateRun) or (frozen and run_id is None):
+                user = call.user_id  # type: ignore[attr-defined]  # both carry user_id: a new run's, a base sample's
+            elif isinstance(call, Forward) and run_id is None:
                 user = call.user_id or SYSTEM
+            else:
+                user = self.recovery.owner(run_id) if run_id else SYSTEM
         except SignalError as exc:
             reply({"error": exc.to_dict()})
             return
-        self.scheduler.submit(Request(call.method.value, args, reply, user_id=user, run_id=run_id, ticket=ticket,
-                                      call=call))
+        self.scheduler.submit(Request(call.method.value, args, reply, user_id=user, run_id=None if frozen else run_id,
+                                      ticket=None if frozen else ticket, call=call, frozen=frozen))
 
     def _check_disk(self) -> None:
         """Refuse a writing call before any state changes while free space is under the margin (sampling goes on)."""
@@ -220,6 +232,9 @@ class Engine:
     def sample(self, run_id: str, prompts: list[str] | None = None, **params: Any) -> dict[str, Any]:
         return self.call("sample", run_id=run_id, prompts=prompts, **params)
 
+    def save_weights_for_sampler(self, run_id: str, name: str | None = None,
+                                 request_id: str | None = None) -> dict[str, Any]:
+        return self.call("save_weights_for_sampler", run_id=run_id, name=name, request_id=request_id)
     def tokenizer(self, base_model: str | None = None, run_id: str | None = None) -> dict[str, Any]:
         return self.call("tokenizer", base_model=base_model, run_id=run_id)
 
@@ -258,7 +273,7 @@ class Engine:
         stats = TickStats()
         self._resolve_heads(stats)
         plan: TickPlan = self.scheduler.next_tick(self._cost)
-        stats.number, stats.requests = plan.number, len(plan.system) + len(plan.picks)
+        stats.number, stats.requests = plan.number, len(plan.system) + len(plan.picks) + len(plan.free)
         for request in plan.system:
             self._finish(request, self._isolated(request, functools.partial(self._answer_now, request)))
         fb_parts: dict[str, list[FbPart]] = {}
@@ -268,6 +283,10 @@ class Engine:
             request = pick.request
             message = self._isolated(request, functools.partial(self._begin, request, pick.allowance, fb_parts, samples,
                                                                   answers))
+            if message is not None:
+                answers.append((request, message))
+        for request in plan.free:  # frozen samples: every pending one, into this tick's decode groups
+            message = self._isolated(request, functools.partial(self._begin_frozen, request, samples))
             if message is not None:
                 answers.append((request, message))
         for key, parts in fb_parts.items():
@@ -338,18 +357,41 @@ class Engine:
             fb_parts.setdefault(progress.state.base_key, []).append(FbPart(request, progress, rows, progress.done))
             return None
         if isinstance(call, Sample):
-            state = self.recovery.state(call.run_id)
-            replayed = self.sampling.replayed(state, call)
-            if replayed is not None:
-                return {"result": replayed.to_dict()}
-            job = self.sampling.prepare(request, state, call)
-            samples.setdefault(state.base_key, []).append(job)
-            return None
+            return self._begin_frozen(request, samples)
         if isinstance(call, SaveState) and call.push_to_hub:
             state = self.recovery.state(call.run_id)
             self.control.save_then_upload(request, state, call, lambda message: answers.append((request, message)))
             return None
         return {"result": self._handle(call)}
+
+    def _begin_frozen(self, request: Request, samples: dict[str, list[SampleJob]]) -> dict[str, Any] | None:
+        """A sample into this tick's decode group on its base, from the weights its call names (on frozen weights
+        or a run's current ones), or a forward on a snapshot, answered now; one whose snapshot a queued call still
+        makes waits for that call."""
+        call = request.call
+        if isinstance(call, Sample):
+            replayed = self.sampling.replayed(call)
+            if replayed is not None:
+                return {"result": replayed.to_dict()}
+        assert isinstance(call, (Sample, Forward))
+        try:
+            source = self._source(call)
+        except weights_sources.Pending:
+            self.scheduler.park(request)
+            return None
+        if isinstance(call, Forward):
+            return {"result": self.training.forward(call, source).to_dict()}
+        job = self.sampling.prepare(request, source, call)
+        samples.setdefault(source.base_key, []).append(job)
+        return None
+
+    def _source(self, call: Sample | Forward) -> weights_sources.WeightsSource:
+        """The one way a call's weights are found: a run's current ones, a snapshot of it, or a base alone."""
+        return weights_sources.resolve(call, self.residency, self.snapshots, self.recovery.state, self._save_pending)
+
+    def _save_pending(self, run_id: str, name: str) -> bool:
+        return any(isinstance(r.call, SaveWeightsForSampler) and r.call.name == name
+                   for r in self.scheduler.queued_on(run_id))
 
     def _answer_now(self, request: Request) -> dict[str, Any]:
         return {"result": self._handle(request.call)}
@@ -366,9 +408,8 @@ class Engine:
         return result.to_dict()
 
     def _forward(self, call: Forward) -> dict[str, Any]:
-        if call.run_id is not None:
-            self.recovery.state(call.run_id)  # resident (restored if it was evicted)
-        return self.training.forward(call).to_dict()
+        """A forward on a run's current weights (in its queue; restored if it was evicted) or on a base alone."""
+        return self.training.forward(call, self._source(call)).to_dict()
 
     def _run_pass(self, key: str, parts: list[FbPart], stats: TickStats) -> list[Answer]:
         """One co-batched pass; if it fails as a whole, its calls fail (with their gradients put back), no others."""
@@ -419,6 +460,8 @@ class Engine:
 
     def _housekeeping(self) -> None:
         decoding = self.sampling.decoding_runs
+        self.snapshots.expire()
+        self.snapshots.evict_over_budget()  # idle snapshots before runs: a run's training state is dearer to reload
         if free_bytes(self.shared.data_dir) >= self.options.min_free_disk_bytes:  # eviction writes snapshots
             self.recovery.evict_over_budget(busy=lambda r: r in decoding or self.scheduler.is_queued(r))
         self.residency.unload_idle_bases()

@@ -55,6 +55,8 @@ class Residency:
         self.bases: dict[str, BaseEntry] = {}
         self.runs: OrderedDict[str, RunState] = OrderedDict()  # least recently used first
         self.evicted: set[str] = set()  # runs evicted since this runtime started (they reload on their next call)
+        # Sampler snapshots (gpu_runtime/snapshots.py), by routing key: they count against the same budget.
+        self.snapshots: dict[str, Any] = {}
 
     def base(self, name: str, quantization: str | None = None) -> BaseEntry:
         key = base_key(name, quantization)
@@ -111,7 +113,9 @@ class Residency:
         self.runs.move_to_end(state.run_id)
 
     def resident_bytes(self) -> int:
-        return sum(state.resident_bytes() for state in self.runs.values())
+        runs = sum(state.resident_bytes() for state in self.runs.values())
+        snapshots: int = sum(snapshot.resident_bytes() for snapshot in self.snapshots.values())
+        return runs + snapshots
 
     def over_budget(self, keep: Callable[[str], bool]) -> list[RunState]:
         """Least recently used runs to evict (never those `keep` names) until the budget holds."""
@@ -128,9 +132,11 @@ class Residency:
         return victims
 
     def unload_idle_bases(self) -> list[str]:
+        """Unload bases no run or in-memory snapshot uses, idle long enough (a decode group keeps `idle_since` fresh)."""
         now, unloaded = time.monotonic(), []
         for name, entry in list(self.bases.items()):
-            in_use = any(r.base_key == name for r in self.runs.values())
+            in_use = any(r.base_key == name for r in self.runs.values()) or any(
+                s.base_key == name and s.weights is not None for s in self.snapshots.values())
             if not in_use and now - entry.idle_since >= self.options.base_idle_seconds:
                 del self.bases[name]
                 self.models.unload(name)

@@ -235,7 +235,7 @@ class RunState:
                 "pending": self.pending.to_dict(),
                 "answered": list(self.answered.items())[-256:], "created_at": time.time(),
             })
-            _fsync_tree(tmp)
+            fsync_tree(tmp)
         self.snapshot_step, self.snapshot_seq, self.snapshot_time = self.step, self.seq, time.monotonic()
         return target
 
@@ -321,7 +321,7 @@ def checkpoint_dir(paths: RunPaths, mode: str, name: str) -> Path:
     return paths.root / "checkpoints" / mode / name
 
 
-def _fsync_tree(directory: Path) -> None:
+def fsync_tree(directory: Path) -> None:
     for path in directory.iterdir():
         if path.is_file():
             with open(path, "rb") as fh:

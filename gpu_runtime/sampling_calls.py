@@ -1,13 +1,15 @@
 """sample on resident runs: check the prompts against the model, then decode in groups, chunk by chunk.
 
 A picked sample call becomes a `SampleJob`; the calls picked in one tick on one base form a decode group
-(gpu_runtime/decoding.py), which holds its runs until it finishes and advances by one time-bounded chunk
-per tick, so other calls interleave with a long generation.
+(gpu_runtime/decoding.py), which advances by one time-bounded chunk per tick, so other calls interleave with a
+long generation. Its weights come from gpu_runtime/weights_sources.py: a sample on a run's current weights holds
+its run until it finishes; one on a snapshot or a base holds nothing but its snapshot (in use: never evicted).
 """
 
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from typing import cast
 
 import torch
@@ -16,24 +18,35 @@ from gpu_runtime.contract import RenderChat, RenderChatResult, Sample, SampleRes
 from gpu_runtime.decoding import DecodeGroup, SampleJob
 from gpu_runtime.errors import BadInput, SignalError
 from gpu_runtime.pool import BaseEntry
-from gpu_runtime.run_state import RunState
+from gpu_runtime.run_state import REMEMBERED_SAMPLES, RunState
 from gpu_runtime.scheduler import Request
 from gpu_runtime.shared import Shared, TickStats, internal
+from gpu_runtime.snapshots import Snapshots
+from gpu_runtime.weights_sources import WeightsSource
 
 
 class Sampling:
-    def __init__(self, shared: Shared) -> None:
+    def __init__(self, shared: Shared, snapshots: Snapshots) -> None:
         self.shared = shared
+        self.snapshots = snapshots
         self.groups: list[DecodeGroup] = []
+        # Answers of frozen samples by (run or user, request id): memory only, like a run's `sampled`.
+        self.answers: OrderedDict[tuple[str, str], dict[str, object]] = OrderedDict()
 
-    def replayed(self, state: RunState, call: Sample) -> SampleResult | None:
+    def replayed(self, call: Sample) -> SampleResult | None:
         """A retry whose first answer may not have reached the caller: that answer again."""
-        previous = state.sampled.get(call.request_id) if call.request_id else None
+        if not call.request_id:
+            return None
+        if call.frozen:
+            previous = self.answers.get(_answer_key(call))
+        else:
+            state = self.shared.residency.runs.get(call.run_id or "")
+            previous = state.sampled.get(call.request_id) if state is not None else None
         return None if previous is None else SampleResult.from_dict(previous).replay()
 
-    def prepare(self, request: Request, state: RunState, call: Sample) -> SampleJob:
+    def prepare(self, request: Request, source: WeightsSource, call: Sample) -> SampleJob:
         prompts, settings = call.settings()
-        entry = self.shared.entry(state)
+        entry = source.entry
         limit, vocab = entry.renderer.max_length, entry.renderer.vocab_size
         field = "prompts" if call.prompt_tokens is None else "prompt_tokens"
         prompt_ids = [list(entry.base.tokenizer(p, add_special_tokens=True)["input_ids"]) if isinstance(p, str)
@@ -52,7 +65,8 @@ class Sampling:
         if outside:
             raise BadInput(f"stop token id {outside[0]} is outside the vocabulary (0..{vocab - 1})", field="stop")
         generator = torch.Generator(device=self.shared.device).manual_seed(settings.seed)
-        return SampleJob(request, state, prompt_ids, settings, generator, step=state.step)
+        return SampleJob(request, source.state, prompt_ids, settings, generator, step=source.step, key=source.key,
+                         snapshot=source.snapshot)
 
     def tokenizer(self, call: Tokenizer, state: RunState | None) -> TokenizerResult:
         """The tokenizer of `state`'s base (a run's), else of `call.base_model` (loaded if it is not)."""
@@ -86,9 +100,12 @@ class Sampling:
 
     def start(self, entry: BaseEntry, jobs: list[SampleJob]) -> None:
         for job in jobs:
-            assert job.request.run_id is not None
-            self.shared.scheduler.hold(job.request.run_id)
-            self.shared.residency.touch(job.state)
+            if job.state is not None:  # the run's current weights: nothing else on the run until it is done
+                assert job.request.run_id is not None
+                self.shared.scheduler.hold(job.request.run_id)
+                self.shared.residency.touch(job.state)
+            if job.snapshot is not None:
+                self.snapshots.acquire(job.snapshot)
         self.groups.append(DecodeGroup(entry, jobs, eos_ids(entry)))
 
     def advance(self, stats: TickStats) -> None:
@@ -110,9 +127,11 @@ class Sampling:
             seconds, rows = self.shared.compute.seconds_since(started), sum(job.end - job.start for job in active)
             for job in active:  # the chunk's seconds, shared by the rows of the calls still decoding
                 job.compute_seconds += seconds * (job.end - job.start) / max(rows, 1)
+            group.entry.idle_since = time.monotonic()  # a base being decoded on is not idle
             for job in finished:
                 result = {**group.result(job), "compute_seconds": job.compute_seconds}
-                job.state.remember_sample(job.request.request_id, result)
+                self._remember(job, result)
+                self._release(job)
                 scheduler.finish(job.request, {"result": result})
             if group.done:
                 self.groups.remove(group)
@@ -123,12 +142,30 @@ class Sampling:
             for job in group.jobs:
                 if not job.done:
                     job.done = True
+                    self._release(job)
                     self.shared.scheduler.finish(job.request, {"error": error})
             self.groups.remove(group)
+
+    def _remember(self, job: SampleJob, result: dict[str, object]) -> None:
+        if job.state is not None:
+            job.state.remember_sample(job.request.request_id, result)
+        elif job.request.request_id:
+            self.answers[_answer_key(job.request.call)] = result
+            while len(self.answers) > REMEMBERED_SAMPLES:
+                self.answers.popitem(last=False)
+
+    def _release(self, job: SampleJob) -> None:
+        if job.snapshot is not None:
+            self.snapshots.release(job.snapshot)
+            job.snapshot = None
 
     @property
     def decoding_runs(self) -> set[str]:
         return {run_id for group in self.groups for run_id in group.run_ids}
+
+
+def _answer_key(call: Sample) -> tuple[str, str]:
+    return (call.run_id or f"user:{call.user_id}", call.request_id or "")
 
 
 def eos_ids(entry: BaseEntry) -> set[int]:

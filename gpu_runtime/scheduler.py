@@ -13,6 +13,10 @@
   per user per round until the tick's token budget is spent. A user who floods the queue gets
   one turn per round like everyone else, so another user's single call lands in the next tick
   or the one after; the flooder is served every tick the others leave room in, so never starved.
+- **Frozen samples: no run's order.** A sample on a snapshot or a base (`Request.frozen`) waits in a lane of its
+  own: every one is handed to the next tick (`TickPlan.free`), so all pending ones join one decode group, and none
+  holds or waits for its run's queue. One whose snapshot is still being made is `park`ed until a run's call
+  finishes (the save it waits for is one).
 - **A tick's budget** bounds forward_backward rows in tokens. While heads are chosen each is
   charged at most a fair share (budget / users), so a big call does not shut out small ones;
   then the budget is water-filled: small calls go whole, big ones split what is left and
@@ -55,6 +59,7 @@ class Request:
     ticket: int | None = None  # the call's place in its run's order, from the server (runs.call_seq)
     since: float = 0.0  # time.monotonic() at submit: how long a ticket has waited for the ones before it
     call: Any = None  # the typed request (gpu_runtime.contract.Call); the scheduler never looks inside
+    frozen: bool = False  # a sample on frozen weights: in the free lane, outside every run's queue
 
     @property
     def request_id(self) -> str | None:
@@ -73,6 +78,7 @@ class TickPlan:
     number: int
     system: list[Request] = field(default_factory=list)
     picks: list[Pick] = field(default_factory=list)
+    free: list[Request] = field(default_factory=list)  # frozen samples, every one pending (taken off the lane)
 
 
 def split_ticket(params: dict[str, Any]) -> tuple[dict[str, Any], int | None]:
@@ -91,6 +97,8 @@ class Scheduler:
         self.condition = threading.Condition()
         self._runs: dict[str, deque[Request]] = {}
         self._system: deque[Request] = deque()
+        self._free: list[Request] = []  # frozen samples not yet started
+        self._parked: list[Request] = []  # frozen samples waiting for the call that makes their snapshot
         self._busy: set[str] = set()  # runs whose head is in progress outside the tick loop's picks (decoding)
         self._last_served: dict[str, int] = {}
         self._arrivals = itertools.count()
@@ -103,7 +111,9 @@ class Scheduler:
         with self.condition:
             request.arrival = next(self._arrivals)
             request.since = time.monotonic()
-            if request.run_id is None:
+            if request.frozen:
+                self._free.append(request)
+            elif request.run_id is None:
                 self._system.append(request)
             else:
                 self._place(self._runs.setdefault(request.run_id, deque()), request)
@@ -149,12 +159,12 @@ class Scheduler:
     def has_work(self) -> bool:
         with self.condition:
             now = time.monotonic()
-            return bool(self._system) or any(q and run not in self._busy and self._turn(q[0], now)
+            return bool(self._system) or bool(self._free) or any(q and run not in self._busy and self._turn(q[0], now)
                                              for run, q in self._runs.items())
 
     def pending(self) -> int:
         with self.condition:
-            return len(self._system) + sum(len(q) for q in self._runs.values())
+            return len(self._system) + len(self._free) + len(self._parked) + sum(len(q) for q in self._runs.values())
 
     def queue_depth_by_user(self) -> dict[str, int]:
         with self.condition:
@@ -175,8 +185,9 @@ class Scheduler:
         """Choose this tick's work. `cost` gives a head's remaining forward_backward tokens (0 for other calls;
         None: not ready this tick, it keeps its place)."""
         with self.condition:
-            plan = TickPlan(next(self._ticks), system=list(self._system))
+            plan = TickPlan(next(self._ticks), system=list(self._system), free=self._free)
             self._system.clear()
+            self._free = []
             heads: dict[str, list[str]] = {}  # user → runs with an eligible head, oldest head first
             now = time.monotonic()
             for run_id, queue in sorted(self._runs.items(), key=lambda item: item[1][0].arrival if item[1] else 0):
@@ -222,6 +233,8 @@ class Scheduler:
                 if not queue:
                     self._runs.pop(request.run_id, None)
                 self._busy.discard(request.run_id)
+                self._free += self._parked  # the call a parked sample waits for may be this one: look again
+                self._parked = []
             self.condition.notify_all()
         reply(message)
 
@@ -243,6 +256,16 @@ class Scheduler:
         with self.condition:
             self._busy.add(run_id)
 
+    def park(self, request: Request) -> None:
+        """A frozen sample whose source a queued call still has to make: back in the lane once a run's call is done."""
+        with self.condition:
+            self._parked.append(request)
+
+    def queued_on(self, run_id: str) -> list[Request]:
+        """The run's queued calls, head first (left in place)."""
+        with self.condition:
+            return list(self._runs.get(run_id, ()))
+
     def is_queued(self, run_id: str) -> bool:
         with self.condition:
             return bool(self._runs.get(run_id)) or run_id in self._busy
@@ -255,8 +278,9 @@ class Scheduler:
     def drain(self) -> list[Request]:
         """Everything still queued (at shutdown), oldest first."""
         with self.condition:
-            requests = list(self._system) + [r for q in self._runs.values() for r in q]
+            requests = list(self._system) + self._free + self._parked + [r for q in self._runs.values() for r in q]
             self._system.clear()
+            self._free, self._parked = [], []
             self._runs.clear()
             return sorted(requests, key=lambda r: r.arrival)
 

@@ -5,7 +5,7 @@ may be split across ticks by the token budget, and is journaled when its last ro
 part of a tick's calls on one base runs in one pass (gpu_runtime/training.py, through `Compute`).
 optim_step divides each run's summed gradients by their normaliser ("mean"; by 1 for "sum") and applies AdamW.
 forward runs the same datums through a pass with no autograd and no dropout on a weights source
-(`weights_source`), changing nothing; render_datums shows what a batch renders to.
+(gpu_runtime/weights_sources.py, as a sample's), changing nothing; render_datums shows what a batch renders to.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from gpu_runtime.run_state import LOADS_DIR, RunState, append_manifest, last_man
 from gpu_runtime.scheduler import Request
 from gpu_runtime.shared import Answer, Shared, TickStats
 from gpu_runtime.training import PartOutcome, PassPart
+from gpu_runtime.weights_sources import WeightsSource
 
 FORWARD_BACKWARD, OPTIM_STEP = "forward_backward", "optim_step"  # journal record types
 LOAD_STATE = "load_state"  # written by control_calls.py's load_state
@@ -201,11 +202,11 @@ class Training:
 
     # ---- forward and render_datums: change nothing --------------------------------------
 
-    def forward(self, call: Forward) -> ForwardResult:
-        """The batch's losses and logprobs on the call's weights source, without autograd or dropout: no gradient,
-        step or dropout counter of any run changes. Pure, so a retry (same request id) computes the same answer."""
+    def forward(self, call: Forward, source: WeightsSource) -> ForwardResult:
+        """The batch's losses and logprobs on the call's weights source (gpu_runtime/weights_sources.py: the engine
+        resolves it, as a sample's), without autograd or dropout: no gradient, step or dropout counter of any run
+        changes. Pure, so a retry (same request id) computes the same answer."""
         started = time.perf_counter()
-        source = self.weights_source(call)
         config = loss_settings(call.loss_fn, call.loss_fn_config)
         examples = source.entry.renderer.render_batch(call.batch, self.shared.options.max_batch_size, call.loss_fn)
         part = PassPart(source.routing_key, examples, 0, call_rows=len(examples),
@@ -220,17 +221,8 @@ class Training:
         return ForwardResult(
             loss=outcome.loss_sum / outcome.normaliser if outcome.normaliser else 0.0, loss_sum=outcome.loss_sum,
             num_tokens=sum(e.num_targets for e in examples), num_examples=len(examples),
-            step=source.state.step if source.state is not None else None, outputs=outcome.outputs,
+            step=source.known_step, outputs=outcome.outputs,
             compute_seconds=self.shared.compute.seconds_since(started))
-
-    def weights_source(self, call: Forward) -> WeightsSource:
-        """Which weights a forward runs on: a run's current adapter, or the base alone (rows routed to no adapter).
-        Sampler snapshots and checkpoints extend this: a source is a base entry and a routing key in its layers."""
-        if call.run_id is not None:
-            state = self.shared.residency.runs[call.run_id]  # the engine made it resident before this call
-            return WeightsSource(self.shared.entry(state), call.run_id, state)
-        assert call.base_model is not None  # validated: run_id or base_model
-        return WeightsSource(self.shared.residency.base(call.base_model), None, None)
 
     def render_datums(self, state: RunState, call: RenderDatums) -> RenderDatumsResult:
         examples = self.shared.entry(state).renderer.render_batch(call.batch, self.shared.options.max_batch_size,
@@ -323,15 +315,6 @@ class Training:
             (outcome,) = self._pass(entry, [part])
             assert not isinstance(outcome, SignalError), "a journaled call cannot fail on replay"
             self._count(part, outcome)
-
-
-@dataclass
-class WeightsSource:
-    """The weights a forward (or a sample) runs on: a base entry, and the key its rows are routed to (None: none)."""
-
-    entry: BaseEntry
-    routing_key: str | None
-    state: RunState | None  # the run whose current weights these are, if any
 
 
 def derive_seed(*parts: int) -> int:

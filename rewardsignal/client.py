@@ -231,6 +231,18 @@ class _ClientBase:
     def me(self) -> Any:
         return self._run(Call("Me", {}, "me"))
 
+    def sample_base(self, prompts: str | list[str] | None = None, base_model: str | None = None,
+                    max_tokens: int | None = None, temperature: float | None = None, seed: int | None = None,
+                    num_samples: int | None = None, prompt_tokens: list[list[int]] | None = None,
+                    store: bool | None = None) -> Any:
+        """Generate from a base model alone (no run; the server's default model when None), billed to you."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        variables = _drop_none({"prompts": prompts, "promptTokens": prompt_tokens, "baseModel": base_model,
+                                "maxTokens": max_tokens, "temperature": temperature, "seed": seed,
+                                "numSamples": num_samples, "store": store})
+        return self._run(_primitive("Sample", variables, "sample"))
+
     def forward(self, batch: list[dict[str, Any]], base_model: str, loss_fn: str | None = None,
                 loss_fn_config: dict[str, Any] | None = None) -> Any:
         """The loss and per-position `logprobs` of `batch` on a base model alone (no run, no adapter): the
@@ -566,11 +578,12 @@ class _RunBase:
         return self._client._run_all(calls, functools.partial(combine_forward_backward, reduction=reduction or "mean"))
 
     def forward(self, batch: list[dict[str, Any]], loss_fn: str | None = None,
-                loss_fn_config: dict[str, Any] | None = None) -> Any:
-        """The loss and each datum's per-position `logprobs` on the run's current weights, with no backward:
-        no gradient, step or dropout counter changes."""
+                loss_fn_config: dict[str, Any] | None = None, snapshot: str | None = None) -> Any:
+        """The loss and each datum's per-position `logprobs` on the run's current weights (or with `snapshot`, on
+        a snapshot of it: it waits for none of the run's training), with no backward: no gradient, step or
+        dropout counter changes."""
         variables = _drop_none({"runId": self.id, "batch": _batch(batch), "lossFn": loss_fn,
-                                "lossFnConfig": loss_fn_config})
+                                "lossFnConfig": loss_fn_config, "snapshot": snapshot})
         return self._client._run(_primitive("Forward", variables, "forward"))
 
     def render_datums(self, batch: list[dict[str, Any]], loss_fn: str | None = None) -> Any:
@@ -591,14 +604,16 @@ class _RunBase:
                stop: str | list[str] | list[int] | None = None, num_samples: int | None = None,
                seed: int | None = None, prompt_tokens: list[list[int]] | None = None,
                prompt_logprobs: bool | None = None, topk_prompt_logprobs: int | None = None,
-               topk_sample_logprobs: int | None = None, store: bool | None = None) -> Any:
-        """Generate from the run's current weights; settings left unset take the server's defaults (the engine
+               topk_sample_logprobs: int | None = None, store: bool | None = None,
+               snapshot: str | None = None) -> Any:
+        """Generate from the run's current weights, or with `snapshot` from a snapshot of it (save_weights_for_sampler:
+        it waits for none of the run's training); settings left unset take the server's defaults (the engine
         contract's: 64 tokens, temperature 1, top_p 1, no top_k, one sample).
 
         Give `prompts` (text) or `prompt_tokens` (token ids). `stop`: strings or token ids; omitted, EOS stops;
         `[]`, nothing but max_tokens stops; a non-empty list stops there and at EOS. Each sequence's `logprobs`
-        are the unmodified model's (temperature 1), what a teacher-forced forward returns. `store=False` keeps
-        no sample rows in the run's history."""
+        are the unmodified model's (temperature 1), what a teacher-forced forward returns. `store` keeps the
+        samples in the run's history (default: yes for current weights, no for a snapshot)."""
         if isinstance(prompts, str):
             prompts = [prompts]
         if isinstance(stop, str):
@@ -609,13 +624,26 @@ class _RunBase:
                                 "stop": None if tokens else stop, "stopTokens": stop if tokens else None,
                                 "numSamples": num_samples, "seed": seed, "promptLogprobs": prompt_logprobs,
                                 "topkPromptLogprobs": topk_prompt_logprobs,
-                                "topkSampleLogprobs": topk_sample_logprobs, "store": store})
+                                "topkSampleLogprobs": topk_sample_logprobs, "store": store,
+                                "snapshot": snapshot})
         return self._client._run(_primitive("Sample", variables, "sample"))
 
     def tokenizer(self) -> Any:
         """The tokenizer of this run's base: name, vocab_size, eos_token_ids, bos_token_id, pad_token_id,
         chat_template."""
         return self._client.tokenizer(run_id=self.id)
+
+    def save_weights_for_sampler(self, name: str | None = None) -> Any:
+        """Freeze the run's current weights (after every call sent before this one) to sample from while it trains
+        on: {"name", "step", "named", "expires_in_seconds"}. Named snapshots are kept; unnamed ones expire
+        (docs/SNAPSHOTS.md)."""
+        variables = _drop_none({"runId": self.id, "name": name})
+        return self._client._run(_primitive("SaveWeightsForSampler", variables, "saveWeightsForSampler"))
+
+    def snapshots(self) -> Any:
+        wrap = self._client._wrap_artifact
+        return self._client._run(Call("RunSnapshots", {"id": self.id}, "run",
+                                      lambda run: [wrap(c) for c in run["snapshots"]]))
 
     def save_state(self, mode: str = "adapter", push_to_hub: bool = False, hub_model_id: str | None = None,
                    hf_token: str | None = None, name: str | None = None, with_optimizer: bool | None = None) -> Any:

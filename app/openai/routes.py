@@ -12,6 +12,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from starlette.exceptions import HTTPException
@@ -41,31 +42,53 @@ async def _user(request: Request) -> User:
     return await _services(request).keys.authenticate(bearer_from_header(request.headers.get("authorization")))
 
 
-async def _run(services: Services, user: User, name: str) -> Run:
-    """The run `model` names. Sampler snapshots and base models are parsed and answered 404, saying why: this
-    server's RunService.sample samples a run's current weights only."""
-    if name.startswith("tinker://") or "@" in name:
-        raise model_not_found(name, f"The model {name!r} names a sampler snapshot; /v1 on this server samples a "
-                                    "run's current weights only (name the run id). Snapshot sampling comes with "
-                                    "RunService's snapshot source.")
+@dataclass(frozen=True)
+class Target:
+    """What `model` names: a run's current weights, a sampler snapshot of it (`{run_id}@{name}`), or a catalogue
+    base model alone (`run` None)."""
+
+    name: str
+    run: Run | None = None
+    snapshot: str | None = None
+    base_model: str | None = None
+
+
+async def _run(services: Services, user: User, name: str) -> Target:
+    if name.startswith("tinker://"):
+        raise model_not_found(name, f"The model {name!r} is a Tinker path; this server's /v1 names snapshots as "
+                                    "{run_id}@{name} (Tinker's wire is not served here yet).")
     if any(model.name == name for model in services.catalog.list()):
-        raise model_not_found(name, f"The model {name!r} is a base model; /v1 on this server samples runs only "
-                                    "(create a run on it and name its id).")
+        return Target(name, base_model=name)
+    run_id, _, snapshot = name.partition("@")
     try:
-        return await services.runs.get(user, name)
+        run = await services.runs.get(user, run_id)  # another user's run: not found, like an unknown one
     except SignalError:
         raise model_not_found(name) from None
+    if snapshot and snapshot not in {row.name for row in await services.runs.checkpoints(run) if row.mode == "sampler"}:
+        raise model_not_found(name, f"run {run_id!r} has no sampler snapshot {snapshot!r}: make one with "
+                                    "save_weights_for_sampler")
+    return Target(name, run, snapshot or None)
 
 
-def _model(run: Run) -> dict[str, Any]:
-    return {"id": run.id, "object": "model", "created": int(run.created_at.timestamp()), "owned_by": "user",
-            "root": run.base_model}
+def _model(target: Target, created: int = 0) -> dict[str, Any]:
+    run = target.run
+    root = run.base_model if run is not None else target.base_model
+    return {"id": target.name, "object": "model", "created": int(run.created_at.timestamp()) if run else created,
+            "owned_by": "user" if run is not None else "signal", "root": root}
 
 
 async def list_models(request: Request) -> Response:
+    """The caller's runs and their sampler snapshots, and the catalogue's models this server can load."""
     user = await _user(request)
-    runs = await _services(request).runs.list(user, limit=1000)
-    return JSONResponse({"object": "list", "data": [_model(run) for run in runs]})
+    services = _services(request)
+    data = []
+    for run in await services.runs.list(user, limit=1000):
+        data.append(_model(Target(run.id, run)))
+        for row in await services.runs.checkpoints(run):
+            if row.mode == "sampler" and row.name:
+                data.append(_model(Target(f"{run.id}@{row.name}", run, row.name)))
+    data += [_model(Target(model.name, base_model=model.name)) for model in services.catalog.list() if model.available]
+    return JSONResponse({"object": "list", "data": data})
 
 
 async def get_model(request: Request) -> Response:
@@ -101,18 +124,19 @@ async def _generate(request: Request, chat: bool) -> Response:
     user = await _user(request)
     params = parse(await _body(request), chat)
     services = _services(request)
-    run = await _run(services, user, params.model)
+    target = await _run(services, user, params.model)
+    run, base = target.run, target.base_model
     runs = services.runs
     prompt_param = "messages" if chat else "prompt"
     try:
         if chat:
-            rendered = await runs.render_chat(run, messages=params.messages)
+            rendered = await runs.render_chat(run, messages=params.messages, base_model=base)
             prompt_ids = [rendered["prompt_tokens"]]
         elif isinstance(params.prompts[0], str):  # type: ignore[index]  # parse set prompts on completions
-            rendered = await runs.render_chat(run, prompts=params.prompts)  # type: ignore[arg-type]  # strings here
+            rendered = await runs.render_chat(run, prompts=params.prompts, base_model=base)  # type: ignore[arg-type]  # strings here
             prompt_ids = rendered["prompts_tokens"]
         else:
-            rendered = await runs.render_chat(run)
+            rendered = await runs.render_chat(run, base_model=base)
             prompt_ids = params.prompts  # type: ignore[assignment]  # token-id prompts
         room = rendered["context_length"] - max(len(ids) for ids in prompt_ids)
         if room < 1:
@@ -124,7 +148,7 @@ async def _generate(request: Request, chat: bool) -> Response:
             seed=params.seed, prompt_logprobs=params.echo and params.logprobs is not None,
             topk_prompt_logprobs=(params.logprobs or 0) if params.echo else 0,
             topk_sample_logprobs=params.logprobs or 0)
-        result = await runs.sample(user, run.id, sample)
+        result = await runs.sample(user, run.id if run else None, sample, snapshot=target.snapshot, base_model=base)
         eos = set(rendered["eos_token_ids"])
         wanted = {t for seq in result["sequences"] for s in seq for t in s["tokens"]}
         wanted |= {t for ids in prompt_ids for t in ids}
@@ -134,7 +158,7 @@ async def _generate(request: Request, chat: bool) -> Response:
         for tops in result.get("topk_prompt_logprobs") or []:
             wanted |= {int(pair[0]) for top in tops if top for pair in top}
         order = sorted(wanted)
-        decoded = await runs.render_chat(run, decode=order)
+        decoded = await runs.render_chat(run, decode=order, base_model=base)
     except SignalError as error:
         raise from_signal(error, prompt_param) from None
     pieces = dict(zip(order, decoded["pieces"]))

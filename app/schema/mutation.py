@@ -19,6 +19,7 @@ from app.schema.types import (
     OptimStepResult,
     Run,
     SampleResult,
+    SamplerSnapshot,
     SaveMode,
     datum_outputs,
 )
@@ -66,18 +67,22 @@ class Mutation:
                                      outputs=datum_outputs(result.get("outputs")))
 
     @strawberry.mutation(description="The loss and per-position logprobs of a batch, with no backward: nothing "
-                         "changes. On a run's current weights (runId), or a base model alone (baseModel)")
+                         "changes. On a run's current weights (runId), a snapshot of it (runId + snapshot), or a base "
+                         "model alone (baseModel)")
     async def forward(
         self, info: Info, batch: list[BatchItem], run_id: strawberry.ID | None = None, base_model: str | None = None,
         loss_fn: str = DEFAULT_LOSS_FN, loss_fn_config: JSON | None = None, request_id: RequestId = None,
         seq: Seq = None, session: Session = None,
+        snapshot: Annotated[str | None, strawberry.argument(
+            description="A sampler snapshot of the run (saveWeightsForSampler), by name")] = None,
+        checkpoint: str | None = None,
     ) -> ForwardResult:
         user = await info.context.user()
         config = cast("dict[str, Any] | None", loss_fn_config)
         result = await info.context.services.runs.forward(
             user, [item.to_dict() for item in batch], run_id=str(run_id) if run_id is not None else None,
             base_model=base_model, loss_fn=loss_fn, loss_fn_config=config, request_id=request_id,
-            order=Numbered.of(seq, session))
+            order=Numbered.of(seq, session), snapshot=snapshot, checkpoint=checkpoint)
         return ForwardResult(loss=result["loss"], loss_sum=result["loss_sum"], num_tokens=result["num_tokens"],
                              num_examples=result["num_examples"], step=result.get("step"),
                              outputs=datum_outputs(result["outputs"]) or [])
@@ -91,13 +96,19 @@ class Mutation:
         return OptimStepResult(step=result["step"], grad_norm=result["grad_norm"],
                                learning_rate=result["learning_rate"])
 
-    @strawberry.mutation(description="Generate from the run's current weights (docs/SAMPLING.md)")
+    @strawberry.mutation(description="Generate from a run's current weights (in its order), a snapshot of it "
+                         "(snapshot), or a base model alone (baseModel, no runId) (docs/SAMPLING.md, docs/SNAPSHOTS.md)")
     async def sample(
-        self, info: Info, run_id: strawberry.ID,
+        self, info: Info, run_id: strawberry.ID | None = None,
         prompts: Annotated[list[str] | None, strawberry.argument(
             description="Text prompts; or give promptTokens")] = None,
         prompt_tokens: Annotated[list[list[int]] | None, strawberry.argument(
             description="Token-id prompts, as the model sees them (no BOS added)")] = None,
+        snapshot: Annotated[str | None, strawberry.argument(
+            description="A sampler snapshot of the run (saveWeightsForSampler), by name")] = None,
+        checkpoint: str | None = None,
+        base_model: Annotated[str | None, strawberry.argument(
+            description="With no runId: sample this base model alone, billed to you")] = None,
         max_tokens: int = SAMPLE_DEFAULTS["max_tokens"],
         temperature: float = SAMPLE_DEFAULTS["temperature"], top_p: float = SAMPLE_DEFAULTS["top_p"],
         top_k: Annotated[int, strawberry.argument(description="0 or -1: off")] = SAMPLE_DEFAULTS["top_k"],
@@ -117,7 +128,8 @@ class Mutation:
             description="Return the k most likely tokens at each sampled position")]
         = SAMPLE_DEFAULTS["topk_sample_logprobs"],
         store: Annotated[bool | None, strawberry.argument(
-            description="false: keep no sample rows (the run's sample history); default: kept")] = None,
+            description="Keep the samples in the run's history; default true for current weights, false for a "
+                        "snapshot or a base")] = None,
         request_id: RequestId = None, seq: Seq = None, session: Session = None,
     ) -> SampleResult:
         user = await info.context.user()
@@ -126,9 +138,21 @@ class Mutation:
                               num_samples=num_samples, seed=seed, prompt_logprobs=prompt_logprobs,
                               topk_prompt_logprobs=topk_prompt_logprobs, topk_sample_logprobs=topk_sample_logprobs,
                               store=store)
-        result = await info.context.services.runs.sample(user, str(run_id), params, request_id=request_id,
-                                                         order=Numbered.of(seq, session))
+        result = await info.context.services.runs.sample(
+            user, None if run_id is None else str(run_id), params, request_id=request_id, snapshot=snapshot,
+            checkpoint=checkpoint, base_model=base_model, order=Numbered.of(seq, session))
         return SampleResult.from_result(result)
+
+    @strawberry.mutation(description="Freeze the run's current weights as a snapshot to sample from while it trains "
+                         "on; named ones are kept (docs/SNAPSHOTS.md)")
+    async def save_weights_for_sampler(self, info: Info, run_id: strawberry.ID, name: str | None = None,
+                                       request_id: RequestId = None, seq: Seq = None,
+                                       session: Session = None) -> SamplerSnapshot:
+        user = await info.context.user()
+        result = await info.context.services.runs.save_weights_for_sampler(user, str(run_id), name,
+                                                                           request_id=request_id,
+                                                                           order=Numbered.of(seq, session))
+        return SamplerSnapshot.from_result(result)
 
     @strawberry.mutation(description="Export the adapter, a merged model, or the full training state")
     async def save_state(

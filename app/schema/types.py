@@ -129,12 +129,14 @@ class Checkpoint:
     id: strawberry.ID
     step: int
     mode: str = strawberry.field(description="Its kind: adapter, merged, state (resumable), or sampler (a snapshot)")
-    name: str = strawberry.field(description="Unique per run and mode; step-N when saved without one")
+    name: str = strawberry.field(description="Unique per run and mode; step-N when saved without one; a sampler "
+                                 "snapshot's name is what sample's `snapshot` takes")
     checkpoint_path: str
     size_bytes: float
     hub_url: str | None = strawberry.field(description="The Hugging Face repo it was pushed to (pushToHub), else null")
     created_at: datetime
     run_id: strawberry.Private[str]
+    expires_at: datetime | None = strawberry.field(default=None, description="An unnamed sampler snapshot's expiry")
 
     @strawberry.field(description="GET it with the API key (Bearer) or a dashboard session: the checkpoint's "
                       "files as a .tar.gz")
@@ -152,7 +154,8 @@ class Checkpoint:
     @classmethod
     def from_row(cls, row: tables.Checkpoint) -> Checkpoint:
         return cls(id=strawberry.ID(str(row.id)), step=row.step, mode=row.mode, name=row.name, checkpoint_path=row.path,
-                   size_bytes=float(row.size_bytes), hub_url=row.hub_url, created_at=row.created_at, run_id=row.run_id)
+                   size_bytes=float(row.size_bytes), hub_url=row.hub_url, created_at=row.created_at, run_id=row.run_id,
+                   expires_at=row.expires_at)
 
 
 @strawberry.type
@@ -200,6 +203,11 @@ class Run:
     @strawberry.field
     async def checkpoints(self, info: Info) -> list[Checkpoint]:
         return [Checkpoint.from_row(row) for row in await info.context.services.runs.checkpoints(self.row)]
+
+    @strawberry.field(description="Its sampler snapshots (saveWeightsForSampler): mode sampler, by name")
+    async def snapshots(self, info: Info) -> list[Checkpoint]:
+        rows = await info.context.services.runs.checkpoints(self.row)
+        return [Checkpoint.from_row(row) for row in rows if row.mode == "sampler"]
 
     @classmethod
     def from_row(cls, row: tables.Run) -> Run:
@@ -297,6 +305,20 @@ class SampledSequence:
     stop_reason: str = strawberry.field(description="stop (a stop or EOS) or length (maxTokens)")
     topk_logprobs: list[list[TokenLogprob]] | None = strawberry.field(
         default=None, description="Per token, the topkSampleLogprobs most likely tokens, most likely first")
+
+
+@strawberry.type(description="A frozen copy of a run's weights to sample from (docs/SNAPSHOTS.md)")
+class SamplerSnapshot:
+    run_id: strawberry.ID
+    name: str = strawberry.field(description="Pass it as sample's `snapshot` with the run's id")
+    step: int = strawberry.field(description="The run's step when it was frozen")
+    named: bool = strawberry.field(description="Named: kept on disk, listed and downloadable; unnamed: expires")
+    expires_in_seconds: float | None = strawberry.field(description="Unnamed only: seconds until it expires")
+
+    @classmethod
+    def from_result(cls, result: dict[str, Any]) -> SamplerSnapshot:
+        return cls(run_id=strawberry.ID(result["run_id"]), name=result["name"], step=int(result["step"]),
+                   named=bool(result["named"]), expires_in_seconds=result.get("expires_in_seconds"))
 
 
 @strawberry.type

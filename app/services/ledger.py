@@ -7,6 +7,10 @@ Every applied call adds its compute seconds to its run, billing on or off. With 
 A run on the CPU (device `cpu`) is charged its compute seconds at SIGNAL_CPU_SECOND_RATE and has no GPU-seconds;
 a run on a GPU is charged GPU-seconds (compute seconds × the GPUs of its pool, `gpuConfig`) at
 SIGNAL_GPU_SECOND_RATE. A run older than the device column is charged as on its pool's GPUs, as it was then.
+
+A sample of a base model alone has no run. It is billed to its user (`allow_user`, `account_user`): with billing on,
+a deduction keyed `user:{user_id}:{request_id}` with an empty run_id, priced by the device of the pool's runtime; its
+compute seconds are in that outbox row only. No run's `compute_seconds` grows, and with billing off they are not kept.
 """
 
 from __future__ import annotations
@@ -82,6 +86,11 @@ def billing_key(run_id: str, request_id: str) -> str:
     return f"{run_id}:{request_id}"
 
 
+def user_key(user_id: str, request_id: str) -> str:
+    """A call on no run's idempotency key for billing (a base-model sample)."""
+    return f"user:{user_id}:{request_id}"
+
+
 class Ledger:
     def __init__(self, db: Database, rates: Rates, billing: BillingClient | None = None) -> None:
         self.db = db
@@ -131,6 +140,38 @@ class Ledger:
             return  # another server process recorded this key first
         if self.billing is not None:
             self.billing.drain_soon()
+
+    async def allow_user(self, user: User, operation: str, request_id: str | None, base_model: str,
+                         gpu_config: str) -> str | None:
+        """`allow` for a call on no run (a base-model sample): asked about as the user's, on the pool's GPUs."""
+        if self.billing is None:
+            return request_id
+        request_id = request_id or new_id()
+        async with self.db.session() as session:
+            charged = await session.get(BillingOutbox, user_key(user.id, request_id))
+        if charged is None:
+            gpu_type, count = hardware("", gpu_config)
+            await self.billing.validate(self._ask(user, operation, "", base_model, "", gpu_type, count))
+        return request_id
+
+    async def account_user(self, user: User, operation: str, request_id: str | None, result: dict[str, Any],
+                           device: str, gpu_config: str) -> None:
+        """Owe a call on no run, once, to the user (billing on); there is no run to add its seconds to."""
+        if self.billing is None or request_id is None:
+            return
+        seconds = max(float(result.get("compute_seconds") or 0.0), 0.0)
+        owed = charge(Run(device=device, gpu_config=gpu_config), seconds, self.rates)
+        try:
+            async with self.db.session() as session:
+                if await session.get(BillingOutbox, user_key(user.id, request_id)) is not None:
+                    return
+                session.add(BillingOutbox(
+                    idempotency_key=user_key(user.id, request_id), user_id=user.id, run_id="", operation=operation,
+                    compute_seconds=seconds, device=owed.device, gpu_type=owed.gpu_type, gpu_count=owed.gpu_count,
+                    gpu_seconds=owed.gpu_seconds, credits=owed.credits, created_at=utcnow(), attempts=0, last_error=""))
+        except IntegrityError:
+            return
+        self.billing.drain_soon()
 
     def _deduction(self, run: Run, operation: str, key: str, seconds: float) -> BillingOutbox:
         owed = charge(run, seconds, self.rates)

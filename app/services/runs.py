@@ -17,6 +17,7 @@ from collections import defaultdict
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
 
 from sqlalchemy import case, delete, select, update
@@ -162,6 +163,7 @@ class RunService:
         # Still needed beside tickets: a restarted runtime knows no ticket (its journal keeps none) and takes the first
         # it gets as the run's start, and results are recorded in the order calls finish. One call per run per process.
         self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+        self._devices: dict[str, str] = {}  # pool → its runtime's device, for pricing base samples
         # The SDK's numbers (seq, session): a numbered call joins its run's lock queue after its predecessor.
         self.order = CallOrder()
         # A check of another client's claim on the run before each primitive (Tinker's: app/services/tinker_sessions.py
@@ -198,9 +200,13 @@ class RunService:
             return list(await session.scalars(query))
 
     async def checkpoints(self, run: Run) -> builtins.list[Checkpoint]:
+        """The run's checkpoints and sampler snapshots; unnamed snapshots past their expiry are gone from the runtime,
+        so they are not listed."""
         async with self.db.session() as session:
             query = select(Checkpoint).where(Checkpoint.run_id == run.id).order_by(Checkpoint.id)
-            return list(await session.scalars(query))
+            now = utcnow()
+            return [row for row in await session.scalars(query)
+                    if row.expires_at is None or _aware(row.expires_at) > now]
 
     # ---- the primitives ------------------------------------------------------------------
 
@@ -278,18 +284,26 @@ class RunService:
     async def forward(self, user: User, batch: builtins.list[dict[str, Any]], run_id: str | None = None,
                       base_model: str | None = None, loss_fn: str = "cross_entropy",
                       loss_fn_config: dict[str, Any] | None = None, request_id: str | None = None,
-                      order: Numbered | None = None) -> dict[str, Any]:
-        """Losses and per-position logprobs with no backward, changing nothing: on the caller's run's current weights
-        (`run_id`, in the run's order), or on a catalogue base model alone (`base_model`, no run, nothing recorded)."""
+                      order: Numbered | None = None, snapshot: str | None = None,
+                      checkpoint: str | None = None) -> dict[str, Any]:
+        """Losses and per-position logprobs with no backward, changing nothing, on a weights source as sample's:
+        the caller's run's current weights (`run_id`, in the run's order), a snapshot of it (`snapshot`: off the
+        run's queue), or a catalogue base model alone (`base_model`, no run, nothing recorded)."""
         params = {"batch": batch, "loss_fn": loss_fn, "loss_fn_config": loss_fn_config}
+
+        async def record(run: Run, result: dict[str, Any]) -> dict[str, Any]:
+            return result  # nothing changed, so nothing to record beyond the compute seconds
+
         if run_id is not None:
             if base_model is not None:
                 raise BadInput("forward takes runId or baseModel, not both", field="baseModel")
-
-            async def record(run: Run, result: dict[str, Any]) -> dict[str, Any]:
-                return result  # nothing changed, so nothing to record beyond the compute seconds
-
+            if snapshot is not None or checkpoint is not None:
+                return await self._off_the_queue(user, run_id, "forward", request_id, params,
+                                                 {"snapshot": snapshot, "checkpoint": checkpoint}, record)
             return await self._apply(user, run_id, "forward", request_id, lambda run: params, record, order=order)
+        if snapshot is not None or checkpoint is not None:
+            raise BadInput("snapshot and checkpoint name a run's weights: give runId too",
+                           field="snapshot" if snapshot is not None else "checkpoint")
         if not base_model:
             raise BadInput("forward needs runId or baseModel", field="baseModel")
         model = self.catalog.get(base_model)
@@ -328,12 +342,18 @@ class RunService:
 
         return await self._apply(user, run_id, "optim_step", request_id, arguments, record, order=order)
 
-    async def sample(self, user: User, run_id: str, params: SampleParams,
-                     request_id: str | None = None, order: Numbered | None = None) -> dict[str, Any]:
-        """Sample from the run's weights. Each sequence becomes a sample row (the run's history on its page) unless
-        `params.store` is False: an RL step of 128 prompts x 16 samples would write 2,048 rows."""
+    async def sample(self, user: User, run_id: str | None, params: SampleParams, request_id: str | None = None,
+                     snapshot: str | None = None, checkpoint: str | None = None, base_model: str | None = None,
+                     order: Numbered | None = None) -> dict[str, Any]:
+        """Sample a run's current weights (in the run's order, under its lock), a snapshot or checkpoint of it, or a
+        base alone. Frozen sources (docs/SNAPSHOTS.md) take neither the run's lock nor a ticket: they wait for nothing
+        on the run. Each sequence becomes a sample row (the run's history on its page) when `params.store` says so
+        (None: true for current weights, false otherwise): an RL step of 128 prompts x 16 samples would write 2,048."""
+        keep = params.store if params.store is not None else (
+            run_id is not None and snapshot is None and checkpoint is None)
+
         async def record(run: Run, result: dict[str, Any]) -> dict[str, Any]:
-            if result.get("replayed") or params.store is False:
+            if result.get("replayed") or not keep:
                 return result
             stored_params = {k: v for k, v in params.engine_params().items() if k not in ("prompts", "prompt_tokens")}
             async with self.db.session() as session:
@@ -343,8 +363,80 @@ class RunService:
                                            output=sequence["text"], params=stored_params))
             return result
 
-        return await self._apply(user, run_id, "sample", request_id, lambda run: params.engine_params(), record,
-                                 order=order)
+        if run_id is None:
+            if snapshot is not None or checkpoint is not None:
+                raise BadInput("snapshot and checkpoint name a run's weights: give runId too",
+                               field="snapshot" if snapshot is not None else "checkpoint")
+            return await self._sample_base(user, base_model, params, request_id)
+        if base_model is not None:
+            raise BadInput("baseModel samples the base alone: leave runId out", field="baseModel")
+        if snapshot is None and checkpoint is None:
+            return await self._apply(user, run_id, "sample", request_id, lambda run: params.engine_params(), record,
+                                     order=order)
+        return await self._off_the_queue(user, run_id, "sample", request_id, params.engine_params(),
+                                         {"snapshot": snapshot, "checkpoint": checkpoint}, record)
+
+    async def _off_the_queue(self, user: User, run_id: str, method: str, request_id: str | None,
+                             params: dict[str, Any], source: dict[str, Any],
+                             record: Callable[[Run, dict[str, Any]], Awaitable[dict[str, Any]]]) -> dict[str, Any]:
+        """A call on a run's frozen weights (a snapshot or checkpoint: docs/SNAPSHOTS.md): owned and billed like the
+        run's calls, but it takes neither the run's lock nor a ticket, so it waits for nothing queued on the run."""
+        run = await self.get(user, run_id)
+        with _fields_renamed(lambda field: field):
+            parse_call(method, {"run_id": run.id, **params, **source, "request_id": request_id})
+        request_id = await self.ledger.allow(user, run, method, request_id)
+
+        async def work() -> dict[str, Any]:
+            result = await self._on_run(run, method, **params, **source, request_id=request_id)
+            await self.ledger.account(run, method, request_id, result)
+            return await record(run, result)
+
+        return await asyncio.shield(asyncio.ensure_future(work()))  # recorded even if the caller goes away
+
+    async def _sample_base(self, user: User, base_model: str | None, params: SampleParams,
+                           request_id: str | None) -> dict[str, Any]:
+        """The base alone: no run, so no lock, no ticket and no history; billed to the user (Ledger.account_user)."""
+        model = self.catalog.get(base_model or self.default_model)
+        gpu_config = self.catalog.resolve_gpu(model, None, None)
+        pool = pool_key(model.name, gpu_config, None)
+        engine_params = {**params.engine_params(), "base_model": model.source, "user_id": user.id}
+        with _fields_renamed(lambda field: field):
+            parse_call("sample", {**engine_params, "request_id": request_id})
+        request_id = await self.ledger.allow_user(user, "sample", request_id, model.name, gpu_config)
+
+        async def work() -> dict[str, Any]:
+            result = await self._engine("sample", pool=pool, **engine_params, request_id=request_id)
+            await self.ledger.account_user(user, "sample", request_id, result, await self._device(pool), gpu_config)
+            return result
+
+        return await asyncio.shield(asyncio.ensure_future(work()))
+
+    async def _device(self, pool: str) -> str:
+        """The device a pool's runtime computes on (its ping), asked once per pool: what a base sample is priced by."""
+        if pool not in self._devices:
+            self._devices[pool] = str((await self.backend.call("ping", pool=pool)).get("device") or "")
+        return self._devices[pool]
+
+    async def save_weights_for_sampler(self, user: User, run_id: str, name: str | None = None,
+                                       request_id: str | None = None, order: Numbered | None = None) -> dict[str, Any]:
+        """Freeze the run's weights as they are after its calls before this one (in the run's order). A named
+        snapshot gets a `checkpoints` row (mode "sampler"), so it is listed and downloadable; an unnamed one gets a
+        row with its expiry, dropped by listing once it is past."""
+
+        async def record(run: Run, result: dict[str, Any]) -> dict[str, Any]:
+            async with self.db.session() as session:
+                row = await session.scalar(select(Checkpoint).where(
+                    Checkpoint.run_id == run.id, Checkpoint.mode == "sampler", Checkpoint.name == result["name"]))
+                if row is None:
+                    row = Checkpoint(run_id=run.id, mode="sampler", name=result["name"])
+                    session.add(row)
+                row.step, row.path, row.size_bytes = int(result["step"]), result["path"], int(result["size_bytes"])
+                expires = result.get("expires_in_seconds")
+                row.expires_at = None if expires is None else utcnow() + timedelta(seconds=float(expires))
+            return result
+
+        return await self._apply(user, run_id, "save_weights_for_sampler", request_id, lambda run: {"name": name},
+                                 record, order=order)
 
     async def tokenizer(self, user: User, run_id: str | None = None, base_model: str | None = None) -> dict[str, Any]:
         """The tokenizer of a run's base (the caller's run) or of a catalogue model (default: the server's): its id,
@@ -358,15 +450,21 @@ class RunService:
         pool = pool_key(model.name, self.catalog.resolve_gpu(model, None, None), None)
         return await self._engine("tokenizer", pool=pool, base_model=model.source)
 
-    async def render_chat(self, run: Run, messages: builtins.list[dict[str, str]] | None = None,
-                          prompts: builtins.list[str] | None = None,
-                          decode: builtins.list[int] | None = None) -> dict[str, Any]:
-        """On the caller's run's base (ownership checked by `get`): messages through its chat template as token ids,
-        text `prompts` as ids, and `decode`'s ids as text, one each: the OpenAI endpoint's tokenizer work. No run
-        queue, no credits."""
-        params = {"run_id": run.id, "messages": messages, "prompts": prompts, "decode": decode}
+    async def render_chat(self, run: Run | None, messages: builtins.list[dict[str, str]] | None = None,
+                          prompts: builtins.list[str] | None = None, decode: builtins.list[int] | None = None,
+                          base_model: str | None = None) -> dict[str, Any]:
+        """On the caller's run's base (ownership checked by `get`), or a catalogue model's (`base_model`, run None):
+        messages through its chat template as token ids, text `prompts` as ids, and `decode`'s ids as text, one
+        each: the OpenAI endpoint's tokenizer work. No run queue, no credits."""
+        params: dict[str, Any] = {"messages": messages, "prompts": prompts, "decode": decode}
+        if run is not None:
+            params["run_id"], pool = run.id, pool_of(run)
+        else:
+            model = self.catalog.get(base_model or self.default_model)
+            params["base_model"], pool = model.source, pool_key(model.name, self.catalog.resolve_gpu(model, None, None),
+                                                                None)
         parse_call("render_chat", params)
-        return await self._engine("render_chat", pool=pool_of(run), **params)
+        return await self._engine("render_chat", pool=pool, **params)
 
     async def save_state(self, user: User, run_id: str, mode: str = "adapter", push_to_hub: bool = False,
                          hub_model_id: str | None = None, request_id: str | None = None,
@@ -576,6 +674,11 @@ class RunService:
             await session.flush()  # their ids, for the announcement
             await self.feed.announce(session, run_id, [row.id for row in rows])
         self.feed.written()
+
+
+def _aware(moment: datetime) -> datetime:
+    """SQLite hands datetimes back naive (they were stored as UTC)."""
+    return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
 
 
 def _decode_archive(result: dict[str, Any]) -> bytes:

@@ -34,6 +34,7 @@ from gpu_runtime.contract.calls import (
     RuntimeState,
     Sample,
     SaveState,
+    SaveWeightsForSampler,
     Tokenizer,
     parse_call,
 )
@@ -48,6 +49,7 @@ from gpu_runtime.contract.results import (
     RunDescription,
     SampleResult,
     SaveStateResult,
+    SaveWeightsForSamplerResult,
     TokenizerResult,
 )
 from gpu_runtime.contract.settings import (
@@ -90,6 +92,7 @@ from gpu_runtime.contract.settings import (
     check_checkpoint_name,
     check_id,
     check_request_id,
+    check_snapshot_name,
     check_text,
     checkpoint_ref,
     default_checkpoint_name,
@@ -117,5 +120,6 @@ __all__ = [
     "switched_target_modules", "target_families", "MAX_TOPK_LOGPROBS", "Tokenizer", "TokenizerResult",
     "sampling_prompts", "stop_settings", "DATUM_INPUTS", "DATUM_KEYS", "DEFAULT_REDUCTION", "Forward",
     "ForwardResult", "LOSS_CONFIG_DEFAULTS", "REDUCTIONS", "PACKED_KEY", "PACKED_TOKENS", "RL_LOSSES", "RenderDatums",
-    "RenderDatumsResult", "loss_settings", "RenderChat", "RenderChatResult",
+    "RenderDatumsResult", "loss_settings", "RenderChat", "RenderChatResult", "SaveWeightsForSampler",
+    "SaveWeightsForSamplerResult", "check_snapshot_name",
 ]

@@ -24,6 +24,7 @@ from gpu_runtime.contract.settings import (
     check_checkpoint_name,
     check_id,
     check_request_id,
+    check_snapshot_name,
     checkpoint_ref,
     lora_settings,
     loss_settings,
@@ -50,6 +51,7 @@ class Method(enum.StrEnum):
     CLOSE_RUN = "close_run"
     DELETE_RUN = "delete_run"
     EXPORT_CHECKPOINT = "export_checkpoint"
+    SAVE_WEIGHTS_FOR_SAMPLER = "save_weights_for_sampler"
     LOAD_STATE = "load_state"
     DELETE_CHECKPOINT = "delete_checkpoint"
     PING = "ping"
@@ -157,11 +159,14 @@ class ForwardBackward(RunCall):
 @dataclass(frozen=True, kw_only=True)
 class Forward(Call):
     """The loss and per-position logprobs of a batch, with no backward: nothing of the run changes (no gradient,
-    no dropout, no counter). Its weights: `run_id`'s current ones, or with run_id None the base model alone."""
+    no dropout, no counter). Its weights, as a sample's (gpu_runtime/weights_sources.py): `run_id`'s current ones
+    (in the run's queue), `run_id` + `snapshot` (frozen: off the queue), or with run_id None the base model alone."""
 
     method = Method.FORWARD
     batch: list[dict[str, Any]]
     run_id: str | None = None
+    snapshot: str | None = None  # a sampler snapshot's name on the run (save_weights_for_sampler)
+    checkpoint: str | None = None  # a training checkpoint's name on the run (not readable yet: refused)
     base_model: str | None = None  # with run_id None: the base to run (rows reach no adapter)
     user_id: str | None = None  # with run_id None: whose call it is
     loss_fn: str = DEFAULT_LOSS_FN
@@ -170,16 +175,14 @@ class Forward(Call):
 
     def validate(self) -> None:
         check_request_id(self.request_id)
-        if self.run_id is not None:
-            check_id(self.run_id, "run_id")
-            if self.base_model is not None:
-                raise BadInput("forward takes run_id or base_model, not both", field="base_model")
-        else:
-            if not isinstance(self.base_model, str) or not self.base_model:
-                raise BadInput("forward needs run_id, or base_model with user_id", field="base_model")
-            check_id(self.user_id, "user_id")
+        check_weights_source(self)
         _check_batch(self.batch)
         loss_settings(self.loss_fn, self.loss_fn_config)
+
+    @property
+    def frozen(self) -> bool:
+        """On a snapshot or checkpoint: off the run's queue, like such a sample (a base alone rides the system lane)."""
+        return self.run_id is not None and (self.snapshot is not None or self.checkpoint is not None)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -212,10 +215,19 @@ class OptimStep(RunCall):
 
 
 @dataclass(frozen=True, kw_only=True)
-class Sample(RunCall):
+class Sample(Call):
+    """Sampling from one weights source (gpu_runtime/weights_sources.py): `run_id` alone (the run's current weights,
+    in its queue), `run_id` + `snapshot` or `checkpoint` (frozen weights: off the run's queue), or no `run_id` and
+    `base_model` + `user_id` (the base alone)."""
+
     method = Method.SAMPLE
     prompts: list[str] | None = None  # exactly one of prompts (text) and prompt_tokens (token ids)
     prompt_tokens: list[list[int]] | None = None
+    run_id: str | None = None
+    snapshot: str | None = None  # a sampler snapshot's name on the run (save_weights_for_sampler)
+    checkpoint: str | None = None  # a training checkpoint's name on the run
+    base_model: str | None = None  # with run_id None: the base alone
+    user_id: str | None = None  # whose base-model sample it is (billing, fair turns)
     max_tokens: int = SAMPLE_DEFAULTS["max_tokens"]
     temperature: float = SAMPLE_DEFAULTS["temperature"]
     top_p: float = SAMPLE_DEFAULTS["top_p"]
@@ -229,9 +241,14 @@ class Sample(RunCall):
     request_id: str | None = None
 
     def validate(self) -> None:
-        super().validate()
+        check_weights_source(self)
         check_request_id(self.request_id)
         self.settings()
+
+    @property
+    def frozen(self) -> bool:
+        """Whether its weights never change under it (a snapshot, a checkpoint, a base): then it is off the run's queue."""
+        return self.run_id is None or self.snapshot is not None or self.checkpoint is not None
 
     def settings(self) -> tuple[list[str] | list[list[int]], SamplingSettings]:
         """The prompts (text, or token ids when prompt_tokens is set) and the checked settings."""
@@ -262,6 +279,22 @@ class Tokenizer(Call):
     @property
     def run(self) -> str | None:
         return None  # reads the run's base, never its state: it waits on no run's calls
+
+
+@dataclass(frozen=True, kw_only=True)
+class SaveWeightsForSampler(RunCall):
+    """Freeze the run's current adapter as a read-only snapshot (docs/SNAPSHOTS.md); in the run's queue, so it sees
+    the weights after every call before it. `name` None: a generated name, and the snapshot expires."""
+
+    method = Method.SAVE_WEIGHTS_FOR_SAMPLER
+    name: str | None = None
+    request_id: str | None = None
+
+    def validate(self) -> None:
+        super().validate()
+        check_request_id(self.request_id)
+        if self.name is not None:
+            check_snapshot_name(self.name, "name")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -401,6 +434,8 @@ class ExportCheckpoint(RunCall):
             check_checkpoint_name(self.name)
         if self.mode not in CHECKPOINT_KINDS:  # a sampler snapshot downloads like a checkpoint
             raise BadInput(f"mode must be one of {list(CHECKPOINT_KINDS)}, got {self.mode!r}", field="mode")
+        if self.mode == "sampler" and self.name is None:  # a snapshot's key is its name, never its step
+            raise BadInput("a sampler snapshot is exported by its name", field="name")
         if isinstance(self.step, bool) or not isinstance(self.step, int) or self.step < 0:
             raise BadInput(f"step must be a non-negative integer, got {self.step!r}", field="step")
 
@@ -417,8 +452,30 @@ class RuntimeState(Call):
 
 CALLS: dict[Method, type[Call]] = {cls.method: cls for cls in (
     CreateRun, ForwardBackward, Forward, RenderDatums, OptimStep, Sample, SaveState, LoadRun, RunInfo, CloseRun,
-    DeleteRun, ExportCheckpoint, LoadState, DeleteCheckpoint, Ping, RuntimeState, Tokenizer, RenderChat)}
+    DeleteRun, ExportCheckpoint, LoadState, DeleteCheckpoint, SaveWeightsForSampler, Ping, RuntimeState, Tokenizer,
+    RenderChat)}
 SYSTEM_CALLS = (Ping, RuntimeState, Tokenizer, RenderChat)  # calls on no run: answered first, at the next tick
+
+
+def check_weights_source(call: Any) -> None:
+    """One weights source (the issue's decision): run_id [+ snapshot | checkpoint], or base_model + user_id alone."""
+    if call.run_id is None:
+        if call.snapshot is not None or call.checkpoint is not None:
+            field = "snapshot" if call.snapshot is not None else "checkpoint"
+            raise BadInput(f"{field} names a run's weights: give run_id too", field=field)
+        if not isinstance(call.base_model, str) or not call.base_model:
+            raise BadInput("give run_id (a run's weights) or base_model and user_id (the base alone)",
+                           field="base_model")
+        check_id(call.user_id, "user_id")
+        return
+    check_id(call.run_id, "run_id")
+    if call.base_model is not None:
+        raise BadInput("base_model is for the base alone, without run_id", field="base_model")
+    if call.snapshot is not None and call.checkpoint is not None:
+        raise BadInput("give one of snapshot and checkpoint, not both", field="checkpoint")
+    for field in ("snapshot", "checkpoint"):
+        if getattr(call, field) is not None:
+            check_snapshot_name(getattr(call, field), field)
 
 
 def parse_call(method: Any, params: Any) -> Call:

@@ -144,6 +144,21 @@ class LoadStateResult(Result):
 
 
 @dataclass(frozen=True, kw_only=True)
+class SaveWeightsForSamplerResult(Result):
+    """A sampler snapshot: sample from it with run_id + snapshot=name (docs/SNAPSHOTS.md)."""
+
+    run_id: str
+    name: str
+    step: int  # the run's step when it was frozen
+    named: bool  # named: persisted under the run's directory; unnamed: expires after `expires_in_seconds`
+    path: str  # named: its directory (a PEFT adapter); unnamed: "" (memory only)
+    size_bytes: int
+    expires_in_seconds: float | None = None
+    compute_seconds: float = 0.0
+    replayed: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
 class RunDescription(Result):
     """create_run, run_info and load_run: a run as the runtime holds it."""
 

@@ -446,6 +446,7 @@ class RuntimeOptions:
     base_idle_seconds: float = 900.0  # a base with no resident runs is unloaded after this long idle
     local_ranks: int = 1  # rank processes of the pool: N > 1 shards each base with FSDP (N GPUs, or N CPU processes)
     rank_timeout_seconds: float = 300.0  # a collective that waits longer means a hung rank: every rank stops
+    unnamed_snapshot_seconds: float = 3600.0  # an unnamed sampler snapshot expires this long after it was made
     min_free_disk_bytes: int = 64 * 1024**2  # below this free space, calls that write are refused (RESOURCE_EXHAUSTED)
 
     def __post_init__(self) -> None:
@@ -466,6 +467,17 @@ class RuntimeOptions:
         if unknown:
             raise BadInput(f"unknown runtime options {unknown}; known: {sorted(known)}", field=unknown[0])
         return cls(**data)
+
+
+SNAPSHOT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")  # a path segment: no slashes, no "..", no "@"
+
+
+def check_snapshot_name(value: Any, field: str) -> str:
+    """A snapshot's or checkpoint's name: it becomes a directory name and half of a routing key ("<run>@<name>")."""
+    if not isinstance(value, str) or not SNAPSHOT_NAME.match(value) or ".." in value:
+        raise BadInput(f"{field} must be 1-128 letters, digits, '.', '_' or '-' (starting with a letter or digit), "
+                       f"got {value!r}", field=field)
+    return value
 
 
 # ---- shared checks ----------------------------------------------------------------------------

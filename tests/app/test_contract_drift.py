@@ -31,6 +31,7 @@ MUTATIONS: list[tuple[str, type[contract.Call]]] = [
     ("optimStep", contract.OptimStep),
     ("sample", contract.Sample),
     ("saveState", contract.SaveState),
+    ("saveWeightsForSampler", contract.SaveWeightsForSampler),
     ("loadState", contract.LoadState),
 ]
 # Arguments GraphQL takes that the runtime's request does not, and why.

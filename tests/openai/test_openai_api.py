@@ -186,8 +186,8 @@ def test_errors(live_server: LiveServer, client: openai.OpenAI, owner: tuple[str
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve(foreign)
     with pytest.raises(openai.NotFoundError) as snapshot:
-        client.completions.create(model=f"{owner[1]}@snap", prompt="x", max_tokens=1)
-    assert "snapshot" in snapshot.value.message
+        client.completions.create(model=f"{owner[1]}@never-saved", prompt="x", max_tokens=1)
+    assert "save_weights_for_sampler" in snapshot.value.message
     bad_key = openai.OpenAI(api_key="sk-nope", base_url=f"{live_server.url}/v1", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad_key.models.list()
@@ -196,3 +196,28 @@ def test_errors(live_server: LiveServer, client: openai.OpenAI, owner: tuple[str
     big = httpx.post(f"{live_server.url}/v1/completions", content=b"x" * (2 * 1024 * 1024),
                      headers={"Authorization": f"Bearer {owner[0]}", "Content-Type": "application/json"})
     assert big.status_code == 413 and big.json()["error"]["code"] == "request_too_large"
+
+
+def test_a_snapshot_and_a_base_model_are_models_too(live_server: LiveServer, tiny_model_dir: str) -> None:
+    """`{run_id}@{name}` samples a sampler snapshot (which keeps its weights while the run trains on), a catalogue
+    name the base alone; /v1/models lists both beside the run."""
+    key = live_server.new_user()
+    run = SignalClient(api_key=key, base_url=live_server.url).create_run(lora_r=4, learning_rate=0.05, seed=2)
+    batch = [{"input": "The sky is", "output": " blue and wide."}]
+    run.forward_backward(batch=batch)
+    run.optim_step()
+    run.save_weights_for_sampler(name="s1")
+    client = openai.OpenAI(api_key=key, base_url=f"{live_server.url}/v1", max_retries=0)
+    ids = [m.id for m in client.models.list().data]
+    assert {run.id, f"{run.id}@s1", "tiny-llama"} <= set(ids)
+    ask = {"prompt": "The sky is", "max_tokens": 6, "temperature": 0, "extra_body": {"return_token_ids": True}}
+    frozen = client.completions.create(model=f"{run.id}@s1", **ask)
+    expected = run.sample(prompts=["The sky is"], max_tokens=6, temperature=0.0, snapshot="s1")
+    assert frozen.choices[0].text == expected["outputs"][0]
+    for _ in range(3):  # the run trains on; its snapshot does not move
+        run.forward_backward(batch=batch)
+        run.optim_step()
+    assert client.completions.create(model=f"{run.id}@s1", **ask).choices[0].text == frozen.choices[0].text
+    base = client.completions.create(model="tiny-llama", **ask)
+    fresh = SignalClient(api_key=key, base_url=live_server.url).create_run(lora_r=4)  # LoRA B starts at zero
+    assert base.choices[0].text == fresh.sample(prompts=["The sky is"], max_tokens=6, temperature=0.0)["outputs"][0]

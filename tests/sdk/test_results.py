@@ -14,10 +14,11 @@ from rewardsignal.results import CheckpointResult, ForwardBackwardResult, OptimS
 from tests.helpers.live_server import LiveServer
 
 KEYS: dict[str, set[str]] = {
-    "forward_backward": {"loss", "num_tokens", "num_examples", "step"},
+    "forward_backward": {"loss", "num_tokens", "num_examples", "step", "reduction"},
     "optim_step": {"step", "grad_norm", "learning_rate"},
-    "sample": {"outputs", "sequences"},
-    "save_state": {"id", "step", "mode", "checkpoint_path", "size_bytes", "hub_url", "created_at", "download_url"},
+    "sample": {"outputs", "prompt_tokens", "step", "prompt_logprobs", "topk_prompt_logprobs", "sequences"},
+    "save_state": {"id", "step", "mode", "name", "path", "checkpoint_path", "size_bytes", "hub_url", "created_at",
+                   "download_url"},
 }
 TYPES: dict[str, type[Result]] = {"forward_backward": ForwardBackwardResult, "optim_step": OptimStepResult,
                                   "sample": SampleResult, "save_state": CheckpointResult}
