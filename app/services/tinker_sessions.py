@@ -21,7 +21,7 @@ from gpu_runtime.errors import FailedPrecondition
 tinker_call: contextvars.ContextVar[bool] = contextvars.ContextVar("tinker_call", default=False)
 # A session drives its runs while it heartbeats (the SDK sends one every 10 s) and has not finished.
 DRIVING = timedelta(minutes=2)
-READS = {"sample", "forward"}
+READS = {"sample", "forward", "save_weights_for_sampler"}  # freezing weights changes nothing either
 
 FINISHED = "finished"
 

@@ -9,8 +9,8 @@ from app.errors import BadInput
 
 NAME = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 # Tinker's kind → Signal's checkpoint mode. A training checkpoint is a resumable state (adapter + AdamW); a sampler
-# checkpoint is an adapter export (until sampler snapshots land on main: docs/TINKER.md).
-MODES = {"weights": "state", "sampler_weights": "adapter"}
+# checkpoint is a named sampler snapshot (docs/SNAPSHOTS.md): the weights frozen at its seq_id.
+MODES = {"weights": "state", "sampler_weights": "sampler"}
 
 
 @dataclass(frozen=True)

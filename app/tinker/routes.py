@@ -326,22 +326,26 @@ async def save(request: Request, user: User, kind: str) -> dict[str, Any]:
     request_type = "SaveWeights" if kind == "weights" else "SaveWeightsForSampler"
 
     async def work(request_id: str) -> tuple[str, bytes]:
-        if ephemeral:
-            # No snapshot yet on main: the session samples the run's current weights (docs/TINKER.md). Its number
-            # still joins the model's order, so the operations after it go on.
+        run = await svc.runs.get(user, model.run_id or "")
+        if ephemeral:  # an unnamed snapshot (memory only, expiring), sampled through a sampling session
             sampling_seq = integer(data.get("sampling_session_seq_id"), "sampling_session_seq_id")
             the_id = sampling_session_id(session_of(model.id), sampling_seq)
-            await release(svc, model, seq)
-            await svc.tinker_sessions.map(user, the_id, model.session_id, "sample", model.run_id, model.base_model)
+            saved = await ordered(svc, model, seq, lambda order, rid: svc.runs.save_weights_for_sampler(
+                user, run.id, name=None, request_id=rid, order=order), request_id)
+            await svc.tinker_sessions.map(user, the_id, model.session_id, "sample", run.id, model.base_model,
+                                          f"tinker://{model.id}/sampler_weights/{saved['name']}")
             return json_answer({"sampling_session_id": the_id, "type": "save_weights_for_sampler"})
         target = paths.TinkerPath(model.id, kind, name or "")
-        run = await svc.runs.get(user, model.run_id or "")
         existing = {(c.mode, c.name) for c in await svc.runs.checkpoints(run)}
         if (target.mode, target.name) in existing and not overwrite:
             raise BadInput(f"checkpoint {target.path} exists; pass overwrite=True to replace it", field="path")
-        await ordered(svc, model, seq, lambda order, rid: svc.runs.save_state(
-            user, run.id, mode=target.mode, name=target.name, with_optimizer=True if target.mode == "state" else None,
-            request_id=rid, order=order), request_id)
+        if kind == "sampler_weights":  # a named snapshot: the weights at this seq_id, kept until deleted
+            await ordered(svc, model, seq, lambda order, rid: svc.runs.save_weights_for_sampler(
+                user, run.id, name=target.name, request_id=rid, order=order), request_id)
+        else:
+            await ordered(svc, model, seq, lambda order, rid: svc.runs.save_state(
+                user, run.id, mode=target.mode, name=target.name, with_optimizer=True, request_id=rid, order=order),
+                request_id)
         return json_answer({"path": target.path, "type": "save_weights" if kind == "weights" else
                             "save_weights_for_sampler"})
 
@@ -365,15 +369,19 @@ async def create_sampling_session(request: Request, user: User) -> dict[str, Any
     session_id = str(data.get("session_id", ""))
     await svc.tinker_sessions.open(user, session_id)
     seq = integer(data.get("sampling_session_seq_id"), "sampling_session_seq_id")
-    if data.get("model_path") is None:
-        raise BadInput("sampling a base model alone (base_model without model_path) is not supported yet",
-                       field="base_model")
+    the_id = sampling_session_id(session_id, seq)
+    if data.get("model_path") is None:  # the base alone
+        base_model = data.get("base_model")
+        if not isinstance(base_model, str) or not base_model:
+            raise BadInput("create_sampling_session needs model_path or base_model", field="base_model")
+        svc.catalog.get(base_model)  # an unknown name is the caller's error now, not at the first sample
+        await svc.tinker_sessions.map(user, the_id, session_id, "sample", None, base_model)
+        return {"sampling_session_id": the_id, "type": "create_sampling_session"}
     source = paths.parse(data["model_path"], "model_path")
     model = await svc.tinker_sessions.model(user, source.model_id)
     run = await svc.runs.get(user, model.run_id or "")
     if (source.mode, source.name) not in {(c.mode, c.name) for c in await svc.runs.checkpoints(run)}:
         raise BadInput(f"model_path: {source.path} not found", field="model_path")
-    the_id = sampling_session_id(session_id, seq)
     await svc.tinker_sessions.map(user, the_id, session_id, "sample", run.id, model.base_model, source.path)
     return {"sampling_session_id": the_id, "type": "create_sampling_session"}
 
@@ -423,12 +431,20 @@ async def asample(request: Request, user: User) -> dict[str, Any]:
     num_samples = integer(data.get("num_samples", 1), "num_samples", 1)
     context_length = None
     if (data.get("sampling_params") or {}).get("max_tokens") is None:
-        run = await svc.runs.get(user, sampler.run_id or "")
-        context_length = svc.catalog.get(run.base_model).context_length
+        base = sampler.base_model if sampler.run_id is None else (await svc.runs.get(user, sampler.run_id)).base_model
+        context_length = svc.catalog.get(base).context_length
     params = sample_params(data, context_length)
+    # The weights: a sampler snapshot (named or the ephemeral one), a training checkpoint, or the base alone.
+    snapshot = checkpoint = base_model = None
+    if sampler.run_id is None:
+        base_model = sampler.base_model
+    elif sampler.model_path:
+        kind, name = sampler.model_path.rsplit("/", 2)[-2:]
+        snapshot, checkpoint = (name, None) if kind == "sampler_weights" else (None, name)
 
     async def work(request_id: str) -> tuple[str, bytes]:
-        result = await svc.runs.sample(user, sampler.run_id or "", params, request_id=request_id)
+        result = await svc.runs.sample(user, sampler.run_id, params, request_id=request_id, snapshot=snapshot,
+                                       checkpoint=checkpoint, base_model=base_model)
         prompt_logprobs = (result.get("prompt_logprobs") or [None])[0] if params.prompt_logprobs else None
         return PROTO_TYPE, proto.encode_sample_response(result["sequences"][0], prompt_logprobs)
 

@@ -351,3 +351,24 @@ def test_signals_own_mutations_on_a_tinker_run_are_refused(live_server: LiveServ
     assert training.model_id.split(":")[0] in refused["errors"][0]["message"]
     training.forward_backward([datum(TOKENS, weights=[1.0] * 9)], "cross_entropy").result()  # Tinker's own go on
     assert training.optim_step(tinker.types.AdamParams(learning_rate=1e-3)).result().metrics["step"] == 1.0
+
+
+def test_a_sampler_keeps_its_snapshot_while_training_goes_on(service_client: Any, training: Any) -> None:
+    """save_weights_for_sampler freezes the weights at its seq_id (a sampler snapshot): greedy tokens and logprobs
+    from it stay the same after two more steps, while a new sampler sees the trained weights."""
+    from tinker import types
+
+    prompt, greedy = types.ModelInput.from_ints(TOKENS[:4]), types.SamplingParams(max_tokens=6, temperature=0.0,
+                                                                                  stop=[])
+    frozen = training.save_weights_and_get_sampling_client().result()
+    before = frozen.sample(prompt=prompt, num_samples=1, sampling_params=greedy).result().sequences[0]
+    for _ in range(2):
+        training.forward_backward([datum(TOKENS, weights=[1.0] * 9)], "cross_entropy")
+        training.optim_step(types.AdamParams(learning_rate=0.05)).result()
+    after = frozen.sample(prompt=prompt, num_samples=1, sampling_params=greedy).result().sequences[0]
+    assert after.tokens == before.tokens and after.logprobs == pytest.approx(before.logprobs, abs=1e-5)
+    fresh = training.save_weights_and_get_sampling_client().result()
+    trained = fresh.sample(prompt=prompt, num_samples=1, sampling_params=greedy).result().sequences[0]
+    assert max(abs(a - b) for a, b in zip(trained.logprobs, before.logprobs)) > 1e-4 or trained.tokens != before.tokens
+    base = service_client.create_sampling_client(base_model=TINY_MODEL).result()  # the base alone
+    assert len(base.sample(prompt=prompt, num_samples=2, sampling_params=greedy).result().sequences) == 2
