@@ -314,8 +314,8 @@ async def optim_step(request: Request, user: User) -> dict[str, Any]:
 
 
 async def save(request: Request, user: User, kind: str) -> dict[str, Any]:
-    """save_weights (a resumable training checkpoint) and save_weights_for_sampler (named: an adapter export;
-    ephemeral: a sampling session on the run)."""
+    """save_weights (a resumable training checkpoint) and save_weights_for_sampler (a sampler snapshot: named, or
+    unnamed behind a new sampling session)."""
     data = await body(request)
     svc = services(request)
     model = await svc.tinker_sessions.model(user, str(data.get("model_id", "")), live=True)
