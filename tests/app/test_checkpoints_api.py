@@ -3,7 +3,6 @@ createRun(fromCheckpoint), listing, download and deleteCheckpoint; another user'
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -12,19 +11,10 @@ import pytest
 from rewardsignal import SignalClient
 from rewardsignal.errors import SignalAPIError
 from tests.helpers.live_server import LiveServer, error_code
-from tests.helpers.modal_server import LOCAL_WARNING, modal_live_server
+from tests.helpers.modal_server import LOCAL_WARNING, live_server_on_both_backends  # noqa: F401 - the fixture: every test on both backends
 
 pytestmark = pytest.mark.filterwarnings(LOCAL_WARNING)
 
-
-@pytest.fixture(scope="module", params=["local", "modal"])
-def live_server(request: pytest.FixtureRequest, live_server: LiveServer, tiny_model_dir: str,
-                tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    """On the local runtime, and on the Modal backend's offline path (the same runtime in a Modal class)."""
-    if request.param == "local":
-        yield live_server
-    else:
-        yield from modal_live_server(tiny_model_dir, tmp_path_factory)
 
 BATCH = [{"input": "The quick brown fox", "output": " jumps over the lazy dog."},
          {"text": "Machine learning is transforming technology."}]

@@ -3,26 +3,16 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from rewardsignal import AsyncSignalClient, SignalClient
 from tests.helpers.live_server import TINY_MODEL, LiveServer, error_code
-from tests.helpers.modal_server import LOCAL_WARNING, modal_live_server
+from tests.helpers.modal_server import LOCAL_WARNING, live_server_on_both_backends  # noqa: F401 - the fixture: every test on both backends
 
 pytestmark = pytest.mark.filterwarnings(LOCAL_WARNING)
 
-
-@pytest.fixture(scope="module", params=["local", "modal"])
-def live_server(request: pytest.FixtureRequest, live_server: LiveServer, tiny_model_dir: str,
-                tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    """On the local worker and on the Modal backend's offline path (the tokenizer goes to the run's pool there)."""
-    if request.param == "local":
-        yield live_server
-    else:
-        yield from modal_live_server(tiny_model_dir, tmp_path_factory)
 
 SAMPLE = ("mutation($id: ID!, $prompts: [String!], $tokens: [[Int!]!], $stop: [String!], $stopTokens: [Int!], "
           "$store: Boolean, $promptLogprobs: Boolean! = false) { sample(runId: $id, prompts: $prompts, "

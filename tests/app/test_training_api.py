@@ -4,26 +4,20 @@ offline path (the same runtime in a Modal class run by `.local()`)."""
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from rewardsignal import SignalClient
 from tests.helpers.live_server import LiveServer, error_code
-from tests.helpers.modal_server import LOCAL_WARNING, modal_live_server, runtime_data_dir
+from tests.helpers.modal_server import (  # noqa: F401 - live_server_on_both_backends: every test on both backends
+    LOCAL_WARNING,
+    live_server_on_both_backends,
+    runtime_data_dir,
+)
 
 pytestmark = pytest.mark.filterwarnings(LOCAL_WARNING)
 
-
-@pytest.fixture(scope="module", params=["local", "modal"])
-def live_server(request: pytest.FixtureRequest, live_server: LiveServer, tiny_model_dir: str,
-                tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    """This module's API tests, on the local worker and on the Modal backend's offline path."""
-    if request.param == "local":
-        yield live_server
-    else:
-        yield from modal_live_server(tiny_model_dir, tmp_path_factory)
 
 BATCH = [
     {"input": "The quick brown fox", "output": " jumps over the lazy dog."},

@@ -34,6 +34,17 @@ def modal_live_server(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFact
             server.stop()
 
 
+@pytest.fixture(scope="module", params=["local", "modal"], name="live_server")
+def live_server_on_both_backends(request: pytest.FixtureRequest, live_server: LiveServer, tiny_model_dir: str,
+                                 tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    """A module's API tests on the local runtime and on the Modal backend's offline path (the same runtime in a Modal
+    class). Imported into a test module, it overrides `live_server` there (its fixture name): every test runs on both."""
+    if request.param == "local":
+        yield live_server
+    else:
+        yield from modal_live_server(tiny_model_dir, tmp_path_factory)
+
+
 def runtime_data_dir(server: LiveServer):  # type: ignore[no-untyped-def]
     """Where the server's runtime keeps run files: the server's data dir locally, the Volume on Modal."""
     return getattr(server, "runtime_data_dir", server.settings.data_dir)
