@@ -13,10 +13,8 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import socket
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -67,41 +65,10 @@ class ThroughApi:
     """A real server (uvicorn on loopback, its own worker process, SQLite) driven by the SDK."""
 
     def __init__(self, args: argparse.Namespace, data_dir: Path) -> None:
-        import asyncio
+        from benchlib import BenchServer
 
-        import uvicorn
-        import yaml
-
-        from app.db import Database
-        from app.server import create_app
-        from app.services.keys import KeyService
-        from app.services.users import UserService
-        from app.settings import Settings
-        from rewardsignal import SignalClient
-
-        catalog = data_dir / "bench-models.yaml"
-        catalog.write_text(yaml.safe_dump({"models": [{"name": "bench-model", "path": args.model,
-                                                        "parameters": 135_000_000}]}))
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        settings = Settings(_env_file=None, data_dir=data_dir, port=port, device=args.device, models_file=catalog,
-                            default_model="bench-model", bootstrap_admin=False)
-        self.server = uvicorn.Server(uvicorn.Config(create_app(settings), host="127.0.0.1", port=port,
-                                                    log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        while not self.server.started:
-            time.sleep(0.05)
-
-        async def make_key() -> str:
-            db = Database(settings.resolved_database_url)
-            user, _ = await UserService(db).get_or_create("bench@localhost")
-            secret, _ = await KeyService(db).create(user, "bench")
-            await db.dispose()
-            return secret
-
-        self.client = SignalClient(api_key=asyncio.run(make_key()), base_url=f"http://127.0.0.1:{port}")
+        self.served = BenchServer(args.model, args.device, data_dir)
+        self.client = self.served.client
         self.run = self.client.create_run(lora_r=LORA["r"], lora_alpha=LORA["alpha"],
                                           learning_rate=ADAM["learning_rate"])
 
@@ -112,9 +79,7 @@ class ThroughApi:
 
     def close(self) -> None:
         self.run.delete()
-        self.client.close()
-        self.server.should_exit = True
-        self.thread.join(timeout=60)
+        self.served.close()
 
 
 def main() -> None:

@@ -133,3 +133,52 @@ def proc_status(pid: int | str = "self") -> dict[str, int]:
                 parts = value.split()
                 out[key] = int(parts[0]) * (1024 if len(parts) > 1 and parts[1] == "kB" else 1)
     return out
+
+
+class BenchServer:
+    """A real Signal server for a benchmark: uvicorn on loopback, its own runtime process and SQLite, the model in a
+    one-entry catalogue as the default, and an SDK client with a fresh user's key (`client`)."""
+
+    def __init__(self, model: str, device: str, data_dir: Path) -> None:
+        import asyncio
+        import socket
+        import threading
+
+        import uvicorn
+        import yaml
+
+        from app.db import Database
+        from app.server import create_app
+        from app.services.keys import KeyService
+        from app.services.users import UserService
+        from app.settings import Settings
+        from rewardsignal import SignalClient
+
+        catalog = data_dir / "bench-models.yaml"
+        catalog.write_text(yaml.safe_dump({"models": [{"name": "bench-model", "path": model,
+                                                        "parameters": 135_000_000}]}))
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        settings = Settings(_env_file=None, data_dir=data_dir, port=port, device=device, models_file=catalog,
+                            default_model="bench-model", bootstrap_admin=False)
+        self.server = uvicorn.Server(uvicorn.Config(create_app(settings), host="127.0.0.1", port=port,
+                                                    log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        while not self.server.started:
+            time.sleep(0.05)
+
+        async def make_key() -> str:
+            db = Database(settings.resolved_database_url)
+            user, _ = await UserService(db).get_or_create("bench@localhost")
+            secret, _ = await KeyService(db).create(user, "bench")
+            await db.dispose()
+            return secret
+
+        self.client = SignalClient(api_key=asyncio.run(make_key()), base_url=f"http://127.0.0.1:{port}")
+
+    def close(self) -> None:
+        self.client.close()
+        self.server.should_exit = True
+        self.thread.join(timeout=60)

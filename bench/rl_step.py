@@ -15,15 +15,12 @@ service is faster). Target >= 1.0 on CUDA (bench/gpu.sh); on CPU the ratio is re
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
-import socket
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
-from benchlib import apply_threads, common_args, emit, log, scratch_data_dir, target
+from benchlib import BenchServer, apply_threads, common_args, emit, log, scratch_data_dir, target
 
 PROMPTS = [f"Question {i}: name a colour and a number between {i} and {i + 10}.\nAnswer:" for i in range(8)]
 GROUP, NEW_TOKENS, R = 4, 32, 16
@@ -54,39 +51,8 @@ class ThroughSdk:
     """A real server (uvicorn on loopback, its runtime process, SQLite) driven by the SDK, calls pipelined."""
 
     def __init__(self, args: argparse.Namespace, data_dir: Path) -> None:
-        import uvicorn
-        import yaml
-
-        from app.db import Database
-        from app.server import create_app
-        from app.services.keys import KeyService
-        from app.services.users import UserService
-        from app.settings import Settings
-        from rewardsignal import SignalClient
-
-        catalog = data_dir / "bench-models.yaml"
-        catalog.write_text(yaml.safe_dump({"models": [{"name": "bench-model", "path": args.model,
-                                                        "parameters": 135_000_000}]}))
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        settings = Settings(_env_file=None, data_dir=data_dir, port=port, device=args.device, models_file=catalog,
-                            default_model="bench-model", bootstrap_admin=False)
-        self.server = uvicorn.Server(uvicorn.Config(create_app(settings), host="127.0.0.1", port=port,
-                                                    log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        while not self.server.started:
-            time.sleep(0.05)
-
-        async def make_key() -> str:
-            db = Database(settings.resolved_database_url)
-            user, _ = await UserService(db).get_or_create("bench@localhost")
-            secret, _ = await KeyService(db).create(user, "bench")
-            await db.dispose()
-            return secret
-
-        self.client = SignalClient(api_key=asyncio.run(make_key()), base_url=f"http://127.0.0.1:{port}")
+        self.served = BenchServer(args.model, args.device, data_dir)
+        self.client = self.served.client
         self.run = self.client.create_run(lora_r=R, lora_alpha=2 * R, learning_rate=ADAM["learning_rate"], seed=0)
 
     def step(self, seed: int) -> float:
@@ -109,9 +75,7 @@ class ThroughSdk:
 
     def close(self) -> None:
         self.run.delete()
-        self.client.close()
-        self.server.should_exit = True
-        self.thread.join(timeout=60)
+        self.served.close()
 
 
 class ByHand:
