@@ -469,12 +469,10 @@ class RuntimeOptions:
         return cls(**data)
 
 
-SNAPSHOT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")  # a path segment: no slashes, no "..", no "@"
-
-
 def check_snapshot_name(value: Any, field: str) -> str:
-    """A snapshot's or checkpoint's name: it becomes a directory name and half of a routing key ("<run>@<name>")."""
-    if not isinstance(value, str) or not SNAPSHOT_NAME.match(value) or ".." in value:
+    """A snapshot's name: a checkpoint name (CHECKPOINT_NAME: a path segment, no slashes, no "@"), and no ".."
+    anywhere, since it also becomes half of a routing key ("<run>@<name>")."""
+    if not isinstance(value, str) or not CHECKPOINT_NAME.match(value) or ".." in value:
         raise BadInput(f"{field} must be 1-128 letters, digits, '.', '_' or '-' (starting with a letter or digit), "
                        f"got {value!r}", field=field)
     return value
