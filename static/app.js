@@ -74,11 +74,11 @@
     banner.className = "alert error signed-out";
     banner.setAttribute("role", "alert");
     const text = document.createElement("strong");
-    text.textContent = "Signed out";
+    text.textContent = "Signed out.";
     const link = document.createElement("a");
     link.href = "/login?next=" + encodeURIComponent(location.pathname + location.search);
     link.textContent = "Sign in again";
-    banner.append(text, document.createTextNode(". This page stopped updating. "), link);
+    banner.append(text, document.createTextNode("This page stopped updating."), link);
     (document.querySelector("main") || document.body).prepend(banner);
   });
 })();

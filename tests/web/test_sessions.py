@@ -411,3 +411,16 @@ def test_graphiql_answers_as_the_signed_in_user_and_stores_no_key(context: Brows
     expect(page.locator(".graphiql-query-editor")).to_contain_text("me")
     stored = page.evaluate("() => Object.keys(localStorage).map(k => k + '=' + localStorage.getItem(k)).join('\\n')")
     assert "sk-" not in stored, stored
+
+
+@pytest.mark.parametrize(("value", "ok"), [(15, True), (0.05, True), (16, False), (0, False)])
+def test_streams_recheck_their_session_at_least_every_15_s(tmp_path: Path, value: float, ok: bool) -> None:
+    from pydantic import ValidationError
+
+    from app.settings import Settings
+
+    if ok:
+        assert Settings(_env_file=None, data_dir=tmp_path, session_recheck_s=value).session_recheck_s == value
+    else:
+        with pytest.raises(ValidationError, match="session_recheck_s"):
+            Settings(_env_file=None, data_dir=tmp_path, session_recheck_s=value)
