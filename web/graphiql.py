@@ -37,8 +37,8 @@ class DashboardGraphQL(SignalGraphQL):
     async def on_ws_connect(self, context: Context) -> Any:
         params = context.connection_params if isinstance(context.connection_params, dict) else {}
         websocket = context.request
-        if (bearer_from_connection_params(params) is None and context.credential.bearer is None
-                and isinstance(websocket, WebSocket)):
+        if (isinstance(websocket, WebSocket) and bearer_from_connection_params(params) is None
+                and "authorization" not in websocket.headers):
             sent = next((params[name] for name in WS_CSRF_PARAMS if name in params), None)
             if csrf_matches(websocket, sent):
                 context.credential = Credential(session_id=session_id(websocket))

@@ -77,10 +77,13 @@ async def current(conn: HTTPConnection, touch: bool = True) -> LiveSession | Non
 
 
 async def sign_in(conn: HTTPConnection, user: User) -> None:
-    # A fresh session on sign-in: nothing an attacker planted before (a CSRF token, a session id) survives it.
+    # A fresh session on sign-in: nothing an attacker planted before (a CSRF token, a session id) survives it,
+    # and a session this browser held before ends rather than living on unseen.
+    services = conn.app.state.services
+    await services.sessions.revoke(session_id(conn))
     conn.session.clear()
     agent = conn.headers.get("user-agent", "")
-    conn.session[SESSION_ID] = await conn.app.state.services.sessions.create(user, agent)
+    conn.session[SESSION_ID] = await services.sessions.create(user, agent)
     csrf_token(conn)
 
 
