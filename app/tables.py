@@ -90,6 +90,8 @@ class User(Base):
     name: Mapped[str] = mapped_column(StoredString(NAME_LENGTH), default="")
     is_admin: Mapped[bool] = mapped_column(Boolean, default=False)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    # A disabled user signs in nowhere: no dashboard session, no API key (app/services/users.py).
+    disabled: Mapped[bool] = mapped_column(Boolean, default=False)
 
 
 class ApiKey(Base):
@@ -177,6 +179,23 @@ class LoginLink(Base):
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     expires_at: Mapped[datetime] = mapped_column()
     used_at: Mapped[datetime | None] = mapped_column(default=None)
+
+
+USER_AGENT_LENGTH = 300  # a browser's User-Agent, cut to this: it only names the device on the Account page
+
+
+class DashboardSession(Base):
+    """One signed-in dashboard browser: the cookie holds a random id, this row its hash (app/services/sessions.py).
+    A cookie without a live row (unknown, revoked or expired) is signed out."""
+
+    __tablename__ = "sessions"
+    id_hash: Mapped[str] = mapped_column(String(64), primary_key=True)
+    user_id: Mapped[str] = mapped_column(USER_ID, ForeignKey("users.id", ondelete="CASCADE"), index=True)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    last_seen_at: Mapped[datetime] = mapped_column(default=utcnow)  # written at most once a minute
+    expires_at: Mapped[datetime] = mapped_column()
+    revoked_at: Mapped[datetime | None] = mapped_column(default=None)
+    user_agent: Mapped[str] = mapped_column(StoredString(USER_AGENT_LENGTH), default="")
 
 
 class LoginAttempt(Base):

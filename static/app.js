@@ -56,3 +56,29 @@
     }
   });
 })();
+
+// Session streams (issue 18 §5): a stream whose session ended sends `signed-out`, and its element's
+// sse-close="signed-out" closes it (the SSE extension would reconnect forever otherwise). Say so, with a way back.
+(function () {
+  "use strict";
+  document.addEventListener("htmx:sseClose", (event) => {
+    if (!event.detail || event.detail.type !== "message") return;
+    for (const state of document.querySelectorAll(".live-state")) {
+      state.dataset.state = "signed-out";
+      const label = state.querySelector(".label");
+      if (label) label.textContent = "Signed out";
+    }
+    if (document.getElementById("signed-out")) return;
+    const banner = document.createElement("div");
+    banner.id = "signed-out";
+    banner.className = "alert error signed-out";
+    banner.setAttribute("role", "alert");
+    const text = document.createElement("strong");
+    text.textContent = "Signed out.";
+    const link = document.createElement("a");
+    link.href = "/login?next=" + encodeURIComponent(location.pathname + location.search);
+    link.textContent = "Sign in again";
+    banner.append(text, document.createTextNode("This page stopped updating."), link);
+    (document.querySelector("main") || document.body).prepend(banner);
+  });
+})();

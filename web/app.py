@@ -7,7 +7,7 @@ from starlette.routing import BaseRoute, Mount
 from starlette.staticfiles import StaticFiles
 
 from app.settings import Settings
-from web import auth, keys, pages, playground, runs
+from web import account, auth, keys, pages, playground, runs
 from web.csrf import CSRFMiddleware
 from web.paths import STATIC
 from web.security_headers import SecurityHeaders
@@ -15,7 +15,7 @@ from web.session import session_middleware
 
 
 def routes() -> list[BaseRoute]:
-    return [*pages.routes, *auth.routes, *keys.routes, *runs.routes, *playground.routes,
+    return [*pages.routes, *auth.routes, *keys.routes, *runs.routes, *playground.routes, *account.routes,
             Mount("/static", StaticFiles(directory=str(STATIC)), name="static")]
 
 

@@ -10,13 +10,14 @@ from starlette.routing import Route
 
 from app.errors import Forbidden, NotFound
 from web.render import page, services, signed_in
+from web.session import current
 
 if TYPE_CHECKING:  # rows are only ever received from app.services, never queried here
     from app.tables import User
 
 
 async def home(request: Request) -> Response:
-    return RedirectResponse("/runs" if request.session.get("user_id") else "/login", status_code=303)
+    return RedirectResponse("/runs" if await current(request) is not None else "/login", status_code=303)
 
 
 @signed_in

@@ -16,7 +16,8 @@ from starlette.templating import Jinja2Templates
 from app.errors import INTERNAL_STATUS, SignalError, http_status
 from app.services import Services
 from web.paths import TEMPLATES
-from web.session import csrf_token
+from web.session import csrf_token, current
+from web.session_streams import signed_out_stream, wants_stream
 
 if TYPE_CHECKING:  # rows are only ever received from app.services, never queried here
     from app.tables import User
@@ -84,10 +85,12 @@ def signed_in(handler: Handler) -> Callable[[Request], Awaitable[Response]]:
 
     @functools.wraps(handler)
     async def endpoint(request: Request) -> Response:
-        user_id = request.session.get("user_id")
-        user = await services(request).users.get(user_id) if user_id else None
+        live = await current(request)
+        user = live.user if live is not None else None
         if user is None:
-            target = "/login?next=" + quote(request.url.path)
+            if wants_stream(request):  # an EventSource: told to stop, not redirected (it would retry forever)
+                return signed_out_stream()
+            target = "/login?next=" + quote(here(request), safe="/")
             if is_htmx(request):
                 return Response("Your session has ended; sign in again.", status_code=401,
                                 headers={"HX-Redirect": target})
@@ -98,6 +101,12 @@ def signed_in(handler: Handler) -> Callable[[Request], Awaitable[Response]]:
             return error_response(request, error, user)
 
     return endpoint
+
+
+def here(request: Request) -> str:
+    """This request's path and query: where a sign-in returns to."""
+    query = request.url.query
+    return request.url.path + (f"?{query}" if query else "")
 
 
 def signed_in_or_key(handler: Handler) -> Callable[[Request], Awaitable[Response]]:

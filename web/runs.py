@@ -14,6 +14,7 @@ from starlette.routing import Route
 
 from app.errors import BadInput
 from web.render import hx_redirect, page, services, signed_in, signed_in_or_key
+from web.session_streams import until_signed_out
 
 if TYPE_CHECKING:  # rows are only ever received from app.services, never queried here
     from app.tables import Metric, User
@@ -50,7 +51,7 @@ async def run_events(request: Request, user: User) -> Response:
                 yield ServerSentEvent(data=json.dumps([_point(row) for row in rows]), event="metrics",
                                       id=str(rows[-1].id))
 
-    return EventSourceResponse(events(), ping=15, send_timeout=30)
+    return EventSourceResponse(until_signed_out(request, events()), ping=15, send_timeout=30)
 
 
 @signed_in

@@ -1,5 +1,6 @@
-"""The dashboard's session: a signed cookie (HttpOnly, SameSite=Lax, Secure behind https) holding the
-user id and the CSRF token, and the helpers that read them."""
+"""The dashboard's session: a signed cookie (HttpOnly, SameSite=Lax, Secure behind https) holding a random
+session id, the CSRF token and what is kept before sign-in (Google's pending states, where to go after); the
+signed-in state itself is the id's row on the server (app/services/sessions.py), so it can be revoked."""
 
 from __future__ import annotations
 
@@ -16,11 +17,12 @@ from starlette.requests import HTTPConnection
 from app.settings import Settings
 
 if TYPE_CHECKING:  # rows are only ever received from app.services, never queried here
+    from app.services.sessions import LiveSession
     from app.tables import User
 
 COOKIE = "signal_session"
-MAX_AGE_S = 14 * 24 * 3600
 CSRF_HEADER = "x-csrf-token"
+SESSION_ID = "sid"  # the cookie's key for the session id (cookies from before server-side sessions have none)
 
 
 def session_secret(settings: Settings) -> str:
@@ -41,7 +43,7 @@ def session_secret(settings: Settings) -> str:
 
 def session_middleware(settings: Settings) -> Middleware:
     return Middleware(SessionMiddleware, secret_key=session_secret(settings), session_cookie=COOKIE,
-                      max_age=MAX_AGE_S, same_site="lax",
+                      max_age=settings.session_ttl_s, same_site="lax",
                       https_only=settings.resolved_public_url.startswith("https://"))
 
 
@@ -54,17 +56,37 @@ def csrf_token(conn: HTTPConnection) -> str:
 
 
 def csrf_ok(conn: HTTPConnection) -> bool:
+    """Whether the request's X-CSRF-Token header is this session's token."""
+    return csrf_matches(conn, conn.headers.get(CSRF_HEADER, ""))
+
+
+def csrf_matches(conn: HTTPConnection, sent: object) -> bool:
     expected = conn.session.get("csrf") if "session" in conn.scope else None
-    sent = conn.headers.get(CSRF_HEADER, "")
-    return bool(expected) and hmac.compare_digest(str(expected), sent)
+    return bool(expected) and isinstance(sent, str) and hmac.compare_digest(str(expected), sent)
 
 
-def sign_in(conn: HTTPConnection, user: User) -> None:
-    # A fresh session on sign-in: nothing an attacker planted before (a CSRF token) survives it.
+def session_id(conn: HTTPConnection) -> str | None:
+    value = conn.session.get(SESSION_ID) if "session" in conn.scope else None
+    return value if isinstance(value, str) else None
+
+
+async def current(conn: HTTPConnection, touch: bool = True) -> LiveSession | None:
+    """The signed-in session of this request, or None (no cookie, or its row is revoked, expired or unknown)."""
+    sid = session_id(conn)
+    return await conn.app.state.services.sessions.live(sid, touch=touch) if sid else None
+
+
+async def sign_in(conn: HTTPConnection, user: User) -> None:
+    # A fresh session on sign-in: nothing an attacker planted before (a CSRF token, a session id) survives it,
+    # and a session this browser held before ends rather than living on unseen.
+    services = conn.app.state.services
+    await services.sessions.revoke(session_id(conn))
     conn.session.clear()
-    conn.session["user_id"] = user.id
+    agent = conn.headers.get("user-agent", "")
+    conn.session[SESSION_ID] = await services.sessions.create(user, agent)
     csrf_token(conn)
 
 
-def sign_out(conn: HTTPConnection) -> None:
+async def sign_out(conn: HTTPConnection) -> None:
+    await conn.app.state.services.sessions.revoke(session_id(conn))
     conn.session.clear()

@@ -1,4 +1,5 @@
-"""Per-request GraphQL context: the services and the caller, authenticated from the API key."""
+"""Per-request GraphQL context: the services and the caller's credential (an API key, or a dashboard session that
+web/graphiql.py admits only with its CSRF token)."""
 
 from __future__ import annotations
 
@@ -8,14 +9,32 @@ from typing import Any
 from strawberry.types import Info as StrawberryInfo
 from strawberry.types.nodes import SelectedField
 
+from app.errors import Unauthenticated
 from app.services import Services
 from app.tables import User
+
+
+@dataclass(frozen=True)
+class Credential:
+    """What a caller presents: an API key (`bearer`), else a dashboard session's id. A key always wins."""
+
+    bearer: str | None = None
+    session_id: str | None = None
+
+    async def authenticate(self, services: Services) -> User:
+        """The caller, checked now; UNAUTHENTICATED when the key or session is missing, unknown, revoked or ended."""
+        if self.bearer is None and self.session_id is not None:
+            live = await services.sessions.live(self.session_id, touch=False)
+            if live is None:
+                raise Unauthenticated("your dashboard session has ended; sign in again, or send an API key")
+            return live.user
+        return await services.keys.authenticate(self.bearer)
 
 
 @dataclass
 class Context:
     services: Services
-    bearer: str | None
+    credential: Credential
     request: Any = None
     response: Any = None
     connection_params: dict[str, Any] | None = None
@@ -24,7 +43,7 @@ class Context:
     async def user(self) -> User:
         """The caller; raises UNAUTHENTICATED when the key is missing, unknown or revoked."""
         if self._user is None:
-            self._user = await self.services.keys.authenticate(self.bearer)
+            self._user = await self.credential.authenticate(self.services)
         return self._user
 
 

@@ -16,7 +16,7 @@ from strawberry.asgi import GraphQL
 from strawberry.exceptions import ConnectionRejectionError
 
 from app.errors import BadInput, InvalidDocument, Unauthenticated
-from app.schema.context import Context, bearer_from_connection_params, bearer_from_header
+from app.schema.context import Context, Credential, bearer_from_connection_params, bearer_from_header
 
 # What strawberry's own HTTP refusals (plain text) become: a code a client can branch on.
 HTTP_CODES = {400: BadInput.code, 404: "NOT_FOUND", 405: "METHOD_NOT_ALLOWED"}
@@ -57,12 +57,14 @@ class SignalGraphQL(GraphQL[Context, None]):
 
     async def get_context(self, request: Request | WebSocket, response: Response | WebSocket) -> Context:
         services = request.app.state.services
-        return Context(services=services, bearer=bearer_from_header(request.headers.get("authorization")),
+        return Context(services=services, credential=Credential(bearer_from_header(request.headers.get("authorization"))),
                        request=request, response=response)
 
     async def on_ws_connect(self, context: Context) -> Any:
         # The key may come in connectionParams or, for non-browser clients, the upgrade request's header.
-        context.bearer = bearer_from_connection_params(context.connection_params) or context.bearer
+        bearer = bearer_from_connection_params(context.connection_params)
+        if bearer is not None:
+            context.credential = Credential(bearer)
         try:
             await context.user()
         except Unauthenticated as error:

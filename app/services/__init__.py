@@ -18,6 +18,7 @@ from app.services.ledger import Ledger, Rates
 from app.services.live import LiveMetrics
 from app.services.login_links import LoginLinkService
 from app.services.runs import RunService
+from app.services.sessions import SessionService
 from app.services.tinker_futures import TinkerFutures
 from app.services.tinker_sessions import TinkerSessions
 from app.services.users import UserService
@@ -39,6 +40,7 @@ class Services:
     keys: KeyService
     runs: RunService
     login_links: LoginLinkService
+    sessions: SessionService  # the dashboard's signed-in browsers
     live: LiveMetrics
     dashboard: DashboardService
     tinker: TinkerFutures  # Tinker's futures (/api/v1, docs/TINKER.md)
@@ -80,6 +82,7 @@ class Services:
             keys=KeyService(db),
             runs=runs,
             login_links=LoginLinkService(db, settings.login_link_ttl_s),
+            sessions=SessionService(db, settings.session_ttl_s),
             live=LiveMetrics(db, broker, runs),
             dashboard=DashboardService(db, backend, broker, runs, settings.data_dir),
             tinker=TinkerFutures(db, settings.tinker_poll_s),

@@ -57,6 +57,8 @@ class KeyService:
             user = await session.get(User, key.user_id)
             if user is None:
                 raise Unauthenticated("API key is invalid or revoked")
+            if user.disabled:
+                raise Unauthenticated("this API key's user is disabled on this server")
             stale = key.last_used_at is None or utcnow() - key.last_used_at > LAST_USED_RESOLUTION
         if stale:
             await self._mark_used(key.id)

@@ -10,7 +10,7 @@ import hashlib
 import secrets
 from datetime import timedelta
 
-from sqlalchemy import update
+from sqlalchemy import select, update
 
 from app.db import Database
 from app.errors import Unauthenticated
@@ -34,6 +34,15 @@ class LoginLinkService:
             session.add(LoginLink(token_hash=_hash(token), user_id=user.id, created_at=now, expires_at=now + self.ttl))
         return token
 
+    async def usable(self, token: str) -> bool:
+        """Whether `token` would sign in now (unused, unexpired, known); reads only, so a link previewer burns nothing."""
+        async with self.db.session() as session:
+            found = await session.scalar(
+                select(LoginLink.token_hash)
+                .where(LoginLink.token_hash == _hash(token or ""), LoginLink.used_at.is_(None),
+                       LoginLink.expires_at > utcnow()))
+        return found is not None
+
     async def consume(self, token: str) -> User:
         """The link's user, marking it used; refuses a used, expired or unknown token alike."""
         now = utcnow()
@@ -46,6 +55,6 @@ class LoginLinkService:
                 .returning(LoginLink.user_id)
             )
             user = await session.get(User, user_id) if user_id else None
-        if user is None:
+        if user is None or user.disabled:
             raise Unauthenticated("this sign-in link is used, expired or unknown; `signal login-link` mints a new one")
         return user

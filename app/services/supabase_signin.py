@@ -20,9 +20,10 @@ from supabase_auth.errors import AuthError
 
 from app.db import Database
 from app.errors import Unauthenticated
+from app.services.next_path import safe_next_path
 from app.services.supabase_tokens import SupabaseTokenVerifier
 from app.services.users import UserService
-from app.tables import NEXT_PATH_LENGTH, LoginAttempt, User, utcnow
+from app.tables import LoginAttempt, User, utcnow
 
 ATTEMPT_TTL = timedelta(minutes=10)
 STORAGE_KEY = "signal.login"
@@ -106,7 +107,4 @@ def _with_state(callback_url: str, state: str) -> str:
 
 
 def _safe_next(path: str) -> str:
-    # Only paths on this site: an open redirect after sign-in would hand a phishing page our credibility.
-    on_site = path.startswith("/") and not path.startswith("//")
-    # And one the column holds: PostgreSQL refuses NUL and over-long text where SQLite would not.
-    return path if on_site and len(path) <= NEXT_PATH_LENGTH and path.isprintable() else "/"
+    return safe_next_path(path, default="/")

@@ -6,8 +6,9 @@ from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
 
 from app.db import Database
-from app.errors import BadInput, Forbidden, Unauthenticated
-from app.tables import EMAIL_LENGTH, NAME_LENGTH, User
+from app.errors import BadInput, Forbidden, NotFound, Unauthenticated
+from app.services.sessions import revoke_all_of
+from app.tables import EMAIL_LENGTH, NAME_LENGTH, User, could_be_id, utcnow
 
 
 def require_admin(user: User, action: str) -> None:
@@ -73,6 +74,23 @@ class UserService:
                 session.add(user)
             elif make_admin and not user.is_admin:
                 user.is_admin = True
+            if user.disabled:
+                raise Unauthenticated(f"{user.email} is disabled on this server; ask an admin")
+            return user
+
+    async def set_disabled(self, actor: User, user_id: str, disabled: bool = True) -> User:
+        """An admin disables (or enables) a user. Disabling ends every dashboard session of theirs at once; their API
+        keys stop authenticating while disabled (KeyService.authenticate), and they cannot sign in."""
+        require_admin(actor, "disable users")
+        if disabled and user_id == actor.id:
+            raise BadInput("an admin cannot disable themselves", field="id")
+        async with self.db.session() as session:
+            user = await session.get(User, user_id) if could_be_id(user_id) else None
+            if user is None:
+                raise NotFound(f"user {user_id!r} not found", field="id")
+            user.disabled = disabled
+            if disabled:
+                await session.execute(revoke_all_of(user.id, utcnow()))
             return user
 
 

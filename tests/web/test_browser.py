@@ -176,7 +176,9 @@ def test_used_login_link_is_refused_in_the_browser(page: Page, live_server: Live
     page.wait_for_url("**/runs")
     page.context.clear_cookies()
     page.goto(link)
-    expect(page.locator(".toast.error")).to_contain_text("used, expired or unknown")
+    # A lasting page, not a toast that fades (issue 18, bug 4): tests/web/test_sessions.py follows its link.
+    expect(page.get_by_role("alert")).to_contain_text("used, has expired or is unknown")
+    expect(page.get_by_role("link", name="Sign in again")).to_be_visible()
     shot(page, "error-login-link")
 
 
