@@ -97,6 +97,7 @@ class LocalBackend:
                 await anyio.to_thread.run_sync(self.client.start)
             # In a thread: a large batch can fill the pipe, and the write would block the event loop.
             future = await anyio.to_thread.run_sync(functools.partial(self.client.submit, method, **params))
+            log.debug("%s sent to the runtime (run %s)", method, params.get("run_id"))
             # Shielded: cancelling the caller must not cancel the client's Future, which the runtime still answers.
             # A WorkerFailed passes through; the next call starts a new runtime.
             return await asyncio.shield(asyncio.wrap_future(future))
