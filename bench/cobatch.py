@@ -35,6 +35,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds (plus one warm-up round)")
     parser.add_argument("--quick", action="store_true", help="2 timed rounds")
     parser.add_argument("--rank", type=int, default=None, help="LoRA r for every run (default: the contract's, 32)")
+    parser.add_argument("--profile", action="store_true",
+                        help="after the timed rounds, profile one cobatch and one ceiling round: top ops in the JSON")
     return parser.parse_args()
 
 
@@ -51,6 +53,29 @@ def pump(engine: Any, futures: list[Future]) -> int:
         if "error" in message:
             raise SignalError.from_dict(message["error"])
     return ticks
+
+
+def top_ops(side: Any, count: int = 12) -> dict[str, Any]:
+    """One round of `side` under torch's profiler: the ops that took the most self time (device time where there
+    is a device), to say where a round's time goes beyond the base's pass."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    start = time.perf_counter()
+    with profile(activities=activities) as prof:
+        side()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    key = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    wall = time.perf_counter() - start
+    averages = prof.key_averages()
+    log(averages.table(sort_by=key, row_limit=25))
+    events = sorted(averages, key=lambda e: getattr(e, key), reverse=True)[:count]
+    # Busy well below wall (under the profiler's own overhead): the round waits on the host, launching kernels.
+    return {"wall_ms": round(wall * 1000, 1), "busy_ms": round(sum(getattr(e, key) for e in averages) / 1000, 1),
+            "ops": [{"op": e.key, "calls": e.count, "self_ms": round(getattr(e, key) / 1000, 3),
+                     "self_cpu_ms": round(e.self_cpu_time_total / 1000, 3)} for e in events]}
 
 
 def submit(engine: Any, method: str, **params: Any) -> Future:
@@ -115,6 +140,7 @@ def main() -> None:
                     seconds[name].append(elapsed)
                 log(f"round {round_number}{' (warm-up)' if not round_number else ''}: {name:<10} {elapsed:7.2f} s  "
                     f"{shape[name]['base_passes']} base passes in {shape[name]['ticks']} ticks")
+        profile = {name: top_ops(sides[name]) for name in ("cobatch", "ceiling")} if args.profile else None
         state = engine.runtime_state()
         engine.shutdown()
 
@@ -146,7 +172,7 @@ def main() -> None:
         "base_passes_per_round": {name: s["base_passes"] for name, s in shape.items()},
         "cobatch_vs_ceiling": round(vs_ceiling, 4), "cobatch_vs_sequential": round(vs_sequential, 4),
         "ceiling_vs_sequential": round(ceiling_vs_sequential, 4),
-        "evictions": state["evictions"], "targets": targets,
+        "evictions": state["evictions"], "targets": targets, **({"profile": profile} if profile else {}),
         "all_pass": all(t["pass"] for t in targets.values()),
     })
 

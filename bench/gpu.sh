@@ -87,7 +87,7 @@ part install 60 bash -c install_wheels
 part env 30 "$PY" bench/gpu_bench.py env
 part cuda_tests 110 bash -c cuda_tests
 part model 60 "$PY" bench/gpu_bench.py model --assets "$ASSETS" --out "$MODEL" --device "$DEVICE" $TINY
-part cobatch 60 "$PY" bench/cobatch.py --model "$MODEL" --device "$DEVICE" --data-dir "$WORK/data" --quick "${THREADS[@]}"
+part cobatch 60 "$PY" bench/cobatch.py --model "$MODEL" --device "$DEVICE" --data-dir "$WORK/data" --quick --profile "${THREADS[@]}"
 part mfu 50 "$PY" bench/gpu_bench.py mfu --model "$MODEL" --device "$DEVICE" --data-dir "$WORK/data" $TINY "${THREADS[@]}"
 if [ -n "$TINY" ]; then SIZE=(--quick); else SIZE=(--steps 4 --batch-size 8 --seq-len 1024); fi
 part engine_throughput 80 "$PY" bench/engine_throughput.py --model "$MODEL" --device "$DEVICE" --data-dir "$WORK/data" "${SIZE[@]}" "${THREADS[@]}"

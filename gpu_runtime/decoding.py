@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from gpu_runtime.contract import SamplingSettings
 from gpu_runtime.multilora import Segment, routed
@@ -24,6 +25,10 @@ from gpu_runtime.pool import BaseEntry
 from gpu_runtime.run_state import RunState
 from gpu_runtime.sampling import choose_tokens, score_prompts, top_logprobs
 from gpu_runtime.scheduler import Request
+
+# transformers 5.24 (pyproject's pin) calls the KV cache `cache`, argument and output; earlier 5.x releases (a GPU
+# machine's own) call it `past_key_values`. Decoding reads and passes it under whichever name this one uses.
+CACHE = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 
 @dataclass
@@ -119,8 +124,8 @@ class DecodeGroup:
                 self.attention_mask = torch.cat([self.attention_mask, self.attention_mask.new_ones(self.rows, 1)], 1)
                 self.position_ids = self.position_ids[:, -1:] + 1
                 out = self.entry.model(input_ids=chosen[:, None], attention_mask=self.attention_mask,
-                                       position_ids=self.position_ids, cache=self.cache, use_cache=True)
-                self.logits, self.cache, self.passes = out.logits[:, -1, :].float(), out.cache, self.passes + 1
+                                       position_ids=self.position_ids, use_cache=True, **{CACHE: self.cache})
+                self.logits, self.cache, self.passes = out.logits[:, -1, :].float(), out[CACHE], self.passes + 1
                 if time.monotonic() >= deadline:
                     return finished
 
@@ -131,7 +136,7 @@ class DecodeGroup:
             out = self.entry.model(input_ids=self.input_ids, attention_mask=self.attention_mask,
                                    position_ids=self.position_ids, use_cache=True, logits_to_keep=1)
         self.passes += 1
-        self.cache, self.logits = out.cache, out.logits[:, -1, :].float()
+        self.cache, self.logits = out[CACHE], out.logits[:, -1, :].float()
         if self.rows == self.prefill_rows:
             return  # one sample per prompt: nothing to repeat
         self.cache.reorder_cache(self.expand)  # each layer's keys and values, index_select on the batch dimension

@@ -65,7 +65,8 @@ def test_torch_fused_adamw_on_cuda_matches_the_cpu_reference() -> None:
     grads = [[torch.randn(shape, generator=generator) for shape in shapes] for _ in range(4)]
     results = {}
     for device, kernel in (("cpu", {"foreach": False, "fused": False}), ("cuda", {"fused": True})):
-        params = [torch.nn.Parameter(t.to(device)) for t in initial]
+        # A copy on both sides: t.to("cpu") would be t itself, and the CPU steps would move the CUDA side's start.
+        params = [torch.nn.Parameter(t.to(device, copy=True)) for t in initial]
         optimizer = torch.optim.AdamW(params, lr=1e-2, betas=(0.9, 0.99), weight_decay=0.1, **kernel)
         for step_grads in grads:
             for param, grad in zip(params, step_grads):
