@@ -81,7 +81,7 @@ class MultiLoraLinear(nn.Module):
             return out
         if len(self.routing.segments) == 1:  # the whole pass is one run: no slicing
             return self._add(out, x, segments[0])
-        if self.routing.grouped is not False and grouped_mm_works(x.device, self.adapters[segments[0].key].A.dtype):
+        if self.routing.grouped is not False:
             return self._grouped(out, x, segments)
         pieces = []
         for segment in self.routing.segments:
@@ -174,9 +174,8 @@ class MultiLoraLinear(nn.Module):
         # Zero rows of A and columns of B up to the run's own width: its numbers never depend on who else is here.
         A = torch.stack([_pad_to(lora.A, width, dim=0) for lora in loras]).transpose(1, 2)
         B = torch.stack([_pad_to(lora.B, width, dim=1) for lora in loras]).transpose(1, 2)
-        counts = [(s.end - s.start) * per_row for s in group]
-        offsets = torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(x.device)
-        delta = _contiguous_grad(torch._grouped_mm(_contiguous_grad(torch._grouped_mm(xs, A, offs=offsets)), B, offs=offsets))
+        counts = tuple((s.end - s.start) * per_row for s in group)
+        delta = grouped_matmul(grouped_matmul(xs, A, counts), B, counts)
         scalings = [lora.scaling for lora in loras]
         if len(set(scalings)) == 1:
             return delta * scalings[0]
@@ -204,6 +203,39 @@ def _contiguous_grad(t: torch.Tensor) -> torch.Tensor:
     if t.requires_grad:
         t.register_hook(lambda grad: grad.contiguous())
     return t
+
+
+def grouped_matmul(x: torch.Tensor, w: torch.Tensor, counts: tuple[int, ...]) -> torch.Tensor:
+    """`x[rows of group g] @ w[g]` for consecutive groups of `counts` rows: x [Σcounts, k], w [groups, k, n].
+    torch's `_grouped_mm` where it runs for this device and dtype; else one batched matmul over the groups padded
+    to the longest (fp32 on CUDA: `_grouped_mm` has bf16 kernels only there), which beats a matmul per run."""
+    if grouped_mm_works(x.device, x.dtype):
+        offsets = _offsets(counts, x.device)
+        return _contiguous_grad(torch._grouped_mm(_contiguous_grad(x), w, offs=offsets))
+    return padded_bmm(x, w, counts)
+
+
+def padded_bmm(x: torch.Tensor, w: torch.Tensor, counts: tuple[int, ...]) -> torch.Tensor:
+    """`grouped_matmul` by `torch.bmm`: the rows scattered into [groups, longest, k] with zero rows after each
+    group's own (rows, not the reduction dimension: a row's sums never see the padding), then gathered back."""
+    longest = max(counts)
+    index = _padded_rows(counts, x.device)
+    padded = x.new_zeros(len(counts) * longest, x.shape[-1]).index_copy(0, index, x)
+    out = torch.bmm(padded.view(len(counts), longest, -1), w)
+    return out.view(len(counts) * longest, -1).index_select(0, index)
+
+
+@functools.lru_cache(maxsize=256)
+def _offsets(counts: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """_grouped_mm's int32 end offsets, made once per shape of a pass (a host-to-device copy each time otherwise)."""
+    return torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(device)
+
+
+@functools.lru_cache(maxsize=256)
+def _padded_rows(counts: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """Where each of x's rows sits in the padded [groups × longest] layout, made once per shape of a pass."""
+    longest = max(counts)
+    return torch.cat([torch.arange(count) + g * longest for g, count in enumerate(counts)]).to(device)
 
 
 @functools.cache

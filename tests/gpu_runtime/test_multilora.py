@@ -11,7 +11,7 @@ from peft import LoraConfig, get_peft_model
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from gpu_runtime.multilora import LoraWeights, MultiLoraLinear, Routing, Segment, init_lora, routed, wrap_targets
+from gpu_runtime.multilora import LoraWeights, MultiLoraLinear, Routing, Segment, init_lora, padded_bmm, routed, wrap_targets
 from gpu_runtime.run_state import peft_name
 
 PROBE = [[28120, 905, 314, 260, 3575, 282, 11, 99], [1, 17, 28120, 905, 314, 44, 260, 7]]
@@ -167,3 +167,20 @@ def test_grouped_path_with_mixed_ranks_dropout_and_gaps_equals_the_loop() -> Non
     for key in adapters:
         for ours, theirs in zip(grouped_grads[key], loop_grads[key]):
             torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5 * theirs.abs().max().item())
+
+
+@pytest.mark.parametrize("counts", [(3, 1, 5), (4,), (2, 2)], ids=["uneven", "one-group", "even"])
+def test_padded_bmm_gives_each_groups_own_matmul_and_gradients(counts: tuple[int, ...]) -> None:
+    # The grouped path where _grouped_mm has no kernel (fp32 on CUDA): per-group matmuls' values and gradients.
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(sum(counts), 16, generator=generator, dtype=torch.float64).requires_grad_()
+    w = torch.randn(len(counts), 16, 8, generator=generator, dtype=torch.float64).requires_grad_()
+    weights = torch.randn(sum(counts), 8, generator=generator, dtype=torch.float64)
+    got = padded_bmm(x, w, counts)
+    (got * weights).sum().backward()
+    got_grads = x.grad.clone(), w.grad.clone()
+    x.grad = w.grad = None
+    expected = torch.cat([part @ w[g] for g, part in enumerate(x.split(list(counts)))])
+    (expected * weights).sum().backward()
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got_grads, (x.grad, w.grad), rtol=1e-12, atol=1e-12)

@@ -42,10 +42,10 @@ def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], 
             assert_relatively_close(a[name], b[name], rel, name=name)
 
 
-def assert_same_grads(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+def assert_same_grads(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], rel: float = 1e-5) -> None:
     assert a.keys() == b.keys()
     for name in a:
-        assert_relatively_close(a[name], b[name], name=name)
+        assert_relatively_close(a[name], b[name], rel, name=name)
 
 
 def run_logits(engine: Engine, run_id: str, input_ids: list[int]) -> torch.Tensor:
