@@ -24,7 +24,12 @@ def lora_weights(engine: Engine, run_id: str) -> dict[str, torch.Tensor]:
     return {name: p.detach().clone() for name, p in engine.runs[run_id].named_parameters().items()}
 
 
-def assert_relatively_close(got: torch.Tensor, expected: torch.Tensor, rel: float = 1e-5, name: str = "") -> None:
+# fp32 sums of the same terms in another order (another batch shape, a co-batched pass): within 1e-5 of scale on
+# AVX2 CPUs, up to 1.7e-5 measured on an AVX-512 EPYC, whose kernels split the reductions differently.
+FP32_REL = 5e-5
+
+
+def assert_relatively_close(got: torch.Tensor, expected: torch.Tensor, rel: float = FP32_REL, name: str = "") -> None:
     """Within `rel` of the tensor's scale: fp32 sums in another order differ by ~1e-7 of the largest term,
     which elementwise tolerances call a failure wherever an element is near zero."""
     scale = expected.abs().max().item()
@@ -33,7 +38,7 @@ def assert_relatively_close(got: torch.Tensor, expected: torch.Tensor, rel: floa
 
 
 def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], exact: bool = True,
-                        rel: float = 1e-5) -> None:
+                        rel: float = FP32_REL) -> None:
     assert a.keys() == b.keys()
     for name in a:
         if exact:
@@ -42,7 +47,7 @@ def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], 
             assert_relatively_close(a[name], b[name], rel, name=name)
 
 
-def assert_same_grads(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], rel: float = 1e-5) -> None:
+def assert_same_grads(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], rel: float = FP32_REL) -> None:
     assert a.keys() == b.keys()
     for name in a:
         assert_relatively_close(a[name], b[name], rel, name=name)
