@@ -23,7 +23,7 @@ import anyio.to_thread
 
 from app.errors import BadInput, FailedPrecondition, SignalError, WorkerFailed
 from app.settings import Settings
-from gpu_runtime.allocation import modal_gpu, parse_gpu_config
+from gpu_runtime.allocation import PoolKey, modal_gpu
 
 APP_NAME = "signal"  # gpu_runtime.modal_app's APP_NAME and CLASS_NAME (that module is not imported here)
 CLASS_NAME = "Pool"
@@ -52,15 +52,11 @@ def modal_credentials() -> bool:
 
 def pool_gpu(pool: str) -> str:
     """Modal's GPU string for a pool key ("base|L40S:1|none" → "L40S"): what `with_options(gpu=...)` gets."""
-    parts = pool.split("|")
-    if len(parts) != 3:
-        raise BadInput(f"{pool!r} is not a pool key (base model|GPU configuration|quantization)", field="pool")
-    return modal_gpu(parse_gpu_config(parts[1], field="gpuConfig"))
+    return modal_gpu(PoolKey.parse(pool).gpu)
 
 
 class ModalBackend:
     shares_disk = False  # run files live on the Volume: archives come through the runtime
-    multi_gpu = True  # a pool on N GPUs runs N ranks, the base sharded with FSDP (docs/MULTIGPU.md)
 
     def __init__(self, settings: Settings, lookup: Callable[[], Any] | None = None, local: bool = False) -> None:
         if lookup is None:
