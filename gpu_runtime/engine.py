@@ -294,6 +294,8 @@ class Engine:
         unwritten = self.shared.sync_journals()
         if unwritten:
             answers = self._forget_unwritten(unwritten, answers)
+        if self.shared.discarded:
+            self._discard(answers)
         if "after_journal" in self.shared.faults and answers:
             os.kill(os.getpid(), signal.SIGKILL)  # failpoint: journaled, not yet answered
         for request, message in answers:
@@ -455,6 +457,23 @@ class Engine:
                                                             if any(r in errors for r in g.run_ids)])
         return [(request, {"error": errors[request.run_id]}) if request.run_id in errors else (request, message)
                 for request, message in answers]
+
+    def _discard(self, answers: list[Answer]) -> None:
+        """Runs a call of which failed after its pass: their memory holds its gradients, their journals do not. Each
+        leaves memory unsaved (the tick's other calls are synced) and comes back from snapshot + journal on its next
+        call; its split calls part-done and its decode groups fail with the same error, as they lose that memory."""
+        discarded, self.shared.discarded = self.shared.discarded, {}
+        answering = {request for request, _ in answers}
+        for request in self.scheduler.queued():
+            if request.run_id in discarded and request in self._prepared and request not in answering:
+                if self._prepared.pop(request).done > 0:
+                    self.scheduler.finish(request, {"error": discarded[request.run_id]})
+                else:
+                    request.started = False
+        self.sampling.fail_all(next(iter(discarded.values())), [g for g in self.sampling.groups
+                                                               if any(r in discarded for r in g.run_ids)])
+        for run_id in discarded:
+            self.shared.residency.detach(run_id)
 
     # ---- between calls ----------------------------------------------------------------------
 
