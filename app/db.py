@@ -56,7 +56,7 @@ class Database:
         await self.engine.dispose()
 
 
-def _sqlite_pragmas(dbapi_connection, _record) -> None:  # type: ignore[no-untyped-def]
+def _sqlite_pragmas(dbapi_connection, _record) -> None:  # type: ignore[no-untyped-def]  # a DBAPI connection: no type to name
     cursor = dbapi_connection.cursor()
     # WAL lets the dashboard read while a run writes; foreign keys make ON DELETE CASCADE real.
     cursor.execute("PRAGMA journal_mode=WAL")

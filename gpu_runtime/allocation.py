@@ -257,6 +257,26 @@ def modal_gpu(allocation: GpuAllocation | str) -> str:
     return allocation.gpu_type if allocation.count == 1 else str(allocation)
 
 
+@dataclass(frozen=True)
+class PoolKey:
+    """A pool: the runs that share one base model, GPU configuration and quantization (on Modal, one container).
+    It crosses the wire and names Modal's variants as its string, `base|GPU:count|quantization`."""
+
+    base_model: str
+    gpu: GpuAllocation
+    quantization: str | None  # None: bf16 weights
+
+    def __str__(self) -> str:
+        return f"{self.base_model}|{self.gpu}|{self.quantization or 'none'}"
+
+    @classmethod
+    def parse(cls, key: str) -> PoolKey:
+        parts = key.split("|")
+        if len(parts) != 3 or not parts[0]:
+            raise BadInput(f"{key!r} is not a pool key (base model|GPU configuration|quantization)", field="pool")
+        return cls(parts[0], parse_gpu_config(parts[1], field="gpuConfig"), parse_quantization(parts[2]))
+
+
 def pool_key(base_model: str, gpu: str, quantization: str | None) -> str:
     """The one canonical spelling of a pool (base model, GPU configuration, quantization).
 
@@ -264,7 +284,7 @@ def pool_key(base_model: str, gpu: str, quantization: str | None) -> str:
     """
     if not base_model or "|" in base_model:
         raise BadInput(f"base model {base_model!r} cannot name a pool", field="baseModel")
-    return f"{base_model}|{parse_gpu_config(gpu)}|{parse_quantization(quantization) or 'none'}"
+    return str(PoolKey(base_model, parse_gpu_config(gpu), parse_quantization(quantization)))
 
 
 def _gpu(name: str) -> GpuType:

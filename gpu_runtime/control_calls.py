@@ -27,6 +27,7 @@ import transformers
 
 from gpu_runtime.compute import RankCompute
 from gpu_runtime.contract import (
+    CONTRACT_VERSION,
     CreateRun,
     DeleteCheckpoint,
     ExportCheckpoint,
@@ -390,7 +391,7 @@ class Control:
             "pid": os.getpid(), "device": str(shared.device), "dtype": dtype_name(shared.dtype),
             "loaded_models": list(shared.models.loaded), "models": [describe(b) for b in shared.models.loaded.values()],
             "runs_in_memory": list(shared.residency.runs), "max_batch_size": shared.options.max_batch_size,
-            "options": shared.options.to_dict(),
+            "options": shared.options.to_dict(), "contract": CONTRACT_VERSION,
         }
 
     def runtime_state(self) -> dict[str, Any]:

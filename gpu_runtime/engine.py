@@ -28,7 +28,6 @@ import os
 import signal
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, wait
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +62,7 @@ from gpu_runtime.decoding import SampleJob
 from gpu_runtime.devices import resolve_device
 from gpu_runtime.disk import disk_full_error, free_bytes
 from gpu_runtime.errors import BadInput, SignalError, WorkerFailed
+from gpu_runtime.inprocess import InProcess
 from gpu_runtime.ranks import RankGroup, RanksFailed
 from gpu_runtime.recovery import RESTORES_PER_TICK, Recovery
 from gpu_runtime.run_state import RunState
@@ -80,7 +80,7 @@ ON_RESIDENT_RUN = (ForwardBackward, Forward, RenderDatums, OptimStep, Sample, Sa
                    SaveWeightsForSampler)
 
 
-class Engine:
+class Engine(InProcess):
     def __init__(
         self,
         data_dir: str | Path,
@@ -180,19 +180,6 @@ class Engine:
         if free_bytes(self.shared.data_dir) < self.options.min_free_disk_bytes:
             raise disk_full_error(self.shared.data_dir)
 
-    def call(self, method: str, **params: Any) -> dict[str, Any]:
-        """Submit and pump ticks in this thread until answered (in-process use: tests, benchmarks)."""
-        future: Future[dict[str, Any]] = Future()
-        self.submit(method, params, future.set_result)
-        while not future.done():
-            self.tick()
-            if not future.done() and not self.scheduler.has_work() and not self.sampling.groups:
-                wait([future], timeout=0.5)  # answered off the tick (a Hub upload): nothing to pump meanwhile
-        message = future.result()
-        if "error" in message:
-            raise SignalError.from_dict(message["error"])
-        result: dict[str, Any] = message["result"]
-        return result
 
     def serve_forever(self) -> None:
         """Run ticks until the scheduler is closed and nothing is left; then snapshot and return."""
@@ -206,58 +193,6 @@ class Engine:
                 continue
             self.tick()
         self.shutdown()
-
-    # The primitives, callable in-process with the contract's arguments.
-    def create_run(self, run_id: str, user_id: str, base_model: str, lora: dict[str, Any] | None = None,
-                   seed: int = 0, quantization: str | None = None) -> dict[str, Any]:
-        return self.call("create_run", run_id=run_id, user_id=user_id, base_model=base_model, lora=lora, seed=seed,
-                         quantization=quantization)
-
-    def forward_backward(self, run_id: str, batch: list[dict[str, Any]], loss_fn: str = "cross_entropy",
-                         loss_fn_config: dict[str, Any] | None = None, request_id: str | None = None,
-                         reduction: str = "mean", return_outputs: bool = False) -> dict[str, Any]:
-        return self.call("forward_backward", run_id=run_id, batch=batch, loss_fn=loss_fn,
-                         loss_fn_config=loss_fn_config, request_id=request_id, reduction=reduction,
-                         return_outputs=return_outputs)
-
-    def forward(self, batch: list[dict[str, Any]], run_id: str | None = None, **params: Any) -> dict[str, Any]:
-        return self.call("forward", batch=batch, run_id=run_id, **params)
-
-    def render_datums(self, run_id: str, batch: list[dict[str, Any]], loss_fn: str = "cross_entropy") -> dict[str, Any]:
-        return self.call("render_datums", run_id=run_id, batch=batch, loss_fn=loss_fn)
-
-    def optim_step(self, run_id: str, adam: dict[str, Any] | None = None, request_id: str | None = None) -> dict[str, Any]:
-        return self.call("optim_step", run_id=run_id, adam=adam, request_id=request_id)
-
-    def sample(self, run_id: str, prompts: list[str] | None = None, **params: Any) -> dict[str, Any]:
-        return self.call("sample", run_id=run_id, prompts=prompts, **params)
-
-    def save_weights_for_sampler(self, run_id: str, name: str | None = None,
-                                 request_id: str | None = None) -> dict[str, Any]:
-        return self.call("save_weights_for_sampler", run_id=run_id, name=name, request_id=request_id)
-    def tokenizer(self, base_model: str | None = None, run_id: str | None = None) -> dict[str, Any]:
-        return self.call("tokenizer", base_model=base_model, run_id=run_id)
-
-    def save_state(self, run_id: str, mode: str = "adapter") -> dict[str, Any]:
-        return self.call("save_state", run_id=run_id, mode=mode)
-
-    def load_run(self, run_id: str) -> dict[str, Any]:
-        return self.call("load_run", run_id=run_id)
-
-    def run_info(self, run_id: str) -> dict[str, Any]:
-        return self.call("run_info", run_id=run_id)
-
-    def close_run(self, run_id: str) -> dict[str, Any]:
-        return self.call("close_run", run_id=run_id)
-
-    def delete_run(self, run_id: str) -> dict[str, Any]:
-        return self.call("delete_run", run_id=run_id)
-
-    def ping(self) -> dict[str, Any]:
-        return self.call("ping")
-
-    def runtime_state(self) -> dict[str, Any]:
-        return self.call("runtime_state")
 
     # ---- one tick -------------------------------------------------------------------------
 
@@ -294,6 +229,8 @@ class Engine:
         unwritten = self.shared.sync_journals()
         if unwritten:
             answers = self._forget_unwritten(unwritten, answers)
+        if self.shared.discarded:
+            self._discard(answers)
         if "after_journal" in self.shared.faults and answers:
             os.kill(os.getpid(), signal.SIGKILL)  # failpoint: journaled, not yet answered
         for request, message in answers:
@@ -455,6 +392,23 @@ class Engine:
                                                             if any(r in errors for r in g.run_ids)])
         return [(request, {"error": errors[request.run_id]}) if request.run_id in errors else (request, message)
                 for request, message in answers]
+
+    def _discard(self, answers: list[Answer]) -> None:
+        """Runs a call of which failed after its pass: their memory holds its gradients, their journals do not. Each
+        leaves memory unsaved (the tick's other calls are synced) and comes back from snapshot + journal on its next
+        call; its split calls part-done and its decode groups fail with the same error, as they lose that memory."""
+        discarded, self.shared.discarded = self.shared.discarded, {}
+        answering = {request for request, _ in answers}
+        for request in self.scheduler.queued():
+            if request.run_id in discarded and request in self._prepared and request not in answering:
+                if self._prepared.pop(request).done > 0:
+                    self.scheduler.finish(request, {"error": discarded[request.run_id]})
+                else:
+                    request.started = False
+        self.sampling.fail_all(next(iter(discarded.values())), [g for g in self.sampling.groups
+                                                               if any(r in discarded for r in g.run_ids)])
+        for run_id in discarded:
+            self.shared.residency.detach(run_id)
 
     # ---- between calls ----------------------------------------------------------------------
 

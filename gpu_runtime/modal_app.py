@@ -123,13 +123,13 @@ class Pool:
     @modal.enter()
     def start(self) -> None:
         # The base loads now (offline: with its first run); runs restore lazily from the Volume, on their first call.
-        from gpu_runtime.allocation import parse_gpu_config
+        from gpu_runtime.allocation import PoolKey
         from gpu_runtime.contract import RuntimeOptions
         from gpu_runtime.engine import Engine
 
         self.commits = VolumeCommits(offline=modal.is_local())
         # A pool on N GPUs starts N ranks now, kept for the container's life (docs/MULTIGPU.md): rank i on GPU i.
-        ranks = parse_gpu_config(self.pool.split("|")[1]).count if self.pool.count("|") == 2 else 1
+        ranks = PoolKey.parse(self.pool).gpu.count
         self.engine = Engine(
             os.environ.get(DATA_DIR_ENV, VOLUME_PATH),
             os.environ.get(DEVICE_ENV, "auto"),
@@ -170,7 +170,9 @@ class Pool:
     def _load_base(self) -> None:
         # The key's first part is the catalogue's name, which on Modal is the hub id the runs load (no local paths
         # there). Best effort: a base that fails here fails its first call too, with a typed error the caller sees.
-        base = self.pool.split("|")[0]
+        from gpu_runtime.allocation import PoolKey
+
+        base = PoolKey.parse(self.pool).base_model
         try:
             self.engine.residency.base(base)
         except Exception as exc:  # noqa: BLE001

@@ -255,7 +255,7 @@ class RuntimeClient:
         assert process.stdout is not None
         while (message := _read_message(process.stdout)) is not None:
             with self._lock:
-                entry = self._pending.pop(message.get("id"), None)  # type: ignore[arg-type]
+                entry = self._pending.pop(message.get("id"), None)  # type: ignore[arg-type]  # an answer without an id finds None
             if entry is None:
                 print(f"gpu_runtime runtime: answer for unknown request {message.get('id')!r}", file=sys.stderr)
                 continue

@@ -80,6 +80,9 @@ class Shared:
     touched: set[str] = field(default_factory=set)  # runs whose journal has records not yet fsync'd
     unwritten: dict[str, OSError] = field(default_factory=dict)  # runs whose journal write failed this tick
     armed: set[str] = field(default_factory=set)  # failpoint enospc_journal: runs whose next sync fails
+    # Runs whose memory holds a call that failed after its pass (gradients summed, never journaled): each leaves
+    # memory unsaved once the tick's journals are synced, and comes back from snapshot + journal without it.
+    discarded: dict[str, dict[str, Any]] = field(default_factory=dict)
     snapshotted: bool = False  # a snapshot was written since the last after_sync (Modal commits it then)
 
     def entry(self, state: RunState) -> BaseEntry:

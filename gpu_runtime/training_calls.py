@@ -39,7 +39,7 @@ from gpu_runtime.persistence import sha256_json
 from gpu_runtime.pool import BaseEntry
 from gpu_runtime.run_state import LOADS_DIR, RunState, append_manifest, last_manifest_step
 from gpu_runtime.scheduler import Request
-from gpu_runtime.shared import Answer, Shared, TickStats
+from gpu_runtime.shared import Answer, Shared, TickStats, internal
 from gpu_runtime.training import PartOutcome, PassPart
 from gpu_runtime.weights_sources import WeightsSource
 
@@ -143,7 +143,15 @@ class Training:
                 part.progress.restore_grads()
                 answers.append((part.request, {"error": outcome.to_dict()}))
                 continue
-            result = self._count(part, outcome, seconds * part_tokens / max(sum(tokens), 1))
+            try:
+                result = self._count(part, outcome, seconds * part_tokens / max(sum(tokens), 1))
+            except Exception as exc:  # noqa: BLE001  # one call's completion fails it alone, not the pass's others
+                if part.request is None:
+                    raise  # replaying: the restore fails, as a broken journal would
+                error = internal(exc, part.request)
+                self.shared.discarded.setdefault(part.progress.state.run_id, error)
+                answers.append((part.request, {"error": error}))
+                continue
             if result is not None:
                 answers.append((part.request, {"result": result.to_dict()}))
         return answers
@@ -164,6 +172,8 @@ class Training:
         """Count a part (and its share of the pass's `seconds`); when the call is whole, journal it and return
         its result."""
         progress, state = part.progress, part.progress.state
+        if "raise_in_count" in self.shared.faults and (part.request and part.request.request_id or "").startswith("raise"):
+            raise RuntimeError("failpoint raise_in_count")  # what a bug in one call's completion does
         progress.compute_seconds += seconds
         progress.loss_sum += outcome.loss_sum
         progress.normaliser += outcome.normaliser

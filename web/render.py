@@ -51,7 +51,7 @@ templates.env.filters["params"] = lambda n: f"{n / 1e9:.2f}B" if n >= 1e9 else f
 
 
 def services(request: Request) -> Services:
-    return request.app.state.services  # type: ignore[no-any-return]
+    return request.app.state.services  # type: ignore[no-any-return]  # Starlette's state is untyped
 
 
 def is_htmx(request: Request) -> bool:

@@ -8,7 +8,6 @@ from app.settings import Settings
 
 
 class Backend(Protocol):
-    multi_gpu: bool  # whether one pool may span several GPUs (Modal: not until FSDP lands)
     shares_disk: bool  # whether the runtime's files are on this server's disk (Modal's are on its Volume)
 
     @property

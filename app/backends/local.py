@@ -28,7 +28,6 @@ log = logging.getLogger("signal.backend")
 
 class LocalBackend:
     shares_disk = True
-    multi_gpu = True  # the local runtime uses the machine's devices as they are; gpu_config is not applied here
 
     def __init__(self, settings: Settings) -> None:
         self.client = RuntimeClient(

@@ -23,7 +23,8 @@ import anyio.to_thread
 
 from app.errors import BadInput, FailedPrecondition, SignalError, WorkerFailed
 from app.settings import Settings
-from gpu_runtime.allocation import modal_gpu, parse_gpu_config
+from gpu_runtime.allocation import PoolKey, modal_gpu
+from gpu_runtime.protocol import check_contract
 
 APP_NAME = "signal"  # gpu_runtime.modal_app's APP_NAME and CLASS_NAME (that module is not imported here)
 CLASS_NAME = "Pool"
@@ -52,15 +53,11 @@ def modal_credentials() -> bool:
 
 def pool_gpu(pool: str) -> str:
     """Modal's GPU string for a pool key ("base|L40S:1|none" → "L40S"): what `with_options(gpu=...)` gets."""
-    parts = pool.split("|")
-    if len(parts) != 3:
-        raise BadInput(f"{pool!r} is not a pool key (base model|GPU configuration|quantization)", field="pool")
-    return modal_gpu(parse_gpu_config(parts[1], field="gpuConfig"))
+    return modal_gpu(PoolKey.parse(pool).gpu)
 
 
 class ModalBackend:
     shares_disk = False  # run files live on the Volume: archives come through the runtime
-    multi_gpu = True  # a pool on N GPUs runs N ranks, the base sharded with FSDP (docs/MULTIGPU.md)
 
     def __init__(self, settings: Settings, lookup: Callable[[], Any] | None = None, local: bool = False) -> None:
         if lookup is None:
@@ -82,6 +79,7 @@ class ModalBackend:
         self._entering: dict[str, threading.Lock] = {}  # offline: `.local()` runs @modal.enter unlocked
         self._entered: set[str] = set()
         self._started = False
+        self._agreed: set[str] = set()  # pools whose container answered this server's contract version
 
     @property
     def ready(self) -> bool:
@@ -111,6 +109,7 @@ class ModalBackend:
             if method not in SYSTEM_METHODS:
                 raise BadInput(f"{method} needs the run's pool on Modal", field="pool")
             return await self._every_pool(method)
+        await self._agree(pool)
         if method == "delete_run":
             answer = await self._invoke(pool, "delete_run", str(params["run_id"]))
         else:
@@ -119,6 +118,15 @@ class ModalBackend:
             raise SignalError.from_dict(answer["error"])
         result: dict[str, Any] = answer["result"]
         return result
+
+    async def _agree(self, pool: str) -> None:
+        """A deployment can lag the server's code: before a pool's first call, its contract version is asked for."""
+        if pool in self._agreed:
+            return
+        answer = await self._invoke(pool, "call", "ping", {})
+        check_contract(answer.get("result") or {}, f"deployed on Modal as {APP_NAME}.{CLASS_NAME}",
+                       "deploy this server's code with `modal deploy -m gpu_runtime.modal_app`")
+        self._agreed.add(pool)
 
     async def close(self) -> None:
         # Nothing to stop on Modal: each pool's container scales down after its window, and commits as it goes.

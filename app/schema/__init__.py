@@ -15,7 +15,7 @@ MAX_ALIASES = 20
 MAX_TOKENS = 20_000  # a forward_backward with inline batch text is one long document
 
 class SignalSchema(strawberry.Schema):
-    def process_errors(self, errors, execution_context=None) -> None:  # type: ignore[no-untyped-def]
+    def process_errors(self, errors, execution_context=None) -> None:  # type: ignore[no-untyped-def]  # strawberry's own signature, untyped there
         # SignalErrors already logged the internal ones; typed errors are the client's, not ours to log.
         return None
 

@@ -18,6 +18,7 @@ from gpu_runtime.allocation import (
     VOCAB_ESTIMATE,
     GpuAllocation,
     LoraTargets,
+    PoolKey,
     allocate,
     check_fit,
     estimate_bytes,
@@ -405,3 +406,24 @@ def test_a_4bit_run_trains_through_the_sdk_and_shows_its_quantization(server: Li
         assert plain.forward_backward(batch).loss != pytest.approx(first.loss, abs=1e-6)  # the unquantized base
     shown = server.graphql("query($id: ID!) { run(id: $id) { quantization gpuConfig } }", {"id": run.id}, key=key)
     assert shown["data"]["run"] == {"quantization": "4bit", "gpuConfig": "L40S:1"}
+
+
+@pytest.mark.parametrize(("base", "gpu", "quantization", "key"), [
+    ("HuggingFaceTB/SmolLM2-135M-Instruct", "l40s", None, "HuggingFaceTB/SmolLM2-135M-Instruct|L40S:1|none"),
+    ("m", "h100:4", "4BIT", "m|H100:4|4bit"),
+    ("/tmp/tiny model", "A10G", "none", "/tmp/tiny model|A10:1|none"),
+])
+def test_a_pool_key_has_one_spelling_and_parses_back(base: str, gpu: str, quantization: str | None, key: str) -> None:
+    assert pool_key(base, gpu, quantization) == key
+    parsed = PoolKey.parse(key)
+    assert (parsed.base_model, str(parsed.gpu)) == (base, key.split("|")[1])
+    assert parsed.quantization == (None if key.endswith("|none") else key.rsplit("|", 1)[1])
+    assert str(parsed) == key
+
+
+@pytest.mark.parametrize(("key", "field"), [("no-bars", "pool"), ("|L40S:1|none", "pool"), ("m|L40S|none|x", "pool"),
+                                            ("m|TPU:1|none", "gpuConfig"), ("m|L40S:1|3bit", "quantization")])
+def test_a_malformed_pool_key_is_refused_naming_the_part(key: str, field: str) -> None:
+    with pytest.raises(BadInput) as refused:
+        PoolKey.parse(key)
+    assert refused.value.field == field

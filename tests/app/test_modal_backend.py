@@ -11,6 +11,7 @@ Volumes, GPUs, `.remote.aio`) is not exercised here.
 
 from __future__ import annotations
 
+import asyncio
 import importlib.metadata
 import importlib.util
 import os
@@ -19,6 +20,7 @@ import sys
 import tomllib
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -30,6 +32,8 @@ from app.catalog import Catalog
 from app.settings import Settings
 from gpu_runtime import modal_app
 from gpu_runtime.allocation import GPUS, parse_gpu_config, pool_key
+from gpu_runtime.contract import CONTRACT_VERSION
+from gpu_runtime.errors import FailedPrecondition
 from gpu_runtime.journal import Journal
 from rewardsignal import BadInputError, SignalClient
 from tests.helpers.live_server import TINY_MODEL, LiveServer, settings_for
@@ -315,3 +319,28 @@ def test_a_checkpoint_on_the_volume_downloads_through_the_runtime(modal_server: 
     assert Path("adapter_model.safetensors") in expected
     response = httpx.get(artifact.download_url, headers={"Authorization": f"Bearer {other}"}, timeout=60)
     assert response.status_code == 404  # another user's checkpoint, before the runtime is asked
+
+
+def test_a_pool_deployed_from_other_code_is_refused_naming_modal_deploy(tmp_path: Path) -> None:
+    # A stand-in for Modal's cloud: a deployment of an older Signal, whose containers answer ping with version 2.
+    class LaggingDeployment:
+        calls: list[str] = []
+
+        @classmethod
+        def with_options(cls, gpu: str) -> Any:
+            return lambda pool, options: cls()
+
+        @property
+        def call(self) -> Any:
+            def local(method: str, params: dict[str, Any]) -> dict[str, Any]:
+                LaggingDeployment.calls.append(method)
+                return {"result": {"pid": 1, "contract": CONTRACT_VERSION - 1}}
+            return SimpleNamespace(local=local)
+
+    backend = ModalBackend(settings_for(tmp_path, "unused"), lookup=lambda: LaggingDeployment, local=True)
+    with pytest.raises(FailedPrecondition) as refused:
+        asyncio.run(backend.call("run_info", pool=TINY_POOL, run_id="r"))
+    assert refused.value.field == "runtime"
+    assert f"contract version {CONTRACT_VERSION - 1}, this server {CONTRACT_VERSION}" in refused.value.message
+    assert "modal deploy -m gpu_runtime.modal_app" in refused.value.message
+    assert LaggingDeployment.calls == ["ping"]  # the call itself never reached the lagging container
