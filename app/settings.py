@@ -42,6 +42,15 @@ class Settings(BaseSettings):
     tinker_poll_s: float = Field(30.0, gt=0, le=40, description="Tinker's retrieve_future holds a pending poll this "
                                  "long, then answers try_again (the SDK times a poll out at 45 s).")
     max_batch_size: int = Field(RuntimeOptions.max_batch_size, description="Most items one forward_backward may carry.")
+    # Per-call sizes: the server refuses an over-bound call before it leaves, the runtime again once it has tokenized.
+    max_batch_tokens: int = Field(RuntimeOptions.max_batch_tokens, description="Most tokens one forward_backward "
+                                  "(or forward) may carry, its rows summed.")
+    max_sample_rows: int = Field(RuntimeOptions.max_sample_rows, description="Most sequences one sample call makes: "
+                                 "prompts x numSamples.")
+    max_sample_prompt_tokens: int = Field(RuntimeOptions.max_sample_prompt_tokens, description="Most prompt tokens "
+                                          "one sample call prefills: their sum x numSamples.")
+    max_sample_tokens: int = Field(RuntimeOptions.max_sample_tokens, description="Most tokens one sample call may "
+                                   "generate: prompts x numSamples x maxTokens.")
     tick_tokens: int = Field(RuntimeOptions.tick_tokens,
                              description="Most tokens of forward_backward rows in one co-batched pass.")
     decode_chunk_seconds: float = Field(RuntimeOptions.decode_chunk_seconds,

@@ -158,6 +158,7 @@ class Engine(InProcess):
                 raise BadInput("params must be an object of the method's arguments", field="params")
             args, ticket = split_ticket(params)  # the call's place in its run's order across servers
             call = parse_call(method, args)
+            call.check_size(self.options)  # the server checked its own bounds; these are the runtime's
             if isinstance(call, WRITING_CALLS):
                 self._check_disk()
             run_id = call.run

@@ -14,7 +14,15 @@ from typing import cast
 
 import torch
 
-from gpu_runtime.contract import RenderChat, RenderChatResult, Sample, SampleResult, Tokenizer, TokenizerResult
+from gpu_runtime.contract import (
+    RenderChat,
+    RenderChatResult,
+    Sample,
+    SampleResult,
+    Tokenizer,
+    TokenizerResult,
+    check_sample_size,
+)
 from gpu_runtime.decoding import DecodeGroup, SampleJob
 from gpu_runtime.errors import BadInput, SignalError
 from gpu_runtime.pool import BaseEntry
@@ -61,6 +69,7 @@ class Sampling:
             if len(ids) + settings.max_tokens > limit:
                 raise BadInput(f"{field}[{i}] ({len(ids)} tokens) + max_tokens ({settings.max_tokens}) exceeds "
                                f"the context ({limit})", field="max_tokens")
+        check_sample_size(len(prompt_ids), settings, self.shared.options, field, [len(ids) for ids in prompt_ids])
         outside = [t for t in settings.stop_tokens if t >= vocab]
         if outside:
             raise BadInput(f"stop token id {outside[0]} is outside the vocabulary (0..{vocab - 1})", field="stop")

@@ -31,6 +31,7 @@ from gpu_runtime.contract import (
     OptimStepResult,
     RenderDatums,
     RenderDatumsResult,
+    check_batch_size,
     loss_settings,
 )
 from gpu_runtime.errors import FailedPrecondition, SignalError
@@ -103,12 +104,17 @@ class Training:
                 f"reduction {call.reduction!r} differs from the {state.pending.reduction!r} of the {state.pending.calls} "
                 "forward_backward call(s) since the last optim_step: every call between two steps uses one reduction",
                 field="reduction")
-        examples = self.shared.entry(state).renderer.render_batch(call.batch, self.shared.options.max_batch_size,
-                                                                  call.loss_fn)
+        examples = self.rendered(self.shared.entry(state), call.batch, call.loss_fn)
         batch_hash = sha256_json({"loss_fn": call.loss_fn, "batch": call.batch})
         return FbProgress(state, examples, call.loss_fn, config, batch_hash, call=state.pending.calls,
                           width=max(e.length for e in examples), reduction=call.reduction,
                           return_outputs=call.return_outputs)
+
+    def rendered(self, entry: BaseEntry, batch: list[dict[str, Any]], loss_fn: str) -> list[Datum]:
+        """A batch's rows, bounded in items and (now that text is tokenized) in tokens by the runtime's options."""
+        examples = entry.renderer.render_batch(batch, self.shared.options.max_batch_size, loss_fn)
+        check_batch_size(len(examples), sum(e.cost for e in examples), self.shared.options)
+        return examples
 
     @staticmethod
     def take_rows(progress: FbProgress, allowance: int) -> list[Datum]:
@@ -218,7 +224,7 @@ class Training:
         changes. Pure, so a retry (same request id) computes the same answer."""
         started = time.perf_counter()
         config = loss_settings(call.loss_fn, call.loss_fn_config)
-        examples = source.entry.renderer.render_batch(call.batch, self.shared.options.max_batch_size, call.loss_fn)
+        examples = self.rendered(source.entry, call.batch, call.loss_fn)
         part = PassPart(source.routing_key, examples, 0, call_rows=len(examples),
                         call_width=max(e.length for e in examples), dropout_seed=None, loss_fn=call.loss_fn,
                         loss_config=config, return_outputs=True, forward_only=True)
@@ -235,8 +241,7 @@ class Training:
             compute_seconds=self.shared.compute.seconds_since(started))
 
     def render_datums(self, state: RunState, call: RenderDatums) -> RenderDatumsResult:
-        examples = self.shared.entry(state).renderer.render_batch(call.batch, self.shared.options.max_batch_size,
-                                                                  call.loss_fn)
+        examples = self.rendered(self.shared.entry(state), call.batch, call.loss_fn)
         return RenderDatumsResult(datums=[e.to_dict() for e in examples])
 
     # ---- optim_step ------------------------------------------------------------------------

@@ -10,7 +10,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from app.openai.errors import bad
-from gpu_runtime.contract import MAX_SAMPLES, MAX_TOKENS_LIMIT, MAX_TOPK_LOGPROBS
+from gpu_runtime.contract import (
+    MAX_SAMPLES,
+    MAX_SEED,
+    MAX_STOP,
+    MAX_STOP_CHARS,
+    MAX_TEMPERATURE,
+    MAX_TOKENS_LIMIT,
+    MAX_TOPK_LOGPROBS,
+)
 
 MAX_COMPLETION_LOGPROBS = 5  # the legacy completions API's bound
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
@@ -101,6 +109,8 @@ def _stop(body: dict[str, Any]) -> list[str] | None:
     stops = [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, list) or not stops or not all(isinstance(s, str) and s for s in stops):
         raise bad("stop", "stop must be a non-empty string or a list of non-empty strings")
+    if len(stops) > MAX_STOP or any(len(s) > MAX_STOP_CHARS for s in stops):
+        raise bad("stop", f"stop takes at most {MAX_STOP} strings of at most {MAX_STOP_CHARS} characters each")
     return stops
 
 
@@ -175,15 +185,15 @@ def parse(body: Any, chat: bool) -> Request:
     if max_tokens is not None and max_completion is not None and max_tokens != max_completion:
         raise bad("max_completion_tokens", "max_tokens and max_completion_tokens differ; give one")
     request.max_tokens = max_tokens if max_tokens is not None else max_completion
-    request.temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
+    request.temperature = _number(body, "temperature", 1.0, 0.0, MAX_TEMPERATURE)
     request.top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
     if body.get("top_p") is not None and request.top_p == 0:
         raise bad("top_p", "top_p must be greater than 0")
     request.n = _int(body, "n", 1, MAX_SAMPLES) or 1
     request.stop = _stop(body)
     seed = body.get("seed")
-    if seed is not None and (not _is_int(seed) or seed < 0):
-        raise bad("seed", f"seed must be a non-negative integer, got {seed!r}")
+    if seed is not None and (not _is_int(seed) or not 0 <= seed <= MAX_SEED):
+        raise bad("seed", f"seed must be an integer in 0..{MAX_SEED}, got {seed!r}")
     request.seed = seed
     if chat:
         wants = _bool(body, "logprobs")

@@ -37,9 +37,13 @@ from gpu_runtime.contract import (
     ADAM_DEFAULTS,
     LORA_DEFAULTS,
     LORA_SWITCHES,
+    MAX_RUN_SEED,
     SAMPLE_DEFAULTS,
+    Call,
     CheckpointRef,
+    RuntimeOptions,
     adam_settings,
+    check_seed,
     checkpoint_ref,
     lora_settings,
     parse_call,
@@ -49,6 +53,7 @@ from gpu_runtime.contract import (
 T = TypeVar("T")
 
 FAILED = "failed"  # runs.status once the runtime no longer has the run (else "active", the column's default)
+MAX_METRICS_LIMIT = 10_000  # most metric rows one read returns (a run's curve; the dashboard asks for 1,000)
 
 
 @dataclass
@@ -105,8 +110,8 @@ class RunSpec:
                                field=graphql_field(switch))
         self.lora()
         self.adam()
-        if self.seed is not None and self.seed < 0:
-            raise BadInput(f"seed must be >= 0, got {self.seed}", field="seed")
+        if self.seed is not None:
+            check_seed(self.seed, MAX_RUN_SEED)
 
 
 @dataclass
@@ -153,8 +158,10 @@ class SampleParams:
 
 class RunService:
     def __init__(self, db: Database, backend: Backend, catalog: Catalog, feed: MetricFeed,
-                 default_model: str, ledger: Ledger) -> None:
+                 default_model: str, ledger: Ledger, bounds: RuntimeOptions | None = None) -> None:
         self.db = db
+        # The per-call size bounds (SIGNAL_MAX_SAMPLE_ROWS…): checked here before a call leaves, by the runtime again.
+        self.bounds = bounds or RuntimeOptions()
         self.ledger = ledger  # compute seconds, credits and the billing service (docs/BILLING.md)
         self.default_model = default_model
         self.backend = backend
@@ -187,11 +194,13 @@ class RunService:
             return list(rows)
 
     async def metrics(self, run: Run, name: str | None = None, limit: int = 1000) -> builtins.list[Metric]:
+        if not 1 <= limit <= MAX_METRICS_LIMIT:
+            raise BadInput(f"limit must be an integer in 1..{MAX_METRICS_LIMIT}, got {limit}", field="limit")
         query = select(Metric).where(Metric.run_id == run.id)
         if name:
             query = query.where(Metric.name == name)
         async with self.db.session() as session:
-            newest = list(await session.scalars(query.order_by(Metric.id.desc()).limit(_clamp(limit, 10_000))))
+            newest = list(await session.scalars(query.order_by(Metric.id.desc()).limit(limit)))
         return newest[::-1]  # the latest `limit` rows, in the order they happened
 
     async def samples(self, run: Run, limit: int = 100) -> builtins.list[Sample]:
@@ -308,8 +317,7 @@ class RunService:
             raise BadInput("forward needs runId or baseModel", field="baseModel")
         model = self.catalog.get(base_model)
         arguments = {**params, "run_id": None, "base_model": model.source, "user_id": user.id, "request_id": request_id}
-        with _fields_renamed(lambda field: field):
-            parse_call("forward", arguments)
+        self._checked("forward", arguments)
         pool = pool_key(model.name, self.catalog.resolve_gpu(model, None, None), None)
         return await self._engine("forward", pool=pool, **arguments)
 
@@ -317,8 +325,7 @@ class RunService:
                             loss_fn: str = "cross_entropy") -> dict[str, Any]:
         """The datums the runtime would build for `batch` on the run's model; nothing is applied or billed."""
         run = await self.get(user, run_id)
-        with _fields_renamed(lambda field: field):
-            parse_call("render_datums", {"run_id": run.id, "batch": batch, "loss_fn": loss_fn})
+        self._checked("render_datums", {"run_id": run.id, "batch": batch, "loss_fn": loss_fn})
         return await self._on_run(run, "render_datums", batch=batch, loss_fn=loss_fn)
 
     async def optim_step(self, user: User, run_id: str, adam: dict[str, Any] | None = None,
@@ -349,6 +356,14 @@ class RunService:
         base alone. Frozen sources (docs/SNAPSHOTS.md) take neither the run's lock nor a ticket: they wait for nothing
         on the run. Each sequence becomes a sample row (the run's history on its page) when `params.store` says so
         (None: true for current weights, false otherwise): an RL step of 128 prompts x 16 samples would write 2,048."""
+        # The contract takes stop strings and ids as one `stop`; GraphQL has two arguments: name the one sent.
+        stop_field = "stop_tokens" if params.stop_tokens is not None else "stop"
+        with _fields_renamed(lambda field: stop_field if field == "stop" else field):
+            return await self._sample(user, run_id, params, request_id, snapshot, checkpoint, base_model, order)
+
+    async def _sample(self, user: User, run_id: str | None, params: SampleParams, request_id: str | None,
+                      snapshot: str | None, checkpoint: str | None, base_model: str | None,
+                      order: Numbered | None) -> dict[str, Any]:
         keep = params.store if params.store is not None else (
             run_id is not None and snapshot is None and checkpoint is None)
 
@@ -382,8 +397,7 @@ class RunService:
         """A call on a run's frozen weights (a snapshot or checkpoint: docs/SNAPSHOTS.md): owned and billed like the
         run's calls, but it takes neither the run's lock nor a ticket, so it waits for nothing queued on the run."""
         run = await self.get(user, run_id)
-        with _fields_renamed(lambda field: field):
-            parse_call(method, {"run_id": run.id, **params, **source, "request_id": request_id})
+        self._checked(method, {"run_id": run.id, **params, **source, "request_id": request_id})
         request_id = await self.ledger.allow(user, run, method, request_id)
 
         async def work() -> dict[str, Any]:
@@ -400,8 +414,7 @@ class RunService:
         gpu_config = self.catalog.resolve_gpu(model, None, None)
         pool = pool_key(model.name, gpu_config, None)
         engine_params = {**params.engine_params(), "base_model": model.source, "user_id": user.id}
-        with _fields_renamed(lambda field: field):
-            parse_call("sample", {**engine_params, "request_id": request_id})
+        self._checked("sample", {**engine_params, "request_id": request_id})
         request_id = await self.ledger.allow_user(user, "sample", request_id, model.name, gpu_config)
 
         async def work() -> dict[str, Any]:
@@ -595,8 +608,7 @@ class RunService:
         if self.claim is not None:
             await self.claim(run, operation)
         params = arguments(run)
-        with _fields_renamed(lambda field: field):  # the contract's checks, here before the call leaves, and again there
-            parse_call(operation, {"run_id": run.id, **params, "request_id": request_id})
+        self._checked(operation, {"run_id": run.id, **params, "request_id": request_id})
         request_id = await self.ledger.allow(user, run, operation, request_id)
         if allowed is not None:
             params |= await allowed()
@@ -608,6 +620,14 @@ class RunService:
             return await record(run, result)
 
         return await self._serialised(run.id, work, order)
+
+    def _checked(self, method: str, arguments: dict[str, Any]) -> Call:
+        """The contract's checks and size bounds, here before the call leaves (the runtime runs both again); errors
+        name the field as the client sent it."""
+        with _fields_renamed(lambda field: field):
+            call = parse_call(method, arguments)
+            call.check_size(self.bounds)
+        return call
 
     async def _on_run(self, run: Run, method: str, **params: Any) -> dict[str, Any]:
         """A runtime call on a run the database holds. The runtime answering that it has no such run means its

@@ -16,16 +16,22 @@ from gpu_runtime.contract.settings import (
     CHECKPOINT_KINDS,
     DEFAULT_LOSS_FN,
     DEFAULT_REDUCTION,
+    MAX_RUN_SEED,
     SAMPLE_DEFAULTS,
     SAVE_MODES,
+    RuntimeOptions,
     SamplingSettings,
     adam_settings,
+    check_batch_size,
     check_batch_text,
     check_checkpoint_name,
     check_id,
     check_request_id,
+    check_sample_size,
+    check_seed,
     check_snapshot_name,
     checkpoint_ref,
+    known_batch_tokens,
     lora_settings,
     loss_settings,
     sampling_prompts,
@@ -88,6 +94,10 @@ class Call:
     def validate(self) -> None:
         """Every check that needs no model (run again by the runtime)."""
 
+    def check_size(self, options: RuntimeOptions) -> None:
+        """The per-call size bounds that need no model, against `options` (the server's settings before the call
+        leaves, the runtime's own on arrival); the runtime checks again once it has tokenized."""
+
     @property
     def run(self) -> str | None:
         return getattr(self, "run_id", None)
@@ -117,8 +127,8 @@ class CreateRun(RunCall):
     def validate(self) -> None:
         super().validate()
         check_id(self.user_id, "user_id")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
-            raise BadInput(f"seed must be a non-negative integer, got {self.seed!r}", field="seed")
+        if self.seed is not None:
+            check_seed(self.seed, MAX_RUN_SEED)
         if not isinstance(self.base_model, str) or not self.base_model:
             raise BadInput("base_model must be a model name or path", field="base_model")
         if not isinstance(self.with_optimizer, bool):
@@ -137,8 +147,17 @@ def _check_batch(batch: Any) -> None:
     check_batch_text(batch)
 
 
+class _Batched:
+    """A call carrying a batch: bounded in items and in the tokens countable before rendering."""
+
+    batch: list[dict[str, Any]]
+
+    def check_size(self, options: RuntimeOptions) -> None:
+        check_batch_size(len(self.batch), known_batch_tokens(self.batch), options)
+
+
 @dataclass(frozen=True, kw_only=True)
-class ForwardBackward(RunCall):
+class ForwardBackward(_Batched, RunCall):
     method = Method.FORWARD_BACKWARD
     batch: list[dict[str, Any]]
     loss_fn: str = DEFAULT_LOSS_FN
@@ -157,7 +176,7 @@ class ForwardBackward(RunCall):
 
 
 @dataclass(frozen=True, kw_only=True)
-class Forward(Call):
+class Forward(_Batched, Call):
     """The loss and per-position logprobs of a batch, with no backward: nothing of the run changes (no gradient,
     no dropout, no counter). Its weights, as a sample's (gpu_runtime/weights_sources.py): `run_id`'s current ones
     (in the run's queue), `run_id` + `snapshot` (frozen: off the queue), or with run_id None the base model alone."""
@@ -186,7 +205,7 @@ class Forward(Call):
 
 
 @dataclass(frozen=True, kw_only=True)
-class RenderDatums(RunCall):
+class RenderDatums(_Batched, RunCall):
     """The datums the runtime would build for a batch of Signal items (renderDatums), changing nothing."""
 
     method = Method.RENDER_DATUMS
@@ -244,6 +263,15 @@ class Sample(Call):
         check_weights_source(self)
         check_request_id(self.request_id)
         self.settings()
+
+    def check_size(self, options: RuntimeOptions) -> None:
+        prompts, settings = self.settings()
+        lengths = None if self.prompt_tokens is None else [len(ids) for ids in self.prompt_tokens]
+        check_sample_size(len(prompts), settings, options, self.prompts_field, lengths)
+
+    @property
+    def prompts_field(self) -> str:
+        return "prompts" if self.prompt_tokens is None else "prompt_tokens"
 
     @property
     def frozen(self) -> bool:

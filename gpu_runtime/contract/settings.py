@@ -77,7 +77,8 @@ ADAM_BOUNDS: dict[str, tuple[float, float, bool, bool]] = {
     "beta2": (0.0, 1.0, True, False),
     "eps": (0.0, 1.0, False, True),
     "weight_decay": (0.0, 10.0, True, True),
-    "grad_clip_norm": (0.0, math.inf, True, True),
+    # Past a norm of 1000 clipping never happens in practice: 0 is how it is turned off, a huge number is a typo.
+    "grad_clip_norm": (0.0, 1000.0, True, True),
 }
 
 
@@ -113,6 +114,8 @@ LORA_DEFAULTS: dict[str, Any] = {
     "train_attn": True, "train_mlp": False, "train_unembed": False,
 }
 LORA_R_MAX = 512
+# The update is scaled by alpha / r: past 16 it is a typo, not a setting (alpha 1e308 made every loss nan).
+LORA_ALPHA_PER_R = 16
 LORA_SWITCHES = ("train_attn", "train_mlp", "train_unembed")
 LORA_KEYS = {"r", "alpha", "dropout", "target_modules", *LORA_SWITCHES}
 # The layers each switch targets, by architecture family (leaf names); a model gets whichever of them it has.
@@ -166,8 +169,9 @@ def lora_settings(lora: Any, available: set[str] | None = None) -> dict[str, Any
         raise BadInput(f"lora.r must be an integer in 1..{LORA_R_MAX}, got {r!r}", field="lora.r")
     alpha = lora.get("alpha")
     alpha = 2.0 * r if alpha is None else alpha
-    if not _is_number(alpha) or not alpha > 0:
-        raise BadInput(f"lora.alpha must be a number > 0, got {alpha!r}", field="lora.alpha")
+    if not _is_number(alpha) or not 0 < alpha <= LORA_ALPHA_PER_R * r:
+        raise BadInput(f"lora.alpha must be a number in (0, {LORA_ALPHA_PER_R} * r = {LORA_ALPHA_PER_R * r}], "
+                       f"got {alpha!r}", field="lora.alpha")
     dropout = lora.get("dropout", LORA_DEFAULTS["dropout"])
     dropout = LORA_DEFAULTS["dropout"] if dropout is None else dropout
     if not _is_number(dropout) or not 0 <= dropout < 1:
@@ -280,6 +284,12 @@ def loss_settings(loss_fn: Any, config: Any, reduction: Any = DEFAULT_REDUCTION)
 MAX_TOKENS_LIMIT = 4096
 MAX_SAMPLES = 16
 MAX_TOPK_LOGPROBS = 20  # most (token, logprob) pairs per position, as vLLM's max_logprobs
+MAX_TEMPERATURE = 2.0  # OpenAI's bound; past it sampling is noise (the playground and /v1 share it)
+MAX_TOP_K = 1024  # past this top-k keeps the tail anyway; 0 (or -1) turns it off
+MAX_STOP = 16  # stop strings or stop token ids per call: each is checked after every decoded token
+MAX_STOP_CHARS = 256  # characters of one stop string
+MAX_SEED = 2**63 - 1  # a sampling seed: int64, what torch's generator and JSON's readers hold
+MAX_RUN_SEED = 2**31 - 1  # a run's seed: runs.seed is a 32-bit column on PostgreSQL (and GraphQL's Int is 32-bit)
 SAMPLE_DEFAULTS: dict[str, Any] = {"max_tokens": 64, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "num_samples": 1,
                                    "prompt_logprobs": False, "topk_prompt_logprobs": 0, "topk_sample_logprobs": 0}
 
@@ -333,9 +343,14 @@ def stop_settings(stop: Any) -> tuple[list[str], list[int], bool]:
     stop = [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list):
         raise BadInput("stop must be a string, a list of strings or a list of token ids", field="stop")
+    if len(stop) > MAX_STOP:
+        raise BadInput(f"stop has {len(stop)} entries; at most {MAX_STOP}", field="stop")
     if all(isinstance(s, str) for s in stop):
         if not all(stop):
             raise BadInput("stop strings must be non-empty", field="stop")
+        longest = max((len(s) for s in stop), default=0)
+        if longest > MAX_STOP_CHARS:
+            raise BadInput(f"a stop string is {longest} characters; at most {MAX_STOP_CHARS}", field="stop")
         return list(stop), [], bool(stop)
     if all(_is_int(s) for s in stop):
         if any(s < 0 for s in stop):
@@ -344,25 +359,33 @@ def stop_settings(stop: Any) -> tuple[list[str], list[int], bool]:
     raise BadInput("stop must be all strings or all token ids, not a mix", field="stop")
 
 
+def check_seed(seed: Any, most: int) -> int:
+    """A seed the caller gave: an integer in 0..`most` (MAX_SEED for sampling, MAX_RUN_SEED for a run)."""
+    if not _is_int(seed) or not 0 <= seed <= most:
+        raise BadInput(f"seed must be an integer in 0..{most} or null, got {seed!r}", field="seed")
+    return int(seed)
+
+
 def sampling_settings(
     max_tokens: Any, temperature: Any, top_p: Any, top_k: Any, stop: Any, num_samples: Any, seed: Any,
     prompt_logprobs: Any = False, topk_prompt_logprobs: Any = 0, topk_sample_logprobs: Any = 0,
 ) -> SamplingSettings:
     if not _is_int(max_tokens) or not 1 <= max_tokens <= MAX_TOKENS_LIMIT:
         raise BadInput(f"max_tokens must be an integer in 1..{MAX_TOKENS_LIMIT}, got {max_tokens!r}", field="max_tokens")
-    if not _is_number(temperature) or temperature < 0:
-        raise BadInput(f"temperature must be a number >= 0, got {temperature!r}", field="temperature")
+    if not _is_number(temperature) or not 0 <= temperature <= MAX_TEMPERATURE:
+        raise BadInput(f"temperature must be a number in [0, {MAX_TEMPERATURE}], got {temperature!r}",
+                       field="temperature")
     if not _is_number(top_p) or not 0 < top_p <= 1:
         raise BadInput(f"top_p must be a number in (0, 1], got {top_p!r}", field="top_p")
-    if not _is_int(top_k) or top_k < -1:
-        raise BadInput(f"top_k must be an integer >= -1 (0 or -1 = off), got {top_k!r}", field="top_k")
+    if not _is_int(top_k) or not -1 <= top_k <= MAX_TOP_K:
+        raise BadInput(f"top_k must be an integer in -1..{MAX_TOP_K} (0 or -1 = off), got {top_k!r}", field="top_k")
     strings, tokens, eos = stop_settings(stop)
     if not _is_int(num_samples) or not 1 <= num_samples <= MAX_SAMPLES:
         raise BadInput(f"num_samples must be an integer in 1..{MAX_SAMPLES}, got {num_samples!r}", field="num_samples")
     if seed is None:
         seed = int.from_bytes(os.urandom(8), "little") >> 1
-    elif not _is_int(seed) or seed < 0:
-        raise BadInput(f"seed must be a non-negative integer or null, got {seed!r}", field="seed")
+    else:
+        check_seed(seed, MAX_SEED)
     if not isinstance(prompt_logprobs, bool):
         raise BadInput(f"prompt_logprobs must be a boolean, got {prompt_logprobs!r}", field="prompt_logprobs")
     for name, k in (("topk_prompt_logprobs", topk_prompt_logprobs), ("topk_sample_logprobs", topk_sample_logprobs)):
@@ -436,6 +459,12 @@ class RuntimeOptions:
     """How the runtime schedules, remembers and persists. Every default lives here and only here."""
 
     max_batch_size: int = 64  # most items in one forward_backward
+    # Per-call sizes (docs/ERRORS.md#bounds): past them a call is BAD_INPUT naming its field, so that no one call holds
+    # the runtime for minutes. The server checks what it can before a call leaves; the runtime checks again, tokenized.
+    max_batch_tokens: int = 65536  # most tokens in one forward_backward or forward, its rows summed
+    max_sample_rows: int = 2048  # most sequences one sample makes: prompts x num_samples (an RL step's 128 x 16)
+    max_sample_prompt_tokens: int = 65536  # most prompt tokens one sample prefills: their sum x num_samples
+    max_sample_tokens: int = 32768  # most tokens one sample may generate: its rows x max_tokens
     tick_tokens: int = 8192  # most tokens of forward_backward rows in one co-batched pass
     decode_chunk_seconds: float = 0.25  # a decode group yields to other work after this long
     resident_bytes: int = 2 * 1024**3  # LoRA + AdamW + gradients of resident runs; LRU idle runs are evicted past it
@@ -467,6 +496,52 @@ class RuntimeOptions:
         if unknown:
             raise BadInput(f"unknown runtime options {unknown}; known: {sorted(known)}", field=unknown[0])
         return cls(**data)
+
+
+def check_sample_size(prompt_count: int, settings: SamplingSettings, options: RuntimeOptions, field: str,
+                      prompt_lengths: list[int] | None = None) -> None:
+    """One sample call's size against the bounds: its rows (prompts x num_samples), the tokens it may generate (rows
+    x max_tokens) and, given the prompts' lengths in tokens, the tokens its prefill holds (their sum x num_samples).
+    `field` names the prompts (prompts or prompt_tokens)."""
+    rows = prompt_count * settings.num_samples
+    if rows > options.max_sample_rows:
+        raise BadInput(f"{prompt_count} prompts x num_samples {settings.num_samples} = {rows} sequences; a sample "
+                       f"makes at most {options.max_sample_rows}",
+                       field=field if prompt_count > options.max_sample_rows else "num_samples")
+    generated = rows * settings.max_tokens
+    if generated > options.max_sample_tokens:
+        raise BadInput(f"{rows} sequences x max_tokens {settings.max_tokens} = {generated} tokens; a sample "
+                       f"generates at most {options.max_sample_tokens}", field="max_tokens")
+    if prompt_lengths is not None:
+        prefill = sum(prompt_lengths) * settings.num_samples
+        if prefill > options.max_sample_prompt_tokens:
+            raise BadInput(f"{sum(prompt_lengths)} prompt tokens x num_samples {settings.num_samples} = {prefill}; a "
+                           f"sample takes at most {options.max_sample_prompt_tokens}", field=field)
+
+
+def check_batch_size(items: int, tokens: int, options: RuntimeOptions) -> None:
+    """One forward_backward's (or forward's) size: its items and its rows' tokens. The server passes the tokens it
+    can count without a tokenizer (token items), a lower bound; the runtime passes the rendered rows' own."""
+    if items > options.max_batch_size:
+        raise BadInput(f"batch has {items} items; a call takes at most {options.max_batch_size}", field="batch")
+    if tokens > options.max_batch_tokens:
+        raise BadInput(f"batch has {tokens} tokens; a call takes at most {options.max_batch_tokens}", field="batch")
+
+
+def known_batch_tokens(batch: list[Any]) -> int:
+    """The tokens of a batch's token items (tokens, model_input, packed), counted without a tokenizer: text items
+    count 0, so this is a lower bound of what the runtime renders."""
+    total = 0
+    for item in batch:
+        if not isinstance(item, dict):
+            continue
+        ids = item.get("tokens", item.get("model_input"))
+        if isinstance(ids, list):
+            total += len(ids)
+        packed = item.get(PACKED_KEY)
+        if isinstance(packed, dict) and isinstance(packed.get("model_input"), str):
+            total += len(packed["model_input"].rstrip("=")) * 3 // 4 // 4  # base64 of int32s
+    return total
 
 
 def check_snapshot_name(value: Any, field: str) -> str:

@@ -29,6 +29,8 @@ def test_explicit_targets_are_kept() -> None:
         ({"r": True}, "lora.r"),
         ({"alpha": 0}, "lora.alpha"),
         ({"alpha": "big"}, "lora.alpha"),
+        ({"r": 4, "alpha": 1e308}, "lora.alpha"),  # issue 19: every loss of such a run was nan
+        ({"r": 4, "alpha": 64.5}, "lora.alpha"),  # past 16 * r
         ({"dropout": 1.0}, "lora.dropout"),
         ({"dropout": -0.1}, "lora.dropout"),
         ({"target_modules": ["attn"]}, "lora.target_modules"),

@@ -3,15 +3,31 @@ runtime refuses text it cannot encode, and a server refuses a runtime that speak
 
 from __future__ import annotations
 
+import base64
 import json
 import socket
+import struct
 import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from gpu_runtime.contract import CALLS, CONTRACT_VERSION, ForwardBackward, Method, Sample, parse_call
+from gpu_runtime.contract import (
+    CALLS,
+    CONTRACT_VERSION,
+    MAX_RUN_SEED,
+    MAX_SEED,
+    MAX_STOP,
+    MAX_STOP_CHARS,
+    MAX_TEMPERATURE,
+    MAX_TOP_K,
+    ForwardBackward,
+    Method,
+    RuntimeOptions,
+    Sample,
+    parse_call,
+)
 from gpu_runtime.errors import BadInput, FailedPrecondition
 from gpu_runtime.runtime_client import RuntimeClient
 
@@ -89,11 +105,89 @@ def test_a_request_crosses_as_data_and_comes_back_equal(method: Method) -> None:
     ("delete_checkpoint", {"run_id": "r1", "mode": "weights", "name": "final"}, "mode"),
     ("create_run", {"run_id": "r1", "user_id": "u1", "base_model": "m", "seed": -1}, "seed"),
     ("create_run", {"run_id": "r1", "user_id": "u1", "base_model": "m", "lora": {"r": 0}}, "lora.r"),
+    # number bounds (docs/ERRORS.md#bounds)
+    ("create_run", {"run_id": "r1", "user_id": "u1", "base_model": "m", "lora": {"r": 4, "alpha": 1e308}}, "lora.alpha"),
+    ("create_run", {"run_id": "r1", "user_id": "u1", "base_model": "m", "lora": {"r": 4, "alpha": 65}}, "lora.alpha"),
+    ("create_run", {"run_id": "r1", "user_id": "u1", "base_model": "m", "seed": MAX_RUN_SEED + 1}, "seed"),
+    ("sample", {"run_id": "r1", "prompts": ["hi"], "temperature": MAX_TEMPERATURE + 0.01}, "temperature"),
+    ("sample", {"run_id": "r1", "prompts": ["hi"], "temperature": -0.1}, "temperature"),
+    ("sample", {"run_id": "r1", "prompts": ["hi"], "top_k": MAX_TOP_K + 1}, "top_k"),
+    ("sample", {"run_id": "r1", "prompts": ["hi"], "top_k": -2}, "top_k"),
+    ("sample", {"run_id": "r1", "prompts": ["hi"], "stop": ["x"] * (MAX_STOP + 1)}, "stop"),
+    ("sample", {"run_id": "r1", "prompts": ["hi"], "stop": list(range(MAX_STOP + 1))}, "stop"),
+    ("sample", {"run_id": "r1", "prompts": ["hi"], "stop": ["x" * (MAX_STOP_CHARS + 1)]}, "stop"),
+    ("sample", {"run_id": "r1", "prompts": ["hi"], "seed": MAX_SEED + 1}, "seed"),
+    ("sample", {"run_id": "r1", "prompts": ["hi"], "seed": -1}, "seed"),
+    ("optim_step", {"run_id": "r1", "adam": {"grad_clip_norm": 1e308}}, "adam.grad_clip_norm"),
 ])
 def test_bad_requests_are_refused_naming_the_field(method: str, params: dict[str, Any], field: str) -> None:
     with pytest.raises(BadInput) as caught:
         parse_call(method, params)
     assert caught.value.field == field
+
+
+@pytest.mark.parametrize(("method", "params"), [
+    ("create_run", {"run_id": "r1", "user_id": "u1", "base_model": "m", "lora": {"r": 4, "alpha": 64},
+                    "seed": MAX_RUN_SEED}),
+    ("sample", {"run_id": "r1", "prompts": ["hi"], "temperature": MAX_TEMPERATURE, "top_k": MAX_TOP_K,
+                "stop": ["x" * MAX_STOP_CHARS] * MAX_STOP, "seed": MAX_SEED}),
+    ("sample", {"run_id": "r1", "prompts": ["hi"], "top_k": -1, "stop": list(range(MAX_STOP))}),
+    ("optim_step", {"run_id": "r1", "adam": {"grad_clip_norm": 1000.0}}),
+])
+def test_numbers_at_their_bounds_are_taken(method: str, params: dict[str, Any]) -> None:
+    parse_call(method, params)
+
+
+SMALL = RuntimeOptions(max_batch_size=4, max_batch_tokens=32, max_sample_rows=8, max_sample_prompt_tokens=20,
+                       max_sample_tokens=64)
+
+
+@pytest.mark.parametrize(("method", "params", "field"), [
+    ("sample", {"run_id": "r1", "prompts": ["hi"] * 9, "max_tokens": 1}, "prompts"),
+    ("sample", {"run_id": "r1", "prompts": ["hi"] * 3, "num_samples": 3, "max_tokens": 1}, "num_samples"),
+    ("sample", {"run_id": "r1", "prompts": ["hi"], "num_samples": 8, "max_tokens": 9}, "max_tokens"),
+    ("sample", {"run_id": "r1", "prompt_tokens": [[1] * 11], "num_samples": 2, "max_tokens": 1}, "prompt_tokens"),
+    ("sample", {"prompts": ["hi"], "base_model": "m", "user_id": "u1", "max_tokens": 65}, "max_tokens"),
+    ("forward_backward", {"run_id": "r1", "batch": [{"text": "a"}] * 5}, "batch"),
+    ("forward_backward", {"run_id": "r1", "batch": [{"tokens": list(range(33))}]}, "batch"),
+    ("forward_backward", {"run_id": "r1", "batch": [{"model_input": list(range(20)), "loss_fn_inputs": {}}] * 2},
+     "batch"),
+    ("forward", {"base_model": "m", "user_id": "u1", "batch": [{"tokens": list(range(33))}]}, "batch"),
+    ("render_datums", {"run_id": "r1", "batch": [{"text": "a"}] * 5}, "batch"),
+])
+def test_over_bound_calls_are_refused_naming_the_field(method: str, params: dict[str, Any], field: str) -> None:
+    call = parse_call(method, params)  # well-formed: only its size is refused
+    with pytest.raises(BadInput) as caught:
+        call.check_size(SMALL)
+    assert caught.value.field == field
+
+
+@pytest.mark.parametrize(("method", "params"), [
+    ("sample", {"run_id": "r1", "prompts": ["hi"] * 8, "max_tokens": 8}),  # 8 rows, 64 tokens: both at the bound
+    ("sample", {"run_id": "r1", "prompt_tokens": [[1] * 10], "num_samples": 2, "max_tokens": 1}),
+    ("forward_backward", {"run_id": "r1", "batch": [{"tokens": list(range(16))}] * 2}),
+])
+def test_calls_at_the_size_bounds_are_taken(method: str, params: dict[str, Any]) -> None:
+    parse_call(method, params).check_size(SMALL)
+
+
+def test_the_sampling_repros_are_refused_by_the_default_bounds() -> None:
+    """Issue 19's two unbounded calls: 5,000 prompts x 1 token, and 1 prompt x 16 samples x 4,096 tokens."""
+    wide = parse_call("sample", {"run_id": "r1", "prompts": ["a"] * 5000, "max_tokens": 1})
+    long = parse_call("sample", {"run_id": "r1", "prompts": ["a"], "num_samples": 16, "max_tokens": 4096})
+    with pytest.raises(BadInput, match="sequences") as rows:
+        wide.check_size(RuntimeOptions())
+    with pytest.raises(BadInput, match="generates at most") as tokens:
+        long.check_size(RuntimeOptions())
+    assert (rows.value.field, tokens.value.field) == ("prompts", "max_tokens")
+
+
+def test_packed_tokens_count_toward_the_batch_bound() -> None:
+    ids = base64.b64encode(struct.pack("<33i", *range(33))).decode()
+    call = parse_call("forward_backward", {"run_id": "r1", "batch": [{"packed": {"model_input": ids}}]})
+    with pytest.raises(BadInput) as caught:
+        call.check_size(SMALL)
+    assert caught.value.field == "batch" and "33 tokens" in caught.value.message
 
 
 def test_defaults_are_the_contracts() -> None:

@@ -153,6 +153,7 @@ def test_the_async_client_and_the_records(live_server: LiveServer, owner: tuple[
 
 @pytest.mark.parametrize("arguments, param", [
     ({"max_tokens": 0}, "max_tokens"), ({"n": 17}, "n"), ({"temperature": 3}, "temperature"),
+    ({"stop": ["x"] * 17}, "stop"), ({"stop": "x" * 257}, "stop"), ({"seed": 2**63}, "seed"),
     ({"max_tokens": 4, "max_completion_tokens": 5}, "max_completion_tokens"),
     ({"extra_body": {"tools": [{"type": "function", "function": {"name": "f"}}]}}, "tools"),
     ({"extra_body": {"tool_choice": "auto"}}, "tool_choice"), ({"presence_penalty": 0.5}, "presence_penalty"),
