@@ -152,6 +152,20 @@ class Sample(Base):
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 
+class BaseSample(Base):
+    """A sample of a base model alone (no run): the user's own history of them, as `samples` is a run's. Written when
+    the call asks to store (a /v1 request unless it says `store: false`; `sample(baseModel, store: true)`)."""
+
+    __tablename__ = "base_samples"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    user_id: Mapped[str] = mapped_column(ForeignKey("users.id", ondelete="CASCADE"), index=True)
+    base_model: Mapped[str] = mapped_column(String(300))
+    prompt: Mapped[str] = mapped_column(StoredText)
+    output: Mapped[str] = mapped_column(StoredText)
+    params: Mapped[dict[str, Any]] = mapped_column(JSON)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
 class Checkpoint(Base):
     __tablename__ = "checkpoints"
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)

@@ -1,7 +1,8 @@
 """A /v1 request body checked into what one `sample` needs. Every refusal is a 400 naming the parameter.
 
 Parameters are refused only when their value asks for something Signal does not do (tools, a response format,
-penalties, logit bias); null values, `user`, `metadata` and `store` are accepted and change nothing.
+penalties, logit bias); null values, `user` and `metadata` are accepted and change nothing. `store` says whether the
+request is kept in the sample history (omitted or true: kept; false: not, for rollouts nobody will read).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ class Request:
     return_token_ids: bool = False
     stream: bool = False
     include_usage: bool = False
+    store: bool = True  # kept in the sample history (the run's, or the user's for a base model)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -169,7 +171,7 @@ def parse(body: Any, chat: bool) -> Request:
         raise bad("body", "the request body must be a JSON object")
     model = body.get("model")
     if not isinstance(model, str) or not model:
-        raise bad("model", "model is required: a run id (see GET /v1/models)")
+        raise bad("model", "model is required: a run id, a snapshot or a base model (see GET /v1/models)")
     _refusals(body)
     request = Request(model=model, chat=chat)
     if chat:
@@ -205,6 +207,7 @@ def parse(body: Any, chat: bool) -> Request:
         request.logprobs = _int(body, "logprobs", 0, MAX_COMPLETION_LOGPROBS)
         request.echo = _bool(body, "echo")
     request.return_token_ids = _bool(body, "return_token_ids")
+    request.store = body.get("store") is None or _bool(body, "store")
     request.stream = _bool(body, "stream")
     options = body.get("stream_options")
     if options is not None:

@@ -1,5 +1,6 @@
 """The /v1 routes: authenticate by API key (never the session cookie), resolve `model`, render the prompt in the
-runtime, sample through RunService.sample (recorded and billed like any sample), answer in OpenAI's shapes.
+runtime, sample through RunService.sample (billed like any sample, and kept in the sample history on every source
+unless the request says `store: false`), answer in OpenAI's shapes.
 
 A pure ASGI app under Mount("/v1"): no BaseHTTPMiddleware, which would buffer the event stream and break
 Starlette's disconnect detection.
@@ -29,6 +30,7 @@ from app.schema.context import bearer_from_header
 from app.services import Services
 from app.services.runs import SampleParams
 from app.tables import Run, User
+from app.tinker import paths as tinker_paths
 from gpu_runtime.contract import MAX_TOKENS_LIMIT
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -55,11 +57,11 @@ class Target:
 
 async def _run(services: Services, user: User, name: str) -> Target:
     if name.startswith("tinker://"):
-        raise model_not_found(name, f"The model {name!r} is a Tinker path; this server's /v1 names snapshots as "
-                                    "{run_id}@{name} (Tinker's wire is not served here yet).")
-    if any(model.name == name for model in services.catalog.list()):
+        run_id, snapshot = await _tinker_path(services, user, name)
+    elif any(model.name == name for model in services.catalog.list()):
         return Target(name, base_model=name)
-    run_id, _, snapshot = name.partition("@")
+    else:
+        run_id, _, snapshot = name.partition("@")
     try:
         run = await services.runs.get(user, run_id)  # another user's run: not found, like an unknown one
     except SignalError:
@@ -68,6 +70,20 @@ async def _run(services: Services, user: User, name: str) -> Target:
         raise model_not_found(name, f"run {run_id!r} has no sampler snapshot {snapshot!r}: make one with "
                                     "save_weights_for_sampler")
     return Target(name, run, snapshot or None)
+
+
+async def _tinker_path(services: Services, user: User, name: str) -> tuple[str, str]:
+    """`tinker://{model_id}/sampler_weights/{name}` (what Tinker's save_weights_for_sampler returns): the Tinker
+    model's run and the snapshot's name, the snapshot `{run_id}@{name}` names. Another user's model is not found."""
+    try:
+        path = tinker_paths.parse(name, "model")
+        model = await services.tinker_sessions.model(user, path.model_id)
+    except SignalError:
+        raise model_not_found(name) from None
+    if path.kind != "sampler_weights" or not model.run_id:
+        raise model_not_found(name, f"The model {name!r} is a Tinker training checkpoint; /v1 samples sampler "
+                                    "weights: tinker://{model_id}/sampler_weights/{name} (save_weights_for_sampler)")
+    return model.run_id, path.name
 
 
 def _model(target: Target, created: int = 0) -> dict[str, Any]:
@@ -147,7 +163,7 @@ async def _generate(request: Request, chat: bool) -> Response:
             temperature=params.temperature, top_p=params.top_p, stop=params.stop, num_samples=params.n,
             seed=params.seed, prompt_logprobs=params.echo and params.logprobs is not None,
             topk_prompt_logprobs=(params.logprobs or 0) if params.echo else 0,
-            topk_sample_logprobs=params.logprobs or 0)
+            topk_sample_logprobs=params.logprobs or 0, store=params.store)
         result = await runs.sample(user, run.id if run else None, sample, snapshot=target.snapshot, base_model=base)
         eos = set(rendered["eos_token_ids"])
         wanted = {t for seq in result["sequences"] for s in seq for t in s["tokens"]}

@@ -128,8 +128,8 @@ class Mutation:
             description="Return the k most likely tokens at each sampled position")]
         = SAMPLE_DEFAULTS["topk_sample_logprobs"],
         store: Annotated[bool | None, strawberry.argument(
-            description="Keep the samples in the run's history; default true for current weights, false for a "
-                        "snapshot or a base")] = None,
+            description="Keep the samples in the run's history (a base's: the caller's baseSamples); default true "
+                        "for current weights, false for a snapshot or a base")] = None,
         request_id: RequestId = None, seq: Seq = None, session: Session = None,
     ) -> SampleResult:
         user = await info.context.user()

@@ -7,7 +7,7 @@ from strawberry.scalars import JSON
 
 from app.schema.context import Info
 from app.schema.inputs import BatchItem
-from app.schema.types import ApiKey, Datum, Limits, ModelInfo, Run, TokenizerInfo, User
+from app.schema.types import ApiKey, BaseSample, Datum, Limits, ModelInfo, Run, TokenizerInfo, User
 from gpu_runtime.contract import DEFAULT_LOSS_FN
 
 
@@ -29,6 +29,12 @@ class Query:
     async def runs(self, info: Info, limit: int = 50) -> list[Run]:
         user = await info.context.user()
         return [Run.from_row(row) for row in await info.context.services.runs.list(user, limit=limit)]
+
+    @strawberry.field(description="The caller's stored samples of base models alone (a /v1 request on a catalogue "
+                      "model, sample(baseModel, store: true)), newest first")
+    async def base_samples(self, info: Info, limit: int = 100) -> list[BaseSample]:
+        user = await info.context.user()
+        return [BaseSample.from_row(row) for row in await info.context.services.runs.base_samples(user, limit=limit)]
 
     @strawberry.field
     async def run(self, info: Info, id: strawberry.ID) -> Run:

@@ -116,6 +116,21 @@ class Sample:
                    params=JSON(row.params), created_at=row.created_at)
 
 
+@strawberry.type(description="A sample of a base model alone (no run): the caller's own history of them")
+class BaseSample:
+    id: strawberry.ID
+    base_model: str
+    prompt: str
+    output: str
+    params: JSON
+    created_at: datetime
+
+    @classmethod
+    def from_row(cls, row: tables.BaseSample) -> BaseSample:
+        return cls(id=strawberry.ID(str(row.id)), base_model=row.base_model, prompt=row.prompt, output=row.output,
+                   params=JSON(row.params), created_at=row.created_at)
+
+
 @strawberry.type(description="What loadState did: the run's step is the checkpoint's now")
 class LoadStateResult:
     checkpoint: str

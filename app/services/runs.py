@@ -31,7 +31,7 @@ from app.events import MetricFeed
 from app.services.call_order import CallOrder, Numbered
 from app.services.ledger import Ledger
 from app.services.users import require_admin
-from app.tables import Checkpoint, Metric, Run, Sample, User, could_be_id, new_id, utcnow
+from app.tables import BaseSample, Checkpoint, Metric, Run, Sample, User, could_be_id, new_id, utcnow
 from gpu_runtime.allocation import pool_key
 from gpu_runtime.contract import (
     ADAM_DEFAULTS,
@@ -208,6 +208,13 @@ class RunService:
             query = select(Sample).where(Sample.run_id == run.id).order_by(Sample.id.desc()).limit(_clamp(limit))
             return list(await session.scalars(query))
 
+    async def base_samples(self, user: User, limit: int = 100) -> builtins.list[BaseSample]:
+        """The user's samples of base models alone (no run), newest first: their history as `samples` is a run's."""
+        async with self.db.session() as session:
+            query = (select(BaseSample).where(BaseSample.user_id == user.id).order_by(BaseSample.id.desc())
+                     .limit(_clamp(limit)))
+            return list(await session.scalars(query))
+
     async def checkpoints(self, run: Run) -> builtins.list[Checkpoint]:
         """The run's checkpoints and sampler snapshots; unnamed snapshots past their expiry are gone from the runtime,
         so they are not listed."""
@@ -354,8 +361,9 @@ class RunService:
                      order: Numbered | None = None) -> dict[str, Any]:
         """Sample a run's current weights (in the run's order, under its lock), a snapshot or checkpoint of it, or a
         base alone. Frozen sources (docs/SNAPSHOTS.md) take neither the run's lock nor a ticket: they wait for nothing
-        on the run. Each sequence becomes a sample row (the run's history on its page) when `params.store` says so
-        (None: true for current weights, false otherwise): an RL step of 128 prompts x 16 samples would write 2,048."""
+        on the run. Each sequence becomes a sample row when `params.store` says so (None: true for current weights,
+        false otherwise: an RL step of 128 prompts x 16 samples would write 2,048): the run's history on its page, or
+        for a base alone the user's (`base_samples`). A frozen source is named in the row's params."""
         # The contract takes stop strings and ids as one `stop`; GraphQL has two arguments: name the one sent.
         stop_field = "stop_tokens" if params.stop_tokens is not None else "stop"
         with _fields_renamed(lambda field: stop_field if field == "stop" else field):
@@ -366,23 +374,28 @@ class RunService:
                       order: Numbered | None) -> dict[str, Any]:
         keep = params.store if params.store is not None else (
             run_id is not None and snapshot is None and checkpoint is None)
+        source = {key: value for key, value in (("snapshot", snapshot), ("checkpoint", checkpoint)) if value}
+
+        def stored_params() -> dict[str, Any]:
+            return {**{k: v for k, v in params.engine_params().items() if k not in ("prompts", "prompt_tokens")},
+                    **source}
 
         async def record(run: Run, result: dict[str, Any]) -> dict[str, Any]:
             if result.get("replayed") or not keep:
                 return result
-            stored_params = {k: v for k, v in params.engine_params().items() if k not in ("prompts", "prompt_tokens")}
+            kept = stored_params()
             async with self.db.session() as session:
                 for prompt, sequences in zip(params.stored_prompts(), result["sequences"]):
                     for sequence in sequences:
                         session.add(Sample(run_id=run.id, step=int(result.get("step", run.step)), prompt=prompt,
-                                           output=sequence["text"], params=stored_params))
+                                           output=sequence["text"], params=kept))
             return result
 
         if run_id is None:
             if snapshot is not None or checkpoint is not None:
                 raise BadInput("snapshot and checkpoint name a run's weights: give runId too",
                                field="snapshot" if snapshot is not None else "checkpoint")
-            return await self._sample_base(user, base_model, params, request_id)
+            return await self._sample_base(user, base_model, params, request_id, stored_params() if keep else None)
         if base_model is not None:
             raise BadInput("baseModel samples the base alone: leave runId out", field="baseModel")
         if snapshot is None and checkpoint is None:
@@ -408,8 +421,9 @@ class RunService:
         return await asyncio.shield(asyncio.ensure_future(work()))  # recorded even if the caller goes away
 
     async def _sample_base(self, user: User, base_model: str | None, params: SampleParams,
-                           request_id: str | None) -> dict[str, Any]:
-        """The base alone: no run, so no lock, no ticket and no history; billed to the user (Ledger.account_user)."""
+                           request_id: str | None, store: dict[str, Any] | None) -> dict[str, Any]:
+        """The base alone: no run, so no lock and no ticket; billed to the user (Ledger.account_user). `store` (the
+        params to keep with them, or None) writes the sequences to the user's base-model history."""
         model = self.catalog.get(base_model or self.default_model)
         gpu_config = self.catalog.resolve_gpu(model, None, None)
         pool = pool_key(model.name, gpu_config, None)
@@ -420,6 +434,11 @@ class RunService:
         async def work() -> dict[str, Any]:
             result = await self._engine("sample", pool=pool, **engine_params, request_id=request_id)
             await self.ledger.account_user(user, "sample", request_id, result, await self._device(pool), gpu_config)
+            if store is not None and not result.get("replayed"):
+                async with self.db.session() as session:
+                    for prompt, sequences in zip(params.stored_prompts(), result["sequences"]):
+                        session.add_all(BaseSample(user_id=user.id, base_model=model.name, prompt=prompt,
+                                                   output=sequence["text"], params=store) for sequence in sequences)
             return result
 
         return await asyncio.shield(asyncio.ensure_future(work()))

@@ -149,6 +149,33 @@ def test_credits_are_checked_before_each_call_and_each_primitive_is_deducted(ser
     assert run.refresh().info["compute_seconds"] == pytest.approx(state["computeSeconds"])  # the SDK's fragment
 
 
+def test_v1_requests_on_a_snapshot_and_a_base_are_checked_and_deducted(server: LiveServer,
+                                                                          billing: BillingStandIn) -> None:
+    """/v1 bills like sample: a snapshot's request to its run, a base model's to the user with no run."""
+    import openai
+
+    client, user_id = user(server)
+    run = client.create_run(lora_r=4)
+    run.save_weights_for_sampler(name="billed")
+    v1 = openai.OpenAI(api_key=client.api_key, base_url=f"{server.url}/v1", max_retries=0, timeout=300)
+    for model in (f"{run.id}@billed", "tiny-llama"):
+        v1.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+
+    checked = [(c["operation"], c["run_id"]) for c in billing.calls(VALIDATE, user_id=user_id)]
+    assert checked[-2:] == [("sample", run.id), ("sample", "")]
+    billing.wait_until(lambda: len([d for d in billing.charged.values() if d["user_id"] == user_id
+                                    and d["operation"] == "sample"]) >= 2, "the two /v1 deductions")
+    deductions = {d["run_id"]: d for d in billing.charged.values() if d["user_id"] == user_id
+                  and d["operation"] == "sample"}
+    assert set(deductions) == {run.id, ""}
+    assert deductions[""]["idempotency_key"].startswith(f"user:{user_id}:")
+    assert all(d["compute_seconds"] > 0 for d in deductions.values())
+    on_run = wait_charged(billing, run.id, 2)  # save_weights_for_sampler and the snapshot's request
+    assert sorted(d["operation"] for d in on_run) == ["sample", "save_weights_for_sampler"]
+    assert run_state(server, client, run.id)["computeSeconds"] == pytest.approx(sum(d["compute_seconds"]
+                                                                                    for d in on_run))
+
+
 @pytest.mark.parametrize("mode", ["refuse", "refuse_200"])
 def test_a_refusing_backend_is_insufficient_credits_and_nothing_trains(server: LiveServer, billing: BillingStandIn,
                                                                        mode: str) -> None:
