@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # torch 2.13.0 is a CPU build on machines without a GPU; where nvidia-smi answers, pip picks a CUDA build.
 TORCH := torch==2.13.0
 
-.PHONY: install serve test test-fast test-web test-postgres lint schema bench clean
+.PHONY: install serve test test-fast test-web test-postgres lint schema bench clean screenshots
 
 install: $(STAMP)
 
@@ -38,6 +38,11 @@ test-postgres: install
 # The dashboard alone, in Debian's chromium (apt-get install chromium).
 test-web: install
 	$(PY) -m pytest -q tests/web
+
+# The committed screenshots (tests/web/screenshots/; the README shows run.png), made again on purpose, with the
+# browser's clock fixed. Every other test run writes its screenshots to build/screenshots/ and leaves the tree clean.
+screenshots: install
+	SIGNAL_TEST_SCREENSHOTS=tests/web/screenshots $(PY) -m pytest -q tests/web/test_browser.py
 
 # ruff and mypy, both configured in pyproject.toml (bench/ is scripts, linted by ruff only).
 lint: install

@@ -11,12 +11,12 @@ from datetime import timedelta
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Mount, Route, WebSocketRoute
 from starlette.types import ASGIApp
 
 from app.backends import Backend, check_backend
-from app.errors import PayloadTooLarge
+from app.errors import NotFound, PayloadTooLarge
 from app.openai import OpenAIBodyLimit, openai_app
 from app.schema import schema
 from app.server_url import forget, record
@@ -27,6 +27,7 @@ from app.tinker import routes as tinker_routes
 from web import middleware as dashboard_middleware
 from web import routes as dashboard_routes
 from web.graphiql import DashboardGraphQL
+from web.render import not_found_page
 
 log = logging.getLogger("signal.server")
 
@@ -73,7 +74,7 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None,
     ]
     # Starlette refuses bodies over max_body_size with 413 before anything parses them.
     app = SignalApp(routes=routes, lifespan=lifespan, max_body_size=settings.max_request_bytes,
-                    exception_handlers={413: payload_too_large}, middleware=dashboard_middleware(settings))
+                    exception_handlers={404: not_found, 413: payload_too_large}, middleware=dashboard_middleware(settings))
     app.state.settings = settings
     return app
 
@@ -104,6 +105,19 @@ async def healthz(request: Request) -> JSONResponse:
     status = request.app.state.services.backend.health
     return JSONResponse({"status": status, "uptime_s": round(time.time() - request.app.state.started_at, 3)},
                         status_code=503 if status in UNHEALTHY else 200)
+
+
+# Paths that programs call: an unknown one is answered in JSON, never with the dashboard's page. /api/v1 and /v1
+# answer their own unknown paths in their clients' shapes (app/tinker/routes.py, app/openai/routes.py).
+API_PATHS = ("/api/", "/v1/", "/graphql/")
+
+
+async def not_found(request: Request, exc: Exception) -> Response:
+    path = request.url.path
+    if path == "/api" or path.startswith(API_PATHS):
+        return JSONResponse({"errors": [{"message": f"no API at {request.method} {path}",
+                                         "extensions": {"code": NotFound.code}}]}, status_code=404)
+    return await not_found_page(request, exc)
 
 
 async def payload_too_large(request: Request, exc: Exception) -> JSONResponse:

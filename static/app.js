@@ -31,6 +31,22 @@
     toast("Could not reach the server. Check your connection and try again.", "error");
   });
 
+  // A form marked data-reset-on-success empties after its request succeeds (the key form: Enter again would make a
+  // duplicate).
+  document.addEventListener("htmx:afterRequest", (event) => {
+    const elt = event.detail.elt;
+    if (event.detail.successful && elt instanceof HTMLFormElement && elt.matches("[data-reset-on-success]")) elt.reset();
+  });
+  // A revoke (data-revokes="key id") takes that key's secret box away: the secret is dead. Before the swap, since the
+  // swap replaces the button; detail.elt is the target here, the button is requestConfig.elt.
+  document.addEventListener("htmx:beforeSwap", (event) => {
+    const elt = event.detail.requestConfig && event.detail.requestConfig.elt;
+    if (event.detail.isError || !(elt instanceof HTMLElement) || !elt.dataset.revokes) return;
+    for (const box of document.querySelectorAll(".secret-box[data-key-id]")) {
+      if (box.dataset.keyId === elt.dataset.revokes) box.remove();
+    }
+  });
+
   // Copy buttons: data-copy="#selector" copies that element's text.
   document.addEventListener("click", (event) => {
     const button = event.target.closest("[data-copy]");

@@ -35,6 +35,14 @@ async def start_page(request: Request, user: User) -> Response:
 
 
 @signed_in
+async def start_key(request: Request, user: User) -> Response:
+    """A key made from Getting started: step 1's card again, its snippet holding the whole secret (shown once)."""
+    svc = services(request)
+    secret, key = await svc.keys.create(user, "getting-started")
+    return page(request, "_start_env.html", user=user, secret=secret, key=key)
+
+
+@signed_in
 async def admin_page(request: Request, user: User) -> Response:
     try:
         state = await services(request).dashboard.runtime_state(user)
@@ -47,5 +55,6 @@ routes = [
     Route("/", home),
     Route("/models", models_page),
     Route("/start", start_page),
+    Route("/start/key", start_key, methods=["POST"]),
     Route("/admin", admin_page),
 ]

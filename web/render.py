@@ -13,7 +13,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, RedirectResponse, Response
 from starlette.templating import Jinja2Templates
 
-from app.errors import INTERNAL_STATUS, SignalError, http_status
+from app.errors import INTERNAL_STATUS, NotFound, SignalError, http_status
 from app.services import Services
 from web.paths import TEMPLATES
 from web.session import csrf_token, current
@@ -75,6 +75,13 @@ def error_response(request: Request, error: SignalError, user: User | None = Non
         # htmx swaps nothing on errors: app.js shows this text in a toast.
         return Response(message, status_code=status, media_type="text/plain")
     return page(request, "error.html", status_code=status, user=user, status=status, message=message)
+
+
+async def not_found_page(request: Request, exc: Exception) -> Response:
+    """A path no route matches, as the dashboard's 404 page (with the sidebar when signed in), or a toast's text.
+    The path is not echoed: `/runs/%00` would print an escape, and the address bar already shows it."""
+    live = await current(request, touch=False)
+    return error_response(request, NotFound("There is no page at this address."), live.user if live else None)
 
 
 Handler = Callable[[Request, "User"], Awaitable[Response]]

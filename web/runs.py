@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
@@ -17,9 +18,11 @@ from web.render import hx_redirect, page, services, signed_in, signed_in_or_key
 from web.session_streams import until_signed_out
 
 if TYPE_CHECKING:  # rows are only ever received from app.services, never queried here
+    from app.services.dashboard import RunSummary
     from app.tables import Metric, User
 
 SAVE_MODES = ("adapter", "merged", "state")
+RUNS_POLL_S = 1.0  # how soon /runs shows a step, a loss or a status: the stream reads the summaries this often
 
 
 @signed_in
@@ -27,6 +30,32 @@ async def runs_page(request: Request, user: User) -> Response:
     summaries = await services(request).dashboard.run_summaries(user)
     name = "_runs_table.html" if request.url.path.endswith("/table") else "runs.html"
     return page(request, name, user=user, summaries=summaries)
+
+
+@signed_in
+async def runs_events(request: Request, user: User) -> Response:
+    """The user's run rows, as one `runs` event each time any shown cell changes (issue 18 §3: the page updates cell
+    text in place, static/runs.js, instead of replacing its table every few seconds and losing focus and selection).
+    A server-side read of the summaries, not a browser poll: one connection per page, and nothing sent when quiet."""
+    svc = services(request)
+
+    async def events() -> AsyncIterator[ServerSentEvent]:
+        last: list[dict[str, str]] | None = None
+        while True:
+            rows = [_cells(summary) for summary in await svc.dashboard.run_summaries(user)]
+            if rows != last:
+                yield ServerSentEvent(data=json.dumps(rows), event="runs")
+                last = rows
+            await asyncio.sleep(RUNS_POLL_S)
+
+    return EventSourceResponse(until_signed_out(request, events()), ping=15, send_timeout=30)
+
+
+def _cells(summary: RunSummary) -> dict[str, str]:
+    """A run's row as the cells' text, formatted as _runs_table.html formats it."""
+    run, loss = summary.run, summary.last_loss
+    return {"id": run.id, "status": run.status, "step": str(run.step),
+            "loss": "—" if loss is None else f"{loss:.4f}"}
 
 
 @signed_in
@@ -108,6 +137,7 @@ def _int(value: str | None) -> int:
 routes = [
     Route("/runs", runs_page),
     Route("/runs/table", runs_page),
+    Route("/runs/events", runs_events),
     Route("/runs/{run_id}", run_page, methods=["GET"]),
     Route("/runs/{run_id}", delete_run, methods=["DELETE"]),
     Route("/runs/{run_id}/events", run_events),

@@ -183,7 +183,9 @@ class RunService:
         async with self.db.session() as session:
             run = await session.get(Run, run_id) if could_be_id(run_id) else None
         if run is None or run.user_id != user.id:
-            raise RunNotFound(f"run {run_id!r} not found", field="runId")
+            # Not echoed when it cannot be an id: the dashboard would print `/runs/%00` as '\x00'.
+            raise RunNotFound(f"run {run_id!r} not found" if could_be_id(run_id) else "no run has that id",
+                              field="runId")
         return run
 
     async def list(self, user: User, limit: int = 50) -> list[Run]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import uuid
 from collections.abc import Iterator
@@ -25,8 +26,23 @@ if TYPE_CHECKING:
     from tests.helpers.live_server import LiveServer
 
 CHROMIUM = Path("/usr/bin/chromium")
-SCREENSHOTS = Path(__file__).parent / "screenshots"
+# The committed screenshots (the README shows run.png), written on purpose by `make screenshots`, which points
+# SIGNAL_TEST_SCREENSHOTS here. Any other test run writes its own to build/screenshots/ (ignored): it leaves the tree clean.
+COMMITTED_SCREENSHOTS = Path(__file__).parent / "screenshots"
+TEST_SCREENSHOTS = Path(__file__).parents[2] / "build" / "screenshots"
+# What the committed set's browser clock reads (page.clock.set_fixed_time), so that making them again changes no
+# picture for the time of day it was made.
+SCREENSHOT_CLOCK = "2025-06-02T10:00:00Z"
 CSRF = re.compile(r'"X-CSRF-Token": "([^"]+)"')
+
+
+def screenshots_dir() -> Path:
+    """Where browser tests leave screenshots now (read at each call: a test may set the variable)."""
+    return Path(os.environ.get("SIGNAL_TEST_SCREENSHOTS") or TEST_SCREENSHOTS)
+
+
+def committing_screenshots() -> bool:
+    return screenshots_dir().resolve() == COMMITTED_SCREENSHOTS.resolve()
 
 
 def run_async(coroutine: Any) -> Any:

@@ -2,8 +2,8 @@
 
 The main journey of issue 7: sign in with a login link, create a key, train through the SDK while the
 run page is open and watch the chart grow without a reload, sample in the playground, download a
-checkpoint and open the archive, revoke the key and see the SDK refused. Screenshots (1280 px wide)
-land in tests/web/screenshots/.
+checkpoint and open the archive, revoke the key and see the SDK refused. Screenshots (1280 px wide) land in
+build/screenshots/; `make screenshots` writes the committed set in tests/web/screenshots/ (tests/web/conftest.py).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from playwright.sync_api import Browser, Page, Route, expect
 
 from rewardsignal import AuthenticationError, SignalClient
 from tests.helpers.live_server import LiveServer
-from tests.web.conftest import SCREENSHOTS, api_key_for, mint_login_link
+from tests.web.conftest import SCREENSHOT_CLOCK, api_key_for, committing_screenshots, mint_login_link, screenshots_dir
 
 BATCH = [{"input": "The quick brown fox", "output": " jumps over the lazy dog."}]
 VIEWPORT = {"width": 1280, "height": 860}
@@ -31,13 +31,16 @@ def page(browser: Browser, live_server: LiveServer) -> Iterator[Page]:
     context = browser.new_context(viewport=VIEWPORT, accept_downloads=True)
     page = context.new_page()
     page.set_default_timeout(60_000)
+    if committing_screenshots():
+        page.clock.set_fixed_time(SCREENSHOT_CLOCK)  # Date only: timers still run, so htmx and streams are unchanged
     yield page
     context.close()
 
 
 def shot(page: Page, name: str) -> None:
-    SCREENSHOTS.mkdir(exist_ok=True)
-    page.screenshot(path=str(SCREENSHOTS / f"{name}.png"), full_page=True)
+    folder = screenshots_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(folder / f"{name}.png"), full_page=True)
 
 
 def sign_in(page: Page, server: LiveServer, email: str) -> None:
