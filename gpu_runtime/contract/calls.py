@@ -41,7 +41,8 @@ from gpu_runtime.errors import BadInput
 
 # Bumped whenever a request or result changes shape: the runtime says it in its greeting, and a server that
 # meets another version refuses to talk to it (a detached runtime outlives its server; a Modal deployment lags).
-CONTRACT_VERSION = 3
+# 4: RuntimeOptions gained the per-call bounds (max_batch_tokens, max_sample_rows, ...) and ping the version.
+CONTRACT_VERSION = 4
 
 
 class Method(enum.StrEnum):
