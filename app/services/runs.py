@@ -367,7 +367,7 @@ class RunService:
         false otherwise: an RL step of 128 prompts x 16 samples would write 2,048): the run's history on its page, or
         for a base alone the user's (`base_samples`). A frozen source is named in the row's params."""
         # The contract takes stop strings and ids as one `stop`; GraphQL has two arguments: name the one sent.
-        stop_field = "stop_tokens" if params.stop_tokens is not None else "stop"
+        stop_field = "stop_tokens" if params.stop_tokens is not None and params.stop is None else "stop"
         with _fields_renamed(lambda field: stop_field if field == "stop" else field):
             return await self._sample(user, run_id, params, request_id, snapshot, checkpoint, base_model, order)
 

@@ -77,7 +77,7 @@ def test_stop_token_ids_stop_over_graphql(live_server: LiveServer, run_id: tuple
     ({"prompts": ["hello"], "tokens": [[1, 2]]}, "prompts"),
     ({}, "prompts"),
     ({"tokens": [[1, 10**6]]}, "promptTokens[0]"),
-    ({"prompts": ["hello"], "stopTokens": [10**6]}, "stop"),
+    ({"prompts": ["hello"], "stopTokens": [10**6]}, "stopTokens"),  # the argument sent, not the contract's merged stop
 ], ids=["stop-and-stopTokens", "both-prompts", "no-prompts", "token-outside-vocab", "stop-token-outside-vocab"])
 def test_bad_token_level_arguments_name_their_field(live_server: LiveServer, run_id: tuple[str, str],
                                                     variables: dict[str, Any], field: str) -> None:
