@@ -10,8 +10,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from app.errors import BadInput
-from app.services.runs import SampleParams
-from gpu_runtime.contract import MAX_SAMPLES, MAX_TEMPERATURE, MAX_TOKENS_LIMIT
+from app.services.runs import SAMPLE_LIMITS, SampleParams
 from web.render import page, services, signed_in
 
 if TYPE_CHECKING:  # rows are only ever received from app.services, never queried here
@@ -23,10 +22,8 @@ T = TypeVar("T", int, float)
 @signed_in
 async def playground_page(request: Request, user: User) -> Response:
     runs = await services(request).runs.list(user)
-    # The form's limits are the contract's, so the browser stops what the server would refuse.
-    limits = {"temperature": MAX_TEMPERATURE, "max_tokens": MAX_TOKENS_LIMIT, "num_samples": MAX_SAMPLES}
     return page(request, "playground.html", user=user, runs=runs, selected=request.query_params.get("run", ""),
-                limits=limits)
+                limits=SAMPLE_LIMITS)
 
 
 @signed_in

@@ -38,6 +38,9 @@ from gpu_runtime.contract import (
     LORA_DEFAULTS,
     LORA_SWITCHES,
     MAX_RUN_SEED,
+    MAX_SAMPLES,
+    MAX_TEMPERATURE,
+    MAX_TOKENS_LIMIT,
     SAMPLE_DEFAULTS,
     Call,
     CheckpointRef,
@@ -112,6 +115,10 @@ class RunSpec:
         self.adam()
         if self.seed is not None:
             check_seed(self.seed, MAX_RUN_SEED)
+
+
+# The contract's sampling bounds, for forms (the playground): the browser stops what the server would refuse.
+SAMPLE_LIMITS = {"temperature": MAX_TEMPERATURE, "max_tokens": MAX_TOKENS_LIMIT, "num_samples": MAX_SAMPLES}
 
 
 @dataclass
