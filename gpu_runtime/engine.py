@@ -382,8 +382,24 @@ class Engine(InProcess):
         """Runs whose journal write failed this tick (a full disk): each of their calls in it fails, none is answered
         as applied; the runs leave memory unsaved and come back from snapshot + journal on their next call."""
         errors = self.recovery.drop_unwritten(failed)
+        self._fail_in_flight(errors, answers)
+        return [(request, {"error": errors[request.run_id]}) if request.run_id in errors else (request, message)
+                for request, message in answers]
+
+    def _discard(self, answers: list[Answer]) -> None:
+        """Runs a call of which failed after its pass: their memory holds its gradients, their journals do not. Each
+        leaves memory unsaved (the tick's other calls are synced) and comes back from snapshot + journal on its next
+        call."""
+        discarded, self.shared.discarded = self.shared.discarded, {}
+        self._fail_in_flight(discarded, answers)
+        for run_id in discarded:
+            self.shared.residency.detach(run_id)
+
+    def _fail_in_flight(self, errors: dict[str, dict[str, Any]], answers: list[Answer]) -> None:
+        """Runs about to leave memory unsaved: their split forward_backwards part-done fail (a part not yet begun
+        starts again on the restored run), and so do their decode groups, which lose the adapters they read."""
         answering = {request for request, _ in answers}
-        for request in self.scheduler.queued():  # a split forward_backward part-done on a dropped run fails too
+        for request in self.scheduler.queued():
             if request.run_id in errors and request in self._prepared and request not in answering:
                 if self._prepared.pop(request).done > 0:
                     self.scheduler.finish(request, {"error": errors[request.run_id]})
@@ -391,25 +407,6 @@ class Engine(InProcess):
                     request.started = False
         self.sampling.fail_all(next(iter(errors.values())), [g for g in self.sampling.groups
                                                             if any(r in errors for r in g.run_ids)])
-        return [(request, {"error": errors[request.run_id]}) if request.run_id in errors else (request, message)
-                for request, message in answers]
-
-    def _discard(self, answers: list[Answer]) -> None:
-        """Runs a call of which failed after its pass: their memory holds its gradients, their journals do not. Each
-        leaves memory unsaved (the tick's other calls are synced) and comes back from snapshot + journal on its next
-        call; its split calls part-done and its decode groups fail with the same error, as they lose that memory."""
-        discarded, self.shared.discarded = self.shared.discarded, {}
-        answering = {request for request, _ in answers}
-        for request in self.scheduler.queued():
-            if request.run_id in discarded and request in self._prepared and request not in answering:
-                if self._prepared.pop(request).done > 0:
-                    self.scheduler.finish(request, {"error": discarded[request.run_id]})
-                else:
-                    request.started = False
-        self.sampling.fail_all(next(iter(discarded.values())), [g for g in self.sampling.groups
-                                                               if any(r in discarded for r in g.run_ids)])
-        for run_id in discarded:
-            self.shared.residency.detach(run_id)
 
     # ---- between calls ----------------------------------------------------------------------
 
