@@ -29,7 +29,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any, Generic, Literal, ParamSpec, TypeVar, overload
 from urllib.parse import urljoin, urlsplit, urlunsplit
 
 import httpx
@@ -48,7 +48,26 @@ from rewardsignal.errors import (
     error_from_graphql,
 )
 from rewardsignal.operations import document
-from rewardsignal.results import TYPED, CheckpointResult, Limits, Result, combine_forward_backward, convert
+from rewardsignal.results import (
+    TYPED,
+    ApiKeyResult,
+    CheckpointResult,
+    CreatedApiKeyResult,
+    Datum,
+    ForwardBackwardResult,
+    ForwardResult,
+    Limits,
+    LoadStateResult,
+    ModelInfo,
+    OptimStepResult,
+    Result,
+    SampleResult,
+    SamplerSnapshotResult,
+    TokenizerResult,
+    UserResult,
+    combine_forward_backward,
+    convert,
+)
 
 DEFAULT_BASE_URL = "http://localhost:8000"
 DEFAULT_TIMEOUT = 600.0  # a forward_backward on a large model can take minutes
@@ -65,6 +84,43 @@ _RUN_OPERATIONS = {"CreateRun", "GetRun", "ListRuns"}
 # A sample or forward on a snapshot or checkpoint is ordered after the call that made its source and nothing else
 # (issue 15 §4): it never joins its run's queue, so it takes no number there (a number nobody admits is a gap).
 _OFF_THE_QUEUE = {"Sample", "Forward"}
+
+
+P = ParamSpec("P")
+S = TypeVar("S")  # a method's answer on the sync client (and Run)
+A = TypeVar("A")  # the same method's answer, awaited, on the async client (and AsyncRun)
+
+if TYPE_CHECKING:
+    from typing import Concatenate, Self
+
+    class _Answers(Generic[P, S, A]):
+        """For type checkers only: a method written once on the shared base answers S on SignalClient and Run,
+        and a coroutine of A on AsyncSignalClient and AsyncRun (it returns `_run`'s awaitable there)."""
+
+        def __init__(self, method: Callable[Concatenate[Any, P], Any]) -> None: ...
+
+        @overload
+        def __get__(self, owner: None, cls: type) -> Self: ...
+        @overload
+        def __get__(self, owner: SignalClient | Run, cls: type) -> Callable[P, S]: ...
+        @overload
+        def __get__(self, owner: AsyncSignalClient | AsyncRun, cls: type) -> Callable[P, Coroutine[Any, Any, A]]: ...
+        @overload
+        def __get__(self, owner: _ClientBase | _RunBase, cls: type) -> Callable[P, Any]: ...
+        def __get__(self, owner: object, cls: type) -> Any: ...
+
+    def _answers(answer: type[S]) -> Callable[[Callable[Concatenate[Any, P], Any]], _Answers[P, S, S]]: ...
+    def _answers_run(method: Callable[Concatenate[Any, P], Any]) -> _Answers[P, Run, AsyncRun]: ...
+    def _answers_runs(method: Callable[Concatenate[Any, P], Any]) -> _Answers[P, list[Run], list[AsyncRun]]: ...
+else:
+    # At run time each method is itself: the clients' behaviour does not depend on its typing.
+    def _answers(answer):
+        return lambda method: method
+
+    def _answers_run(method):
+        return method
+
+    _answers_runs = _answers_run
 
 
 @dataclass
@@ -222,15 +278,17 @@ class _ClientBase:
 
     # ---- the calls ----------------------------------------------------------------------
 
-    def list_models(self, detailed: bool = False) -> Any:
+    def list_models(self, detailed: bool = False) -> Any:  # typed on each client, by `detailed`
         """Names of the base models, or with `detailed=True` their descriptions: gpu, contextLength, framework,
         quantizationAllowed, quantized, available, estimatedMemoryGb, ..."""
         wrap = None if detailed else (lambda models: [model["name"] for model in models])
         return self._run(Call("ListModels", {}, "models", wrap))
 
+    @_answers(UserResult)
     def me(self) -> Any:
         return self._run(Call("Me", {}, "me"))
 
+    @_answers(SampleResult)
     def sample_base(self, prompts: str | list[str] | None = None, base_model: str | None = None,
                     max_tokens: int | None = None, temperature: float | None = None, seed: int | None = None,
                     num_samples: int | None = None, prompt_tokens: list[list[int]] | None = None,
@@ -243,6 +301,7 @@ class _ClientBase:
                                 "numSamples": num_samples, "store": store})
         return self._run(_primitive("Sample", variables, "sample"))
 
+    @_answers(ForwardResult)
     def forward(self, batch: list[dict[str, Any]], base_model: str, loss_fn: str | None = None,
                 loss_fn_config: dict[str, Any] | None = None) -> Any:
         """The loss and per-position `logprobs` of `batch` on a base model alone (no run, no adapter): the
@@ -251,6 +310,7 @@ class _ClientBase:
                                 "lossFnConfig": loss_fn_config})
         return self._run(_primitive("Forward", variables, "forward"))
 
+    @_answers_run
     def create_run(
         self, base_model: str | None = None, lora_r: int | None = None, lora_alpha: float | None = None,
         learning_rate: float | None = None, lora_dropout: float | None = None,
@@ -278,23 +338,29 @@ class _ClientBase:
         })
         return self._run(Call("CreateRun", {"input": spec}, "createRun", self._wrap_run))
 
+    @_answers_run
     def get_run(self, run_id: str) -> Any:
         return self._run(Call("GetRun", {"id": run_id}, "run", self._wrap_run))
 
+    @_answers_runs
     def list_runs(self, limit: int = 50) -> Any:
         return self._run(Call("ListRuns", {"limit": limit}, "runs", lambda runs: [self._wrap_run(r) for r in runs]))
 
+    @_answers(TokenizerResult)
     def tokenizer(self, base_model: str | None = None, run_id: str | None = None) -> Any:
         """A base model's tokenizer (a catalogue name; default: the server's model), or a run's base's: name,
         vocab_size, eos_token_ids, bos_token_id, pad_token_id, chat_template."""
         return self._run(Call("Tokenizer", _drop_none({"baseModel": base_model, "runId": run_id}), "tokenizer"))
 
+    @_answers(CreatedApiKeyResult)
     def create_api_key(self, name: str = "") -> Any:
         return self._run(Call("CreateApiKey", {"name": name}, "createApiKey"))
 
+    @_answers(list[ApiKeyResult])
     def list_api_keys(self) -> Any:
         return self._run(Call("ApiKeys", {}, "apiKeys"))
 
+    @_answers(ApiKeyResult)
     def revoke_api_key(self, key_id: str) -> Any:
         return self._run(Call("RevokeApiKey", {"id": key_id}, "revokeApiKey"))
 
@@ -331,6 +397,15 @@ class SignalClient(_ClientBase):
         self._http = httpx.Client(timeout=timeout, transport=transport)
         self._executor: ThreadPoolExecutor | None = None  # made at the first pipelined call
         self._pipelining = threading.local()  # set while a `*_async` method makes its calls: they become futures
+
+    if TYPE_CHECKING:  # the answer's type follows `detailed`
+        @overload
+        def list_models(self, detailed: Literal[False] = False) -> list[str]: ...
+        @overload
+        def list_models(self, detailed: Literal[True]) -> list[ModelInfo]: ...
+        @overload
+        def list_models(self, detailed: bool = False) -> list[str] | list[ModelInfo]: ...
+        def list_models(self, detailed: bool = False) -> list[str] | list[ModelInfo]: ...
 
     def _run(self, call: Call) -> Any:
         pipelined = getattr(self._pipelining, "on", False)
@@ -422,6 +497,15 @@ class AsyncSignalClient(_ClientBase):
                  retry_backoff: float = DEFAULT_RETRY_BACKOFF) -> None:
         super().__init__(api_key, base_url, max_attempts, retry_backoff)
         self._http = httpx.AsyncClient(timeout=timeout, transport=transport)
+
+    if TYPE_CHECKING:  # the answer's type follows `detailed`
+        @overload
+        def list_models(self, detailed: Literal[False] = False) -> Coroutine[Any, Any, list[str]]: ...
+        @overload
+        def list_models(self, detailed: Literal[True]) -> Coroutine[Any, Any, list[ModelInfo]]: ...
+        @overload
+        def list_models(self, detailed: bool = False) -> Coroutine[Any, Any, list[str] | list[ModelInfo]]: ...
+        def list_models(self, detailed: bool = False) -> Coroutine[Any, Any, list[str] | list[ModelInfo]]: ...
 
     def _run(self, call: Call) -> Coroutine[Any, Any, Any]:
         """The call, numbered now (when the method is called, not when it is awaited): its awaitable."""
@@ -563,6 +647,7 @@ class _RunBase:
     def step(self) -> int:
         return int(self.info["step"])
 
+    @_answers(ForwardBackwardResult)
     def forward_backward(self, batch: list[dict[str, Any]], loss_fn: str | None = None,
                          loss_fn_config: dict[str, Any] | None = None, reduction: str | None = None,
                          return_outputs: bool = False) -> Any:
@@ -577,6 +662,7 @@ class _RunBase:
                  for part in self._client._split(batch)]
         return self._client._run_all(calls, functools.partial(combine_forward_backward, reduction=reduction or "mean"))
 
+    @_answers(ForwardResult)
     def forward(self, batch: list[dict[str, Any]], loss_fn: str | None = None,
                 loss_fn_config: dict[str, Any] | None = None, snapshot: str | None = None) -> Any:
         """The loss and each datum's per-position `logprobs` on the run's current weights (or with `snapshot`, on
@@ -586,11 +672,13 @@ class _RunBase:
                                 "lossFnConfig": loss_fn_config, "snapshot": snapshot})
         return self._client._run(_primitive("Forward", variables, "forward"))
 
+    @_answers(list[Datum])
     def render_datums(self, batch: list[dict[str, Any]], loss_fn: str | None = None) -> Any:
         """The token-level datums ({model_input, loss_fn_inputs}) the server builds for `batch` on this run's model."""
         variables = _drop_none({"runId": self.id, "batch": _batch(batch), "lossFn": loss_fn})
         return self._client._run(Call("RenderDatums", variables, "renderDatums"))
 
+    @_answers(OptimStepResult)
     def optim_step(self, learning_rate: float | None = None, beta1: float | None = None, beta2: float | None = None,
                    eps: float | None = None, weight_decay: float | None = None,
                    grad_clip_norm: float | None = None) -> Any:
@@ -599,6 +687,7 @@ class _RunBase:
                            "weightDecay": weight_decay, "gradClipNorm": grad_clip_norm})
         return self._client._run(_primitive("OptimStep", {"runId": self.id, "adam": adam or None}, "optimStep"))
 
+    @_answers(SampleResult)
     def sample(self, prompts: str | list[str] | None = None, max_tokens: int | None = None,
                temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
                stop: str | list[str] | list[int] | None = None, num_samples: int | None = None,
@@ -628,11 +717,13 @@ class _RunBase:
                                 "snapshot": snapshot})
         return self._client._run(_primitive("Sample", variables, "sample"))
 
+    @_answers(TokenizerResult)
     def tokenizer(self) -> Any:
         """The tokenizer of this run's base: name, vocab_size, eos_token_ids, bos_token_id, pad_token_id,
         chat_template."""
         return self._client.tokenizer(run_id=self.id)
 
+    @_answers(SamplerSnapshotResult)
     def save_weights_for_sampler(self, name: str | None = None) -> Any:
         """Freeze the run's current weights (after every call sent before this one) to sample from while it trains
         on: {"name", "step", "named", "expires_in_seconds"}. Named snapshots are kept; unnamed ones expire
@@ -640,13 +731,16 @@ class _RunBase:
         variables = _drop_none({"runId": self.id, "name": name})
         return self._client._run(_primitive("SaveWeightsForSampler", variables, "saveWeightsForSampler"))
 
+    @_answers(list[Artifact])
     def snapshots(self) -> Any:
         wrap = self._client._wrap_artifact
         return self._client._run(Call("RunSnapshots", {"id": self.id}, "run",
                                       lambda run: [wrap(c) for c in run["snapshots"]]))
 
+    @_answers(Artifact)
     def save_state(self, mode: str = "adapter", push_to_hub: bool = False, hub_model_id: str | None = None,
-                   hf_token: str | None = None, name: str | None = None, with_optimizer: bool | None = None) -> Any:
+                   hf_token: str | None = None, name: str | None = None,
+                   with_optimizer: bool | None = None) -> Any:
         """Export the run (an `Artifact`: `.download(dir)` fetches its files; its `path` is what `load_state` and
         `create_run(from_checkpoint=…)` take). `name` is unique per run and mode (default step-N); `with_optimizer`
         keeps AdamW's state (default: for mode "state" only). With `push_to_hub`, the server also uploads it to
@@ -660,6 +754,7 @@ class _RunBase:
         call.wrap = self._client._wrap_artifact
         return self._client._run(call)
 
+    @_answers(LoadStateResult)
     def load_state(self, checkpoint: Any, with_optimizer: bool = True) -> Any:
         """Load a checkpoint into this run: an `Artifact`, its `path` (signal://…, one of your runs'), or the name
         of this run's "state" checkpoint. Its weights, with `with_optimizer` its AdamW state, and its step."""
@@ -667,24 +762,29 @@ class _RunBase:
         variables = {"runId": self.id, "checkpoint": path, "withOptimizer": with_optimizer}
         return self._client._run(_primitive("LoadState", variables, "loadState"))
 
+    @_answers(bool)
     def delete_checkpoint(self, checkpoint: Any) -> Any:
         """Delete a checkpoint or sampler snapshot of this run (an `Artifact`, or its id): its files and its row."""
         checkpoint_id = checkpoint["id"] if isinstance(checkpoint, dict) else checkpoint
         return self._client._run(Call("DeleteCheckpoint", {"runId": self.id, "checkpointId": str(checkpoint_id)},
                                       "deleteCheckpoint"))
 
+    @_answers(list[Result])
     def metrics(self, name: str | None = None, limit: int = 1000) -> Any:
         variables = _drop_none({"id": self.id, "name": name, "limit": limit})
         return self._client._run(Call("RunMetrics", variables, "run", lambda run: run["metrics"]))
 
+    @_answers(list[Result])
     def samples(self, limit: int = 100) -> Any:
         return self._client._run(Call("RunSamples", {"id": self.id, "limit": limit}, "run", lambda r: r["samples"]))
 
+    @_answers(list[Artifact])
     def checkpoints(self) -> Any:
         wrap = self._client._wrap_artifact
         return self._client._run(Call("RunCheckpoints", {"id": self.id}, "run",
                                       lambda run: [wrap(c) for c in run["checkpoints"]]))
 
+    @_answers(bool)
     def delete(self) -> Any:
         return self._client._run(Call("DeleteRun", {"runId": self.id}, "deleteRun"))
 
@@ -696,25 +796,25 @@ class _RunBase:
 class Run(_RunBase):
     _client: SignalClient
 
-    def refresh(self) -> Run:
+    def refresh(self) -> Any:
         refreshed: Run = self._client._run(Call("GetRun", {"id": self.id}, "run", self._store))
         return refreshed
 
     # Pipelined: the same calls, numbered when made and answered as futures (concurrent.futures.Future), so the
     # next can be sent before this one's answer; the server applies them in the order they were made.
-    def forward_backward_async(self, *args: Any, **kwargs: Any) -> Future[Any]:
+    def forward_backward_async(self, *args: Any, **kwargs: Any) -> Future[ForwardBackwardResult]:
         return self._client._pipelined(self.forward_backward, *args, **kwargs)
 
-    def forward_async(self, *args: Any, **kwargs: Any) -> Future[Any]:
+    def forward_async(self, *args: Any, **kwargs: Any) -> Future[ForwardResult]:
         return self._client._pipelined(self.forward, *args, **kwargs)
 
-    def optim_step_async(self, *args: Any, **kwargs: Any) -> Future[Any]:
+    def optim_step_async(self, *args: Any, **kwargs: Any) -> Future[OptimStepResult]:
         return self._client._pipelined(self.optim_step, *args, **kwargs)
 
-    def sample_async(self, *args: Any, **kwargs: Any) -> Future[Any]:
+    def sample_async(self, *args: Any, **kwargs: Any) -> Future[SampleResult]:
         return self._client._pipelined(self.sample, *args, **kwargs)
 
-    def save_state_async(self, *args: Any, **kwargs: Any) -> Future[Any]:
+    def save_state_async(self, *args: Any, **kwargs: Any) -> Future[Artifact]:
         return self._client._pipelined(self.save_state, *args, **kwargs)
 
 

@@ -37,6 +37,22 @@ class ForwardBackwardResult(Result):
     num_tokens: int
     num_examples: int
     step: int  # the step whose gradients this call added to (the next optim_step makes step + 1)
+    reduction: str
+    outputs: list[Result]  # with return_outputs only: per datum, logprobs and elementwise_loss
+
+
+class ForwardResult(Result):
+    loss: float  # the mean per counted position
+    loss_sum: float
+    num_tokens: int
+    num_examples: int
+    step: int | None  # the run's step whose weights ran; None for a base model
+    outputs: list[Result]  # per datum: logprobs and elementwise_loss
+
+
+class Datum(Result):
+    model_input: list[int]
+    loss_fn_inputs: Result  # target_tokens, and weights, advantages, logprobs, ... where set
 
 
 class OptimStepResult(Result):
@@ -46,14 +62,44 @@ class OptimStepResult(Result):
 
 
 class SampleResult(Result):
-    outputs: list[list[str]]  # per prompt, per sample: the text
+    outputs: list[str]  # per prompt: its first sample's text
     sequences: list[list[Result]]  # per prompt, per sample: text, tokens, logprobs, stop_reason
+    prompt_tokens: list[list[int]]
+    step: int
+    prompt_logprobs: list[list[float | None]] | None
+    topk_prompt_logprobs: list[list[list[Result] | None]] | None  # {token, logprob} pairs
+
+
+class LoadStateResult(Result):
+    checkpoint: str
+    step: int
+    with_optimizer: bool
+    pending_dropped: int
+
+
+class SamplerSnapshotResult(Result):
+    run_id: str
+    name: str
+    step: int
+    named: bool
+    expires_in_seconds: float | None
+
+
+class TokenizerResult(Result):
+    name: str
+    vocab_size: int
+    eos_token_ids: list[int]
+    bos_token_id: int | None
+    pad_token_id: int | None
+    chat_template: str | None
 
 
 class CheckpointResult(Result):
     id: str
     step: int
     mode: str
+    name: str
+    path: str  # signal://<run_id>/<mode>/<name>: what load_state and create_run(from_checkpoint=...) take
     checkpoint_path: str
     size_bytes: int
     hub_url: str | None
@@ -65,12 +111,62 @@ class Limits(Result):
     max_batch_size: int  # most items one forward_backward carries; the SDK splits larger batches
 
 
-# The class each GraphQL field's answer becomes (client.Call.field); others stay plain Results.
+class ModelInfo(Result):
+    name: str
+    family: str
+    parameters: int
+    gpu: str
+    offline: bool
+    description: str
+    context_length: int | None
+    framework: str
+    quantization_allowed: bool
+    quantized: str | None
+    available: bool
+    unavailable_reason: str | None
+    estimated_memory_gb: float
+
+
+class UserResult(Result):
+    id: str
+    email: str
+    name: str
+    is_admin: bool
+    created_at: str
+
+
+class ApiKeyResult(Result):
+    id: str
+    name: str
+    prefix: str
+    created_at: str
+    last_used_at: str | None
+    revoked_at: str | None
+    revoked: bool
+
+
+class CreatedApiKeyResult(Result):
+    secret: str  # shown this once
+    api_key: Result  # the key's fields, as ApiKeyResult's
+
+
+# The class each GraphQL field's answer becomes (client.Call.field), or each item of a list answer; others stay
+# plain Results.
 TYPED: dict[str, type[Result]] = {
     "forwardBackward": ForwardBackwardResult,
+    "forward": ForwardResult,
+    "renderDatums": Datum,
     "optimStep": OptimStepResult,
     "sample": SampleResult,
+    "loadState": LoadStateResult,
+    "saveWeightsForSampler": SamplerSnapshotResult,
+    "tokenizer": TokenizerResult,
     "limits": Limits,
+    "models": ModelInfo,
+    "me": UserResult,
+    "apiKeys": ApiKeyResult,
+    "revokeApiKey": ApiKeyResult,
+    "createApiKey": CreatedApiKeyResult,
 }
 
 
@@ -79,9 +175,10 @@ def snake(name: str) -> str:
 
 
 def convert(value: Any, cls: type[Result] = Result) -> Any:
-    """GraphQL's answer with snake_case keys, counts as ints; the top-level object becomes `cls`."""
+    """GraphQL's answer with snake_case keys, counts as ints; the top-level object (or each object of a top-level
+    list) becomes `cls`."""
     if isinstance(value, list):
-        return [convert(item) for item in value]
+        return [convert(item, cls) for item in value]
     if isinstance(value, dict):
         out = cls()
         for key, item in value.items():

@@ -114,3 +114,131 @@ def test_operation_documents_default_to_what_the_schema_does(document: str, fiel
     if isinstance(default, str) and hasattr(schema_default, "upper"):
         default = default.lower() if default.isupper() else default  # an enum literal (ADAPTER) against its value
     assert default == schema_default, f"{document}: ${argument} defaults to {default!r}, the API to {schema_default!r}"
+
+
+# ---- Every other GraphQL type that mirrors a contract request or result, field by field.
+
+
+@dataclasses.dataclass(frozen=True)
+class Mirror:
+    """A GraphQL type (or a root field's arguments) against the contract dataclass it stands for. Each field of
+    one must be a field of the other, renamed, or listed with its reason: an entry that no longer applies fails too."""
+
+    graphql: str  # a type's name, or "Query.field" / "Mutation.field" for a root field's arguments
+    contract: type
+    renamed: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)  # contract field: GraphQL names
+    contract_only: dict[str, str] = dataclasses.field(default_factory=dict)  # contract field: why GraphQL lacks it
+    graphql_only: dict[str, str] = dataclasses.field(default_factory=dict)  # GraphQL name: why the contract lacks it
+
+    def graphql_fields(self) -> dict[str, Any]:
+        if "." in self.graphql:
+            root, field = self.graphql.split(".")
+            parent = SDL.query_type if root == "Query" else SDL.mutation_type
+            assert parent is not None
+            return dict(parent.fields[field].args)
+        shown = SDL.get_type(self.graphql)
+        assert isinstance(shown, (GraphQLObjectType, GraphQLInputObjectType)), f"no GraphQL type {self.graphql}"
+        return dict(shown.fields)
+
+
+LORA_AS_FIELDS = ("loraR", "loraAlpha", "loraDropout", "loraTargetModules", "trainAttn", "trainMlp", "trainUnembed")
+BILLED = "billed (the run's cost), not part of one call's answer"
+REPLAYED = "a retry's answer is the first answer; the API does not tell them apart"
+MIRRORS: list[Mirror] = [
+    Mirror("CreateRunInput", contract.CreateRun,
+           renamed={"lora": LORA_AS_FIELDS},
+           contract_only={"run_id": "the server names a new run",
+                          "user_id": "the caller's key decides it"},
+           graphql_only={"learningRate": "an AdamW default the server keeps on the run; optimStep sends it",
+                         "weightDecay": "an AdamW default the server keeps on the run; optimStep sends it",
+                         "gradClipNorm": "an AdamW default the server keeps on the run; optimStep sends it",
+                         "gpuConfig": "the pool's key: the server picks the runtime with it, which never sees it"}),
+    Mirror("Query.renderDatums", contract.RenderDatums),
+    Mirror("Query.tokenizer", contract.Tokenizer,
+           contract_only={"quantization": "the server reads it from the run or the catalogue, not the caller"}),
+    Mirror("SamplerSnapshot", contract.SaveWeightsForSamplerResult,
+           contract_only={"path": "the runtime's own directory; a named snapshot's row has path and downloadUrl",
+                          "size_bytes": "a named snapshot's size is sizeBytes on its row (Run.snapshots)",
+                          "compute_seconds": BILLED, "replayed": REPLAYED}),
+    Mirror("Checkpoint", contract.SaveStateResult,
+           renamed={"hub": ("hubUrl",)},
+           contract_only={"compute_seconds": BILLED, "replayed": REPLAYED,
+                          # Known gap: saveState answers with a stored row, which keeps neither; showing them needs
+                          # columns on checkpoints (a migration), so they stay listed here until then.
+                          "with_optimizer": "not stored on the checkpoint row saveState answers with (known gap)",
+                          "pending_excluded": "not stored on the checkpoint row saveState answers with (known gap)"},
+           graphql_only={"id": "the row's key", "createdAt": "the row's", "expiresAt": "the row's (unnamed snapshots)",
+                         "path": "signal://… built from the row; the contract's is checkpoint_path",
+                         "downloadUrl": "the server's URL for the row"}),
+    Mirror("TokenizerInfo", contract.TokenizerResult),
+    Mirror("Mutation.deleteRun", contract.DeleteRun),
+    Mirror("Mutation.deleteCheckpoint", contract.DeleteCheckpoint,
+           renamed={"mode": ("checkpointId",), "name": ("checkpointId",)}),  # the row's id names its mode and name
+    Mirror("Run", contract.RunDescription,
+           renamed={"run_id": ("id",), "lora": ("loraR", "loraAlpha", "loraDropout"),
+                    "target_modules": ("loraTargetModules",)},
+           contract_only={"user_id": "the caller's own runs only: whose it is goes without saying",
+                          "base_revision": "the runtime's record of the weights' revision; the catalogue names them",
+                          "pending_forward_backward": "live runtime state; Run is read from the database",
+                          "pending_tokens": "live runtime state; Run is read from the database",
+                          "path": "the runtime's directory, not the caller's"},
+           graphql_only={"status": "the database's (active, failed)",
+                         "learningRate": "the server's AdamW defaults for the run", "optimizer": "the same, whole",
+                         "gpuConfig": "the requested allocation, the server's", "computeSeconds": BILLED,
+                         "gpuSeconds": BILLED, "cost": BILLED, "createdAt": "the row's", "updatedAt": "the row's",
+                         "metrics": "the server's records", "samples": "the server's records",
+                         "checkpoints": "the server's records", "snapshots": "the server's records"}),
+]
+# Contract calls and results no GraphQL type mirrors, and why (the rest are above or in MUTATIONS / RESULTS).
+NOT_IN_GRAPHQL: dict[str, str] = {
+    "RenderChat": "the OpenAI endpoint's call (app/openai), not an API of its own",
+    "RenderChatResult": "the same",
+    "RenderDatumsResult": "renderDatums answers [Datum], checked against the contract's item keys",
+    "LoadRun": "the server's restore of a run onto its runtime, under every call on it",
+    "RunInfo": "the server's read of a run it just created or loaded; Run is read from the database",
+    "CloseRun": "the server's eviction of a run from its runtime",
+    "ExportCheckpoint": "the server's fetch of a checkpoint's files for Checkpoint.downloadUrl",
+    "Ping": "the server's greeting to its runtime (the contract version)",
+    "RuntimeState": "Query.runtime, as JSON (admins only)",
+}
+
+
+@pytest.mark.parametrize("mirror", MIRRORS, ids=[m.graphql for m in MIRRORS])
+def test_each_mirror_has_the_contracts_fields_and_no_others(mirror: Mirror) -> None:
+    shown = set(mirror.graphql_fields())
+    contract_fields = {f.name for f in dataclasses.fields(mirror.contract)}
+    assert set(mirror.contract_only) <= contract_fields, "contract_only names a field the contract lacks"
+    assert set(mirror.renamed) <= contract_fields, "renamed names a field the contract lacks"
+    assert set(mirror.graphql_only) <= shown, f"graphql_only names a field {mirror.graphql} lacks"
+    expected = set(mirror.graphql_only)
+    for name in contract_fields - set(mirror.contract_only):
+        expected |= set(mirror.renamed.get(name, (to_camel_case(name),)))
+    assert sorted(shown - expected) == [], f"{mirror.graphql} has fields {mirror.contract.__name__} lacks"
+    assert sorted(expected - shown) == [], f"{mirror.graphql} lacks fields of {mirror.contract.__name__}"
+
+
+@pytest.mark.parametrize("mirror", [m for m in MIRRORS if "." in m.graphql or m.graphql.endswith("Input")],
+                         ids=lambda m: m.graphql)
+def test_each_mirrored_request_defaults_to_the_contract(mirror: Mirror) -> None:
+    arguments = mirror.graphql_fields()
+    for field in dataclasses.fields(mirror.contract):
+        name = to_camel_case(field.name)
+        if field.default is dataclasses.MISSING or name not in arguments:
+            continue
+        default = arguments[name].default_value
+        assert getattr(default, "value", default) == field.default, f"{mirror.graphql}.{name}"
+
+
+def test_create_run_takes_every_lora_setting_the_contract_defaults() -> None:
+    names = {to_camel_case(key if key.startswith("train_") else f"lora_{key}") for key in contract.LORA_DEFAULTS}
+    assert names <= set(LORA_AS_FIELDS)
+
+
+def test_every_contract_type_is_mirrored_or_listed() -> None:
+    mirrored = ({m.contract.__name__ for m in MIRRORS} | {c.__name__ for _, c in MUTATIONS}
+                | {r.__name__ for _, r in RESULTS})
+    results = {cls.__name__ for cls in vars(contract).values()
+               if isinstance(cls, type) and issubclass(cls, contract.Result) and cls is not contract.Result}
+    every = {cls.__name__ for cls in contract.CALLS.values()} | results
+    assert sorted(every - mirrored - set(NOT_IN_GRAPHQL)) == []
+    assert sorted(set(NOT_IN_GRAPHQL) & mirrored) == [], "listed as unmirrored, yet mirrored"

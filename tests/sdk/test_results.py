@@ -9,8 +9,21 @@ from typing import Any
 
 import pytest
 
+from graphql import FieldNode, OperationDefinitionNode, parse
 from rewardsignal import SignalClient
-from rewardsignal.results import CheckpointResult, ForwardBackwardResult, OptimStepResult, Result, SampleResult
+from rewardsignal.operations import document, names
+from rewardsignal.results import (
+    TYPED,
+    CheckpointResult,
+    ForwardBackwardResult,
+    ForwardResult,
+    OptimStepResult,
+    Result,
+    SampleResult,
+    SamplerSnapshotResult,
+    TokenizerResult,
+    snake,
+)
 from tests.helpers.live_server import LiveServer
 
 KEYS: dict[str, set[str]] = {
@@ -19,9 +32,13 @@ KEYS: dict[str, set[str]] = {
     "sample": {"outputs", "prompt_tokens", "step", "prompt_logprobs", "topk_prompt_logprobs", "sequences"},
     "save_state": {"id", "step", "mode", "name", "path", "checkpoint_path", "size_bytes", "hub_url", "created_at",
                    "download_url"},
+    "forward": {"loss", "loss_sum", "num_tokens", "num_examples", "step", "outputs"},
+    "tokenizer": {"name", "vocab_size", "eos_token_ids", "bos_token_id", "pad_token_id", "chat_template"},
+    "save_weights_for_sampler": {"run_id", "name", "step", "named", "expires_in_seconds"},
 }
 TYPES: dict[str, type[Result]] = {"forward_backward": ForwardBackwardResult, "optim_step": OptimStepResult,
-                                  "sample": SampleResult, "save_state": CheckpointResult}
+                                  "sample": SampleResult, "save_state": CheckpointResult, "forward": ForwardResult,
+                                  "tokenizer": TokenizerResult, "save_weights_for_sampler": SamplerSnapshotResult}
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +46,8 @@ def answers(live_server: LiveServer) -> dict[str, Any]:
     run = SignalClient(api_key=live_server.new_user(), base_url=live_server.url).create_run(lora_r=4)
     return {"forward_backward": run.forward_backward(batch=[{"text": "results are mappings"}]),
             "optim_step": run.optim_step(), "sample": run.sample(prompts=["A"], max_tokens=3, seed=1),
-            "save_state": run.save_state()}
+            "save_state": run.save_state(), "forward": run.forward(batch=[{"text": "results are mappings"}]),
+            "tokenizer": run.tokenizer(), "save_weights_for_sampler": run.save_weights_for_sampler()}
 
 
 BEHAVIOURS: dict[str, Callable[[Any, set[str]], bool]] = {
@@ -67,3 +85,30 @@ def test_a_missing_field_is_an_attribute_error(answers: dict[str, Any]) -> None:
     with pytest.raises(AttributeError, match="outputs"):
         answers["forward_backward"].outputs  # not selected: absent, not None  # noqa: B018
     assert answers["sample"].sequences[0][0].stop_reason in ("stop", "length")  # nested objects: plain Results
+
+
+def _selected(operation: str) -> tuple[str, set[str]]:
+    """The operation's top-level field and the snake_case names it selects."""
+    [definition] = [d for d in parse(document(operation)).definitions if isinstance(d, OperationDefinitionNode)]
+    [field] = definition.selection_set.selections
+    assert isinstance(field, FieldNode)
+    selections = field.selection_set.selections if field.selection_set is not None else ()  # a scalar answer
+    return field.name.value, {snake(f.name.value) for f in selections if isinstance(f, FieldNode)}
+
+
+def _annotated(cls: type[Result]) -> set[str]:
+    return {name for klass in cls.__mro__ if klass not in (Result, dict, object)
+            for name in vars(klass).get("__annotations__", {})}
+
+
+# The classes no TYPED entry names: save_state's answer becomes an Artifact (a CheckpointResult) through its wrap.
+WRAPPED: dict[str, type[Result]] = {"SaveState": CheckpointResult}
+TYPED_OPERATIONS = sorted([name for name in names() if _selected(name)[0] in TYPED]
+                          + list(WRAPPED))
+
+
+@pytest.mark.parametrize("operation", TYPED_OPERATIONS)
+def test_each_typed_result_annotates_what_its_document_selects(operation: str) -> None:
+    field, selected = _selected(operation)
+    cls = WRAPPED.get(operation) or TYPED[field]
+    assert _annotated(cls) == selected, f"{cls.__name__} against {operation}.graphql: the type checker would be told wrong"
