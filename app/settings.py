@@ -87,7 +87,9 @@ class Settings(BaseSettings):
     session_ttl_s: int = Field(14 * 24 * 3600, gt=0, description="A dashboard session ends after this long without "
                                "a visit, in seconds (its row in `sessions`; the cookie lasts as long).")
     session_recheck_s: float = Field(15.0, gt=0, le=15, description="An open dashboard event stream checks its "
-                                     "session this often and ends with `signed-out` once it is revoked or expired.")
+                                     "session this often and ends with `signed-out` once it is revoked or expired; "
+                                     "a GraphQL subscription checks its key (or session) as often and ends with "
+                                     "UNAUTHENTICATED.")
     login_link_ttl_s: int = Field(900, description="How long a one-time login link stays valid, in seconds.")
     admin_emails: str = Field("", description="Comma-separated emails made admins when they sign in.")
     # The seed's names (SUPABASE_*) and SIGNAL_-prefixed aliases are both accepted; the prefixed one wins.

@@ -59,6 +59,7 @@ from gpu_runtime.run_state import (
     LOADS_DIR,
     RunState,
     append_manifest,
+    check_same_body,
     checkpoint_dir,
 )
 from gpu_runtime.sampling_calls import Sampling
@@ -177,8 +178,10 @@ class Control:
     def save_weights_for_sampler(self, state: RunState, call: SaveWeightsForSampler) -> SaveWeightsForSamplerResult:
         """Freeze the run's adapter as it is after every call before this one (gpu_runtime/snapshots.py). Not
         journaled: a named one is its own fsync'd directory; an unnamed one is memory only by design."""
-        if call.request_id and call.request_id in state.answered:
-            return SaveWeightsForSamplerResult.from_dict(state.answered[call.request_id]).replay()
+        body = call.body_sha256()
+        answered = state.answer_to(call.request_id, body)
+        if answered is not None:
+            return SaveWeightsForSamplerResult.from_dict(answered).replay()
         if isinstance(self.shared.compute, RankCompute):  # the ranks hold their own copies of every adapter
             raise FailedPrecondition("a multi-GPU pool keeps no sampler snapshots yet: sample the run's current "
                                      "weights", field="name")
@@ -190,7 +193,7 @@ class Control:
             path=str(snapshot.path.resolve()) if snapshot.path is not None else "",
             size_bytes=self.snapshots.size_bytes(snapshot), expires_in_seconds=expires,
             compute_seconds=self.shared.compute.seconds_since(started))
-        state.remember(call.request_id, result.to_dict())
+        state.remember(call.request_id, result.to_dict(), body)
         return result
 
     # ---- checkpoints -----------------------------------------------------------------------
@@ -202,8 +205,10 @@ class Control:
             # Folding needs whole base weights, which no rank holds (docs/MULTIGPU.md: merge the adapter elsewhere).
             raise FailedPrecondition("a multi-GPU pool saves mode adapter or state; merged checkpoints need the whole "
                                      "base on one machine: load the adapter onto the base there", field="mode")
-        if call.request_id and call.request_id in state.answered:
-            return SaveStateResult.from_dict(state.answered[call.request_id]).replay()
+        body = call.body_sha256()
+        answered = state.answer_to(call.request_id, body)
+        if answered is not None:
+            return SaveStateResult.from_dict(answered).replay()
         name = call.name or default_checkpoint_name(state.step)
         path = checkpoint_dir(state.paths, call.mode, name)
         if path.is_dir() and not DEFAULT_NAME.match(name):
@@ -211,6 +216,7 @@ class Control:
             # (same request id, after a restart forgot the answer) gets that save's answer.
             meta = read_json(path / CHECKPOINT_FILE) if (path / CHECKPOINT_FILE).exists() else {}
             if call.request_id and meta.get("request_id") == call.request_id:
+                check_same_body(call.request_id, meta.get("body_sha256"), body)
                 return SaveStateResult.from_dict(meta["result"]).replay()
             raise FailedPrecondition(f"run {state.run_id} already has a {call.mode} checkpoint named {name!r}: pick "
                                      "another name, or delete that one first", field="name")
@@ -231,8 +237,9 @@ class Control:
                                      size_bytes=dir_size(tmp), name=name, with_optimizer=with_optimizer,
                                      pending_excluded=state.pending.calls,
                                      compute_seconds=self.shared.compute.seconds_since(started))
-            write_json(tmp / CHECKPOINT_FILE, {**meta, "request_id": call.request_id, "result": result.to_dict()})
-        state.remember(call.request_id, result.to_dict())
+            write_json(tmp / CHECKPOINT_FILE, {**meta, "request_id": call.request_id, "body_sha256": body,
+                                               "result": result.to_dict()})
+        state.remember(call.request_id, result.to_dict(), body)
         return result
 
     def _checkpoint_meta(self, state: RunState, mode: str, name: str, with_optimizer: bool) -> dict[str, Any]:
@@ -269,8 +276,10 @@ class Control:
     def load_state(self, state: RunState, call: LoadState) -> LoadStateResult:
         """The checkpoint's adapter (and AdamW) into this run: staged into the run's own directory, journaled, applied,
         then a snapshot at once; the staged copy goes with the snapshot's pruning."""
-        if call.request_id and call.request_id in state.answered:
-            return LoadStateResult.from_dict(state.answered[call.request_id]).replay()
+        body = call.body_sha256()
+        answered = state.answer_to(call.request_id, body)
+        if answered is not None:
+            return LoadStateResult.from_dict(answered).replay()
         if isinstance(self.shared.compute, RankCompute):
             raise FailedPrecondition("a multi-GPU pool cannot load a checkpoint into a run yet: create a run from it "
                                      "on one GPU", field="checkpoint")
@@ -298,9 +307,9 @@ class Control:
         result = LoadStateResult(checkpoint=ref.path, step=state.step, with_optimizer=call.with_optimizer,
                                  pending_dropped=dropped, compute_seconds=self.shared.compute.seconds_since(started))
         self.shared.journal(state, {"type": LOAD_STATE, "request_id": call.request_id, "staged": staged,
-                                    "with_optimizer": call.with_optimizer, "step": state.step,
+                                    "with_optimizer": call.with_optimizer, "step": state.step, "body_sha256": body,
                                     "result": result.to_dict()})
-        state.remember(call.request_id, result.to_dict())
+        state.remember(call.request_id, result.to_dict(), body)
         append_manifest(state.paths.manifest, {"event": LOAD_STATE, "checkpoint": ref.path, "step": state.step,
                                                "with_optimizer": call.with_optimizer})
         self.recovery.snapshot(state)  # the journal first, then the snapshot covering the load

@@ -28,6 +28,7 @@ from peft import LoraConfig
 from safetensors.torch import load_file, save_file
 
 from gpu_runtime.contract.settings import DEFAULT_NAME, DEFAULT_REDUCTION
+from gpu_runtime.errors import BadInput
 from gpu_runtime.journal import Journal
 from gpu_runtime.multilora import LoraWeights, MultiLoraLinear
 from gpu_runtime.optimizer import restore_fused
@@ -103,6 +104,8 @@ class RunState:
     pending: PendingGrads = field(default_factory=lambda: PendingGrads())
     answered: OrderedDict[str, dict[str, Any]] = field(default_factory=OrderedDict)  # request id → result
     sampled: OrderedDict[str, dict[str, Any]] = field(default_factory=OrderedDict)  # request id → sample result
+    # request id → the sha256 of the call it answered (Call.body_sha256), for answered and sampled alike
+    bodies: OrderedDict[str, str] = field(default_factory=OrderedDict)
     snapshot_step: int = -1
     snapshot_seq: int = 0
     snapshot_time: float = field(default_factory=time.monotonic)
@@ -137,17 +140,36 @@ class RunState:
     def clear_pending(self) -> None:
         self.pending = PendingGrads()
 
-    def remember(self, request_id: str | None, result: dict[str, Any]) -> None:
+    def remember(self, request_id: str | None, result: dict[str, Any], body: str | None = None) -> None:
+        """Keep a call's answer for its retries, with the hash of its body (None: journaled before bodies were)."""
         if request_id:
             self.answered[request_id] = result
             while len(self.answered) > REMEMBERED_REQUESTS:
                 self.answered.popitem(last=False)
+            self._remember_body(request_id, body)
 
-    def remember_sample(self, request_id: str | None, result: dict[str, Any]) -> None:
+    def remember_sample(self, request_id: str | None, result: dict[str, Any], body: str | None = None) -> None:
         if request_id:
             self.sampled[request_id] = result
             while len(self.sampled) > REMEMBERED_SAMPLES:
                 self.sampled.popitem(last=False)
+            self._remember_body(request_id, body)
+
+    def _remember_body(self, request_id: str, body: str | None) -> None:
+        if body is None:
+            return
+        self.bodies[request_id] = body
+        self.bodies.move_to_end(request_id)
+        while len(self.bodies) > REMEMBERED_REQUESTS + REMEMBERED_SAMPLES:
+            self.bodies.popitem(last=False)
+
+    def answer_to(self, request_id: str | None, body: str, sampled: bool = False) -> dict[str, Any] | None:
+        """The remembered answer to a retry: the same request id with the same body. None for a new id (or one whose
+        answer was forgotten); BAD_INPUT naming request_id when the id answered another call (docs/ERRORS.md)."""
+        if not request_id:
+            return None
+        check_same_body(request_id, self.bodies.get(request_id), body)
+        return (self.sampled if sampled else self.answered).get(request_id)
 
     def resident_bytes(self) -> int:
         """Parameters, gradients and optimizer state held for this run."""
@@ -226,6 +248,7 @@ class RunState:
             torch.save({"param_names": list(self.named_parameters()), "optimizer": self.optimizer.state_dict()},
                        tmp / OPTIMIZER_FILE)
             pending = self.pending.calls > 0
+            kept = list(self.answered.items())[-256:]
             if pending:
                 grads = {name: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().cpu().contiguous()
                          for name, p in self.named_parameters().items()}
@@ -233,7 +256,8 @@ class RunState:
             write_json(tmp / SNAPSHOT_FILE, {
                 "format": SNAPSHOT_FORMAT, "step": self.step, "seq": self.seq, "pending_included": pending,
                 "pending": self.pending.to_dict(),
-                "answered": list(self.answered.items())[-256:], "created_at": time.time(),
+                "answered": kept, "bodies": {k: self.bodies[k] for k, _ in kept if k in self.bodies},
+                "created_at": time.time(),
             })
             fsync_tree(tmp)
         self.snapshot_step, self.snapshot_seq, self.snapshot_time = self.step, self.seq, time.monotonic()
@@ -263,6 +287,8 @@ class RunState:
                 param.grad = grads[name].clone()
         self.pending = PendingGrads.from_dict(meta["pending"])
         self.answered = OrderedDict((k, v) for k, v in meta.get("answered", []))
+        bodies = meta.get("bodies", {})  # snapshots written before bodies hold none: those ids take any body
+        self.bodies = OrderedDict((k, bodies[k]) for k in self.answered if k in bodies)
         self.step, self.seq = meta["step"], meta["seq"]
         self.snapshot_step, self.snapshot_seq = self.step, self.seq
 
@@ -310,6 +336,14 @@ class RunState:
             meta = self.paths.adapter_step(step) / SNAPSHOT_FILE
             if meta.exists() and read_json(meta)["seq"] > seq:
                 shutil.rmtree(self.paths.adapter_step(step), ignore_errors=True)
+
+
+def check_same_body(request_id: str, remembered: str | None, body: str) -> None:
+    """A request id names one call: sent again with another body it is refused, never answered with the first call's
+    result (a client reusing ids by mistake would otherwise read another call's answer as its own)."""
+    if remembered is not None and remembered != body:
+        raise BadInput(f"request id {request_id!r} was already used on this run for a different call; a retry must "
+                       "send the same call, and a new call needs a new request id", field="request_id")
 
 
 def checkpoint_dir(paths: RunPaths, mode: str, name: str) -> Path:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from typing import cast
+from typing import Any, cast
 
 import torch
 
@@ -26,7 +26,7 @@ from gpu_runtime.contract import (
 from gpu_runtime.decoding import DecodeGroup, SampleJob
 from gpu_runtime.errors import BadInput, SignalError
 from gpu_runtime.pool import BaseEntry
-from gpu_runtime.run_state import REMEMBERED_SAMPLES, RunState
+from gpu_runtime.run_state import REMEMBERED_SAMPLES, RunState, check_same_body
 from gpu_runtime.scheduler import Request
 from gpu_runtime.shared import Shared, TickStats, internal
 from gpu_runtime.snapshots import Snapshots
@@ -38,18 +38,24 @@ class Sampling:
         self.shared = shared
         self.snapshots = snapshots
         self.groups: list[DecodeGroup] = []
-        # Answers of frozen samples by (run or user, request id): memory only, like a run's `sampled`.
-        self.answers: OrderedDict[tuple[str, str], dict[str, object]] = OrderedDict()
+        # Answers of frozen samples by (run or user, request id), each with its call's body hash: memory only, like
+        # a run's `sampled`.
+        self.answers: OrderedDict[tuple[str, str], tuple[str, dict[str, object]]] = OrderedDict()
 
     def replayed(self, call: Sample) -> SampleResult | None:
         """A retry whose first answer may not have reached the caller: that answer again."""
         if not call.request_id:
             return None
+        body = call.body_sha256()
+        previous: dict[str, Any] | None = None
         if call.frozen:
-            previous = self.answers.get(_answer_key(call))
+            remembered = self.answers.get(_answer_key(call))
+            if remembered is not None:
+                check_same_body(call.request_id, remembered[0], body)
+                previous = remembered[1]
         else:
             state = self.shared.residency.runs.get(call.run_id or "")
-            previous = state.sampled.get(call.request_id) if state is not None else None
+            previous = state.answer_to(call.request_id, body, sampled=True) if state is not None else None
         return None if previous is None else SampleResult.from_dict(previous).replay()
 
     def prepare(self, request: Request, source: WeightsSource, call: Sample) -> SampleJob:
@@ -156,10 +162,11 @@ class Sampling:
             self.groups.remove(group)
 
     def _remember(self, job: SampleJob, result: dict[str, object]) -> None:
+        body = job.request.call.body_sha256()
         if job.state is not None:
-            job.state.remember_sample(job.request.request_id, result)
+            job.state.remember_sample(job.request.request_id, result, body)
         elif job.request.request_id:
-            self.answers[_answer_key(job.request.call)] = result
+            self.answers[_answer_key(job.request.call)] = (body, result)
             while len(self.answers) > REMEMBERED_SAMPLES:
                 self.answers.popitem(last=False)
 

@@ -61,6 +61,7 @@ class FbProgress:
     width: int  # the call's own padded width: its dropout masks are drawn at this shape
     reduction: str = DEFAULT_REDUCTION
     return_outputs: bool = False
+    body: str | None = None  # the call's Call.body_sha256, journaled and remembered beside its answer
     outputs: list[dict[str, list[float]]] | None = None  # per datum, gathered across the call's parts
     done: int = 0
     loss_sum: float = 0.0
@@ -96,8 +97,10 @@ class Training:
 
     def prepare(self, state: RunState, call: ForwardBackward) -> FbProgress | ForwardBackwardResult:
         """The call's rows, ready to price and run; or, for a retry of a journaled call, its first answer."""
-        if call.request_id and call.request_id in state.answered:
-            return ForwardBackwardResult.from_dict(state.answered[call.request_id]).replay()
+        body = call.body_sha256()
+        answered = state.answer_to(call.request_id, body)
+        if answered is not None:
+            return ForwardBackwardResult.from_dict(answered).replay()
         config = loss_settings(call.loss_fn, call.loss_fn_config, call.reduction)
         if state.pending.calls and state.pending.reduction != call.reduction:
             raise FailedPrecondition(
@@ -108,7 +111,7 @@ class Training:
         batch_hash = sha256_json({"loss_fn": call.loss_fn, "batch": call.batch})
         return FbProgress(state, examples, call.loss_fn, config, batch_hash, call=state.pending.calls,
                           width=max(e.length for e in examples), reduction=call.reduction,
-                          return_outputs=call.return_outputs)
+                          return_outputs=call.return_outputs, body=body)
 
     def rendered(self, entry: BaseEntry, batch: list[dict[str, Any]], loss_fn: str) -> list[Datum]:
         """A batch's rows, bounded in items and (now that text is tokenized) in tokens by the runtime's options."""
@@ -208,11 +211,11 @@ class Training:
         self.shared.journal(state, {
             "type": FORWARD_BACKWARD, "request_id": request_id, "loss_fn": progress.loss_fn,
             "loss_fn_config": progress.loss_config, "reduction": progress.reduction, "call": progress.call,
-            "step": state.step, "batch_sha256": progress.batch_hash,
+            "step": state.step, "batch_sha256": progress.batch_hash, "body_sha256": progress.body,
             "datums": [e.to_dict() for e in progress.examples],
             "result": kept,
         })
-        state.remember(request_id, kept)
+        state.remember(request_id, kept, progress.body)
         self.shared.residency.touch(state)
         return result
 
@@ -247,8 +250,9 @@ class Training:
     # ---- optim_step ------------------------------------------------------------------------
 
     def optim_step(self, state: RunState, call: OptimStep) -> OptimStepResult:
-        if call.request_id and call.request_id in state.answered:
-            answered = state.answered[call.request_id]
+        body = call.body_sha256()
+        answered = state.answer_to(call.request_id, body)
+        if answered is not None:
             if "error" in answered:  # it failed (and dropped the gradients) the first time: the retry fails alike
                 raise SignalError.from_dict(answered["error"])
             return OptimStepResult.from_dict(answered).replay()
@@ -266,8 +270,8 @@ class Training:
         except FailedPrecondition as exc:
             record = {"error": exc.to_dict()}  # journaled too: dropping the gradients is a change replay must repeat
         self.shared.journal(state, {"type": OPTIM_STEP, "request_id": call.request_id, "adam": settings,
-                                    "kernel": kernel_of(state.optimizer), "result": record})
-        state.remember(call.request_id, record)
+                                    "kernel": kernel_of(state.optimizer), "body_sha256": body, "result": record})
+        state.remember(call.request_id, record, body)
         self.shared.residency.touch(state)
         if "error" in record:
             raise SignalError.from_dict(record["error"])
@@ -315,7 +319,7 @@ class Training:
                     append_manifest(state.paths.manifest, {
                         "step": state.step, "adam": record["adam"], "grad_norm": record["result"]["grad_norm"],
                         "num_tokens": pending.tokens, "batches": pending.batches})
-        state.remember(request_id, record["result"])
+        state.remember(request_id, record["result"], record.get("body_sha256"))  # none in journals from before
 
     def _replay_fb(self, state: RunState, record: dict[str, Any]) -> None:
         # Journals written before datums hold {tokens, weights, extras} per example: rendered as they were then.

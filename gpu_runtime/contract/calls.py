@@ -9,6 +9,8 @@ need the model (vocabulary, context, chat template, target modules) run in the r
 from __future__ import annotations
 
 import enum
+import hashlib
+import json
 from dataclasses import MISSING, asdict, dataclass, fields
 from typing import Any, ClassVar, TypeVar
 
@@ -78,6 +80,14 @@ class Call:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def body_sha256(self) -> str:
+        """What a request id stands for: the method and every argument but the id itself and a Hub token (a retry may
+        carry a refreshed one, and nothing derived from it is written down). A run remembers it beside each answer,
+        so the same id with another body is refused rather than answered with the first call's result."""
+        body = {k: v for k, v in self.to_dict().items() if k not in ("request_id", "hf_token")}
+        canonical = json.dumps({"method": str(self.method), "body": body}, sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).hexdigest()
 
     @classmethod
     def from_dict(cls: type[R], params: Any) -> R:

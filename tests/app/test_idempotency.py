@@ -106,3 +106,21 @@ def test_a_named_save_and_a_load_sent_twice_are_applied_once(live_server: LiveSe
     run.optim_step()
     assert live_server.graphql(load, variables, key=key)["data"]["loadState"]["step"] == 1  # the first answer
     assert run.refresh().step == 2  # and nothing loaded again
+
+
+@pytest.mark.parametrize("mutation", ["forwardBackward", "sample"])
+def test_a_request_id_reused_with_another_body_is_refused_naming_it(live_server: LiveServer, key: str,
+                                                                    mutation: str) -> None:
+    """Issue 19 §5: the runtime keeps each answer's body hash; another call under a used id is not that call's retry."""
+    run = ready_run(SignalClient(api_key=key, base_url=live_server.url))
+    variables = {"id": run.id, "batch": BATCH, "rid": str(uuid.uuid4())}
+    first = live_server.graphql(MUTATIONS[mutation], variables, key=key)
+    assert "errors" not in first
+    changed = {"forwardBackward": (MUTATIONS[mutation], {**variables, "batch": [{"text": "a different example"}]}),
+               "sample": (MUTATIONS[mutation].replace('"hello"', '"goodbye"'), variables)}
+    document, other = changed[mutation]
+    refused = live_server.graphql(document, other, key=key)
+    assert error_code(refused) == "BAD_INPUT", refused
+    assert refused["errors"][0]["extensions"]["field"] == "requestId"
+    assert live_server.graphql(MUTATIONS[mutation], variables, key=key)["data"] == first["data"]  # still a retry
+    assert RECORDED[mutation](run) == EXPECTED[mutation]  # the refused call recorded nothing
