@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
 
-from sqlalchemy import case, delete, select, update
+from sqlalchemy import Text, case, cast, delete, or_, select, update
 from strawberry.utils.str_converters import to_camel_case
 
 from app.backends import Backend
@@ -31,7 +31,21 @@ from app.events import MetricFeed
 from app.services.call_order import CallOrder, Numbered
 from app.services.ledger import Ledger
 from app.services.users import require_admin
-from app.tables import BaseSample, Checkpoint, Metric, Run, Sample, User, could_be_id, new_id, utcnow
+from app.tables import (
+    RUN_NAME_LENGTH,
+    RUN_NOTE_LENGTH,
+    RUN_TAG_LENGTH,
+    RUN_TAGS_MOST,
+    BaseSample,
+    Checkpoint,
+    Metric,
+    Run,
+    Sample,
+    User,
+    could_be_id,
+    new_id,
+    utcnow,
+)
 from gpu_runtime.allocation import pool_key
 from gpu_runtime.contract import (
     ADAM_DEFAULTS,
@@ -77,6 +91,13 @@ class RunSpec:
     quantization: str | None = None  # None | "8bit" | "4bit" (bitsandbytes)
     from_checkpoint: str | None = None  # signal://<run_id>/<kind>/<name>: start there (docs/CHECKPOINTS.md)
     with_optimizer: bool = True  # with from_checkpoint: its AdamW state too
+    name: str | None = None  # None or blank: default_run_name(base model, now)
+    tags: list[str] | None = None
+    note: str | None = None
+
+    def labels(self) -> RunLabels:
+        """Its name, tags and note; a blank name is no name (the default's)."""
+        return RunLabels(name=self.name if (self.name or "").strip() else None, tags=self.tags, note=self.note)
 
     def lora(self) -> dict[str, Any]:
         """The run's LoRA settings, checked and filled by the contract; errors name createRun's field (`loraR`)."""
@@ -110,8 +131,68 @@ class RunSpec:
                                field=graphql_field(switch))
         self.lora()
         self.adam()
+        self.labels().checked()
         if self.seed is not None:
             check_seed(self.seed, MAX_RUN_SEED)
+
+
+@dataclass
+class RunLabels:
+    """What a user calls a run (issue 18 §1): None leaves that label as it is."""
+
+    name: str | None = None
+    tags: list[str] | None = None
+    note: str | None = None
+
+    def checked(self) -> dict[str, Any]:
+        """The labels given, cleaned (names and tags stripped, tags once each in their order) and within bounds."""
+        values: dict[str, Any] = {}
+        if self.name is not None:
+            name = self.name.strip()
+            if not name:
+                raise BadInput("name is empty", field="name")
+            if len(name) > RUN_NAME_LENGTH:
+                raise BadInput(f"name is {len(name)} characters; at most {RUN_NAME_LENGTH}", field="name")
+            values["name"] = name
+        if self.tags is not None:
+            tags = list(dict.fromkeys(tag.strip() for tag in self.tags if tag.strip()))
+            if len(tags) > RUN_TAGS_MOST:
+                raise BadInput(f"{len(tags)} tags; at most {RUN_TAGS_MOST}", field="tags")
+            for tag in tags:
+                if len(tag) > RUN_TAG_LENGTH:
+                    raise BadInput(f"tag {tag[:20]!r}… is {len(tag)} characters; at most {RUN_TAG_LENGTH}",
+                                   field="tags")
+            values["tags"] = tags
+        if self.note is not None:
+            if len(self.note) > RUN_NOTE_LENGTH:
+                raise BadInput(f"note is {len(self.note)} characters; at most {RUN_NOTE_LENGTH}", field="note")
+            values["note"] = self.note
+        return values
+
+
+def default_run_name(base_model: str, when: datetime) -> str:
+    """A readable name for a run created without one: its base model's short name and the UTC minute,
+    e.g. "SmolLM2-135M 2026-12-04 17:40"."""
+    return f"{base_model.rsplit('/', 1)[-1]} {when.astimezone(UTC):%Y-%m-%d %H:%M}"[:RUN_NAME_LENGTH]
+
+
+SEARCH_LENGTH = RUN_NAME_LENGTH  # the runs list's search text: a whole name at most
+
+# The runs list's orders (GraphQL's RunSort, the dashboard's ?sort=): the first is the default.
+RUN_SORTS: dict[str, tuple[Any, ...]] = {
+    "newest": (Run.created_at.desc(), Run.id),
+    "oldest": (Run.created_at.asc(), Run.id),
+    "name": (Run.name.asc(), Run.created_at.desc()),
+    "activity": (Run.updated_at.desc(), Run.id),
+    "step": (Run.step.desc(), Run.created_at.desc()),
+}
+
+
+def _search_clause(search: str) -> Any:
+    """A case-insensitive substring of the name, the base model or a tag (the tags' JSON text)."""
+    pattern = "%" + search.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
+    return or_(Run.name.ilike(pattern, escape="\\"), Run.base_model.ilike(pattern, escape="\\"),
+               cast(Run.tags, Text).ilike(pattern, escape="\\"))
 
 
 @dataclass
@@ -188,12 +269,25 @@ class RunService:
                               field="runId")
         return run
 
-    async def list(self, user: User, limit: int = 50) -> list[Run]:
+    async def list(self, user: User, limit: int = 50, search: str = "", sort: str = "newest") -> list[Run]:
+        """The user's runs in `sort`'s order (RUN_SORTS), those whose name, base model or a tag contain `search`."""
+        if sort not in RUN_SORTS:
+            raise BadInput(f"sort must be one of {', '.join(RUN_SORTS)}, got {sort!r}", field="sort")
+        query = select(Run).where(Run.user_id == user.id)
+        if search.strip():
+            query = query.where(_search_clause(search.strip()))
         async with self.db.session() as session:
-            rows = await session.scalars(
-                select(Run).where(Run.user_id == user.id).order_by(Run.created_at.desc()).limit(_clamp(limit))
-            )
+            rows = await session.scalars(query.order_by(*RUN_SORTS[sort]).limit(_clamp(limit)))
             return list(rows)
+
+    async def label(self, user: User, run_id: str, labels: RunLabels) -> Run:
+        """Rename a run, set its tags or its note; another user's run is not found."""
+        run = await self.get(user, run_id)
+        values = labels.checked()
+        if values:
+            async with self.db.session() as session:
+                await session.execute(update(Run).where(Run.id == run.id).values(**values))
+        return await self.get(user, run.id)
 
     async def metrics(self, run: Run, name: str | None = None, limit: int = 1000) -> builtins.list[Metric]:
         if not 1 <= limit <= MAX_METRICS_LIMIT:
@@ -270,6 +364,7 @@ class RunService:
             quantization=quantization or "",
             trainable_params=int(created.get("trainable_params", 0)),
             total_params=int(created.get("total_params", 0)),
+            **({"name": default_run_name(model.name, utcnow())} | spec.labels().checked()),
         )
         async with self.db.session() as session:
             session.add(run)
