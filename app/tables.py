@@ -129,6 +129,9 @@ class Run(Base):
     name: Mapped[str] = mapped_column(StoredString(RUN_NAME_LENGTH), default="", server_default="")
     tags: Mapped[list[Any]] = mapped_column(JSON, default=list, server_default="[]")
     note: Mapped[str] = mapped_column(StoredText, default="", server_default="")
+    # Archived (hidden from the default list, refused training and sampling) since; None: not archived. Beside
+    # status, not one of its values: unarchiving gives back whatever status the run had.
+    archived_at: Mapped[datetime | None] = mapped_column(default=None)
     step: Mapped[int] = mapped_column(Integer, default=0)
     trainable_params: Mapped[int] = mapped_column(BigInteger, default=0)
     total_params: Mapped[int] = mapped_column(BigInteger, default=0)

@@ -284,10 +284,11 @@ class _ClientBase:
     def get_run(self, run_id: str) -> Any:
         return self._run(Call("GetRun", {"id": run_id}, "run", self._wrap_run))
 
-    def list_runs(self, limit: int = 50, search: str = "", sort: str = "newest") -> Any:
+    def list_runs(self, limit: int = 50, search: str = "", sort: str = "newest", archived: bool | None = False) -> Any:
         """Your runs in `sort`'s order (newest, oldest, name, activity, step); with `search`, those whose name,
-        base model or a tag contains it (any case)."""
-        variables = {"limit": limit, "search": search, "sort": sort.upper()}
+        base model or a tag contains it (any case). archived: False those not archived, True the archived ones,
+        None both."""
+        variables = {"limit": limit, "search": search, "sort": sort.upper(), "archived": archived}
         return self._run(Call("ListRuns", variables, "runs", lambda runs: [self._wrap_run(r) for r in runs]))
 
     def tokenizer(self, base_model: str | None = None, run_id: str | None = None) -> Any:
@@ -577,6 +578,14 @@ class _RunBase:
         """Rename the run, replace its tags or its note; what is left as None keeps its value."""
         variables = _drop_none({"runId": self.id, "name": name, "tags": tags, "note": note})
         return self._client._run(Call("UpdateRun", variables, "updateRun", self._store))
+
+    def archive(self) -> Any:
+        """Hide the run from `list_runs` and refuse its training and sampling (FAILED_PRECONDITION) until
+        `unarchive`; its files, checkpoints and history are kept."""
+        return self._client._run(Call("ArchiveRun", {"runId": self.id}, "archiveRun", self._store))
+
+    def unarchive(self) -> Any:
+        return self._client._run(Call("UnarchiveRun", {"runId": self.id}, "unarchiveRun", self._store))
 
     def forward_backward(self, batch: list[dict[str, Any]], loss_fn: str | None = None,
                          loss_fn_config: dict[str, Any] | None = None, reduction: str | None = None,

@@ -24,7 +24,10 @@ if TYPE_CHECKING:  # rows are only ever received from app.services, never querie
     from app.tables import Metric, User
 
 SAVE_MODES = ("adapter", "merged", "state")
-DEFAULT_VIEW = {"q": "", "sort": "newest"}
+DEFAULT_VIEW = {"q": "", "sort": "newest", "show": ""}
+# ?show=: which runs by archiving (RunService.list's `archived`); the default hides archived ones.
+SHOW: dict[str, bool | None] = {"": False, "archived": True, "all": None}
+SHOW_LABELS = {"": "Not archived", "archived": "Archived", "all": "All runs"}
 SORT_LABELS = {"newest": "Newest first", "oldest": "Oldest first", "name": "Name (A–Z)",
                "activity": "Recently active", "step": "Most steps"}
 RUNS_POLL_S = 1.0  # how soon /runs shows a step, a loss or a status: the stream reads the summaries this often
@@ -33,18 +36,19 @@ RUNS_POLL_S = 1.0  # how soon /runs shows a step, a loss or a status: the stream
 @signed_in
 async def runs_page(request: Request, user: User) -> Response:
     view = _view(request)
-    summaries = await services(request).dashboard.run_summaries(user, search=view["q"], sort=view["sort"])
+    summaries = await services(request).dashboard.run_summaries(user, search=view["q"], sort=view["sort"],
+                                                                 archived=SHOW[view["show"]])
     name = "_runs_table.html" if request.url.path.endswith("/table") else "runs.html"
-    return page(request, name, user=user, summaries=summaries, view=view, sorts=SORT_LABELS,
+    return page(request, name, user=user, summaries=summaries, view=view, sorts=SORT_LABELS, shows=SHOW_LABELS,
                 events_url="/runs/events" + (f"?{urlencode(view)}" if view != DEFAULT_VIEW else ""))
 
 
 def _view(request: Request) -> dict[str, str]:
     """The list's search and order, from the URL's query (?q=&sort=), so a filtered view can be linked and reloaded.
     An unknown order is the default one: a stale bookmark still shows the runs."""
-    sort = request.query_params.get("sort", "newest")
+    sort, show = request.query_params.get("sort", "newest"), request.query_params.get("show", "")
     return {"q": request.query_params.get("q", "").strip()[:SEARCH_LENGTH],
-            "sort": sort if sort in RUN_SORTS else "newest"}
+            "sort": sort if sort in RUN_SORTS else "newest", "show": show if show in SHOW else ""}
 
 
 @signed_in
@@ -58,8 +62,9 @@ async def runs_events(request: Request, user: User) -> Response:
     async def events() -> AsyncIterator[ServerSentEvent]:
         last: list[dict[str, str]] | None = None
         while True:
-            rows = [_cells(summary) for summary in await svc.dashboard.run_summaries(user, search=view["q"],
-                                                                                    sort=view["sort"])]
+            summaries = await svc.dashboard.run_summaries(user, search=view["q"], sort=view["sort"],
+                                                          archived=SHOW[view["show"]])
+            rows = [_cells(summary) for summary in summaries]
             if rows != last:
                 yield ServerSentEvent(data=json.dumps(rows), event="runs")
                 last = rows
@@ -108,6 +113,15 @@ async def update_labels(request: Request, user: User) -> Response:
     labels = RunLabels(name=str(form.get("name") or ""), tags=tags, note=str(form.get("note") or ""))
     run = await services(request).runs.label(user, request.path_params["run_id"], labels)
     return page(request, "_run_labels.html", user=user, run=run, saved=True)
+
+
+@signed_in
+async def archive_run(request: Request, user: User) -> Response:
+    """Archive (or with archived=0, unarchive) and show the run's page again, which says which it is now."""
+    form = await request.form()
+    run_id = request.path_params["run_id"]
+    await services(request).runs.archive(user, run_id, archived=str(form.get("archived", "1")) != "0")
+    return hx_redirect(request, f"/runs/{run_id}")
 
 
 @signed_in
@@ -170,6 +184,7 @@ routes = [
     Route("/runs/{run_id}/events", run_events),
     Route("/runs/{run_id}/save", save_now, methods=["POST"]),
     Route("/runs/{run_id}/labels", update_labels, methods=["POST"]),
+    Route("/runs/{run_id}/archive", archive_run, methods=["POST"]),
     Route("/runs/{run_id}/checkpoints/{checkpoint_id:int}/archive", download_checkpoint),
     Route("/runs/{run_id}/checkpoints/{checkpoint_id:int}", delete_checkpoint, methods=["DELETE"]),
 ]

@@ -202,6 +202,17 @@ class Mutation:
         labels = RunLabels(name=name, tags=tags, note=note)
         return Run.from_row(await info.context.services.runs.label(user, str(run_id), labels))
 
+    @strawberry.mutation(description="Archive a run: hidden from runs' default list, its training and sampling "
+                         "refused until unarchived; its files, checkpoints and history are kept")
+    async def archive_run(self, info: Info, run_id: strawberry.ID) -> Run:
+        user = await info.context.user()
+        return Run.from_row(await info.context.services.runs.archive(user, str(run_id)))
+
+    @strawberry.mutation
+    async def unarchive_run(self, info: Info, run_id: strawberry.ID) -> Run:
+        user = await info.context.user()
+        return Run.from_row(await info.context.services.runs.archive(user, str(run_id), archived=False))
+
     @strawberry.mutation
     async def delete_run(self, info: Info, run_id: strawberry.ID) -> bool:
         user = await info.context.user()

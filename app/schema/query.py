@@ -26,10 +26,13 @@ class Query:
         return User.from_row(await info.context.user())
 
     @strawberry.field(description="The caller's runs, newest first unless sorted; search: those whose name, base model "
-                      "or a tag contains it (any case)")
-    async def runs(self, info: Info, limit: int = 50, search: str = "", sort: RunSort = RunSort.NEWEST) -> list[Run]:
+                      "or a tag contains it (any case); archived: false (default) those not archived, true the "
+                      "archived ones, null both")
+    async def runs(self, info: Info, limit: int = 50, search: str = "", sort: RunSort = RunSort.NEWEST,
+                   archived: bool | None = False) -> list[Run]:
         user = await info.context.user()
-        rows = await info.context.services.runs.list(user, limit=limit, search=search, sort=sort.value)
+        rows = await info.context.services.runs.list(user, limit=limit, search=search, sort=sort.value,
+                                                     archived=archived)
         return [Run.from_row(row) for row in rows]
 
     @strawberry.field(description="The caller's stored samples of base models alone (a /v1 request on a catalogue "

@@ -180,6 +180,9 @@ class Run:
                                  "and UTC minute. Empty for runs older than this field")
     tags: list[str]
     note: str
+    archived_at: datetime | None = strawberry.field(
+        description="When it was archived: hidden from runs' default list, its training and sampling refused "
+        "(FAILED_PRECONDITION) until unarchived; null when it is not")
     base_model: str
     status: str = strawberry.field(description="Either active, or failed once its runtime no longer has the run")
     step: int = strawberry.field(description="optim_steps applied and persisted")
@@ -233,7 +236,7 @@ class Run:
         lora, adam = row.lora_config, row.optimizer_config
         return cls(
             id=strawberry.ID(row.id), name=row.name, tags=list(row.tags or []), note=row.note,
-            base_model=row.base_model, status=row.status, step=row.step,
+            archived_at=row.archived_at, base_model=row.base_model, status=row.status, step=row.step,
             lora_r=int(lora["r"]), lora_alpha=float(lora["alpha"]), lora_dropout=float(lora["dropout"]),
             lora_target_modules=lora.get("target_modules"), learning_rate=float(adam["learning_rate"]),
             optimizer=JSON(adam), seed=row.seed, gpu_config=row.gpu_config, device=row.device or None,

@@ -26,7 +26,7 @@ from strawberry.utils.str_converters import to_camel_case
 from app.backends import Backend
 from app.catalog import Catalog
 from app.db import Database
-from app.errors import BadInput, NotFound, RunNotFound, SignalError
+from app.errors import BadInput, FailedPrecondition, NotFound, RunNotFound, SignalError
 from app.events import MetricFeed
 from app.services.call_order import CallOrder, Numbered
 from app.services.ledger import Ledger
@@ -269,16 +269,30 @@ class RunService:
                               field="runId")
         return run
 
-    async def list(self, user: User, limit: int = 50, search: str = "", sort: str = "newest") -> list[Run]:
-        """The user's runs in `sort`'s order (RUN_SORTS), those whose name, base model or a tag contain `search`."""
+    async def list(self, user: User, limit: int = 50, search: str = "", sort: str = "newest",
+                   archived: bool | None = False) -> list[Run]:
+        """The user's runs in `sort`'s order (RUN_SORTS), those whose name, base model or a tag contain `search`;
+        `archived` False: those not archived (the default list), True: the archived ones, None: both."""
         if sort not in RUN_SORTS:
             raise BadInput(f"sort must be one of {', '.join(RUN_SORTS)}, got {sort!r}", field="sort")
         query = select(Run).where(Run.user_id == user.id)
+        if archived is not None:
+            query = query.where(Run.archived_at.is_not(None) if archived else Run.archived_at.is_(None))
         if search.strip():
             query = query.where(_search_clause(search.strip()))
         async with self.db.session() as session:
             rows = await session.scalars(query.order_by(*RUN_SORTS[sort]).limit(_clamp(limit)))
             return list(rows)
+
+    async def archive(self, user: User, run_id: str, archived: bool = True) -> Run:
+        """Archive a run (or unarchive it): hidden from the default list, its training and sampling refused with
+        FAILED_PRECONDITION until unarchived; its files, checkpoints and history are kept."""
+        run = await self.get(user, run_id)
+        if (run.archived_at is not None) != archived:
+            async with self.db.session() as session:
+                await session.execute(update(Run).where(Run.id == run.id)
+                                      .values(archived_at=utcnow() if archived else None))
+        return await self.get(user, run.id)
 
     async def label(self, user: User, run_id: str, labels: RunLabels) -> Run:
         """Rename a run, set its tags or its note; another user's run is not found."""
@@ -507,6 +521,7 @@ class RunService:
         """A call on a run's frozen weights (a snapshot or checkpoint: docs/SNAPSHOTS.md): owned and billed like the
         run's calls, but it takes neither the run's lock nor a ticket, so it waits for nothing queued on the run."""
         run = await self.get(user, run_id)
+        _refuse_archived(run, method)
         self._checked(method, {"run_id": run.id, **params, **source, "request_id": request_id})
         request_id = await self.ledger.allow(user, run, method, request_id)
 
@@ -721,6 +736,8 @@ class RunService:
         its result recorded by `record`. `allowed` adds arguments that only a call allowed to run may fetch.
         `order`: the SDK's number for the call, which puts it in the run's order after its session's previous one."""
         run = await self.get(user, run_id)
+        if operation != "save_state":  # an archived run's weights can still be exported
+            _refuse_archived(run, operation)
         if self.claim is not None:
             await self.claim(run, operation)
         params = arguments(run)
@@ -810,6 +827,12 @@ class RunService:
             await session.flush()  # their ids, for the announcement
             await self.feed.announce(session, run_id, [row.id for row in rows])
         self.feed.written()
+
+
+def _refuse_archived(run: Run, operation: str) -> None:
+    if run.archived_at is not None:
+        raise FailedPrecondition(f"run {run.id} is archived: unarchive it to {operation} (unarchiveRun, "
+                                 "run.unarchive(), or the run's page)", field="runId")
 
 
 def _aware(moment: datetime) -> datetime:

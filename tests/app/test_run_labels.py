@@ -100,3 +100,51 @@ def test_sdk_names_updates_and_searches(live_server: LiveServer, key: str) -> No
     client.create_run(lora_r=4, name="other")
     assert [r.name for r in client.list_runs(search="v2")] == ["renamed"]
     assert [r.name for r in client.list_runs(sort="name")] == ["other", "renamed"]
+
+
+ARCHIVE = "mutation($id: ID!) { archiveRun(runId: $id) { name archivedAt } }"
+UNARCHIVE = "mutation($id: ID!) { unarchiveRun(runId: $id) { name archivedAt } }"
+FB = ('mutation($id: ID!) { forwardBackward(runId: $id, batch: [{input: "The quick", output: " fox"}]) '
+      "{ step } }")
+SAMPLE = 'mutation($id: ID!) { sample(runId: $id, prompts: ["The"], maxTokens: 2) { outputs } }'
+
+
+def test_an_archived_run_is_hidden_and_refuses_training_until_unarchived(live_server: LiveServer, key: str) -> None:
+    run = create(live_server, key, name="old")
+    create(live_server, key, name="current")
+    archived = live_server.graphql(ARCHIVE, {"id": run["id"]}, key=key)
+    assert "errors" not in archived, archived
+    assert archived["data"]["archiveRun"]["archivedAt"] is not None
+
+    def names(archived: bool | None) -> list[str]:
+        body = live_server.graphql("query($a: Boolean) { runs(archived: $a) { name } }", {"a": archived}, key=key)
+        assert "errors" not in body, body
+        return [r["name"] for r in body["data"]["runs"]]
+
+    assert names(False) == ["current"]
+    assert names(True) == ["old"]
+    assert names(None) == ["current", "old"]
+    for operation in (FB, SAMPLE):
+        refused = live_server.graphql(operation, {"id": run["id"]}, key=key)
+        assert error_code(refused) == "FAILED_PRECONDITION", refused
+        assert "archived" in refused["errors"][0]["message"]
+    # Its history is kept, and a stranger can neither archive nor unarchive it.
+    other = live_server.new_user()
+    assert error_code(live_server.graphql(UNARCHIVE, {"id": run["id"]}, key=other)) == "NOT_FOUND"
+
+    unarchived = live_server.graphql(UNARCHIVE, {"id": run["id"]}, key=key)
+    assert unarchived["data"]["unarchiveRun"] == {"name": "old", "archivedAt": None}
+    trained = live_server.graphql(FB, {"id": run["id"]}, key=key)
+    assert "errors" not in trained, trained
+    assert names(False) == ["current", "old"]
+
+
+def test_sdk_archives_and_unarchives(live_server: LiveServer, key: str) -> None:
+    client = SignalClient(api_key=key, base_url=live_server.url)
+    run = client.create_run(lora_r=4, name="to archive")
+    assert run.archive() is run and run.info["archived_at"] is not None
+    assert client.list_runs() == []
+    assert [r.name for r in client.list_runs(archived=True)] == ["to archive"]
+    assert [r.name for r in client.list_runs(archived=None)] == ["to archive"]
+    run.unarchive()
+    assert run.info["archived_at"] is None and [r.id for r in client.list_runs()] == [run.id]

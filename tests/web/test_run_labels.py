@@ -66,7 +66,7 @@ def test_rename_and_tag_a_run_then_find_it_by_filter(page: Page, live_server: Li
     page.get_by_role("link", name="Runs", exact=True).first.click()
     page.get_by_role("searchbox", name="Search runs").fill("SWEEP")
     page.get_by_role("button", name="Apply").click()
-    page.wait_for_url(f"{live_server.url}/runs?q=SWEEP&sort=newest")
+    page.wait_for_url(f"{live_server.url}/runs?q=SWEEP&sort=newest&show=")
     expect(rows).to_have_count(1)
     expect(rows.nth(0).get_by_role("link")).to_have_text("baseline, lr 1e-4")
     page.reload()
@@ -97,3 +97,31 @@ def test_another_user_cannot_rename_your_run_from_the_dashboard(live_server: Liv
     finally:
         stranger.client.close()
     assert owner.get_run(run.id).name == "mine"
+
+
+def test_archive_hides_a_run_until_shown_and_unarchived(page: Page, live_server: LiveServer) -> None:
+    email = "run-archive@example.com"
+    client = SignalClient(api_key=api_key_for(live_server, email), base_url=live_server.url)
+    run = client.create_run(lora_r=4, name="finished sweep")
+    client.create_run(lora_r=4, name="still going")
+    page.goto(mint_login_link(live_server, email))
+    page.wait_for_url(f"{live_server.url}/runs")
+    page.get_by_role("link", name="finished sweep").click()
+    page.once("dialog", lambda dialog: dialog.accept())
+    page.get_by_role("button", name="Archive").click()
+    expect(page.get_by_role("button", name="Unarchive")).to_be_visible()
+    expect(page.get_by_role("heading", level=1)).to_contain_text("archived")
+
+    rows = page.locator("#runs-table tbody tr")
+    page.goto(f"{live_server.url}/runs")
+    expect(rows.locator("[data-cell=name]")).to_have_text(["still going"])
+    page.get_by_role("combobox", name="Show runs").select_option(label="Archived")
+    page.get_by_role("button", name="Apply").click()
+    page.wait_for_url(f"{live_server.url}/runs?q=&sort=newest&show=archived")
+    expect(rows.locator("[data-cell=name]")).to_have_text(["finished sweep"])
+    expect(rows.nth(0)).to_contain_text("archived")
+
+    page.get_by_role("link", name="finished sweep").click()
+    page.get_by_role("button", name="Unarchive").click()
+    expect(page.get_by_role("button", name="Archive")).to_be_visible()
+    assert client.get_run(run.id).info["archived_at"] is None
