@@ -72,7 +72,7 @@ def test_another_user_cannot_rename_your_run(live_server: LiveServer, key: str) 
 
 
 def test_runs_search_names_tags_and_base_model_and_sorts(live_server: LiveServer, key: str) -> None:
-    for name, tags in (("beta", ["Sweep-A"]), ("alpha", []), ("gamma 100%", ["sweep-b"])):
+    for name, tags in (("beta", ["Sweep-A"]), ("alpha", ["café"]), ("gamma 100%", ["sweep-b"])):
         create(live_server, key, name=name, tags=tags)
 
     def names(search: str, sort: str = "NEWEST") -> list[str]:
@@ -85,6 +85,7 @@ def test_runs_search_names_tags_and_base_model_and_sorts(live_server: LiveServer
     assert names("", "NAME") == ["alpha", "beta", "gamma 100%"]
     assert names("SWEEP") == ["gamma 100%", "beta"]  # a tag, in any case
     assert names("alp") == ["alpha"]
+    assert names("fé") == ["alpha"]  # a tag's own characters, not its JSON escape
     assert names("0%") == ["gamma 100%"]  # % is a character here, not a wildcard
     assert names("_") == []
     assert len(names(TINY_MODEL.rsplit("/", 1)[-1].upper())) == 3  # the base model
