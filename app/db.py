@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import json
 import re
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
@@ -32,6 +33,10 @@ if TYPE_CHECKING:
 _REVISION_LINE = re.compile(r"^(revision|down_revision)\s*(?::[^=]*)?=\s*(.+?)\s*$", re.MULTILINE)
 
 
+def _json_text(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False)
+
+
 class Database:
     def __init__(self, url: str, lock_timeout_s: float = DB_LOCK_TIMEOUT_S,
                  statement_timeout_s: float = DB_STATEMENT_TIMEOUT_S) -> None:
@@ -42,7 +47,8 @@ class Database:
         elif "+asyncpg" in url:
             connect_args["server_settings"] = {"lock_timeout": str(int(lock_timeout_s * 1000)),
                                                "statement_timeout": str(int(statement_timeout_s * 1000))}
-        self.engine: AsyncEngine = create_async_engine(url, connect_args=connect_args)
+        # JSON as text with its characters, not \u escapes: the runs list searches tags in that text ("café").
+        self.engine: AsyncEngine = create_async_engine(url, connect_args=connect_args, json_serializer=_json_text)
         if url.startswith("sqlite"):
             event.listen(self.engine.sync_engine, "connect", _sqlite_pragmas)
         self._sessions = async_sessionmaker(self.engine, expire_on_commit=False)

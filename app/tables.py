@@ -78,6 +78,10 @@ class Base(DeclarativeBase):
 EMAIL_LENGTH = 320  # an address's most: 64 local + @ + 255 domain
 NAME_LENGTH = 200  # users' and API keys' display names
 NEXT_PATH_LENGTH = 500  # where a sign-in returns to
+RUN_NAME_LENGTH = 200  # a run's name (issue 18 §1's bounds)
+RUN_TAGS_MOST = 20  # tags per run…
+RUN_TAG_LENGTH = 40  # …of at most this many characters each
+RUN_NOTE_LENGTH = 10_000  # a run's note
 
 # 36 characters: every id is a dashed UUID; a Supabase user id is used as the Signal user id as it is.
 USER_ID = String(ID_LENGTH)
@@ -121,6 +125,13 @@ class Run(Base):
     # What the database can know: "active", or "failed" once its runtime answered that it no longer has the run.
     # Resident or evicted is the runtime's to say (runtime_state), read live.
     status: Mapped[str] = mapped_column(String(20), default="active")
+    # The owner's labels (issue 18 §1): a name (not unique; createRun gives one when none is asked for), tags and a note.
+    name: Mapped[str] = mapped_column(StoredString(RUN_NAME_LENGTH), default="", server_default="")
+    tags: Mapped[list[Any]] = mapped_column(JSON, default=list, server_default="[]")
+    note: Mapped[str] = mapped_column(StoredText, default="", server_default="")
+    # Archived (hidden from the default list, refused training and sampling) since; None: not archived. Beside
+    # status, not one of its values: unarchiving gives back whatever status the run had.
+    archived_at: Mapped[datetime | None] = mapped_column(default=None)
     step: Mapped[int] = mapped_column(Integer, default=0)
     trainable_params: Mapped[int] = mapped_column(BigInteger, default=0)
     total_params: Mapped[int] = mapped_column(BigInteger, default=0)

@@ -317,7 +317,8 @@ class _ClientBase:
         lora_target_modules: list[str] | None = None, gpu_config: str | None = None, seed: int | None = None,
         weight_decay: float | None = None, grad_clip_norm: float | None = None, quantization: str | None = None,
         train_attn: bool | None = None, train_mlp: bool | None = None, train_unembed: bool | None = None,
-        from_checkpoint: Any = None, with_optimizer: bool | None = None,
+        from_checkpoint: Any = None, with_optimizer: bool | None = None, name: str | None = None,
+        tags: list[str] | None = None, note: str | None = None,
     ) -> Any:
         """A new run; settings left as None take the server's defaults (LoRA r=32, alpha=2r, AdamW lr 1e-4).
 
@@ -327,6 +328,8 @@ class _ClientBase:
         from_checkpoint: an `Artifact` or its `path` (signal://<run_id>/<mode>/<name>, one of your runs'): the run
         starts there, inheriting its base model, seed, step and LoRA settings (any given too must agree);
         with_optimizer (default true) takes its AdamW state as well, so training resumes exactly.
+        name (at most 200 characters, not unique; default: the base model's short name and the UTC minute), tags
+        (at most 20, of 40 characters) and note (10,000 characters) label the run; `Run.update` changes them.
         """
         spec = _drop_none({
             "baseModel": base_model, "loraR": lora_r, "loraAlpha": lora_alpha, "learningRate": learning_rate,
@@ -334,7 +337,7 @@ class _ClientBase:
             "seed": seed, "weightDecay": weight_decay, "gradClipNorm": grad_clip_norm, "quantization": quantization,
             "trainAttn": train_attn, "trainMlp": train_mlp, "trainUnembed": train_unembed,
             "fromCheckpoint": from_checkpoint["path"] if isinstance(from_checkpoint, dict) else from_checkpoint,
-            "withOptimizer": with_optimizer,
+            "withOptimizer": with_optimizer, "name": name, "tags": tags, "note": note,
         })
         return self._run(Call("CreateRun", {"input": spec}, "createRun", self._wrap_run))
 
@@ -343,8 +346,12 @@ class _ClientBase:
         return self._run(Call("GetRun", {"id": run_id}, "run", self._wrap_run))
 
     @_answers_runs
-    def list_runs(self, limit: int = 50) -> Any:
-        return self._run(Call("ListRuns", {"limit": limit}, "runs", lambda runs: [self._wrap_run(r) for r in runs]))
+    def list_runs(self, limit: int = 50, search: str = "", sort: str = "newest", archived: bool | None = False) -> Any:
+        """Your runs in `sort`'s order (newest, oldest, name, activity, step); with `search`, those whose name,
+        base model or a tag contains it (any case). archived: False those not archived, True the archived ones,
+        None both."""
+        variables = {"limit": limit, "search": search, "sort": sort.upper(), "archived": archived}
+        return self._run(Call("ListRuns", variables, "runs", lambda runs: [self._wrap_run(r) for r in runs]))
 
     @_answers(TokenizerResult)
     def tokenizer(self, base_model: str | None = None, run_id: str | None = None) -> Any:
@@ -641,11 +648,31 @@ class _RunBase:
         self.id: str = info["id"]
 
     def __repr__(self) -> str:
-        return f"<Run {self.id} {self.info.get('base_model')} step={self.info.get('step')}>"
+        return f"<Run {self.id} {self.info.get('name')!r} {self.info.get('base_model')} step={self.info.get('step')}>"
 
     @property
     def step(self) -> int:
         return int(self.info["step"])
+
+    @property
+    def name(self) -> str:
+        return str(self.info.get("name") or "")
+
+    @_answers_run
+    def update(self, name: str | None = None, tags: list[str] | None = None, note: str | None = None) -> Any:
+        """Rename the run, replace its tags or its note; what is left as None keeps its value."""
+        variables = _drop_none({"runId": self.id, "name": name, "tags": tags, "note": note})
+        return self._client._run(Call("UpdateRun", variables, "updateRun", self._store))
+
+    @_answers_run
+    def archive(self) -> Any:
+        """Hide the run from `list_runs` and refuse its training and sampling (FAILED_PRECONDITION) until
+        `unarchive`; its files, checkpoints and history are kept."""
+        return self._client._run(Call("ArchiveRun", {"runId": self.id}, "archiveRun", self._store))
+
+    @_answers_run
+    def unarchive(self) -> Any:
+        return self._client._run(Call("UnarchiveRun", {"runId": self.id}, "unarchiveRun", self._store))
 
     @_answers(ForwardBackwardResult)
     def forward_backward(self, batch: list[dict[str, Any]], loss_fn: str | None = None,

@@ -6,6 +6,7 @@ import asyncio
 import json
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlencode
 
 from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.background import BackgroundTask
@@ -14,6 +15,7 @@ from starlette.responses import FileResponse, Response
 from starlette.routing import Route
 
 from app.errors import BadInput
+from app.services.runs import RUN_SORTS, SEARCH_LENGTH, RunLabels
 from web.render import hx_redirect, page, services, signed_in, signed_in_or_key
 from web.session_streams import until_signed_out
 
@@ -22,14 +24,31 @@ if TYPE_CHECKING:  # rows are only ever received from app.services, never querie
     from app.tables import Metric, User
 
 SAVE_MODES = ("adapter", "merged", "state")
+DEFAULT_VIEW = {"q": "", "sort": "newest", "show": ""}
+# ?show=: which runs by archiving (RunService.list's `archived`); the default hides archived ones.
+SHOW: dict[str, bool | None] = {"": False, "archived": True, "all": None}
+SHOW_LABELS = {"": "Not archived", "archived": "Archived", "all": "All runs"}
+SORT_LABELS = {"newest": "Newest first", "oldest": "Oldest first", "name": "Name (A–Z)",
+               "activity": "Recently active", "step": "Most steps"}
 RUNS_POLL_S = 1.0  # how soon /runs shows a step, a loss or a status: the stream reads the summaries this often
 
 
 @signed_in
 async def runs_page(request: Request, user: User) -> Response:
-    summaries = await services(request).dashboard.run_summaries(user)
+    view = _view(request)
+    summaries = await services(request).dashboard.run_summaries(user, search=view["q"], sort=view["sort"],
+                                                                 archived=SHOW[view["show"]])
     name = "_runs_table.html" if request.url.path.endswith("/table") else "runs.html"
-    return page(request, name, user=user, summaries=summaries)
+    return page(request, name, user=user, summaries=summaries, view=view, sorts=SORT_LABELS, shows=SHOW_LABELS,
+                events_url="/runs/events" + (f"?{urlencode(view)}" if view != DEFAULT_VIEW else ""))
+
+
+def _view(request: Request) -> dict[str, str]:
+    """The list's search and order, from the URL's query (?q=&sort=), so a filtered view can be linked and reloaded.
+    An unknown order is the default one: a stale bookmark still shows the runs."""
+    sort, show = request.query_params.get("sort", "newest"), request.query_params.get("show", "")
+    return {"q": request.query_params.get("q", "").strip()[:SEARCH_LENGTH],
+            "sort": sort if sort in RUN_SORTS else "newest", "show": show if show in SHOW else ""}
 
 
 @signed_in
@@ -38,11 +57,14 @@ async def runs_events(request: Request, user: User) -> Response:
     text in place, static/runs.js, instead of replacing its table every few seconds and losing focus and selection).
     A server-side read of the summaries, not a browser poll: one connection per page, and nothing sent when quiet."""
     svc = services(request)
+    view = _view(request)  # the page's own filter: a run it hides is not "new"
 
     async def events() -> AsyncIterator[ServerSentEvent]:
         last: list[dict[str, str]] | None = None
         while True:
-            rows = [_cells(summary) for summary in await svc.dashboard.run_summaries(user)]
+            summaries = await svc.dashboard.run_summaries(user, search=view["q"], sort=view["sort"],
+                                                          archived=SHOW[view["show"]])
+            rows = [_cells(summary) for summary in summaries]
             if rows != last:
                 yield ServerSentEvent(data=json.dumps(rows), event="runs")
                 last = rows
@@ -54,7 +76,7 @@ async def runs_events(request: Request, user: User) -> Response:
 def _cells(summary: RunSummary) -> dict[str, str]:
     """A run's row as the cells' text, formatted as _runs_table.html formats it."""
     run, loss = summary.run, summary.last_loss
-    return {"id": run.id, "status": run.status, "step": str(run.step),
+    return {"id": run.id, "name": run.name or run.id[:8], "status": run.status, "step": str(run.step),
             "loss": "—" if loss is None else f"{loss:.4f}"}
 
 
@@ -81,6 +103,25 @@ async def run_events(request: Request, user: User) -> Response:
                                       id=str(rows[-1].id))
 
     return EventSourceResponse(until_signed_out(request, events()), ping=15, send_timeout=30)
+
+
+@signed_in
+async def update_labels(request: Request, user: User) -> Response:
+    """The run page's name, tags and note form: tags are one comma-separated field."""
+    form = await request.form()
+    tags = [tag for tag in str(form.get("tags") or "").split(",")]
+    labels = RunLabels(name=str(form.get("name") or ""), tags=tags, note=str(form.get("note") or ""))
+    run = await services(request).runs.label(user, request.path_params["run_id"], labels)
+    return page(request, "_run_labels.html", user=user, run=run, saved=True)
+
+
+@signed_in
+async def archive_run(request: Request, user: User) -> Response:
+    """Archive (or with archived=0, unarchive) and show the run's page again, which says which it is now."""
+    form = await request.form()
+    run_id = request.path_params["run_id"]
+    await services(request).runs.archive(user, run_id, archived=str(form.get("archived", "1")) != "0")
+    return hx_redirect(request, f"/runs/{run_id}")
 
 
 @signed_in
@@ -142,6 +183,8 @@ routes = [
     Route("/runs/{run_id}", delete_run, methods=["DELETE"]),
     Route("/runs/{run_id}/events", run_events),
     Route("/runs/{run_id}/save", save_now, methods=["POST"]),
+    Route("/runs/{run_id}/labels", update_labels, methods=["POST"]),
+    Route("/runs/{run_id}/archive", archive_run, methods=["POST"]),
     Route("/runs/{run_id}/checkpoints/{checkpoint_id:int}/archive", download_checkpoint),
     Route("/runs/{run_id}/checkpoints/{checkpoint_id:int}", delete_checkpoint, methods=["DELETE"]),
 ]

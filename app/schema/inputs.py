@@ -7,6 +7,7 @@ from typing import Any
 import strawberry
 
 from app.services.runs import RunSpec
+from app.tables import RUN_NAME_LENGTH, RUN_NOTE_LENGTH, RUN_TAG_LENGTH, RUN_TAGS_MOST
 from gpu_runtime.contract import ADAM_DEFAULTS, DATUM_INPUTS, LORA_DEFAULTS
 
 
@@ -39,6 +40,12 @@ class CreateRunInput:
     gpu_config: str | None = strawberry.field(default=None, description='e.g. "L40S:2"; default: allocation rules')
     quantization: str | None = strawberry.field(
         default=None, description='"8bit" or "4bit" (NF4, bitsandbytes) on one GPU; default: none (bf16)')
+    name: str | None = strawberry.field(
+        default=None, description=f"At most {RUN_NAME_LENGTH} characters, not unique; default: the base model's "
+        "short name and the UTC minute")
+    tags: list[str] | None = strawberry.field(
+        default=None, description=f"At most {RUN_TAGS_MOST}, of {RUN_TAG_LENGTH} characters each")
+    note: str | None = strawberry.field(default=None, description=f"At most {RUN_NOTE_LENGTH} characters")
 
     def to_spec(self) -> RunSpec:
         return RunSpec(
@@ -48,6 +55,7 @@ class CreateRunInput:
             learning_rate=self.learning_rate, weight_decay=self.weight_decay, grad_clip_norm=self.grad_clip_norm,
             seed=self.seed, gpu_config=self.gpu_config, quantization=self.quantization,
             from_checkpoint=self.from_checkpoint, with_optimizer=self.with_optimizer,
+            name=self.name, tags=self.tags, note=self.note,
         )
 
 

@@ -24,7 +24,7 @@ from app.schema.types import (
     datum_outputs,
 )
 from app.services.call_order import Numbered
-from app.services.runs import SampleParams
+from app.services.runs import RunLabels, SampleParams
 from gpu_runtime.contract import DEFAULT_LOSS_FN, DEFAULT_REDUCTION, SAMPLE_DEFAULTS
 
 # An idempotency key: a retry that carries the id of a call already applied gets that call's answer again.
@@ -193,6 +193,25 @@ class Mutation:
         user = await info.context.user()
         await info.context.services.runs.delete_checkpoint(user, str(run_id), str(checkpoint_id))
         return True
+
+    @strawberry.mutation(description="Rename a run, set its tags (all of them) or its note; an argument left out "
+                         "keeps its value")
+    async def update_run(self, info: Info, run_id: strawberry.ID, name: str | None = None,
+                         tags: list[str] | None = None, note: str | None = None) -> Run:
+        user = await info.context.user()
+        labels = RunLabels(name=name, tags=tags, note=note)
+        return Run.from_row(await info.context.services.runs.label(user, str(run_id), labels))
+
+    @strawberry.mutation(description="Archive a run: hidden from runs' default list, its training and sampling "
+                         "refused until unarchived; its files, checkpoints and history are kept")
+    async def archive_run(self, info: Info, run_id: strawberry.ID) -> Run:
+        user = await info.context.user()
+        return Run.from_row(await info.context.services.runs.archive(user, str(run_id)))
+
+    @strawberry.mutation
+    async def unarchive_run(self, info: Info, run_id: strawberry.ID) -> Run:
+        user = await info.context.user()
+        return Run.from_row(await info.context.services.runs.archive(user, str(run_id), archived=False))
 
     @strawberry.mutation
     async def delete_run(self, info: Info, run_id: strawberry.ID) -> bool:

@@ -7,7 +7,7 @@ from strawberry.scalars import JSON
 
 from app.schema.context import Info
 from app.schema.inputs import BatchItem
-from app.schema.types import ApiKey, BaseSample, Datum, Limits, ModelInfo, Run, TokenizerInfo, User
+from app.schema.types import ApiKey, BaseSample, Datum, Limits, ModelInfo, Run, RunSort, TokenizerInfo, User
 from gpu_runtime.contract import DEFAULT_LOSS_FN
 
 
@@ -25,10 +25,15 @@ class Query:
     async def me(self, info: Info) -> User:
         return User.from_row(await info.context.user())
 
-    @strawberry.field(description="The caller's runs, newest first")
-    async def runs(self, info: Info, limit: int = 50) -> list[Run]:
+    @strawberry.field(description="The caller's runs, newest first unless sorted; search: those whose name, base model "
+                      "or a tag contains it (any case); archived: false (default) those not archived, true the "
+                      "archived ones, null both")
+    async def runs(self, info: Info, limit: int = 50, search: str = "", sort: RunSort = RunSort.NEWEST,
+                   archived: bool | None = False) -> list[Run]:
         user = await info.context.user()
-        return [Run.from_row(row) for row in await info.context.services.runs.list(user, limit=limit)]
+        rows = await info.context.services.runs.list(user, limit=limit, search=search, sort=sort.value,
+                                                     archived=archived)
+        return [Run.from_row(row) for row in rows]
 
     @strawberry.field(description="The caller's stored samples of base models alone (a /v1 request on a catalogue "
                       "model, sample(baseModel, store: true)), newest first")

@@ -176,6 +176,13 @@ class Checkpoint:
 @strawberry.type
 class Run:
     id: strawberry.ID
+    name: str = strawberry.field(description="Its owner's name for it (not unique); createRun's default: base model "
+                                 "and UTC minute. Empty for runs older than this field")
+    tags: list[str]
+    note: str
+    archived_at: datetime | None = strawberry.field(
+        description="When it was archived: hidden from runs' default list, its training and sampling refused "
+        "(FAILED_PRECONDITION) until unarchived; null when it is not")
     base_model: str
     status: str = strawberry.field(description="Either active, or failed once its runtime no longer has the run")
     step: int = strawberry.field(description="optim_steps applied and persisted")
@@ -228,7 +235,8 @@ class Run:
     def from_row(cls, row: tables.Run) -> Run:
         lora, adam = row.lora_config, row.optimizer_config
         return cls(
-            id=strawberry.ID(row.id), base_model=row.base_model, status=row.status, step=row.step,
+            id=strawberry.ID(row.id), name=row.name, tags=list(row.tags or []), note=row.note,
+            archived_at=row.archived_at, base_model=row.base_model, status=row.status, step=row.step,
             lora_r=int(lora["r"]), lora_alpha=float(lora["alpha"]), lora_dropout=float(lora["dropout"]),
             lora_target_modules=lora.get("target_modules"), learning_rate=float(adam["learning_rate"]),
             optimizer=JSON(adam), seed=row.seed, gpu_config=row.gpu_config, device=row.device or None,
@@ -409,3 +417,12 @@ class SaveMode(Enum):
     ADAPTER = "adapter"
     MERGED = "merged"
     STATE = "state"
+
+
+@strawberry.enum(description="The order of the runs list")
+class RunSort(Enum):
+    NEWEST = "newest"
+    OLDEST = "oldest"
+    NAME = "name"
+    ACTIVITY = "activity"
+    STEP = "step"

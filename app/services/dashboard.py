@@ -42,8 +42,9 @@ class DashboardService:
         self.runs = runs
         self.data_dir = Path(data_dir)
 
-    async def run_summaries(self, user: User, limit: int = 50) -> list[RunSummary]:
-        runs = await self.runs.list(user, limit=limit)
+    async def run_summaries(self, user: User, limit: int = 50, search: str = "", sort: str = "newest",
+                            archived: bool | None = False) -> list[RunSummary]:
+        runs = await self.runs.list(user, limit=limit, search=search, sort=sort, archived=archived)
         losses = await self._last_losses([run.id for run in runs])
         return [RunSummary(run, losses.get(run.id)) for run in runs]
 

@@ -20,18 +20,32 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
 
-from sqlalchemy import case, delete, select, update
+from sqlalchemy import Text, case, cast, delete, or_, select, update
 from strawberry.utils.str_converters import to_camel_case
 
 from app.backends import Backend
 from app.catalog import Catalog
 from app.db import Database
-from app.errors import BadInput, NotFound, RunNotFound, SignalError
+from app.errors import BadInput, FailedPrecondition, NotFound, RunNotFound, SignalError
 from app.events import MetricFeed
 from app.services.call_order import CallOrder, Numbered
 from app.services.ledger import Ledger
 from app.services.users import require_admin
-from app.tables import BaseSample, Checkpoint, Metric, Run, Sample, User, could_be_id, new_id, utcnow
+from app.tables import (
+    RUN_NAME_LENGTH,
+    RUN_NOTE_LENGTH,
+    RUN_TAG_LENGTH,
+    RUN_TAGS_MOST,
+    BaseSample,
+    Checkpoint,
+    Metric,
+    Run,
+    Sample,
+    User,
+    could_be_id,
+    new_id,
+    utcnow,
+)
 from gpu_runtime.allocation import pool_key
 from gpu_runtime.contract import (
     ADAM_DEFAULTS,
@@ -80,6 +94,13 @@ class RunSpec:
     quantization: str | None = None  # None | "8bit" | "4bit" (bitsandbytes)
     from_checkpoint: str | None = None  # signal://<run_id>/<kind>/<name>: start there (docs/CHECKPOINTS.md)
     with_optimizer: bool = True  # with from_checkpoint: its AdamW state too
+    name: str | None = None  # None or blank: default_run_name(base model, now)
+    tags: list[str] | None = None
+    note: str | None = None
+
+    def labels(self) -> RunLabels:
+        """Its name, tags and note; a blank name is no name (the default's)."""
+        return RunLabels(name=self.name if (self.name or "").strip() else None, tags=self.tags, note=self.note)
 
     def lora(self) -> dict[str, Any]:
         """The run's LoRA settings, checked and filled by the contract; errors name createRun's field (`loraR`)."""
@@ -113,12 +134,72 @@ class RunSpec:
                                field=graphql_field(switch))
         self.lora()
         self.adam()
+        self.labels().checked()
         if self.seed is not None:
             check_seed(self.seed, MAX_RUN_SEED)
 
 
 # The contract's sampling bounds, for forms (the playground): the browser stops what the server would refuse.
 SAMPLE_LIMITS = {"temperature": MAX_TEMPERATURE, "max_tokens": MAX_TOKENS_LIMIT, "num_samples": MAX_SAMPLES}
+
+
+@dataclass
+class RunLabels:
+    """What a user calls a run (issue 18 §1): None leaves that label as it is."""
+
+    name: str | None = None
+    tags: list[str] | None = None
+    note: str | None = None
+
+    def checked(self) -> dict[str, Any]:
+        """The labels given, cleaned (names and tags stripped, tags once each in their order) and within bounds."""
+        values: dict[str, Any] = {}
+        if self.name is not None:
+            name = self.name.strip()
+            if not name:
+                raise BadInput("name is empty", field="name")
+            if len(name) > RUN_NAME_LENGTH:
+                raise BadInput(f"name is {len(name)} characters; at most {RUN_NAME_LENGTH}", field="name")
+            values["name"] = name
+        if self.tags is not None:
+            tags = list(dict.fromkeys(tag.strip() for tag in self.tags if tag.strip()))
+            if len(tags) > RUN_TAGS_MOST:
+                raise BadInput(f"{len(tags)} tags; at most {RUN_TAGS_MOST}", field="tags")
+            for tag in tags:
+                if len(tag) > RUN_TAG_LENGTH:
+                    raise BadInput(f"tag {tag[:20]!r}… is {len(tag)} characters; at most {RUN_TAG_LENGTH}",
+                                   field="tags")
+            values["tags"] = tags
+        if self.note is not None:
+            if len(self.note) > RUN_NOTE_LENGTH:
+                raise BadInput(f"note is {len(self.note)} characters; at most {RUN_NOTE_LENGTH}", field="note")
+            values["note"] = self.note
+        return values
+
+
+def default_run_name(base_model: str, when: datetime) -> str:
+    """A readable name for a run created without one: its base model's short name and the UTC minute,
+    e.g. "SmolLM2-135M 2026-12-04 17:40"."""
+    return f"{base_model.rsplit('/', 1)[-1]} {when.astimezone(UTC):%Y-%m-%d %H:%M}"[:RUN_NAME_LENGTH]
+
+
+SEARCH_LENGTH = RUN_NAME_LENGTH  # the runs list's search text: a whole name at most
+
+# The runs list's orders (GraphQL's RunSort, the dashboard's ?sort=): the first is the default.
+RUN_SORTS: dict[str, tuple[Any, ...]] = {
+    "newest": (Run.created_at.desc(), Run.id),
+    "oldest": (Run.created_at.asc(), Run.id),
+    "name": (Run.name.asc(), Run.created_at.desc()),
+    "activity": (Run.updated_at.desc(), Run.id),
+    "step": (Run.step.desc(), Run.created_at.desc()),
+}
+
+
+def _search_clause(search: str) -> Any:
+    """A case-insensitive substring of the name, the base model or a tag (the tags' JSON text)."""
+    pattern = "%" + search.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
+    return or_(Run.name.ilike(pattern, escape="\\"), Run.base_model.ilike(pattern, escape="\\"),
+               cast(Run.tags, Text).ilike(pattern, escape="\\"))
 
 
 @dataclass
@@ -195,12 +276,39 @@ class RunService:
                               field="runId")
         return run
 
-    async def list(self, user: User, limit: int = 50) -> list[Run]:
+    async def list(self, user: User, limit: int = 50, search: str = "", sort: str = "newest",
+                   archived: bool | None = False) -> list[Run]:
+        """The user's runs in `sort`'s order (RUN_SORTS), those whose name, base model or a tag contain `search`;
+        `archived` False: those not archived (the default list), True: the archived ones, None: both."""
+        if sort not in RUN_SORTS:
+            raise BadInput(f"sort must be one of {', '.join(RUN_SORTS)}, got {sort!r}", field="sort")
+        query = select(Run).where(Run.user_id == user.id)
+        if archived is not None:
+            query = query.where(Run.archived_at.is_not(None) if archived else Run.archived_at.is_(None))
+        if search.strip():
+            query = query.where(_search_clause(search.strip()))
         async with self.db.session() as session:
-            rows = await session.scalars(
-                select(Run).where(Run.user_id == user.id).order_by(Run.created_at.desc()).limit(_clamp(limit))
-            )
+            rows = await session.scalars(query.order_by(*RUN_SORTS[sort]).limit(_clamp(limit)))
             return list(rows)
+
+    async def archive(self, user: User, run_id: str, archived: bool = True) -> Run:
+        """Archive a run (or unarchive it): hidden from the default list, its training and sampling refused with
+        FAILED_PRECONDITION until unarchived; its files, checkpoints and history are kept."""
+        run = await self.get(user, run_id)
+        if (run.archived_at is not None) != archived:
+            async with self.db.session() as session:
+                await session.execute(update(Run).where(Run.id == run.id)
+                                      .values(archived_at=utcnow() if archived else None))
+        return await self.get(user, run.id)
+
+    async def label(self, user: User, run_id: str, labels: RunLabels) -> Run:
+        """Rename a run, set its tags or its note; another user's run is not found."""
+        run = await self.get(user, run_id)
+        values = labels.checked()
+        if values:
+            async with self.db.session() as session:
+                await session.execute(update(Run).where(Run.id == run.id).values(**values))
+        return await self.get(user, run.id)
 
     async def metrics(self, run: Run, name: str | None = None, limit: int = 1000) -> builtins.list[Metric]:
         if not 1 <= limit <= MAX_METRICS_LIMIT:
@@ -277,6 +385,7 @@ class RunService:
             quantization=quantization or "",
             trainable_params=int(created.get("trainable_params", 0)),
             total_params=int(created.get("total_params", 0)),
+            **({"name": default_run_name(model.name, utcnow())} | spec.labels().checked()),
         )
         async with self.db.session() as session:
             session.add(run)
@@ -419,6 +528,7 @@ class RunService:
         """A call on a run's frozen weights (a snapshot or checkpoint: docs/SNAPSHOTS.md): owned and billed like the
         run's calls, but it takes neither the run's lock nor a ticket, so it waits for nothing queued on the run."""
         run = await self.get(user, run_id)
+        _refuse_archived(run, method)
         self._checked(method, {"run_id": run.id, **params, **source, "request_id": request_id})
         request_id = await self.ledger.allow(user, run, method, request_id)
 
@@ -633,6 +743,8 @@ class RunService:
         its result recorded by `record`. `allowed` adds arguments that only a call allowed to run may fetch.
         `order`: the SDK's number for the call, which puts it in the run's order after its session's previous one."""
         run = await self.get(user, run_id)
+        if operation != "save_state":  # an archived run's weights can still be exported
+            _refuse_archived(run, operation)
         if self.claim is not None:
             await self.claim(run, operation)
         params = arguments(run)
@@ -722,6 +834,12 @@ class RunService:
             await session.flush()  # their ids, for the announcement
             await self.feed.announce(session, run_id, [row.id for row in rows])
         self.feed.written()
+
+
+def _refuse_archived(run: Run, operation: str) -> None:
+    if run.archived_at is not None:
+        raise FailedPrecondition(f"run {run.id} is archived: unarchive it to {operation} (unarchiveRun, "
+                                 "run.unarchive(), or the run's page)", field="runId")
 
 
 def _aware(moment: datetime) -> datetime:
