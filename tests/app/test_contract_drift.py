@@ -143,6 +143,7 @@ class Mirror:
 
 LORA_AS_FIELDS = ("loraR", "loraAlpha", "loraDropout", "loraTargetModules", "trainAttn", "trainMlp", "trainUnembed")
 BILLED = "billed (the run's cost), not part of one call's answer"
+LABEL = "the run's label for people (issue 18 §1), kept by the server; the runtime never sees it"
 REPLAYED = "a retry's answer is the first answer; the API does not tell them apart"
 MIRRORS: list[Mirror] = [
     Mirror("CreateRunInput", contract.CreateRun,
@@ -152,7 +153,8 @@ MIRRORS: list[Mirror] = [
            graphql_only={"learningRate": "an AdamW default the server keeps on the run; optimStep sends it",
                          "weightDecay": "an AdamW default the server keeps on the run; optimStep sends it",
                          "gradClipNorm": "an AdamW default the server keeps on the run; optimStep sends it",
-                         "gpuConfig": "the pool's key: the server picks the runtime with it, which never sees it"}),
+                         "gpuConfig": "the pool's key: the server picks the runtime with it, which never sees it",
+                         "name": LABEL, "tags": LABEL, "note": LABEL}),
     Mirror("Query.renderDatums", contract.RenderDatums),
     Mirror("Query.tokenizer", contract.Tokenizer,
            contract_only={"quantization": "the server reads it from the run or the catalogue, not the caller"}),
@@ -187,7 +189,9 @@ MIRRORS: list[Mirror] = [
                          "gpuConfig": "the requested allocation, the server's", "computeSeconds": BILLED,
                          "gpuSeconds": BILLED, "cost": BILLED, "createdAt": "the row's", "updatedAt": "the row's",
                          "metrics": "the server's records", "samples": "the server's records",
-                         "checkpoints": "the server's records", "snapshots": "the server's records"}),
+                         "checkpoints": "the server's records", "snapshots": "the server's records",
+                         "name": LABEL, "tags": LABEL, "note": LABEL,
+                         "archivedAt": "the server's: an archived run's calls are refused before the runtime"}),
 ]
 # Contract calls and results no GraphQL type mirrors, and why (the rest are above or in MUTATIONS / RESULTS).
 NOT_IN_GRAPHQL: dict[str, str] = {
