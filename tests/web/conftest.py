@@ -21,7 +21,7 @@ from app.services.login_links import LoginLinkService
 from app.services.users import UserService
 
 if TYPE_CHECKING:
-    from playwright.sync_api import Browser
+    from playwright.sync_api import Browser, Page
 
     from tests.helpers.live_server import LiveServer
 
@@ -134,3 +134,16 @@ def browser() -> Iterator[Browser]:
         )
         yield browser
         browser.close()
+
+
+@pytest.fixture
+def wide_page(browser: Browser) -> Iterator[Page]:
+    """A desktop-sized page whose test fails on any uncaught script error in it."""
+    context = browser.new_context(viewport={"width": 1280, "height": 860})
+    page = context.new_page()
+    page.set_default_timeout(60_000)
+    errors: list[str] = []
+    page.on("pageerror", lambda error: errors.append(str(error)))
+    yield page
+    context.close()
+    assert errors == []

@@ -4,10 +4,8 @@ the SDK."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
-from playwright.sync_api import Browser, Page, expect
+from playwright.sync_api import Page, expect
 
 from rewardsignal import SignalClient
 from tests.helpers.live_server import LiveServer
@@ -17,15 +15,8 @@ expect.set_options(timeout=30_000)
 
 
 @pytest.fixture
-def page(browser: Browser, live_server: LiveServer) -> Iterator[Page]:
-    context = browser.new_context(viewport={"width": 1280, "height": 860})
-    page = context.new_page()
-    page.set_default_timeout(60_000)
-    errors: list[str] = []
-    page.on("pageerror", lambda error: errors.append(str(error)))
-    yield page
-    context.close()
-    assert errors == []
+def page(wide_page: Page) -> Page:
+    return wide_page
 
 
 def test_rename_and_tag_a_run_then_find_it_by_filter(page: Page, live_server: LiveServer) -> None:
@@ -108,7 +99,7 @@ def test_archive_hides_a_run_until_shown_and_unarchived(page: Page, live_server:
     page.wait_for_url(f"{live_server.url}/runs")
     page.get_by_role("link", name="finished sweep").click()
     page.once("dialog", lambda dialog: dialog.accept())
-    page.get_by_role("button", name="Archive").click()
+    page.get_by_role("button", name="Archive", exact=True).click()
     expect(page.get_by_role("button", name="Unarchive")).to_be_visible()
     expect(page.get_by_role("heading", level=1)).to_contain_text("archived")
 
@@ -123,5 +114,5 @@ def test_archive_hides_a_run_until_shown_and_unarchived(page: Page, live_server:
 
     page.get_by_role("link", name="finished sweep").click()
     page.get_by_role("button", name="Unarchive").click()
-    expect(page.get_by_role("button", name="Archive")).to_be_visible()
+    expect(page.get_by_role("button", name="Archive", exact=True)).to_be_visible()
     assert client.get_run(run.id).info["archived_at"] is None

@@ -5,10 +5,9 @@ not inserted between the rows being read. Real server, real Chromium, training t
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
 
 import pytest
-from playwright.sync_api import Browser, Page, expect
+from playwright.sync_api import Page, expect
 
 from rewardsignal import SignalClient
 from tests.helpers.live_server import TINY_MODEL, LiveServer
@@ -19,12 +18,8 @@ expect.set_options(timeout=30_000)
 
 
 @pytest.fixture
-def page(browser: Browser, live_server: LiveServer) -> Iterator[Page]:
-    context = browser.new_context(viewport={"width": 1280, "height": 860})
-    page = context.new_page()
-    page.set_default_timeout(60_000)
-    yield page
-    context.close()
+def page(wide_page: Page) -> Page:
+    return wide_page
 
 
 def test_training_changes_cells_in_place_and_keeps_focus_and_selection(page: Page, live_server: LiveServer) -> None:
