@@ -181,7 +181,6 @@ class Engine(InProcess):
         if free_bytes(self.shared.data_dir) < self.options.min_free_disk_bytes:
             raise disk_full_error(self.shared.data_dir)
 
-
     def serve_forever(self) -> None:
         """Run ticks until the scheduler is closed and nothing is left; then snapshot and return."""
         while True:

@@ -210,11 +210,11 @@ def grouped_matmul(x: torch.Tensor, w: torch.Tensor, counts: tuple[int, ...]) ->
     torch's `_grouped_mm` where it has a kernel of its own for this device and dtype; else one batched matmul over
     the groups padded to the longest. On CUDA, `_grouped_mm` on fp32 (our adapters' dtype) runs a matmul per group
     inside: the H200 profile of 8 co-batched runs showed 3271 mm launches, device busy 52 ms of a 894 ms round."""
-    if grouped_mm_works(x.device, x.dtype) and (x.device.type == "cpu" or x.dtype == torch.bfloat16):
+    if (x.device.type == "cpu" or x.dtype == torch.bfloat16) and grouped_mm_works(x.device, x.dtype):
         # On CPU its per-group loop is C++: 1.2 ms against padded bmm's 1.7 ms for 8 runs of 20 tokens (and 1.4
         # against 4.0 ms for uneven ones), forward and backward at SmolLM2's width, one thread.
-        offsets = _offsets(counts, x.device)
-        return _contiguous_grad(torch._grouped_mm(_contiguous_grad(x), w, offs=offsets))
+        # Only the output gets the dense-gradient hook: a second call's input is the first's output, hooked already.
+        return _contiguous_grad(torch._grouped_mm(x, w, offs=_offsets(counts, x.device)))
     return padded_bmm(x, w, counts)
 
 
