@@ -20,6 +20,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 from typing import IO, Any
@@ -59,6 +60,7 @@ class RuntimeClient:
         self._spawned: list[subprocess.Popen[bytes]] = []  # detached runtimes we started, reaped once they exit
         # request id → (method, its future, the process it was sent to: only that one's death fails it)
         self._pending: dict[int, tuple[str, Future[dict[str, Any]], Any]] = {}
+        self._progress: dict[int, Callable[[dict[str, Any]], None]] = {}  # streamed calls' chunk handlers
         self._ids = itertools.count(1)
         self._lock = threading.RLock()  # guards the process, the pending table and writes to stdin
         self.generation = 0  # bumped by every spawn, so a caller can tell "the worker I called" from a new one
@@ -103,8 +105,10 @@ class RuntimeClient:
 
     # ---- calls ----------------------------------------------------------------------------
 
-    def submit(self, method: str, **params: Any) -> Future[dict[str, Any]]:
-        """Send one call; the Future holds its result, or the SignalError the runtime sent, or WorkerFailed."""
+    def submit(self, method: str, progress: Callable[[dict[str, Any]], None] | None = None,
+               **params: Any) -> Future[dict[str, Any]]:
+        """Send one call; the Future holds its result, or the SignalError the runtime sent, or WorkerFailed.
+        `progress` gets a streamed call's chunks, on the reader thread, before the Future is done."""
         future: Future[dict[str, Any]] = Future()
         with self._lock:
             if not self.alive:
@@ -114,11 +118,14 @@ class RuntimeClient:
             assert process is not None and process.stdin is not None
             request_id = next(self._ids)
             self._pending[request_id] = (method, future, process)
+            if progress is not None:
+                self._progress[request_id] = progress
             try:
                 process.stdin.write(encode({"id": request_id, "method": method, "params": params}))
                 process.stdin.flush()
             except (BrokenPipeError, OSError):
                 self._pending.pop(request_id, None)
+                self._progress.pop(request_id, None)
                 future.set_exception(WorkerFailed(f"worker process is gone; {method} was not sent"))
         return future
 
@@ -254,7 +261,14 @@ class RuntimeClient:
     def _read_answers(self, process: subprocess.Popen[bytes] | RuntimeConnection) -> None:
         assert process.stdout is not None
         while (message := _read_message(process.stdout)) is not None:
+            if "chunk" in message:  # a streamed call's progress: its entry stays until the answer
+                with self._lock:
+                    handler = self._progress.get(message.get("id"))  # type: ignore[arg-type]  # no id finds None
+                if handler is not None:
+                    handler(message["chunk"])
+                continue
             with self._lock:
+                self._progress.pop(message.get("id"), None)  # type: ignore[arg-type]  # an answer without an id finds None
                 entry = self._pending.pop(message.get("id"), None)  # type: ignore[arg-type]  # an answer without an id finds None
             if entry is None:
                 print(f"gpu_runtime runtime: answer for unknown request {message.get('id')!r}", file=sys.stderr)
@@ -277,6 +291,7 @@ class RuntimeClient:
             failed = [(rid, entry) for rid, entry in self._pending.items() if entry[2] is process]
             for rid, _ in failed:
                 del self._pending[rid]
+                self._progress.pop(rid, None)
         for _, (method, future, _) in failed:
             if not future.set_running_or_notify_cancel():
                 continue
