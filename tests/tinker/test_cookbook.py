@@ -96,6 +96,9 @@ def test_sl_loop_trains_and_resumes(cookbook_server: LiveServer, tiny_model_dir:
     (resumed / "checkpoints.jsonl").write_text("".join(line + "\n" for line in kept))
     run_recipe(cookbook_server, key, "sl_loop", resumed, tiny_model_dir, *SL_ARGS, "max_steps=4", "save_every=1")
 
+    # The resumed session trains a new Signal run made from the step-1 checkpoint (createRun fromCheckpoint).
+    runs = cookbook_server.graphql("{ runs(sort: NEWEST) { step } }", key=key)["data"]["runs"]
+    assert [run["step"] for run in runs] == [4, 2]
     second = {row["step"]: row["train_mean_nll"] for row in metrics(resumed)[2:]}  # the first run logged steps 0, 1
     assert sorted(second) == [1, 2, 3]
     for step in (1, 2, 3):
