@@ -33,7 +33,8 @@ def conversations() -> Any:
     import datasets
 
     path = resources.files("tinker_cookbook") / "example_data" / "conversations.jsonl"
-    return datasets.DatasetDict({"train": datasets.load_dataset("json", data_files=str(path), split="train")})
+    rows = datasets.load_dataset("json", data_files=str(path), split="train")
+    return datasets.DatasetDict({"train": rows, "test": rows})  # no_robots' two splits (sl_basic evaluates on test)
 
 
 def arithmetic() -> Any:
