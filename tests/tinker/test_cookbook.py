@@ -1,7 +1,8 @@
 """tinker-cookbook's sl_loop and rl_loop, unmodified, against a live Signal server on the tiny model (docs/TINKER.md).
 
-Each recipe runs in a subprocess through tests/tinker/cookbook_launcher.py, which gives it a local tokenizer and local
-datasets (and rl_loop a reward a random model can earn); the recipes' code is the wheel's.
+Each recipe runs in a subprocess (the SDK's client holder is one thread per process) through
+tests/tinker/cookbook_launcher.py, which gives it a local tokenizer, local datasets, a fixed LoRA seed and, for
+rl_loop, a reward a random model can earn; the recipes' code is the wheel's.
 """
 
 from __future__ import annotations
@@ -50,8 +51,9 @@ def cookbook_server(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactor
 
 
 def run_recipe(server: LiveServer, key: str, recipe: str, log_path: Path, tokenizer_dir: str, *args: str) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TINKER_TELEMETRY": "0", "TINKER_BASE_URL": server.url, "TINKER_API_KEY": "tml-" + key,
-           "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "TINKER_TELEMETRY": "0", "TINKER_BASE_URL": server.url, "TINKER_API_KEY": "tml-" + key,
+           "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_DATASETS_CACHE": str(log_path.parent / "datasets")}
     command = [sys.executable, "-m", "tests.tinker.cookbook_launcher", recipe, tokenizer_dir, str(SEED),
                f"model_name={COOKBOOK_MODEL}", f"log_path={log_path}", *args]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=RECIPE_TIMEOUT_S)
