@@ -50,7 +50,7 @@ def test_cross_entropy_step_and_sampling(service_client: Any, training: Any, tin
     # Tinker's losses are sums: loss:sum == −Σ w·logprob, no normaliser.
     assert out.metrics["loss:sum"] == pytest.approx(-sum(w * lp for w, lp in zip(weights, logprobs)), rel=1e-5)
     step = training.optim_step(types.AdamParams(learning_rate=1e-2)).result()
-    assert step.metrics["step"] == 1.0
+    assert step.metrics["optim/step"] == 1.0
 
     # Ephemeral sampler (save_weights_for_sampler with a sampling_session_seq_id), two samples with logprobs.
     sampler = training.save_weights_and_get_sampling_client().result()
@@ -127,7 +127,7 @@ def test_pipelined_and_split_batches(live_server: LiveServer, training: Any) -> 
     assert len(after.loss_fn_outputs) == n
     assert after.metrics["loss:sum"] == pytest.approx(before.metrics["loss:sum"], rel=1e-5)  # the pre-step loss
     assert [len(o["logprobs"].tolist()) for o in after.loss_fn_outputs] == [3 + i % 5 for i in range(n)]
-    assert step.result().metrics["step"] >= 2.0
+    assert step.result().metrics["optim/step"] >= 2.0
 
 
 def test_save_state_and_resume(service_client: Any, training: Any) -> None:
@@ -147,7 +147,7 @@ def test_save_state_and_resume(service_client: Any, training: Any) -> None:
         training.load_state(path).result()
     assert training.forward(probe, "cross_entropy").result().metrics["loss:sum"] == pytest.approx(a, rel=1e-5)
     resumed.forward_backward(probe, "cross_entropy").result()
-    assert resumed.optim_step(types.AdamParams(learning_rate=1e-3)).result().metrics["step"] >= 1.0
+    assert resumed.optim_step(types.AdamParams(learning_rate=1e-3)).result().metrics["optim/step"] >= 1.0
 
 
 def test_bad_key_is_refused(live_server: LiveServer) -> None:
@@ -350,7 +350,7 @@ def test_signals_own_mutations_on_a_tinker_run_are_refused(live_server: LiveServ
     assert error_code(refused) == "FAILED_PRECONDITION"
     assert training.model_id.split(":")[0] in refused["errors"][0]["message"]
     training.forward_backward([datum(TOKENS, weights=[1.0] * 9)], "cross_entropy").result()  # Tinker's own go on
-    assert training.optim_step(tinker.types.AdamParams(learning_rate=1e-3)).result().metrics["step"] == 1.0
+    assert training.optim_step(tinker.types.AdamParams(learning_rate=1e-3)).result().metrics["optim/step"] == 1.0
 
 
 def test_a_sampler_keeps_its_snapshot_while_training_goes_on(service_client: Any, training: Any) -> None:
