@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import select, update
+from sqlalchemy import delete, select, update
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
 from app.db import Database
@@ -36,8 +36,7 @@ PROTO_TYPE = "application/x-protobuf"
 POLL_SECONDS = 30.0  # a pending poll answers try_again after this (SIGNAL_TINKER_POLL_S); the SDK's timeout is 45 s
 POLL_SECONDS_MAX = 40.0
 SHARED_POLL_SECONDS = 0.5  # one query per process this often finds other processes' completions polls wait for
-RESULT_TTL = timedelta(hours=1)  # a finished future stays retrievable this long
-HEARTBEAT_SECONDS = 10.0  # each owner process marks its pending rows alive this often…
+HEARTBEAT_SECONDS = 10.0  # each owner process marks its pending rows alive (and sweeps expired ones) this often…
 OWNER_SILENCE = timedelta(seconds=60)  # …and a pending row whose owner has been silent this long fails (server)
 
 
@@ -57,9 +56,10 @@ def failure(exc: BaseException) -> dict[str, str]:
 
 
 class TinkerFutures:
-    def __init__(self, db: Database, poll_seconds: float = POLL_SECONDS) -> None:
+    def __init__(self, db: Database, poll_seconds: float, result_ttl_s: float) -> None:
         self.db = db
         self.poll_seconds = min(poll_seconds, POLL_SECONDS_MAX)
+        self.result_ttl = timedelta(seconds=result_ttl_s)  # a finished future stays retrievable this long
         self.owner = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._done: dict[str, asyncio.Event] = {}  # request_id → set when this process stored its result
         self._remote: dict[str, asyncio.Event] = {}  # another process's pending futures that polls here wait on
@@ -121,7 +121,7 @@ class TinkerFutures:
         while True:
             row = await self._row(request_id)
             if row is None or row.user_id != user.id or (
-                    row.finished_at is not None and utcnow() - row.finished_at > RESULT_TTL):
+                    row.finished_at is not None and utcnow() - row.finished_at > self.result_ttl):
                 raise NotFound(f"future {request_id!r} not found", field="request_id")
             if row.state != "pending":
                 return Answer(row.media_type, row.result or b"")
@@ -154,7 +154,8 @@ class TinkerFutures:
                     event.set()
 
     async def _heartbeat(self) -> None:
-        """Mark this process's pending rows alive; fail the pending rows of owners silent for OWNER_SILENCE."""
+        """Mark this process's pending rows alive; fail the pending rows of owners silent for OWNER_SILENCE; delete
+        the rows finished more than result_ttl ago (any process's: the delete is idempotent)."""
         lost = json.dumps({"error": "the server process running this operation stopped", "category": "server"})
         while not self._closing.is_set():
             try:
@@ -165,9 +166,12 @@ class TinkerFutures:
                     await session.execute(update(TinkerFuture).where(
                         TinkerFuture.state == "pending", TinkerFuture.heartbeat_at < now - OWNER_SILENCE).values(
                         state="failed", media_type=JSON_TYPE, result=lost.encode(), finished_at=now))
+                    await session.execute(delete(TinkerFuture).where(
+                        TinkerFuture.finished_at < now - self.result_ttl))
             except (SQLAlchemyError, OSError) as exc:  # the next round tries again
                 log.warning("tinker futures: heartbeat failed: %s", exc)
-            await asyncio.sleep(HEARTBEAT_SECONDS)
+            # A TTL shorter than the heartbeat (tests) is swept at its own pace, so rows never outlive it by much.
+            await asyncio.sleep(min(HEARTBEAT_SECONDS, self.result_ttl.total_seconds()))
 
     async def _row(self, request_id: str) -> TinkerFuture | None:
         if not could_be_id(request_id):
