@@ -182,6 +182,7 @@ def main() -> None:
           "steps": args.steps, "batch_size": args.batch_size, "seq_len": args.seq_len, "lora_rank": RANK,
           "reduction": "sum", "logprobs_returned": True,
           "seconds_per_step": {k: round(v, 4) for k, v in per_step.items()},
+          "median_seconds_per_step": {k: round(median(v), 4) for k, v in steps.items()},
           "seconds": {k: [round(x, 4) for x in v] for k, v in steps.items()},
           "ratio_signal_over_tinker": round(ratio, 4),
           "ratio_note": "the issue's ratio: Signal SDK step time / Tinker SDK step time; >= 0.9 means a step through "
