@@ -133,10 +133,10 @@ class TinkerFutures:
             row = await self._row(request_id)
             if row is None or row.user_id != user.id or (
                     row.finished_at is not None and utcnow() - row.finished_at > self.result_ttl):
-                self._remote.pop(request_id, None)
+                self._wake(request_id)
                 raise NotFound(f"future {request_id!r} not found", field="request_id")
             if row.state != "pending":
-                self._remote.pop(request_id, None)
+                self._wake(request_id)  # another poll may wait on the same event: it reads the row again
                 return Answer(row.media_type, row.result or b"")
             remaining = deadline - asyncio.get_running_loop().time()
             if remaining <= 0 or self._closing.is_set():
@@ -151,11 +151,15 @@ class TinkerFutures:
         if self.notifies:
             await session.execute(select(func.pg_notify(CHANNEL, request_id)))
 
+    def _wake(self, request_id: str) -> None:
+        if (event := self._remote.pop(request_id, None)) is not None:
+            event.set()
+
     async def _notified(self, payload: str) -> None:
         if payload == RECHECK:
             await self._check_remote()
-        elif (event := self._remote.pop(payload, None)) is not None:
-            event.set()
+        else:
+            self._wake(payload)
 
     async def _shared_poll(self) -> None:
         """SQLite: one query per SHARED_POLL_SECONDS for every future polled here that another process runs."""
@@ -175,9 +179,7 @@ class TinkerFutures:
             finished = set(await session.scalars(select(TinkerFuture.request_id).where(
                 TinkerFuture.request_id.in_(waited), TinkerFuture.state != "pending")))
         for request_id in finished:
-            event = self._remote.pop(request_id, None)
-            if event is not None:
-                event.set()
+            self._wake(request_id)
 
     async def _heartbeat(self) -> None:
         """Mark this process's pending rows alive; fail the pending rows of owners silent for OWNER_SILENCE; delete

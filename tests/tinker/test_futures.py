@@ -156,3 +156,42 @@ def test_a_poll_on_another_server_is_woken_by_the_completion(live_server: LiveSe
         assert "forward_backward" in answer.json()["error"]
     finally:
         other.stop()
+
+
+def test_a_pending_future_whose_owner_went_silent_fails_with_the_server_category(live_server: LiveServer) -> None:
+    """The row a dead owner process leaves behind: pending, its heartbeat older than OWNER_SILENCE. The live server's
+    heartbeat round fails it (announcing it to other processes' polls), and the poll answers the server's error."""
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+    from datetime import timedelta
+
+    from app.db import Database
+    from app.services.keys import KeyService
+    from app.services.tinker_futures import HEARTBEAT_SECONDS, OWNER_SILENCE
+    from app.services.users import UserService
+    from app.tables import TinkerFuture, utcnow
+
+    async def orphan() -> tuple[str, str]:
+        db = Database(live_server.settings.resolved_database_url)
+        try:
+            user, _ = await UserService(db).get_or_create("orphaned-future@example.com")
+            secret, _ = await KeyService(db).create(user, "test")
+            row = TinkerFuture(user_id=user.id, key_kind="train", key_scope="gone:train:0", key_seq=1,
+                               request_type="OptimStep", owner="a-process-that-died",
+                               heartbeat_at=utcnow() - OWNER_SILENCE - timedelta(seconds=1))
+            async with db.session() as session:
+                session.add(row)
+            return secret, row.request_id
+        finally:
+            await db.dispose()
+
+    with ThreadPoolExecutor(1) as pool:
+        secret, request_id = pool.submit(asyncio.run, orphan()).result()
+    headers = {"X-API-Key": "tml-" + secret}
+    answer: dict[str, Any] = {"type": "try_again"}
+    for _ in range(int(3 * HEARTBEAT_SECONDS / POLL_S)):  # bounded: a heartbeat round comes every HEARTBEAT_SECONDS
+        answer = httpx.post(f"{live_server.url}/api/v1/retrieve_future", json={"request_id": request_id},
+                            headers=headers, timeout=60).json()
+        if answer.get("type") != "try_again":
+            break
+    assert answer == {"error": "the server process running this operation stopped", "category": "server"}
