@@ -6,7 +6,6 @@ import math
 import subprocess
 import sys
 import textwrap
-import time
 from typing import Any
 
 import httpx
@@ -162,13 +161,11 @@ def test_a_bad_datum_fails_the_future_with_the_user_category(training: Any) -> N
     import tinker
 
     bad = datum([1, 2, 10**8], weights=[1.0, 1.0])  # a token id outside the vocabulary
-    started = time.monotonic()
-    with pytest.raises(tinker.RequestFailedError) as failed:
-        training.forward_backward([bad], "cross_entropy").result()
-    assert failed.value.category.value == "user"
     # Within 10 s: the refused operations before it (an existing name in test_save_state_and_resume) released
     # their numbers, so it never waited for them.
-    assert time.monotonic() - started < 10
+    with pytest.raises(tinker.RequestFailedError) as failed:
+        training.forward_backward([bad], "cross_entropy").result(timeout=10)
+    assert failed.value.category.value == "user"
 
 
 def test_cookie_only_request_is_unauthenticated(live_server: LiveServer) -> None:
@@ -282,11 +279,9 @@ def test_a_key_revoked_by_its_tinker_form_is_refused(live_server: LiveServer) ->
 
     with ThreadPoolExecutor(1) as pool:
         assert pool.submit(asyncio.run, revoke()).result() == 0
-    started = time.monotonic()
     with pytest.raises(tinker.AuthenticationError):
         tinker.ServiceClient(base_url=live_server.url, api_key="tml-" + secret).create_lora_training_client(
-            base_model=TINY_MODEL, rank=4).result()
-    assert time.monotonic() - started < 10
+            base_model=TINY_MODEL, rank=4).result(timeout=10)
 
 
 def test_lora_switches_reach_the_run(live_server: LiveServer) -> None:
@@ -309,11 +304,9 @@ def test_lora_switches_reach_the_run(live_server: LiveServer) -> None:
 def test_an_unknown_model_is_refused(service_client: Any) -> None:
     import tinker
 
-    started = time.monotonic()
     with pytest.raises(tinker.RequestFailedError) as failed:
-        service_client.create_training_client_from_state("tinker://nobody:train:0/weights/final").result()
+        service_client.create_training_client_from_state("tinker://nobody:train:0/weights/final").result(timeout=10)
     assert failed.value.category.value == "user" and "not found" in str(failed.value)
-    assert time.monotonic() - started < 10
 
 
 def test_the_sessions_name_and_metadata_show_on_the_runs_page(live_server: LiveServer) -> None:
