@@ -9,9 +9,17 @@
   const xs = [], ys = [];
   let lastId = 0, plot = null;
 
-  // A fresh EventSource (after the old one closed) carries no Last-Event-ID: send our cursor instead,
-  // so the server resumes after the last row we drew and never repeats a point.
-  htmx.createEventSource = (url) => new EventSource(lastId ? url + "?after=" + lastId : url, { withCredentials: true });
+  const samplesList = document.getElementById("samples-list");
+  let lastSampleId = Number((samplesList && samplesList.querySelector("li[data-sample-id]") || {dataset: {}}).dataset.sampleId) || 0;
+
+  // A fresh EventSource (after the old one closed) carries no Last-Event-ID: send our cursors instead,
+  // so the server resumes after the last row we drew and the last sample we listed, and never repeats one.
+  htmx.createEventSource = (url) => {
+    const target = new URL(url, location.href);
+    if (lastId) target.searchParams.set("after", lastId);
+    target.searchParams.set("samples_after", lastSampleId);
+    return new EventSource(target.pathname + target.search, { withCredentials: true });
+  };
 
   function setState(state, label) {
     const el = document.getElementById("live-state");
@@ -62,6 +70,35 @@
     text("stat-calls", xs.length);
     if (xs.length) draw();
     chartEl.dataset.points = String(xs.length);
+  });
+
+  // Samples made anywhere (the SDK, the playground, /v1) go to the top of the list as they are stored (bug 6).
+  function sampleItem(sample) {
+    const item = document.createElement("li");
+    item.dataset.sampleId = sample.id;
+    const parts = [["sample-meta", `step ${sample.step} · just now · temperature ${sample.temperature}`],
+                   ["sample-prompt", sample.prompt], ["sample-output", sample.output]];
+    for (const [className, value] of parts) {
+      const div = document.createElement("div");
+      div.className = className;
+      div.textContent = value;
+      item.append(div);
+    }
+    return item;
+  }
+
+  const samplesCard = document.getElementById("samples");
+  if (samplesCard && samplesList) samplesCard.addEventListener("htmx:sseMessage", (event) => {
+    if (event.detail.type !== "samples") return;
+    for (const sample of JSON.parse(event.detail.data)) {
+      if (sample.id <= lastSampleId) continue;
+      lastSampleId = sample.id;
+      samplesList.prepend(sampleItem(sample));
+    }
+    while (samplesList.children.length > 20) samplesList.lastElementChild.remove();  // as many as the page shows
+    samplesList.hidden = !samplesList.children.length;
+    const empty = document.getElementById("samples-empty");
+    if (empty && samplesList.children.length) empty.remove();
   });
 
   live.addEventListener("htmx:sseOpen", () => setState("live", "Live"));

@@ -21,7 +21,7 @@ from web.session_streams import until_signed_out
 
 if TYPE_CHECKING:  # rows are only ever received from app.services, never queried here
     from app.services.dashboard import RunSummary
-    from app.tables import Metric, User
+    from app.tables import Metric, Sample, User
 
 SAVE_MODES = ("adapter", "merged", "state")
 DEFAULT_VIEW = {"q": "", "sort": "newest", "show": ""}
@@ -91,16 +91,27 @@ async def run_page(request: Request, user: User) -> Response:
 
 @signed_in
 async def run_events(request: Request, user: User) -> Response:
-    """Metric rows after the cursor (Last-Event-ID, or ?after= when the browser opens a fresh stream)."""
-    after = max(_int(request.headers.get("last-event-id")), _int(request.query_params.get("after")))
+    """The run page's one stream (issue 18 §3): metric rows and samples after two cursors. Each event's id is
+    "<metric id>:<sample id>", which the browser sends back as Last-Event-ID on a reconnect; a fresh stream from the
+    page sends ?after= and ?samples_after= instead."""
+    resumed = (request.headers.get("last-event-id") or "").split(":")
+    after = max(_int(resumed[0]), _int(request.query_params.get("after")))
+    given = [resumed[1]] if len(resumed) > 1 else []
+    given += [request.query_params["samples_after"]] if "samples_after" in request.query_params else []
+    samples_after = max(map(_int, given)) if given else None  # none given: the samples made from now on
     # Opened before the response starts: another user's run is a plain 404, never an empty stream.
-    stream = await services(request).live.open_stream(user, request.path_params["run_id"], after_id=after)
+    stream = await services(request).live.open_stream(user, request.path_params["run_id"], after_id=after,
+                                                      samples_after=samples_after)
 
     async def events() -> AsyncIterator[ServerSentEvent]:
-        async for rows in stream.batches():
-            if rows:
-                yield ServerSentEvent(data=json.dumps([_point(row) for row in rows]), event="metrics",
-                                      id=str(rows[-1].id))
+        async for batch in stream.batches():
+            cursor = f"{stream.cursor}:{stream.sample_cursor}"
+            if batch.samples:
+                yield ServerSentEvent(data=json.dumps([_sample(row) for row in batch.samples]), event="samples",
+                                      id=cursor)
+            if batch.metrics:
+                yield ServerSentEvent(data=json.dumps([_point(row) for row in batch.metrics]), event="metrics",
+                                      id=cursor)
 
     return EventSourceResponse(until_signed_out(request, events()), ping=15, send_timeout=30)
 
@@ -162,6 +173,12 @@ async def download_checkpoint(request: Request, user: User) -> Response:
         user, request.path_params["run_id"], int(request.path_params["checkpoint_id"]))
     return FileResponse(archive.path, filename=archive.filename, media_type="application/gzip",
                         background=BackgroundTask(archive.path.unlink, missing_ok=True))
+
+
+def _sample(row: Sample) -> dict[str, Any]:
+    """A sample as the run page's list shows it (templates/run.html, static/run.js)."""
+    return {"id": row.id, "step": row.step, "prompt": row.prompt, "output": row.output,
+            "temperature": row.params.get("temperature")}
 
 
 def _point(row: Metric) -> dict[str, Any]:
