@@ -72,12 +72,12 @@ def test_train_watch_sample_download_revoke(page: Page, live_server: LiveServer,
 
     # Save now, then download the checkpoint as an archive and open it.
     page.get_by_role("button", name="Save now").click()
-    link = page.get_by_role("link", name="Download .tar.gz")
+    link = page.get_by_role("link", name="Download .tar")
     expect(link).to_have_count(1)
     shot(page, "run")
     with page.expect_download() as download_info:
         link.click()
-    archive = tmp_path / "checkpoint.tar.gz"
+    archive = tmp_path / "checkpoint.tar"
     download_info.value.save_as(archive)
     with tarfile.open(archive) as tar:
         names = tar.getnames()
