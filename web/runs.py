@@ -20,9 +20,15 @@ from web.session_streams import until_signed_out
 
 if TYPE_CHECKING:  # rows are only ever received from app.services, never queried here
     from app.services.dashboard import RunSummary
-    from app.tables import Metric, Sample, User
+    from app.tables import Metric, Run, Sample, User
 
 SAVE_MODES = ("adapter", "merged", "state")
+# What each checkpoint kind is, in one line (issue 18 §8); its size is estimated by `_mode_sizes`.
+MODE_HELP = {
+    "adapter": "the LoRA weights alone: load them over the base model with PEFT, or share them.",
+    "merged": "the base model with the LoRA folded in: a standalone model for transformers, vLLM or the Hub.",
+    "state": "the LoRA weights and the optimizer's moments: resume training exactly (load_state, from_checkpoint).",
+}
 DEFAULT_VIEW = {"q": "", "sort": "newest", "show": ""}
 # ?show=: which runs by archiving (RunService.list's `archived`); the default hides archived ones.
 SHOW: dict[str, bool | None] = {"": False, "archived": True, "all": None}
@@ -84,7 +90,8 @@ async def run_page(request: Request, user: User) -> Response:
     svc = services(request)
     run = await svc.runs.get(user, request.path_params["run_id"])
     return page(request, "run.html", user=user, run=run, samples=await svc.runs.samples(run, limit=20),
-                checkpoints=await svc.runs.checkpoints(run), modes=SAVE_MODES,
+                checkpoints=await svc.runs.checkpoints(run), modes=SAVE_MODES, mode_help=MODE_HELP,
+                mode_sizes=_mode_sizes(run),
                 tinker=await svc.tinker_sessions.of_run(run.id))  # a run a Tinker client made: its session
 
 
@@ -157,7 +164,16 @@ async def delete_checkpoint(request: Request, user: User) -> Response:
 async def _checkpoints(request: Request, user: User, run_id: str) -> Response:
     svc = services(request)
     run = await svc.runs.get(user, run_id)
-    return page(request, "_checkpoints.html", user=user, run=run, checkpoints=await svc.runs.checkpoints(run))
+    return page(request, "_checkpoints.html", user=user, run=run, checkpoints=await svc.runs.checkpoints(run),
+                mode_help=MODE_HELP, mode_sizes=_mode_sizes(run))
+
+
+def _mode_sizes(run: Run) -> dict[str, int]:
+    """About how large each kind of checkpoint of `run` is, before it is saved: the LoRA in float32; a merged model in
+    the base's dtype (float32 on a CPU, 16-bit on a GPU); state adds AdamW's two float32 moments per LoRA weight."""
+    adapter = run.trainable_params * 4
+    return {"adapter": adapter, "merged": run.total_params * (4 if (run.device or "cpu") == "cpu" else 2),
+            "state": adapter * 3}
 
 
 @signed_in
