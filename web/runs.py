@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
+from datetime import UTC
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlencode
 
@@ -123,6 +124,21 @@ async def run_events(request: Request, user: User) -> Response:
 
 
 @signed_in
+async def metrics_csv(request: Request, user: User) -> Response:
+    """Every metric row of the run as CSV (the chart's export), streamed page by page."""
+    run_id = request.path_params["run_id"]
+    pages = await services(request).live.history(user, run_id)
+
+    async def lines() -> AsyncIterator[str]:
+        yield "id,step,name,value,created_at\r\n"
+        async for rows in pages:
+            yield "".join(f"{r.id},{r.step},{r.name},{r.value!r},{r.created_at.isoformat()}\r\n" for r in rows)
+
+    return StreamingResponse(lines(), media_type="text/csv",
+                             headers={"Content-Disposition": f'attachment; filename="{run_id[:8]}-metrics.csv"'})
+
+
+@signed_in
 async def update_labels(request: Request, user: User) -> Response:
     """The run page's name, tags and note form: tags are one comma-separated field."""
     form = await request.form()
@@ -205,7 +221,9 @@ def _sample(row: Sample) -> dict[str, Any]:
 
 
 def _point(row: Metric) -> dict[str, Any]:
-    return {"id": row.id, "step": row.step, "name": row.name, "value": row.value}
+    # t: seconds since the epoch (the chart's wall-time axis); rows are stored in UTC without a zone.
+    return {"id": row.id, "step": row.step, "name": row.name, "value": row.value,
+            "t": row.created_at.replace(tzinfo=UTC).timestamp()}
 
 
 def _int(value: str | None) -> int:
@@ -222,6 +240,7 @@ routes = [
     Route("/runs/{run_id}", run_page, methods=["GET"]),
     Route("/runs/{run_id}", delete_run, methods=["DELETE"]),
     Route("/runs/{run_id}/events", run_events),
+    Route("/runs/{run_id}/metrics.csv", metrics_csv),
     Route("/runs/{run_id}/save", save_now, methods=["POST"]),
     Route("/runs/{run_id}/labels", update_labels, methods=["POST"]),
     Route("/runs/{run_id}/archive", archive_run, methods=["POST"]),

@@ -35,6 +35,17 @@ class LiveMetrics:
         run = await self.runs.get(user, run_id)
         return self.broker.subscribe(run.id)
 
+    async def history(self, user: User, run_id: str) -> AsyncIterator[list[Metric]]:
+        """Every metric row of the run, in id order, a page at a time (the CSV export); RunNotFound before the first."""
+        stream = MetricStream(self.db, self.broker, await self.runs.get(user, run_id), 0, 0.0)
+
+        async def pages() -> AsyncIterator[list[Metric]]:
+            while rows := await stream._after(stream.cursor):
+                stream.cursor = rows[-1].id
+                yield rows
+
+        return pages()
+
     async def open_stream(self, user: User, run_id: str, after_id: int = 0, samples_after: int | None = None,
                           poll_s: float = 2.0) -> MetricStream:
         """A stream of the run's metric rows with id > after_id and sample rows with id > samples_after (None: those
