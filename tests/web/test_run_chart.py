@@ -47,14 +47,14 @@ def test_loss_against_call_step_and_time_smoothed_logged_and_exported(wide_page:
     steps = [int(r["step"]) for r in rows if r["name"] == "loss:mean"]
     assert tokens[0] != tokens[1]  # the weighting below is not a plain mean
 
-    assert chart(wide_page) == (4, pytest.approx(losses[-1]))
+    assert chart(wide_page) == pytest.approx((4, losses[-1]))
     wide_page.select_option("#chart-x", "step")
     by_step: dict[int, list[float]] = defaultdict(lambda: [0.0, 0.0])
     for step, loss, weight in zip(steps, losses, tokens):
         by_step[step][0] += loss * weight
         by_step[step][1] += weight
     last_step = max(by_step)
-    assert chart(wide_page) == (2, pytest.approx(by_step[last_step][0] / by_step[last_step][1]))
+    assert chart(wide_page) == pytest.approx((2, by_step[last_step][0] / by_step[last_step][1]))
     expect(wide_page.locator("#chart-note")).to_contain_text("token-weighted mean")
 
     wide_page.select_option("#chart-x", "time")
@@ -64,7 +64,7 @@ def test_loss_against_call_step_and_time_smoothed_logged_and_exported(wide_page:
     average = 0.0
     for loss in losses:
         average = 0.5 * average + 0.5 * loss
-    assert chart(wide_page) == (4, pytest.approx(average / (1 - 0.5 ** len(losses))))
+    assert chart(wide_page) == pytest.approx((4, average / (1 - 0.5 ** len(losses))))
     wide_page.locator("#chart-log").check()
     expect(wide_page.locator("#loss-chart canvas")).to_have_count(1)  # redrawn once, on a log scale
     assert wide_page.locator("#loss-chart").evaluate("(el) => el.querySelectorAll('.u-legend .u-series').length") == 3
