@@ -1,5 +1,6 @@
-"""The run page's chart (issue 18 §2): loss against call, step (the token-weighted mean of the step's calls) or wall
-time, smoothing, a log scale, and a CSV export of every metric row."""
+"""The run page's live view (issue 18): samples made through the SDK appear without a reload, over the page's one
+event stream, each once (bug 6); the chart plots loss against call, step (the token-weighted mean of the step's
+calls) or wall time, with smoothing, a log scale, and a CSV export of every metric row (§2)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,43 @@ from tests.helpers.live_server import LiveServer
 from tests.web.conftest import api_key_for, mint_login_link
 
 expect.set_options(timeout=30_000)
+
+
+def test_sdk_samples_appear_on_the_open_run_page(wide_page: Page, live_server: LiveServer) -> None:
+    email = "live-samples@example.com"
+    run = SignalClient(api_key=api_key_for(live_server, email), base_url=live_server.url).create_run(lora_r=4, seed=2)
+    before = run.sample(prompts=["Before the page"], max_tokens=3, temperature=0.5)["outputs"][0]
+    wide_page.goto(mint_login_link(live_server, email))
+    wide_page.wait_for_url("**/runs")
+    streams: list[str] = []
+    wide_page.on("request", lambda request: streams.append(request.url) if "/events" in request.url else None)
+    wide_page.goto(f"{live_server.url}/runs/{run.id}")
+    expect(wide_page.locator("#live-state")).to_have_attribute("data-state", "live")
+    items = wide_page.locator("#samples-list > li")
+    expect(items).to_have_count(1)
+    expect(items.first.locator(".sample-output")).to_have_text(before)
+
+    after = run.sample(prompts=["While the page is open"], max_tokens=4, temperature=0.9)["outputs"][0]
+    expect(items).to_have_count(2)  # the new one, once; the old one not sent again
+    expect(items.first.locator(".sample-prompt")).to_have_text("While the page is open")
+    expect(items.first.locator(".sample-output")).to_have_text(after)
+    expect(items.first.locator(".sample-meta")).to_contain_text("temperature 0.9")
+    assert [url.split("?")[0] for url in streams] == [f"{live_server.url}/runs/{run.id}/events"]  # one stream
+
+
+def test_the_first_sample_replaces_the_empty_state(wide_page: Page, live_server: LiveServer) -> None:
+    email = "first-sample@example.com"
+    run = SignalClient(api_key=api_key_for(live_server, email), base_url=live_server.url).create_run(lora_r=4)
+    wide_page.goto(mint_login_link(live_server, email))
+    wide_page.wait_for_url("**/runs")
+    wide_page.goto(f"{live_server.url}/runs/{run.id}")
+    expect(wide_page.locator("#live-state")).to_have_attribute("data-state", "live")
+    expect(wide_page.locator("#samples-empty")).to_be_visible()
+    run.sample(prompts=["First"], max_tokens=2)
+    expect(wide_page.locator("#samples-list > li")).to_have_count(1)
+    expect(wide_page.locator("#samples-empty")).to_have_count(0)
+
+
 SHORT = [{"input": "The quick brown fox", "output": " jumps."}]
 LONG = [{"input": "The quick brown fox", "output": " jumps over the lazy dog and runs far into the woods."},
         {"input": "Once upon a time", "output": " there was a tiny model that learned to count."}]
