@@ -75,6 +75,8 @@ DEFAULT_MAX_ATTEMPTS = 3  # tries of a primitive whose connection dropped or who
 DEFAULT_RETRY_BACKOFF = 0.5  # seconds before the second try; doubled before each further one
 UNAVAILABLE_BUDGET_S = 60.0  # an UNAVAILABLE (locked database) or too-many-calls answer is retried this long in all
 MAX_RETRY_DELAY_S = 8.0
+# Checkpoint downloads ask for the plain tar: model weights barely compress, and the server can then say its length.
+ARCHIVE_ACCEPT = {"Accept": "application/x-tar"}
 # The connection dropped, or never came up: the call may or may not have reached the server.
 RETRYABLE_TRANSPORT_ERRORS = (httpx.NetworkError, httpx.TimeoutException, httpx.RemoteProtocolError)
 DEFAULT_MAX_IN_FLIGHT = 32  # the sync client's threads for pipelined calls (its futures); more queue, in order
@@ -478,7 +480,7 @@ class SignalClient(_ClientBase):
     def _download(self, url: str, directory: str | os.PathLike[str]) -> Path:
         with tempfile.TemporaryFile() as archive:
             try:
-                with self._http.stream("GET", self._download_url(url), headers=self._headers()) as response:
+                with self._http.stream("GET", self._download_url(url), headers=self._headers() | ARCHIVE_ACCEPT) as response:
                     _check_download(response, url)
                     for chunk in response.iter_bytes():
                         archive.write(chunk)
@@ -554,7 +556,7 @@ class AsyncSignalClient(_ClientBase):
     async def _download(self, url: str, directory: str | os.PathLike[str]) -> Path:
         with tempfile.TemporaryFile() as archive:
             try:
-                async with self._http.stream("GET", self._download_url(url), headers=self._headers()) as response:
+                async with self._http.stream("GET", self._download_url(url), headers=self._headers() | ARCHIVE_ACCEPT) as response:
                     if response.status_code != 200:
                         await response.aread()
                     _check_download(response, url)
@@ -627,7 +629,7 @@ def _unpack(archive: IO[bytes], directory: str | os.PathLike[str]) -> Path:
     target = Path(directory)
     target.mkdir(parents=True, exist_ok=True)
     archive.seek(0)
-    with tarfile.open(fileobj=archive, mode="r:gz") as tar:
+    with tarfile.open(fileobj=archive, mode="r:*") as tar:  # a plain tar, or a .tar.gz from older servers
         members = []
         for member in tar.getmembers():
             parts = Path(member.name).parts

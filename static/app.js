@@ -98,3 +98,14 @@
     (document.querySelector("main") || document.body).prepend(banner);
   });
 })();
+
+// The phone menu (issue 18 §9): below 900 px the sidebar folds behind a Menu button; app.css shows the menu while
+// the button says aria-expanded="true".
+(function () {
+  "use strict";
+  const toggle = document.querySelector(".menu-toggle");
+  if (!toggle) return;
+  toggle.addEventListener("click", () => {
+    toggle.setAttribute("aria-expanded", toggle.getAttribute("aria-expanded") === "true" ? "false" : "true");
+  });
+})();

@@ -16,7 +16,7 @@ from starlette.websockets import WebSocket
 
 from app.schema.context import Context, Credential, bearer_from_connection_params
 from app.schema.view import SignalGraphQL
-from web.render import templates
+from web.render import services, templates
 from web.session import CSRF_HEADER, csrf_matches, csrf_ok, csrf_token, session_id
 
 WS_CSRF_PARAMS = ("X-CSRF-Token", "x-csrf-token", "csrfToken")
@@ -24,8 +24,9 @@ WS_CSRF_PARAMS = ("X-CSRF-Token", "x-csrf-token", "csrfToken")
 
 class DashboardGraphQL(SignalGraphQL):
     async def render_graphql_ide(self, request: Request) -> Response:
+        url = f"{services(request).settings.resolved_public_url}/graphql"
         return HTMLResponse(templates.get_template("graphiql.html").render(csrf=csrf_token(request),
-                                                                            csrf_header=CSRF_HEADER))
+                                                                            csrf_header=CSRF_HEADER, url=url))
 
     async def get_context(self, request: Request | WebSocket, response: Response | WebSocket) -> Context:
         context = await super().get_context(request, response)

@@ -44,7 +44,7 @@ def _number(form: FormData, name: str, kind: type[T], default: T) -> T:
     try:
         return kind(raw) if raw else default
     except ValueError:
-        raise BadInput(f"{name.replace('_', ' ')} must be a number, got {raw!r}", field=name) from None
+        raise BadInput(f"{name} must be a number, got {raw!r}", field=name) from None  # the contract's own name
 
 
 routes = [

@@ -5,13 +5,13 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
+from datetime import UTC
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlencode
 
 from sse_starlette import EventSourceResponse, ServerSentEvent
-from starlette.background import BackgroundTask
 from starlette.requests import Request
-from starlette.responses import FileResponse, Response
+from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from app.errors import BadInput
@@ -21,9 +21,15 @@ from web.session_streams import until_signed_out
 
 if TYPE_CHECKING:  # rows are only ever received from app.services, never queried here
     from app.services.dashboard import RunSummary
-    from app.tables import Metric, User
+    from app.tables import Metric, Run, Sample, User
 
 SAVE_MODES = ("adapter", "merged", "state")
+# What each checkpoint kind is, in one line (issue 18 §8); its size is estimated by `_mode_sizes`.
+MODE_HELP = {
+    "adapter": "the LoRA weights alone: load them over the base model with PEFT, or share them.",
+    "merged": "the base model with the LoRA folded in: a standalone model for transformers, vLLM or the Hub.",
+    "state": "the LoRA weights and the optimizer's moments: resume training exactly (load_state, from_checkpoint).",
+}
 DEFAULT_VIEW = {"q": "", "sort": "newest", "show": ""}
 # ?show=: which runs by archiving (RunService.list's `archived`); the default hides archived ones.
 SHOW: dict[str, bool | None] = {"": False, "archived": True, "all": None}
@@ -85,24 +91,51 @@ async def run_page(request: Request, user: User) -> Response:
     svc = services(request)
     run = await svc.runs.get(user, request.path_params["run_id"])
     return page(request, "run.html", user=user, run=run, samples=await svc.runs.samples(run, limit=20),
-                checkpoints=await svc.runs.checkpoints(run), modes=SAVE_MODES,
+                checkpoints=await svc.runs.checkpoints(run), modes=SAVE_MODES, mode_help=MODE_HELP,
+                mode_sizes=_mode_sizes(run),
                 tinker=await svc.tinker_sessions.of_run(run.id))  # a run a Tinker client made: its session
 
 
 @signed_in
 async def run_events(request: Request, user: User) -> Response:
-    """Metric rows after the cursor (Last-Event-ID, or ?after= when the browser opens a fresh stream)."""
-    after = max(_int(request.headers.get("last-event-id")), _int(request.query_params.get("after")))
+    """The run page's one stream (issue 18 §3): metric rows and samples after two cursors. Each event's id is
+    "<metric id>:<sample id>", which the browser sends back as Last-Event-ID on a reconnect; a fresh stream from the
+    page sends ?after= and ?samples_after= instead."""
+    resumed = (request.headers.get("last-event-id") or "").split(":")
+    after = max(_int(resumed[0]), _int(request.query_params.get("after")))
+    given = [resumed[1]] if len(resumed) > 1 else []
+    given += [request.query_params["samples_after"]] if "samples_after" in request.query_params else []
+    samples_after = max(map(_int, given)) if given else None  # none given: the samples made from now on
     # Opened before the response starts: another user's run is a plain 404, never an empty stream.
-    stream = await services(request).live.open_stream(user, request.path_params["run_id"], after_id=after)
+    stream = await services(request).live.open_stream(user, request.path_params["run_id"], after_id=after,
+                                                      samples_after=samples_after)
 
     async def events() -> AsyncIterator[ServerSentEvent]:
-        async for rows in stream.batches():
-            if rows:
-                yield ServerSentEvent(data=json.dumps([_point(row) for row in rows]), event="metrics",
-                                      id=str(rows[-1].id))
+        async for batch in stream.batches():
+            cursor = f"{stream.cursor}:{stream.sample_cursor}"
+            if batch.samples:
+                yield ServerSentEvent(data=json.dumps([_sample(row) for row in batch.samples]), event="samples",
+                                      id=cursor)
+            if batch.metrics:
+                yield ServerSentEvent(data=json.dumps([_point(row) for row in batch.metrics]), event="metrics",
+                                      id=cursor)
 
     return EventSourceResponse(until_signed_out(request, events()), ping=15, send_timeout=30)
+
+
+@signed_in
+async def metrics_csv(request: Request, user: User) -> Response:
+    """Every metric row of the run as CSV (the chart's export), streamed page by page."""
+    run_id = request.path_params["run_id"]
+    pages = await services(request).live.history(user, run_id)
+
+    async def lines() -> AsyncIterator[str]:
+        yield "id,step,name,value,created_at\r\n"
+        async for rows in pages:
+            yield "".join(f"{r.id},{r.step},{r.name},{r.value!r},{r.created_at.isoformat()}\r\n" for r in rows)
+
+    return StreamingResponse(lines(), media_type="text/csv",
+                             headers={"Content-Disposition": f'attachment; filename="{run_id[:8]}-metrics.csv"'})
 
 
 @signed_in
@@ -147,7 +180,16 @@ async def delete_checkpoint(request: Request, user: User) -> Response:
 async def _checkpoints(request: Request, user: User, run_id: str) -> Response:
     svc = services(request)
     run = await svc.runs.get(user, run_id)
-    return page(request, "_checkpoints.html", user=user, run=run, checkpoints=await svc.runs.checkpoints(run))
+    return page(request, "_checkpoints.html", user=user, run=run, checkpoints=await svc.runs.checkpoints(run),
+                mode_help=MODE_HELP, mode_sizes=_mode_sizes(run))
+
+
+def _mode_sizes(run: Run) -> dict[str, int]:
+    """About how large each kind of checkpoint of `run` is, before it is saved: the LoRA in float32; a merged model in
+    the base's dtype (float32 on a CPU, 16-bit on a GPU); state adds AdamW's two float32 moments per LoRA weight."""
+    adapter = run.trainable_params * 4
+    return {"adapter": adapter, "merged": run.total_params * (4 if (run.device or "cpu") == "cpu" else 2),
+            "state": adapter * 3}
 
 
 @signed_in
@@ -158,14 +200,30 @@ async def delete_run(request: Request, user: User) -> Response:
 
 @signed_in_or_key
 async def download_checkpoint(request: Request, user: User) -> Response:
+    """A checkpoint's files, streamed as they are read (bug 7). `Accept: application/x-tar` (the SDK) or ?format=tar
+    (the page's link) gets the plain tar with its Content-Length, so a browser's download bar shows progress; anything
+    else gets the .tar.gz that SDKs before that open with "r:gz" (gzipped as it is sent, so without a length)."""
     archive = await services(request).dashboard.checkpoint_archive(
         user, request.path_params["run_id"], int(request.path_params["checkpoint_id"]))
-    return FileResponse(archive.path, filename=archive.filename, media_type="application/gzip",
-                        background=BackgroundTask(archive.path.unlink, missing_ok=True))
+    plain = request.query_params.get("format") == "tar" or "application/x-tar" in request.headers.get("accept", "")
+    body, size = await asyncio.to_thread(archive.tar) if plain else archive.tar_gz()
+    extension, media_type = (".tar", "application/x-tar") if plain else (".tar.gz", "application/gzip")
+    headers = {"Content-Disposition": f'attachment; filename="{archive.name}{extension}"', "Vary": "Accept"}
+    if size is not None:
+        headers["Content-Length"] = str(size)
+    return StreamingResponse(body, media_type=media_type, headers=headers)  # a plain iterator: read in a thread
+
+
+def _sample(row: Sample) -> dict[str, Any]:
+    """A sample as the run page's list shows it (templates/run.html, static/run.js)."""
+    return {"id": row.id, "step": row.step, "prompt": row.prompt, "output": row.output,
+            "temperature": row.params.get("temperature")}
 
 
 def _point(row: Metric) -> dict[str, Any]:
-    return {"id": row.id, "step": row.step, "name": row.name, "value": row.value}
+    # t: seconds since the epoch (the chart's wall-time axis); rows are stored in UTC without a zone.
+    return {"id": row.id, "step": row.step, "name": row.name, "value": row.value,
+            "t": row.created_at.replace(tzinfo=UTC).timestamp()}
 
 
 def _int(value: str | None) -> int:
@@ -182,6 +240,7 @@ routes = [
     Route("/runs/{run_id}", run_page, methods=["GET"]),
     Route("/runs/{run_id}", delete_run, methods=["DELETE"]),
     Route("/runs/{run_id}/events", run_events),
+    Route("/runs/{run_id}/metrics.csv", metrics_csv),
     Route("/runs/{run_id}/save", save_now, methods=["POST"]),
     Route("/runs/{run_id}/labels", update_labels, methods=["POST"]),
     Route("/runs/{run_id}/archive", archive_run, methods=["POST"]),

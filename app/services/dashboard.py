@@ -4,9 +4,8 @@ and the runtime's state for admins. Every read goes through the run's ownership 
 from __future__ import annotations
 
 import asyncio
-import os
-import tarfile
-import tempfile
+import gzip
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ from app.events import LOSS_METRICS, EventBroker
 from app.services.runs import FAILED, RunService
 from app.services.users import require_admin
 from app.tables import Checkpoint, Metric, Run, User
+from app.tar_stream import TarStream, gzip_chunks
 
 
 @dataclass
@@ -30,8 +30,26 @@ class RunSummary:
 
 @dataclass
 class Archive:
-    path: Path  # a temporary .tar.gz; the caller deletes it after sending
-    filename: str
+    """A checkpoint's files as a tar archive, read as it is sent (no temporary file): from this server's disk, or as
+    the .tar.gz bytes the runtime sent (Modal's files are on its Volume)."""
+
+    name: str  # the archive's top-level folder, and its file name without the extension
+    files: TarStream | None = None
+    sent: bytes | None = None  # gzipped
+
+    def tar(self) -> tuple[Iterator[bytes], int]:
+        """The uncompressed tar and its exact length (blocking for the runtime's bytes: call off the event loop)."""
+        if self.files is not None:
+            return self.files.chunks(), self.files.size
+        data = gzip.decompress(self.sent or b"")
+        return iter([data]), len(data)
+
+    def tar_gz(self) -> tuple[Iterator[bytes], int | None]:
+        """The tar gzipped as it is sent (its length unknown up front), or the runtime's own bytes."""
+        if self.files is not None:
+            return gzip_chunks(self.files.chunks()), None
+        data = self.sent or b""
+        return iter([data]), len(data)
 
 
 class DashboardService:
@@ -65,19 +83,17 @@ class DashboardService:
         raise NotFound(f"checkpoint {checkpoint_id} of run {run_id!r} not found", field="checkpointId")
 
     async def checkpoint_archive(self, user: User, run_id: str, checkpoint_id: int) -> Archive:
-        """The checkpoint's directory as a .tar.gz, written to a temporary file off the event loop."""
+        """The checkpoint's directory as an archive to stream; its files are listed (and sized) here, off the loop."""
         checkpoint = await self.checkpoint(user, run_id, checkpoint_id)
         source = Path(checkpoint.path).resolve()
         name = f"{run_id[:8]}-step{checkpoint.step}-{checkpoint.mode}"
         # The path comes from the runtime; never archive anything outside this server's data directory.
-        if source.is_relative_to(self.data_dir.resolve()) and source.exists():
-            path = await asyncio.to_thread(_tar, source, name)
-        elif not self.backend.shares_disk:  # on Modal the files are on the Volume: the runtime sends them
+        if source.is_relative_to(self.data_dir.resolve()) and source.is_dir():
+            return Archive(name, files=await asyncio.to_thread(TarStream.of_directory, source, name))
+        if not self.backend.shares_disk:  # on Modal the files are on the Volume: the runtime sends them
             data = await self.runs.checkpoint_archive(run_id, checkpoint.mode, checkpoint.step, checkpoint.name or None)
-            path = await asyncio.to_thread(_write_temporary, data)
-        else:
-            raise NotFound(f"checkpoint {checkpoint_id}'s files are not on this server", field="checkpointId")
-        return Archive(path=path, filename=f"{name}.tar.gz")
+            return Archive(name, sent=data)
+        raise NotFound(f"checkpoint {checkpoint_id}'s files are not on this server", field="checkpointId")
 
     async def runtime_state(self, user: User) -> dict[str, Any]:
         """The runtime as far as this server can see it, for admins (it names every user's runs): runs by what the
@@ -111,17 +127,3 @@ def residency(runtime: dict[str, Any]) -> dict[str, int]:
     return {"resident": sum(len(s.get("resident_runs", [])) for s in states),
             "evicted": sum(len(s.get("evicted_runs", [])) for s in states)}
 
-
-def _write_temporary(data: bytes) -> Path:
-    handle, raw = tempfile.mkstemp(prefix="signal-checkpoint-", suffix=".tar.gz")
-    with os.fdopen(handle, "wb") as fh:
-        fh.write(data)
-    return Path(raw)
-
-
-def _tar(source: Path, name: str) -> Path:
-    handle, raw = tempfile.mkstemp(prefix="signal-checkpoint-", suffix=".tar.gz")
-    os.close(handle)
-    with tarfile.open(raw, "w:gz") as archive:
-        archive.add(source, arcname=name)
-    return Path(raw)

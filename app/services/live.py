@@ -1,9 +1,9 @@
 """Live training metrics for both front ends: the GraphQL subscription and the dashboard's event stream.
 
-Ownership is checked here, before anything streams. The dashboard's stream reads metric rows after a
-cursor (`metrics.id`, which the browser sends back as Last-Event-ID), so a reconnect never repeats a
-point and points written by another server process still arrive: the in-process broker only wakes the
-reader early, a slow poll covers the rest.
+Ownership is checked here, before anything streams. The dashboard's stream reads metric rows and sample rows after
+two cursors (`metrics.id`, `samples.id`, which the browser sends back in Last-Event-ID), so a reconnect never repeats
+a point or a sample, and rows written by another server process still arrive: the in-process broker only wakes the
+reader early on a metric, a slow poll covers the rest (samples included).
 """
 
 from __future__ import annotations
@@ -11,14 +11,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 
 from app.db import Database
 from app.events import EventBroker
 from app.services.runs import RunService
-from app.tables import Metric, Run, User
+from app.tables import Metric, Run, Sample, User
 
 BATCH = 500
 
@@ -34,36 +35,64 @@ class LiveMetrics:
         run = await self.runs.get(user, run_id)
         return self.broker.subscribe(run.id)
 
-    async def open_stream(self, user: User, run_id: str, after_id: int = 0, poll_s: float = 2.0) -> MetricStream:
-        """A stream of the run's metric rows with id > after_id; RunNotFound here, before it starts."""
+    async def history(self, user: User, run_id: str) -> AsyncIterator[list[Metric]]:
+        """Every metric row of the run, in id order, a page at a time (the CSV export); RunNotFound before the first."""
+        stream = MetricStream(self.db, self.broker, await self.runs.get(user, run_id), 0, 0.0)
+
+        async def pages() -> AsyncIterator[list[Metric]]:
+            while rows := await stream._after(stream.cursor):
+                stream.cursor = rows[-1].id
+                yield rows
+
+        return pages()
+
+    async def open_stream(self, user: User, run_id: str, after_id: int = 0, samples_after: int | None = None,
+                          poll_s: float = 2.0) -> MetricStream:
+        """A stream of the run's metric rows with id > after_id and sample rows with id > samples_after (None: those
+        made from now on); RunNotFound here, before it starts."""
         run = await self.runs.get(user, run_id)
-        return MetricStream(self.db, self.broker, run, after_id, poll_s)
+        if samples_after is None:
+            async with self.db.session() as session:
+                samples_after = await session.scalar(select(func.max(Sample.id)).where(Sample.run_id == run.id)) or 0
+        return MetricStream(self.db, self.broker, run, after_id, poll_s, samples_after)
+
+
+@dataclass
+class Batch:
+    """New rows of each kind, in id order; both empty after a quiet poll (a keep-alive)."""
+
+    metrics: list[Metric]
+    samples: list[Sample]
 
 
 class MetricStream:
-    def __init__(self, db: Database, broker: EventBroker, run: Run, after_id: int, poll_s: float) -> None:
+    def __init__(self, db: Database, broker: EventBroker, run: Run, after_id: int, poll_s: float,
+                 samples_after: int = 0) -> None:
         self.db = db
         self.broker = broker
         self.run = run
         self.cursor = max(0, after_id)
+        self.sample_cursor = max(0, samples_after)
         self.poll_s = poll_s
 
-    async def batches(self) -> AsyncIterator[list[Metric]]:
-        """Lists of new rows in id order, forever; an empty list after each quiet poll (a keep-alive)."""
+    async def batches(self) -> AsyncIterator[Batch]:
+        """New metric and sample rows, forever; an empty batch after each quiet poll (a keep-alive)."""
         woken = asyncio.Event()
         listener = asyncio.create_task(self._listen(woken))
         try:
             while True:
                 woken.clear()  # cleared before reading: a publish during the read wakes the next wait
-                rows = await self._after(self.cursor)
-                while rows:
-                    self.cursor = rows[-1].id
-                    yield rows
+                rows, samples = await self._after(self.cursor), await self._samples_after(self.sample_cursor)
+                while rows or samples:
+                    self.cursor = rows[-1].id if rows else self.cursor
+                    self.sample_cursor = samples[-1].id if samples else self.sample_cursor
+                    yield Batch(rows, samples)
                     rows = await self._after(self.cursor) if len(rows) == BATCH else []
+                    samples = await self._samples_after(self.sample_cursor) if len(samples) == BATCH else []
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(woken.wait(), self.poll_s)
                 if not woken.is_set():
-                    yield []
+                    yield Batch([], [])
         finally:
             listener.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -77,4 +106,10 @@ class MetricStream:
         async with self.db.session() as session:
             query = (select(Metric).where(Metric.run_id == self.run.id, Metric.id > cursor)
                      .order_by(Metric.id).limit(BATCH))
+            return list(await session.scalars(query))
+
+    async def _samples_after(self, cursor: int) -> list[Sample]:
+        async with self.db.session() as session:
+            query = (select(Sample).where(Sample.run_id == self.run.id, Sample.id > cursor)
+                     .order_by(Sample.id).limit(BATCH))
             return list(await session.scalars(query))

@@ -41,6 +41,13 @@ def screenshots_dir() -> Path:
     return Path(os.environ.get("SIGNAL_TEST_SCREENSHOTS") or TEST_SCREENSHOTS)
 
 
+def shot(page: Page, name: str) -> None:
+    """A full-page screenshot, `name`.png, where this run keeps them."""
+    folder = screenshots_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(folder / f"{name}.png"), full_page=True)
+
+
 def committing_screenshots() -> bool:
     return screenshots_dir().resolve() == COMMITTED_SCREENSHOTS.resolve()
 

@@ -18,7 +18,7 @@ from playwright.sync_api import Browser, Page, Route, expect
 
 from rewardsignal import AuthenticationError, SignalClient
 from tests.helpers.live_server import LiveServer
-from tests.web.conftest import SCREENSHOT_CLOCK, api_key_for, committing_screenshots, mint_login_link, screenshots_dir
+from tests.web.conftest import SCREENSHOT_CLOCK, api_key_for, committing_screenshots, mint_login_link, shot
 
 BATCH = [{"input": "The quick brown fox", "output": " jumps over the lazy dog."}]
 VIEWPORT = {"width": 1280, "height": 860}
@@ -35,12 +35,6 @@ def page(browser: Browser, live_server: LiveServer) -> Iterator[Page]:
         page.clock.set_fixed_time(SCREENSHOT_CLOCK)  # Date only: timers still run, so htmx and streams are unchanged
     yield page
     context.close()
-
-
-def shot(page: Page, name: str) -> None:
-    folder = screenshots_dir()
-    folder.mkdir(parents=True, exist_ok=True)
-    page.screenshot(path=str(folder / f"{name}.png"), full_page=True)
 
 
 def sign_in(page: Page, server: LiveServer, email: str) -> None:
@@ -78,12 +72,12 @@ def test_train_watch_sample_download_revoke(page: Page, live_server: LiveServer,
 
     # Save now, then download the checkpoint as an archive and open it.
     page.get_by_role("button", name="Save now").click()
-    link = page.get_by_role("link", name="Download .tar.gz")
+    link = page.get_by_role("link", name="Download .tar")
     expect(link).to_have_count(1)
     shot(page, "run")
     with page.expect_download() as download_info:
         link.click()
-    archive = tmp_path / "checkpoint.tar.gz"
+    archive = tmp_path / "checkpoint.tar"
     download_info.value.save_as(archive)
     with tarfile.open(archive) as tar:
         names = tar.getnames()

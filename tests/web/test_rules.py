@@ -93,17 +93,17 @@ def test_the_owner_still_has_everything_after_the_probes(live_server: LiveServer
     assert archive.status_code == 200 and archive.headers["content-type"] == "application/gzip"
 
 
-def metric_events(response: httpx.Response) -> Iterator[tuple[int, list[dict]]]:
-    """(event id, rows) of each `metrics` event of an open event stream."""
-    event, ident, data = "", 0, ""
+def stream_events(response: httpx.Response, kind: str = "metrics") -> Iterator[tuple[str, list[dict]]]:
+    """(event id, rows) of each `kind` event of an open event stream."""
+    event, ident, data = "", "", ""
     for line in response.iter_lines():
         if line.startswith("event:"):
             event = line.split(":", 1)[1].strip()
         elif line.startswith("id:"):
-            ident = int(line.split(":", 1)[1].strip())
+            ident = line.split(":", 1)[1].strip()
         elif line.startswith("data:"):
             data = line.split(":", 1)[1].strip()
-        elif line == "" and event == "metrics":
+        elif line == "" and event == kind:
             yield ident, json.loads(data)
             event = ""
 
@@ -116,15 +116,22 @@ def test_event_stream_resumes_after_last_event_id_without_duplicates(live_server
     run.optim_step()
     with viewer.client.stream("GET", f"/runs/{run.id}/events") as response:
         assert response.headers["content-type"].startswith("text/event-stream")
-        first_id, rows = next(metric_events(response))
+        first_id, rows = next(stream_events(response))
     assert [row["name"] for row in rows] == ["loss:mean", "num_tokens", "num_examples", "grad_norm", "learning_rate"]
-    assert first_id == rows[-1]["id"]
+    assert first_id == f"{rows[-1]['id']}:0"  # "<metric id>:<sample id>": no sample yet
 
     run.forward_backward(batch=BATCH)  # written while nobody listens
-    with viewer.client.stream("GET", f"/runs/{run.id}/events", headers={"Last-Event-ID": str(first_id)}) as response:
-        second_id, rows = next(metric_events(response))
+    with viewer.client.stream("GET", f"/runs/{run.id}/events", headers={"Last-Event-ID": first_id}) as response:
+        second_id, rows = next(stream_events(response))
     assert [row["name"] for row in rows] == ["loss:mean", "num_tokens", "num_examples"]
-    assert min(row["id"] for row in rows) > first_id and second_id == rows[-1]["id"]
+    assert min(row["id"] for row in rows) > int(first_id.split(":")[0]) and second_id == f"{rows[-1]['id']}:0"
+
+    # Samples resume the same way: one made while nobody listens arrives once on the reconnect, alone.
+    output = run.sample(prompts=["Resume"], max_tokens=2)["outputs"][0]
+    with viewer.client.stream("GET", f"/runs/{run.id}/events", headers={"Last-Event-ID": second_id}) as response:
+        third_id, samples = next(stream_events(response, "samples"))
+    assert [(sample["prompt"], sample["output"]) for sample in samples] == [("Resume", output)]
+    assert third_id == f"{second_id.split(':')[0]}:{samples[0]['id']}"
 
 
 def test_login_link_works_once(live_server: LiveServer) -> None:

@@ -1,0 +1,55 @@
+"""Every dashboard page, with something on it: the page list the phone and accessibility tests walk.
+
+One admin user with a trained run, a checkpoint, a sample and a key, so the wide tables and cards are on screen.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from playwright.sync_api import Browser, BrowserContext, ViewportSize
+
+from rewardsignal import SignalClient
+from tests.helpers.live_server import LiveServer
+from tests.web.conftest import SCREENSHOT_CLOCK, api_key_for, committing_screenshots, mint_login_link
+
+BATCH = [{"input": "The quick brown fox", "output": " jumps over the lazy dog."}]
+# Page names, for test ids; "login" is the signed-out page, the rest are signed in as the admin.
+PAGES = ["runs", "run", "keys", "start", "models", "admin", "account", "playground", "login", "graphql"]
+PHONE: ViewportSize = {"width": 390, "height": 844}
+DESKTOP: ViewportSize = {"width": 1280, "height": 860}
+
+
+@dataclass
+class Tour:
+    server: LiveServer
+    email: str
+    run_id: str
+
+    def path(self, name: str) -> str:
+        return {"run": f"/runs/{self.run_id}", "graphql": "/graphql", "login": "/login"}.get(name, f"/{name}")
+
+    def context(self, browser: Browser, viewport: ViewportSize, signed_in: bool = True,
+                bypass_csp: bool = False) -> BrowserContext:
+        """A browser context, signed in as the tour's admin unless `signed_in` is false."""
+        context = browser.new_context(viewport=viewport, bypass_csp=bypass_csp)
+        if committing_screenshots():
+            context.clock.set_fixed_time(SCREENSHOT_CLOCK)  # pictures that do not change with the time of day
+        if not signed_in:
+            return context
+        page = context.new_page()
+        page.goto(mint_login_link(self.server, self.email, is_admin=True))
+        page.wait_for_url("**/runs")
+        page.close()
+        return context
+
+
+def make_tour(server: LiveServer, email: str = "tour@example.com") -> Tour:
+    client = SignalClient(api_key=api_key_for(server, email), base_url=server.url)
+    run = client.create_run(lora_r=4, seed=1, name="a run name long enough to test wrapping on a phone screen",
+                            tags=["phone", "layout"])
+    run.forward_backward(batch=BATCH)
+    run.optim_step()
+    run.save_state(mode="adapter")
+    run.sample(prompts=["The quick brown fox"], max_tokens=4)
+    return Tour(server, email, run.id)
