@@ -21,6 +21,7 @@ from app.services.runs import RunService
 from app.services.sessions import SessionService
 from app.services.tinker_futures import TinkerFutures
 from app.services.tinker_sessions import TinkerSessions
+from app.services.usage import UsageService
 from app.services.users import UserService
 from app.settings import Settings
 
@@ -45,6 +46,7 @@ class Services:
     dashboard: DashboardService
     tinker: TinkerFutures  # Tinker's futures (/api/v1, docs/TINKER.md)
     tinker_sessions: TinkerSessions
+    usage: UsageService  # per run, day and user, from call_records (issue 18 §6)
     supabase: SupabaseSignIn | None = None  # only when SUPABASE_URL and SUPABASE_ANON_KEY are set
     # Shared by the Supabase client and the JWKS fetches; made only for them (its TLS context costs start-up 0.1 s).
     http: httpx.AsyncClient | None = None
@@ -88,6 +90,7 @@ class Services:
             dashboard=DashboardService(db, backend, broker, runs, settings.data_dir),
             tinker=TinkerFutures(db, settings.tinker_poll_s),
             tinker_sessions=tinker_sessions,
+            usage=UsageService(db),
             supabase=supabase,
             http=http,
             billing=billing,

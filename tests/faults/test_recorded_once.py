@@ -177,7 +177,7 @@ def test_a_call_without_a_request_id_gets_one_and_its_record(server: LiveServer)
 
 
 SAMPLE = {"query": """mutation($id: ID!, $rid: String) {
-    sample(runId: $id, prompts: ["hello", "world"], maxTokens: 150, numSamples: 2, seed: 3, requestId: $rid) {
+    sample(runId: $id, prompts: ["hello", "world"], maxTokens: 48, numSamples: 2, seed: 3, requestId: $rid) {
       outputs } }"""}
 
 
