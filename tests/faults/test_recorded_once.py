@@ -15,11 +15,13 @@ import threading
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import asyncpg
 import httpx
 import pytest
 from sqlalchemy import func, select
@@ -181,7 +183,42 @@ SAMPLE = {"query": """mutation($id: ID!, $rid: String) {
       outputs } }"""}
 
 
-@pytest.mark.skipif(ON_POSTGRES, reason="holds a SQLite lock")
+@contextmanager
+def recording_locked(server: LiveServer) -> Iterator[None]:
+    """While held, the server cannot record a call: SQLite's whole file under an exclusive lock, or PostgreSQL's
+    call_records table under an ACCESS EXCLUSIVE lock (the server's lock_timeout then answers 55P03)."""
+    url = server.settings.resolved_database_url
+    if not ON_POSTGRES:
+        holder = sqlite3.connect(Path(url.split("///", 1)[1]), isolation_level=None)
+        holder.execute("BEGIN EXCLUSIVE")
+        try:
+            yield
+        finally:
+            holder.execute("ROLLBACK")
+            holder.close()
+        return
+    locked, release = threading.Event(), threading.Event()
+
+    async def hold() -> None:
+        connection = await asyncpg.connect(url.replace("postgresql+asyncpg", "postgresql"))
+        try:
+            async with connection.transaction():
+                await connection.execute("LOCK TABLE call_records IN ACCESS EXCLUSIVE MODE")
+                locked.set()
+                await asyncio.to_thread(release.wait)
+        finally:
+            await connection.close()
+
+    holder_thread = threading.Thread(target=asyncio.run, args=(hold(),))
+    holder_thread.start()
+    assert locked.wait(60), "the lock was not taken"
+    try:
+        yield
+    finally:
+        release.set()
+        holder_thread.join(60)
+
+
 def test_a_recording_the_database_cannot_take_answers_unavailable_and_the_retry_records_it(
         server: LiveServer) -> None:
     key = server.new_user()
@@ -189,17 +226,15 @@ def test_a_recording_the_database_cannot_take_answers_unavailable_and_the_retry_
     body = {**SAMPLE, "variables": {"id": run.id, "rid": str(uuid.uuid4())}}
     answer: dict[str, dict[str, Any]] = {}
     thread = threading.Thread(target=lambda: answer.setdefault("first", post(server, key, body)))
-    path = Path(server.settings.resolved_database_url.split("///", 1)[1])
-    holder = sqlite3.connect(path, isolation_level=None)
-    try:
+    if ON_POSTGRES:  # only call_records is locked, which nothing reads before the recording
+        with recording_locked(server):
+            thread.start()
+            thread.join(timeout=300)
+    else:  # the whole file is locked: only once the sample is in the runtime (its ticket taken)
         thread.start()
-        # The sample is in the runtime (its ticket taken): lock the database before it is recorded.
         server.wait_for(lambda: server.backend.in_flight > 0, "the sample to reach the runtime")
-        holder.execute("BEGIN EXCLUSIVE")
-        thread.join(timeout=300)
-    finally:
-        holder.execute("ROLLBACK")
-        holder.close()
+        with recording_locked(server):
+            thread.join(timeout=300)
     first = answer["first"]
     assert error_code(first) == "UNAVAILABLE", first
     assert first["errors"][0]["extensions"]["retryable"] is True
