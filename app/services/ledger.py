@@ -24,7 +24,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from app.db import Database
 from app.services.billing import BillingClient
 from app.settings import Settings
-from app.tables import BillingOutbox, Run, User, new_id, utcnow
+from app.tables import BillingOutbox, Run, User, utcnow
 from gpu_runtime.allocation import GpuAllocation, parse_gpu_config
 from gpu_runtime.errors import BadInput
 
@@ -107,12 +107,12 @@ class Ledger:
             gpu_type, count = hardware("", gpu_config)
             await self.billing.validate(self._ask(user, "create_run", run_id, base_model, "", gpu_type, count))
 
-    async def allow(self, user: User, run: Run, operation: str, request_id: str | None) -> str | None:
-        """With billing on: the call's request id (a new one when the client sent none, so its deduction has a key),
-        once the billing service allowed the call; a retry of a call already charged is not asked about again."""
+    async def allow(self, user: User, run: Run, operation: str, request_id: str) -> str:
+        """With billing on, ask the billing service before the call (its request id, which the server gives a call
+        the client sent without one, is its deduction's key); a retry of a call already charged is not asked about
+        again. Returns the request id."""
         if self.billing is None:
             return request_id
-        request_id = request_id or new_id()
         async with self.db.session() as session:
             charged = await session.get(BillingOutbox, billing_key(run.id, request_id))
         if charged is None:
@@ -132,12 +132,10 @@ class Ledger:
         await session.execute(update(Run).where(Run.id == run.id)
                               .values(compute_seconds=Run.compute_seconds + seconds))
 
-    async def allow_user(self, user: User, operation: str, request_id: str | None, base_model: str,
-                         gpu_config: str) -> str | None:
+    async def allow_user(self, user: User, operation: str, request_id: str, base_model: str, gpu_config: str) -> str:
         """`allow` for a call on no run (a base-model sample): asked about as the user's, on the pool's GPUs."""
         if self.billing is None:
             return request_id
-        request_id = request_id or new_id()
         async with self.db.session() as session:
             charged = await session.get(BillingOutbox, user_key(user.id, request_id))
         if charged is None:

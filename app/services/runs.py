@@ -2,8 +2,8 @@
 
 GraphQL resolvers and dashboard handlers both call this. Every primitive goes through one skeleton (`_apply`):
 ownership first (another user's run is "not found", never data), its arguments checked, the ledger's credit check,
-then in the run's order (its lock and ticket) the runtime call, its compute seconds accounted, and its result
-recorded.
+then in the run's order (its lock and ticket) the runtime call, and the call recorded once: its call record, result
+and compute seconds in one transaction (call_records.py), which a retry of an applied call completes if it never ran.
 """
 
 from __future__ import annotations
@@ -429,7 +429,7 @@ class RunService:
                       checkpoint: str | None = None) -> dict[str, Any]:
         """Losses and per-position logprobs with no backward, changing nothing, on a weights source as sample's:
         the caller's run's current weights (`run_id`, in the run's order), a snapshot of it (`snapshot`: off the
-        run's queue), or a catalogue base model alone (`base_model`, no run, nothing recorded)."""
+        run's queue), or a catalogue base model alone (`base_model`, no run: only its call record is written)."""
         params = {"batch": batch, "loss_fn": loss_fn, "loss_fn_config": loss_fn_config}
 
         async def record(session: AsyncSession, run: Run, result: dict[str, Any], fresh: bool) -> dict[str, Any]:
@@ -544,7 +544,6 @@ class RunService:
         _refuse_archived(run, method)
         self._checked(method, {"run_id": run.id, **params, **source, "request_id": request_id})
         request_id = await self.ledger.allow(user, run, method, request_id or new_id())
-        assert request_id is not None
 
         async def work() -> dict[str, Any]:
             result = await self._on_run(run, method, **params, **source, request_id=request_id)
@@ -562,7 +561,6 @@ class RunService:
         engine_params = {**params.engine_params(), "base_model": model.source, "user_id": user.id}
         self._checked("sample", {**engine_params, "request_id": request_id})
         request_id = await self.ledger.allow_user(user, "sample", request_id or new_id(), model.name, gpu_config)
-        assert request_id is not None
 
         async def work() -> dict[str, Any]:
             result = await self._engine("sample", pool=pool, **engine_params, request_id=request_id)
@@ -767,7 +765,6 @@ class RunService:
         params = arguments(run)
         self._checked(operation, {"run_id": run.id, **params, "request_id": request_id})
         request_id = await self.ledger.allow(user, run, operation, request_id or new_id())
-        assert request_id is not None
         if allowed is not None:
             params |= await allowed()
 
