@@ -17,6 +17,7 @@ from gpu_runtime.contract import RuntimeOptions
 
 DB_LOCK_TIMEOUT_S = 5.0  # a write waits this long for a lock (SQLite's busy timeout, PostgreSQL's lock_timeout)
 DB_STATEMENT_TIMEOUT_S = 30.0  # PostgreSQL's statement_timeout: a stuck statement becomes UNAVAILABLE, not a hang
+RECORD_RETRY_S = 10.0  # an applied call's recording is retried this long, then the call answers UNAVAILABLE
 
 
 class Settings(BaseSettings):
@@ -29,6 +30,9 @@ class Settings(BaseSettings):
                                      "lock (SQLite's busy timeout, PostgreSQL's lock_timeout), then answers UNAVAILABLE.")
     db_statement_timeout_s: float = Field(DB_STATEMENT_TIMEOUT_S, gt=0, description="PostgreSQL's statement_timeout: "
                                           "a statement running longer answers UNAVAILABLE.")
+    record_retry_s: float = Field(RECORD_RETRY_S, gt=0, description="An applied call's recording (its call record, "
+                                  "metrics, step, samples, compute seconds) is retried this long while the database "
+                                  "cannot take it, then the call answers UNAVAILABLE; its retry records it.")
     host: str = Field("127.0.0.1", description="Address `signal serve` binds.")
     port: int = Field(8000, description="Port `signal serve` binds.")
     public_url: str = Field("", description="URL printed for users; empty means http://host:port.")

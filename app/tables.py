@@ -22,6 +22,8 @@ from sqlalchemy import (
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
 
+from gpu_runtime.contract.settings import MAX_REQUEST_ID_LENGTH
+
 
 def utcnow() -> datetime:
     return datetime.now(UTC)
@@ -315,3 +317,29 @@ class TinkerFuture(Base):
     finished_at: Mapped[datetime | None] = mapped_column(default=None)
 
     __table_args__ = (Index("ix_tinker_futures_key", "key_kind", "key_scope", "key_seq", unique=True),)
+
+
+class CallRecord(Base):
+    """One applied call, recorded once (issue 19 §5): written in the same transaction as everything the call records
+    (its metric rows, `runs.step`, its samples, `runs.compute_seconds`, the billing outbox row), so a retry finds
+    this row and writes nothing, and a call whose answer was lost is recorded whole by its retry.
+
+    Keyed like the billing outbox: `{run_id}:{request_id}`, or `user:{user_id}:{request_id}` for a call on a base
+    model alone (no run). No foreign key: a user's usage outlives a deleted run. The usage view reads these rows."""
+
+    __tablename__ = "call_records"
+    key: Mapped[str] = mapped_column(String(200), primary_key=True)
+    user_id: Mapped[str] = mapped_column(USER_ID, index=True)
+    run_id: Mapped[str | None] = mapped_column(String(ID_LENGTH), default=None, index=True)  # None: a base model alone
+    request_id: Mapped[str] = mapped_column(String(MAX_REQUEST_ID_LENGTH))
+    operation: Mapped[str] = mapped_column(String(32))
+    base_model: Mapped[str] = mapped_column(String(300), default="")
+    compute_seconds: Mapped[float] = mapped_column(Float, default=0.0)
+    device: Mapped[str] = mapped_column(String(40), default="")
+    gpu_type: Mapped[str] = mapped_column(String(40), default="")  # "cpu" on the CPU
+    gpu_count: Mapped[int] = mapped_column(Integer, default=0)  # 0 on the CPU
+    gpu_seconds: Mapped[float] = mapped_column(Float, default=0.0)
+    credits: Mapped[float] = mapped_column(Float, default=0.0)  # at the rates when it was recorded
+    tokens_in: Mapped[int] = mapped_column(BigInteger, default=0)  # trained (forward_backward), or prompt (sample)
+    tokens_out: Mapped[int] = mapped_column(BigInteger, default=0)  # generated (sample)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow, index=True)

@@ -7,7 +7,7 @@ from starlette.routing import BaseRoute, Mount
 from starlette.staticfiles import StaticFiles
 
 from app.settings import Settings
-from web import account, auth, keys, pages, playground, runs
+from web import account, auth, keys, pages, playground, runs, usage
 from web.csrf import CSRFMiddleware
 from web.paths import STATIC
 from web.security_headers import SecurityHeaders
@@ -16,6 +16,7 @@ from web.session import session_middleware
 
 def routes() -> list[BaseRoute]:
     return [*pages.routes, *auth.routes, *keys.routes, *runs.routes, *playground.routes, *account.routes,
+            *usage.routes,
             Mount("/static", StaticFiles(directory=str(STATIC)), name="static")]
 
 

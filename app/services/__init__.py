@@ -21,6 +21,7 @@ from app.services.runs import RunService
 from app.services.sessions import SessionService
 from app.services.tinker_futures import TinkerFutures
 from app.services.tinker_sessions import TinkerSessions
+from app.services.usage import UsageService
 from app.services.users import UserService
 from app.settings import Settings
 
@@ -45,6 +46,7 @@ class Services:
     dashboard: DashboardService
     tinker: TinkerFutures  # Tinker's futures (/api/v1, docs/TINKER.md)
     tinker_sessions: TinkerSessions
+    usage: UsageService  # per run, day and user, from call_records (issue 18 §6)
     supabase: SupabaseSignIn | None = None  # only when SUPABASE_URL and SUPABASE_ANON_KEY are set
     # Shared by the Supabase client and the JWKS fetches; made only for them (its TLS context costs start-up 0.1 s).
     http: httpx.AsyncClient | None = None
@@ -60,7 +62,7 @@ class Services:
         users = UserService(db)
         billing = BillingClient(settings, db) if settings.billing_enabled else None
         runs = RunService(db, backend, catalog, feed, settings.default_model, Ledger(db, Rates.of(settings), billing),
-                          settings.runtime_options())
+                          settings.runtime_options(), settings.record_retry_s)
         tinker_sessions = TinkerSessions(db)
         runs.claim = tinker_sessions.claim  # Signal's own calls on a run a live Tinker session drives are refused
         http = supabase = None
@@ -88,6 +90,7 @@ class Services:
             dashboard=DashboardService(db, backend, broker, runs, settings.data_dir),
             tinker=TinkerFutures(db, settings.tinker_poll_s, settings.tinker_result_ttl_s),
             tinker_sessions=tinker_sessions,
+            usage=UsageService(db),
             supabase=supabase,
             http=http,
             billing=billing,

@@ -8,7 +8,7 @@ A run on the CPU (device `cpu`) is charged its compute seconds at SIGNAL_CPU_SEC
 a run on a GPU is charged GPU-seconds (compute seconds × the GPUs of its pool, `gpuConfig`) at
 SIGNAL_GPU_SECOND_RATE. A run older than the device column is charged as on its pool's GPUs, as it was then.
 
-A sample of a base model alone has no run. It is billed to its user (`allow_user`, `account_user`): with billing on,
+A sample of a base model alone has no run. It is billed to its user (`allow_user`, `owe_user`): with billing on,
 a deduction keyed `user:{user_id}:{request_id}` with an empty run_id, priced by the device of the pool's runtime; its
 compute seconds are in that outbox row only. No run's `compute_seconds` grows, and with billing off they are not kept.
 """
@@ -19,12 +19,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import update
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.ext.asyncio import AsyncSession
 
 from app.db import Database
 from app.services.billing import BillingClient
 from app.settings import Settings
-from app.tables import BillingOutbox, Run, User, new_id, utcnow
+from app.tables import BillingOutbox, Run, User, utcnow
 from gpu_runtime.allocation import GpuAllocation, parse_gpu_config
 from gpu_runtime.errors import BadInput
 
@@ -107,12 +107,12 @@ class Ledger:
             gpu_type, count = hardware("", gpu_config)
             await self.billing.validate(self._ask(user, "create_run", run_id, base_model, "", gpu_type, count))
 
-    async def allow(self, user: User, run: Run, operation: str, request_id: str | None) -> str | None:
-        """With billing on: the call's request id (a new one when the client sent none, so its deduction has a key),
-        once the billing service allowed the call; a retry of a call already charged is not asked about again."""
+    async def allow(self, user: User, run: Run, operation: str, request_id: str) -> str:
+        """With billing on, ask the billing service before the call (its request id, which the server gives a call
+        the client sent without one, is its deduction's key); a retry of a call already charged is not asked about
+        again. Returns the request id."""
         if self.billing is None:
             return request_id
-        request_id = request_id or new_id()
         async with self.db.session() as session:
             charged = await session.get(BillingOutbox, billing_key(run.id, request_id))
         if charged is None:
@@ -121,32 +121,21 @@ class Ledger:
                                                   count))
         return request_id
 
-    async def account(self, run: Run, operation: str, request_id: str | None, result: dict[str, Any]) -> None:
-        """Add the call's compute seconds to the run, once; with billing on, owe them in the same transaction through
-        the outbox, keyed by the call's idempotency key (a retry finds the key and adds nothing), then send them."""
-        seconds = max(float(result.get("compute_seconds") or 0.0), 0.0)
-        key = billing_key(run.id, request_id) if request_id else None
-        try:
-            async with self.db.session() as session:
-                if self.billing is not None and key is not None:
-                    if await session.get(BillingOutbox, key) is not None:
-                        return  # applied and owed before: a retry
-                    session.add(self._deduction(run, operation, key, seconds))
-                elif result.get("replayed"):
-                    return
-                await session.execute(update(Run).where(Run.id == run.id)
-                                      .values(compute_seconds=Run.compute_seconds + seconds))
-        except IntegrityError:
-            return  # another server process recorded this key first
+    async def owe(self, session: AsyncSession, run: Run, operation: str, request_id: str, seconds: float) -> None:
+        """Inside the call's recording transaction (call_records.py), which runs once per call: add its compute
+        seconds to the run and, with billing on, owe them through the outbox, keyed by the call's idempotency key
+        (a row already there, written before call records existed, is not written again). `drain_soon` after commit."""
         if self.billing is not None:
-            self.billing.drain_soon()
+            key = billing_key(run.id, request_id)
+            if await session.get(BillingOutbox, key) is None:
+                session.add(self._deduction(run, operation, key, seconds))
+        await session.execute(update(Run).where(Run.id == run.id)
+                              .values(compute_seconds=Run.compute_seconds + seconds))
 
-    async def allow_user(self, user: User, operation: str, request_id: str | None, base_model: str,
-                         gpu_config: str) -> str | None:
+    async def allow_user(self, user: User, operation: str, request_id: str, base_model: str, gpu_config: str) -> str:
         """`allow` for a call on no run (a base-model sample): asked about as the user's, on the pool's GPUs."""
         if self.billing is None:
             return request_id
-        request_id = request_id or new_id()
         async with self.db.session() as session:
             charged = await session.get(BillingOutbox, user_key(user.id, request_id))
         if charged is None:
@@ -154,24 +143,22 @@ class Ledger:
             await self.billing.validate(self._ask(user, operation, "", base_model, "", gpu_type, count))
         return request_id
 
-    async def account_user(self, user: User, operation: str, request_id: str | None, result: dict[str, Any],
-                           device: str, gpu_config: str) -> None:
-        """Owe a call on no run, once, to the user (billing on); there is no run to add its seconds to."""
-        if self.billing is None or request_id is None:
+    async def owe_user(self, session: AsyncSession, user_id: str, operation: str, request_id: str, seconds: float,
+                       device: str, gpu_config: str) -> None:
+        """`owe` for a call on no run, to the user (billing on); there is no run to add its seconds to."""
+        key = user_key(user_id, request_id)
+        if self.billing is None or await session.get(BillingOutbox, key) is not None:
             return
-        seconds = max(float(result.get("compute_seconds") or 0.0), 0.0)
         owed = charge(Run(device=device, gpu_config=gpu_config), seconds, self.rates)
-        try:
-            async with self.db.session() as session:
-                if await session.get(BillingOutbox, user_key(user.id, request_id)) is not None:
-                    return
-                session.add(BillingOutbox(
-                    idempotency_key=user_key(user.id, request_id), user_id=user.id, run_id="", operation=operation,
-                    compute_seconds=seconds, device=owed.device, gpu_type=owed.gpu_type, gpu_count=owed.gpu_count,
-                    gpu_seconds=owed.gpu_seconds, credits=owed.credits, created_at=utcnow(), attempts=0, last_error=""))
-        except IntegrityError:
-            return
-        self.billing.drain_soon()
+        session.add(BillingOutbox(
+            idempotency_key=key, user_id=user_id, run_id="", operation=operation, compute_seconds=seconds,
+            device=owed.device, gpu_type=owed.gpu_type, gpu_count=owed.gpu_count, gpu_seconds=owed.gpu_seconds,
+            credits=owed.credits, created_at=utcnow(), attempts=0, last_error=""))
+
+    def drain_soon(self) -> None:
+        """After a recording transaction committed: send what it owes."""
+        if self.billing is not None:
+            self.billing.drain_soon()
 
     def _deduction(self, run: Run, operation: str, key: str, seconds: float) -> BillingOutbox:
         owed = charge(run, seconds, self.rates)

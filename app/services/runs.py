@@ -2,8 +2,8 @@
 
 GraphQL resolvers and dashboard handlers both call this. Every primitive goes through one skeleton (`_apply`):
 ownership first (another user's run is "not found", never data), its arguments checked, the ledger's credit check,
-then in the run's order (its lock and ticket) the runtime call, its compute seconds accounted, and its result
-recorded.
+then in the run's order (its lock and ticket) the runtime call, and the call recorded once: its call record, result
+and compute seconds in one transaction (call_records.py), which a retry of an applied call completes if it never ran.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
 
 from sqlalchemy import Text, case, cast, delete, or_, select, update
+from sqlalchemy.ext.asyncio import AsyncSession
 from strawberry.utils.str_converters import to_camel_case
 
 from app.backends import Backend, Progress
@@ -29,8 +30,10 @@ from app.db import Database
 from app.errors import BadInput, FailedPrecondition, NotFound, RunNotFound, SignalError
 from app.events import MetricFeed
 from app.services.call_order import CallOrder, Numbered
+from app.services.call_records import Caller, CallRecorder
 from app.services.ledger import Ledger
 from app.services.users import require_admin
+from app.settings import RECORD_RETRY_S
 from app.tables import (
     RUN_NAME_LENGTH,
     RUN_NOTE_LENGTH,
@@ -68,6 +71,8 @@ from gpu_runtime.contract import (
 )
 
 T = TypeVar("T")
+# What a primitive records of its answer, inside the call's one recording transaction (`fresh`: its first).
+Record = Callable[[AsyncSession, Run, dict[str, Any], bool], Awaitable[T]]
 
 FAILED = "failed"  # runs.status once the runtime no longer has the run (else "active", the column's default)
 MAX_METRICS_LIMIT = 10_000  # most metric rows one read returns (a run's curve; the dashboard asks for 1,000)
@@ -246,8 +251,10 @@ class SampleParams:
 
 class RunService:
     def __init__(self, db: Database, backend: Backend, catalog: Catalog, feed: MetricFeed,
-                 default_model: str, ledger: Ledger, bounds: RuntimeOptions | None = None) -> None:
+                 default_model: str, ledger: Ledger, bounds: RuntimeOptions | None = None,
+                 record_retry_s: float = RECORD_RETRY_S) -> None:
         self.db = db
+        self.recorder = CallRecorder(db, ledger, record_retry_s)  # each applied call recorded once (issue 19 §5)
         # The per-call size bounds (SIGNAL_MAX_SAMPLE_ROWS…): checked here before a call leaves, by the runtime again.
         self.bounds = bounds or RuntimeOptions()
         self.ledger = ledger  # compute seconds, credits and the billing service (docs/BILLING.md)
@@ -404,10 +411,10 @@ class RunService:
             return {"batch": batch, "loss_fn": loss_fn, "loss_fn_config": loss_fn_config, "reduction": reduction,
                     "return_outputs": return_outputs}
 
-        async def record(run: Run, result: dict[str, Any]) -> dict[str, Any]:
-            if not result.get("replayed"):  # a retry of a call already applied and recorded: record nothing twice
+        async def record(session: AsyncSession, run: Run, result: dict[str, Any], fresh: bool) -> dict[str, Any]:
+            if fresh:
                 # Metric names carry their reduction (Tinker's name:reduction): loss:mean, loss:sum.
-                await self._record(run.id, result["step"], {
+                await self._metrics(session, run.id, result["step"], {
                     loss_metric(result.get("reduction", reduction)): result["loss"],
                     "num_tokens": result["num_tokens"], "num_examples": result["num_examples"],
                 })
@@ -422,11 +429,11 @@ class RunService:
                       checkpoint: str | None = None) -> dict[str, Any]:
         """Losses and per-position logprobs with no backward, changing nothing, on a weights source as sample's:
         the caller's run's current weights (`run_id`, in the run's order), a snapshot of it (`snapshot`: off the
-        run's queue), or a catalogue base model alone (`base_model`, no run, nothing recorded)."""
+        run's queue), or a catalogue base model alone (`base_model`, no run: only its call record is written)."""
         params = {"batch": batch, "loss_fn": loss_fn, "loss_fn_config": loss_fn_config}
 
-        async def record(run: Run, result: dict[str, Any]) -> dict[str, Any]:
-            return result  # nothing changed, so nothing to record beyond the compute seconds
+        async def record(session: AsyncSession, run: Run, result: dict[str, Any], fresh: bool) -> dict[str, Any]:
+            return result  # nothing changed, so nothing to record beyond the call record
 
         if run_id is not None:
             if base_model is not None:
@@ -444,8 +451,16 @@ class RunService:
         arguments: dict[str, Any] = {**params, "run_id": None, "base_model": model.source, "user_id": user.id,
                                      "request_id": request_id}
         self._checked("forward", arguments)
-        pool = pool_key(model.name, self.catalog.resolve_gpu(model, None, None), None)
-        return await self._engine("forward", pool=pool, **arguments)
+        gpu_config = self.catalog.resolve_gpu(model, None, None)
+        pool = pool_key(model.name, gpu_config, None)
+        arguments["request_id"] = request_id = request_id or new_id()
+        result = await self._engine("forward", pool=pool, **arguments)
+        caller = Caller(user.id, None, model.name, await self._device(pool), gpu_config)
+
+        async def answer(session: AsyncSession, fresh: bool) -> dict[str, Any]:
+            return result  # changes nothing: its call record (usage) is all it leaves
+
+        return await self.recorder.record(caller, "forward", request_id, result, answer)
 
     async def render_datums(self, user: User, run_id: str, batch: builtins.list[dict[str, Any]],
                             loss_fn: str = "cross_entropy") -> dict[str, Any]:
@@ -460,15 +475,14 @@ class RunService:
             overrides = {key: value for key, value in (adam or {}).items() if value is not None}
             return {"adam": {**ADAM_DEFAULTS, **run.optimizer_config, **overrides}}
 
-        async def record(run: Run, result: dict[str, Any]) -> dict[str, Any]:
-            if result.get("replayed"):
-                return result  # its step was stored when it was applied; a later step may have followed
+        async def record(session: AsyncSession, run: Run, result: dict[str, Any], fresh: bool) -> dict[str, Any]:
+            if not fresh:
+                return result  # its step was stored when it was recorded; a later step may have followed
             step = int(result["step"])
-            async with self.db.session() as session:
-                # greatest(step, :s), portably: another server's later step may have been written first.
-                await session.execute(update(Run).where(Run.id == run.id)
-                                      .values(step=case((Run.step < step, step), else_=Run.step)))
-            await self._record(run.id, result["step"], {
+            # greatest(step, :s), portably: another server's later step may have been written first.
+            await session.execute(update(Run).where(Run.id == run.id)
+                                  .values(step=case((Run.step < step, step), else_=Run.step)))
+            await self._metrics(session, run.id, step, {
                 "grad_norm": result["grad_norm"], "learning_rate": result["learning_rate"],
             })
             return result
@@ -500,15 +514,14 @@ class RunService:
             return {**{k: v for k, v in params.engine_params().items() if k not in ("prompts", "prompt_tokens")},
                     **source}
 
-        async def record(run: Run, result: dict[str, Any]) -> dict[str, Any]:
-            if result.get("replayed") or not keep:
+        async def record(session: AsyncSession, run: Run, result: dict[str, Any], fresh: bool) -> dict[str, Any]:
+            if not fresh or not keep:
                 return result
             kept = stored_params()
-            async with self.db.session() as session:
-                for prompt, sequences in zip(params.stored_prompts(), result["sequences"]):
-                    for sequence in sequences:
-                        session.add(Sample(run_id=run.id, step=int(result.get("step", run.step)), prompt=prompt,
-                                           output=sequence["text"], params=cancelled(kept, sequence)))
+            for prompt, sequences in zip(params.stored_prompts(), result["sequences"]):
+                for sequence in sequences:
+                    session.add(Sample(run_id=run.id, step=int(result.get("step", run.step)), prompt=prompt,
+                                       output=sequence["text"], params=cancelled(kept, sequence)))
             return result
 
         if run_id is None:
@@ -534,19 +547,17 @@ class RunService:
 
     async def _off_the_queue(self, user: User, run_id: str, method: str, request_id: str | None,
                              params: dict[str, Any], source: dict[str, Any],
-                             record: Callable[[Run, dict[str, Any]], Awaitable[dict[str, Any]]],
-                             progress: Progress | None = None) -> dict[str, Any]:
+                             record: Record[dict[str, Any]], progress: Progress | None = None) -> dict[str, Any]:
         """A call on a run's frozen weights (a snapshot or checkpoint: docs/SNAPSHOTS.md): owned and billed like the
         run's calls, but it takes neither the run's lock nor a ticket, so it waits for nothing queued on the run."""
         run = await self.get(user, run_id)
         _refuse_archived(run, method)
         self._checked(method, {"run_id": run.id, **params, **source, "request_id": request_id})
-        request_id = await self.ledger.allow(user, run, method, request_id)
+        request_id = await self.ledger.allow(user, run, method, request_id or new_id())
 
         async def work() -> dict[str, Any]:
             result = await self._on_run(run, method, progress, **params, **source, request_id=request_id)
-            await self.ledger.account(run, method, request_id, result)
-            return await record(run, result)
+            return await self._recorded(run, method, request_id, result, record)
 
         return await asyncio.shield(asyncio.ensure_future(work()))  # recorded even if the caller goes away
 
@@ -559,24 +570,27 @@ class RunService:
     async def _sample_base(self, user: User, base_model: str | None, params: SampleParams,
                            request_id: str | None, store: dict[str, Any] | None,
                            progress: Progress | None = None) -> dict[str, Any]:
-        """The base alone: no run, so no lock and no ticket; billed to the user (Ledger.account_user). `store` (the
+        """The base alone: no run, so no lock and no ticket; billed to the user (Ledger.owe_user). `store` (the
         params to keep with them, or None) writes the sequences to the user's base-model history."""
         model, pool, gpu_config = self._base_pool(base_model)
         engine_params = {**params.engine_params(), "base_model": model.source, "user_id": user.id,
                          **({"stream": True} if progress is not None else {})}
         self._checked("sample", {**engine_params, "request_id": request_id})
-        request_id = await self.ledger.allow_user(user, "sample", request_id, model.name, gpu_config)
+        request_id = await self.ledger.allow_user(user, "sample", request_id or new_id(), model.name, gpu_config)
 
         async def work() -> dict[str, Any]:
             result = await self._engine("sample", pool=pool, progress=progress, **engine_params, request_id=request_id)
-            await self.ledger.account_user(user, "sample", request_id, result, await self._device(pool), gpu_config)
-            if store is not None and not result.get("replayed"):
-                async with self.db.session() as session:
+            caller = Caller(user.id, None, model.name, await self._device(pool), gpu_config)
+
+            async def write(session: AsyncSession, fresh: bool) -> dict[str, Any]:
+                if fresh and store is not None:
                     for prompt, sequences in zip(params.stored_prompts(), result["sequences"]):
                         session.add_all(BaseSample(user_id=user.id, base_model=model.name, prompt=prompt,
                                                    output=sequence["text"], params=cancelled(store, sequence))
                                         for sequence in sequences)
-            return result
+                return result
+
+            return await self.recorder.record(caller, "sample", request_id, result, write)
 
         return await asyncio.shield(asyncio.ensure_future(work()))
 
@@ -592,16 +606,15 @@ class RunService:
         snapshot gets a `checkpoints` row (mode "sampler"), so it is listed and downloadable; an unnamed one gets a
         row with its expiry, dropped by listing once it is past."""
 
-        async def record(run: Run, result: dict[str, Any]) -> dict[str, Any]:
-            async with self.db.session() as session:
-                row = await session.scalar(select(Checkpoint).where(
-                    Checkpoint.run_id == run.id, Checkpoint.mode == "sampler", Checkpoint.name == result["name"]))
-                if row is None:
-                    row = Checkpoint(run_id=run.id, mode="sampler", name=result["name"])
-                    session.add(row)
-                row.step, row.path, row.size_bytes = int(result["step"]), result["path"], int(result["size_bytes"])
-                expires = result.get("expires_in_seconds")
-                row.expires_at = None if expires is None else utcnow() + timedelta(seconds=float(expires))
+        async def record(session: AsyncSession, run: Run, result: dict[str, Any], fresh: bool) -> dict[str, Any]:
+            row = await session.scalar(select(Checkpoint).where(
+                Checkpoint.run_id == run.id, Checkpoint.mode == "sampler", Checkpoint.name == result["name"]))
+            if row is None:
+                row = Checkpoint(run_id=run.id, mode="sampler", name=result["name"])
+                session.add(row)
+            row.step, row.path, row.size_bytes = int(result["step"]), result["path"], int(result["size_bytes"])
+            expires = result.get("expires_in_seconds")
+            row.expires_at = None if expires is None else utcnow() + timedelta(seconds=float(expires))
             return result
 
         return await self._apply(user, run_id, "save_weights_for_sampler", request_id, lambda run: {"name": name},
@@ -662,19 +675,20 @@ class RunService:
                                field="hfToken")
             return {"push_to_hub": True, "hub_model_id": hub_model_id, "hf_token": token}
 
-        async def record(run: Run, result: dict[str, Any]) -> Checkpoint:
-            async with self.db.session() as session:
-                # One row per run, kind and name: saving step-N again at the same step (a retry, say) rewrote it.
-                checkpoint = await session.scalar(select(Checkpoint).where(
-                    Checkpoint.run_id == run.id, Checkpoint.mode == result["mode"],
-                    Checkpoint.name == result["name"]).limit(1))
-                if checkpoint is None:
-                    checkpoint = Checkpoint(run_id=run.id, path=result["checkpoint_path"], name=result["name"])
-                    session.add(checkpoint)
-                checkpoint.path = result["checkpoint_path"]
-                checkpoint.step, checkpoint.mode = int(result["step"]), result["mode"]
-                checkpoint.size_bytes = int(result["size_bytes"])
-                checkpoint.hub_url = result.get("hub", {}).get("url") or checkpoint.hub_url
+        async def record(session: AsyncSession, run: Run, result: dict[str, Any], fresh: bool) -> Checkpoint:
+            # One row per run, kind and name, written on a retry too: saving step-N again at the same step (a new
+            # call) rewrites it, and the answer is that row.
+            checkpoint = await session.scalar(select(Checkpoint).where(
+                Checkpoint.run_id == run.id, Checkpoint.mode == result["mode"],
+                Checkpoint.name == result["name"]).limit(1))
+            if checkpoint is None:
+                checkpoint = Checkpoint(run_id=run.id, path=result["checkpoint_path"], name=result["name"])
+                session.add(checkpoint)
+            checkpoint.path = result["checkpoint_path"]
+            checkpoint.step, checkpoint.mode = int(result["step"]), result["mode"]
+            checkpoint.size_bytes = int(result["size_bytes"])
+            checkpoint.hub_url = result.get("hub", {}).get("url") or checkpoint.hub_url
+            await session.flush()  # its id, for the answer
             return checkpoint
 
         return await self._apply(user, run_id, "save_state", request_id, arguments, record, allowed=hub, order=order)
@@ -687,10 +701,9 @@ class RunService:
         ref = checkpoint_ref(checkpoint, "checkpoint", run.id)
         await self._checkpoint_row(user, ref, "checkpoint")
 
-        async def record(run: Run, result: dict[str, Any]) -> dict[str, Any]:
-            if not result.get("replayed"):  # the step is the checkpoint's: it may go back
-                async with self.db.session() as session:
-                    await session.execute(update(Run).where(Run.id == run.id).values(step=int(result["step"])))
+        async def record(session: AsyncSession, run: Run, result: dict[str, Any], fresh: bool) -> dict[str, Any]:
+            if fresh:  # the step is the checkpoint's: it may go back
+                await session.execute(update(Run).where(Run.id == run.id).values(step=int(result["step"])))
             return result
 
         return await self._apply(user, run_id, "load_state", request_id,
@@ -754,12 +767,13 @@ class RunService:
     # ---- one skeleton for the four primitives ----------------------------------------------
 
     async def _apply(self, user: User, run_id: str, operation: str, request_id: str | None,
-                     arguments: Callable[[Run], dict[str, Any]], record: Callable[[Run, dict[str, Any]], Awaitable[T]],
+                     arguments: Callable[[Run], dict[str, Any]], record: Record[T],
                      allowed: Callable[[], Awaitable[dict[str, Any]]] | None = None, order: Numbered | None = None,
                      progress: Progress | None = None) -> T:
         """A primitive on the caller's run: its `arguments` checked (before anyone is asked about credits), the call
-        allowed by the ledger, then in the run's order the runtime call, its compute seconds accounted once, and
-        its result recorded by `record`. `allowed` adds arguments that only a call allowed to run may fetch.
+        allowed by the ledger, then in the run's order the runtime call, and the call recorded once: `record` writes
+        what it records in that transaction (`fresh`: its first recording; call_records.py). A call without a
+        request id gets one here, so its retries and its record have a key. `allowed` adds arguments that only a call allowed to run may fetch.
         `order`: the SDK's number for the call, which puts it in the run's order after its session's previous one."""
         run = await self.get(user, run_id)
         if operation != "save_state":  # an archived run's weights can still be exported
@@ -768,17 +782,23 @@ class RunService:
             await self.claim(run, operation)
         params = arguments(run)
         self._checked(operation, {"run_id": run.id, **params, "request_id": request_id})
-        request_id = await self.ledger.allow(user, run, operation, request_id)
+        request_id = await self.ledger.allow(user, run, operation, request_id or new_id())
         if allowed is not None:
             params |= await allowed()
 
         async def work() -> T:
             result = await self._on_run(run, operation, progress, **params, request_id=request_id,
                                         ticket=await self._ticket(run.id))
-            await self.ledger.account(run, operation, request_id, result)
-            return await record(run, result)
+            return await self._recorded(run, operation, request_id, result, record)
 
         return await self._serialised(run.id, work, order)
+
+    async def _recorded(self, run: Run, operation: str, request_id: str, result: dict[str, Any],
+                        record: Record[T]) -> T:
+        """The applied call recorded once, with what `record` writes, in one transaction (call_records.py)."""
+        return await self.recorder.record(Caller.of(run), operation, request_id, result,
+                                          lambda session, fresh: record(session, run, result, fresh),
+                                          after=self.feed.written)
 
     def _checked(self, method: str, arguments: dict[str, Any]) -> Call:
         """The contract's checks and size bounds, here before the call leaves (the runtime runs both again); errors
@@ -845,17 +865,16 @@ class RunService:
                 raise
             raise type(error)(error.message, field=graphql_field(error.field)) from None
 
-    async def _record(self, run_id: str, step: int, values: dict[str, float]) -> None:
-        """Store a call's metric rows; every server process's subscribers get them as one event (events.MetricFeed)."""
+    async def _metrics(self, session: AsyncSession, run_id: str, step: int, values: dict[str, float]) -> None:
+        """A call's metric rows, in its recording transaction; every server process's subscribers get them as one
+        event once it commits (events.MetricFeed)."""
         now = utcnow()
-        async with self.db.session() as session:
-            # NaN is no point on a curve, and SQLite would store it as NULL.
-            rows = [Metric(run_id=run_id, step=int(step), name=name, value=float(value), created_at=now)
-                    for name, value in values.items() if math.isfinite(value)]
-            session.add_all(rows)
-            await session.flush()  # their ids, for the announcement
-            await self.feed.announce(session, run_id, [row.id for row in rows])
-        self.feed.written()
+        # NaN is no point on a curve, and SQLite would store it as NULL.
+        rows = [Metric(run_id=run_id, step=int(step), name=name, value=float(value), created_at=now)
+                for name, value in values.items() if math.isfinite(value)]
+        session.add_all(rows)
+        await session.flush()  # their ids, for the announcement
+        await self.feed.announce(session, run_id, [row.id for row in rows])
 
 
 def cancelled(params: dict[str, Any], sequence: dict[str, Any]) -> dict[str, Any]:

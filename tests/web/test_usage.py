@@ -1,0 +1,70 @@
+"""The Usage page (issue 18 §6): a user's compute seconds, cost and tokens trained and sampled, in all, by day and by
+run, read from the call records; an admin sees every user's, and another user's page is not found for anyone else."""
+
+from __future__ import annotations
+
+import re
+from datetime import UTC, datetime
+
+from app.db import Database
+from app.services.users import UserService
+from rewardsignal import SignalClient
+from tests.helpers.live_server import LiveServer
+from tests.web.conftest import api_key_for, run_async, sign_in
+
+BATCH = [{"text": "The quick brown fox jumps over the lazy dog."}]
+RUN = "query($id: ID!) { run(id: $id) { computeSeconds } }"
+
+
+def user_id(server: LiveServer, email: str) -> str:
+    async def find() -> str:
+        db = Database(server.settings.resolved_database_url)
+        try:
+            return (await UserService(db).get_or_create(email))[0].id
+        finally:
+            await db.dispose()
+
+    return str(run_async(find()))
+
+
+def row(html: str, attribute: str) -> list[str]:
+    """The cells of the table row marked `data-…="…"` (`attribute`), tags dropped."""
+    found = re.search(rf'<tr {re.escape(attribute)}>(.*?)</tr>', html, re.S)
+    assert found, f"no row {attribute} on the page"
+    return [re.sub(r"<[^>]+>", "", cell).strip() for cell in re.findall(r"<td[^>]*>(.*?)</td>", found.group(1), re.S)]
+
+
+def test_usage_adds_up_a_users_calls_and_an_admin_sees_every_user(live_server: LiveServer) -> None:
+    email = "usage@example.com"
+    key = api_key_for(live_server, email)
+    run = SignalClient(api_key=key, base_url=live_server.url).create_run(lora_r=4, name="usage run")
+    trained = run.forward_backward(batch=BATCH).num_tokens
+    run.optim_step()
+    sampled = run.sample(prompts=["Hello"], max_tokens=5, num_samples=2, seed=1)
+    generated = sum(len(sequence["tokens"]) for sequences in sampled.sequences for sequence in sequences)
+    seconds = live_server.graphql(RUN, {"id": run.id}, key=key)["data"]["run"]["computeSeconds"]
+    assert seconds > 0
+    # calls, compute seconds, GPU-seconds (none on the CPU), credits (the CPU rate is 0), tokens trained and sampled
+    expected = ["3", f"{seconds:.1f}", "0.0", "0.00", f"{trained:,}", f"{generated:,}"]
+
+    owner = sign_in(live_server, email)
+    page = owner.client.get("/usage")
+    assert page.status_code == 200
+    assert row(page.text, 'data-usage="total"') == ["Total", *expected]
+    assert row(page.text, f'data-run="{run.id}"') == ["usage run", *expected]
+    today = datetime.now(UTC).date().isoformat()
+    assert row(page.text, f'data-day="{today}"') == [today, *expected]
+    assert "By user" not in page.text  # an admin's table only
+
+    someone = sign_in(live_server)
+    assert someone.client.get(f"/usage?user={user_id(live_server, email)}").status_code == 404
+    assert row(someone.client.get("/usage").text, 'data-usage="total"')[1] == "0"  # their own: no calls
+    assert someone.client.get("/usage?days=0").status_code == 422
+
+    admin = sign_in(live_server, "usage-admin@example.com", is_admin=True)
+    listed = admin.client.get("/usage?days=7").text
+    owner_id = user_id(live_server, email)
+    assert row(listed, f'data-user="{owner_id}"') == [email, *expected]
+    theirs = admin.client.get(f"/usage?user={owner_id}").text
+    assert f"{email}'s calls since" in theirs  # whose page it is
+    assert row(theirs, f'data-run="{run.id}"') == ["usage run", *expected]
