@@ -657,6 +657,8 @@ class RunService:
                 checkpoint.step, checkpoint.mode = int(result["step"]), result["mode"]
                 checkpoint.size_bytes = int(result["size_bytes"])
                 checkpoint.hub_url = result.get("hub", {}).get("url") or checkpoint.hub_url
+                checkpoint.with_optimizer = bool(result.get("with_optimizer", False))
+                checkpoint.pending_excluded = int(result.get("pending_excluded", 0))
             return checkpoint
 
         return await self._apply(user, run_id, "save_state", request_id, arguments, record, allowed=hub, order=order)
