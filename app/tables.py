@@ -193,6 +193,10 @@ class Checkpoint(Base):
     # may share one ("final"). Saved before names existed: step-N.
     name: Mapped[str] = mapped_column(String(128), default="")
     expires_at: Mapped[datetime | None] = mapped_column(default=None)  # unnamed sampler snapshots only
+    # What the runtime's SaveStateResult says of it: AdamW's state is in it (loadState resumes it exactly), and how
+    # many forward_backward calls' pending gradients it left out. Rows saved before these existed read false and 0.
+    with_optimizer: Mapped[bool] = mapped_column(Boolean, default=False)
+    pending_excluded: Mapped[int] = mapped_column(Integer, default=0)
 
     __table_args__ = (Index("ix_checkpoints_run_mode_name", "run_id", "mode", "name", unique=True),)
 

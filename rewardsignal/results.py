@@ -105,6 +105,8 @@ class CheckpointResult(Result):
     hub_url: str | None
     created_at: str
     download_url: str
+    with_optimizer: bool  # AdamW's state is in it: load_state(with_optimizer=True) resumes the run exactly
+    pending_excluded: int  # forward_backward calls whose pending gradients it left out
 
 
 class Limits(Result):

@@ -152,6 +152,10 @@ class Checkpoint:
     created_at: datetime
     run_id: strawberry.Private[str]
     expires_at: datetime | None = strawberry.field(default=None, description="An unnamed sampler snapshot's expiry")
+    with_optimizer: bool = strawberry.field(default=False, description="AdamW's state is in it: loadState with "
+                                            "withOptimizer resumes the run exactly")
+    pending_excluded: int = strawberry.field(default=0, description="forward_backward calls whose gradients were "
+                                             "pending when it was saved: not in it")
 
     @strawberry.field(description="GET it with the API key (Bearer) or a dashboard session: the checkpoint's "
                       "files as a .tar.gz")
@@ -170,7 +174,8 @@ class Checkpoint:
     def from_row(cls, row: tables.Checkpoint) -> Checkpoint:
         return cls(id=strawberry.ID(str(row.id)), step=row.step, mode=row.mode, name=row.name, checkpoint_path=row.path,
                    size_bytes=float(row.size_bytes), hub_url=row.hub_url, created_at=row.created_at, run_id=row.run_id,
-                   expires_at=row.expires_at)
+                   expires_at=row.expires_at, with_optimizer=row.with_optimizer,
+                   pending_excluded=row.pending_excluded)
 
 
 @strawberry.type

@@ -688,6 +688,8 @@ class RunService:
             checkpoint.step, checkpoint.mode = int(result["step"]), result["mode"]
             checkpoint.size_bytes = int(result["size_bytes"])
             checkpoint.hub_url = result.get("hub", {}).get("url") or checkpoint.hub_url
+            checkpoint.with_optimizer = bool(result.get("with_optimizer", False))
+            checkpoint.pending_excluded = int(result.get("pending_excluded", 0))
             await session.flush()  # its id, for the answer
             return checkpoint
 

@@ -96,10 +96,13 @@ def test_the_sdk_saves_lists_downloads_loads_and_deletes(live_server: LiveServer
     client = SignalClient(api_key=key, base_url=live_server.url)
     run = client.create_run(lora_r=4, seed=2)
     train(client, run.id, 1)
+    run.forward_backward(BATCH)  # pending at the save: a checkpoint leaves its gradients out, and says so
     final = run.save_state(mode="state", name="final")
     adapter = run.save_state(name="final")  # the same name, another kind
     assert (final.name, final.mode, adapter.name, adapter.mode) == ("final", "state", "final", "adapter")
-    assert sorted((c.mode, c.name) for c in run.checkpoints()) == [("adapter", "final"), ("state", "final")]
+    assert (final.with_optimizer, final.pending_excluded, adapter.with_optimizer) == (True, 1, False)
+    assert sorted((c.mode, c.name, c.with_optimizer, c.pending_excluded) for c in run.checkpoints()) == [
+        ("adapter", "final", False, 1), ("state", "final", True, 1)]
     files = final.download(tmp_path / "final")
     assert (Path(files) / "optimizer_state.pt").is_file() and (Path(files) / "checkpoint.json").is_file()
 

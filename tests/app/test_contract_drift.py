@@ -165,11 +165,7 @@ MIRRORS: list[Mirror] = [
                           "compute_seconds": BILLED, "replayed": REPLAYED}),
     Mirror("Checkpoint", contract.SaveStateResult,
            renamed={"hub": ("hubUrl",)},
-           contract_only={"compute_seconds": BILLED, "replayed": REPLAYED,
-                          # Known gap: saveState answers with a stored row, which keeps neither; showing them needs
-                          # columns on checkpoints (a migration), so they stay listed here until then.
-                          "with_optimizer": "not stored on the checkpoint row saveState answers with (known gap)",
-                          "pending_excluded": "not stored on the checkpoint row saveState answers with (known gap)"},
+           contract_only={"compute_seconds": BILLED, "replayed": REPLAYED},
            graphql_only={"id": "the row's key", "createdAt": "the row's", "expiresAt": "the row's (unnamed snapshots)",
                          "path": "signal://… built from the row; the contract's is checkpoint_path",
                          "downloadUrl": "the server's URL for the row"}),
