@@ -38,6 +38,9 @@ class Settings(BaseSettings):
     models_file: Path = Field(resource_dir("config") / "models.yaml", description="The model catalogue.")
     default_model: str = Field("HuggingFaceTB/SmolLM2-135M-Instruct", description="Base model when none is given.")
     max_request_bytes: int = Field(16 * 1024 * 1024, description="Largest request body; bigger ones get 413.")
+    max_primitives_per_request: int = Field(4, ge=1, description="Most primitive calls (forwardBackward, optimStep, "
+                                            "sample, ...) one GraphQL request may carry; more is BAD_INPUT naming "
+                                            "the first field past it, before any runs.")
     # ---- the GPU runtime's own settings: defaults from RuntimeOptions, their single source ----
     tinker_poll_s: float = Field(30.0, gt=0, le=40, description="Tinker's retrieve_future holds a pending poll this "
                                  "long, then answers try_again (the SDK times a poll out at 45 s).")

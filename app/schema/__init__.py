@@ -6,6 +6,7 @@ import strawberry
 from strawberry.extensions import MaxAliasesLimiter, MaxTokensLimiter, QueryDepthLimiter
 
 from app.schema.errors import SignalErrors
+from app.schema.limits import PrimitivesLimiter
 from app.schema.mutation import Mutation
 from app.schema.query import Query
 from app.schema.subscription import Subscription
@@ -28,6 +29,7 @@ schema = SignalSchema(
         lambda: QueryDepthLimiter(max_depth=MAX_DEPTH),
         lambda: MaxAliasesLimiter(max_alias_count=MAX_ALIASES),
         lambda: MaxTokensLimiter(max_token_count=MAX_TOKENS),
+        PrimitivesLimiter,
         SignalErrors,
     ],
 )
