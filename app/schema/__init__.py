@@ -5,6 +5,7 @@ from __future__ import annotations
 import strawberry
 from strawberry.extensions import MaxAliasesLimiter, MaxTokensLimiter, QueryDepthLimiter
 
+from app.schema.coercion import FieldNamingExecutionContext
 from app.schema.errors import SignalErrors
 from app.schema.limits import PrimitivesLimiter
 from app.schema.mutation import Mutation
@@ -32,4 +33,5 @@ schema = SignalSchema(
         PrimitivesLimiter,
         SignalErrors,
     ],
+    execution_context_class=FieldNamingExecutionContext,
 )
