@@ -80,6 +80,11 @@ class Settings(BaseSettings):
     min_free_disk_bytes: int = Field(RuntimeOptions.min_free_disk_bytes, description="Below this free space in the "
                                      "data directory, the runtime refuses calls that write (forward_backward, "
                                      "optim_step, save_state, create_run) with RESOURCE_EXHAUSTED; sampling goes on.")
+    max_user_calls_in_flight: int = Field(RuntimeOptions.max_user_calls_in_flight, description="Most calls of one "
+                                          "user the runtime works on at once (every server process's calls count).")
+    max_user_calls_waiting: int = Field(RuntimeOptions.max_user_calls_waiting, description="Past the calls in "
+                                        "flight, most calls of one user waiting their turn; more are refused "
+                                        "RESOURCE_EXHAUSTED (resource calls, retryAfterS; HTTP 429 on /v1).")
     allow_downloads: bool = Field(False, description="Let the worker download models from the HF Hub.")
     worker_log: Path | None = Field(None, description="File for the worker's stderr; empty means inherit.")
     bootstrap_admin: bool = Field(True, description="On first start with no users, create an admin and print a key.")
