@@ -312,7 +312,7 @@ class Control:
         state.remember(call.request_id, result.to_dict(), body)
         append_manifest(state.paths.manifest, {"event": LOAD_STATE, "checkpoint": ref.path, "step": state.step,
                                                "with_optimizer": call.with_optimizer})
-        self.recovery.snapshot(state)  # the journal first, then the snapshot covering the load
+        self.recovery.snapshot(state, required=False)  # the journal first, then the snapshot covering the load
         return result
 
     def delete_checkpoint(self, call: DeleteCheckpoint) -> dict[str, Any]:
