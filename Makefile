@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # torch 2.13.0 is a CPU build on machines without a GPU; where nvidia-smi answers, pip picks a CUDA build.
 TORCH := torch==2.13.0
 
-.PHONY: install serve test test-fast test-web test-postgres lint schema bench clean screenshots
+.PHONY: install cookbook serve test test-fast test-web test-postgres lint schema bench clean screenshots
 
 install: $(STAMP)
 
@@ -24,15 +24,28 @@ $(STAMP): pyproject.toml rewardsignal/pyproject.toml
 serve: install
 	$(VENV)/bin/signal serve
 
-test: install
+# tinker-cookbook's recipes, run unmodified by tests/tinker/test_cookbook.py; tests only, never `make serve`.
+# --no-deps: the wheel requires tml-renderers>=0.4.1, which the package index lacks (it stops at 0.2.1); only the
+# Inkling and Kimi K3 tokenizers import it. Then what sl_loop and rl_loop import (rl_loop's grader: sympy, pylatexenc).
+COOKBOOK := $(VENV)/.cookbook
+COOKBOOK_DEPS := chz==0.4.0 blobfile==3.3.0 cloudpickle==3.1.3 datasets==5.2.0 pillow==13.0.0 sympy==1.14.0 pylatexenc==2.11
+
+cookbook: $(COOKBOOK)
+
+$(COOKBOOK): $(STAMP) Makefile
+	$(PIP) install --no-deps tinker-cookbook==0.6.1
+	$(PIP) install $(COOKBOOK_DEPS)
+	touch $(COOKBOOK)
+
+test: install cookbook
 	$(PY) -m pytest -q --durations=15
 
-test-fast: install
+test-fast: install cookbook
 	$(PY) -m pytest -q -m "not slow"
 
 # Every test that touches the database (all but the runtime's own, tests/gpu_runtime), on a PostgreSQL the
 # tests start themselves (Debian's postgresql package): one server, a fresh database per module.
-test-postgres: install
+test-postgres: install cookbook
 	SIGNAL_TEST_DATABASE=postgres $(PY) -m pytest -q --durations=15 tests/app tests/web tests/examples tests/sdk tests/faults tests/openai tests/tinker
 
 # The dashboard alone, in Debian's chromium (apt-get install chromium).

@@ -18,13 +18,12 @@ from collections import defaultdict, deque
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
-import asyncpg
 from sqlalchemy import func, select
-from sqlalchemy.engine import make_url
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from app.db import Database
+from app.pg_listen import listen
 from app.tables import Metric
 
 log = logging.getLogger("signal.events")
@@ -131,34 +130,8 @@ class MetricFeed:
     # ---- PostgreSQL: LISTEN, read by id, backfill on (re)connect -----------------------------
 
     async def _listen(self) -> None:
-        # Its own connection, outside the pool: LISTEN belongs to one session (so not a transaction pooler's).
-        dsn = make_url(self.db.url).set(drivername="postgresql").render_as_string(hide_password=False)
-        delay = 0.5
-        while True:
-            try:
-                connection = await asyncpg.connect(dsn)
-            except (OSError, asyncpg.PostgresError) as error:
-                log.warning("live metrics: LISTEN connection failed (%s); again in %.1f s", error, delay)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 30.0)
-                continue
-            delay = 0.5
-            try:
-                await self._listen_on(connection)
-                log.warning("live metrics: the LISTEN connection closed; reconnecting")
-            except (OSError, asyncpg.PostgresError, SQLAlchemyError) as error:
-                log.warning("live metrics: LISTEN connection lost (%s); reconnecting", error)
-            finally:
-                with contextlib.suppress(Exception):
-                    await connection.close(timeout=5)
-
-    async def _listen_on(self, connection: asyncpg.Connection) -> None:
-        notices: asyncio.Queue[str | None] = asyncio.Queue()  # payloads; None: the connection ended
-        await connection.add_listener(CHANNEL, lambda _c, _pid, _channel, payload: notices.put_nowait(payload))
-        connection.add_termination_listener(lambda _c: notices.put_nowait(None))
-        await self._catch_up()  # what was written while nobody here listened
-        while (payload := await notices.get()) is not None:
-            await self._deliver(json.loads(payload))
+        await listen(self.db.url, CHANNEL, self._catch_up, lambda payload: self._deliver(json.loads(payload)),
+                     "live metrics")
 
     async def _deliver(self, notice: dict[str, Any]) -> None:
         ids = [int(i) for i in notice.get("ids", []) if int(i) not in self._recent_set]

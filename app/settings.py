@@ -44,6 +44,8 @@ class Settings(BaseSettings):
     # ---- the GPU runtime's own settings: defaults from RuntimeOptions, their single source ----
     tinker_poll_s: float = Field(30.0, gt=0, le=40, description="Tinker's retrieve_future holds a pending poll this "
                                  "long, then answers try_again (the SDK times a poll out at 45 s).")
+    tinker_result_ttl_s: float = Field(3600.0, gt=0, description="A finished Tinker future stays retrievable this "
+                                       "long; then its row is deleted (and a resubmission of it runs again).")
     max_batch_size: int = Field(RuntimeOptions.max_batch_size, description="Most items one forward_backward may carry.")
     # Per-call sizes: the server refuses an over-bound call before it leaves, the runtime again once it has tokenized.
     max_batch_tokens: int = Field(RuntimeOptions.max_batch_tokens, description="Most tokens one forward_backward "

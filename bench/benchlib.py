@@ -73,7 +73,8 @@ def scratch_data_dir(model_cache_parent: str | Path) -> Iterator[Path]:
     """A fresh data directory for this benchmark's runs, sharing the real one's model cache."""
     cache = Path(model_cache_parent).resolve() / "models"
     cache.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="signal-bench-") as tmp:
+    # ignore_cleanup_errors: a runtime process still writing its last step as the server stops leaves files behind
+    with tempfile.TemporaryDirectory(prefix="signal-bench-", ignore_cleanup_errors=True) as tmp:
         (Path(tmp) / "models").symlink_to(cache)
         yield Path(tmp)
 
@@ -176,7 +177,9 @@ class BenchServer:
             await db.dispose()
             return secret
 
-        self.client = SignalClient(api_key=asyncio.run(make_key()), base_url=f"http://127.0.0.1:{port}")
+        self.url, self.model_name = f"http://127.0.0.1:{port}", "bench-model"
+        self.api_key = asyncio.run(make_key())
+        self.client = SignalClient(api_key=self.api_key, base_url=self.url)
 
     def close(self) -> None:
         self.client.close()

@@ -53,6 +53,7 @@ class SampleJob:
     compute_seconds: float = 0.0  # its rows' share of the group's decode chunks
     key: str = ""  # its rows' routing key (gpu_runtime/weights_sources.py): a run, "<run>@<snapshot>", a base
     snapshot: Any = None  # the snapshot it reads (gpu_runtime/snapshots.py), held in use until it finishes
+    streams: list[Any] = field(default_factory=list)  # a streamed call's IncrementalText per row (sampling_calls.py)
 
 
 class DecodeGroup:

@@ -35,6 +35,7 @@ from gpu_runtime import weights_sources
 from gpu_runtime.compute import RankCompute, open_hardware
 from gpu_runtime.contract import (
     Call,
+    Cancel,
     CloseRun,
     CreateRun,
     DeleteCheckpoint,
@@ -129,6 +130,7 @@ class Engine(InProcess):
                 c, self.recovery.state(c.run_id) if c.run_id is not None else None).to_dict(),
             RenderChat: lambda c: self.sampling.render_chat(
                 c, self.recovery.state(c.run_id) if c.run_id is not None else None).to_dict(),
+            Cancel: lambda c: self.sampling.cancel(c).to_dict(),
         }
 
     # What the rooms share, read by transports, tests and benchmarks.
@@ -152,8 +154,10 @@ class Engine(InProcess):
 
     # ---- calls ----------------------------------------------------------------------------
 
-    def submit(self, method: str, params: dict[str, Any], reply: Callable[[dict[str, Any]], None]) -> None:
-        """Queue one call (thread-safe); `reply` gets {"result": …} or {"error": …} exactly once."""
+    def submit(self, method: str, params: dict[str, Any], reply: Callable[[dict[str, Any]], None],
+               progress: Callable[[dict[str, Any]], None] | None = None) -> None:
+        """Queue one call (thread-safe); `reply` gets {"result": …} or {"error": …} exactly once, and before it a
+        streamed sample's `progress` gets each SampleChunk (a transport without progress passes None)."""
         try:
             if not isinstance(params, dict):
                 raise BadInput("params must be an object of the method's arguments", field="params")
@@ -174,8 +178,9 @@ class Engine(InProcess):
         except SignalError as exc:
             reply({"error": exc.to_dict()})
             return
+        streamed = progress if isinstance(call, Sample) and call.stream else None
         self.scheduler.submit(Request(call.method.value, args, reply, user_id=user, run_id=None if frozen else run_id,
-                                      ticket=None if frozen else ticket, call=call, frozen=frozen))
+                                      ticket=None if frozen else ticket, call=call, frozen=frozen, progress=streamed))
 
     def _check_disk(self) -> None:
         """Refuse a writing call before any state changes while free space is under the margin (sampling goes on)."""

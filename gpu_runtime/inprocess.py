@@ -19,7 +19,8 @@ class InProcess:
     scheduler: Scheduler
     sampling: Sampling
 
-    def submit(self, method: str, params: dict[str, Any], reply: Callable[[dict[str, Any]], None]) -> None:
+    def submit(self, method: str, params: dict[str, Any], reply: Callable[[dict[str, Any]], None],
+               progress: Callable[[dict[str, Any]], None] | None = None) -> None:
         raise NotImplementedError
 
     def tick(self) -> TickStats:

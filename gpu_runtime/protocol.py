@@ -2,6 +2,7 @@
 
 request  {"id": 7, "method": "forward_backward", "params": {...}}
 response {"id": 7, "result": {...}}  or  {"id": 7, "error": SignalError.to_dict()}
+progress {"id": 7, "chunk": {...}}  (a streamed sample's SampleChunk, any number before its response)
 first line from the worker: {"ready": true, "pid": 123, "contract": 2}  (or {"ready": false, "error": {...}})
 The same lines travel over a pipe (a child runtime) or the data directory's Unix socket (`signal runtime`),
 where the runtime greets each connection with the ready line. No torch here: the server imports this module.

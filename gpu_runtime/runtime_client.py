@@ -21,6 +21,7 @@ import sys
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 from typing import IO, Any
@@ -62,6 +63,7 @@ class RuntimeClient:
         self._spawned: list[subprocess.Popen[bytes]] = []  # detached runtimes we started, reaped once they exit
         # request id → (method, its future, the process it was sent to: only that one's death fails it, the call's key)
         self._pending: dict[int, tuple[str, Future[dict[str, Any]], Any, CallKey | None]] = {}
+        self._progress: dict[int, Callable[[dict[str, Any]], None]] = {}  # streamed calls' chunk handlers
         # A call's key → the runtime deaths in a row it was in flight through (answered: forgotten).
         self._deaths: OrderedDict[CallKey, int] = OrderedDict()
         self._ids = itertools.count(1)
@@ -108,8 +110,10 @@ class RuntimeClient:
 
     # ---- calls ----------------------------------------------------------------------------
 
-    def submit(self, method: str, **params: Any) -> Future[dict[str, Any]]:
-        """Send one call; the Future holds its result, or the SignalError the runtime sent, or WorkerFailed."""
+    def submit(self, method: str, progress: Callable[[dict[str, Any]], None] | None = None,
+               **params: Any) -> Future[dict[str, Any]]:
+        """Send one call; the Future holds its result, or the SignalError the runtime sent, or WorkerFailed.
+        `progress` gets a streamed call's chunks, on the reader thread, before the Future is done."""
         future: Future[dict[str, Any]] = Future()
         key = call_key(params)
         with self._lock:
@@ -123,11 +127,14 @@ class RuntimeClient:
             assert process is not None and process.stdin is not None
             request_id = next(self._ids)
             self._pending[request_id] = (method, future, process, key)
+            if progress is not None:
+                self._progress[request_id] = progress
             try:
                 process.stdin.write(encode({"id": request_id, "method": method, "params": params}))
                 process.stdin.flush()
             except (BrokenPipeError, OSError):
                 self._pending.pop(request_id, None)
+                self._progress.pop(request_id, None)
                 future.set_exception(WorkerFailed(f"worker process is gone; {method} was not sent"))
         return future
 
@@ -263,7 +270,14 @@ class RuntimeClient:
     def _read_answers(self, process: subprocess.Popen[bytes] | RuntimeConnection) -> None:
         assert process.stdout is not None
         while (message := _read_message(process.stdout)) is not None:
+            if "chunk" in message:  # a streamed call's progress: its entry stays until the answer
+                with self._lock:
+                    handler = self._progress.get(message.get("id"))  # type: ignore[arg-type]  # no id finds None
+                if handler is not None:
+                    handler(message["chunk"])
+                continue
             with self._lock:
+                self._progress.pop(message.get("id"), None)  # type: ignore[arg-type]  # an answer without an id finds None
                 entry = self._pending.pop(message.get("id"), None)  # type: ignore[arg-type]  # an answer without an id finds None
                 if entry is not None and entry[3] is not None:
                     self._deaths.pop(entry[3], None)  # answered: its deaths in a row are over
@@ -288,6 +302,7 @@ class RuntimeClient:
             failed = [(rid, entry) for rid, entry in self._pending.items() if entry[2] is process]
             for rid, _ in failed:
                 del self._pending[rid]
+                self._progress.pop(rid, None)
             poisoned = {key for _, (_, _, _, key) in failed if key is not None and self._died_with(key)}
         for _, (method, future, _, key) in failed:
             if not future.set_running_or_notify_cancel():

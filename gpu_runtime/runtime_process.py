@@ -98,6 +98,10 @@ class Channel:
 
         return reply
 
+    def progress(self, request_id: Any) -> Any:
+        """A streamed call's chunks, each a line {"id", "chunk"} before its answer."""
+        return lambda chunk: self.send({"id": request_id, "chunk": chunk})
+
     def wait_answered(self) -> None:
         with self.answered:
             self.answered.wait_for(lambda: self.unanswered == 0)
@@ -116,7 +120,8 @@ def read_requests(engine: Any, channel: Channel, stream: IO[bytes]) -> None:
         if request.get("method") == HEARTBEAT:  # on this thread: it must answer while a tick runs
             channel.send({"id": request.get("id"), "result": engine.heartbeat()})
             continue
-        engine.submit(request.get("method"), request.get("params") or {}, channel.replier(request.get("id")))
+        engine.submit(request.get("method"), request.get("params") or {}, channel.replier(request.get("id")),
+                      channel.progress(request.get("id")))
 
 
 def read_stdin(engine: Any, channel: Channel) -> None:

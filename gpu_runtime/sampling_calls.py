@@ -15,15 +15,19 @@ from typing import Any, cast
 import torch
 
 from gpu_runtime.contract import (
+    Cancel,
+    CancelResult,
     RenderChat,
     RenderChatResult,
     Sample,
+    SampleChunk,
     SampleResult,
     Tokenizer,
     TokenizerResult,
     check_sample_size,
 )
 from gpu_runtime.decoding import DecodeGroup, SampleJob
+from gpu_runtime.detokenize import IncrementalText
 from gpu_runtime.errors import BadInput, SignalError
 from gpu_runtime.pool import BaseEntry
 from gpu_runtime.run_state import REMEMBERED_SAMPLES, RunState, check_same_body
@@ -41,6 +45,9 @@ class Sampling:
         # Answers of frozen samples by (run or user, request id), each with its call's body hash: memory only, like
         # a run's `sampled`.
         self.answers: OrderedDict[tuple[str, str], tuple[str, dict[str, object]]] = OrderedDict()
+        # Cancels of samples not decoding when they came, by (user, request id): one queued, or picked in the same
+        # tick, is answered as it starts. Bounded: a cancel for a sample already answered is never matched.
+        self.cancels: OrderedDict[tuple[str, str], None] = OrderedDict()
 
     def replayed(self, call: Sample) -> SampleResult | None:
         """A retry whose first answer may not have reached the caller: that answer again."""
@@ -121,7 +128,38 @@ class Sampling:
                 self.shared.residency.touch(job.state)
             if job.snapshot is not None:
                 self.snapshots.acquire(job.snapshot)
-        self.groups.append(DecodeGroup(entry, jobs, eos_ids(entry)))
+        group = DecodeGroup(entry, jobs, eos_ids(entry))
+        self.groups.append(group)
+        for job in jobs:  # cancelled before it started: answered now, with nothing generated
+            if job.request.request_id and (job.request.user_id, job.request.request_id) in self.cancels:
+                self._cancel_job(group, job)
+        if group.done:
+            self.groups.remove(group)
+
+    def cancel(self, call: Cancel) -> CancelResult:
+        """Answer the sample `call` names with what it has so far (stop_reason "cancelled"); one not decoding yet is
+        remembered, and answered (with nothing generated) as it starts."""
+        for group in list(self.groups):
+            for job in group.jobs:
+                request = job.request
+                if not job.done and request.request_id == call.request_id and request.user_id == call.user_id:
+                    self._cancel_job(group, job)
+                    if group.done:
+                        self.groups.remove(group)
+                    return CancelResult(found=True)
+        self.cancels[(call.user_id, call.request_id)] = None
+        while len(self.cancels) > REMEMBERED_SAMPLES:
+            self.cancels.popitem(last=False)
+        return CancelResult(found=False)
+
+    def _cancel_job(self, group: DecodeGroup, job: SampleJob) -> None:
+        self.cancels.pop((job.request.user_id, job.request.request_id or ""), None)
+        job.done = True
+        job.reasons = [reason or "cancelled" for reason in job.reasons]
+        result = {**group.result(job), "compute_seconds": job.compute_seconds}
+        self._remember(job, result)
+        self._release(job)
+        self.shared.scheduler.finish(job.request, {"result": result})
 
     def advance(self, stats: TickStats) -> None:
         """Every decode group by one chunk; finished calls are answered, a failing group fails its calls alone."""
@@ -143,6 +181,9 @@ class Sampling:
             for job in active:  # the chunk's seconds, shared by the rows of the calls still decoding
                 job.compute_seconds += seconds * (job.end - job.start) / max(rows, 1)
             group.entry.idle_since = time.monotonic()  # a base being decoded on is not idle
+            for job in active:
+                if not job.done and job.request.progress is not None:
+                    self._stream(group, job)
             for job in finished:
                 result = {**group.result(job), "compute_seconds": job.compute_seconds}
                 self._remember(job, result)
@@ -150,6 +191,31 @@ class Sampling:
                 scheduler.finish(job.request, {"result": result})
             if group.done:
                 self.groups.remove(group)
+
+    def _stream(self, group: DecodeGroup, job: SampleJob) -> None:
+        """A streamed job's progress after a chunk: each sequence's newly settled text and ids (none once finished)."""
+        tokenizer = group.entry.base.tokenizer
+        if not job.streams:
+            stops = job.settings.stop
+
+            def decode(ids: list[int]) -> str:
+                return cast(str, tokenizer.decode(ids, skip_special_tokens=True))  # one sequence in, one str out
+
+            job.streams = [IncrementalText(decode, stops) for _ in job.tokens]
+        rows: list[dict[str, Any]] = []
+        for i, stream in enumerate(job.streams):
+            if job.reasons[i] is not None:
+                rows.append({"text": "", "tokens": [], "logprobs": []})
+                continue
+            start = stream.ids
+            text, count = stream.step(job.tokens[i])
+            rows.append({"text": text, "tokens": job.tokens[i][start:start + count],
+                         "logprobs": job.logprobs[i][start:start + count]})
+        if any(row["text"] or row["tokens"] for row in rows):
+            n = job.settings.num_samples
+            chunk = SampleChunk(sequences=[rows[p * n:(p + 1) * n] for p in range(len(job.prompt_ids))])
+            assert job.request.progress is not None
+            job.request.progress(chunk.to_dict())
 
     def fail_all(self, error: dict[str, object], groups: list[DecodeGroup] | None = None) -> None:
         """Fail every call still decoding in `groups` (all groups: a rank failed) and drop those groups."""

@@ -66,6 +66,7 @@ class Request:
     since: float = 0.0  # time.monotonic() at submit: how long a ticket has waited for the ones before it
     call: Any = None  # the typed request (gpu_runtime.contract.Call); the scheduler never looks inside
     frozen: bool = False  # a sample on frozen weights: in the free lane, outside every run's queue
+    progress: Callable[[dict[str, Any]], None] | None = None  # a streamed sample's chunks, before its one reply
     counted: bool = False  # taken in under its user's bound on calls in flight (released when answered)
 
     @property

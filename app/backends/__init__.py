@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from app.settings import Settings
+
+Progress = Callable[[dict[str, Any]], None]
 
 
 class Backend(Protocol):
@@ -19,8 +22,10 @@ class Backend(Protocol):
     async def start(self) -> None: ...  # begins starting the runtime; returns at once
 
     # `pool`: the run's pool key (gpu_runtime.allocation.pool_key), None for calls on no run. On Modal it picks the
-    # container; the local runtime is one pool for the whole machine and ignores it.
-    async def call(self, method: str, pool: str | None = None, **params: Any) -> dict[str, Any]: ...
+    # container; the local runtime is one pool for the whole machine and ignores it. `progress`: a streamed sample's
+    # SampleChunk dicts, called on the event loop before the call returns (Modal calls it never: the result is all).
+    async def call(self, method: str, pool: str | None = None, progress: Progress | None = None,
+                   **params: Any) -> dict[str, Any]: ...
 
     async def close(self) -> None: ...
 

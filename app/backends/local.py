@@ -19,6 +19,7 @@ from typing import Any
 
 import anyio.to_thread
 
+from app.backends import Progress
 from app.settings import Settings
 from gpu_runtime.errors import SignalError
 from gpu_runtime.runtime_client import RuntimeClient
@@ -85,7 +86,8 @@ class LocalBackend:
                 continue
             watch.beat(float(answer.get("tick_seconds", 0.0)))
 
-    async def call(self, method: str, pool: str | None = None, **params: Any) -> dict[str, Any]:
+    async def call(self, method: str, pool: str | None = None, progress: Progress | None = None,
+                   **params: Any) -> dict[str, Any]:
         # `pool` is ignored: this machine's runtime is one pool holding every base it is asked for.
         self.in_flight += 1
         try:
@@ -95,7 +97,8 @@ class LocalBackend:
                 # thread. Nothing acknowledged is lost: the runtime restores runs from their journals.
                 await anyio.to_thread.run_sync(self.client.start)
             # In a thread: a large batch can fill the pipe, and the write would block the event loop.
-            future = await anyio.to_thread.run_sync(functools.partial(self.client.submit, method, **params))
+            future = await anyio.to_thread.run_sync(functools.partial(self.client.submit, method, _on_loop(progress),
+                                                                      **params))
             log.debug("%s sent to the runtime (run %s)", method, params.get("run_id"))
             # Shielded: cancelling the caller must not cancel the client's Future, which the runtime still answers.
             # A WorkerFailed passes through; the next call starts a new runtime.
@@ -140,6 +143,18 @@ class Watch:
         if self.silent_for() > self.unresponsive_s:
             return "unresponsive"
         return "busy" if self.tick_seconds > self.busy_tick_s else "ok"
+
+
+def _on_loop(progress: Progress | None) -> Progress | None:
+    """The client calls `progress` on its reader thread; the caller's is called on its event loop."""
+    if progress is None:
+        return None
+    loop = asyncio.get_running_loop()
+
+    def handed_over(chunk: dict[str, Any]) -> None:
+        loop.call_soon_threadsafe(progress, chunk)
+
+    return handed_over
 
 
 def _report_failed_start(starting: asyncio.Future[None]) -> None:

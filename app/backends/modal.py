@@ -21,6 +21,7 @@ from typing import Any
 
 import anyio.to_thread
 
+from app.backends import Progress
 from app.errors import BadInput, FailedPrecondition, SignalError, WorkerFailed
 from app.settings import Settings
 from gpu_runtime.allocation import PoolKey, modal_gpu
@@ -104,7 +105,10 @@ class ModalBackend:
             log.error("the Modal class %s.%s is not reachable (%s: %s); deploy it with `modal deploy -m "
                       "gpu_runtime.modal_app`, and see `signal doctor`", APP_NAME, CLASS_NAME, type(exc).__name__, exc)
 
-    async def call(self, method: str, pool: str | None = None, **params: Any) -> dict[str, Any]:
+    async def call(self, method: str, pool: str | None = None, progress: Progress | None = None,
+                   **params: Any) -> dict[str, Any]:
+        # `progress` is never called: a call's answer comes back whole from `.remote()`, so a streamed sample's text
+        # reaches the client as one chunk after it (docs/MODAL.md).
         if pool is None:
             if method not in SYSTEM_METHODS:
                 raise BadInput(f"{method} needs the run's pool on Modal", field="pool")

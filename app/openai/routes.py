@@ -8,6 +8,7 @@ Starlette's disconnect detection.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 import time
@@ -28,7 +29,7 @@ from app.openai.errors import OpenAIError, bad, from_signal, model_not_found
 from app.openai.params import parse
 from app.schema.context import bearer_from_header
 from app.services import Services
-from app.services.runs import SampleParams
+from app.services.runs import RunService, SampleParams
 from app.tables import Run, User
 from app.tinker import paths as tinker_paths
 from gpu_runtime.contract import MAX_TOKENS_LIMIT
@@ -94,15 +95,21 @@ def _model(target: Target, created: int = 0) -> dict[str, Any]:
 
 
 async def list_models(request: Request) -> Response:
-    """The caller's runs and their sampler snapshots, and the catalogue's models this server can load."""
+    """The caller's runs and their sampler snapshots (as `{run_id}@{name}`, and as `tinker://` paths for a run a
+    Tinker model drives), and the catalogue's models this server can load."""
     user = await _user(request)
     services = _services(request)
+    tinker_models, _ = await services.tinker_sessions.models(user, limit=1000, offset=0)
+    tinker_ids = {row.run_id: row.id for row in tinker_models if row.run_id}
     data = []
     for run in await services.runs.list(user, limit=1000):
         data.append(_model(Target(run.id, run)))
         for row in await services.runs.checkpoints(run):
             if row.mode == "sampler" and row.name:
                 data.append(_model(Target(f"{run.id}@{row.name}", run, row.name)))
+                if run.id in tinker_ids:
+                    path = tinker_paths.TinkerPath(tinker_ids[run.id], "sampler_weights", row.name).path
+                    data.append(_model(Target(path, run, row.name)))
     data += [_model(Target(model.name, base_model=model.name)) for model in services.catalog.list() if model.available]
     return JSONResponse({"object": "list", "data": data})
 
@@ -141,31 +148,78 @@ async def _generate(request: Request, chat: bool) -> Response:
     params = parse(await _body(request), chat)
     services = _services(request)
     target = await _run(services, user, params.model)
+    prompt_ids, sample, eos = await _prepared(services.runs, target, params, chat)
+    call = Sampling(services.runs, user, target, params, chat, prompt_ids, eos)
+    if params.stream and params.logprobs is None and not params.echo:
+        return await _streamed(call, sample)
+    try:
+        result = await call.sample(sample)
+        body, _ = await call.answer(result)
+    except SignalError as error:
+        raise from_signal(error, call.prompt_param) from None
+    if not params.stream:
+        return JSONResponse(body)
+    # Logprobs and echo in a stream: the whole answer after the sample (their per-token text needs a decode call).
+    return StreamingResponse(_events(body, chat, params.include_usage), media_type="text/event-stream",
+                             headers=SSE_HEADERS)
+
+
+async def _prepared(runs: RunService, target: Target, params: Any, chat: bool) -> tuple[list[list[int]], SampleParams,
+                                                                                  set[int]]:
+    """The prompts as token ids (chat rendered with the template), the sample's parameters, and the EOS ids."""
     run, base = target.run, target.base_model
-    runs = services.runs
     prompt_param = "messages" if chat else "prompt"
     try:
         if chat:
             rendered = await runs.render_chat(run, messages=params.messages, base_model=base)
             prompt_ids = [rendered["prompt_tokens"]]
-        elif isinstance(params.prompts[0], str):  # type: ignore[index]  # parse set prompts on completions
-            rendered = await runs.render_chat(run, prompts=params.prompts, base_model=base)  # type: ignore[arg-type]  # strings here
+        elif isinstance(params.prompts[0], str):
+            rendered = await runs.render_chat(run, prompts=params.prompts, base_model=base)
             prompt_ids = rendered["prompts_tokens"]
         else:
             rendered = await runs.render_chat(run, base_model=base)
-            prompt_ids = params.prompts  # type: ignore[assignment]  # token-id prompts
-        room = rendered["context_length"] - max(len(ids) for ids in prompt_ids)
-        if room < 1:
-            raise bad(prompt_param, f"the prompt is {max(len(ids) for ids in prompt_ids)} tokens; the model's context "
-                                    f"is {rendered['context_length']}")
-        sample = SampleParams(
-            prompt_tokens=prompt_ids, max_tokens=params.max_tokens or min(room, MAX_TOKENS_LIMIT),
-            temperature=params.temperature, top_p=params.top_p, stop=params.stop, num_samples=params.n,
-            seed=params.seed, prompt_logprobs=params.echo and params.logprobs is not None,
-            topk_prompt_logprobs=(params.logprobs or 0) if params.echo else 0,
-            topk_sample_logprobs=params.logprobs or 0, store=params.store)
-        result = await runs.sample(user, run.id if run else None, sample, snapshot=target.snapshot, base_model=base)
-        eos = set(rendered["eos_token_ids"])
+            prompt_ids = params.prompts  # token-id prompts
+    except SignalError as error:
+        raise from_signal(error, prompt_param) from None
+    room = rendered["context_length"] - max(len(ids) for ids in prompt_ids)
+    if room < 1:
+        raise bad(prompt_param, f"the prompt is {max(len(ids) for ids in prompt_ids)} tokens; the model's context "
+                                f"is {rendered['context_length']}")
+    sample = SampleParams(
+        prompt_tokens=prompt_ids, max_tokens=params.max_tokens or min(room, MAX_TOKENS_LIMIT),
+        temperature=params.temperature, top_p=params.top_p, stop=params.stop, num_samples=params.n,
+        seed=params.seed, prompt_logprobs=params.echo and params.logprobs is not None,
+        topk_prompt_logprobs=(params.logprobs or 0) if params.echo else 0,
+        topk_sample_logprobs=params.logprobs or 0, store=params.store)
+    return prompt_ids, sample, set(rendered["eos_token_ids"])
+
+
+@dataclass
+class Sampling:
+    """One /v1 request's sample and its answer in OpenAI's shape."""
+
+    runs: RunService
+    user: User
+    target: Target
+    params: Any  # app.openai.params.Request
+    chat: bool
+    prompt_ids: list[list[int]]
+    eos: set[int]
+
+    @property
+    def prompt_param(self) -> str:
+        return "messages" if self.chat else "prompt"
+
+    def sample(self, sample: SampleParams, request_id: str | None = None,
+               progress: Callable[[dict[str, Any]], None] | None = None) -> Awaitable[dict[str, Any]]:
+        run = self.target.run
+        return self.runs.sample(self.user, run.id if run else None, sample, request_id=request_id,
+                                snapshot=self.target.snapshot, base_model=self.target.base_model, progress=progress)
+
+    async def answer(self, result: dict[str, Any]) -> tuple[dict[str, Any], list[answers.Choice]]:
+        """The whole answer's body and its choices (the text of every id, prompt and top-k ones included, from the
+        runtime's tokenizer)."""
+        params, prompt_ids = self.params, self.prompt_ids
         wanted = {t for seq in result["sequences"] for s in seq for t in s["tokens"]}
         wanted |= {t for ids in prompt_ids for t in ids}
         for seq in result["sequences"]:
@@ -174,28 +228,23 @@ async def _generate(request: Request, chat: bool) -> Response:
         for tops in result.get("topk_prompt_logprobs") or []:
             wanted |= {int(pair[0]) for top in tops if top for pair in top}
         order = sorted(wanted)
-        decoded = await runs.render_chat(run, decode=order, base_model=base)
-    except SignalError as error:
-        raise from_signal(error, prompt_param) from None
-    pieces = dict(zip(order, decoded["pieces"]))
-    picked = answers.choices(result, pieces, eos)
-    prompt_texts = [p if isinstance(p, str) else "".join(pieces.get(t, "") for t in p) for p in
-                    (params.prompts or prompt_ids)]
-    usage = answers.usage(prompt_ids, picked)
-    ident, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
-    head = {"id": ident, "created": created, "model": params.model}
-    if chat:
-        items = [_chat_choice(c, params, pieces) for c in picked]
-        body = {**head, "object": "chat.completion", "choices": items, "usage": usage}
-        if params.return_token_ids:
-            body["prompt_token_ids"] = prompt_ids[0]
-    else:
-        items = [_completion_choice(c, params, pieces, prompt_ids, prompt_texts, result) for c in picked]
-        body = {**head, "object": "text_completion", "choices": items, "usage": usage}
-    if not params.stream:
-        return JSONResponse(body)
-    return StreamingResponse(_events(body, chat, params.include_usage), media_type="text/event-stream",
-                             headers=SSE_HEADERS)
+        decoded = await self.runs.render_chat(self.target.run, decode=order, base_model=self.target.base_model)
+        pieces = dict(zip(order, decoded["pieces"]))
+        picked = answers.choices(result, pieces, self.eos)
+        prompt_texts = [p if isinstance(p, str) else "".join(pieces.get(t, "") for t in p) for p in
+                        (params.prompts or prompt_ids)]
+        usage = answers.usage(prompt_ids, picked)
+        ident, created = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
+        head = {"id": ident, "created": created, "model": params.model}
+        if self.chat:
+            items = [_chat_choice(c, params, pieces) for c in picked]
+            body = {**head, "object": "chat.completion", "choices": items, "usage": usage}
+            if params.return_token_ids:
+                body["prompt_token_ids"] = prompt_ids[0]
+        else:
+            items = [_completion_choice(c, params, pieces, prompt_ids, prompt_texts, result) for c in picked]
+            body = {**head, "object": "text_completion", "choices": items, "usage": usage}
+        return body, picked
 
 
 def _chat_choice(choice: answers.Choice, params: Any, pieces: dict[int, str]) -> dict[str, Any]:
@@ -223,9 +272,8 @@ def _completion_choice(choice: answers.Choice, params: Any, pieces: dict[int, st
 
 
 async def _events(body: dict[str, Any], chat: bool, include_usage: bool) -> AsyncIterator[str]:
-    """The whole answer as events: per choice its content in one chunk, then its finish; usage last when asked.
-    (The sample has completed before the first event: per-decode-chunk streaming needs a streamed sample in the
-    engine contract, docs/OPENAI.md.) An error after the first event goes out as data: {"error": …}."""
+    """The whole answer as events (a stream asking for logprobs or echo): per choice its content in one chunk, then its
+    finish; usage last when asked. An error after the first event goes out as data: {"error": …}."""
     head = {key: body[key] for key in ("id", "created", "model")}
     kind = "chat.completion.chunk" if chat else "text_completion"
     extra = {"usage": None} if include_usage else {}
@@ -254,6 +302,107 @@ async def _events(body: dict[str, Any], chat: bool, include_usage: bool) -> Asyn
     except Exception as exc:  # noqa: BLE001 - the stream has started: the error goes in it
         yield f"data: {json.dumps(OpenAIError(500, str(exc), kind='api_error').body())}\n\n"
     yield "data: [DONE]\n\n"
+
+
+_BACKGROUND: set[asyncio.Future[Any]] = set()  # samples and cancels that outlive their stream: held till done
+
+
+def _hold(future: Awaitable[Any]) -> asyncio.Future[Any]:
+    task = asyncio.ensure_future(future)
+    _BACKGROUND.add(task)
+    task.add_done_callback(_BACKGROUND.discard)
+    return task
+
+
+async def _streamed(call: Sampling, sample: SampleParams) -> Response:
+    """A stream fed by the runtime's decode chunks. Errors met before its first chunk are answered as errors; the
+    sample is recorded whatever the client does, and cancelled in the runtime when the client goes away."""
+    chunks: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+    request_id = f"v1-{uuid.uuid4().hex}"
+    task = _hold(call.sample(sample, request_id, chunks.put_nowait))
+    try:
+        first = await _next_chunk(task, chunks)
+    except SignalError as error:
+        raise from_signal(error, call.prompt_param) from None
+    return StreamingResponse(_chunk_events(call, task, chunks, request_id, first), media_type="text/event-stream",
+                             headers=SSE_HEADERS)
+
+
+async def _next_chunk(task: asyncio.Future[Any], chunks: asyncio.Queue[dict[str, Any]]) -> dict[str, Any] | None:
+    """The next decode chunk, or None once the sample is answered and its chunks are all taken (its error raised)."""
+    if chunks.empty() and not task.done():
+        getter = asyncio.ensure_future(chunks.get())
+        try:
+            await asyncio.wait([getter, task], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            getter.cancel()
+        if getter.done() and not getter.cancelled():
+            return getter.result()
+    if not chunks.empty():
+        return chunks.get_nowait()
+    task.result()  # the sample's error, if it failed
+    return None
+
+
+async def _chunk_events(call: Sampling, task: asyncio.Future[Any], chunks: asyncio.Queue[dict[str, Any]],
+                        request_id: str, first: dict[str, Any] | None) -> AsyncIterator[str]:
+    """Each decode chunk's settled text (and ids, with return_token_ids) as it comes; then per choice the rest of its
+    answer and its finish, usage when asked, [DONE]. A client gone mid-stream cancels the sample within one chunk."""
+    params, chat = call.params, call.chat
+    ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    head = {"id": ident, "created": int(time.time()), "model": params.model,
+            "object": "chat.completion.chunk" if chat else "text_completion"}
+    extra = {"usage": None} if params.include_usage else {}
+    count = len(call.prompt_ids) * params.n
+    sent_text, sent_ids = [0] * count, [0] * count
+
+    def event(index: int, text: str, ids: list[int] | None, finish: str | None = None, opening: bool = False) -> str:
+        part: dict[str, Any] = {"index": index, "logprobs": None, "finish_reason": finish}
+        if chat:
+            part["delta"] = ({"role": "assistant", "content": ""} if opening else {"content": text} if text or ids
+                             else {})
+        else:
+            part["text"] = text
+        if params.return_token_ids and ids is not None:
+            part["token_ids"] = ids
+            if opening and not chat:
+                part["prompt_token_ids"] = call.prompt_ids[index // params.n]
+        chunk = {**head, "choices": [part], **extra}
+        if opening and chat and params.return_token_ids:
+            chunk["prompt_token_ids"] = call.prompt_ids[0]
+        return f"data: {json.dumps(chunk)}\n\n"
+
+    try:
+        if chat or params.return_token_ids:
+            for index in range(count):
+                yield event(index, "", [], opening=True)
+        chunk = first
+        while chunk is not None:
+            for p, sequences in enumerate(chunk["sequences"]):
+                for j, sequence in enumerate(sequences):
+                    index = p * params.n + j
+                    if sequence["text"] or sequence["tokens"]:
+                        sent_text[index] += len(sequence["text"])
+                        sent_ids[index] += len(sequence["tokens"])
+                        yield event(index, sequence["text"], sequence["tokens"])
+            chunk = await _next_chunk(task, chunks)
+        body, picked = await call.answer(task.result())
+        for choice in picked:  # what no chunk sent: the end held back, a finished sequence's last tokens
+            text, ids = choice.text[sent_text[choice.index]:], choice.ids[sent_ids[choice.index]:]
+            if text or ids:
+                yield event(choice.index, text, ids)
+            yield event(choice.index, "", None, finish=choice.finish_reason)
+        if params.include_usage:
+            yield f"data: {json.dumps({**head, 'choices': [], 'usage': body['usage']})}\n\n"
+        yield "data: [DONE]\n\n"
+    except Exception as exc:  # noqa: BLE001 - the stream has started: the error goes in it
+        error = from_signal(exc, call.prompt_param) if isinstance(exc, SignalError) else \
+            OpenAIError(500, str(exc), kind="api_error")
+        yield f"data: {json.dumps(error.body())}\n\n"
+        yield "data: [DONE]\n\n"
+    finally:
+        if not task.done():  # the client went away (or the stream failed): stop the generation, keep what it made
+            _hold(call.runs.cancel_sample(call.user, request_id, call.target.run, call.target.base_model))
 
 
 async def not_found(request: Request) -> Response:

@@ -86,7 +86,7 @@ class Services:
             sessions=SessionService(db, settings.session_ttl_s),
             live=LiveMetrics(db, broker, runs),
             dashboard=DashboardService(db, backend, broker, runs, settings.data_dir),
-            tinker=TinkerFutures(db, settings.tinker_poll_s),
+            tinker=TinkerFutures(db, settings.tinker_poll_s, settings.tinker_result_ttl_s),
             tinker_sessions=tinker_sessions,
             supabase=supabase,
             http=http,

@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 from sqlalchemy import Text, case, cast, delete, or_, select, update
 from strawberry.utils.str_converters import to_camel_case
 
-from app.backends import Backend
+from app.backends import Backend, Progress
 from app.catalog import Catalog
 from app.db import Database
 from app.errors import BadInput, FailedPrecondition, NotFound, RunNotFound, SignalError
@@ -441,7 +441,8 @@ class RunService:
         if not base_model:
             raise BadInput("forward needs runId or baseModel", field="baseModel")
         model = self.catalog.get(base_model)
-        arguments = {**params, "run_id": None, "base_model": model.source, "user_id": user.id, "request_id": request_id}
+        arguments: dict[str, Any] = {**params, "run_id": None, "base_model": model.source, "user_id": user.id,
+                                     "request_id": request_id}
         self._checked("forward", arguments)
         pool = pool_key(model.name, self.catalog.resolve_gpu(model, None, None), None)
         return await self._engine("forward", pool=pool, **arguments)
@@ -476,7 +477,7 @@ class RunService:
 
     async def sample(self, user: User, run_id: str | None, params: SampleParams, request_id: str | None = None,
                      snapshot: str | None = None, checkpoint: str | None = None, base_model: str | None = None,
-                     order: Numbered | None = None) -> dict[str, Any]:
+                     order: Numbered | None = None, progress: Progress | None = None) -> dict[str, Any]:
         """Sample a run's current weights (in the run's order, under its lock), a snapshot or checkpoint of it, or a
         base alone. Frozen sources (docs/SNAPSHOTS.md) take neither the run's lock nor a ticket: they wait for nothing
         on the run. Each sequence becomes a sample row when `params.store` says so (None: true for current weights,
@@ -485,11 +486,12 @@ class RunService:
         # The contract takes stop strings and ids as one `stop`; GraphQL has two arguments: name the one sent.
         stop_field = "stop_tokens" if params.stop_tokens is not None and params.stop is None else "stop"
         with _fields_renamed(lambda field: stop_field if field == "stop" else field):
-            return await self._sample(user, run_id, params, request_id, snapshot, checkpoint, base_model, order)
+            return await self._sample(user, run_id, params, request_id, snapshot, checkpoint, base_model, order,
+                                      progress)
 
     async def _sample(self, user: User, run_id: str | None, params: SampleParams, request_id: str | None,
                       snapshot: str | None, checkpoint: str | None, base_model: str | None,
-                      order: Numbered | None) -> dict[str, Any]:
+                      order: Numbered | None, progress: Progress | None) -> dict[str, Any]:
         keep = params.store if params.store is not None else (
             run_id is not None and snapshot is None and checkpoint is None)
         source = {key: value for key, value in (("snapshot", snapshot), ("checkpoint", checkpoint)) if value}
@@ -506,25 +508,34 @@ class RunService:
                 for prompt, sequences in zip(params.stored_prompts(), result["sequences"]):
                     for sequence in sequences:
                         session.add(Sample(run_id=run.id, step=int(result.get("step", run.step)), prompt=prompt,
-                                           output=sequence["text"], params=kept))
+                                           output=sequence["text"], params=cancelled(kept, sequence)))
             return result
 
         if run_id is None:
             if snapshot is not None or checkpoint is not None:
                 raise BadInput("snapshot and checkpoint name a run's weights: give runId too",
                                field="snapshot" if snapshot is not None else "checkpoint")
-            return await self._sample_base(user, base_model, params, request_id, stored_params() if keep else None)
+            return await self._sample_base(user, base_model, params, request_id, stored_params() if keep else None,
+                                           progress)
         if base_model is not None:
             raise BadInput("baseModel samples the base alone: leave runId out", field="baseModel")
+        streamed = {"stream": True} if progress is not None else {}
         if snapshot is None and checkpoint is None:
-            return await self._apply(user, run_id, "sample", request_id, lambda run: params.engine_params(), record,
-                                     order=order)
-        return await self._off_the_queue(user, run_id, "sample", request_id, params.engine_params(),
-                                         {"snapshot": snapshot, "checkpoint": checkpoint}, record)
+            return await self._apply(user, run_id, "sample", request_id, lambda run: params.engine_params() | streamed,
+                                     record, order=order, progress=progress)
+        return await self._off_the_queue(user, run_id, "sample", request_id, params.engine_params() | streamed,
+                                         {"snapshot": snapshot, "checkpoint": checkpoint}, record, progress)
+
+    async def cancel_sample(self, user: User, request_id: str, run: Run | None, base_model: str | None) -> None:
+        """Stop the caller's streamed sample `request_id` (its client went away): the runtime answers it with what it
+        has, stop_reason "cancelled", which its `sample` call then records as it records any answer."""
+        pool = pool_of(run) if run is not None else self._base_pool(base_model)[1]
+        await self._engine("cancel", pool=pool, request_id=request_id, user_id=user.id)
 
     async def _off_the_queue(self, user: User, run_id: str, method: str, request_id: str | None,
                              params: dict[str, Any], source: dict[str, Any],
-                             record: Callable[[Run, dict[str, Any]], Awaitable[dict[str, Any]]]) -> dict[str, Any]:
+                             record: Callable[[Run, dict[str, Any]], Awaitable[dict[str, Any]]],
+                             progress: Progress | None = None) -> dict[str, Any]:
         """A call on a run's frozen weights (a snapshot or checkpoint: docs/SNAPSHOTS.md): owned and billed like the
         run's calls, but it takes neither the run's lock nor a ticket, so it waits for nothing queued on the run."""
         run = await self.get(user, run_id)
@@ -533,31 +544,38 @@ class RunService:
         request_id = await self.ledger.allow(user, run, method, request_id)
 
         async def work() -> dict[str, Any]:
-            result = await self._on_run(run, method, **params, **source, request_id=request_id)
+            result = await self._on_run(run, method, progress, **params, **source, request_id=request_id)
             await self.ledger.account(run, method, request_id, result)
             return await record(run, result)
 
         return await asyncio.shield(asyncio.ensure_future(work()))  # recorded even if the caller goes away
 
-    async def _sample_base(self, user: User, base_model: str | None, params: SampleParams,
-                           request_id: str | None, store: dict[str, Any] | None) -> dict[str, Any]:
-        """The base alone: no run, so no lock and no ticket; billed to the user (Ledger.account_user). `store` (the
-        params to keep with them, or None) writes the sequences to the user's base-model history."""
+    def _base_pool(self, base_model: str | None) -> tuple[Any, str, str]:
+        """A base model's catalogue entry, pool and GPU configuration (a base alone runs in the pool of its default)."""
         model = self.catalog.get(base_model or self.default_model)
         gpu_config = self.catalog.resolve_gpu(model, None, None)
-        pool = pool_key(model.name, gpu_config, None)
-        engine_params = {**params.engine_params(), "base_model": model.source, "user_id": user.id}
+        return model, pool_key(model.name, gpu_config, None), gpu_config
+
+    async def _sample_base(self, user: User, base_model: str | None, params: SampleParams,
+                           request_id: str | None, store: dict[str, Any] | None,
+                           progress: Progress | None = None) -> dict[str, Any]:
+        """The base alone: no run, so no lock and no ticket; billed to the user (Ledger.account_user). `store` (the
+        params to keep with them, or None) writes the sequences to the user's base-model history."""
+        model, pool, gpu_config = self._base_pool(base_model)
+        engine_params = {**params.engine_params(), "base_model": model.source, "user_id": user.id,
+                         **({"stream": True} if progress is not None else {})}
         self._checked("sample", {**engine_params, "request_id": request_id})
         request_id = await self.ledger.allow_user(user, "sample", request_id, model.name, gpu_config)
 
         async def work() -> dict[str, Any]:
-            result = await self._engine("sample", pool=pool, **engine_params, request_id=request_id)
+            result = await self._engine("sample", pool=pool, progress=progress, **engine_params, request_id=request_id)
             await self.ledger.account_user(user, "sample", request_id, result, await self._device(pool), gpu_config)
             if store is not None and not result.get("replayed"):
                 async with self.db.session() as session:
                     for prompt, sequences in zip(params.stored_prompts(), result["sequences"]):
                         session.add_all(BaseSample(user_id=user.id, base_model=model.name, prompt=prompt,
-                                                   output=sequence["text"], params=store) for sequence in sequences)
+                                                   output=sequence["text"], params=cancelled(store, sequence))
+                                        for sequence in sequences)
             return result
 
         return await asyncio.shield(asyncio.ensure_future(work()))
@@ -737,7 +755,8 @@ class RunService:
 
     async def _apply(self, user: User, run_id: str, operation: str, request_id: str | None,
                      arguments: Callable[[Run], dict[str, Any]], record: Callable[[Run, dict[str, Any]], Awaitable[T]],
-                     allowed: Callable[[], Awaitable[dict[str, Any]]] | None = None, order: Numbered | None = None) -> T:
+                     allowed: Callable[[], Awaitable[dict[str, Any]]] | None = None, order: Numbered | None = None,
+                     progress: Progress | None = None) -> T:
         """A primitive on the caller's run: its `arguments` checked (before anyone is asked about credits), the call
         allowed by the ledger, then in the run's order the runtime call, its compute seconds accounted once, and
         its result recorded by `record`. `allowed` adds arguments that only a call allowed to run may fetch.
@@ -754,7 +773,7 @@ class RunService:
             params |= await allowed()
 
         async def work() -> T:
-            result = await self._on_run(run, operation, **params, request_id=request_id,
+            result = await self._on_run(run, operation, progress, **params, request_id=request_id,
                                         ticket=await self._ticket(run.id))
             await self.ledger.account(run, operation, request_id, result)
             return await record(run, result)
@@ -769,11 +788,11 @@ class RunService:
             call.check_size(self.bounds)
         return call
 
-    async def _on_run(self, run: Run, method: str, **params: Any) -> dict[str, Any]:
+    async def _on_run(self, run: Run, method: str, progress: Progress | None = None, **params: Any) -> dict[str, Any]:
         """A runtime call on a run the database holds. The runtime answering that it has no such run means its
         files are gone for good: the run is marked failed (runs.status), and the caller gets NOT_FOUND."""
         try:
-            return await self._engine(method, pool=pool_of(run), run_id=run.id, **params)
+            return await self._engine(method, pool=pool_of(run), progress=progress, run_id=run.id, **params)
         except RunNotFound:
             async with self.db.session() as session:
                 await session.execute(update(Run).where(Run.id == run.id).values(status=FAILED))
@@ -814,8 +833,11 @@ class RunService:
         return _decode_archive(await self._engine("export_checkpoint", pool=pool_of(run), run_id=run_id, mode=mode,
                                                   step=step, name=name))
 
-    async def _engine(self, method: str, pool: str | None = None, **params: Any) -> dict[str, Any]:
+    async def _engine(self, method: str, pool: str | None = None, progress: Progress | None = None,
+                      **params: Any) -> dict[str, Any]:
         try:
+            if progress is not None:
+                return await self.backend.call(method, pool=pool, progress=progress, **params)
             return await self.backend.call(method, pool=pool, **params)
         except SignalError as error:
             # The engine names fields as its contract does (max_tokens, base_model); clients sent maxTokens.
@@ -834,6 +856,11 @@ class RunService:
             await session.flush()  # their ids, for the announcement
             await self.feed.announce(session, run_id, [row.id for row in rows])
         self.feed.written()
+
+
+def cancelled(params: dict[str, Any], sequence: dict[str, Any]) -> dict[str, Any]:
+    """A sample row's params; a sequence cut short by its client going away says so (finish_reason "cancelled")."""
+    return {**params, "finish_reason": "cancelled"} if sequence.get("stop_reason") == "cancelled" else params
 
 
 def _refuse_archived(run: Run, operation: str) -> None:

@@ -21,11 +21,13 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import select, update
+from sqlalchemy import delete, func, select, update
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
+from sqlalchemy.ext.asyncio import AsyncSession
 
 from app.db import Database
 from app.errors import NotFound, SignalError, http_status
+from app.pg_listen import listen
 from app.services.tinker_sessions import tinker_call
 from app.tables import TinkerFuture, User, could_be_id, new_id, utcnow
 
@@ -35,9 +37,10 @@ JSON_TYPE = "application/json"
 PROTO_TYPE = "application/x-protobuf"
 POLL_SECONDS = 30.0  # a pending poll answers try_again after this (SIGNAL_TINKER_POLL_S); the SDK's timeout is 45 s
 POLL_SECONDS_MAX = 40.0
-SHARED_POLL_SECONDS = 0.5  # one query per process this often finds other processes' completions polls wait for
-RESULT_TTL = timedelta(hours=1)  # a finished future stays retrievable this long
-HEARTBEAT_SECONDS = 10.0  # each owner process marks its pending rows alive this often…
+SHARED_POLL_SECONDS = 0.5  # SQLite: one query per process this often finds other processes' completions polls wait for
+CHANNEL = "signal_tinker_futures"  # PostgreSQL: a completion's NOTIFY (payload: its request_id; RECHECK: look at all)
+RECHECK = "*"
+HEARTBEAT_SECONDS = 10.0  # each owner process marks its pending rows alive (and sweeps expired ones) this often…
 OWNER_SILENCE = timedelta(seconds=60)  # …and a pending row whose owner has been silent this long fails (server)
 
 
@@ -57,10 +60,12 @@ def failure(exc: BaseException) -> dict[str, str]:
 
 
 class TinkerFutures:
-    def __init__(self, db: Database, poll_seconds: float = POLL_SECONDS) -> None:
+    def __init__(self, db: Database, poll_seconds: float, result_ttl_s: float) -> None:
         self.db = db
         self.poll_seconds = min(poll_seconds, POLL_SECONDS_MAX)
+        self.result_ttl = timedelta(seconds=result_ttl_s)  # a finished future stays retrievable this long
         self.owner = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.notifies = db.url.startswith("postgresql")
         self._done: dict[str, asyncio.Event] = {}  # request_id → set when this process stored its result
         self._remote: dict[str, asyncio.Event] = {}  # another process's pending futures that polls here wait on
         self._tasks: set[asyncio.Task[None]] = set()
@@ -68,8 +73,11 @@ class TinkerFutures:
         self._background: list[asyncio.Task[None]] = []
 
     def start(self) -> None:
-        """The owner heartbeat, and the shared poll that wakes waits on other processes' futures."""
-        self._background = [asyncio.create_task(self._heartbeat()), asyncio.create_task(self._shared_poll())]
+        """The owner heartbeat, and what wakes waits on other processes' futures: LISTEN on PostgreSQL, else the
+        shared poll."""
+        wake = listen(self.db.url, CHANNEL, self._check_remote, self._notified, "tinker futures") if self.notifies \
+            else self._shared_poll()
+        self._background = [asyncio.create_task(self._heartbeat()), asyncio.create_task(wake)]
 
     async def submit(self, user: User, key: tuple[str, str, int], request_type: str,
                      work: Callable[[str], Awaitable[tuple[str, bytes]]], samples: int = 0) -> TinkerFuture:
@@ -108,6 +116,7 @@ class TinkerFutures:
             async with self.db.session() as session:
                 await session.execute(update(TinkerFuture).where(TinkerFuture.request_id == request_id).values(
                     state=state, media_type=media_type, result=body, finished_at=utcnow()))
+                await self._announce(session, request_id)
         finally:
             event = self._done.pop(request_id, None)
             if event is not None:
@@ -116,45 +125,65 @@ class TinkerFutures:
     async def retrieve(self, user: User, request_id: str) -> Answer | None:
         """The future's stored answer, waiting up to `poll_seconds` while it is pending (then None: try_again).
         NotFound for ids unknown, expired or another user's. The wait holds no database connection: it is woken by
-        this process's completion, or by the shared poll that reads other processes' completions."""
+        this process's completion, or another process's: its NOTIFY (PostgreSQL) or the shared poll (SQLite)."""
         deadline = asyncio.get_running_loop().time() + self.poll_seconds
         while True:
+            # The event before the read: a completion announced after the read still wakes this wait.
+            event = self._done.get(request_id) or self._remote.setdefault(request_id, asyncio.Event())
             row = await self._row(request_id)
             if row is None or row.user_id != user.id or (
-                    row.finished_at is not None and utcnow() - row.finished_at > RESULT_TTL):
+                    row.finished_at is not None and utcnow() - row.finished_at > self.result_ttl):
+                self._wake(request_id)
                 raise NotFound(f"future {request_id!r} not found", field="request_id")
             if row.state != "pending":
+                self._wake(request_id)  # another poll may wait on the same event: it reads the row again
                 return Answer(row.media_type, row.result or b"")
             remaining = deadline - asyncio.get_running_loop().time()
             if remaining <= 0 or self._closing.is_set():
                 return None
-            event = self._done.get(request_id) or self._remote.setdefault(request_id, asyncio.Event())
             waits = [asyncio.ensure_future(self._closing.wait()), asyncio.ensure_future(event.wait())]
             _, pending = await asyncio.wait(waits, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
             for waiter in pending:
                 waiter.cancel()
 
+    async def _announce(self, session: AsyncSession, request_id: str) -> None:
+        """Inside the writer's transaction: PostgreSQL delivers the NOTIFY at commit, to every process."""
+        if self.notifies:
+            await session.execute(select(func.pg_notify(CHANNEL, request_id)))
+
+    def _wake(self, request_id: str) -> None:
+        if (event := self._remote.pop(request_id, None)) is not None:
+            event.set()
+
+    async def _notified(self, payload: str) -> None:
+        if payload == RECHECK:
+            await self._check_remote()
+        else:
+            self._wake(payload)
+
     async def _shared_poll(self) -> None:
-        """One query per SHARED_POLL_SECONDS for every future polled here that another process runs."""
+        """SQLite: one query per SHARED_POLL_SECONDS for every future polled here that another process runs."""
         while not self._closing.is_set():
             await asyncio.sleep(SHARED_POLL_SECONDS)
-            waited = list(self._remote)
-            if not waited:
-                continue
             try:
-                async with self.db.session() as session:
-                    finished = set(await session.scalars(select(TinkerFuture.request_id).where(
-                        TinkerFuture.request_id.in_(waited), TinkerFuture.state != "pending")))
+                await self._check_remote()
             except (SQLAlchemyError, OSError) as exc:  # a locked database: the next round asks again
                 log.warning("tinker futures: shared poll failed: %s", exc)
-                continue
-            for request_id in finished:
-                event = self._remote.pop(request_id, None)
-                if event is not None:
-                    event.set()
+
+    async def _check_remote(self) -> None:
+        """Wake the waits on other processes' futures that have finished (one query for all of them)."""
+        waited = list(self._remote)
+        if not waited:
+            return
+        async with self.db.session() as session:
+            finished = set(await session.scalars(select(TinkerFuture.request_id).where(
+                TinkerFuture.request_id.in_(waited), TinkerFuture.state != "pending")))
+        for request_id in finished:
+            self._wake(request_id)
 
     async def _heartbeat(self) -> None:
-        """Mark this process's pending rows alive; fail the pending rows of owners silent for OWNER_SILENCE."""
+        """Mark this process's pending rows alive; fail the pending rows of owners silent for OWNER_SILENCE; delete
+        the rows finished more than result_ttl ago (any process's: the delete is idempotent)."""
         lost = json.dumps({"error": "the server process running this operation stopped", "category": "server"})
         while not self._closing.is_set():
             try:
@@ -162,12 +191,17 @@ class TinkerFutures:
                 async with self.db.session() as session:
                     await session.execute(update(TinkerFuture).where(
                         TinkerFuture.owner == self.owner, TinkerFuture.state == "pending").values(heartbeat_at=now))
-                    await session.execute(update(TinkerFuture).where(
+                    failed = await session.execute(update(TinkerFuture).where(
                         TinkerFuture.state == "pending", TinkerFuture.heartbeat_at < now - OWNER_SILENCE).values(
                         state="failed", media_type=JSON_TYPE, result=lost.encode(), finished_at=now))
+                    if failed.rowcount:  # type: ignore[attr-defined]  # an UPDATE's result is a CursorResult
+                        await self._announce(session, RECHECK)
+                    await session.execute(delete(TinkerFuture).where(
+                        TinkerFuture.finished_at < now - self.result_ttl))
             except (SQLAlchemyError, OSError) as exc:  # the next round tries again
                 log.warning("tinker futures: heartbeat failed: %s", exc)
-            await asyncio.sleep(HEARTBEAT_SECONDS)
+            # A TTL shorter than the heartbeat (tests) is swept at its own pace, so rows never outlive it by much.
+            await asyncio.sleep(min(HEARTBEAT_SECONDS, self.result_ttl.total_seconds()))
 
     async def _row(self, request_id: str) -> TinkerFuture | None:
         if not could_be_id(request_id):

@@ -305,9 +305,10 @@ async def optim_step(request: Request, user: User) -> dict[str, Any]:
         params = {key: adam[key] for key in known if key in adam}  # as sent: Tinker's eps 1e-12, clip 0 (off)
         result = await ordered(svc, model, seq, lambda order, rid: svc.runs.optim_step(
             user, model.run_id or "", params, request_id=rid, order=order), request_id)
+        # Namespaced: the cookbook merges these into its own metrics rows, whose `step` is its batch index.
         return json_answer({"type": "optim_step", "metrics": {
-            "step": float(result["step"]), "grad_norm": float(result["grad_norm"]),
-            "learning_rate": float(result["learning_rate"])}})
+            "optim/step": float(result["step"]), "optim/grad_norm": float(result["grad_norm"]),
+            "optim/learning_rate": float(result["learning_rate"])}})
 
     row = await submit_training(svc, user, model, seq, "OptimStep", work)
     return future_answer(row)

@@ -15,6 +15,7 @@ from gpu_runtime.contract.calls import (
     CONTRACT_VERSION,
     SYSTEM_CALLS,
     Call,
+    Cancel,
     CloseRun,
     CreateRun,
     DeleteCheckpoint,
@@ -39,6 +40,7 @@ from gpu_runtime.contract.calls import (
     parse_call,
 )
 from gpu_runtime.contract.results import (
+    CancelResult,
     ForwardBackwardResult,
     ForwardResult,
     LoadStateResult,
@@ -47,6 +49,7 @@ from gpu_runtime.contract.results import (
     RenderDatumsResult,
     Result,
     RunDescription,
+    SampleChunk,
     SampleResult,
     SaveStateResult,
     SaveWeightsForSamplerResult,
@@ -134,5 +137,5 @@ __all__ = [
     "RenderDatumsResult", "loss_settings", "RenderChat", "RenderChatResult", "SaveWeightsForSampler",
     "SaveWeightsForSamplerResult", "check_snapshot_name", "LORA_ALPHA_PER_R", "MAX_RUN_SEED", "MAX_SEED", "MAX_STOP",
     "MAX_STOP_CHARS", "MAX_TEMPERATURE", "MAX_TOP_K", "check_batch_size", "check_sample_size", "check_seed",
-    "known_batch_tokens",
+    "known_batch_tokens", "Cancel", "CancelResult", "SampleChunk",
 ]

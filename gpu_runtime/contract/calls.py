@@ -44,7 +44,8 @@ from gpu_runtime.errors import BadInput
 # Bumped whenever a request or result changes shape: the runtime says it in its greeting, and a server that
 # meets another version refuses to talk to it (a detached runtime outlives its server; a Modal deployment lags).
 # 4: RuntimeOptions gained the per-call bounds (max_batch_tokens, max_sample_rows, ...) and ping the version.
-CONTRACT_VERSION = 4
+# 5: sample gained `stream` (SampleChunk progress lines before its result) and the `cancel` call.
+CONTRACT_VERSION = 5
 
 
 class Method(enum.StrEnum):
@@ -67,6 +68,7 @@ class Method(enum.StrEnum):
     RUNTIME_STATE = "runtime_state"
     TOKENIZER = "tokenizer"
     RENDER_CHAT = "render_chat"
+    CANCEL = "cancel"
 
 
 R = TypeVar("R", bound="Call")
@@ -269,10 +271,15 @@ class Sample(Call):
     topk_prompt_logprobs: int = SAMPLE_DEFAULTS["topk_prompt_logprobs"]
     topk_sample_logprobs: int = SAMPLE_DEFAULTS["topk_sample_logprobs"]
     request_id: str | None = None
+    # True: after each decode chunk, the new settled text and ids of every sequence (a SampleChunk) reach the caller
+    # as progress, before the SampleResult; a transport without progress (Modal) sends the result alone.
+    stream: bool = False
 
     def validate(self) -> None:
         check_weights_source(self)
         check_request_id(self.request_id)
+        if not isinstance(self.stream, bool):
+            raise BadInput("stream must be true or false", field="stream")
         self.settings()
 
     def check_size(self, options: RuntimeOptions) -> None:
@@ -480,6 +487,23 @@ class ExportCheckpoint(RunCall):
 
 
 @dataclass(frozen=True, kw_only=True)
+class Cancel(Call):
+    """Stop the sample `request_id` of `user_id` (its owner: ids are the clients', so one user's cannot reach
+    another's): a decoding one is answered at once with what it has, stop_reason "cancelled"; a queued one the
+    moment it starts. A call on no run's queue, answered at the next tick, so within one decode chunk."""
+
+    method = Method.CANCEL
+    request_id: str
+    user_id: str
+
+    def validate(self) -> None:
+        if self.request_id is None:
+            raise BadInput("request_id names the sample to cancel", field="request_id")
+        check_request_id(self.request_id)
+        check_id(self.user_id, "user_id")
+
+
+@dataclass(frozen=True, kw_only=True)
 class Ping(Call):
     method = Method.PING
 
@@ -492,8 +516,8 @@ class RuntimeState(Call):
 CALLS: dict[Method, type[Call]] = {cls.method: cls for cls in (
     CreateRun, ForwardBackward, Forward, RenderDatums, OptimStep, Sample, SaveState, LoadRun, RunInfo, CloseRun,
     DeleteRun, ExportCheckpoint, LoadState, DeleteCheckpoint, SaveWeightsForSampler, Ping, RuntimeState, Tokenizer,
-    RenderChat)}
-SYSTEM_CALLS = (Ping, RuntimeState, Tokenizer, RenderChat)  # calls on no run: answered first, at the next tick
+    RenderChat, Cancel)}
+SYSTEM_CALLS = (Ping, RuntimeState, Tokenizer, RenderChat, Cancel)  # calls on no run: answered first, at the next tick
 
 
 def check_weights_source(call: Any) -> None:

@@ -97,6 +97,21 @@ class SampleResult(Result):
 
 
 @dataclass(frozen=True, kw_only=True)
+class SampleChunk(Result):
+    """A streamed sample's progress after one decode chunk (sent before its SampleResult, never instead of it)."""
+
+    # per prompt, per sample: {text, tokens, logprobs}, what became settled since the last chunk: the text holds back
+    # an incomplete UTF-8 sequence and any end that could start a stop string (gpu_runtime/detokenize.py), the ids
+    # those characters' tokens. A sequence that finished sends the rest in the result.
+    sequences: list[list[dict[str, Any]]]
+
+
+@dataclass(frozen=True, kw_only=True)
+class CancelResult(Result):
+    found: bool  # the sample was decoding (answered now) or not yet started (answered when it starts)
+
+
+@dataclass(frozen=True, kw_only=True)
 class TokenizerResult(Result):
     """What a client without the tokenizer needs to build token-level inputs and read token-level outputs."""
 

@@ -22,6 +22,7 @@ NOT_ARGUMENTS: dict[str, str] = {
     "user_id": "the caller's key decides it",
     "run_id": "runId",  # present, camel-cased: checked below
     "return_outputs": "the resolver sets it when the client selects forwardBackward's `outputs`",
+    "stream": "the OpenAI endpoint's streams (app/openai): GraphQL's sample answers once",
 }
 # Arguments of every primitive that the runtime never sees: the server orders calls by them (docs/ORDERING.md).
 ORDERING_ARGUMENTS = ("seq", "session")
@@ -204,6 +205,9 @@ NOT_IN_GRAPHQL: dict[str, str] = {
     "ExportCheckpoint": "the server's fetch of a checkpoint's files for Checkpoint.downloadUrl",
     "Ping": "the server's greeting to its runtime (the contract version)",
     "RuntimeState": "Query.runtime, as JSON (admins only)",
+    "Cancel": "the OpenAI endpoint's stop of a stream whose client went away (app/openai)",
+    "CancelResult": "the same",
+    "SampleChunk": "a streamed sample's progress, which only the OpenAI endpoint asks for",
 }
 
 

@@ -344,3 +344,17 @@ def test_a_pool_deployed_from_other_code_is_refused_naming_modal_deploy(tmp_path
     assert f"contract version {CONTRACT_VERSION - 1}, this server {CONTRACT_VERSION}" in refused.value.message
     assert "modal deploy -m gpu_runtime.modal_app" in refused.value.message
     assert LaggingDeployment.calls == ["ping"]  # the call itself never reached the lagging container
+
+
+def test_a_v1_stream_on_modal_is_the_whole_answer_in_one_chunk(modal_server: LiveServer) -> None:
+    """A pool answers whole through `.remote()`: a /v1 stream's text comes as one chunk after the sample (docs/MODAL.md)
+    and equals the answer without a stream."""
+    import openai
+
+    key = modal_server.new_user()
+    run = SignalClient(api_key=key, base_url=modal_server.url).create_run(lora_r=4)
+    client = openai.OpenAI(api_key=key, base_url=f"{modal_server.url}/v1", max_retries=0)
+    ask: dict[str, Any] = {"model": run.id, "prompt": "Once upon a time", "max_tokens": 12, "temperature": 0}
+    whole = client.completions.create(**ask).choices[0]
+    texts = [c.choices[0].text for c in client.completions.create(stream=True, **ask) if c.choices]
+    assert [t for t in texts if t] == [whole.text] and whole.text

@@ -203,8 +203,8 @@ async def test_live_metrics_survive_a_dropped_listen_connection(cluster: Cluster
         killed = request.getfixturevalue("postgres_cluster").psql(
             "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
             f"WHERE datname = '{database}' AND query LIKE 'LISTEN%' AND pid <> pg_backend_pid()", database)
-        assert int(killed) == 3  # one per server process
-        cluster.servers["b"].wait_for_line("LISTEN connection (closed|lost)", timeout=60)
+        assert int(killed) == 6  # two per server process: the metric feed's and Tinker's futures' (app/pg_listen.py)
+        cluster.servers["b"].wait_for_line("live metrics: .*LISTEN connection (closed|lost)", timeout=60)
         trainer = SignalClient(api_key=key, base_url=cluster.urls["a"]).get_run(run.id)
         result = await asyncio.to_thread(trainer.forward_backward, batch=BATCH)
         event = await _event(ws, timeout=60)

@@ -52,6 +52,7 @@ EXAMPLES: dict[Method, dict[str, Any]] = {
     Method.RUNTIME_STATE: {},
     Method.TOKENIZER: {"base_model": "m"},
     Method.RENDER_CHAT: {"run_id": "r1", "messages": [{"role": "user", "content": "hi"}], "decode": [1, 2]},
+    Method.CANCEL: {"request_id": "v1-abc", "user_id": "u1"},
 }
 
 
@@ -118,6 +119,9 @@ def test_a_request_crosses_as_data_and_comes_back_equal(method: Method) -> None:
     ("sample", {"run_id": "r1", "prompts": ["hi"], "stop": ["x" * (MAX_STOP_CHARS + 1)]}, "stop"),
     ("sample", {"run_id": "r1", "prompts": ["hi"], "seed": MAX_SEED + 1}, "seed"),
     ("sample", {"run_id": "r1", "prompts": ["hi"], "seed": -1}, "seed"),
+    ("sample", {"run_id": "r1", "prompts": ["hi"], "stream": "yes"}, "stream"),
+    ("cancel", {"request_id": "v1-abc", "user_id": "../u"}, "user_id"),
+    ("cancel", {"request_id": "", "user_id": "u1"}, "request_id"),
     ("optim_step", {"run_id": "r1", "adam": {"grad_clip_norm": 1e308}}, "adam.grad_clip_norm"),
 ])
 def test_bad_requests_are_refused_naming_the_field(method: str, params: dict[str, Any], field: str) -> None:

@@ -63,6 +63,7 @@ def test_a_tinker_sampler_path_names_the_snapshot(live_server: LiveServer, tinke
     path, run_id = tinker_made["path"], tinker_made["run"]
     assert path == f"tinker://{tinker_made['model_id']}/sampler_weights/s1"
     assert client.models.retrieve(path).id == path
+    assert {path, f"{run_id}@s1", run_id} <= {model.id for model in client.models.list().data}
     by_path, by_name, base = scored(client, path), scored(client, f"{run_id}@s1"), scored(client, TINY_MODEL)
     assert by_path == by_name
     assert max(abs(a - b) for a, b in zip(by_path[1], base[1], strict=True)) > 1e-4  # trained: not the base

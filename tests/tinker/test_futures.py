@@ -12,6 +12,7 @@ import pytest
 from tests.helpers.live_server import TINY_MODEL, LiveServer, settings_for
 
 POLL_S = 1.0  # SIGNAL_TINKER_POLL_S here, so a pending poll's try_again comes within the test's patience
+WOKEN_POLL_S = 40.0  # the other server's, in the wake-up test: the most the setting allows
 
 
 @pytest.fixture(scope="module")
@@ -127,3 +128,70 @@ def test_submit_through_one_server_and_retrieve_through_another(live_server: Liv
         assert via_other.json() == {"model_id": f"{session}:train:0", "type": "create_model"}
     finally:
         other.stop()
+
+
+def test_a_poll_on_another_server_is_woken_by_the_completion(live_server: LiveServer, wire: Any, tmp_path: Path,
+                                                              tiny_model_dir: str) -> None:
+    """A future pending in one process, polled in another whose poll would hold 40 s: the completion wakes that poll
+    (NOTIFY on PostgreSQL, the shared poll on SQLite), so it answers within half of that, with the result."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    other = LiveServer.start(settings_for(tmp_path, tiny_model_dir, database_url=live_server.settings
+                                          .resolved_database_url, tinker_poll_s=WOKEN_POLL_S), wait_for_runtime=False)
+    try:
+        session = wire("create_session", json={"tags": []}).json()["session_id"]
+        created = wire("create_model", json={"session_id": session, "model_seq_id": 0, "base_model": TINY_MODEL,
+                                             "lora_config": {"rank": 4}}).json()
+        result(wire, created["request_id"])
+        # seq 2 before seq 1: pending until seq 1 comes (an optim_step without gradients: a user error, each).
+        ahead = wire("optim_step", json={"model_id": created["model_id"], "seq_id": 2}).json()["request_id"]
+        waits = other.app.state.services.tinker._remote
+        with ThreadPoolExecutor(1) as pool:
+            poll = pool.submit(httpx.post, f"{other.url}/api/v1/retrieve_future", json={"request_id": ahead},
+                               headers=wire.headers, timeout=60)
+            other.wait_for(lambda: ahead in waits, "the other server's poll to wait on the future", timeout=30)
+            wire("optim_step", json={"model_id": created["model_id"], "seq_id": 1})
+            answer = poll.result(timeout=WOKEN_POLL_S / 2)  # unwoken, it would answer only at WOKEN_POLL_S
+        assert answer.status_code == 200 and answer.json()["category"] == "user"
+        assert "forward_backward" in answer.json()["error"]
+    finally:
+        other.stop()
+
+
+def test_a_pending_future_whose_owner_went_silent_fails_with_the_server_category(live_server: LiveServer) -> None:
+    """The row a dead owner process leaves behind: pending, its heartbeat older than OWNER_SILENCE. The live server's
+    heartbeat round fails it (announcing it to other processes' polls), and the poll answers the server's error."""
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+    from datetime import timedelta
+
+    from app.db import Database
+    from app.services.keys import KeyService
+    from app.services.tinker_futures import HEARTBEAT_SECONDS, OWNER_SILENCE
+    from app.services.users import UserService
+    from app.tables import TinkerFuture, utcnow
+
+    async def orphan() -> tuple[str, str]:
+        db = Database(live_server.settings.resolved_database_url)
+        try:
+            user, _ = await UserService(db).get_or_create("orphaned-future@example.com")
+            secret, _ = await KeyService(db).create(user, "test")
+            row = TinkerFuture(user_id=user.id, key_kind="train", key_scope="gone:train:0", key_seq=1,
+                               request_type="OptimStep", owner="a-process-that-died",
+                               heartbeat_at=utcnow() - OWNER_SILENCE - timedelta(seconds=1))
+            async with db.session() as session:
+                session.add(row)
+            return secret, row.request_id
+        finally:
+            await db.dispose()
+
+    with ThreadPoolExecutor(1) as pool:
+        secret, request_id = pool.submit(asyncio.run, orphan()).result()
+    headers = {"X-API-Key": "tml-" + secret}
+    answer: dict[str, Any] = {"type": "try_again"}
+    for _ in range(int(3 * HEARTBEAT_SECONDS / POLL_S)):  # bounded: a heartbeat round comes every HEARTBEAT_SECONDS
+        answer = httpx.post(f"{live_server.url}/api/v1/retrieve_future", json={"request_id": request_id},
+                            headers=headers, timeout=60).json()
+        if answer.get("type") != "try_again":
+            break
+    assert answer == {"error": "the server process running this operation stopped", "category": "server"}

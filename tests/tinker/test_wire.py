@@ -6,7 +6,6 @@ import math
 import subprocess
 import sys
 import textwrap
-import time
 from typing import Any
 
 import httpx
@@ -50,7 +49,7 @@ def test_cross_entropy_step_and_sampling(service_client: Any, training: Any, tin
     # Tinker's losses are sums: loss:sum == −Σ w·logprob, no normaliser.
     assert out.metrics["loss:sum"] == pytest.approx(-sum(w * lp for w, lp in zip(weights, logprobs)), rel=1e-5)
     step = training.optim_step(types.AdamParams(learning_rate=1e-2)).result()
-    assert step.metrics["step"] == 1.0
+    assert step.metrics["optim/step"] == 1.0
 
     # Ephemeral sampler (save_weights_for_sampler with a sampling_session_seq_id), two samples with logprobs.
     sampler = training.save_weights_and_get_sampling_client().result()
@@ -127,7 +126,7 @@ def test_pipelined_and_split_batches(live_server: LiveServer, training: Any) -> 
     assert len(after.loss_fn_outputs) == n
     assert after.metrics["loss:sum"] == pytest.approx(before.metrics["loss:sum"], rel=1e-5)  # the pre-step loss
     assert [len(o["logprobs"].tolist()) for o in after.loss_fn_outputs] == [3 + i % 5 for i in range(n)]
-    assert step.result().metrics["step"] >= 2.0
+    assert step.result().metrics["optim/step"] >= 2.0
 
 
 def test_save_state_and_resume(service_client: Any, training: Any) -> None:
@@ -147,7 +146,7 @@ def test_save_state_and_resume(service_client: Any, training: Any) -> None:
         training.load_state(path).result()
     assert training.forward(probe, "cross_entropy").result().metrics["loss:sum"] == pytest.approx(a, rel=1e-5)
     resumed.forward_backward(probe, "cross_entropy").result()
-    assert resumed.optim_step(types.AdamParams(learning_rate=1e-3)).result().metrics["step"] >= 1.0
+    assert resumed.optim_step(types.AdamParams(learning_rate=1e-3)).result().metrics["optim/step"] >= 1.0
 
 
 def test_bad_key_is_refused(live_server: LiveServer) -> None:
@@ -162,13 +161,11 @@ def test_a_bad_datum_fails_the_future_with_the_user_category(training: Any) -> N
     import tinker
 
     bad = datum([1, 2, 10**8], weights=[1.0, 1.0])  # a token id outside the vocabulary
-    started = time.monotonic()
-    with pytest.raises(tinker.RequestFailedError) as failed:
-        training.forward_backward([bad], "cross_entropy").result()
-    assert failed.value.category.value == "user"
     # Within 10 s: the refused operations before it (an existing name in test_save_state_and_resume) released
     # their numbers, so it never waited for them.
-    assert time.monotonic() - started < 10
+    with pytest.raises(tinker.RequestFailedError) as failed:
+        training.forward_backward([bad], "cross_entropy").result(timeout=10)
+    assert failed.value.category.value == "user"
 
 
 def test_cookie_only_request_is_unauthenticated(live_server: LiveServer) -> None:
@@ -282,11 +279,9 @@ def test_a_key_revoked_by_its_tinker_form_is_refused(live_server: LiveServer) ->
 
     with ThreadPoolExecutor(1) as pool:
         assert pool.submit(asyncio.run, revoke()).result() == 0
-    started = time.monotonic()
     with pytest.raises(tinker.AuthenticationError):
         tinker.ServiceClient(base_url=live_server.url, api_key="tml-" + secret).create_lora_training_client(
-            base_model=TINY_MODEL, rank=4).result()
-    assert time.monotonic() - started < 10
+            base_model=TINY_MODEL, rank=4).result(timeout=10)
 
 
 def test_lora_switches_reach_the_run(live_server: LiveServer) -> None:
@@ -309,11 +304,9 @@ def test_lora_switches_reach_the_run(live_server: LiveServer) -> None:
 def test_an_unknown_model_is_refused(service_client: Any) -> None:
     import tinker
 
-    started = time.monotonic()
     with pytest.raises(tinker.RequestFailedError) as failed:
-        service_client.create_training_client_from_state("tinker://nobody:train:0/weights/final").result()
+        service_client.create_training_client_from_state("tinker://nobody:train:0/weights/final").result(timeout=10)
     assert failed.value.category.value == "user" and "not found" in str(failed.value)
-    assert time.monotonic() - started < 10
 
 
 def test_the_sessions_name_and_metadata_show_on_the_runs_page(live_server: LiveServer) -> None:
@@ -350,7 +343,7 @@ def test_signals_own_mutations_on_a_tinker_run_are_refused(live_server: LiveServ
     assert error_code(refused) == "FAILED_PRECONDITION"
     assert training.model_id.split(":")[0] in refused["errors"][0]["message"]
     training.forward_backward([datum(TOKENS, weights=[1.0] * 9)], "cross_entropy").result()  # Tinker's own go on
-    assert training.optim_step(tinker.types.AdamParams(learning_rate=1e-3)).result().metrics["step"] == 1.0
+    assert training.optim_step(tinker.types.AdamParams(learning_rate=1e-3)).result().metrics["optim/step"] == 1.0
 
 
 def test_a_sampler_keeps_its_snapshot_while_training_goes_on(service_client: Any, training: Any) -> None:
