@@ -42,6 +42,9 @@ class Settings(BaseSettings):
     models_file: Path = Field(resource_dir("config") / "models.yaml", description="The model catalogue.")
     default_model: str = Field("HuggingFaceTB/SmolLM2-135M-Instruct", description="Base model when none is given.")
     max_request_bytes: int = Field(16 * 1024 * 1024, description="Largest request body; bigger ones get 413.")
+    max_primitives_per_request: int = Field(4, ge=1, description="Most primitive calls (forwardBackward, optimStep, "
+                                            "sample, ...) one GraphQL request may carry; more is BAD_INPUT naming "
+                                            "the first field past it, before any runs.")
     # ---- the GPU runtime's own settings: defaults from RuntimeOptions, their single source ----
     tinker_poll_s: float = Field(30.0, gt=0, le=40, description="Tinker's retrieve_future holds a pending poll this "
                                  "long, then answers try_again (the SDK times a poll out at 45 s).")
@@ -83,6 +86,11 @@ class Settings(BaseSettings):
     min_free_disk_bytes: int = Field(RuntimeOptions.min_free_disk_bytes, description="Below this free space in the "
                                      "data directory, the runtime refuses calls that write (forward_backward, "
                                      "optim_step, save_state, create_run) with RESOURCE_EXHAUSTED; sampling goes on.")
+    max_user_calls_in_flight: int = Field(RuntimeOptions.max_user_calls_in_flight, description="Most calls of one "
+                                          "user the runtime works on at once (every server process's calls count).")
+    max_user_calls_waiting: int = Field(RuntimeOptions.max_user_calls_waiting, description="Past the calls in "
+                                        "flight, most calls of one user waiting their turn; more are refused "
+                                        "RESOURCE_EXHAUSTED (resource calls, retryAfterS; HTTP 429 on /v1).")
     allow_downloads: bool = Field(False, description="Let the worker download models from the HF Hub.")
     worker_log: Path | None = Field(None, description="File for the worker's stderr; empty means inherit.")
     bootstrap_admin: bool = Field(True, description="On first start with no users, create an admin and print a key.")

@@ -312,7 +312,7 @@ class Control:
         state.remember(call.request_id, result.to_dict(), body)
         append_manifest(state.paths.manifest, {"event": LOAD_STATE, "checkpoint": ref.path, "step": state.step,
                                                "with_optimizer": call.with_optimizer})
-        self.recovery.snapshot(state)  # the journal first, then the snapshot covering the load
+        self.recovery.snapshot(state, required=False)  # the journal first, then the snapshot covering the load
         return result
 
     def delete_checkpoint(self, call: DeleteCheckpoint) -> dict[str, Any]:
@@ -418,6 +418,7 @@ class Control:
             "resident_bytes": residency.resident_bytes(),
             "budget": {"bytes": shared.options.resident_bytes, "runs": shared.options.resident_runs},
             "queue_depth": shared.scheduler.queue_depth_by_user(),
+            "calls_refused": dict(shared.scheduler.refused),  # per user, past the bound on calls in flight
             "decode_groups": [{"runs": g.run_ids, "calls": len(g.jobs), "rows": g.rows, "tokens_done": g.t}
                               for g in self.sampling.groups],
             "sampler_snapshots": self.snapshots.describe(),

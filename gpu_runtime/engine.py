@@ -99,7 +99,8 @@ class Engine(InProcess):
         faults = faults or set()
         hardware = open_hardware(root, torch_device, dtype, options, allow_downloads, faults)
         self.shared = Shared(root, torch_device, dtype, options, faults, hardware.models, hardware.residency,
-                             hardware.compute, Scheduler(options.tick_tokens), after_sync)
+                             hardware.compute, Scheduler(options.tick_tokens, user_calls=options.max_user_calls_in_flight,
+                                                       user_queue=options.max_user_calls_waiting), after_sync)
         self.training = Training(self.shared)
         self.snapshots = Snapshots(root, hardware.residency, options.unnamed_snapshot_seconds)
         self.sampling = Sampling(self.shared, self.snapshots)
@@ -270,6 +271,8 @@ class Engine(InProcess):
     def _resolve(self, request: Request, call: Call) -> dict[str, Any] | None:
         if "raise_in_prepare" in self.shared.faults and (request.request_id or "").startswith("raise"):
             raise RuntimeError("failpoint raise_in_prepare")  # what a library bug in one call's preparation does
+        if "die_in_prepare" in self.shared.faults and (request.request_id or "").startswith("poison"):
+            os.kill(os.getpid(), signal.SIGKILL)  # failpoint: a call that kills the process, each time it is sent
         state = self.recovery.state(call.run_id)  # type: ignore[attr-defined]  # ON_RESIDENT_RUN calls carry run_id
         if isinstance(call, ForwardBackward):
             prepared = self.training.prepare(state, call)

@@ -83,31 +83,47 @@ class Recovery:
 
     # ---- snapshots -------------------------------------------------------------------------
 
-    def snapshot(self, state: RunState) -> None:
+    def snapshot(self, state: RunState, required: bool = True) -> bool:
+        """Snapshot the run (its journal synced first). On a full disk: RESOURCE_EXHAUSTED when the snapshot is the
+        call's own work (`required`: save_state, create_run from a checkpoint); else (a periodic, covering, eviction
+        or shutdown snapshot) the call it follows is applied and journaled already, so it is logged and skipped:
+        restore is the last snapshot plus the journal, and the next one is due again at once. Whether it was written."""
         try:
             state.journal.sync()  # a snapshot never covers records the journal could still lose
         except OSError as exc:
             self.shared.unwritten.setdefault(state.run_id, exc)  # the tick drops the run (drop_unwritten)
             raise
-        fault = "during_snapshot" if "during_snapshot" in self.shared.faults else None
-        state.write_snapshot(self.shared.entry(state).base.name, fault)
+        faults = self.shared.faults
+        fault = next((f for f in ("during_snapshot", "enospc_snapshot") if f in faults), None)
+        try:
+            state.write_snapshot(self.shared.entry(state).base.name, fault)
+        except (OSError, RuntimeError) as exc:  # torch reports a full disk as RuntimeError ("unexpected pos")
+            if not is_disk_full(exc, self.shared.data_dir, self.shared.options.min_free_disk_bytes):
+                raise
+            error = disk_full_error(self.shared.data_dir, exc)  # half-written files went with atomic_dir's temp
+            if required:
+                raise error from None
+            print(f"run {state.run_id}: snapshot skipped, the disk is full; its journal holds every acknowledged call",
+                  file=sys.stderr)
+            return False
         state.prune_snapshots(self.shared.options.keep_snapshots)
         self.shared.totals.snapshots += 1
         self.shared.snapshotted = True
+        return True
 
     def snapshot_if_due(self, state: RunState) -> None:
         options = self.shared.options
         due = state.step - max(state.snapshot_step, 0) >= options.snapshot_every_steps
         late = time.monotonic() - state.snapshot_time >= options.snapshot_every_seconds
         if due or late:
-            self.snapshot(state)
+            self.snapshot(state, required=False)
 
     # ---- eviction --------------------------------------------------------------------------
 
     def evict(self, state: RunState, count: bool = True) -> None:
         """Snapshot the run if it changed, then free it; it comes back on its next call."""
-        if state.changed_since_snapshot or state.pending.calls:
-            self.snapshot(state)
+        if (state.changed_since_snapshot or state.pending.calls) and not self.snapshot(state, required=False):
+            return  # the snapshot was skipped (a full disk): the run stays in memory, nothing is lost
         self.shared.residency.detach(state.run_id, evicted=count)
         if count:
             self.shared.totals.evictions += 1
@@ -123,7 +139,7 @@ class Recovery:
         """Snapshot every resident run that changed, and close its journal."""
         for state in list(self.shared.residency.runs.values()):
             if state.changed_since_snapshot:
-                self.snapshot(state)
+                self.snapshot(state, required=False)
             state.journal.close()
 
     def drop_unwritten(self, failed: dict[str, OSError]) -> dict[str, dict[str, Any]]:

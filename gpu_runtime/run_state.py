@@ -12,6 +12,7 @@ keyed by PEFT's parameter names) still load; their journal position is 0.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -245,6 +246,8 @@ class RunState:
             self.save_adapter(tmp, base_name)
             if fault == "during_snapshot":
                 os.kill(os.getpid(), signal.SIGKILL)  # failpoint for the crash tests: a half-written snapshot
+            if fault == "enospc_snapshot":  # failpoint: the disk fills half-way through a snapshot
+                raise OSError(errno.ENOSPC, "No space left on device (failpoint enospc_snapshot)")
             torch.save({"param_names": list(self.named_parameters()), "optimizer": self.optimizer.state_dict()},
                        tmp / OPTIMIZER_FILE)
             pending = self.pending.calls > 0

@@ -15,7 +15,9 @@ has, snapshots every run that changed, and exits. Only protocol messages reach t
 everything else (library prints, warnings, tqdm) goes to stderr, so nothing can corrupt the channel.
 
 Failpoints for the crash tests: SIGNAL_RUNTIME_FAULTS=before_journal,after_journal,during_snapshot
-kills the process (SIGKILL) at that point, as a power cut would.
+kills the process (SIGKILL) at that point, as a power cut would; die_in_prepare kills it while preparing any call
+whose request id starts with "poison" (a call that crashes the runtime each time it is sent). enospc_journal and
+enospc_snapshot raise ENOSPC at that write instead (tests/faults/test_disk_full.py).
 """
 
 from __future__ import annotations

@@ -17,6 +17,11 @@
   own: every one is handed to the next tick (`TickPlan.free`), so all pending ones join one decode group, and none
   holds or waits for its run's queue. One whose snapshot is still being made is `park`ed until a run's call
   finishes (the save it waits for is one).
+- **A user's calls in flight are bounded** (`user_calls`), here where every server process's calls meet. Past the
+  bound a user's calls wait in a lane of their own, in arrival order, taken in as the user's earlier calls are
+  answered; past `user_queue` waiting, a call is refused at once with RESOURCE_EXHAUSTED (resource "calls") and a
+  `retry_after_s` from how long the user's calls have been taking. Calls on no run (ping) are never counted, and a
+  ticket that calls taken in on its run wait for goes in past the bound (else they would wait out `ticket_wait`).
 - **A tick's budget** bounds forward_backward rows in tokens. While heads are chosen each is
   charged at most a fair share (budget / users), so a big call does not shut out small ones;
   then the budget is water-filled: small calls go whole, big ones split what is left and
@@ -38,13 +43,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpu_runtime.errors import BadInput
+from gpu_runtime.errors import BadInput, ResourceExhausted
 
 log = logging.getLogger("gpu_runtime.scheduler")
 
 TICKET_WAIT_SECONDS = 30.0  # how long a call waits for an earlier ticket of its run before going on without it
 MIN_SHARE_TOKENS = 64  # a tick takes at most tick_tokens / 64 forward_backward heads
 SYSTEM = "__system__"  # the lane of calls on no run (ping, runtime_state): answered at the next tick, first
+RETRY_AFTER_S = (1.0, 30.0)  # a refused call is told to come back after its user's typical call time, within these
 
 
 @dataclass(eq=False)  # compared and hashed by identity: the engine keys its work on requests
@@ -61,6 +67,7 @@ class Request:
     call: Any = None  # the typed request (gpu_runtime.contract.Call); the scheduler never looks inside
     frozen: bool = False  # a sample on frozen weights: in the free lane, outside every run's queue
     progress: Callable[[dict[str, Any]], None] | None = None  # a streamed sample's chunks, before its one reply
+    counted: bool = False  # taken in under its user's bound on calls in flight (released when answered)
 
     @property
     def request_id(self) -> str | None:
@@ -91,9 +98,16 @@ def split_ticket(params: dict[str, Any]) -> tuple[dict[str, Any], int | None]:
 
 
 class Scheduler:
-    def __init__(self, tick_tokens: int, ticket_wait: float = TICKET_WAIT_SECONDS) -> None:
+    def __init__(self, tick_tokens: int, ticket_wait: float = TICKET_WAIT_SECONDS, user_calls: int | None = None,
+                 user_queue: int = 0) -> None:
         self.tick_tokens = tick_tokens
         self.ticket_wait = ticket_wait
+        self.user_calls = user_calls  # a user's calls in flight at most (None: unbounded)…
+        self.user_queue = user_queue  # …and past it, at most this many waiting; more are refused
+        self._in_flight: dict[str, int] = {}  # user → calls taken in and not yet answered
+        self._waiting: dict[str, deque[Request]] = {}  # user → calls past the bound, oldest first
+        self._call_seconds: dict[str, float] = {}  # user → a moving average of their calls' time in flight
+        self.refused: dict[str, int] = {}  # user → calls refused past the bound since start (runtime_state shows it)
         self._next_ticket: dict[str, int] = {}  # run → the ticket whose turn it is
         self.condition = threading.Condition()
         self._runs: dict[str, deque[Request]] = {}
@@ -109,16 +123,63 @@ class Scheduler:
     # ---- producers (any thread) ----------------------------------------------------------
 
     def submit(self, request: Request) -> None:
+        """Queue `request`; or hold it past its user's bound; or, past the waiting lane's length, refuse it now."""
         with self.condition:
             request.arrival = next(self._arrivals)
-            request.since = time.monotonic()
-            if request.frozen:
-                self._free.append(request)
-            elif request.run_id is None:
-                self._system.append(request)
+            bounded = self.user_calls is not None and request.user_id != SYSTEM
+            full = bounded and self._in_flight.get(request.user_id, 0) >= (self.user_calls or 0)
+            if full and not self._unblocks(request):
+                waiting = self._waiting.setdefault(request.user_id, deque())
+                if len(waiting) < self.user_queue:
+                    waiting.append(request)
+                    return
+                refusal = self._refusal(request.user_id, len(waiting))
+                self.refused[request.user_id] = self.refused.get(request.user_id, 0) + 1
             else:
-                self._place(self._runs.setdefault(request.run_id, deque()), request)
-            self.condition.notify_all()
+                self._take(request, bounded)
+                self.condition.notify_all()
+                return
+        request.reply, reply = _DONE, request.reply
+        reply({"error": refusal.to_dict()})
+
+    def _unblocks(self, request: Request) -> bool:
+        """A ticket that calls already taken in on its run wait for: it goes past the bound, or they would hold their
+        user's places until their ticket wait ran out with nothing able to free them."""
+        return request.ticket is not None and any((queued.ticket or 0) > request.ticket
+                                                  for queued in self._runs.get(request.run_id or "", ()))
+
+    def _take(self, request: Request, counted: bool) -> None:
+        request.since = time.monotonic()
+        if counted:
+            request.counted = True
+            self._in_flight[request.user_id] = self._in_flight.get(request.user_id, 0) + 1
+        if request.frozen:
+            self._free.append(request)
+        elif request.run_id is None:
+            self._system.append(request)
+        else:
+            self._place(self._runs.setdefault(request.run_id, deque()), request)
+
+    def _release(self, request: Request) -> None:
+        """A counted call was answered: its user's next waiting call, if any, is taken in."""
+        user = request.user_id
+        seconds = time.monotonic() - request.since
+        self._call_seconds[user] = 0.8 * self._call_seconds.get(user, seconds) + 0.2 * seconds
+        self._in_flight[user] -= 1
+        waiting = self._waiting.get(user)
+        if waiting:
+            self._take(waiting.popleft(), True)
+        if not waiting:
+            self._waiting.pop(user, None)
+        if not self._in_flight[user]:
+            del self._in_flight[user]
+
+    def _refusal(self, user: str, waiting: int) -> ResourceExhausted:
+        low, high = RETRY_AFTER_S
+        retry_after = round(min(max(self._call_seconds.get(user, low), low), high), 1)
+        return ResourceExhausted(f"too many calls in flight: {self.user_calls} running and {waiting} waiting is "
+                                 f"the most one user may have; retry after {retry_after} s",
+                                 resource="calls", retry_after_s=retry_after)
 
     def _place(self, queue: deque[Request], request: Request) -> None:
         """Ticketed calls queue in ticket order, ahead of later tickets not yet started; others at the back."""
@@ -165,12 +226,13 @@ class Scheduler:
 
     def pending(self) -> int:
         with self.condition:
-            return len(self._system) + len(self._free) + len(self._parked) + sum(len(q) for q in self._runs.values())
+            return (len(self._system) + len(self._free) + len(self._parked) + sum(len(q) for q in self._runs.values())
+                    + sum(len(w) for w in self._waiting.values()))
 
     def queue_depth_by_user(self) -> dict[str, int]:
         with self.condition:
             depth: dict[str, int] = {}
-            for queue in self._runs.values():
+            for queue in [*self._runs.values(), *self._waiting.values()]:
                 for request in queue:
                     depth[request.user_id] = depth.get(request.user_id, 0) + 1
             return depth
@@ -236,6 +298,9 @@ class Scheduler:
                 self._busy.discard(request.run_id)
                 self._free += self._parked  # the call a parked sample waits for may be this one: look again
                 self._parked = []
+            if request.counted:  # after it left its run's queue, so a call taken in now queues behind no ghost
+                request.counted = False
+                self._release(request)
             self.condition.notify_all()
         reply(message)
 
@@ -280,9 +345,11 @@ class Scheduler:
         """Everything still queued (at shutdown), oldest first."""
         with self.condition:
             requests = list(self._system) + self._free + self._parked + [r for q in self._runs.values() for r in q]
+            requests += [r for w in self._waiting.values() for r in w]
             self._system.clear()
             self._free, self._parked = [], []
             self._runs.clear()
+            self._waiting.clear()
             return sorted(requests, key=lambda r: r.arrival)
 
 

@@ -79,6 +79,8 @@ MAX_RETRY_DELAY_S = 8.0
 ARCHIVE_ACCEPT = {"Accept": "application/x-tar"}
 # The connection dropped, or never came up: the call may or may not have reached the server.
 RETRYABLE_TRANSPORT_ERRORS = (httpx.NetworkError, httpx.TimeoutException, httpx.RemoteProtocolError)
+# What a call's attempt may end in that `_retry_delay` may send again; it decides which (a full disk: never).
+MAYBE_RETRIED = (httpx.HTTPError, WorkerFailedError, UnavailableError, ResourceExhaustedError)
 DEFAULT_MAX_IN_FLIGHT = 32  # the sync client's threads for pipelined calls (its futures); more queue, in order
 # Answers that hand out runs: the async client learns the server's limits with them, so that an AsyncRun's
 # calls are numbered (and a large batch split) when they are made, without a request of their own first.
@@ -234,7 +236,7 @@ class _ClientBase:
     def _max_batch_size(self) -> int | None:
         return self._limits["max_batch_size"] if self._limits else None
 
-    def _retry_delay(self, call: Call, attempt: int, error: Exception) -> float | None:
+    def _retry_delay(self, call: Call, attempt: int, error: Exception, elapsed: float = 0.0) -> float | None:
         """Seconds to wait before sending `call` again (same request id) after `error` on try `attempt`; None: give
         up. A dropped connection or a dead runtime: `max_attempts` tries. UNAVAILABLE (the call may be applied; a
         retry records it): backoff for UNAVAILABLE_BUDGET_S in all. Too many calls in flight: after the server's
@@ -245,8 +247,7 @@ class _ClientBase:
         if isinstance(error, UnavailableError) or (isinstance(error, ResourceExhaustedError) and error.retryable):
             delay = error.retry_after_s if isinstance(error, ResourceExhaustedError) else None
             delay = min(delay if delay is not None else backoff, MAX_RETRY_DELAY_S)
-            spent = sum(min(self.retry_backoff * 2 ** (n - 1), MAX_RETRY_DELAY_S) for n in range(1, attempt))
-            return float(delay) if spent < UNAVAILABLE_BUDGET_S else None
+            return float(delay) if elapsed + delay <= UNAVAILABLE_BUDGET_S else None  # `elapsed`: since the first try
         if isinstance(error, WorkerFailedError) and error.retryable is False:
             return None  # in flight through two runtime deaths: the server says not to send it a third time
         if not (isinstance(error, (*RETRYABLE_TRANSPORT_ERRORS, WorkerFailedError)) and attempt < self.max_attempts):
@@ -463,13 +464,13 @@ class SignalClient(_ClientBase):
             self._answered(call)
 
     def _attempts(self, call: Call) -> Any:
-        attempt = 1
+        attempt, began = 1, time.monotonic()
         while True:
             try:
                 response = self._http.post(self.url, json=self._payload(call), headers=self._headers())
                 return self._answer(call, response)
-            except (httpx.HTTPError, WorkerFailedError) as error:
-                delay = self._retry_delay(call, attempt, error)
+            except MAYBE_RETRIED as error:
+                delay = self._retry_delay(call, attempt, error, time.monotonic() - began)
                 if delay is None:
                     if isinstance(error, httpx.HTTPError):
                         raise self._transport_error(error) from error
@@ -536,7 +537,7 @@ class AsyncSignalClient(_ClientBase):
             self._answered(call)
 
     async def _attempts(self, call: Call) -> Any:
-        attempt = 1
+        attempt, began = 1, time.monotonic()
         while True:
             try:
                 response = await self._http.post(self.url, json=self._payload(call), headers=self._headers())
@@ -544,8 +545,8 @@ class AsyncSignalClient(_ClientBase):
                 if call.operation in _RUN_OPERATIONS and self._limits is None:
                     self._limits = await self._send(Call("Limits", {}, "limits"))
                 return answer
-            except (httpx.HTTPError, WorkerFailedError) as error:
-                delay = self._retry_delay(call, attempt, error)
+            except MAYBE_RETRIED as error:
+                delay = self._retry_delay(call, attempt, error, time.monotonic() - began)
                 if delay is None:
                     if isinstance(error, httpx.HTTPError):
                         raise self._transport_error(error) from error

@@ -6,6 +6,7 @@ UnprocessableEntityError), a bad key 401, an unknown or foreign model 404 `model
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
@@ -22,16 +23,18 @@ TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "inval
 
 class OpenAIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 kind: str | None = None) -> None:
+                 kind: str | None = None, retry_after_s: float | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.retry_after_s = retry_after_s  # a 429's Retry-After: the openai package waits that long, then retries
         self.kind = kind or TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        headers = {"Retry-After": str(math.ceil(self.retry_after_s))} if self.retry_after_s is not None else None
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
 def bad(param: str, message: str) -> OpenAIError:
@@ -64,4 +67,6 @@ def from_signal(error: SignalError, prompt_param: str = "prompt") -> OpenAIError
     if isinstance(error, BadInput):
         return OpenAIError(400, error.message, param=openai_param(error.field, prompt_param), code="invalid_value")
     status = http_status(error)
-    return OpenAIError(status, error.message, param=openai_param(error.field, prompt_param), code=error.code.lower())
+    retry_after = error.details.get("retry_after_s") if status == 429 else None
+    return OpenAIError(status, error.message, param=openai_param(error.field, prompt_param), code=error.code.lower(),
+                       retry_after_s=float(retry_after) if isinstance(retry_after, int | float) else None)

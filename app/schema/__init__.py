@@ -5,7 +5,9 @@ from __future__ import annotations
 import strawberry
 from strawberry.extensions import MaxAliasesLimiter, MaxTokensLimiter, QueryDepthLimiter
 
+from app.schema.coercion import FieldNamingExecutionContext
 from app.schema.errors import SignalErrors
+from app.schema.limits import PrimitivesLimiter
 from app.schema.mutation import Mutation
 from app.schema.query import Query
 from app.schema.subscription import Subscription
@@ -28,6 +30,8 @@ schema = SignalSchema(
         lambda: QueryDepthLimiter(max_depth=MAX_DEPTH),
         lambda: MaxAliasesLimiter(max_alias_count=MAX_ALIASES),
         lambda: MaxTokensLimiter(max_token_count=MAX_TOKENS),
+        PrimitivesLimiter,
         SignalErrors,
     ],
+    execution_context_class=FieldNamingExecutionContext,
 )

@@ -477,6 +477,10 @@ class RuntimeOptions:
     rank_timeout_seconds: float = 300.0  # a collective that waits longer means a hung rank: every rank stops
     unnamed_snapshot_seconds: float = 3600.0  # an unnamed sampler snapshot expires this long after it was made
     min_free_disk_bytes: int = 64 * 1024**2  # below this free space, calls that write are refused (RESOURCE_EXHAUSTED)
+    # A user's calls in flight in the runtime (scheduler.py): past the first, calls wait their turn; past the second
+    # waiting too, RESOURCE_EXHAUSTED (resource "calls", retry_after_s). An RL loop's 128 samples at once wait, not fail.
+    max_user_calls_in_flight: int = 64
+    max_user_calls_waiting: int = 1024
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -11,11 +11,13 @@ from typing import Any
 
 import pytest
 
+from app.schema import schema
+from app.schema.limits import PRIMITIVES
 from gpu_runtime.contract import MAX_STOP, MAX_STOP_CHARS, MAX_TEMPERATURE, MAX_TOP_K
 from tests.helpers.live_server import LiveServer, settings_for
 
 SMALL = {"max_batch_size": 4, "max_batch_tokens": 64, "max_sample_rows": 8, "max_sample_prompt_tokens": 40,
-         "max_sample_tokens": 64}
+         "max_sample_tokens": 64, "max_primitives_per_request": 2}
 SAMPLE = ("mutation($r: ID!, $p: [String!], $t: [[Int!]!], $m: Int! = 1, $n: Int! = 1, $temp: Float! = 1, "
           "$k: Int! = 0, $stop: [String!], $stopTokens: [Int!]) { sample(runId: $r, prompts: $p, promptTokens: $t, "
           "maxTokens: $m, numSamples: $n, temperature: $temp, topK: $k, stop: $stop, stopTokens: $stopTokens) "
@@ -144,3 +146,34 @@ def test_an_out_of_range_metrics_limit_is_refused(small_server: LiveServer, smal
                                                   limit: int) -> None:
     run_id, key = small_run
     assert refused(small_server.graphql(METRICS, {"r": run_id, "l": limit}, key=key)) == "limit"
+
+
+# ---- primitives per request ------------------------------------------------------------------
+
+ALIASED_STEPS = ("mutation($r: ID!) { a: forwardBackward(runId: $r, batch: [{text: \"a b\"}]) { loss } "
+                 "b: forwardBackward(runId: $r, batch: [{text: \"c d\"}]) { loss } ...more }"
+                 "fragment more on Mutation { c: optimStep(runId: $r) { step } run: updateRun(runId: $r, note: \"x\") "
+                 "{ id } }")
+
+
+def test_every_primitive_is_a_mutation() -> None:
+    assert PRIMITIVES <= set(schema._schema.mutation_type.fields)
+
+
+def test_a_request_carrying_too_many_primitives_is_refused_before_any_runs(small_server: LiveServer) -> None:
+    key = small_server.new_user()
+    run_id = small_server.graphql(CREATE, {"i": {"loraR": 2}}, key=key)["data"]["createRun"]["id"]
+    body = small_server.graphql(ALIASED_STEPS, {"r": run_id}, key=key)
+    assert refused(body) == "c"  # the third primitive (through the fragment); updateRun is no primitive
+    state = small_server.graphql(STEP, {"r": run_id}, key=key)["data"]["run"]
+    assert state == {"step": 0, "metrics": []}  # neither forwardBackward ran
+
+
+def test_a_request_at_the_primitives_bound_is_answered(small_server: LiveServer) -> None:
+    key = small_server.new_user()
+    run_id = small_server.graphql(CREATE, {"i": {"loraR": 2}}, key=key)["data"]["createRun"]["id"]
+    # The same field twice under one response key is one call (GraphQL merges them), so this is two.
+    at_bound = ALIASED_STEPS.replace("b: forwardBackward", "a: forwardBackward").replace("c d", "a b")
+    body = small_server.graphql(at_bound, {"r": run_id}, key=key)
+    assert "errors" not in body, body
+    assert body["data"]["c"]["step"] == 1

@@ -73,3 +73,33 @@ def test_writing_calls_are_refused_below_the_free_space_margin(tmp_path: Path, t
         tight.forward_backward("r", BATCH)
     assert refused.value.details == {"resource": "disk"}
     assert tight.sample("r", ["Hello"], max_tokens=2)["sequences"]  # sampling goes on
+
+
+def test_a_snapshot_that_fails_on_a_full_disk(tmp_path: Path, tiny_model_dir: str,
+                                               capfd: pytest.CaptureFixture[str]) -> None:
+    """The failpoint enospc_snapshot fails every snapshot half-way while it is set. A periodic snapshot's failure is
+    not its optim_step's (applied and journaled already): that call is answered, and restore replays it. A save_state,
+    whose snapshot is its own work, is told RESOURCE_EXHAUSTED and never made. Space back, calls acknowledged then
+    survive a restart too."""
+    faults = {"enospc_snapshot"}
+    engine = Engine(tmp_path / "data", device="cpu", faults=faults, snapshot_every_steps=1)
+    engine.create_run("r", "u", tiny_model_dir, lora={"r": 4}, seed=3)
+    engine.forward_backward("r", BATCH, request_id="a1")
+    assert engine.optim_step("r", request_id="a2")["step"] == 1  # its snapshot was due, and failed
+    assert "snapshot skipped, the disk is full" in capfd.readouterr().err
+    with pytest.raises(ResourceExhausted) as refused:
+        engine.save_state("r", mode="state")
+    assert refused.value.details == {"resource": "disk"}
+
+    faults.discard("enospc_snapshot")  # space is back
+    engine.forward_backward("r", OTHER, request_id="a3")
+    assert engine.optim_step("r", request_id="a4")["step"] == 2
+    assert_same_weights(lora_weights(engine, "r"), reference(tmp_path, tiny_model_dir))
+    run_dir = tmp_path / "data" / "runs" / "u" / "r"
+    assert not (run_dir / "checkpoints").exists() or not any((run_dir / "checkpoints").iterdir())  # never made
+    assert not list(run_dir.rglob(".*.tmp-*"))  # the half-written snapshot left nothing behind
+    assert sorted(p.name for p in (run_dir / "lora_adapters").glob("step_*")) == ["step_2"]  # written once space was back
+    engine.shutdown()
+
+    restarted = Engine(tmp_path / "data", device="cpu")
+    assert_same_weights(lora_weights(restarted, "r"), reference(tmp_path / "again", tiny_model_dir))
