@@ -31,7 +31,7 @@ KEYS: dict[str, set[str]] = {
     "optim_step": {"step", "grad_norm", "learning_rate"},
     "sample": {"outputs", "prompt_tokens", "step", "prompt_logprobs", "topk_prompt_logprobs", "sequences"},
     "save_state": {"id", "step", "mode", "name", "path", "checkpoint_path", "size_bytes", "hub_url", "created_at",
-                   "download_url"},
+                   "download_url", "with_optimizer", "pending_excluded"},
     "forward": {"loss", "loss_sum", "num_tokens", "num_examples", "step", "outputs"},
     "tokenizer": {"name", "vocab_size", "eos_token_ids", "bos_token_id", "pad_token_id", "chat_template"},
     "save_weights_for_sampler": {"run_id", "name", "step", "named", "expires_in_seconds"},
