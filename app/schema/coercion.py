@@ -8,7 +8,6 @@ path, and names the field by where the operation uses the variable: `$p` at [1],
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 from graphql.execution.get_variable_signature import get_variable_signature
@@ -17,19 +16,14 @@ from graphql.utilities.validate_input_value import validate_input_value
 from strawberry.schema.schema import StrawberryGraphQLCoreExecutionContext
 
 from app.errors import BadInput
+from app.schema.selections import fragments_of, selected_fields
 from graphql import (
-    ArgumentNode,
     DocumentNode,
-    FieldNode,
-    FragmentDefinitionNode,
-    FragmentSpreadNode,
     GraphQLError,
     GraphQLSchema,
-    InlineFragmentNode,
     ListValueNode,
     ObjectValueNode,
     OperationDefinitionNode,
-    SelectionSetNode,
     Undefined,
     ValueNode,
     VariableNode,
@@ -93,27 +87,12 @@ def _operation(document: DocumentNode, name: str | None) -> OperationDefinitionN
 def _use_of(variable: str, document: DocumentNode, operation: OperationDefinitionNode) -> str:
     """Where the operation first passes `$variable`, as an argument path (`prompts`, `input.baseModel`); a variable
     passed nowhere (validation refuses those) is named as the request's `variables.NAME`."""
-    fragments = {d.name.value: d for d in document.definitions if isinstance(d, FragmentDefinitionNode)}
-    for argument in _arguments(operation.selection_set, fragments, set()):
+    fields = selected_fields(operation.selection_set, fragments_of(document), nested=True)
+    for argument in (argument for field in fields for argument in field.arguments or ()):
         found = _in_value(variable, argument.value, argument.name.value)
         if found is not None:
             return found
     return f"variables.{variable}"
-
-
-def _arguments(selections: SelectionSetNode | None, fragments: dict[str, FragmentDefinitionNode],
-               seen: set[str]) -> Iterator[ArgumentNode]:
-    for selection in selections.selections if selections is not None else ():
-        if isinstance(selection, FieldNode):
-            yield from selection.arguments or ()
-            yield from _arguments(selection.selection_set, fragments, seen)
-        elif isinstance(selection, InlineFragmentNode):
-            yield from _arguments(selection.selection_set, fragments, seen)
-        elif isinstance(selection, FragmentSpreadNode) and selection.name.value not in seen:
-            seen.add(selection.name.value)
-            fragment = fragments.get(selection.name.value)
-            if fragment is not None:
-                yield from _arguments(fragment.selection_set, fragments, seen)
 
 
 def _in_value(variable: str, value: ValueNode, path: str) -> str | None:

@@ -9,16 +9,13 @@ from collections.abc import Iterator
 from strawberry.extensions import SchemaExtension
 
 from app.errors import BadInput
+from app.schema.selections import fragments_of, selected_fields
 from app.settings import Settings
 from graphql import (
     FieldNode,
-    FragmentDefinitionNode,
-    FragmentSpreadNode,
     GraphQLError,
-    InlineFragmentNode,
     OperationDefinitionNode,
     OperationType,
-    SelectionSetNode,
     ValidationContext,
     ValidationRule,
 )
@@ -44,13 +41,13 @@ def primitives_rule(most: int) -> type[ValidationRule]:
     class MaxPrimitives(ValidationRule):
         def __init__(self, context: ValidationContext) -> None:
             super().__init__(context)
-            fragments = {d.name.value: d for d in context.document.definitions if isinstance(d, FragmentDefinitionNode)}
+            fragments = fragments_of(context.document)
             for operation in context.document.definitions:
                 if not isinstance(operation, OperationDefinitionNode) or operation.operation != OperationType.MUTATION:
                     continue
                 # One per response key: fields sharing a key merge into one execution.
                 keyed: dict[str, FieldNode] = {}
-                for node in _top_fields(operation.selection_set, fragments, set()):
+                for node in selected_fields(operation.selection_set, fragments):
                     keyed.setdefault((node.alias or node.name).value, node)
                 found = [node for node in keyed.values() if node.name.value in PRIMITIVES]
                 if len(found) > most:
@@ -63,16 +60,3 @@ def primitives_rule(most: int) -> type[ValidationRule]:
     return MaxPrimitives
 
 
-def _top_fields(selections: SelectionSetNode, fragments: dict[str, FragmentDefinitionNode],
-                seen: set[str]) -> Iterator[FieldNode]:
-    """The operation's root fields in document order, through fragments (each spread once: cycles are another rule's)."""
-    for selection in selections.selections:
-        if isinstance(selection, FieldNode):
-            yield selection
-        elif isinstance(selection, InlineFragmentNode):
-            yield from _top_fields(selection.selection_set, fragments, seen)
-        elif isinstance(selection, FragmentSpreadNode) and selection.name.value not in seen:
-            seen.add(selection.name.value)
-            fragment = fragments.get(selection.name.value)
-            if fragment is not None:
-                yield from _top_fields(fragment.selection_set, fragments, seen)
