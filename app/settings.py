@@ -50,6 +50,9 @@ class Settings(BaseSettings):
                                  "long, then answers try_again (the SDK times a poll out at 45 s).")
     tinker_result_ttl_s: float = Field(3600.0, gt=0, description="A finished Tinker future stays retrievable this "
                                        "long; then its row is deleted (and a resubmission of it runs again).")
+    tinker_tokenizer_dir: bool = Field(False, description="Local backend only: Tinker's get_info answers a "
+                                       "directory the runtime wrote the base's tokenizer to (save_pretrained) as "
+                                       "tokenizer_id, so TrainingClient.get_tokenizer() needs no Hub on this machine.")
     max_batch_size: int = Field(RuntimeOptions.max_batch_size, description="Most items one forward_backward may carry.")
     # Per-call sizes: the server refuses an over-bound call before it leaves, the runtime again once it has tokenized.
     max_batch_tokens: int = Field(RuntimeOptions.max_batch_tokens, description="Most tokens one forward_backward "

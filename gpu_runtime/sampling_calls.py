@@ -8,6 +8,9 @@ its run until it finishes; one on a snapshot or a base holds nothing but its sna
 
 from __future__ import annotations
 
+import hashlib
+import os
+import shutil
 import time
 from collections import OrderedDict
 from typing import Any, cast
@@ -96,10 +99,22 @@ class Sampling:
             self.shared.residency.base(str(call.base_model), call.quantization)
         tokenizer = entry.base.tokenizer
         template = getattr(tokenizer, "chat_template", None)
+        directory = self._saved_tokenizer(entry) if call.save else None
         return TokenizerResult(name=entry.base.name, vocab_size=entry.renderer.vocab_size,
                                eos_token_ids=sorted(eos_ids(entry)), bos_token_id=tokenizer.bos_token_id,
                                pad_token_id=tokenizer.pad_token_id,
-                               chat_template=template if isinstance(template, str) else None)
+                               chat_template=template if isinstance(template, str) else None, directory=directory)
+
+    def _saved_tokenizer(self, entry: BaseEntry) -> str:
+        """The base's tokenizer under data_dir/tokenizers/<digest of its name>, written once: into a temporary
+        directory, then renamed, so a reader never sees half of it."""
+        directory = self.shared.data_dir / "tokenizers" / hashlib.sha256(entry.base.name.encode()).hexdigest()[:16]
+        if not directory.is_dir():
+            partial = directory.with_name(f"{directory.name}.partial-{os.getpid()}")
+            shutil.rmtree(partial, ignore_errors=True)
+            entry.base.tokenizer.save_pretrained(str(partial))
+            partial.replace(directory)
+        return str(directory)
 
     def render_chat(self, call: RenderChat, state: RunState | None) -> RenderChatResult:
         """Messages through the chat template as ids (tokenize=True: the template's own BOS, once), ids as text."""

@@ -620,17 +620,20 @@ class RunService:
         return await self._apply(user, run_id, "save_weights_for_sampler", request_id, lambda run: {"name": name},
                                  record, order=order)
 
-    async def tokenizer(self, user: User, run_id: str | None = None, base_model: str | None = None) -> dict[str, Any]:
+    async def tokenizer(self, user: User, run_id: str | None = None, base_model: str | None = None,
+                        save: bool = False) -> dict[str, Any]:
         """The tokenizer of a run's base (the caller's run) or of a catalogue model (default: the server's): its id,
-        vocabulary size, EOS, BOS and pad ids, and chat template. Reads the base only: no run's queue, no credits."""
+        vocabulary size, EOS, BOS and pad ids, and chat template. Reads the base only: no run's queue, no credits.
+        `save`: the runtime also writes it to a directory of its own and answers its path (a path on the runtime's
+        machine, so the caller checks the backend is local)."""
         if run_id is not None and base_model is not None:
             raise BadInput("give runId or baseModel, not both", field="runId")
         if run_id is not None:
             run = await self.get(user, run_id)
-            return await self._engine("tokenizer", pool=pool_of(run), run_id=run.id)
+            return await self._engine("tokenizer", pool=pool_of(run), run_id=run.id, save=save)
         model = self.catalog.get(base_model or self.default_model)
         pool = pool_key(model.name, self.catalog.resolve_gpu(model, None, None), None)
-        return await self._engine("tokenizer", pool=pool, base_model=model.source)
+        return await self._engine("tokenizer", pool=pool, base_model=model.source, save=save)
 
     async def render_chat(self, run: Run | None, messages: builtins.list[dict[str, str]] | None = None,
                           prompts: builtins.list[str] | None = None, decode: builtins.list[int] | None = None,

@@ -25,7 +25,7 @@ from app.services.call_order import Numbered
 from app.services.runs import RunSpec, SampleParams
 from app.services.tinker_futures import PROTO_TYPE, json_answer
 from app.services.tinker_sessions import SessionFinished, model_id, sampling_session_id, session_of
-from app.tables import TinkerModel, User
+from app.tables import Run, TinkerModel, User
 from app.tinker import paths, proto, rest
 from gpu_runtime.contract.settings import MAX_TOKENS_LIMIT
 from gpu_runtime.errors import FailedPrecondition
@@ -219,13 +219,17 @@ async def get_info(request: Request, user: User) -> dict[str, Any]:
     run = await svc.runs.get(user, model.run_id or "")
     return {"model_id": model.id, "type": "get_info", "model_name": model.base_model, "is_lora": True,
             "lora_rank": int(run.lora_config.get("r", 0)),
-            "model_data": {"model_name": model.base_model, "tokenizer_id": tokenizer_id(svc, run.base_model),
+            "model_data": {"model_name": model.base_model, "tokenizer_id": await tokenizer_id(svc, user, run),
                            "arch": svc.catalog.get(run.base_model).family}}
 
 
-def tokenizer_id(svc: Services, name: str) -> str:
-    # The catalogue's `tokenizer`, else the model's name (the SDK cuts a tokenizer id at its first ':').
-    return (svc.catalog.get(name).tokenizer or name).split(":", 1)[0]
+async def tokenizer_id(svc: Services, user: User, run: Run) -> str:
+    """A directory the runtime wrote the tokenizer to, with SIGNAL_TINKER_TOKENIZER_DIR on the local backend (its
+    path is on this machine); else the catalogue's `tokenizer`, else the model's name (the SDK cuts a tokenizer id
+    at its first ':')."""
+    if svc.settings.tinker_tokenizer_dir and svc.settings.backend == "local":
+        return str((await svc.runs.tokenizer(user, run_id=run.id, save=True))["directory"])
+    return (svc.catalog.get(run.base_model).tokenizer or run.base_model).split(":", 1)[0]
 
 
 # ---- training ------------------------------------------------------------------------------------------------

@@ -45,7 +45,7 @@ from gpu_runtime.errors import BadInput
 # meets another version refuses to talk to it (a detached runtime outlives its server; a Modal deployment lags).
 # 4: RuntimeOptions gained the per-call bounds (max_batch_tokens, max_sample_rows, ...) and ping the version.
 # 5: sample gained `stream` (SampleChunk progress lines before its result) and the `cancel` call.
-CONTRACT_VERSION = 5
+CONTRACT_VERSION = 6
 
 
 class Method(enum.StrEnum):
@@ -313,10 +313,15 @@ class Tokenizer(Call):
     base_model: str | None = None
     quantization: str | None = None
     run_id: str | None = None
+    # Also write it with save_pretrained into the runtime's data directory and answer that directory: for a client
+    # on the runtime's own machine (the local backend) that cannot reach the Hub (Tinker's get_info tokenizer_id).
+    save: bool = False
 
     def validate(self) -> None:
         if (self.base_model is None) == (self.run_id is None):
             raise BadInput("give exactly one of base_model or run_id", field="base_model")
+        if not isinstance(self.save, bool):
+            raise BadInput("save must be true or false", field="save")
         if self.run_id is not None:
             check_id(self.run_id, "run_id")
         elif not isinstance(self.base_model, str) or not self.base_model:

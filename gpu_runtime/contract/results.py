@@ -11,7 +11,8 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, TypeVar
 
 R = TypeVar("R", bound="Result")
-OMITTED_UNLESS_SET = ("replayed", "hub", "pending_excluded", "prompt_logprobs", "topk_prompt_logprobs", "outputs")
+OMITTED_UNLESS_SET = ("replayed", "hub", "pending_excluded", "prompt_logprobs", "topk_prompt_logprobs", "outputs",
+                      "directory")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -121,6 +122,7 @@ class TokenizerResult(Result):
     bos_token_id: int | None
     pad_token_id: int | None
     chat_template: str | None
+    directory: str | None = None  # with save: where save_pretrained wrote it, on the runtime's machine
 
 
 @dataclass(frozen=True, kw_only=True)

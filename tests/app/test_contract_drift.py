@@ -144,6 +144,7 @@ class Mirror:
 
 LORA_AS_FIELDS = ("loraR", "loraAlpha", "loraDropout", "loraTargetModules", "trainAttn", "trainMlp", "trainUnembed")
 BILLED = "billed (the run's cost), not part of one call's answer"
+TOKENIZER_DIR = "a path on the runtime's machine: only Tinker's get_info asks for it, on the local backend"
 LABEL = "the run's label for people (issue 18 §1), kept by the server; the runtime never sees it"
 REPLAYED = "a retry's answer is the first answer; the API does not tell them apart"
 MIRRORS: list[Mirror] = [
@@ -158,7 +159,8 @@ MIRRORS: list[Mirror] = [
                          "name": LABEL, "tags": LABEL, "note": LABEL}),
     Mirror("Query.renderDatums", contract.RenderDatums),
     Mirror("Query.tokenizer", contract.Tokenizer,
-           contract_only={"quantization": "the server reads it from the run or the catalogue, not the caller"}),
+           contract_only={"quantization": "the server reads it from the run or the catalogue, not the caller",
+                          "save": TOKENIZER_DIR}),
     Mirror("SamplerSnapshot", contract.SaveWeightsForSamplerResult,
            contract_only={"path": "the runtime's own directory; a named snapshot's row has path and downloadUrl",
                           "size_bytes": "a named snapshot's size is sizeBytes on its row (Run.snapshots)",
@@ -169,7 +171,7 @@ MIRRORS: list[Mirror] = [
            graphql_only={"id": "the row's key", "createdAt": "the row's", "expiresAt": "the row's (unnamed snapshots)",
                          "path": "signal://… built from the row; the contract's is checkpoint_path",
                          "downloadUrl": "the server's URL for the row"}),
-    Mirror("TokenizerInfo", contract.TokenizerResult),
+    Mirror("TokenizerInfo", contract.TokenizerResult, contract_only={"directory": TOKENIZER_DIR}),
     Mirror("Mutation.deleteRun", contract.DeleteRun),
     Mirror("Mutation.deleteCheckpoint", contract.DeleteCheckpoint,
            renamed={"mode": ("checkpointId",), "name": ("checkpointId",)}),  # the row's id names its mode and name

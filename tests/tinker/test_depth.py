@@ -36,9 +36,12 @@ def batch(n: int) -> list[Any]:
 @pytest.fixture(scope="module")
 def wide_server(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory,
                 live_server: LiveServer) -> Iterator[LiveServer]:
-    """A second server whose max_batch_size holds the whole max_batch_size + 1 batch: the single-batch side."""
+    """A second server whose max_batch_size holds the whole max_batch_size + 1 batch: the single-batch side. It also
+    answers get_info with the runtime's tokenizer directory (SIGNAL_TINKER_TOKENIZER_DIR), a setting no other check
+    here depends on, so one server start serves both."""
     server = LiveServer.start(settings_for(Path(tmp_path_factory.mktemp("tinker-wide")), tiny_model_dir,
-                                           max_batch_size=live_server.settings.max_batch_size + 1))
+                                           max_batch_size=live_server.settings.max_batch_size + 1,
+                                           tinker_tokenizer_dir=True))
     yield server
     server.stop()
 
@@ -57,6 +60,23 @@ def test_a_split_batch_trains_as_one_batch(live_server: LiveServer, service_clie
         assert step(training, batch(n)) == 1.0
         losses.append(loss(training, [datum(PROBE, weights=[1.0] * 9)]))
     assert losses[0] == pytest.approx(losses[1], rel=1e-6)
+
+
+def test_get_info_names_the_tokenizer_directory_the_runtime_wrote(wide_server: LiveServer, tiny_model_dir: str) -> None:
+    """With SIGNAL_TINKER_TOKENIZER_DIR (local backend), tokenizer_id is a directory under the runtime's data
+    directory, not the catalogue's: get_tokenizer() loads it offline and encodes as the base's own tokenizer does."""
+    import tinker
+    from transformers import AutoTokenizer
+
+    client = tinker.ServiceClient(base_url=wide_server.url, api_key="tml-" + wide_server.new_user())
+    training = client.create_lora_training_client(base_model=TINY_MODEL, rank=4).result()
+    directory = Path(training.get_info().model_data.tokenizer_id)
+    assert directory.parent == Path(wide_server.settings.data_dir) / "tokenizers"
+    assert (directory / "tokenizer_config.json").is_file()
+    text = "Signal trains LoRA adapters: héllo wörld"
+    assert training.get_tokenizer().encode(text) == AutoTokenizer.from_pretrained(tiny_model_dir).encode(text)
+    again = client.create_lora_training_client(base_model=TINY_MODEL, rank=4).result()
+    assert again.get_info().model_data.tokenizer_id == str(directory)  # written once per base, then reused
 
 
 def test_a_forward_backward_and_an_optim_step_in_flight_together(service_client: Any) -> None:
