@@ -88,3 +88,8 @@ def test_another_users_run_is_not_found(live_server: LiveServer, visitor: Visito
     mine = SignalClient(api_key=api_key_for(live_server, visitor.email), base_url=live_server.url).create_run(lora_r=4)
     answer = visitor.client.get(f"/runs/compare?ids={mine.id},{owner_runs[1][0]}")
     assert answer.status_code == 404 and f"run &#39;{owner_runs[1][0]}&#39; not found" in answer.text
+
+
+def test_an_empty_runs_list_offers_no_compare_button(visitor: Visitor) -> None:
+    runs = visitor.client.get("/runs")
+    assert runs.status_code == 200 and "No runs yet" in runs.text and "Compare selected" not in runs.text
