@@ -14,7 +14,7 @@ from sqlalchemy import func, select
 
 from app.backends import Backend
 from app.db import Database
-from app.errors import NotFound
+from app.errors import BadInput, NotFound
 from app.events import LOSS_METRICS, EventBroker
 from app.services.runs import FAILED, RunService
 from app.services.users import require_admin
@@ -26,6 +26,20 @@ from app.tar_stream import TarStream, gzip_chunks
 class RunSummary:
     run: Run
     last_loss: float | None
+
+
+COMPARE_RUNS = (2, 8)  # how many runs the compare page overlays: fewer is no comparison, more is an unreadable chart
+
+
+@dataclass
+class RunCurve:
+    """A run on the compare page: its loss at each step (the token-weighted mean of the step's forward_backward
+    losses, as the run page's step axis draws it) and the learning rates its optim_steps used."""
+
+    run: Run
+    steps: list[int]
+    losses: list[float]
+    learning_rates: list[float]
 
 
 @dataclass
@@ -74,6 +88,21 @@ class DashboardService:
                       .group_by(Metric.run_id))
             rows = await session.execute(select(Metric.run_id, Metric.value).where(Metric.id.in_(newest)))
             return {run_id: value for run_id, value in rows}
+
+    async def compare(self, user: User, run_ids: list[str]) -> list[RunCurve]:
+        """The user's runs `run_ids` (2-8, each once, in the given order) with their curves; another user's run is
+        NotFound, as everywhere."""
+        run_ids = list(dict.fromkeys(run_ids))
+        low, high = COMPARE_RUNS
+        if not low <= len(run_ids) <= high:
+            raise BadInput(f"pick {low} to {high} runs to compare, got {len(run_ids)}", field="ids")
+        runs = [await self.runs.get(user, run_id) for run_id in run_ids]
+        async with self.db.session() as session:
+            rows = (await session.execute(
+                select(Metric.run_id, Metric.step, Metric.name, Metric.value, Metric.created_at)
+                .where(Metric.run_id.in_(run_ids), Metric.name.in_((*LOSS_METRICS, "num_tokens", "learning_rate")))
+                .order_by(Metric.id))).all()
+        return [_curve(run, [row for row in rows if row.run_id == run.id]) for run in runs]
 
     async def checkpoint(self, user: User, run_id: str, checkpoint_id: int) -> Checkpoint:
         run = await self.runs.get(user, run_id)
@@ -127,3 +156,23 @@ def residency(runtime: dict[str, Any]) -> dict[str, int]:
     return {"resident": sum(len(s.get("resident_runs", [])) for s in states),
             "evicted": sum(len(s.get("evicted_runs", [])) for s in states)}
 
+
+
+def _curve(run: Run, rows: list[Any]) -> RunCurve:
+    """One call's rows share its step and time: its loss (weighted by its num_tokens; 1 when absent) goes into its
+    step's mean. Learning rates are listed once each, in the order first used."""
+    calls: dict[tuple[int, Any], list[float]] = {}  # (step, time) -> [loss, tokens]
+    rates: dict[float, None] = {}
+    for row in rows:
+        if row.name == "learning_rate":
+            rates[row.value] = None
+            continue
+        call = calls.setdefault((row.step, row.created_at), [0.0, 0.0])
+        call[1 if row.name == "num_tokens" else 0] = row.value
+    by_step: dict[int, list[float]] = {}
+    for (step, _), (loss, tokens) in calls.items():
+        total = by_step.setdefault(step, [0.0, 0.0])
+        total[0] += loss * (tokens or 1)
+        total[1] += tokens or 1
+    steps = sorted(by_step)
+    return RunCurve(run, steps, [by_step[s][0] / by_step[s][1] for s in steps], list(rates))

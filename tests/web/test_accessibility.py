@@ -66,7 +66,7 @@ def violations(context: BrowserContext, url: str, within: dict[str, Any], ready:
 def test_no_serious_accessibility_violations(name: str, tour: Tour, contexts: dict[bool, BrowserContext],
                                             viewport: ViewportSize) -> None:
     url = tour.server.url + tour.path(name)
-    ready = {"run": "#loss-chart canvas", "graphql": f"{GRAPHIQL} .graphiql-execute-button"}.get(name)
+    ready = {"run": "#loss-chart canvas", "compare": "#compare-chart canvas", "graphql": f"{GRAPHIQL} .graphiql-execute-button"}.get(name)
     within = {"exclude": [[GRAPHIQL]]} if name == "graphql" else {"exclude": []}
     picture = f"desktop-{name}" if viewport == DESKTOP else None  # the 390 px set is test_phone.py's
     assert violations(contexts[name != "login"], url, within, ready, picture) == []

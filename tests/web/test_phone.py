@@ -60,6 +60,8 @@ def test_every_page_fits_a_phone(name: str, tour: Tour, phone: BrowserContext, b
     try:
         page.goto(tour.server.url + tour.path(name))
         page.wait_for_load_state("networkidle") if name != "run" else page.wait_for_selector("#loss-chart canvas")
+        if name == "compare":
+            page.wait_for_selector("#compare-chart canvas")
         if name == "graphql":
             expect(page.locator(".narrow-notice")).to_be_visible()
         shot(page, f"phone-{name}")

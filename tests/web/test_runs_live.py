@@ -37,7 +37,7 @@ def test_training_changes_cells_in_place_and_keeps_focus_and_selection(page: Pag
     page.evaluate("""(id) => {
         window.runLink = document.querySelector(`tr[data-run-id="${id}"] a`);
         const range = document.createRange();
-        range.selectNodeContents(window.runLink.closest('tr').cells[1]);
+        range.selectNodeContents(window.runLink.closest('tr').cells[2]);  // after the compare box and the run
         getSelection().removeAllRanges();
         getSelection().addRange(range);
     }""", run.id)

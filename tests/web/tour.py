@@ -1,6 +1,6 @@
 """Every dashboard page, with something on it: the page list the phone and accessibility tests walk.
 
-One admin user with a trained run, a checkpoint, a sample and a key, so the wide tables and cards are on screen.
+One admin user with two trained runs (one for the compare page), a checkpoint, a sample and a key, so the wide tables and cards are on screen.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from tests.web.conftest import SCREENSHOT_CLOCK, api_key_for, committing_screens
 
 BATCH = [{"input": "The quick brown fox", "output": " jumps over the lazy dog."}]
 # Page names, for test ids; "login" is the signed-out page, the rest are signed in as the admin.
-PAGES = ["runs", "run", "keys", "start", "models", "admin", "account", "playground", "login", "graphql"]
+PAGES = ["runs", "run", "keys", "start", "models", "admin", "account", "playground", "login", "graphql",
+         "compare", "usage"]
 PHONE: ViewportSize = {"width": 390, "height": 844}
 DESKTOP: ViewportSize = {"width": 1280, "height": 860}
 
@@ -25,9 +26,11 @@ class Tour:
     server: LiveServer
     email: str
     run_id: str
+    other_run_id: str  # a second run, so the compare page has two
 
     def path(self, name: str) -> str:
-        return {"run": f"/runs/{self.run_id}", "graphql": "/graphql", "login": "/login"}.get(name, f"/{name}")
+        return {"run": f"/runs/{self.run_id}", "graphql": "/graphql", "login": "/login",
+                "compare": f"/runs/compare?ids={self.run_id},{self.other_run_id}"}.get(name, f"/{name}")
 
     def context(self, browser: Browser, viewport: ViewportSize, signed_in: bool = True,
                 bypass_csp: bool = False) -> BrowserContext:
@@ -52,4 +55,7 @@ def make_tour(server: LiveServer, email: str = "tour@example.com") -> Tour:
     run.optim_step()
     run.save_state(mode="adapter")
     run.sample(prompts=["The quick brown fox"], max_tokens=4)
-    return Tour(server, email, run.id)
+    other = client.create_run(lora_r=8, seed=2, learning_rate=0.001, name="a second run to compare against")
+    other.forward_backward(batch=BATCH)
+    other.optim_step()
+    return Tour(server, email, run.id, other.id)
