@@ -55,7 +55,7 @@ test-web: install
 # The committed screenshots (tests/web/screenshots/; the README shows run.png), made again on purpose, with the
 # browser's clock fixed. Every other test run writes its screenshots to build/screenshots/ and leaves the tree clean.
 screenshots: install
-	SIGNAL_TEST_SCREENSHOTS=tests/web/screenshots $(PY) -m pytest -q tests/web/test_browser.py
+	SIGNAL_TEST_SCREENSHOTS=tests/web/screenshots $(PY) -m pytest -q tests/web/test_browser.py tests/web/test_phone.py tests/web/test_accessibility.py
 
 # ruff and mypy, both configured in pyproject.toml (bench/ is scripts, linted by ruff only).
 lint: install
