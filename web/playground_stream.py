@@ -64,9 +64,11 @@ async def start_stream(request: Request, user: User) -> Response:
 
 @signed_in
 async def stream(request: Request, user: User) -> Response:
-    held = _PENDING.pop(request.path_params["ident"], None)
-    if held is None or held.user_id != user.id:
+    ident = request.path_params["ident"]
+    held = _PENDING.get(ident)
+    if held is None or held.user_id != user.id:  # another user's id is unknown to them, and stays the owner's
         raise NotFound("This sample was started already, or has expired: press Sample again.")
+    del _PENDING[ident]
     runs = services(request).runs
     run = await runs.get(user, held.run_id)
     chunks: asyncio.Queue[dict[str, Any]] = asyncio.Queue()

@@ -129,6 +129,9 @@ def test_a_stream_id_opens_once(streaming_server: LiveServer) -> None:
     answer = visitor.post("/playground/stream", data={"run_id": run_id, "prompt": "Hello", "max_tokens": "3"})
     assert answer.status_code == 200 and "Hello" in answer.text
     url = answer.text.split('data-stream="')[1].split('"')[0]
+    stranger = sign_in(streaming_server)
+    assert stranger.client.get(url).status_code == 404  # another user's id: not found, and not used up
+    stranger.client.close()
     with visitor.client.stream("GET", url, headers={"Accept": "text/event-stream"}) as events:
         lines = list(events.iter_lines())
     assert "event: done" in lines and "stop_reason" in "".join(lines)
