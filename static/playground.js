@@ -64,6 +64,7 @@
       end("done", "Done");
     });
     source.addEventListener("failed", (event) => end("failed", event.data));
+    source.addEventListener("signed-out", (event) => end("failed", event.data)); // the session ended: sign in again
     source.addEventListener("error", () => { // a stream that breaks (or a 404): EventSource would retry; we stop
       if (box.dataset.state === "streaming") end("failed", "The stream was interrupted.");
     });
