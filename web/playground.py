@@ -28,15 +28,20 @@ async def playground_page(request: Request, user: User) -> Response:
 
 @signed_in
 async def playground_sample(request: Request, user: User) -> Response:
-    form = await request.form()
+    run_id, prompt, params = sample_form(await request.form())
+    result = await services(request).runs.sample(user, run_id, params)
+    return page(request, "_samples_result.html", user=user, prompt=prompt, sequences=result["sequences"][0])
+
+
+def sample_form(form: FormData) -> tuple[str, str, SampleParams]:
+    """The run, the prompt and the sample's parameters the form asks for."""
     prompt = str(form.get("prompt", "")).strip()
     if not prompt:
         raise BadInput("Write a prompt first.", field="prompt")
     params = SampleParams(prompts=[prompt], max_tokens=_number(form, "max_tokens", int, 64),
                           temperature=_number(form, "temperature", float, 0.7),
                           num_samples=_number(form, "num_samples", int, 1))
-    result = await services(request).runs.sample(user, str(form.get("run_id", "")), params)
-    return page(request, "_samples_result.html", user=user, prompt=prompt, sequences=result["sequences"][0])
+    return str(form.get("run_id", "")), prompt, params
 
 
 def _number(form: FormData, name: str, kind: type[T], default: T) -> T:

@@ -30,6 +30,7 @@ from app.openai.params import parse
 from app.schema.context import bearer_from_header
 from app.services import Services
 from app.services.runs import RunService, SampleParams
+from app.services.streams import hold, next_chunk
 from app.tables import Run, User
 from app.tinker import paths as tinker_paths
 from gpu_runtime.contract import MAX_TOKENS_LIMIT
@@ -304,44 +305,18 @@ async def _events(body: dict[str, Any], chat: bool, include_usage: bool) -> Asyn
     yield "data: [DONE]\n\n"
 
 
-_BACKGROUND: set[asyncio.Future[Any]] = set()  # samples and cancels that outlive their stream: held till done
-
-
-def _hold(future: Awaitable[Any]) -> asyncio.Future[Any]:
-    task = asyncio.ensure_future(future)
-    _BACKGROUND.add(task)
-    task.add_done_callback(_BACKGROUND.discard)
-    return task
-
-
 async def _streamed(call: Sampling, sample: SampleParams) -> Response:
     """A stream fed by the runtime's decode chunks. Errors met before its first chunk are answered as errors; the
     sample is recorded whatever the client does, and cancelled in the runtime when the client goes away."""
     chunks: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
     request_id = f"v1-{uuid.uuid4().hex}"
-    task = _hold(call.sample(sample, request_id, chunks.put_nowait))
+    task = hold(call.sample(sample, request_id, chunks.put_nowait))
     try:
-        first = await _next_chunk(task, chunks)
+        first = await next_chunk(task, chunks)
     except SignalError as error:
         raise from_signal(error, call.prompt_param) from None
     return StreamingResponse(_chunk_events(call, task, chunks, request_id, first), media_type="text/event-stream",
                              headers=SSE_HEADERS)
-
-
-async def _next_chunk(task: asyncio.Future[Any], chunks: asyncio.Queue[dict[str, Any]]) -> dict[str, Any] | None:
-    """The next decode chunk, or None once the sample is answered and its chunks are all taken (its error raised)."""
-    if chunks.empty() and not task.done():
-        getter = asyncio.ensure_future(chunks.get())
-        try:
-            await asyncio.wait([getter, task], return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            getter.cancel()
-        if getter.done() and not getter.cancelled():
-            return getter.result()
-    if not chunks.empty():
-        return chunks.get_nowait()
-    task.result()  # the sample's error, if it failed
-    return None
 
 
 async def _chunk_events(call: Sampling, task: asyncio.Future[Any], chunks: asyncio.Queue[dict[str, Any]],
@@ -385,7 +360,7 @@ async def _chunk_events(call: Sampling, task: asyncio.Future[Any], chunks: async
                         sent_text[index] += len(sequence["text"])
                         sent_ids[index] += len(sequence["tokens"])
                         yield event(index, sequence["text"], sequence["tokens"])
-            chunk = await _next_chunk(task, chunks)
+            chunk = await next_chunk(task, chunks)
         body, picked = await call.answer(task.result())
         for choice in picked:  # what no chunk sent: the end held back, a finished sequence's last tokens
             text, ids = choice.text[sent_text[choice.index]:], choice.ids[sent_ids[choice.index]:]
@@ -402,7 +377,7 @@ async def _chunk_events(call: Sampling, task: asyncio.Future[Any], chunks: async
         yield "data: [DONE]\n\n"
     finally:
         if not task.done():  # the client went away (or the stream failed): stop the generation, keep what it made
-            _hold(call.runs.cancel_sample(call.user, request_id, call.target.run, call.target.base_model))
+            hold(call.runs.cancel_sample(call.user, request_id, call.target.run, call.target.base_model))
 
 
 async def not_found(request: Request) -> Response:

@@ -67,6 +67,7 @@ from gpu_runtime.contract import (
     checkpoint_ref,
     lora_settings,
     parse_call,
+    sampling_settings,
     target_families,
 )
 
@@ -243,6 +244,12 @@ class SampleParams:
             "topk_prompt_logprobs": self.topk_prompt_logprobs,
             "topk_sample_logprobs": self.topk_sample_logprobs,
         }
+
+    def check(self) -> None:
+        """The contract's bounds, checked now (a stream that starts later must not fail on a bad temperature)."""
+        params = self.engine_params()
+        sampling_settings(**{key: params[key] for key in ("max_tokens", "temperature", "top_p", "top_k", "stop",
+                                                         "num_samples", "seed")})
 
     def stored_prompts(self) -> list[str]:
         """What a sample row keeps as its prompt: the text, or a token-id prompt as its JSON list."""

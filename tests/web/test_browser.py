@@ -152,7 +152,7 @@ def test_error_and_loading_states(page: Page, live_server: LiveServer) -> None:
     page.goto(f"{live_server.url}/playground?run={run.id}")
     page.fill("#prompt", "Once upon a time")
     held = []
-    page.route("**/playground", lambda route: held.append(route) if route.request.method == "POST" else route.continue_())
+    page.route("**/playground/stream", lambda route: held.append(route) if route.request.method == "POST" else route.continue_())
     page.get_by_role("button", name="Sample").click()
     expect(page.locator("#play-result .loading-note")).to_be_visible()
     shot(page, "playground-loading")

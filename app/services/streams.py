@@ -1,0 +1,34 @@
+"""A streamed sample's decode chunks as they come: what /v1 and the playground's stream both read, around the one
+RunService.sample call (its `progress` callback fills the queue)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable
+from typing import Any
+
+_BACKGROUND: set[asyncio.Future[Any]] = set()  # samples and cancels that outlive their stream: held till done
+
+
+def hold(work: Awaitable[Any]) -> asyncio.Future[Any]:
+    """`work` as a task kept referenced until it ends (a bare task could be collected mid-run)."""
+    task = asyncio.ensure_future(work)
+    _BACKGROUND.add(task)
+    task.add_done_callback(_BACKGROUND.discard)
+    return task
+
+
+async def next_chunk(task: asyncio.Future[Any], chunks: asyncio.Queue[dict[str, Any]]) -> dict[str, Any] | None:
+    """The next decode chunk, or None once the sample is answered and its chunks are all taken (its error raised)."""
+    if chunks.empty() and not task.done():
+        getter = asyncio.ensure_future(chunks.get())
+        try:
+            await asyncio.wait([getter, task], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            getter.cancel()
+        if getter.done() and not getter.cancelled():
+            return getter.result()
+    if not chunks.empty():
+        return chunks.get_nowait()
+    task.result()  # the sample's error, if it failed
+    return None

@@ -1,0 +1,139 @@
+"""Issue 18 §4: the playground streams. In Chromium against a live server with the tiny model and decode chunks of a
+token or two: the text grows in progress events before the answer ends, and Cancel closes the stream, which stops
+the generation (its rows leave the runtime's decode groups) and keeps the sample in the run's history, cancelled.
+The page's POST only validates and stores the request; a bad bound is refused there, before any stream opens."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from playwright.sync_api import Browser, Page, expect
+
+from gpu_runtime.contract.settings import MAX_TEMPERATURE
+from rewardsignal import SignalClient
+from tests.helpers.live_server import LiveServer, settings_for
+from tests.web.conftest import api_key_for, mint_login_link, sign_in
+
+pytestmark = pytest.mark.timeout(600)
+expect.set_options(timeout=60_000)
+
+LONG = 200  # tokens: the most a short prompt leaves room for in the tiny model's 256-token context
+SAMPLES = "query($id: ID!) { run(id: $id) { samples { output params } } }"
+# Every attribute change of the stream's box, in order: how the test sees progress events without timing them.
+WATCH = """() => { window.playLog = [];
+  new MutationObserver((changes) => changes.forEach((c) => window.playLog.push(
+    [c.attributeName, c.target.getAttribute(c.attributeName)])))
+  .observe(document.body, {subtree: true, attributes: true, attributeFilter: ["data-progress", "data-state"]}); }"""
+
+
+@pytest.fixture(scope="module")
+def streaming_server(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    server = LiveServer.start(settings_for(Path(tmp_path_factory.mktemp("signal-play")), tiny_model_dir,
+                                           decode_chunk_seconds=0.001))
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def play(browser: Browser, streaming_server: LiveServer) -> Iterator[tuple[Page, str, str]]:
+    """A signed-in page on the playground of a fresh run: the page, the run's id and its owner's key."""
+    email = f"play-{uuid.uuid4().hex[:8]}@example.com"
+    key = api_key_for(streaming_server, email)
+    run_id = SignalClient(api_key=key, base_url=streaming_server.url).create_run(lora_r=4).id
+    context = browser.new_context(viewport={"width": 1280, "height": 860})
+    page = context.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda error: errors.append(str(error)))
+    page.goto(mint_login_link(streaming_server, email))
+    page.wait_for_url(f"{streaming_server.url}/runs")
+    page.goto(f"{streaming_server.url}/playground?run={run_id}")
+    page.evaluate(WATCH)
+    yield page, run_id, key
+    context.close()
+    assert errors == []
+
+
+def start(page: Page, max_tokens: int) -> None:
+    page.fill("#prompt", "Tell me a long story")
+    page.fill("#temperature", "1")
+    page.fill("#max_tokens", str(max_tokens))
+    page.get_by_role("button", name="Sample").click()
+
+
+def decode_groups(server: LiveServer, admin: str) -> list[dict[str, Any]]:
+    body = server.graphql("{ runtime }", key=admin)
+    assert "errors" not in body
+    return list(body["data"]["runtime"]["decode_groups"])
+
+
+def test_tokens_arrive_in_progress_events_before_the_end(play: tuple[Page, str, str]) -> None:
+    page, _, _ = play
+    start(page, LONG)
+    box = page.locator(".play-stream")
+    expect(box).to_have_attribute("data-state", "done")
+    log = page.evaluate("window.playLog")
+    ended = log.index(["data-state", "done"])
+    progress = [int(value) for name, value in log[:ended] if name == "data-progress"]
+    assert len(progress) >= 2 and progress == list(range(1, len(progress) + 1)), log
+    meta = page.locator(".output [data-play-meta]").inner_text()
+    tokens = int(meta.split()[0])
+    assert 0 < tokens <= LONG and "stopped: " in meta
+    assert page.locator(".output .output-text").inner_text()  # the whole answer is shown
+    assert float(page.locator("[data-play-elapsed]").inner_text()) > 0
+    assert float(page.locator("[data-play-rate]").inner_text()) > 0
+
+
+def test_cancel_stops_the_generation_and_keeps_it_cancelled(play: tuple[Page, str, str],
+                                                            streaming_server: LiveServer) -> None:
+    page, run_id, key = play
+    admin = streaming_server.new_user(is_admin=True)
+    start(page, LONG)
+    page.wait_for_function("() => Number(document.querySelector('.play-stream')?.dataset.progress) >= 1")
+    assert any(run_id in str(group["runs"]) for group in decode_groups(streaming_server, admin))  # decoding now
+    page.get_by_role("button", name="Cancel").click()
+    expect(page.locator(".play-stream")).to_have_attribute("data-state", "cancelled")
+    expect(page.locator(".output [data-play-meta]")).to_contain_text("stopped: cancelled")
+    streaming_server.wait_for(lambda: not any(run_id in str(group["runs"])
+                                              for group in decode_groups(streaming_server, admin)),
+                              "the cancelled call's rows to leave the decode groups", 60)
+    streaming_server.wait_for(lambda: bool(streaming_server.graphql(SAMPLES, {"id": run_id}, key=key)
+                                           ["data"]["run"]["samples"]), "the cancelled sample's record", 60)
+    rows = streaming_server.graphql(SAMPLES, {"id": run_id}, key=key)["data"]["run"]["samples"]
+    assert len(rows) == 1 and rows[0]["params"]["finish_reason"] == "cancelled", rows
+    assert len(rows[0]["output"]) > 0  # what it had made is kept
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("temperature", "100", f"temperature must be a number in [0, {MAX_TEMPERATURE}], got 100.0"),
+    ("prompt", "", "Write a prompt first."),
+])
+def test_the_post_refuses_bad_input_before_any_stream(streaming_server: LiveServer, field: str, value: str,
+                                                      message: str) -> None:
+    visitor = sign_in(streaming_server)
+    run_id = SignalClient(api_key=api_key_for(streaming_server, visitor.email),
+                          base_url=streaming_server.url).create_run(lora_r=4).id
+    form = {"run_id": run_id, "prompt": "Hello", "temperature": "0.7", "max_tokens": "4", "num_samples": "1"}
+    answer = visitor.post("/playground/stream", data=form | {field: value})
+    assert answer.status_code == 422 and message in answer.text, answer.text
+    visitor.client.close()
+
+
+def test_a_stream_id_opens_once(streaming_server: LiveServer) -> None:
+    visitor = sign_in(streaming_server)
+    run_id = SignalClient(api_key=api_key_for(streaming_server, visitor.email),
+                          base_url=streaming_server.url).create_run(lora_r=4).id
+    answer = visitor.post("/playground/stream", data={"run_id": run_id, "prompt": "Hello", "max_tokens": "3"})
+    assert answer.status_code == 200 and "Hello" in answer.text
+    url = answer.text.split('data-stream="')[1].split('"')[0]
+    stranger = sign_in(streaming_server)
+    assert stranger.client.get(url).status_code == 404  # another user's id: not found, and not used up
+    stranger.client.close()
+    with visitor.client.stream("GET", url, headers={"Accept": "text/event-stream"}) as events:
+        lines = list(events.iter_lines())
+    assert "event: done" in lines and "stop_reason" in "".join(lines)
+    assert visitor.client.get(url).status_code == 404  # one time only
+    visitor.client.close()
