@@ -79,6 +79,28 @@ def test_get_info_names_the_tokenizer_directory_the_runtime_wrote(wide_server: L
     assert again.get_info().model_data.tokenizer_id == str(directory)  # written once per base, then reused
 
 
+@pytest.mark.parametrize("loss_fn, inputs", [
+    ("cross_entropy", {"weights": [0.0] * 3 + [1.0] * 6}),
+    ("importance_sampling", {"logprobs": [-1.0] * 9, "advantages": [0.0] * 3 + [1.5, -0.5] * 3}),
+])
+def test_the_same_datum_gives_the_same_answer_through_signals_own_sdk(
+        live_server: LiveServer, service_client: Any, loss_fn: str, inputs: dict[str, list[float]]) -> None:
+    """The wire is a thin adapter over the same service: one datum on a fresh adapter (LoRA's B starts at zero, so
+    both sides compute the base) gives Tinker's SDK and Signal's SDK the same logprobs and the same summed loss."""
+    from rewardsignal import SignalClient
+
+    training = service_client.create_lora_training_client(base_model=TINY_MODEL, rank=4, seed=3).result()
+    tinker_out = training.forward_backward([datum(TOKENS, **inputs)], loss_fn).result()
+    run = SignalClient(api_key=live_server.new_user(), base_url=live_server.url).create_run(lora_r=4, seed=3)
+    signal_out = run.forward_backward([{"model_input": TOKENS[:-1], "loss_fn_inputs": {"target_tokens": TOKENS[1:],
+                                                                                       **inputs}}],
+                                      loss_fn=loss_fn, reduction="sum", return_outputs=True)
+    assert signal_out.outputs[0]["logprobs"] == pytest.approx(as_list(tinker_out.loss_fn_outputs[0]["logprobs"]),
+                                                              rel=1e-5, abs=1e-6)
+    assert signal_out.loss == pytest.approx(tinker_out.metrics["loss:sum"], rel=1e-5)
+    assert signal_out.loss != 0.0
+
+
 def test_a_forward_backward_and_an_optim_step_in_flight_together(service_client: Any) -> None:
     from tinker import types
 
