@@ -94,6 +94,18 @@ def live_server(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -
     server.stop()
 
 
+@pytest.fixture(scope="module")
+def streaming_server(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    """A live server whose decode chunks are a token or two, so a stream of a few tokens comes in several chunks
+    (the /v1 and playground stream tests)."""
+    from tests.helpers.live_server import LiveServer, settings_for
+
+    server = LiveServer.start(settings_for(tmp_path_factory.mktemp("signal-stream"), tiny_model_dir,
+                                           decode_chunk_seconds=0.001))
+    yield server
+    server.stop()
+
+
 @pytest.fixture
 def key(live_server: LiveServer) -> str:
     """The API key of a fresh user on the live server."""

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -15,22 +14,13 @@ import openai
 import pytest
 
 from rewardsignal import SignalClient
-from tests.helpers.live_server import TINY_MODEL, LiveServer, settings_for
+from tests.helpers.live_server import TINY_MODEL, LiveServer
 
 pytestmark = pytest.mark.timeout(600)
 
 LONG = 200  # tokens: many decode chunks of the tiny model (its context is 256)
 MESSAGES = [{"role": "user", "content": "Tell me a long story"}]
 BASE_SAMPLES = "query { baseSamples { prompt output params } }"
-
-
-@pytest.fixture(scope="module")
-def streaming_server(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    """A live server whose decode chunks are a token or two, so a stream of a few tokens comes in several chunks."""
-    server = LiveServer.start(settings_for(Path(tmp_path_factory.mktemp("signal-stream")), tiny_model_dir,
-                                           decode_chunk_seconds=0.001))
-    yield server
-    server.stop()
 
 
 @pytest.fixture(scope="module")

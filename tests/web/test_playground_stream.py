@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -15,7 +14,7 @@ from playwright.sync_api import Browser, Page, expect
 
 from gpu_runtime.contract.settings import MAX_TEMPERATURE
 from rewardsignal import SignalClient
-from tests.helpers.live_server import LiveServer, settings_for
+from tests.helpers.live_server import LiveServer
 from tests.web.conftest import api_key_for, mint_login_link, sign_in
 
 pytestmark = pytest.mark.timeout(600)
@@ -28,14 +27,6 @@ WATCH = """() => { window.playLog = [];
   new MutationObserver((changes) => changes.forEach((c) => window.playLog.push(
     [c.attributeName, c.target.getAttribute(c.attributeName)])))
   .observe(document.body, {subtree: true, attributes: true, attributeFilter: ["data-progress", "data-state"]}); }"""
-
-
-@pytest.fixture(scope="module")
-def streaming_server(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    server = LiveServer.start(settings_for(Path(tmp_path_factory.mktemp("signal-play")), tiny_model_dir,
-                                           decode_chunk_seconds=0.001))
-    yield server
-    server.stop()
 
 
 @pytest.fixture
