@@ -6,12 +6,15 @@
   const chartEl = document.getElementById("usage-chart");
   if (!chartEl) return;
   const days = JSON.parse(chartEl.dataset.days);
-  const xs = days.map((d) => Date.parse(d[0] + "T12:00:00Z") / 1000); // noon UTC: the bar sits on its day
+  const noon = (day) => Date.parse(day + "T12:00:00Z") / 1000;
+  // The whole window, half a day either side of its first and last day, whether or not they had calls.
+  const window_ = [noon(chartEl.dataset.since) - 43200, noon(chartEl.dataset.until) + 43200];
+  const xs = days.map((d) => noon(d[0])); // noon UTC: the bar sits on its day
   const data = [xs, days.map((d) => d[1]), days.map((d) => d[2])];
   const bars = uPlot.paths.bars({ size: [0.6, 48] });
   const plot = new uPlot({
     width: chartEl.clientWidth || 800, height: 220, tzDate: (ts) => uPlot.tzDate(new Date(ts * 1000), "Etc/UTC"),
-    scales: { x: { time: true, range: (u, min, max) => [min - 86400, max + 86400] }, credits: { auto: true } },
+    scales: { x: { time: true, range: () => window_ }, credits: { auto: true } },
     axes: [{ stroke: "#4b5563", grid: { show: false } },
            { label: "compute s", stroke: "#4b5563", grid: { stroke: "#f1f5f9" } },
            { scale: "credits", label: "credits", side: 1, stroke: "#4b5563", grid: { show: false } }],
