@@ -58,6 +58,27 @@ def _view(request: Request) -> dict[str, str]:
 
 
 @signed_in
+async def new_run_page(request: Request, user: User) -> Response:
+    """The New run form (issue 18 §1): the catalogue's models, LoRA settings, quantization, and the GPU picker where
+    the backend offers GPUs (Modal); locally, the device runs train on."""
+    return page(request, "run_new.html", user=user, choices=await services(request).run_form.choices(), values={})
+
+
+@signed_in
+async def create_run(request: Request, user: User) -> Response:
+    """Create through RunService.create, as createRun does, then open the run's page. A refusal (a bad number, a model
+    too large for the chosen GPU) comes back inside the form, next to its field, with what was typed kept."""
+    svc = services(request)
+    values = {key: str(value) for key, value in (await request.form()).items() if key != "csrf_token"}
+    try:
+        run = await svc.runs.create(user, svc.run_form.spec(values))
+    except BadInput as error:
+        return page(request, "_run_form.html", user=user, choices=await svc.run_form.choices(), values=values,
+                    error=error.message, error_field=error.field)
+    return hx_redirect(request, f"/runs/{run.id}")
+
+
+@signed_in
 async def runs_events(request: Request, user: User) -> Response:
     """The user's run rows, as one `runs` event each time any shown cell changes (issue 18 §3: the page updates cell
     text in place, static/runs.js, instead of replacing its table every few seconds and losing focus and selection).
@@ -237,6 +258,8 @@ routes = [
     Route("/runs", runs_page),
     Route("/runs/table", runs_page),
     Route("/runs/events", runs_events),
+    Route("/runs/new", new_run_page, methods=["GET"]),  # before /runs/{run_id}, which would take "new" as an id
+    Route("/runs/new", create_run, methods=["POST"]),
     Route("/runs/{run_id}", run_page, methods=["GET"]),
     Route("/runs/{run_id}", delete_run, methods=["DELETE"]),
     Route("/runs/{run_id}/events", run_events),

@@ -601,6 +601,10 @@ class RunService:
 
         return await asyncio.shield(asyncio.ensure_future(work()))
 
+    async def base_device(self, base_model: str | None) -> str:
+        """The device a run on `base_model` (None: the default) would train on: its pool's runtime's."""
+        return await self._device(self._base_pool(base_model)[1])
+
     async def _device(self, pool: str) -> str:
         """The device a pool's runtime computes on (its ping), asked once per pool: what a base sample is priced by."""
         if pool not in self._devices:

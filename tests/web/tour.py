@@ -16,7 +16,7 @@ from tests.web.conftest import SCREENSHOT_CLOCK, api_key_for, committing_screens
 BATCH = [{"input": "The quick brown fox", "output": " jumps over the lazy dog."}]
 # Page names, for test ids; "login" is the signed-out page, the rest are signed in as the admin.
 PAGES = ["runs", "run", "keys", "start", "models", "admin", "account", "playground", "login", "graphql",
-         "compare", "usage"]
+         "compare", "usage", "new-run"]
 PHONE: ViewportSize = {"width": 390, "height": 844}
 DESKTOP: ViewportSize = {"width": 1280, "height": 860}
 
@@ -29,7 +29,7 @@ class Tour:
     other_run_id: str  # a second run, so the compare page has two
 
     def path(self, name: str) -> str:
-        return {"run": f"/runs/{self.run_id}", "graphql": "/graphql", "login": "/login",
+        return {"run": f"/runs/{self.run_id}", "graphql": "/graphql", "login": "/login", "new-run": "/runs/new",
                 "compare": f"/runs/compare?ids={self.run_id},{self.other_run_id}"}.get(name, f"/{name}")
 
     def context(self, browser: Browser, viewport: ViewportSize, signed_in: bool = True,
