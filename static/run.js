@@ -41,11 +41,13 @@
     el.querySelector(".label").textContent = label;
   }
 
-  function format(value) {
+  // A number in `digits` significant digits, in exponent form when very small or large (a learning rate: 1e-4).
+  function format(value, digits = 6) {
     if (value == null) return "—";
-    const size = Math.abs(value);
-    return size !== 0 && (size < 1e-3 || size >= 1e6) ? value.toExponential(3) : String(Number(value.toPrecision(6)));
+    const size = Math.abs(value), rounded = Number(value.toPrecision(digits));
+    return size !== 0 && (size < 1e-3 || size >= 1e6) ? rounded.toExponential() : String(rounded);
   }
+  const ticks = (u, splits) => splits.map((split) => format(split, 4));
 
   // One chart: a uPlot in #NAME-chart, its table view in #NAME-table and its #NAME-reset button. `show(spec, data)`
   // draws data ([xs, ys, …]); a new spec (another axis, log scale, series) builds the plot again.
@@ -101,7 +103,7 @@
         scales: { x: { time: false, range: (u, min, max) => (min === data[0][0] && max === data[0][data[0].length - 1] ? extent() : [min, max]) },
                   y: { distr: spec.log ? 3 : 1 } },
         axes: [{ label: spec.xLabel, stroke: INK, grid: GRID, incrs: spec.xIncrs },
-               { label: spec.yLabel, stroke: INK, grid: GRID, size: 60 }],
+               { label: spec.yLabel, stroke: INK, grid: GRID, size: 60, values: ticks }],
         series: [{ label: spec.xLabel }, ...spec.series], legend: { show: true },
         hooks: { setScale: [(u, scale) => { if (scale === "x") scaled(u); }], draw: [drawMarks] },
       }, data, host);
@@ -285,10 +287,10 @@
       newest[isLoss ? "loss" : row.name] = row;
     }
     if (newest.loss) text("stat-loss", newest.loss.value.toFixed(4));
-    if (newest.grad_norm) text("stat-grad", format(newest.grad_norm.value));
-    if (newest.learning_rate) text("stat-lr", format(newest.learning_rate.value));
-    if (newest.num_tokens) text("stat-tokens", format(newest.num_tokens.value));
-    if (newest.throughput) text("stat-throughput", format(newest.throughput.value));
+    if (newest.grad_norm) text("stat-grad", format(newest.grad_norm.value, 4));
+    if (newest.learning_rate) text("stat-lr", format(newest.learning_rate.value, 4));
+    if (newest.num_tokens) text("stat-tokens", format(newest.num_tokens.value, 4));
+    if (newest.throughput) text("stat-throughput", format(newest.throughput.value, 4));
     const steps = rows.map((row) => row.step);
     if (steps.length) text("stat-step", Math.max(Number($("stat-step").textContent) || 0, ...steps));
     text("stat-calls", calls.length);

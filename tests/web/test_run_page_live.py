@@ -80,7 +80,7 @@ def test_loss_against_call_step_and_time_smoothed_logged_and_exported(wide_page:
     wide_page.goto(mint_login_link(live_server, email))
     wide_page.wait_for_url("**/runs")
     wide_page.goto(f"{live_server.url}/runs/{run.id}")
-    wide_page.wait_for_function("document.getElementById('loss-chart').dataset.points == 4")
+    expect(wide_page.locator("#loss-chart")).to_have_attribute("data-points", "4")  # no string predicate: CSP
 
     exported = wide_page.request.get(f"{live_server.url}/runs/{run.id}/metrics.csv")
     assert exported.status == 200 and exported.headers["content-type"].startswith("text/csv")
