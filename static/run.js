@@ -313,6 +313,16 @@
     if (unlisted) htmx.ajax("GET", `/runs/${live.dataset.runId}/checkpoints`, { target: "#checkpoints", swap: "outerHTML" });
   }
 
+  // A checkpoint deleted from the card (or gone when it is fetched again) loses its marker.
+  document.body.addEventListener("htmx:afterSettle", (event) => {
+    if (event.target.id !== "checkpoints") return;
+    let pruned = false;
+    for (const id of [...checkpoints.keys()]) {
+      if (!document.querySelector(`#checkpoints [data-checkpoint-id="${id}"]`)) pruned = checkpoints.delete(id);
+    }
+    if (pruned) { describeMarks(); lossChart.redraw(); }
+  });
+
   lossEl.addEventListener("htmx:sseMessage", (event) => {
     const message = event.detail;
     if (message.type === "metrics") onMetrics(JSON.parse(message.data));

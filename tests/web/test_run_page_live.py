@@ -211,4 +211,9 @@ def test_metric_charts_table_view_zoom_and_markers(wide_page: Page, live_server:
     expect(chart).to_have_attribute("data-marks", "checkpoint:2 sample:1")
     expect(wide_page.locator("#chart-marks")).to_have_text("Checkpoints: marked (adapter) at step 2. Samples at step 1.")
     expect(chart).to_have_attribute("data-x-max", "4.5")
-    expect(wide_page.locator("#checkpoints tr[data-checkpoint='adapter/marked']")).to_have_count(1)
+    row = wide_page.locator("#checkpoints tr[data-checkpoint='adapter/marked']")
+    expect(row).to_have_count(1)
+    wide_page.once("dialog", lambda dialog: dialog.accept())  # hx-confirm asks first
+    row.get_by_role("button", name="Delete").click()  # a deleted checkpoint loses its marker
+    expect(chart).to_have_attribute("data-marks", "sample:1")
+    expect(wide_page.locator("#chart-marks")).to_have_text("No checkpoints yet. Samples at step 1.")
