@@ -141,7 +141,7 @@
         const nextKey = nextSpec.key || "";
         spec = nextSpec;
         data = nextData;
-        host.dataset.points = String(data[0].length);
+        host.dataset.shown = String(data[0].length);
         const [xs, ys] = [data[0], data[data.length - 1]];
         host.setAttribute("aria-label", `${spec.title}: ${xs.length} points; the latest ${format(ys[xs.length - 1])} ` +
                           `at ${spec.xLabel} ${spec.xFormat ? spec.xFormat(xs[xs.length - 1]) : format(xs[xs.length - 1])}`);
@@ -233,7 +233,6 @@
       marks: () => marks(axis),
     }, data);
     control("chart-note").textContent = AXES[axis].note;
-    lossEl.dataset.shown = String(xs.length);
     const last = data[data.length - 1][xs.length - 1];
     lossEl.dataset.last = last == null ? "" : String(last);
   }

@@ -217,3 +217,12 @@ def test_metric_charts_table_view_zoom_and_markers(wide_page: Page, live_server:
     row.get_by_role("button", name="Delete").click()  # a deleted checkpoint loses its marker
     expect(chart).to_have_attribute("data-marks", "sample:1")
     expect(wide_page.locator("#chart-marks")).to_have_text("No checkpoints yet. Samples at step 1.")
+
+    # The other charts grow live from the same stream: one more step adds a point to each.
+    run.forward_backward(batch=SHORT)
+    grad_norm = run.optim_step(learning_rate=0.002).grad_norm
+    for name, points in (("loss", "5"), ("num_tokens", "5"), ("throughput", "5"), ("grad_norm", "3"),
+                         ("learning_rate", "3")):
+        expect(wide_page.locator(f"#{name}-chart")).to_have_attribute("data-shown", points)
+    expect(wide_page.locator("#stat-lr")).to_have_text("0.002")
+    assert float(wide_page.locator("#stat-grad").inner_text()) == pytest.approx(grad_norm, rel=1e-3)
