@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
 
-from sqlalchemy import Text, case, cast, delete, or_, select, update
+from sqlalchemy import Text, case, cast, delete, func, or_, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 from strawberry.utils.str_converters import to_camel_case
 
@@ -339,6 +339,13 @@ class RunService:
             query = select(Sample).where(Sample.run_id == run.id).order_by(Sample.id.desc()).limit(_clamp(limit))
             return list(await session.scalars(query))
 
+    async def sample_marks(self, run: Run) -> builtins.list[tuple[int, datetime]]:
+        """Each step the run was sampled at, with its first sample's time: the run page's sample markers."""
+        async with self.db.session() as session:
+            query = (select(Sample.step, func.min(Sample.created_at)).where(Sample.run_id == run.id)
+                     .group_by(Sample.step).order_by(Sample.step))
+            return [(int(step), _aware(first)) for step, first in await session.execute(query)]
+
     async def base_samples(self, user: User, limit: int = 100) -> builtins.list[BaseSample]:
         """The user's samples of base models alone (no run), newest first: their history as `samples` is a run's."""
         async with self.db.session() as session:
@@ -424,6 +431,7 @@ class RunService:
                 await self._metrics(session, run.id, result["step"], {
                     loss_metric(result.get("reduction", reduction)): result["loss"],
                     "num_tokens": result["num_tokens"], "num_examples": result["num_examples"],
+                    **throughput(result),
                 })
             return result
 
@@ -911,6 +919,12 @@ def _aware(moment: datetime) -> datetime:
 
 def _decode_archive(result: dict[str, Any]) -> bytes:
     return base64.b64decode(result["archive_b64"])
+
+
+def throughput(result: dict[str, Any]) -> dict[str, float]:
+    """A forward_backward's `throughput` metric: its tokens ÷ its compute seconds (none when it took no time)."""
+    seconds = float(result.get("compute_seconds") or 0.0)
+    return {"throughput": float(result["num_tokens"]) / seconds} if seconds > 0 else {}
 
 
 def loss_metric(reduction: str) -> str:
