@@ -1,22 +1,21 @@
-// The playground's stream (issue 18 §4): the result card the POST answers names a one-time stream; this opens it,
-// appends each decode chunk's text as it comes, shows elapsed time and tokens per second, and Cancel closes the
-// stream, which stops the generation on the server (the sample is kept, marked cancelled).
+// The playground (issue 18 §4). The result card the POST answers holds one pane per model compared, each naming a
+// one-time stream; this opens them at once, appends each decode chunk's text as it comes, shows each pane's elapsed
+// time and tokens per second, and Cancel closes every stream, which stops the generations on the server (the samples
+// are kept, marked cancelled). The form's max tokens and n are bound together: n x max tokens is at most the
+// server's per-call bound (data-sample-tokens), so the page stops what the server would refuse.
 (function () {
   "use strict";
-  let current = null; // the open stream: a new sample closes the one before
+  let open = []; // the panes of the last sample: a new sample closes their streams
 
-  function start(box) {
-    if (current) current.close();
+  function startPane(box, ended) {
     const outputs = [...box.querySelectorAll(".output")];
     const status = box.querySelector("[data-play-status]");
     const elapsedEl = box.querySelector("[data-play-elapsed]");
     const rateEl = box.querySelector("[data-play-rate]");
-    const cancel = box.querySelector("[data-play-cancel]");
     const tokens = outputs.map(() => 0);
     const began = performance.now();
     let progress = 0;
     const source = new EventSource(box.dataset.stream);
-    current = source;
     box.dataset.state = "streaming";
     status.textContent = "Generating…";
 
@@ -29,13 +28,13 @@
     const timer = setInterval(tick, 200);
 
     function end(state, text) {
+      if (box.dataset.state !== "streaming") return;
       source.close();
-      if (current === source) current = null;
       clearInterval(timer);
       tick();
       box.dataset.state = state;
       status.textContent = text;
-      cancel.disabled = true;
+      ended();
     }
 
     function meta(i, stop) {
@@ -65,17 +64,54 @@
     });
     source.addEventListener("failed", (event) => end("failed", event.data));
     source.addEventListener("signed-out", (event) => end("failed", event.data)); // the session ended: sign in again
-    source.addEventListener("error", () => { // a stream that breaks (or a 404): EventSource would retry; we stop
-      if (box.dataset.state === "streaming") end("failed", "The stream was interrupted.");
-    });
-    cancel.addEventListener("click", () => {
-      end("cancelled", "Cancelled: kept in the run's history, marked cancelled");
-      outputs.forEach((_, i) => meta(i, "cancelled"));
-    });
+    source.addEventListener("error", () => end("failed", "The stream was interrupted.")); // no retry: we stop
+
+    return {
+      cancel() {
+        if (box.dataset.state !== "streaming") return;
+        end("cancelled", "Cancelled: kept in the history, marked cancelled");
+        outputs.forEach((_, i) => meta(i, "cancelled"));
+      },
+      close() { end("closed", "Closed"); },
+    };
+  }
+
+  function startAll(panes) {
+    open.forEach((pane) => pane.close());
+    const scope = panes.parentElement;
+    const all = scope.querySelector("[data-play-all]");
+    const cancel = scope.querySelector("[data-play-cancel]");
+    const boxes = [...panes.querySelectorAll(".play-stream")];
+    let left = boxes.length;
+    all.textContent = boxes.length > 1 ? "Generating in " + boxes.length + " panes…" : "Generating…";
+    open = boxes.map((box) => startPane(box, () => {
+      left -= 1;
+      if (left > 0) return;
+      cancel.disabled = true;
+      const states = boxes.map((b) => b.dataset.state);
+      all.textContent = states.every((s) => s === "done") ? "Done" : "Ended: " + states.join(", ");
+    }));
+    const mine = open;
+    cancel.addEventListener("click", () => mine.forEach((pane) => pane.cancel()));
   }
 
   htmx.onLoad((elt) => {
-    const boxes = elt.matches && elt.matches(".play-stream") ? [elt] : [...elt.querySelectorAll(".play-stream")];
-    boxes.forEach(start);
+    const found = elt.matches && elt.matches(".play-panes") ? [elt] : [...elt.querySelectorAll(".play-panes")];
+    found.forEach(startAll);
   });
+
+  const maxTokens = document.getElementById("max_tokens");
+  const count = document.getElementById("num_samples");
+  if (maxTokens && count) {
+    const bound = () => {
+      const budget = Number(maxTokens.dataset.sampleTokens);
+      const tokens = Math.max(1, Number(maxTokens.value) || 1);
+      const n = Math.max(1, Number(count.value) || 1);
+      maxTokens.max = String(Math.min(Number(maxTokens.dataset.limit), Math.floor(budget / n)));
+      count.max = String(Math.max(1, Math.min(Number(count.dataset.limit), Math.floor(budget / tokens))));
+    };
+    maxTokens.addEventListener("input", bound);
+    count.addEventListener("input", bound);
+    bound();
+  }
 })();

@@ -1,8 +1,9 @@
-"""The playground's stream (issue 18 §4). POST /playground/stream validates a sample and keeps it under a one-time
-id, in this server process's memory (EventSource is GET-only, and a prompt in a URL would land in the access log);
-GET /playground/stream/{id} starts it through RunService.sample with a `progress` callback, the one function /v1
-streams through, and sends each decode chunk's settled text as it is made. Closing the stream cancels the generation
-in the runtime; the sample is still kept in the run's history, with finish_reason "cancelled", as /v1 keeps it."""
+"""The playground's streams (issue 18 §4). POST /playground/stream validates a sample and keeps each pane's (one per
+model compared side by side) under a one-time id, in this server process's memory (EventSource is GET-only, and a
+prompt in a URL would land in the access log); GET /playground/stream/{id} starts one through RunService.sample with
+a `progress` callback, the one function /v1 streams through, and sends each decode chunk's settled text as it is
+made. Closing the stream cancels the generation in the runtime; the sample is still kept in the history, with
+finish_reason "cancelled", as /v1 keeps it."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from starlette.routing import Route
 from app.errors import NotFound, SignalError
 from app.services.runs import SampleParams
 from app.services.streams import hold, next_chunk
-from web.playground import sample_form
+from web.playground import Model, prepared, sample_form
 from web.render import page, services, signed_in
 
 if TYPE_CHECKING:  # rows are only ever received from app.services, never queried here
@@ -35,8 +36,7 @@ STREAM_ID = "playground-{}"  # the runtime request id: what a cancel names
 @dataclass(frozen=True)
 class Pending:
     user_id: str
-    run_id: str
-    prompt: str
+    model: Model
     params: SampleParams
     made: float
 
@@ -48,18 +48,19 @@ _PENDING: dict[str, Pending] = {}
 
 @signed_in
 async def start_stream(request: Request, user: User) -> Response:
-    """Validate the form (the bounds the non-streamed POST checks) and that the run is the user's; answer the result
-    card whose script opens the stream."""
-    run_id, prompt, params = sample_form(await request.form())
-    params.check()
-    await services(request).runs.get(user, run_id)  # another user's run: not found now, not after the stream opens
+    """Validate the form (the contract's bounds and the server's per-call ones) and each pane's model (the user's,
+    rendered with its chat template when asked); answer the result card whose script opens one stream per pane."""
+    form = sample_form(await request.form())
+    panes = await prepared(services(request), user, form)
     now = time.monotonic()
     for key in [key for key, held in _PENDING.items() if now - held.made > PENDING_TTL_S]:
         del _PENDING[key]
-    ident = secrets.token_urlsafe(16)
-    _PENDING[ident] = Pending(user.id, run_id, prompt, params, now)
-    return page(request, "_play_stream.html", user=user, prompt=prompt, stream=f"/playground/stream/{ident}",
-                count=params.num_samples)
+    streams = []
+    for model, params in panes:
+        ident = secrets.token_urlsafe(16)
+        _PENDING[ident] = Pending(user.id, model, params, now)
+        streams.append((model, f"/playground/stream/{ident}"))
+    return page(request, "_play_stream.html", user=user, form=form, streams=streams, count=form.params.num_samples)
 
 
 @signed_in
@@ -69,11 +70,12 @@ async def stream(request: Request, user: User) -> Response:
     if held is None or held.user_id != user.id:  # another user's id is unknown to them, and stays the owner's
         raise NotFound("This sample was started already, or has expired: press Sample again.")
     del _PENDING[ident]
-    runs = services(request).runs
-    run = await runs.get(user, held.run_id)
+    runs, model = services(request).runs, held.model
+    run = await runs.get(user, model.run.id) if model.run is not None else None  # still the user's, not archived
     chunks: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
     request_id = STREAM_ID.format(secrets.token_hex(16))
-    task = hold(runs.sample(user, run.id, held.params, request_id=request_id, progress=chunks.put_nowait))
+    task = hold(runs.sample(user, run.id if run else None, held.params, request_id=request_id,
+                            snapshot=model.snapshot, base_model=model.base_model, progress=chunks.put_nowait))
 
     async def events() -> AsyncIterator[ServerSentEvent]:
         try:
@@ -91,7 +93,7 @@ async def stream(request: Request, user: User) -> Response:
             yield ServerSentEvent(data=error.message, event="failed")
         finally:
             if not task.done():  # the page closed the stream (Cancel, or left): stop the generation, keep what it made
-                hold(runs.cancel_sample(user, request_id, run, None))
+                hold(runs.cancel_sample(user, request_id, run, model.base_model))
 
     return EventSourceResponse(events(), ping=15, send_timeout=30)
 
