@@ -18,7 +18,7 @@ from playwright.sync_api import Browser, Page, expect
 from gpu_runtime.contract.settings import MAX_TEMPERATURE
 from rewardsignal import SignalClient
 from tests.helpers.live_server import TINY_MODEL, LiveServer
-from tests.web.conftest import Visitor, api_key_for, mint_login_link, sign_in
+from tests.web.conftest import Visitor, api_key_for, mint_login_link, shot, sign_in
 
 pytestmark = pytest.mark.timeout(600)
 expect.set_options(timeout=60_000)
@@ -150,6 +150,7 @@ def test_side_by_side_streams_a_run_its_snapshot_and_the_base(play: tuple[Page, 
     assert [panes.nth(i).locator("h2").inner_text().split(" · ")[-1] for i in range(3)] == [
         "step 0", "snapshot frozen", "base model"]
     expect(page.locator("[data-play-all]")).to_have_text("Done")
+    shot(page, "playground-side-by-side")
     # Both run panes are in the run's history, the snapshot's marked as such; the base's is the user's.
     rows = streaming_server.graphql(SAMPLES, {"id": run_id}, key=key)["data"]["run"]["samples"]
     assert sorted(row["params"].get("snapshot", "") for row in rows) == ["", "frozen"], rows
