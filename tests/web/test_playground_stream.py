@@ -141,7 +141,7 @@ def test_side_by_side_streams_a_run_its_snapshot_and_the_base(play: tuple[Page, 
     page.evaluate(WATCH)
     page.select_option("#model-2", f"snapshot:{run_id}@frozen")
     page.select_option("#model-3", f"base:{TINY_MODEL}")
-    start(page, 12)
+    start(page, 6)
     panes = page.locator(".play-stream")
     expect(panes).to_have_count(3)
     for i in range(3):
