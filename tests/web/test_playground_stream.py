@@ -144,6 +144,7 @@ def test_side_by_side_streams_a_run_its_snapshot_and_the_base(play: tuple[Page, 
     start(page, 6)
     panes = page.locator(".play-stream")
     expect(panes).to_have_count(3)
+    assert page.locator("[data-stream]").count() == 1  # one stream carries the three panes
     for i in range(3):
         expect(panes.nth(i)).to_have_attribute("data-state", "done")
         assert panes.nth(i).locator(".output-text").inner_text(), i  # every pane ends with text
@@ -157,14 +158,16 @@ def test_side_by_side_streams_a_run_its_snapshot_and_the_base(play: tuple[Page, 
 
 
 def streamed(visitor: Visitor, form: dict[str, str]) -> list[dict[str, Any]]:
-    """POST the playground's form, open its one stream, and answer its done event's sequences."""
+    """POST the playground's form for one model, open its stream, and answer its done event's sequences."""
     answer = visitor.post("/playground/stream", data=form)
     assert answer.status_code == 200, answer.text
     url = answer.text.split('data-stream="')[1].split('"')[0]
     with visitor.client.stream("GET", url, headers={"Accept": "text/event-stream"}) as events:
         lines = list(events.iter_lines())
     done = lines.index("event: done")
-    return list(json.loads(lines[done + 1].removeprefix("data: ")))
+    answer = json.loads(lines[done + 1].removeprefix("data: "))
+    assert answer["pane"] == 0, answer
+    return list(answer["sequences"])
 
 
 @pytest.fixture
