@@ -104,6 +104,9 @@ def test_cancel_stops_the_generation_and_keeps_it_cancelled(play: tuple[Page, st
 @pytest.mark.parametrize(("field", "value", "message"), [
     ("temperature", "100", f"temperature must be a number in [0, {MAX_TEMPERATURE}], got 100.0"),
     ("prompt", "", "Write a prompt first."),
+    ("model", "gpt-4", "model must be run:ID, snapshot:ID@NAME or base:NAME, got 'gpt-4'"),
+    ("model", "snapshot:{run}@nope", "has no sampler snapshot 'nope'"),
+    ("model", "base:nowhere", "no base model 'nowhere' on this server"),
 ])
 def test_the_post_refuses_bad_input_before_any_stream(streaming_server: LiveServer, field: str, value: str,
                                                       message: str) -> None:
@@ -111,7 +114,7 @@ def test_the_post_refuses_bad_input_before_any_stream(streaming_server: LiveServ
     run_id = SignalClient(api_key=api_key_for(streaming_server, visitor.email),
                           base_url=streaming_server.url).create_run(lora_r=4).id
     form = {"run_id": run_id, "prompt": "Hello", "temperature": "0.7", "max_tokens": "4", "num_samples": "1"}
-    answer = visitor.post("/playground/stream", data=form | {field: value})
+    answer = visitor.post("/playground/stream", data=form | {field: value.format(run=run_id)})
     assert answer.status_code == 422 and message in answer.text, answer.text
     visitor.client.close()
 
