@@ -56,13 +56,16 @@ from gpu_runtime.contract import (
     LORA_SWITCHES,
     MAX_RUN_SEED,
     MAX_SAMPLES,
+    MAX_STOP,
     MAX_TEMPERATURE,
     MAX_TOKENS_LIMIT,
+    MAX_TOP_P,
     SAMPLE_DEFAULTS,
     Call,
     CheckpointRef,
     RuntimeOptions,
     adam_settings,
+    check_sample_size,
     check_seed,
     checkpoint_ref,
     lora_settings,
@@ -146,7 +149,8 @@ class RunSpec:
 
 
 # The contract's sampling bounds, for forms (the playground): the browser stops what the server would refuse.
-SAMPLE_LIMITS = {"temperature": MAX_TEMPERATURE, "max_tokens": MAX_TOKENS_LIMIT, "num_samples": MAX_SAMPLES}
+SAMPLE_LIMITS = {"temperature": MAX_TEMPERATURE, "max_tokens": MAX_TOKENS_LIMIT, "num_samples": MAX_SAMPLES,
+                 "top_p": MAX_TOP_P, "stop": MAX_STOP}
 
 
 @dataclass
@@ -245,11 +249,14 @@ class SampleParams:
             "topk_sample_logprobs": self.topk_sample_logprobs,
         }
 
-    def check(self) -> None:
-        """The contract's bounds, checked now (a stream that starts later must not fail on a bad temperature)."""
+    def check(self, bounds: RuntimeOptions) -> None:
+        """The contract's bounds and the per-call size bounds (rows x max_tokens), checked now: a stream that starts
+        later must not fail on a bad temperature or on n x max_tokens past SIGNAL_MAX_SAMPLE_TOKENS."""
         params = self.engine_params()
-        sampling_settings(**{key: params[key] for key in ("max_tokens", "temperature", "top_p", "top_k", "stop",
-                                                         "num_samples", "seed")})
+        settings = sampling_settings(**{key: params[key] for key in ("max_tokens", "temperature", "top_p", "top_k",
+                                                                    "stop", "num_samples", "seed")})
+        prompts = self.prompts if self.prompts is not None else self.prompt_tokens or []
+        check_sample_size(len(prompts), settings, bounds, "prompts" if self.prompts is not None else "prompt_tokens")
 
     def stored_prompts(self) -> list[str]:
         """What a sample row keeps as its prompt: the text, or a token-id prompt as its JSON list."""

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from playwright.sync_api import Browser, BrowserContext, ViewportSize
+from playwright.sync_api import Browser, BrowserContext, Page, ViewportSize, expect
 
 from rewardsignal import SignalClient
-from tests.helpers.live_server import LiveServer
+from tests.helpers.live_server import TINY_MODEL, LiveServer
 from tests.web.conftest import SCREENSHOT_CLOCK, api_key_for, committing_screenshots, mint_login_link
 
 BATCH = [{"input": "The quick brown fox", "output": " jumps over the lazy dog."}]
@@ -59,3 +59,17 @@ def make_tour(server: LiveServer, email: str = "tour@example.com") -> Tour:
     other.forward_backward(batch=BATCH)
     other.optim_step()
     return Tour(server, email, run.id, other.id)
+
+
+def play_side_by_side(page: Page, tour: Tour) -> None:
+    """The playground after one short prompt sampled from the tour's run and the base model, both panes done."""
+    page.goto(f"{tour.server.url}/playground?run={tour.run_id}")
+    page.select_option("#model-2", f"base:{TINY_MODEL}")
+    page.fill("#system", "Be brief")
+    page.fill("#prompt", "The quick brown fox")
+    page.fill("#max_tokens", "4")
+    page.get_by_role("button", name="Sample").click()
+    panes = page.locator(".play-stream")
+    expect(panes).to_have_count(2)
+    for i in range(2):
+        expect(panes.nth(i)).to_have_attribute("data-state", "done", timeout=60_000)
