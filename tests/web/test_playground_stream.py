@@ -86,7 +86,8 @@ def test_cancel_stops_the_generation_and_keeps_it_cancelled(play: tuple[Page, st
     page, run_id, key = play
     admin = streaming_server.new_user(is_admin=True)
     start(page, LONG)
-    page.wait_for_function("() => Number(document.querySelector('.play-stream')?.dataset.progress) >= 1")
+    # data-progress appears with the first progress event (a string wait_for_function would need the CSP's eval).
+    expect(page.locator(".play-stream[data-progress]").first).to_be_attached()
     assert any(run_id in str(group["runs"]) for group in decode_groups(streaming_server, admin))  # decoding now
     page.get_by_role("button", name="Cancel").click()
     expect(page.locator(".play-stream")).to_have_attribute("data-state", "cancelled")
