@@ -8,7 +8,7 @@ its own, each looping forward_backward (one short text), optim_step, sample (8 t
 - **warm-up** (`--warmup` s): the 8 clients alone;
 - **flood** (`--flood` s): a fifth user, on 8 runs at once (raw GraphQL, no retries, so every refusal is counted),
   sends the largest calls the bounds accept: forward_backward of max_batch_size rows filling max_batch_tokens, then
-  optim_step, then a sample of max_sample_rows rows filling max_sample_tokens; and every third round, over-bound
+  (when it was taken) optim_step, then a sample of max_sample_rows rows filling max_sample_tokens; and every third round, over-bound
   ones (one token past max_batch_tokens, one row past max_sample_rows), which must be refused BAD_INPUT. The flood
   user's calls in flight are bounded (SIGNAL_MAX_USER_CALLS_IN_FLIGHT / _WAITING below), so 8 at once also meets
   RESOURCE_EXHAUSTED.
@@ -20,7 +20,8 @@ warm-up p99; no client error and no flood error but its refusals (BAD_INPUT, RES
 contiguous (1..n, n = its final step); /healthz `ok` throughout.
 
 The bounds are shrunk through the server's environment (BENCH_SETTINGS, in the JSON) so the flood's calls take
-seconds, not minutes, on a CPU; a GPU run may raise them. `--tiny`: the tests' tiny model, for a CPU.
+seconds, not minutes, on a CPU, and so is the tick's token budget (a CPU pass costs ~100x a GPU's per token: with
+2048, a tick full of the flood's rows made every client's call 7-9x slower); a GPU run may raise them. `--tiny`: the tests' tiny model, for a CPU.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ CLIENT_SAMPLE_TOKENS = 8
 # The per-call bounds and the flood user's calls in flight, for this bench's server (each a SIGNAL_* setting).
 BENCH_SETTINGS = {"SIGNAL_MAX_BATCH_SIZE": 16, "SIGNAL_MAX_BATCH_TOKENS": 1024, "SIGNAL_MAX_SAMPLE_ROWS": 16,
                   "SIGNAL_MAX_SAMPLE_TOKENS": 256, "SIGNAL_MAX_SAMPLE_PROMPT_TOKENS": 1024,
-                  "SIGNAL_MAX_USER_CALLS_IN_FLIGHT": 4, "SIGNAL_MAX_USER_CALLS_WAITING": 2, "SIGNAL_TICK_TOKENS": 2048}
+                  "SIGNAL_MAX_USER_CALLS_IN_FLIGHT": 4, "SIGNAL_MAX_USER_CALLS_WAITING": 2, "SIGNAL_TICK_TOKENS": 512}
 FB = "mutation($r: ID!, $b: [BatchItem!]!) { forwardBackward(runId: $r, batch: $b) { loss } }"
 OPT = "mutation($r: ID!) { optimStep(runId: $r) { step } }"
 SAMPLE = ("mutation($r: ID!, $p: [[Int!]!]!, $n: Int!, $m: Int!) { sample(runId: $r, promptTokens: $p, numSamples: $n, "
@@ -129,10 +130,10 @@ def flood_loop(url: str, key: str, run_id: str, recorder: Recorder, stop: thread
     round_ = 0
     while not stop.is_set():
         round_ += 1
-        send("flood_forward_backward", FB, {"b": [{"tokens": ids(row_tokens)} for _ in range(rows)]})
-        answer = send("flood_optim_step", OPT, {})
-        if answer is not None:
-            steps.append(int(answer["optimStep"]["step"]))
+        if send("flood_forward_backward", FB, {"b": [{"tokens": ids(row_tokens)} for _ in range(rows)]}) is not None:
+            answer = send("flood_optim_step", OPT, {})  # only with gradients: else FAILED_PRECONDITION, its own doing
+            if answer is not None:
+                steps.append(int(answer["optimStep"]["step"]))
         send("flood_sample", SAMPLE, {"p": [ids(prompt_len)], "n": sample_rows, "m": max_tokens})
         if round_ % 3 == 0:
             send("over_bound_forward_backward", FB, {"b": [{"tokens": ids(row_tokens + 1)}] + [
@@ -231,7 +232,7 @@ def bench(args: argparse.Namespace) -> None:
     statuses = Counter(status for _, status in health)
     emit({"benchmark": "load", "model": args.model, "tiny": args.tiny, "device": args.device, "threads": args.threads,
           "bench_settings": BENCH_SETTINGS, "warmup_s": args.warmup, "flood_s": args.flood,
-          "note": "bounds shrunk (bench_settings) so the flood's largest calls take seconds on a CPU",
+          "note": "bounds and tick_tokens shrunk (bench_settings) so the flood's largest calls take seconds on a CPU",
           "calls": calls, "p99_flood_over_warmup": ratios,
           "healthz": {**figures([s for s, _ in health]), "statuses": dict(statuses)},
           "flood_calls": dict(flood_calls), "errors": {who: dict(c) for who, c in errors.items()},
