@@ -32,6 +32,7 @@ from app.events import MetricFeed
 from app.services.call_order import CallOrder, Numbered
 from app.services.call_records import Caller, CallRecorder
 from app.services.ledger import Ledger
+from app.services.throttle import sent_until_taken
 from app.services.users import require_admin
 from app.settings import RECORD_RETRY_S
 from app.tables import (
@@ -886,10 +887,13 @@ class RunService:
 
     async def _engine(self, method: str, pool: str | None = None, progress: Progress | None = None,
                       **params: Any) -> dict[str, Any]:
-        try:
+        async def call() -> dict[str, Any]:
             if progress is not None:
                 return await self.backend.call(method, pool=pool, progress=progress, **params)
             return await self.backend.call(method, pool=pool, **params)
+
+        try:
+            return await sent_until_taken(call)  # a refusal resent here only for callers that cannot (throttle.py)
         except SignalError as error:
             # The engine names fields as its contract does (max_tokens, base_model); clients sent maxTokens.
             if not error.field:
