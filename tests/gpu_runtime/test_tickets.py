@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from gpu_runtime.errors import BadInput
-from gpu_runtime.scheduler import Request, Scheduler, split_ticket
+from gpu_runtime.scheduler import Request, Scheduler, cancel_error, split_ticket
 
 RUN = "run-1"
 
@@ -77,3 +77,24 @@ def test_a_ticket_is_a_positive_integer(ticket: Any) -> None:
         split_ticket({"run_id": RUN, "ticket": ticket})
     assert refused.value.field == "ticket"
     assert split_ticket({"run_id": RUN, "ticket": 7}) == ({"run_id": RUN}, 7)
+
+
+@pytest.mark.parametrize("cancelled", ["while queued", "before it came"])
+def test_a_withdrawn_ticket_is_not_waited_for(cancelled: str) -> None:
+    scheduler = created(Scheduler(tick_tokens=1024))  # ticket_wait is 30 s: a tick that waited would pick nothing
+    answers: list[dict[str, Any]] = []
+    late = Request("optim_step", {"run_id": RUN, "request_id": "late"}, answers.append, user_id="user", run_id=RUN,
+                   ticket=2)
+    if cancelled == "while queued":
+        scheduler.submit(late)
+        assert scheduler.find("someone-else", "late") is None and scheduler.find("user", "late") is late
+        scheduler.withdraw(late, {"error": cancel_error(True, 0.25).to_dict()})
+    else:
+        scheduler.forget_on_arrival("user", "late", True)
+        scheduler.submit(late)
+    (answer,) = answers
+    assert answer["error"]["code"] == "DEADLINE_EXCEEDED" and answer["error"]["retryable"] is False
+    assert scheduler.find("user", "late") is None and scheduler.withdrawn == {"user": 1}
+    scheduler.submit(call(3))
+    scheduler.submit(call(1))
+    assert tick(scheduler) == [1] and tick(scheduler) == [3]
