@@ -169,6 +169,9 @@ class Sampling:
         scheduler = self.shared.scheduler
         deadline = time.monotonic() + self.shared.options.decode_chunk_seconds
         for group in list(self.groups):
+            if "hold_decode" in self.shared.faults and group.passes and any(
+                    (job.request.request_id or "").startswith("hold") for job in group.jobs):
+                continue  # failpoint: a sample that never ends (after its first chunk) until it is cancelled
             before = group.passes
             active = [job for job in group.jobs if not job.done]
             started = time.perf_counter()
