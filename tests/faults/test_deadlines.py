@@ -18,12 +18,12 @@ from sqlalchemy import update
 
 from app.db import Database
 from app.tables import Run
+from rewardsignal import DeadlineExceededError, SignalClient
 from tests.helpers.live_server import LiveServer, settings_for
 
 # forward_backward's 20 s is under the runtime's 30 s ticket wait: a call held for a withdrawn ticket would fail.
 DEADLINES = {"optim_step": 2.0, "sample": 2.0, "forward_backward": 20.0}
 CREATE = "mutation { createRun(input: {loraR: 2}) { id } }"
-OPTIM_STEP = "mutation($r: ID!) { optimStep(runId: $r) { step } }"
 FORWARD_BACKWARD = "mutation($r: ID!) { forwardBackward(runId: $r, batch: [{text: \"two plus two\"}]) { loss } }"
 SAMPLE = ("mutation($r: ID!) { sample(runId: $r, prompts: [\"hi\"], maxTokens: 100, requestId: \"hold-1\") "
           "{ sequences { text } } }")
@@ -76,16 +76,19 @@ def test_a_deadline_on_a_queued_call_does_not_delay_the_runs_next_call(server: L
     take_ticket(server, run_id)  # ticket 1, not sent yet
     before = withdrawn(server)
 
-    deadline_exceeded(server.graphql(OPTIM_STEP, {"r": run_id}, key=key))  # ticket 2 waited in the runtime for 1
-    assert withdrawn(server) == before + 1 and not runtime_state(server)["queue_depth"]
+    run = SignalClient(api_key=key, base_url=server.url).get_run(run_id)
+    with pytest.raises(DeadlineExceededError) as raised:  # ticket 2 waited in the runtime for ticket 1
+        run.optim_step()
+    assert raised.value.retryable is False and "optim_step passed its deadline of 2 s" in raised.value.message
+    assert withdrawn(server) == before + 1 and not runtime_state(server)["queue_depth"]  # sent once: no SDK retry
     due = server.backend.client.submit("run_info", run_id=run_id, ticket=1)  # ticket 1 comes after all
     assert due.result(timeout=60)["run_id"] == run_id
 
     answered = server.graphql(FORWARD_BACKWARD, {"r": run_id}, key=key)  # ticket 3: 2 is not waited for
     assert "errors" not in answered, answered
-    run = server.graphql(RUN, {"r": run_id}, key=key)["data"]["run"]
-    assert run["step"] == 0  # the optim_step was never applied, nor recorded
-    assert "grad_norm" not in {metric["name"] for metric in run["metrics"]}
+    row = server.graphql(RUN, {"r": run_id}, key=key)["data"]["run"]
+    assert row["step"] == 0  # the optim_step was never applied, nor recorded
+    assert "grad_norm" not in {metric["name"] for metric in row["metrics"]}
 
 
 def test_a_sample_past_its_deadline_stops_decoding_unrecorded(server: LiveServer) -> None:
