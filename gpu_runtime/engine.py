@@ -362,7 +362,8 @@ class Engine(InProcess):
         request = self.scheduler.find(call.user_id, call.request_id) or next(
             (r for r in self._planned if r.user_id == call.user_id and r.named(call.request_id)), None)
         if request is None:
-            self.scheduler.forget_on_arrival(call.user_id, call.request_id, call.deadline)
+            if not self._answered(call):  # else applied already: a retry of it must get its answer, not a refusal
+                self.scheduler.forget_on_arrival(call.user_id, call.request_id, call.deadline)
             return CancelResult(found=False).to_dict()
         progress = self._prepared.get(request)
         if request.started and progress is None:
@@ -378,6 +379,13 @@ class Engine(InProcess):
             self._planned.remove(request)
         self.scheduler.withdraw(request, {"error": cancel_error(call.deadline, seconds).to_dict()})
         return CancelResult(found=True).to_dict()
+
+    def _answered(self, call: Cancel) -> bool:
+        """Whether a resident run of the caller's remembers an answer to the call `call` names (or is the run it
+        would create)."""
+        return call.request_id in self.runs or any(
+            state.user_id == call.user_id and (call.request_id in state.answered or call.request_id in state.sampled)
+            for state in self.runs.values())
 
     def _optim_step(self, call: OptimStep) -> dict[str, Any]:
         state = self.recovery.state(call.run_id)

@@ -118,3 +118,12 @@ def test_incremental_text_on_the_real_tokenizer_never_splits_a_character(tiny_mo
     assert "".join(pieces) == text[:-len("do")]
     assert "".join(pieces).startswith(tokenizer.decode(ids[:counted])) and counted < len(ids)  # " do" held too
     assert len([p for p in pieces if p]) > 3
+
+
+def test_a_cancel_after_the_answer_leaves_its_retry_alone(chunky: tuple[Engine, str]) -> None:
+    engine, run = chunky
+    params = {"run_id": run, "prompts": ["hello"], "max_tokens": 3, "request_id": "done-1"}
+    first = engine.call("sample", **params)
+    assert engine.call("cancel", request_id="done-1", user_id="u1", deadline=True) == {"found": False}
+    again = engine.call("sample", **params)  # the cancel came too late: not remembered against the retry
+    assert again["replayed"] is True and again["sequences"] == first["sequences"]
