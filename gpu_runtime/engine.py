@@ -363,7 +363,7 @@ class Engine(InProcess):
             (r for r in self._planned if r.user_id == call.user_id and r.named(call.request_id)), None)
         if request is None:
             if not self._answered(call):  # else applied already: a retry of it must get its answer, not a refusal
-                self.scheduler.forget_on_arrival(call.user_id, call.request_id, call.deadline)
+                self.scheduler.refuse_on_arrival(call.user_id, call.request_id, call.deadline)
             return CancelResult(found=False).to_dict()
         progress = self._prepared.get(request)
         if request.started and progress is None:

@@ -25,7 +25,7 @@
 - **Withdrawn calls: never applied, their tickets skipped.** A `cancel` (a deadline, or a client gone) takes a call
   not yet begun off whichever lane holds it and answers it CANCELLED or DEADLINE_EXCEEDED (`withdraw`); its ticket is
   counted done, so the run's next ticket does not wait `ticket_wait` for it. A cancel for a call not here yet is
-  remembered (`forget_on_arrival`): the call is answered so as it arrives, and its ticket skipped.
+  remembered (`refuse_on_arrival`): the call is answered so as it arrives, and its ticket skipped.
 - **A tick's budget** bounds forward_backward rows in tokens. While heads are chosen each is
   charged at most a fair share (budget / users), so a big call does not shut out small ones;
   then the budget is water-filled: small calls go whole, big ones split what is left and
@@ -363,7 +363,7 @@ class Scheduler:
             lanes = [self._system, self._free, self._parked, *self._runs.values(), *self._waiting.values()]
             return next((r for lane in lanes for r in lane if r.user_id == user_id and r.named(request_id)), None)
 
-    def forget_on_arrival(self, user_id: str, request_id: str, deadline: bool) -> None:
+    def refuse_on_arrival(self, user_id: str, request_id: str, deadline: bool) -> None:
         """A cancel for a call not here (yet): if it comes, it is answered CANCELLED or DEADLINE_EXCEEDED at submit."""
         with self.condition:
             self._cancels[(user_id, request_id)] = deadline

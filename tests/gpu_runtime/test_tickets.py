@@ -90,7 +90,7 @@ def test_a_withdrawn_ticket_is_not_waited_for(cancelled: str) -> None:
         assert scheduler.find("someone-else", "late") is None and scheduler.find("user", "late") is late
         scheduler.withdraw(late, {"error": cancel_error(True, 0.25).to_dict()})
     else:
-        scheduler.forget_on_arrival("user", "late", True)
+        scheduler.refuse_on_arrival("user", "late", True)
         scheduler.submit(late)
     (answer,) = answers
     assert answer["error"]["code"] == "DEADLINE_EXCEEDED" and answer["error"]["retryable"] is False
