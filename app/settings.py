@@ -18,6 +18,13 @@ from gpu_runtime.contract import RuntimeOptions
 DB_LOCK_TIMEOUT_S = 5.0  # a write waits this long for a lock (SQLite's busy timeout, PostgreSQL's lock_timeout)
 DB_STATEMENT_TIMEOUT_S = 30.0  # PostgreSQL's statement_timeout: a stuck statement becomes UNAVAILABLE, not a hang
 RECORD_RETRY_S = 10.0  # an applied call's recording is retried this long, then the call answers UNAVAILABLE
+SDK_TIMEOUT_S = 600.0  # the SDK's HTTP timeout (rewardsignal.client.DEFAULT_TIMEOUT): every deadline ends before it
+# Each method's deadline in seconds, from its arrival, queue time included (issue 19 §3); past it, the call still not
+# applied is withdrawn and answers DEADLINE_EXCEEDED. create_run's and save_state's cover a model load, a Hub upload.
+DEADLINES_S: dict[str, float] = {
+    "create_run": 540.0, "forward_backward": 300.0, "forward": 300.0, "optim_step": 120.0, "sample": 300.0,
+    "save_state": 540.0, "load_state": 300.0, "save_weights_for_sampler": 300.0,
+}
 
 
 class Settings(BaseSettings):
@@ -33,6 +40,10 @@ class Settings(BaseSettings):
     record_retry_s: float = Field(RECORD_RETRY_S, gt=0, description="An applied call's recording (its call record, "
                                   "metrics, step, samples, compute seconds) is retried this long while the database "
                                   "cannot take it, then the call answers UNAVAILABLE; its retry records it.")
+    deadlines_s: dict[str, float] = Field(default_factory=lambda: dict(DEADLINES_S), description="Each method's "
+                                          "deadline in seconds from arrival, queue time included, as JSON; the "
+                                          "methods given replace their defaults (docs/ERRORS.md lists them). A call "
+                                          "not applied by then is withdrawn and answers DEADLINE_EXCEEDED.")
     host: str = Field("127.0.0.1", description="Address `signal serve` binds.")
     port: int = Field(8000, description="Port `signal serve` binds.")
     public_url: str = Field("", description="URL printed for users; empty means http://host:port.")
@@ -139,6 +150,18 @@ class Settings(BaseSettings):
                                    "deduction's `credits`.")
     cpu_second_rate: float = Field(0.0, ge=0, description="Credits per compute second of a run on the CPU "
                                    "(device `cpu`), in place of the GPU rate.")
+
+    @field_validator("deadlines_s")
+    @classmethod
+    def _deadlines(cls, value: dict[str, float]) -> dict[str, float]:
+        """The methods given over the defaults; each a known method, and over before the SDK gives up."""
+        unknown = sorted(set(value) - set(DEADLINES_S))
+        if unknown:
+            raise ValueError(f"no deadline for {unknown[0]!r}: the methods are {', '.join(DEADLINES_S)}")
+        bad = [name for name, seconds in value.items() if not 0 < seconds < SDK_TIMEOUT_S]
+        if bad:
+            raise ValueError(f"the deadline of {bad[0]} must be over 0 and under the SDK's {SDK_TIMEOUT_S:.0f} s")
+        return DEADLINES_S | value
 
     @field_validator("worker_log", mode="before")
     @classmethod

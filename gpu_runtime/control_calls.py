@@ -419,6 +419,7 @@ class Control:
             "budget": {"bytes": shared.options.resident_bytes, "runs": shared.options.resident_runs},
             "queue_depth": shared.scheduler.queue_depth_by_user(),
             "calls_refused": dict(shared.scheduler.refused),  # per user, past the bound on calls in flight
+            "calls_withdrawn": dict(shared.scheduler.withdrawn),  # per user, by a cancel (deadline, client gone)
             "decode_groups": [{"runs": g.run_ids, "calls": len(g.jobs), "rows": g.rows, "tokens_done": g.t}
                               for g in self.sampling.groups],
             "sampler_snapshots": self.snapshots.describe(),

@@ -36,6 +36,7 @@ from gpu_runtime.compute import RankCompute, open_hardware
 from gpu_runtime.contract import (
     Call,
     Cancel,
+    CancelResult,
     CloseRun,
     CreateRun,
     DeleteCheckpoint,
@@ -68,7 +69,7 @@ from gpu_runtime.ranks import RankGroup, RanksFailed
 from gpu_runtime.recovery import RESTORES_PER_TICK, Recovery
 from gpu_runtime.run_state import RunState
 from gpu_runtime.sampling_calls import Sampling
-from gpu_runtime.scheduler import SYSTEM, Request, Scheduler, TickPlan, split_ticket
+from gpu_runtime.scheduler import SYSTEM, Request, Scheduler, TickPlan, cancel_error, split_ticket
 from gpu_runtime.shared import Answer, Shared, TickStats, internal
 from gpu_runtime.snapshots import Snapshots
 from gpu_runtime.training_calls import FbPart, FbProgress, Training
@@ -109,6 +110,7 @@ class Engine(InProcess):
         self.last_tick = TickStats()
         self.ticking_since: float | None = None  # monotonic start of the tick running now (the heartbeat reads it)
         self._prepared: dict[Request, FbProgress] = {}  # forward_backward heads, rendered before they are priced
+        self._planned: list[Request] = []  # this tick's frozen samples, off the scheduler's lanes until they begin
         self._handlers: dict[type[Call], Callable[[Any], dict[str, Any]]] = {
             CreateRun: lambda c: self.control.create_run(c).to_dict(),
             OptimStep: self._optim_step,
@@ -130,7 +132,7 @@ class Engine(InProcess):
                 c, self.recovery.state(c.run_id) if c.run_id is not None else None).to_dict(),
             RenderChat: lambda c: self.sampling.render_chat(
                 c, self.recovery.state(c.run_id) if c.run_id is not None else None).to_dict(),
-            Cancel: lambda c: self.sampling.cancel(c).to_dict(),
+            Cancel: self._cancel,
         }
 
     # What the rooms share, read by transports, tests and benchmarks.
@@ -215,6 +217,7 @@ class Engine(InProcess):
         self._resolve_heads(stats)
         plan: TickPlan = self.scheduler.next_tick(self._cost)
         stats.number, stats.requests = plan.number, len(plan.system) + len(plan.picks) + len(plan.free)
+        self._planned = plan.free  # a cancel among the system calls may withdraw one
         for request in plan.system:
             self._finish(request, self._isolated(request, functools.partial(self._answer_now, request)))
         fb_parts: dict[str, list[FbPart]] = {}
@@ -222,11 +225,16 @@ class Engine(InProcess):
         answers: list[Answer] = []  # answered once the journals are synced
         for pick in plan.picks:
             request = pick.request
+            if request.answered:
+                continue  # withdrawn by a cancel earlier in this tick
             message = self._isolated(request, functools.partial(self._begin, request, pick.allowance, fb_parts, samples,
                                                                   answers))
             if message is not None:
                 answers.append((request, message))
+        self._planned = []
         for request in plan.free:  # frozen samples: every pending one, into this tick's decode groups
+            if request.answered:
+                continue
             message = self._isolated(request, functools.partial(self._begin_frozen, request, samples))
             if message is not None:
                 answers.append((request, message))
@@ -304,6 +312,7 @@ class Engine(InProcess):
         if isinstance(call, Sample):
             return self._begin_frozen(request, samples)
         if isinstance(call, SaveState) and call.push_to_hub:
+            request.started = True  # uploading past this tick: a cancel no longer withdraws it
             state = self.recovery.state(call.run_id)
             self.control.save_then_upload(request, state, call, lambda message: answers.append((request, message)))
             return None
@@ -344,6 +353,39 @@ class Engine(InProcess):
     def _handle(self, call: Call | None) -> dict[str, Any]:
         assert call is not None, "every queued request carries its typed call"
         return self._handlers[type(call)](call)
+
+    def _cancel(self, call: Cancel) -> dict[str, Any]:
+        """Withdraw the call `call` names if it has not begun, or stop its decoding (contract: Cancel). Runs with the
+        tick's system calls, so no pass is under way: a split forward_backward is between parts."""
+        if self.sampling.stop(call):
+            return CancelResult(found=True).to_dict()
+        request = self.scheduler.find(call.user_id, call.request_id) or next(
+            (r for r in self._planned if r.user_id == call.user_id and r.named(call.request_id)), None)
+        if request is None:
+            if not self._answered(call):  # else applied already: a retry of it must get its answer, not a refusal
+                self.scheduler.refuse_on_arrival(call.user_id, call.request_id, call.deadline)
+            return CancelResult(found=False).to_dict()
+        progress = self._prepared.get(request)
+        if request.started and progress is None:
+            return CancelResult(found=True).to_dict()  # under way outside the passes (a Hub upload): it completes
+        seconds = 0.0
+        if progress is not None:
+            if progress.done > 0 and self.ranks is not None:
+                return CancelResult(found=True).to_dict()  # the ranks hold its gradients' backup: it completes
+            progress.restore_grads()  # between parts of a split call: its earlier parts' gradients undone
+            seconds = progress.compute_seconds
+            del self._prepared[request]
+        if request in self._planned:
+            self._planned.remove(request)
+        self.scheduler.withdraw(request, {"error": cancel_error(call.deadline, seconds).to_dict()})
+        return CancelResult(found=True).to_dict()
+
+    def _answered(self, call: Cancel) -> bool:
+        """Whether a resident run of the caller's remembers an answer to the call `call` names (or is the run it
+        would create)."""
+        return call.request_id in self.runs or any(
+            state.user_id == call.user_id and (call.request_id in state.answered or call.request_id in state.sampled)
+            for state in self.runs.values())
 
     def _optim_step(self, call: OptimStep) -> dict[str, Any]:
         state = self.recovery.state(call.run_id)

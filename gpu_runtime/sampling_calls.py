@@ -19,7 +19,6 @@ import torch
 
 from gpu_runtime.contract import (
     Cancel,
-    CancelResult,
     RenderChat,
     RenderChatResult,
     Sample,
@@ -34,7 +33,7 @@ from gpu_runtime.detokenize import IncrementalText
 from gpu_runtime.errors import BadInput, SignalError
 from gpu_runtime.pool import BaseEntry
 from gpu_runtime.run_state import REMEMBERED_SAMPLES, RunState, check_same_body
-from gpu_runtime.scheduler import Request
+from gpu_runtime.scheduler import Request, cancel_error
 from gpu_runtime.shared import Shared, TickStats, internal
 from gpu_runtime.snapshots import Snapshots
 from gpu_runtime.weights_sources import WeightsSource
@@ -48,9 +47,6 @@ class Sampling:
         # Answers of frozen samples by (run or user, request id), each with its call's body hash: memory only, like
         # a run's `sampled`.
         self.answers: OrderedDict[tuple[str, str], tuple[str, dict[str, object]]] = OrderedDict()
-        # Cancels of samples not decoding when they came, by (user, request id): one queued, or picked in the same
-        # tick, is answered as it starts. Bounded: a cancel for a sample already answered is never matched.
-        self.cancels: OrderedDict[tuple[str, str], None] = OrderedDict()
 
     def replayed(self, call: Sample) -> SampleResult | None:
         """A retry whose first answer may not have reached the caller: that answer again."""
@@ -143,44 +139,39 @@ class Sampling:
                 self.shared.residency.touch(job.state)
             if job.snapshot is not None:
                 self.snapshots.acquire(job.snapshot)
-        group = DecodeGroup(entry, jobs, eos_ids(entry))
-        self.groups.append(group)
-        for job in jobs:  # cancelled before it started: answered now, with nothing generated
-            if job.request.request_id and (job.request.user_id, job.request.request_id) in self.cancels:
-                self._cancel_job(group, job)
-        if group.done:
-            self.groups.remove(group)
+        self.groups.append(DecodeGroup(entry, jobs, eos_ids(entry)))
 
-    def cancel(self, call: Cancel) -> CancelResult:
-        """Answer the sample `call` names with what it has so far (stop_reason "cancelled"); one not decoding yet is
-        remembered, and answered (with nothing generated) as it starts."""
+    def stop(self, call: Cancel) -> bool:
+        """Stop the sample `call` names if it is decoding (False: it is not): its client gone, it is answered with
+        what it has (stop_reason "cancelled"); its deadline passed, DEADLINE_EXCEEDED (never applied, not kept for a
+        retry), with the compute seconds it used."""
         for group in list(self.groups):
             for job in group.jobs:
                 request = job.request
                 if not job.done and request.request_id == call.request_id and request.user_id == call.user_id:
-                    self._cancel_job(group, job)
+                    job.done = True
+                    self._release(job)
+                    if call.deadline:
+                        message = {"error": cancel_error(True, job.compute_seconds).to_dict()}
+                    else:
+                        job.reasons = [reason or "cancelled" for reason in job.reasons]
+                        result = {**group.result(job), "compute_seconds": job.compute_seconds}
+                        self._remember(job, result)
+                        message = {"result": result}
+                    self.shared.scheduler.finish(request, message)
                     if group.done:
                         self.groups.remove(group)
-                    return CancelResult(found=True)
-        self.cancels[(call.user_id, call.request_id)] = None
-        while len(self.cancels) > REMEMBERED_SAMPLES:
-            self.cancels.popitem(last=False)
-        return CancelResult(found=False)
-
-    def _cancel_job(self, group: DecodeGroup, job: SampleJob) -> None:
-        self.cancels.pop((job.request.user_id, job.request.request_id or ""), None)
-        job.done = True
-        job.reasons = [reason or "cancelled" for reason in job.reasons]
-        result = {**group.result(job), "compute_seconds": job.compute_seconds}
-        self._remember(job, result)
-        self._release(job)
-        self.shared.scheduler.finish(job.request, {"result": result})
+                    return True
+        return False
 
     def advance(self, stats: TickStats) -> None:
         """Every decode group by one chunk; finished calls are answered, a failing group fails its calls alone."""
         scheduler = self.shared.scheduler
         deadline = time.monotonic() + self.shared.options.decode_chunk_seconds
         for group in list(self.groups):
+            if "hold_decode" in self.shared.faults and group.passes and any(
+                    (job.request.request_id or "").startswith("hold") for job in group.jobs):
+                continue  # failpoint: a sample that never ends (after its first chunk) until it is cancelled
             before = group.passes
             active = [job for job in group.jobs if not job.done]
             started = time.perf_counter()

@@ -22,6 +22,10 @@
   answered; past `user_queue` waiting, a call is refused at once with RESOURCE_EXHAUSTED (resource "calls") and a
   `retry_after_s` from how long the user's calls have been taking. Calls on no run (ping) are never counted, and a
   ticket that calls taken in on its run wait for goes in past the bound (else they would wait out `ticket_wait`).
+- **Withdrawn calls: never applied, their tickets skipped.** A `cancel` (a deadline, or a client gone) takes a call
+  not yet begun off whichever lane holds it and answers it CANCELLED or DEADLINE_EXCEEDED (`withdraw`); its ticket is
+  counted done, so the run's next ticket does not wait `ticket_wait` for it. A cancel for a call not here yet is
+  remembered (`refuse_on_arrival`): the call is answered so as it arrives, and its ticket skipped.
 - **A tick's budget** bounds forward_backward rows in tokens. While heads are chosen each is
   charged at most a fair share (budget / users), so a big call does not shut out small ones;
   then the budget is water-filled: small calls go whole, big ones split what is left and
@@ -38,12 +42,12 @@ import itertools
 import logging
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpu_runtime.errors import BadInput, ResourceExhausted
+from gpu_runtime.errors import BadInput, Cancelled, DeadlineExceeded, ResourceExhausted, SignalError
 
 log = logging.getLogger("gpu_runtime.scheduler")
 
@@ -51,6 +55,7 @@ TICKET_WAIT_SECONDS = 30.0  # how long a call waits for an earlier ticket of its
 MIN_SHARE_TOKENS = 64  # a tick takes at most tick_tokens / 64 forward_backward heads
 SYSTEM = "__system__"  # the lane of calls on no run (ping, runtime_state): answered at the next tick, first
 RETRY_AFTER_S = (1.0, 30.0)  # a refused call is told to come back after its user's typical call time, within these
+REMEMBERED_CANCELS = 1024  # cancels of calls not here yet, kept for their arrival (oldest forgotten first)
 
 
 @dataclass(eq=False)  # compared and hashed by identity: the engine keys its work on requests
@@ -73,6 +78,22 @@ class Request:
     def request_id(self) -> str | None:
         value = self.params.get("request_id")
         return value if isinstance(value, str) else None
+
+    @property
+    def answered(self) -> bool:
+        return self.reply is _DONE
+
+    def named(self, request_id: str) -> bool:
+        """Whether a cancel of `request_id` means this call: its request id, or a create_run's run id (it has none)."""
+        return self.request_id == request_id or (self.method == "create_run" and self.run_id == request_id)
+
+
+def cancel_error(deadline: bool, compute_seconds: float = 0.0) -> SignalError:
+    """A withdrawn call's answer: it was never applied. `compute_seconds`: what it had used (the server logs them)."""
+    seconds = round(compute_seconds, 6)
+    if deadline:
+        return DeadlineExceeded("the call's deadline passed before it was applied: it never was", compute_seconds=seconds)
+    return Cancelled("the call was cancelled before it was applied (its client went away)", compute_seconds=seconds)
 
 
 @dataclass
@@ -109,7 +130,9 @@ class Scheduler:
         self._call_seconds: dict[str, float] = {}  # user → a moving average of their calls' time in flight
         self.refused: dict[str, int] = {}  # user → calls refused past the bound since start (runtime_state shows it)
         self._next_ticket: dict[str, int] = {}  # run → the ticket whose turn it is
-        self._void: dict[str, set[int]] = {}  # run → tickets of refused calls, not yet reached: never waited for
+        self._skipped: dict[str, set[int]] = {}  # run → tickets of withdrawn calls, counted done when their turn comes
+        self._cancels: OrderedDict[tuple[str, str], bool] = OrderedDict()  # (user, request id) → deadline, not here yet
+        self.withdrawn: dict[str, int] = {}  # user → calls withdrawn by a cancel since start (runtime_state shows it)
         self.condition = threading.Condition()
         self._runs: dict[str, deque[Request]] = {}
         self._system: deque[Request] = deque()
@@ -124,26 +147,41 @@ class Scheduler:
     # ---- producers (any thread) ----------------------------------------------------------
 
     def submit(self, request: Request) -> None:
-        """Queue `request`; or hold it past its user's bound; or, past the waiting lane's length, refuse it now."""
+        """Queue `request`; or hold it past its user's bound; or, past the waiting lane's length, refuse it now; or,
+        cancelled before it came, answer it so now."""
         with self.condition:
             request.arrival = next(self._arrivals)
-            bounded = self.user_calls is not None and request.user_id != SYSTEM
-            full = bounded and self._in_flight.get(request.user_id, 0) >= (self.user_calls or 0)
-            if full and not self._unblocks(request):
-                waiting = self._waiting.setdefault(request.user_id, deque())
-                if len(waiting) < self.user_queue:
-                    waiting.append(request)
-                    return
-                refusal = self._refusal(request.user_id, len(waiting))
-                self.refused[request.user_id] = self.refused.get(request.user_id, 0) + 1
-                self._void_ticket(request)
-                self.condition.notify_all()  # a call held for the refused ticket may go now
-            else:
-                self._take(request, bounded)
-                self.condition.notify_all()
+            refusal = self._cancelled_before(request) or self._admit(request)
+            if refusal is None:
                 return
         request.reply, reply = _DONE, request.reply
         reply({"error": refusal.to_dict()})
+
+    def _cancelled_before(self, request: Request) -> SignalError | None:
+        key = request.request_id or (request.run_id if request.method == "create_run" else None)
+        deadline = self._cancels.pop((request.user_id, key), None) if key else None
+        if deadline is None:
+            return None
+        self._skip(request)
+        self.withdrawn[request.user_id] = self.withdrawn.get(request.user_id, 0) + 1
+        return cancel_error(deadline)
+
+    def _admit(self, request: Request) -> SignalError | None:
+        """Take `request` in, or hold it in its user's waiting lane (None); past that lane's length, its refusal."""
+        bounded = self.user_calls is not None and request.user_id != SYSTEM
+        full = bounded and self._in_flight.get(request.user_id, 0) >= (self.user_calls or 0)
+        if full and not self._unblocks(request):
+            waiting = self._waiting.setdefault(request.user_id, deque())
+            if len(waiting) < self.user_queue:
+                waiting.append(request)
+                return None
+            self.refused[request.user_id] = self.refused.get(request.user_id, 0) + 1
+            self._skip(request)  # never applied: the run's later tickets do not wait ticket_wait for it
+            self.condition.notify_all()  # a call held for the refused ticket may go now
+            return self._refusal(request.user_id, len(waiting))
+        self._take(request, bounded)
+        self.condition.notify_all()
+        return None
 
     def _unblocks(self, request: Request) -> bool:
         """A ticket that calls already taken in on its run wait for: it goes past the bound, or they would hold their
@@ -319,31 +357,62 @@ class Scheduler:
                 log.warning("run %s: tickets %d..%d did not arrive within %.0f s; ticket %d went on without them",
                             run_id, expected, request.ticket - 1, self.ticket_wait, request.ticket)
             self._next_ticket[run_id] = max(expected, request.ticket + 1)
-            self._skip_void(run_id)
+        self._settle(run_id)
 
-    def _void_ticket(self, request: Request) -> None:
-        """A refused call's ticket: never applied, so the run's later tickets do not wait `ticket_wait` for it (its
-        client resends with a new ticket; one resent with this ticket goes at once, being past its turn)."""
-        if request.run_id is None or request.ticket is None or request.run_id not in self._next_ticket:
-            return
-        if request.ticket >= self._next_ticket[request.run_id]:
-            self._void.setdefault(request.run_id, set()).add(request.ticket)
-            self._skip_void(request.run_id)
+    def find(self, user_id: str, request_id: str) -> Request | None:
+        """The user's call `request_id` wherever it waits here (queued, parked, past the bound), else None."""
+        with self.condition:
+            lanes = [self._system, self._free, self._parked, *self._runs.values(), *self._waiting.values()]
+            return next((r for lane in lanes for r in lane if r.user_id == user_id and r.named(request_id)), None)
 
-    def _skip_void(self, run_id: str) -> None:
-        void = self._void.get(run_id)
-        if not void:
+    def refuse_on_arrival(self, user_id: str, request_id: str, deadline: bool) -> None:
+        """A cancel for a call not here (yet): if it comes, it is answered CANCELLED or DEADLINE_EXCEEDED at submit."""
+        with self.condition:
+            self._cancels[(user_id, request_id)] = deadline
+            while len(self._cancels) > REMEMBERED_CANCELS:
+                self._cancels.popitem(last=False)
+
+    def withdraw(self, request: Request, message: dict[str, Any]) -> None:
+        """Take a call not yet applied off whichever lane holds it, count its ticket done, and answer `message`."""
+        reply, request.reply = request.reply, _DONE
+        with self.condition:
+            for lane in [self._system, self._free, self._parked, *self._runs.values(), *self._waiting.values()]:
+                if request in lane:
+                    lane.remove(request)
+            for lanes in (self._runs, self._waiting):
+                for key in [key for key, queue in lanes.items() if not queue]:
+                    del lanes[key]
+            self._skip(request)
+            self.withdrawn[request.user_id] = self.withdrawn.get(request.user_id, 0) + 1
+            if request.counted:
+                request.counted = False
+                self._release(request)
+            self.condition.notify_all()
+        log.info("withdrew %s %s of user %s (ticket %s): %s", request.method, request.request_id, request.user_id,
+                 request.ticket, message.get("error", {}).get("code"))
+        reply(message)
+
+    def _skip(self, request: Request) -> None:
+        """A withdrawn call's ticket counts as done: the run's next one need not wait for it."""
+        if request.run_id is None or request.ticket is None:
             return
-        expected = self._next_ticket[run_id]
-        for ticket in sorted(void):
-            if ticket < expected:
-                void.discard(ticket)
-            elif ticket == expected:
-                void.discard(ticket)
-                expected += 1
+        self._skipped.setdefault(request.run_id, set()).add(request.ticket)
+        self._settle(request.run_id)
+
+    def _settle(self, run_id: str) -> None:
+        """Move the run's turn past the withdrawn tickets it has reached."""
+        skipped = self._skipped.get(run_id)
+        expected = self._next_ticket.get(run_id)
+        if not skipped or expected is None:
+            return
+        while expected in skipped:
+            skipped.discard(expected)
+            expected += 1
         self._next_ticket[run_id] = expected
-        if not void:
-            del self._void[run_id]
+        for ticket in [t for t in skipped if t < expected]:
+            skipped.discard(ticket)  # a ticket already passed (its wait ran out): nothing to skip any more
+        if not skipped:
+            del self._skipped[run_id]
 
     def hold(self, run_id: str) -> None:
         """The run's head is in progress outside the picks (a decode group): not eligible until finished."""

@@ -30,7 +30,7 @@ from app.openai.params import parse
 from app.schema.context import bearer_from_header
 from app.services import Services
 from app.services.runs import RunService, SampleParams
-from app.services.streams import hold, next_chunk
+from app.services.streams import first_or_gone, hold, next_chunk
 from app.tables import Run, User
 from app.tinker import paths as tinker_paths
 from gpu_runtime.contract import MAX_TOKENS_LIMIT
@@ -152,7 +152,7 @@ async def _generate(request: Request, chat: bool) -> Response:
     prompt_ids, sample, eos = await _prepared(services.runs, target, params, chat)
     call = Sampling(services.runs, user, target, params, chat, prompt_ids, eos)
     if params.stream and params.logprobs is None and not params.echo:
-        return await _streamed(call, sample)
+        return await _streamed(call, sample, request)
     try:
         result = await call.sample(sample)
         body, _ = await call.answer(result)
@@ -305,16 +305,20 @@ async def _events(body: dict[str, Any], chat: bool, include_usage: bool) -> Asyn
     yield "data: [DONE]\n\n"
 
 
-async def _streamed(call: Sampling, sample: SampleParams) -> Response:
+async def _streamed(call: Sampling, sample: SampleParams, request: Request) -> Response:
     """A stream fed by the runtime's decode chunks. Errors met before its first chunk are answered as errors; the
-    sample is recorded whatever the client does, and cancelled in the runtime when the client goes away."""
+    sample is recorded whatever the client does, and cancelled in the runtime when the client goes away, before its
+    first chunk too (then, not begun, it is withdrawn: never applied, not billed, not recorded)."""
     chunks: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
     request_id = f"v1-{uuid.uuid4().hex}"
     task = hold(call.sample(sample, request_id, chunks.put_nowait))
     try:
-        first = await next_chunk(task, chunks)
+        came, first = await first_or_gone(task, chunks, request.receive)
     except SignalError as error:
         raise from_signal(error, call.prompt_param) from None
+    if not came:
+        hold(call.runs.cancel_sample(call.user, request_id, call.target.run, call.target.base_model))
+        return Response(status_code=499)  # nginx's "client closed request": no one reads it
     return StreamingResponse(_chunk_events(call, task, chunks, request_id, first), media_type="text/event-stream",
                              headers=SSE_HEADERS)
 

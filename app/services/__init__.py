@@ -64,7 +64,7 @@ class Services:
         users = UserService(db)
         billing = BillingClient(settings, db) if settings.billing_enabled else None
         runs = RunService(db, backend, catalog, feed, settings.default_model, Ledger(db, Rates.of(settings), billing),
-                          settings.runtime_options(), settings.record_retry_s)
+                          settings.runtime_options(), settings.record_retry_s, settings.deadlines_s)
         tinker_sessions = TinkerSessions(db)
         runs.claim = tinker_sessions.claim  # Signal's own calls on a run a live Tinker session drives are refused
         http = supabase = None

@@ -54,6 +54,7 @@ class CallOrder:
         self.wait_seconds = wait_seconds
         self._last: defaultdict[str, dict[str, int]] = defaultdict(dict)  # run → session → last admitted seq
         self._changed: defaultdict[str, asyncio.Condition] = defaultdict(asyncio.Condition)
+        self._waking: set[asyncio.Future[None]] = set()
 
     async def admit(self, run_id: str, number: Numbered) -> None:
         """Return once `number` may join the run's queue, and count it as joined: the caller joins it (acquires
@@ -86,6 +87,20 @@ class CallOrder:
             while len(sessions) > SESSIONS_PER_RUN:
                 sessions.pop(next(iter(sessions)))
             condition.notify_all()
+
+    def passed(self, run_id: str, number: Numbered) -> None:
+        """`number` gave up waiting (its deadline): counted as joined, so its successors do not wait for it."""
+        sessions = self._last[run_id]
+        sessions[number.session] = max(sessions.get(number.session, 0), number.seq)
+        condition = self._changed[run_id]
+
+        async def wake() -> None:
+            async with condition:
+                condition.notify_all()
+
+        task = asyncio.ensure_future(wake())
+        self._waking.add(task)  # referenced until done (a bare task may be collected)
+        task.add_done_callback(self._waking.discard)
 
     def forget(self, run_id: str) -> None:
         """A deleted run's sessions."""

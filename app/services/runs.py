@@ -31,10 +31,11 @@ from app.errors import BadInput, FailedPrecondition, NotFound, RunNotFound, Sign
 from app.events import MetricFeed
 from app.services.call_order import CallOrder, Numbered
 from app.services.call_records import Caller, CallRecorder
+from app.services.deadlines import Deadline, answered, waiting
 from app.services.ledger import Ledger
 from app.services.throttle import sent_until_taken
 from app.services.users import require_admin
-from app.settings import RECORD_RETRY_S
+from app.settings import DEADLINES_S, RECORD_RETRY_S
 from app.tables import (
     RUN_NAME_LENGTH,
     RUN_NOTE_LENGTH,
@@ -267,8 +268,9 @@ class SampleParams:
 class RunService:
     def __init__(self, db: Database, backend: Backend, catalog: Catalog, feed: MetricFeed,
                  default_model: str, ledger: Ledger, bounds: RuntimeOptions | None = None,
-                 record_retry_s: float = RECORD_RETRY_S) -> None:
+                 record_retry_s: float = RECORD_RETRY_S, deadlines: dict[str, float] | None = None) -> None:
         self.db = db
+        self.deadlines = deadlines or DEADLINES_S  # each method's, from arrival (SIGNAL_DEADLINES_S; deadlines.py)
         self.recorder = CallRecorder(db, ledger, record_retry_s)  # each applied call recorded once (issue 19 §5)
         # The per-call size bounds (SIGNAL_MAX_SAMPLE_ROWS…): checked here before a call leaves, by the runtime again.
         self.bounds = bounds or RuntimeOptions()
@@ -373,6 +375,7 @@ class RunService:
     # ---- the primitives ------------------------------------------------------------------
 
     async def create(self, user: User, spec: RunSpec) -> Run:
+        deadline = Deadline.start(self.deadlines, "create_run")  # a model load included
         spec.validate()
         source = None
         if spec.from_checkpoint is not None:  # inherits the checkpoint's base, seed, step and LoRA settings
@@ -394,10 +397,11 @@ class RunService:
         from_checkpoint = {"from_checkpoint": spec.from_checkpoint, "with_optimizer": spec.with_optimizer,
                            "lora": spec.explicit_lora(), "seed": spec.seed} if source else {"lora": lora,
                                                                                             "seed": spec.seed or 0}
-        created = await self._engine(
-            "create_run", pool=pool_key(model.name, gpu_config, quantization), run_id=run_id, user_id=user.id,
-            base_model=model.source, quantization=quantization, **from_checkpoint,
-        )
+        pool = pool_key(model.name, gpu_config, quantization)
+        created = await self._answered(deadline, pool, user, run_id, self._engine(  # a create_run is named by its run
+            "create_run", pool=pool, run_id=run_id, user_id=user.id, base_model=model.source,
+            quantization=quantization, **from_checkpoint,
+        ))
         # The runtime resolved the switches against the model: the run keeps the layers they named.
         lora = {key: value for key, value in dict(created.get("lora") or lora).items() if key not in LORA_SWITCHES}
         lora["target_modules"] = created.get("target_modules", lora["target_modules"])
@@ -470,6 +474,7 @@ class RunService:
                            field="snapshot" if snapshot is not None else "checkpoint")
         if not base_model:
             raise BadInput("forward needs runId or baseModel", field="baseModel")
+        deadline = Deadline.start(self.deadlines, "forward")
         model = self.catalog.get(base_model)
         arguments: dict[str, Any] = {**params, "run_id": None, "base_model": model.source, "user_id": user.id,
                                      "request_id": request_id}
@@ -477,7 +482,7 @@ class RunService:
         gpu_config = self.catalog.resolve_gpu(model, None, None)
         pool = pool_key(model.name, gpu_config, None)
         arguments["request_id"] = request_id = request_id or new_id()
-        result = await self._engine("forward", pool=pool, **arguments)
+        result = await self._answered(deadline, pool, user, request_id, self._engine("forward", pool=pool, **arguments))
         caller = Caller(user.id, None, model.name, await self._device(pool), gpu_config)
 
         async def answer(session: AsyncSession, fresh: bool) -> dict[str, Any]:
@@ -563,23 +568,33 @@ class RunService:
                                          {"snapshot": snapshot, "checkpoint": checkpoint}, record, progress)
 
     async def cancel_sample(self, user: User, request_id: str, run: Run | None, base_model: str | None) -> None:
-        """Stop the caller's streamed sample `request_id` (its client went away): the runtime answers it with what it
-        has, stop_reason "cancelled", which its `sample` call then records as it records any answer."""
+        """Stop the caller's streamed sample `request_id` (its client went away): decoding, the runtime answers it with
+        what it has, stop_reason "cancelled", which its `sample` call then records as it records any answer; not begun
+        yet, it is withdrawn (CANCELLED): never applied, not billed, not recorded."""
         pool = pool_of(run) if run is not None else self._base_pool(base_model)[1]
         await self._engine("cancel", pool=pool, request_id=request_id, user_id=user.id)
+
+    async def _answered(self, deadline: Deadline, pool: str, user: User, request_id: str,
+                        call: Awaitable[dict[str, Any]]) -> dict[str, Any]:
+        """The runtime's answer to `call`; at its deadline the runtime is asked to withdraw it (deadlines.py)."""
+        return await answered(deadline, call, lambda: self._engine("cancel", pool=pool, request_id=request_id,
+                                                                   user_id=user.id, deadline=True),
+                              f"{deadline.operation} {request_id} of user {user.id}")
 
     async def _off_the_queue(self, user: User, run_id: str, method: str, request_id: str | None,
                              params: dict[str, Any], source: dict[str, Any],
                              record: Record[dict[str, Any]], progress: Progress | None = None) -> dict[str, Any]:
         """A call on a run's frozen weights (a snapshot or checkpoint: docs/SNAPSHOTS.md): owned and billed like the
         run's calls, but it takes neither the run's lock nor a ticket, so it waits for nothing queued on the run."""
+        deadline = Deadline.start(self.deadlines, method)
         run = await self.get(user, run_id)
         _refuse_archived(run, method)
         self._checked(method, {"run_id": run.id, **params, **source, "request_id": request_id})
         request_id = await self.ledger.allow(user, run, method, request_id or new_id())
 
         async def work() -> dict[str, Any]:
-            result = await self._on_run(run, method, progress, **params, **source, request_id=request_id)
+            result = await self._answered(deadline, pool_of(run), user, request_id, self._on_run(
+                run, method, progress, **params, **source, request_id=request_id))
             return await self._recorded(run, method, request_id, result, record)
 
         return await asyncio.shield(asyncio.ensure_future(work()))  # recorded even if the caller goes away
@@ -595,6 +610,7 @@ class RunService:
                            progress: Progress | None = None) -> dict[str, Any]:
         """The base alone: no run, so no lock and no ticket; billed to the user (Ledger.owe_user). `store` (the
         params to keep with them, or None) writes the sequences to the user's base-model history."""
+        deadline = Deadline.start(self.deadlines, "sample")
         model, pool, gpu_config = self._base_pool(base_model)
         engine_params = {**params.engine_params(), "base_model": model.source, "user_id": user.id,
                          **({"stream": True} if progress is not None else {})}
@@ -602,7 +618,8 @@ class RunService:
         request_id = await self.ledger.allow_user(user, "sample", request_id or new_id(), model.name, gpu_config)
 
         async def work() -> dict[str, Any]:
-            result = await self._engine("sample", pool=pool, progress=progress, **engine_params, request_id=request_id)
+            result = await self._answered(deadline, pool, user, request_id, self._engine(
+                "sample", pool=pool, progress=progress, **engine_params, request_id=request_id))
             caller = Caller(user.id, None, model.name, await self._device(pool), gpu_config)
 
             async def write(session: AsyncSession, fresh: bool) -> dict[str, Any]:
@@ -806,7 +823,9 @@ class RunService:
         allowed by the ledger, then in the run's order the runtime call, and the call recorded once: `record` writes
         what it records in that transaction (`fresh`: its first recording; call_records.py). A call without a
         request id gets one here, so its retries and its record have a key. `allowed` adds arguments that only a call allowed to run may fetch.
-        `order`: the SDK's number for the call, which puts it in the run's order after its session's previous one."""
+        `order`: the SDK's number for the call, which puts it in the run's order after its session's previous one.
+        Its deadline counts from here, its arrival, through the run's queue (deadlines.py)."""
+        deadline = Deadline.start(self.deadlines, operation)
         run = await self.get(user, run_id)
         if operation != "save_state":  # an archived run's weights can still be exported
             _refuse_archived(run, operation)
@@ -819,11 +838,12 @@ class RunService:
             params |= await allowed()
 
         async def work() -> T:
-            result = await self._on_run(run, operation, progress, **params, request_id=request_id,
-                                        ticket=await self._ticket(run.id))
+            ticket = await self._ticket(run.id)
+            result = await self._answered(deadline, pool_of(run), user, request_id, self._on_run(
+                run, operation, progress, **params, request_id=request_id, ticket=ticket))
             return await self._recorded(run, operation, request_id, result, record)
 
-        return await self._serialised(run.id, work, order)
+        return await self._serialised(run.id, work, order, deadline)
 
     async def _recorded(self, run: Run, operation: str, request_id: str, result: dict[str, Any],
                         record: Record[T]) -> T:
@@ -862,17 +882,26 @@ class RunService:
             raise RunNotFound(f"run {run_id!r} not found", field="runId")
         return int(ticket)
 
-    async def _serialised(self, run_id: str, work: Callable[[], Awaitable[T]], order: Numbered | None = None) -> T:
+    async def _serialised(self, run_id: str, work: Callable[[], Awaitable[T]], order: Numbered | None = None,
+                          deadline: Deadline | None = None) -> T:
         """Run `work` under the run's lock (FIFO: arrival order), to the end even if the caller goes away:
         a call the worker has taken is always recorded. A numbered call (`order`) joins the lock's queue only
         after its session's previous number has (call_order.py), with no await in between: arrival order, and so
-        the tickets taken under the lock, follow the client's numbers."""
+        the tickets taken under the lock, follow the client's numbers. Waiting for either past `deadline` answers
+        DEADLINE_EXCEEDED; no ticket was taken, and its session's next number goes on without it."""
+        lock = self._locks[run_id]
 
-        async def locked() -> T:
+        async def queued() -> None:
             if order is not None:
                 await self.order.admit(run_id, order)
-            async with self._locks[run_id]:
+            await lock.acquire()
+
+        async def locked() -> T:
+            await waiting(deadline, queued(), None if order is None else lambda: self.order.passed(run_id, order))
+            try:
                 return await work()
+            finally:
+                lock.release()
 
         return await asyncio.shield(asyncio.ensure_future(locked()))
 

@@ -4,7 +4,7 @@ RunService.sample call (its `progress` callback fills the queue)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 _BACKGROUND: set[asyncio.Future[Any]] = set()  # samples and cancels that outlive their stream: held till done
@@ -32,3 +32,25 @@ async def next_chunk(task: asyncio.Future[Any], chunks: asyncio.Queue[dict[str, 
         return chunks.get_nowait()
     task.result()  # the sample's error, if it failed
     return None
+
+
+async def gone(receive: Callable[[], Awaitable[MutableMapping[str, Any]]]) -> None:
+    """Return once the client has gone away (its request body already read: what comes next is the disconnect)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def first_or_gone(task: asyncio.Future[Any], chunks: asyncio.Queue[dict[str, Any]],
+                        receive: Callable[[], Awaitable[MutableMapping[str, Any]]]) -> tuple[bool, dict[str, Any] | None]:
+    """A stream's first chunk (as `next_chunk`), or (False, None) if its client goes away before it comes: a stream
+    answered only once its first chunk is there would otherwise never notice, and the sample would run to its end."""
+    first = asyncio.ensure_future(next_chunk(task, chunks))
+    leaving = asyncio.ensure_future(gone(receive))
+    try:
+        await asyncio.wait([first, leaving], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        leaving.cancel()
+    if not first.done():
+        first.cancel()
+        return False, None
+    return True, first.result()

@@ -45,7 +45,7 @@ from gpu_runtime.errors import BadInput
 # meets another version refuses to talk to it (a detached runtime outlives its server; a Modal deployment lags).
 # 4: RuntimeOptions gained the per-call bounds (max_batch_tokens, max_sample_rows, ...) and ping the version.
 # 5: sample gained `stream` (SampleChunk progress lines before its result) and the `cancel` call.
-CONTRACT_VERSION = 6
+CONTRACT_VERSION = 7
 
 
 class Method(enum.StrEnum):
@@ -493,19 +493,26 @@ class ExportCheckpoint(RunCall):
 
 @dataclass(frozen=True, kw_only=True)
 class Cancel(Call):
-    """Stop the sample `request_id` of `user_id` (its owner: ids are the clients', so one user's cannot reach
-    another's): a decoding one is answered at once with what it has, stop_reason "cancelled"; a queued one the
-    moment it starts. A call on no run's queue, answered at the next tick, so within one decode chunk."""
+    """Stop the call `request_id` of `user_id` (its owner: ids are the clients', so one user's cannot reach
+    another's). A call not yet begun (queued, past its user's bound, parked, picked this tick, or between the parts
+    of a split forward_backward, whose gradients are put back) is withdrawn, never applied, and its ticket counted
+    done: answered CANCELLED, or DEADLINE_EXCEEDED with `deadline`. A decoding sample stops between chunks: answered
+    with what it has (stop_reason "cancelled"), or with `deadline` DEADLINE_EXCEEDED. A call in a pass, or applied,
+    completes as usual. One not here yet is answered so when it arrives. Answered at the next tick. A create_run,
+    which has no request id, is named by its run id."""
 
     method = Method.CANCEL
     request_id: str
     user_id: str
+    deadline: bool = False  # the server's deadline for the call passed (else its client went away)
 
     def validate(self) -> None:
         if self.request_id is None:
             raise BadInput("request_id names the sample to cancel", field="request_id")
         check_request_id(self.request_id)
         check_id(self.user_id, "user_id")
+        if not isinstance(self.deadline, bool):
+            raise BadInput(f"deadline must be true or false, got {self.deadline!r}", field="deadline")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -109,7 +109,7 @@ class SampleChunk(Result):
 
 @dataclass(frozen=True, kw_only=True)
 class CancelResult(Result):
-    found: bool  # the sample was decoding (answered now) or not yet started (answered when it starts)
+    found: bool  # the call is here: withdrawn or stopped now, or in a pass (it completes); False: answered on arrival
 
 
 @dataclass(frozen=True, kw_only=True)

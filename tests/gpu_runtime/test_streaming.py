@@ -74,12 +74,23 @@ def test_cancel_answers_a_decoding_sample_with_what_it_has(chunky: tuple[Engine,
     assert not engine.sampling.groups and not engine.call("runtime_state")["decode_groups"]
 
 
-def test_a_cancel_before_the_start_answers_it_as_it_starts(chunky: tuple[Engine, str]) -> None:
+def test_a_cancel_before_the_start_withdraws_it(chunky: tuple[Engine, str]) -> None:
     engine, run = chunky
     assert engine.call("cancel", request_id="v1-early", user_id="u1") == {"found": False}
     chunks, answer = streamed(engine, {"run_id": run, "prompts": ["hello"], "max_tokens": 50, "request_id": "v1-early"})
-    sequence = answer[0]["result"]["sequences"][0][0]
-    assert sequence["stop_reason"] == "cancelled" and sequence["tokens"] == [] and chunks == []
+    assert answer[0]["error"]["code"] == "CANCELLED" and chunks == []  # never applied: nothing to record or bill
+
+
+def test_a_deadline_stops_a_decoding_sample_unapplied(chunky: tuple[Engine, str]) -> None:
+    engine, run = chunky
+    params = {"run_id": run, "prompts": ["hello"], "max_tokens": 200, "request_id": "late"}
+    chunks, answer = streamed(engine, params, until=lambda chunks: len(chunks) >= 2)
+    assert engine.call("cancel", request_id="late", user_id="u1", deadline=True) == {"found": True}
+    error = answer[0]["error"]
+    assert error["code"] == "DEADLINE_EXCEEDED" and error["details"]["compute_seconds"] > 0
+    assert not engine.call("runtime_state")["decode_groups"]
+    again = engine.call("sample", **{**params, "max_tokens": 3})  # not remembered as answered: the id runs afresh
+    assert len(again["sequences"][0][0]["tokens"]) == 3 and not again.get("replayed")
 
 
 @pytest.mark.parametrize("text, stops, expected", [
@@ -107,3 +118,12 @@ def test_incremental_text_on_the_real_tokenizer_never_splits_a_character(tiny_mo
     assert "".join(pieces) == text[:-len("do")]
     assert "".join(pieces).startswith(tokenizer.decode(ids[:counted])) and counted < len(ids)  # " do" held too
     assert len([p for p in pieces if p]) > 3
+
+
+def test_a_cancel_after_the_answer_leaves_its_retry_alone(chunky: tuple[Engine, str]) -> None:
+    engine, run = chunky
+    params = {"run_id": run, "prompts": ["hello"], "max_tokens": 3, "request_id": "done-1"}
+    first = engine.call("sample", **params)
+    assert engine.call("cancel", request_id="done-1", user_id="u1", deadline=True) == {"found": False}
+    again = engine.call("sample", **params)  # the cancel came too late: not remembered against the retry
+    assert again["replayed"] is True and again["sequences"] == first["sequences"]

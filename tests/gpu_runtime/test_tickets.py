@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from gpu_runtime.errors import BadInput
-from gpu_runtime.scheduler import Request, Scheduler, split_ticket
+from gpu_runtime.scheduler import Request, Scheduler, cancel_error, split_ticket
 
 RUN = "run-1"
 
@@ -92,3 +92,24 @@ def test_a_refused_calls_ticket_is_not_waited_for() -> None:
     assert tick(scheduler) == [2]
     scheduler.submit(call(1))
     assert tick(scheduler) == [1]
+
+
+@pytest.mark.parametrize("cancelled", ["while queued", "before it came"])
+def test_a_withdrawn_ticket_is_not_waited_for(cancelled: str) -> None:
+    scheduler = created(Scheduler(tick_tokens=1024))  # ticket_wait is 30 s: a tick that waited would pick nothing
+    answers: list[dict[str, Any]] = []
+    late = Request("optim_step", {"run_id": RUN, "request_id": "late"}, answers.append, user_id="user", run_id=RUN,
+                   ticket=2)
+    if cancelled == "while queued":
+        scheduler.submit(late)
+        assert scheduler.find("someone-else", "late") is None and scheduler.find("user", "late") is late
+        scheduler.withdraw(late, {"error": cancel_error(True, 0.25).to_dict()})
+    else:
+        scheduler.refuse_on_arrival("user", "late", True)
+        scheduler.submit(late)
+    (answer,) = answers
+    assert answer["error"]["code"] == "DEADLINE_EXCEEDED" and answer["error"]["retryable"] is False
+    assert scheduler.find("user", "late") is None and scheduler.withdrawn == {"user": 1}
+    scheduler.submit(call(3))
+    scheduler.submit(call(1))
+    assert tick(scheduler) == [1] and tick(scheduler) == [3]

@@ -45,7 +45,8 @@ def server_codes() -> set[str]:
 @pytest.mark.parametrize("cls", sdk_error_classes(), ids=lambda cls: cls.__name__)
 @pytest.mark.parametrize("code", [None, "SOME_NEWER_CODE"], ids=["own code", "other code"])
 def test_every_error_survives_pickling_whole(cls: type[SignalAPIError], code: str | None) -> None:
-    original = cls("loraR must be between 1 and 512", code=code, field="loraR", path=["createRun"])
+    original = cls("loraR must be between 1 and 512", code=code, field="loraR", path=["createRun"], retryable=False,
+                   details={"resource": "calls"})
 
     copy = pickle.loads(pickle.dumps(original))
 
@@ -54,6 +55,7 @@ def test_every_error_survives_pickling_whole(cls: type[SignalAPIError], code: st
     assert copy.args == original.args
     assert (copy.message, copy.code, copy.field, copy.path) == (original.message, original.code, "loraR",
                                                                 ["createRun"])
+    assert (copy.retryable, copy.details) == (False, {"resource": "calls"})  # DEADLINE_EXCEEDED's "never again" kept
 
 
 def test_every_sdk_class_is_exported() -> None:

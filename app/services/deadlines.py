@@ -1,0 +1,82 @@
+"""Each method's deadline (issue 19 §3, SIGNAL_DEADLINES_S): counted from the call's arrival, queue time included.
+
+A call still waiting in this server (for its run's lock, or its session's previous number) at its deadline stops
+waiting: it has no ticket yet, so nothing else waits for it. A call sent to the runtime is not abandoned: the runtime
+is asked to cancel it by request id, and its own answer says what happened: withdrawn before it was applied
+(DEADLINE_EXCEEDED, its ticket counted done, a split forward_backward's gradients put back, a sample stopped between
+decode chunks), or applied (in a pass or journaled: answered and recorded as usual). Either way never abandoned half
+way, and a withdrawn call is neither billed nor recorded: its compute seconds are logged here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from app.errors import Cancelled, DeadlineExceeded, SignalError
+
+log = logging.getLogger("signal.deadlines")
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Deadline:
+    operation: str
+    seconds: float
+    at: float  # the event loop's clock (loop.time())
+
+    @classmethod
+    def start(cls, deadlines: dict[str, float], operation: str) -> Deadline:
+        """`operation`'s deadline from now, its arrival."""
+        seconds = deadlines[operation]
+        return cls(operation, seconds, asyncio.get_running_loop().time() + seconds)
+
+    def left(self) -> float:
+        return self.at - asyncio.get_running_loop().time()
+
+    def error(self) -> DeadlineExceeded:
+        return DeadlineExceeded(f"{self.operation} passed its deadline of {self.seconds:g} s (SIGNAL_DEADLINES_S) "
+                                "before it was applied: it never was")
+
+
+async def waiting(deadline: Deadline | None, wait: Awaitable[T], gave_up: Callable[[], None] | None = None) -> T:
+    """A wait in this server (no ticket taken yet), ended at the deadline with DEADLINE_EXCEEDED (`gave_up` first)."""
+    if deadline is None:
+        return await wait
+    try:
+        async with asyncio.timeout_at(deadline.at):
+            return await wait
+    except TimeoutError:
+        if deadline.left() > 0:
+            raise  # the wait's own timeout, not the deadline
+        if gave_up is not None:
+            gave_up()
+        raise deadline.error() from None
+
+
+async def answered(deadline: Deadline | None, call: Awaitable[dict[str, Any]],
+                   cancel: Callable[[], Awaitable[Any]], what: str) -> dict[str, Any]:
+    """The runtime's answer to `call`; at the deadline the runtime is asked to `cancel` it, and its answer then says
+    whether it was withdrawn (DEADLINE_EXCEEDED) or had been applied (its result, recorded by the caller as usual)."""
+    task = asyncio.ensure_future(call)
+    if deadline is not None:
+        try:
+            return await asyncio.wait_for(asyncio.shield(task), max(deadline.left(), 0.0))
+        except TimeoutError:
+            if not task.done():
+                try:
+                    await cancel()
+                except SignalError as error:  # the call's own answer still comes: it is waited for below
+                    log.warning("%s: the cancel at its deadline failed: %s", what, error)
+    try:
+        return await task
+    except (DeadlineExceeded, Cancelled) as error:
+        seconds = float(error.details.get("compute_seconds", 0.0))
+        log.info("%s: withdrawn (%s), never applied, not billed; %.3f compute seconds used", what, error.code, seconds)
+        if isinstance(error, DeadlineExceeded) and deadline is not None:
+            raise deadline.error() from None
+        raise type(error)(error.message) from None

@@ -1,0 +1,119 @@
+"""Deadlines and cancel (issue 19 §3) on a live server whose optim_step and sample deadlines are 2 s: a call queued in
+the runtime past its deadline is withdrawn, answers DEADLINE_EXCEEDED (never applied) and its ticket is counted done,
+so the run's next call does not wait the 30 s ticket wait; a sample decoding past its deadline stops, unrecorded; and a
+/v1 stream whose client leaves before its first chunk is withdrawn. The failpoint hold_decode keeps a sample whose
+request id starts with "hold" decoding (after its first chunk) until it is cancelled."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+from sqlalchemy import update
+
+from app.db import Database
+from app.tables import Run
+from rewardsignal import DeadlineExceededError, SignalClient
+from tests.helpers.live_server import LiveServer, settings_for
+
+# forward_backward's 20 s is under the runtime's 30 s ticket wait: a call held for a withdrawn ticket would fail.
+DEADLINES = {"optim_step": 2.0, "sample": 2.0, "forward_backward": 20.0}
+CREATE = "mutation { createRun(input: {loraR: 2}) { id } }"
+FORWARD_BACKWARD = "mutation($r: ID!) { forwardBackward(runId: $r, batch: [{text: \"two plus two\"}]) { loss } }"
+SAMPLE = ("mutation($r: ID!) { sample(runId: $r, prompts: [\"hi\"], maxTokens: 100, requestId: \"hold-1\") "
+          "{ sequences { text } } }")
+RUN = "query($r: ID!) { run(id: $r) { step samples { output } metrics { name } } }"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SIGNAL_RUNTIME_FAULTS", "hold_decode")
+        live = LiveServer.start(settings_for(tmp_path_factory.mktemp("signal-deadlines"), tiny_model_dir,
+                                             deadlines_s=DEADLINES, decode_chunk_seconds=0.001))
+        yield live
+        live.stop()
+
+
+def runtime_state(server: LiveServer) -> dict[str, Any]:
+    return server.backend.client.call("runtime_state", timeout=60)
+
+
+def deadline_exceeded(body: dict[str, Any]) -> dict[str, Any]:
+    assert body.get("data") is None, body
+    (error,) = body["errors"]
+    assert error["extensions"]["code"] == "DEADLINE_EXCEEDED", error
+    assert error["extensions"]["retryable"] is False
+    return dict(error["extensions"])
+
+
+def take_ticket(server: LiveServer, run_id: str) -> None:
+    """The run's next ticket, taken as another server process would that has not sent its call yet."""
+    async def take() -> None:
+        db = Database(server.settings.resolved_database_url)
+        try:
+            async with db.session() as session:
+                await session.execute(update(Run).where(Run.id == run_id).values(call_seq=Run.call_seq + 1))
+        finally:
+            await db.dispose()
+
+    with ThreadPoolExecutor(1) as pool:
+        pool.submit(asyncio.run, take()).result()
+
+
+def withdrawn(server: LiveServer) -> int:
+    return sum(runtime_state(server)["calls_withdrawn"].values())
+
+
+def test_a_deadline_on_a_queued_call_does_not_delay_the_runs_next_call(server: LiveServer) -> None:
+    key = server.new_user()
+    run_id = server.graphql(CREATE, key=key)["data"]["createRun"]["id"]
+    take_ticket(server, run_id)  # ticket 1, not sent yet
+    before = withdrawn(server)
+
+    run = SignalClient(api_key=key, base_url=server.url).get_run(run_id)
+    with pytest.raises(DeadlineExceededError) as raised:  # ticket 2 waited in the runtime for ticket 1
+        run.optim_step()
+    assert raised.value.retryable is False and "optim_step passed its deadline of 2 s" in raised.value.message
+    assert withdrawn(server) == before + 1 and not runtime_state(server)["queue_depth"]  # sent once: no SDK retry
+    due = server.backend.client.submit("run_info", run_id=run_id, ticket=1)  # ticket 1 comes after all
+    assert due.result(timeout=60)["run_id"] == run_id
+
+    answered = server.graphql(FORWARD_BACKWARD, {"r": run_id}, key=key)  # ticket 3: 2 is not waited for
+    assert "errors" not in answered, answered
+    row = server.graphql(RUN, {"r": run_id}, key=key)["data"]["run"]
+    assert row["step"] == 0  # the optim_step was never applied, nor recorded
+    assert "grad_norm" not in {metric["name"] for metric in row["metrics"]}
+
+
+def test_a_sample_past_its_deadline_stops_decoding_unrecorded(server: LiveServer) -> None:
+    key = server.new_user()
+    run_id = server.graphql(CREATE, key=key)["data"]["createRun"]["id"]
+    with ThreadPoolExecutor(1) as pool:
+        sampled = pool.submit(server.graphql, SAMPLE, {"r": run_id}, key)
+        server.wait_for(lambda: bool(runtime_state(server)["decode_groups"]) or sampled.done(), "the sample to decode")
+        assert not sampled.done()
+        deadline_exceeded(sampled.result(timeout=120))
+    assert runtime_state(server)["decode_groups"] == []
+    assert server.graphql(RUN, {"r": run_id}, key=key)["data"]["run"]["samples"] == []
+
+
+def test_a_stream_whose_client_leaves_before_its_first_chunk_is_withdrawn(server: LiveServer) -> None:
+    key = server.new_user()
+    run_id = server.graphql(CREATE, key=key)["data"]["createRun"]["id"]
+    take_ticket(server, run_id)  # the stream's sample (ticket 2) waits for ticket 1: no chunk comes
+    before = withdrawn(server)
+    body = json.dumps({"model": run_id, "prompt": "hi", "max_tokens": 5, "stream": True}).encode()
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=60) as client:
+        client.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {key}\r\n"
+                       f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+        server.wait_for(lambda: bool(runtime_state(server)["queue_depth"]), "the sample to queue in the runtime")
+    # The client is gone: the sample is withdrawn (not run to its end once ticket 1 comes).
+    server.wait_for(lambda: withdrawn(server) == before + 1, "the stream's sample to be withdrawn")
+    assert not runtime_state(server)["queue_depth"]
