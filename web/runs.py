@@ -21,9 +21,10 @@ from web.session_streams import until_signed_out
 
 if TYPE_CHECKING:  # rows are only ever received from app.services, never queried here
     from app.services.dashboard import RunSummary
-    from app.tables import Metric, Run, Sample, User
+    from app.tables import Checkpoint, Metric, Run, Sample, User
 
 SAVE_MODES = ("adapter", "merged", "state")
+PUSH_MODES = ("adapter", "merged")  # what a Hub repo is for: a state checkpoint (AdamW's moments) resumes only here
 # What each checkpoint kind is, in one line (issue 18 §8); its size is estimated by `_mode_sizes`.
 MODE_HELP = {
     "adapter": "the LoRA weights alone: load them over the base model with PEFT, or share them.",
@@ -90,9 +91,9 @@ def _cells(summary: RunSummary) -> dict[str, str]:
 async def run_page(request: Request, user: User) -> Response:
     svc = services(request)
     run = await svc.runs.get(user, request.path_params["run_id"])
+    checkpoints = await svc.runs.checkpoints(run)
     return page(request, "run.html", user=user, run=run, samples=await svc.runs.samples(run, limit=20),
-                checkpoints=await svc.runs.checkpoints(run), modes=SAVE_MODES, mode_help=MODE_HELP,
-                mode_sizes=_mode_sizes(run),
+                checkpoints=checkpoints, modes=SAVE_MODES, **_checkpoint_context(request, run, checkpoints),
                 tinker=await svc.tinker_sessions.of_run(run.id))  # a run a Tinker client made: its session
 
 
@@ -177,11 +178,35 @@ async def delete_checkpoint(request: Request, user: User) -> Response:
     return await _checkpoints(request, user, run_id)
 
 
+@signed_in
+async def push_to_hub(request: Request, user: User) -> Response:
+    """Save and upload in one call, as saveState(pushToHub: true) does: the token is this call's argument only."""
+    form = await request.form()
+    mode = str(form.get("mode", "adapter"))
+    if mode not in PUSH_MODES:
+        raise BadInput(f"mode must be one of {', '.join(PUSH_MODES)}", field="mode")
+    run_id = request.path_params["run_id"]
+    await services(request).runs.save_state(user, run_id, mode, push_to_hub=True,
+                                            hub_model_id=str(form.get("hub_model_id") or "").strip(),
+                                            hf_token=str(form.get("hf_token") or "").strip() or None)
+    return await _checkpoints(request, user, run_id)
+
+
 async def _checkpoints(request: Request, user: User, run_id: str) -> Response:
     svc = services(request)
     run = await svc.runs.get(user, run_id)
-    return page(request, "_checkpoints.html", user=user, run=run, checkpoints=await svc.runs.checkpoints(run),
-                mode_help=MODE_HELP, mode_sizes=_mode_sizes(run))
+    checkpoints = await svc.runs.checkpoints(run)
+    return page(request, "_checkpoints.html", user=user, run=run, checkpoints=checkpoints,
+                **_checkpoint_context(request, run, checkpoints))
+
+
+def _checkpoint_context(request: Request, run: Run, checkpoints: list[Checkpoint]) -> dict[str, Any]:
+    """What _checkpoints.html needs beyond the rows: each kind explained and sized, the kinds the Hub takes, and the
+    checkpoints only `signal pull` can copy (Modal, past the runtime's export limit)."""
+    svc = services(request)
+    return {"mode_help": MODE_HELP, "mode_sizes": _mode_sizes(run), "push_modes": PUSH_MODES,
+            "pull_only": svc.dashboard.pull_only(checkpoints),
+            "hub_integration": svc.billing is not None}  # the billing service may hold the user's token
 
 
 def _mode_sizes(run: Run) -> dict[str, int]:
@@ -242,6 +267,7 @@ routes = [
     Route("/runs/{run_id}/events", run_events),
     Route("/runs/{run_id}/metrics.csv", metrics_csv),
     Route("/runs/{run_id}/save", save_now, methods=["POST"]),
+    Route("/runs/{run_id}/push", push_to_hub, methods=["POST"]),
     Route("/runs/{run_id}/labels", update_labels, methods=["POST"]),
     Route("/runs/{run_id}/archive", archive_run, methods=["POST"]),
     Route("/runs/{run_id}/checkpoints/{checkpoint_id:int}/archive", download_checkpoint),
