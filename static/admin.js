@@ -10,7 +10,8 @@
       width: chartEl.clientWidth || 800, height: 240,
       scales: { x: { time: false }, s: {} },
       axes: [
-        { label: "tick", stroke: "#4b5563", grid: { stroke: "#f1f5f9" } },
+        { label: "tick", stroke: "#4b5563", grid: { stroke: "#f1f5f9" },
+          incrs: [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 100000, 1000000] },  // whole ticks
         { label: "rows, passes", stroke: "#4b5563", grid: { stroke: "#f1f5f9" } },
         { label: "seconds", scale: "s", side: 1, stroke: "#4b5563", grid: { show: false } },
       ],
