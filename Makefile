@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # torch 2.13.0 is a CPU build on machines without a GPU; where nvidia-smi answers, pip picks a CUDA build.
 TORCH := torch==2.13.0
 
-.PHONY: install cookbook serve test test-fast test-web test-postgres lint schema bench clean screenshots
+.PHONY: install cookbook serve test test-fast test-web test-postgres fuzz lint schema bench clean screenshots
 
 install: $(STAMP)
 
@@ -62,6 +62,11 @@ test-web: install
 # browser's clock fixed. Every other test run writes its screenshots to build/screenshots/ and leaves the tree clean.
 screenshots: install
 	SIGNAL_TEST_SCREENSHOTS=tests/web/screenshots $(PY) -m pytest -q tests/web/test_browser.py tests/web/test_phone.py tests/web/test_accessibility.py
+
+# Schemathesis's CLI against a live server's /graphql for 120 s (tests/fuzz/long.py); `make test` runs a short form
+# (tests/fuzz/test_graphql_fuzz.py). Fails on HTTP 5xx or INTERNAL only: BAD_INPUT is the right answer to bad input.
+fuzz: install
+	$(PY) -m tests.fuzz.long --max-time 120
 
 # ruff and mypy, both configured in pyproject.toml (bench/ is scripts, linted by ruff only).
 lint: install

@@ -8,6 +8,7 @@ their statuses are given once, in RUNTIME_STATUS below.
 
 from __future__ import annotations
 
+import math
 from typing import ClassVar
 
 from gpu_runtime.errors import (
@@ -102,6 +103,18 @@ def http_status(error: SignalError | type[SignalError]) -> int:
         if issubclass(klass, AppError):
             return klass.status
     return INTERNAL_STATUS
+
+
+def retry_after_s(error: SignalError) -> float | None:
+    """A refusal's `retryAfterS` (too many calls in flight): when its caller may send the call again; else None."""
+    value = error.details.get("retry_after_s") if http_status(error) == 429 else None
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def retry_after_headers(error: SignalError) -> dict[str, str]:
+    """`Retry-After` (whole seconds, rounded up) for a 429, as every HTTP surface sends it; empty for others."""
+    seconds = retry_after_s(error)
+    return {} if seconds is None else {"Retry-After": str(max(1, math.ceil(seconds)))}
 
 
 __all__ = [

@@ -76,7 +76,7 @@ def free_port() -> int:
 
 @contextmanager
 def signal_serve(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
-    """`signal serve` on a fresh data directory; yields its url, the admin key it printed and its environment."""
+    """`signal serve` on a fresh data directory; yields its url, the admin key it printed, its environment and pid."""
     with scratch_data_dir(args.data_dir) as data_dir:
         port = free_port()
         env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "SIGNAL_DATA_DIR": str(data_dir),
@@ -99,7 +99,7 @@ def signal_serve(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
             # Drain its output from here on, so a full pipe never blocks the server.
             threading.Thread(target=lambda: [None for _ in process.stdout], daemon=True).start()  # type: ignore[union-attr]
             url = f"http://127.0.0.1:{port}"
-            yield {"url": url, "admin_key": key.group(1), "env": env}
+            yield {"url": url, "admin_key": key.group(1), "env": env, "pid": process.pid}
         finally:
             process.send_signal(signal.SIGINT)
             process.wait(timeout=120)

@@ -109,6 +109,7 @@ class Scheduler:
         self._call_seconds: dict[str, float] = {}  # user → a moving average of their calls' time in flight
         self.refused: dict[str, int] = {}  # user → calls refused past the bound since start (runtime_state shows it)
         self._next_ticket: dict[str, int] = {}  # run → the ticket whose turn it is
+        self._void: dict[str, set[int]] = {}  # run → tickets of refused calls, not yet reached: never waited for
         self.condition = threading.Condition()
         self._runs: dict[str, deque[Request]] = {}
         self._system: deque[Request] = deque()
@@ -135,6 +136,8 @@ class Scheduler:
                     return
                 refusal = self._refusal(request.user_id, len(waiting))
                 self.refused[request.user_id] = self.refused.get(request.user_id, 0) + 1
+                self._void_ticket(request)
+                self.condition.notify_all()  # a call held for the refused ticket may go now
             else:
                 self._take(request, bounded)
                 self.condition.notify_all()
@@ -316,6 +319,31 @@ class Scheduler:
                 log.warning("run %s: tickets %d..%d did not arrive within %.0f s; ticket %d went on without them",
                             run_id, expected, request.ticket - 1, self.ticket_wait, request.ticket)
             self._next_ticket[run_id] = max(expected, request.ticket + 1)
+            self._skip_void(run_id)
+
+    def _void_ticket(self, request: Request) -> None:
+        """A refused call's ticket: never applied, so the run's later tickets do not wait `ticket_wait` for it (its
+        client resends with a new ticket; one resent with this ticket goes at once, being past its turn)."""
+        if request.run_id is None or request.ticket is None or request.run_id not in self._next_ticket:
+            return
+        if request.ticket >= self._next_ticket[request.run_id]:
+            self._void.setdefault(request.run_id, set()).add(request.ticket)
+            self._skip_void(request.run_id)
+
+    def _skip_void(self, run_id: str) -> None:
+        void = self._void.get(run_id)
+        if not void:
+            return
+        expected = self._next_ticket[run_id]
+        for ticket in sorted(void):
+            if ticket < expected:
+                void.discard(ticket)
+            elif ticket == expected:
+                void.discard(ticket)
+                expected += 1
+        self._next_ticket[run_id] = expected
+        if not void:
+            del self._void[run_id]
 
     def hold(self, run_id: str) -> None:
         """The run's head is in progress outside the picks (a decode group): not eligible until finished."""

@@ -64,6 +64,7 @@ from rewardsignal.results import (
     SampleResult,
     SamplerSnapshotResult,
     TokenizerResult,
+    UsageResult,
     UserResult,
     combine_forward_backward,
     convert,
@@ -290,6 +291,12 @@ class _ClientBase:
     @_answers(UserResult)
     def me(self) -> Any:
         return self._run(Call("Me", {}, "me"))
+
+    @_answers(UsageResult)
+    def usage(self, days: int | None = None, user_id: str | None = None) -> Any:
+        """Compute seconds, GPU-seconds, cost (credits) and tokens trained and sampled over the last `days` days (the
+        server's default: 30), in all, by day and by run; `user_id`: another user's (admins only)."""
+        return self._run(Call("Usage", _drop_none({"days": days, "userId": user_id}), "usage"))
 
     @_answers(SampleResult)
     def sample_base(self, prompts: str | list[str] | None = None, base_model: str | None = None,

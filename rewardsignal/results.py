@@ -137,6 +137,18 @@ class UserResult(Result):
     created_at: str
 
 
+class UsageResult(Result):
+    """`usage`: the window's total, by day (newest first) and by run (most compute first); each line has key, label,
+    calls, compute_seconds, gpu_seconds, credits, tokens_trained and tokens_sampled."""
+
+    user_id: str
+    days: int
+    since: str
+    total: Result
+    by_day: list[Result]
+    by_run: list[Result]
+
+
 class ApiKeyResult(Result):
     id: str
     name: str
@@ -166,6 +178,7 @@ TYPED: dict[str, type[Result]] = {
     "limits": Limits,
     "models": ModelInfo,
     "me": UserResult,
+    "usage": UsageResult,
     "apiKeys": ApiKeyResult,
     "revokeApiKey": ApiKeyResult,
     "createApiKey": CreatedApiKeyResult,

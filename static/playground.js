@@ -1,81 +1,128 @@
-// The playground's stream (issue 18 §4): the result card the POST answers names a one-time stream; this opens it,
-// appends each decode chunk's text as it comes, shows elapsed time and tokens per second, and Cancel closes the
-// stream, which stops the generation on the server (the sample is kept, marked cancelled).
+// The playground (issue 18 §4). The result card the POST answers holds one pane per model compared and names one
+// one-time stream for them all; this opens it, appends each decode chunk's text as it comes, shows each pane's elapsed
+// time and tokens per second, and Cancel closes the stream, which stops the generations on the server (the samples
+// are kept, marked cancelled). The form's max tokens and n are bound together: n x max tokens is at most the
+// server's per-call bound (data-sample-tokens), so the page stops what the server would refuse.
 (function () {
   "use strict";
-  let current = null; // the open stream: a new sample closes the one before
+  let current = null; // the last sample's stream: a new sample closes it
 
-  function start(box) {
-    if (current) current.close();
+  // One pane's view: its outputs, state, elapsed time and rate.
+  function pane(box) {
     const outputs = [...box.querySelectorAll(".output")];
     const status = box.querySelector("[data-play-status]");
     const elapsedEl = box.querySelector("[data-play-elapsed]");
     const rateEl = box.querySelector("[data-play-rate]");
-    const cancel = box.querySelector("[data-play-cancel]");
     const tokens = outputs.map(() => 0);
     const began = performance.now();
     let progress = 0;
-    const source = new EventSource(box.dataset.stream);
-    current = source;
     box.dataset.state = "streaming";
     status.textContent = "Generating…";
 
+    const streaming = () => box.dataset.state === "streaming";
     function tick() {
       const seconds = (performance.now() - began) / 1000;
       const total = tokens.reduce((a, b) => a + b, 0);
       elapsedEl.textContent = seconds.toFixed(1);
       rateEl.textContent = seconds > 0 ? (total / seconds).toFixed(1) : "0.0";
     }
-    const timer = setInterval(tick, 200);
-
-    function end(state, text) {
-      source.close();
-      if (current === source) current = null;
-      clearInterval(timer);
-      tick();
-      box.dataset.state = state;
-      status.textContent = text;
-      cancel.disabled = true;
-    }
-
     function meta(i, stop) {
       outputs[i].querySelector("[data-play-meta]").textContent =
         tokens[i] + " tokens" + (stop ? " · stopped: " + stop : "");
     }
-
-    source.addEventListener("progress", (event) => {
-      JSON.parse(event.data).forEach((piece, i) => {
-        if (!outputs[i]) return;
-        outputs[i].querySelector(".output-text").textContent += piece.text;
-        tokens[i] += piece.tokens;
-        meta(i, null);
-      });
-      progress += 1;
-      box.dataset.progress = String(progress);
+    function end(state, text) {
+      if (!streaming()) return;
       tick();
-    });
-    source.addEventListener("done", (event) => {
-      JSON.parse(event.data).forEach((seq, i) => {
-        if (!outputs[i]) return;
-        outputs[i].querySelector(".output-text").textContent = seq.text; // the whole answer: any end held back
-        tokens[i] = seq.tokens;
-        meta(i, seq.stop_reason);
-      });
-      end("done", "Done");
-    });
-    source.addEventListener("failed", (event) => end("failed", event.data));
-    source.addEventListener("signed-out", (event) => end("failed", event.data)); // the session ended: sign in again
-    source.addEventListener("error", () => { // a stream that breaks (or a 404): EventSource would retry; we stop
-      if (box.dataset.state === "streaming") end("failed", "The stream was interrupted.");
-    });
-    cancel.addEventListener("click", () => {
-      end("cancelled", "Cancelled: kept in the run's history, marked cancelled");
-      outputs.forEach((_, i) => meta(i, "cancelled"));
-    });
+      box.dataset.state = state;
+      status.textContent = text;
+    }
+    return {
+      streaming,
+      tick,
+      end,
+      progress(pieces) {
+        pieces.forEach((piece, i) => {
+          if (!outputs[i]) return;
+          outputs[i].querySelector(".output-text").textContent += piece.text;
+          tokens[i] += piece.tokens;
+          meta(i, null);
+        });
+        progress += 1;
+        box.dataset.progress = String(progress);
+        tick();
+      },
+      done(sequences) {
+        sequences.forEach((seq, i) => {
+          if (!outputs[i]) return;
+          outputs[i].querySelector(".output-text").textContent = seq.text; // the whole answer: any end held back
+          tokens[i] = seq.tokens;
+          meta(i, seq.stop_reason);
+        });
+        end("done", "Done");
+      },
+      cancel() {
+        if (!streaming()) return;
+        end("cancelled", "Cancelled: kept in the history, marked cancelled");
+        outputs.forEach((_, i) => meta(i, "cancelled"));
+      },
+    };
+  }
+
+  // The result card: one stream for every pane, each event naming its pane.
+  function start(panes) {
+    if (current) current();
+    const scope = panes.parentElement;
+    const all = scope.querySelector("[data-play-all]");
+    const cancel = scope.querySelector("[data-play-cancel]");
+    const boxes = [...panes.querySelectorAll(".play-stream")];
+    const views = boxes.map(pane);
+    const source = new EventSource(panes.dataset.stream);
+    const timer = setInterval(() => views.forEach((view) => view.streaming() && view.tick()), 200);
+    all.textContent = boxes.length > 1 ? "Generating in " + boxes.length + " panes…" : "Generating…";
+
+    function stop() {
+      source.close();
+      clearInterval(timer);
+      cancel.disabled = true;
+    }
+    current = () => { views.forEach((view) => view.end("closed", "Closed")); stop(); };
+    function settle() { // every pane ended: the stream is done with
+      if (views.some((view) => view.streaming())) return;
+      stop();
+      const states = boxes.map((box) => box.dataset.state);
+      all.textContent = states.every((state) => state === "done") ? "Done" : "Ended: " + states.join(", ");
+    }
+    const each = (handle) => (event) => {
+      const data = JSON.parse(event.data);
+      if (views[data.pane]) handle(views[data.pane], data);
+      settle();
+    };
+    source.addEventListener("progress", each((view, data) => view.progress(data.pieces)));
+    source.addEventListener("done", each((view, data) => view.done(data.sequences)));
+    source.addEventListener("failed", each((view, data) => view.end("failed", data.message)));
+    const fail = (text) => { views.forEach((view) => view.end("failed", text)); settle(); };
+    source.addEventListener("signed-out", (event) => fail(event.data)); // the session ended: sign in again
+    source.addEventListener("error", () => fail("The stream was interrupted.")); // no retry: we stop
+    cancel.addEventListener("click", () => { views.forEach((view) => view.cancel()); settle(); });
   }
 
   htmx.onLoad((elt) => {
-    const boxes = elt.matches && elt.matches(".play-stream") ? [elt] : [...elt.querySelectorAll(".play-stream")];
-    boxes.forEach(start);
+    const found = elt.matches && elt.matches(".play-panes") ? [elt] : [...elt.querySelectorAll(".play-panes")];
+    found.forEach(start);
   });
+
+  const maxTokens = document.getElementById("max_tokens");
+  const count = document.getElementById("num_samples");
+  if (maxTokens && count) {
+    const bound = () => {
+      const budget = Number(maxTokens.dataset.sampleTokens);
+      const tokens = Math.max(1, Number(maxTokens.value) || 1);
+      const n = Math.max(1, Number(count.value) || 1);
+      maxTokens.max = String(Math.min(Number(maxTokens.dataset.limit), Math.floor(budget / n)));
+      count.max = String(Math.max(1, Math.min(Number(count.dataset.limit), Math.floor(budget / tokens))));
+    };
+    maxTokens.addEventListener("input", bound);
+    count.addEventListener("input", bound);
+    bound();
+  }
 })();

@@ -13,7 +13,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, RedirectResponse, Response
 from starlette.templating import Jinja2Templates
 
-from app.errors import INTERNAL_STATUS, NotFound, SignalError, http_status
+from app.errors import INTERNAL_STATUS, NotFound, SignalError, http_status, retry_after_headers
 from app.services import Services
 from web.paths import TEMPLATES
 from web.session import csrf_token, current
@@ -71,10 +71,13 @@ def error_response(request: Request, error: SignalError, user: User | None = Non
     message = error.message if status != INTERNAL_STATUS else INTERNAL_MESSAGE
     if status == INTERNAL_STATUS:
         log.exception("dashboard error", exc_info=error)
+    headers = retry_after_headers(error)  # a 429 (too many calls in flight) says when to come back
     if is_htmx(request):
         # htmx swaps nothing on errors: app.js shows this text in a toast.
-        return Response(message, status_code=status, media_type="text/plain")
-    return page(request, "error.html", status_code=status, user=user, status=status, message=message)
+        return Response(message, status_code=status, media_type="text/plain", headers=headers)
+    response = page(request, "error.html", status_code=status, user=user, status=status, message=message)
+    response.headers.update(headers)
+    return response
 
 
 async def not_found_page(request: Request, exc: Exception) -> Response:
@@ -135,7 +138,8 @@ def signed_in_or_key(handler: Handler) -> Callable[[Request], Awaitable[Response
             if status == INTERNAL_STATUS:
                 log.exception("download error", exc_info=error)
             return Response(error.message if status != INTERNAL_STATUS else "internal error", status_code=status,
-                            media_type="text/plain", headers={"X-Signal-Error-Code": error.code})
+                            media_type="text/plain",
+                            headers={"X-Signal-Error-Code": error.code, **retry_after_headers(error)})
 
     return endpoint
 

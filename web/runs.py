@@ -59,6 +59,27 @@ def _view(request: Request) -> dict[str, str]:
 
 
 @signed_in
+async def new_run_page(request: Request, user: User) -> Response:
+    """The New run form (issue 18 §1): the catalogue's models, LoRA settings, quantization, and the GPU picker where
+    the backend offers GPUs (Modal); locally, the device runs train on."""
+    return page(request, "run_new.html", user=user, choices=await services(request).run_form.choices(), values={})
+
+
+@signed_in
+async def create_run(request: Request, user: User) -> Response:
+    """Create through RunService.create, as createRun does, then open the run's page. A refusal (a bad number, a model
+    too large for the chosen GPU) comes back inside the form, next to its field, with what was typed kept."""
+    svc = services(request)
+    values = {key: str(value) for key, value in (await request.form()).items() if key != "csrf_token"}
+    try:
+        run = await svc.runs.create(user, svc.run_form.spec(values))
+    except BadInput as error:
+        return page(request, "_run_form.html", user=user, choices=await svc.run_form.choices(), values=values,
+                    error=error.message, error_field=error.field)
+    return hx_redirect(request, f"/runs/{run.id}")
+
+
+@signed_in
 async def runs_events(request: Request, user: User) -> Response:
     """The user's run rows, as one `runs` event each time any shown cell changes (issue 18 §3: the page updates cell
     text in place, static/runs.js, instead of replacing its table every few seconds and losing focus and selection).
@@ -91,29 +112,37 @@ def _cells(summary: RunSummary) -> dict[str, str]:
 async def run_page(request: Request, user: User) -> Response:
     svc = services(request)
     run = await svc.runs.get(user, request.path_params["run_id"])
+    marks = [{"step": step, "t": first.timestamp()} for step, first in await svc.runs.sample_marks(run)]
     checkpoints = await svc.runs.checkpoints(run)
     return page(request, "run.html", user=user, run=run, samples=await svc.runs.samples(run, limit=20),
                 checkpoints=checkpoints, modes=SAVE_MODES, **_checkpoint_context(request, run, checkpoints),
+                sample_marks=marks,
                 tinker=await svc.tinker_sessions.of_run(run.id))  # a run a Tinker client made: its session
 
 
 @signed_in
 async def run_events(request: Request, user: User) -> Response:
-    """The run page's one stream (issue 18 §3): metric rows and samples after two cursors. Each event's id is
-    "<metric id>:<sample id>", which the browser sends back as Last-Event-ID on a reconnect; a fresh stream from the
-    page sends ?after= and ?samples_after= instead."""
+    """The run page's one stream (issue 18 §3): metric rows, samples and checkpoints after three cursors. Each event's
+    id is "<metric id>:<sample id>:<checkpoint id>", which the browser sends back as Last-Event-ID on a reconnect; a
+    fresh stream from the page sends ?after=, ?samples_after= and ?checkpoints_after= instead."""
     resumed = (request.headers.get("last-event-id") or "").split(":")
     after = max(_int(resumed[0]), _int(request.query_params.get("after")))
     given = [resumed[1]] if len(resumed) > 1 else []
     given += [request.query_params["samples_after"]] if "samples_after" in request.query_params else []
     samples_after = max(map(_int, given)) if given else None  # none given: the samples made from now on
+    checkpoints_after = max(_int(resumed[2] if len(resumed) > 2 else None),
+                            _int(request.query_params.get("checkpoints_after")))
     # Opened before the response starts: another user's run is a plain 404, never an empty stream.
     stream = await services(request).live.open_stream(user, request.path_params["run_id"], after_id=after,
-                                                      samples_after=samples_after)
+                                                      samples_after=samples_after,
+                                                      checkpoints_after=checkpoints_after)
 
     async def events() -> AsyncIterator[ServerSentEvent]:
         async for batch in stream.batches():
-            cursor = f"{stream.cursor}:{stream.sample_cursor}"
+            cursor = f"{stream.cursor}:{stream.sample_cursor}:{stream.checkpoint_cursor}"
+            if batch.checkpoints:  # before the metrics: the chart places their markers as it draws
+                yield ServerSentEvent(data=json.dumps([_checkpoint(row) for row in batch.checkpoints]),
+                                      event="checkpoints", id=cursor)
             if batch.samples:
                 yield ServerSentEvent(data=json.dumps([_sample(row) for row in batch.samples]), event="samples",
                                       id=cursor)
@@ -192,6 +221,12 @@ async def push_to_hub(request: Request, user: User) -> Response:
     return await _checkpoints(request, user, run_id)
 
 
+@signed_in
+async def checkpoints_card(request: Request, user: User) -> Response:
+    """The checkpoints card alone: the run page fetches it again when its stream brings one it does not list."""
+    return await _checkpoints(request, user, request.path_params["run_id"])
+
+
 async def _checkpoints(request: Request, user: User, run_id: str) -> Response:
     svc = services(request)
     run = await svc.runs.get(user, run_id)
@@ -242,7 +277,13 @@ async def download_checkpoint(request: Request, user: User) -> Response:
 def _sample(row: Sample) -> dict[str, Any]:
     """A sample as the run page's list shows it (templates/run.html, static/run.js)."""
     return {"id": row.id, "step": row.step, "prompt": row.prompt, "output": row.output,
-            "temperature": row.params.get("temperature")}
+            "temperature": row.params.get("temperature"), "t": row.created_at.replace(tzinfo=UTC).timestamp()}
+
+
+def _checkpoint(row: Checkpoint) -> dict[str, Any]:
+    """A checkpoint as the chart's marker shows it (static/run.js)."""
+    return {"id": row.id, "step": row.step, "name": row.name, "mode": row.mode,
+            "t": row.created_at.replace(tzinfo=UTC).timestamp()}
 
 
 def _point(row: Metric) -> dict[str, Any]:
@@ -262,6 +303,8 @@ routes = [
     Route("/runs", runs_page),
     Route("/runs/table", runs_page),
     Route("/runs/events", runs_events),
+    Route("/runs/new", new_run_page, methods=["GET"]),  # before /runs/{run_id}, which would take "new" as an id
+    Route("/runs/new", create_run, methods=["POST"]),
     Route("/runs/{run_id}", run_page, methods=["GET"]),
     Route("/runs/{run_id}", delete_run, methods=["DELETE"]),
     Route("/runs/{run_id}/events", run_events),
@@ -270,6 +313,7 @@ routes = [
     Route("/runs/{run_id}/push", push_to_hub, methods=["POST"]),
     Route("/runs/{run_id}/labels", update_labels, methods=["POST"]),
     Route("/runs/{run_id}/archive", archive_run, methods=["POST"]),
+    Route("/runs/{run_id}/checkpoints", checkpoints_card),
     Route("/runs/{run_id}/checkpoints/{checkpoint_id:int}/archive", download_checkpoint),
     Route("/runs/{run_id}/checkpoints/{checkpoint_id:int}", delete_checkpoint, methods=["DELETE"]),
 ]

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import TYPE_CHECKING
 
 from starlette.requests import Request
@@ -31,7 +32,10 @@ async def usage_page(request: Request, user: User) -> Response:
     except Forbidden:
         raise NotFound("page not found") from None  # another user's usage: not for everyone to learn it exists
     users = await usage.by_user(user, days) if user.is_admin else None
-    return page(request, "usage.html", user=user, report=report, users=users, windows=WINDOWS,
+    # The chart's points, oldest day first: [day, compute seconds, credits].
+    chart = [[line.key, round(line.compute_seconds, 3), round(line.credits, 4)] for line in reversed(report.by_day)]
+    return page(request, "usage.html", user=user, report=report, users=users, windows=WINDOWS, chart=chart,
+                until=report.since + timedelta(days=report.days - 1),  # today (UTC): the window's last day
                 rates=services(request).runs.ledger.rates)
 
 

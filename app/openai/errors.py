@@ -12,7 +12,7 @@ from typing import Any
 
 from starlette.responses import JSONResponse
 
-from app.errors import BadInput, NotFound, RunNotFound, SignalError, Unauthenticated, http_status
+from app.errors import BadInput, NotFound, RunNotFound, SignalError, Unauthenticated, http_status, retry_after_s
 
 # The service layer names fields as GraphQL does; an OpenAI client sent these.
 FIELD_PARAMS = {"maxTokens": "max_tokens", "numSamples": "n", "topP": "top_p", "topK": "top_k", "runId": "model",
@@ -66,7 +66,5 @@ def from_signal(error: SignalError, prompt_param: str = "prompt") -> OpenAIError
         return OpenAIError(404, error.message, param="model", code="model_not_found")
     if isinstance(error, BadInput):
         return OpenAIError(400, error.message, param=openai_param(error.field, prompt_param), code="invalid_value")
-    status = http_status(error)
-    retry_after = error.details.get("retry_after_s") if status == 429 else None
-    return OpenAIError(status, error.message, param=openai_param(error.field, prompt_param), code=error.code.lower(),
-                       retry_after_s=float(retry_after) if isinstance(retry_after, int | float) else None)
+    return OpenAIError(http_status(error), error.message, param=openai_param(error.field, prompt_param),
+                       code=error.code.lower(), retry_after_s=retry_after_s(error))

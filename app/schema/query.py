@@ -7,7 +7,8 @@ from strawberry.scalars import JSON
 
 from app.schema.context import Info
 from app.schema.inputs import BatchItem
-from app.schema.types import ApiKey, BaseSample, Datum, Limits, ModelInfo, Run, RunSort, TokenizerInfo, User
+from app.schema.types import ApiKey, BaseSample, Datum, Limits, ModelInfo, Run, RunSort, TokenizerInfo, UsageReport, User
+from app.services.usage import DEFAULT_DAYS
 from gpu_runtime.contract import DEFAULT_LOSS_FN
 
 
@@ -72,3 +73,11 @@ class Query:
     async def api_keys(self, info: Info) -> list[ApiKey]:
         user = await info.context.user()
         return [ApiKey.from_row(row) for row in await info.context.services.keys.list(user)]
+
+    @strawberry.field(description="Compute seconds, GPU-seconds, cost and tokens trained and sampled over the last "
+                      "`days` days, in all, by day and by run, from each applied call's record; userId: another "
+                      "user's (admins only)")
+    async def usage(self, info: Info, days: int = DEFAULT_DAYS, user_id: strawberry.ID | None = None) -> UsageReport:
+        user = await info.context.user()
+        return UsageReport.of(await info.context.services.usage.report(user, None if user_id is None else str(user_id),
+                                                                      days))

@@ -5,7 +5,7 @@ Parameter and byte counts are Floats: GraphQL's Int is 32-bit and a 70B model do
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import date, datetime
 from enum import Enum
 from typing import Any
 
@@ -15,6 +15,7 @@ from strawberry.scalars import JSON
 from app import tables
 from app.catalog import CatalogModel
 from app.schema.context import Info
+from app.services import usage
 from app.services.ledger import gpu_seconds
 from gpu_runtime.contract import CheckpointRef
 
@@ -129,6 +130,40 @@ class BaseSample:
     def from_row(cls, row: tables.BaseSample) -> BaseSample:
         return cls(id=strawberry.ID(str(row.id)), base_model=row.base_model, prompt=row.prompt, output=row.output,
                    params=JSON(row.params), created_at=row.created_at)
+
+
+@strawberry.type(description="One line of usage: a run's, a day's, or the window's total, from the call records")
+class UsageLine:
+    key: str = strawberry.field(description="The run id (empty: base models alone), the day (YYYY-MM-DD), or empty")
+    label: str = strawberry.field(description="The run's name, the day, or 'total'")
+    calls: int
+    compute_seconds: float
+    gpu_seconds: float
+    credits: float = strawberry.field(description="At the rates in force when each call was recorded")
+    tokens_trained: int = strawberry.field(description="forwardBackward's weighted target tokens")
+    tokens_sampled: int = strawberry.field(description="sample's generated tokens")
+
+    @classmethod
+    def of(cls, line: usage.Usage) -> UsageLine:
+        return cls(key=line.key, label=line.label, calls=line.calls, compute_seconds=line.compute_seconds,
+                   gpu_seconds=line.gpu_seconds, credits=line.credits, tokens_trained=line.tokens_trained,
+                   tokens_sampled=line.tokens_sampled)
+
+
+@strawberry.type(description="A user's usage over the last `days` days (UTC, today included)")
+class UsageReport:
+    user_id: strawberry.ID
+    days: int
+    since: date
+    total: UsageLine
+    by_day: list[UsageLine] = strawberry.field(description="Newest day first; days without calls are left out")
+    by_run: list[UsageLine] = strawberry.field(description="Most compute first")
+
+    @classmethod
+    def of(cls, report: usage.UsageReport) -> UsageReport:
+        return cls(user_id=strawberry.ID(report.user.id), days=report.days, since=report.since,
+                   total=UsageLine.of(report.total), by_day=[UsageLine.of(line) for line in report.by_day],
+                   by_run=[UsageLine.of(line) for line in report.by_run])
 
 
 @strawberry.type(description="What loadState did: the run's step is the checkpoint's now")

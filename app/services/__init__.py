@@ -18,6 +18,7 @@ from app.services.keys import KeyService
 from app.services.ledger import Ledger, Rates
 from app.services.live import LiveMetrics
 from app.services.login_links import LoginLinkService
+from app.services.run_form import RunForm
 from app.services.runs import RunService
 from app.services.sessions import SessionService
 from app.services.tinker_futures import TinkerFutures
@@ -48,6 +49,7 @@ class Services:
     tinker: TinkerFutures  # Tinker's futures (/api/v1, docs/TINKER.md)
     tinker_sessions: TinkerSessions
     usage: UsageService  # per run, day and user, from call_records (issue 18 §6)
+    run_form: RunForm  # the dashboard's New run form: its choices, and its fields read into a RunSpec
     admin: AdminService  # every user, key and run, and the runtime's report (issue 18 §7)
     supabase: SupabaseSignIn | None = None  # only when SUPABASE_URL and SUPABASE_ANON_KEY are set
     # Shared by the Supabase client and the JWKS fetches; made only for them (its TLS context costs start-up 0.1 s).
@@ -94,6 +96,7 @@ class Services:
             tinker=TinkerFutures(db, settings.tinker_poll_s, settings.tinker_result_ttl_s),
             tinker_sessions=tinker_sessions,
             usage=UsageService(db),
+            run_form=RunForm(settings, catalog, runs),
             admin=AdminService(db, backend, users, keys),
             supabase=supabase,
             http=http,

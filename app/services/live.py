@@ -1,9 +1,9 @@
 """Live training metrics for both front ends: the GraphQL subscription and the dashboard's event stream.
 
-Ownership is checked here, before anything streams. The dashboard's stream reads metric rows and sample rows after
-two cursors (`metrics.id`, `samples.id`, which the browser sends back in Last-Event-ID), so a reconnect never repeats
-a point or a sample, and rows written by another server process still arrive: the in-process broker only wakes the
-reader early on a metric, a slow poll covers the rest (samples included).
+Ownership is checked here, before anything streams. The dashboard's stream reads metric, sample and checkpoint rows
+after three cursors (`metrics.id`, `samples.id`, `checkpoints.id`, which the browser sends back in Last-Event-ID), so
+a reconnect never repeats a point, a sample or a checkpoint, and rows written by another server process still arrive:
+the in-process broker only wakes the reader early on a metric, a slow poll covers the rest.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from sqlalchemy import func, select
 from app.db import Database
 from app.events import EventBroker
 from app.services.runs import RunService
-from app.tables import Metric, Run, Sample, User
+from app.tables import Checkpoint, Metric, Run, Sample, User, utcnow
 
 BATCH = 500
 
@@ -47,14 +47,14 @@ class LiveMetrics:
         return pages()
 
     async def open_stream(self, user: User, run_id: str, after_id: int = 0, samples_after: int | None = None,
-                          poll_s: float = 2.0) -> MetricStream:
-        """A stream of the run's metric rows with id > after_id and sample rows with id > samples_after (None: those
-        made from now on); RunNotFound here, before it starts."""
+                          poll_s: float = 2.0, checkpoints_after: int = 0) -> MetricStream:
+        """A stream of the run's metric rows with id > after_id, sample rows with id > samples_after (None: those
+        made from now on) and checkpoint rows with id > checkpoints_after; RunNotFound here, before it starts."""
         run = await self.runs.get(user, run_id)
         if samples_after is None:
             async with self.db.session() as session:
                 samples_after = await session.scalar(select(func.max(Sample.id)).where(Sample.run_id == run.id)) or 0
-        return MetricStream(self.db, self.broker, run, after_id, poll_s, samples_after)
+        return MetricStream(self.db, self.broker, run, after_id, poll_s, samples_after, checkpoints_after)
 
 
 @dataclass
@@ -63,36 +63,41 @@ class Batch:
 
     metrics: list[Metric]
     samples: list[Sample]
+    checkpoints: list[Checkpoint]
 
 
 class MetricStream:
     def __init__(self, db: Database, broker: EventBroker, run: Run, after_id: int, poll_s: float,
-                 samples_after: int = 0) -> None:
+                 samples_after: int = 0, checkpoints_after: int = 0) -> None:
         self.db = db
         self.broker = broker
         self.run = run
         self.cursor = max(0, after_id)
         self.sample_cursor = max(0, samples_after)
+        self.checkpoint_cursor = max(0, checkpoints_after)
         self.poll_s = poll_s
 
     async def batches(self) -> AsyncIterator[Batch]:
-        """New metric and sample rows, forever; an empty batch after each quiet poll (a keep-alive)."""
+        """New metric, sample and checkpoint rows, forever; an empty batch after each quiet poll (a keep-alive)."""
         woken = asyncio.Event()
         listener = asyncio.create_task(self._listen(woken))
         try:
             while True:
                 woken.clear()  # cleared before reading: a publish during the read wakes the next wait
                 rows, samples = await self._after(self.cursor), await self._samples_after(self.sample_cursor)
-                while rows or samples:
+                checkpoints = await self._checkpoints_after(self.checkpoint_cursor)
+                while rows or samples or checkpoints:
                     self.cursor = rows[-1].id if rows else self.cursor
                     self.sample_cursor = samples[-1].id if samples else self.sample_cursor
-                    yield Batch(rows, samples)
+                    self.checkpoint_cursor = checkpoints[-1].id if checkpoints else self.checkpoint_cursor
+                    yield Batch(rows, samples, checkpoints)
                     rows = await self._after(self.cursor) if len(rows) == BATCH else []
                     samples = await self._samples_after(self.sample_cursor) if len(samples) == BATCH else []
+                    checkpoints = []  # a run has few: one read takes them all
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(woken.wait(), self.poll_s)
                 if not woken.is_set():
-                    yield Batch([], [])
+                    yield Batch([], [], [])
         finally:
             listener.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -113,3 +118,11 @@ class MetricStream:
             query = (select(Sample).where(Sample.run_id == self.run.id, Sample.id > cursor)
                      .order_by(Sample.id).limit(BATCH))
             return list(await session.scalars(query))
+
+    async def _checkpoints_after(self, cursor: int) -> list[Checkpoint]:
+        """Checkpoints saved after `cursor`, but not unnamed sampler snapshots already expired (the page lists none)."""
+        async with self.db.session() as session:
+            query = select(Checkpoint).where(Checkpoint.run_id == self.run.id, Checkpoint.id > cursor).order_by(Checkpoint.id)
+            now = utcnow().replace(tzinfo=None)
+            return [row for row in await session.scalars(query)
+                    if row.expires_at is None or row.expires_at.replace(tzinfo=None) > now]

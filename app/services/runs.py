@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
 
-from sqlalchemy import Text, case, cast, delete, or_, select, update
+from sqlalchemy import Text, case, cast, delete, func, or_, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 from strawberry.utils.str_converters import to_camel_case
 
@@ -32,6 +32,7 @@ from app.events import MetricFeed
 from app.services.call_order import CallOrder, Numbered
 from app.services.call_records import Caller, CallRecorder
 from app.services.ledger import Ledger
+from app.services.throttle import sent_until_taken
 from app.services.users import require_admin
 from app.settings import RECORD_RETRY_S
 from app.tables import (
@@ -56,13 +57,16 @@ from gpu_runtime.contract import (
     LORA_SWITCHES,
     MAX_RUN_SEED,
     MAX_SAMPLES,
+    MAX_STOP,
     MAX_TEMPERATURE,
     MAX_TOKENS_LIMIT,
+    MAX_TOP_P,
     SAMPLE_DEFAULTS,
     Call,
     CheckpointRef,
     RuntimeOptions,
     adam_settings,
+    check_sample_size,
     check_seed,
     checkpoint_ref,
     lora_settings,
@@ -146,7 +150,8 @@ class RunSpec:
 
 
 # The contract's sampling bounds, for forms (the playground): the browser stops what the server would refuse.
-SAMPLE_LIMITS = {"temperature": MAX_TEMPERATURE, "max_tokens": MAX_TOKENS_LIMIT, "num_samples": MAX_SAMPLES}
+SAMPLE_LIMITS = {"temperature": MAX_TEMPERATURE, "max_tokens": MAX_TOKENS_LIMIT, "num_samples": MAX_SAMPLES,
+                 "top_p": MAX_TOP_P, "stop": MAX_STOP}
 
 
 @dataclass
@@ -245,11 +250,14 @@ class SampleParams:
             "topk_sample_logprobs": self.topk_sample_logprobs,
         }
 
-    def check(self) -> None:
-        """The contract's bounds, checked now (a stream that starts later must not fail on a bad temperature)."""
+    def check(self, bounds: RuntimeOptions) -> None:
+        """The contract's bounds and the per-call size bounds (rows x max_tokens), checked now: a stream that starts
+        later must not fail on a bad temperature or on n x max_tokens past SIGNAL_MAX_SAMPLE_TOKENS."""
         params = self.engine_params()
-        sampling_settings(**{key: params[key] for key in ("max_tokens", "temperature", "top_p", "top_k", "stop",
-                                                         "num_samples", "seed")})
+        settings = sampling_settings(**{key: params[key] for key in ("max_tokens", "temperature", "top_p", "top_k",
+                                                                    "stop", "num_samples", "seed")})
+        prompts = self.prompts if self.prompts is not None else self.prompt_tokens or []
+        check_sample_size(len(prompts), settings, bounds, "prompts" if self.prompts is not None else "prompt_tokens")
 
     def stored_prompts(self) -> list[str]:
         """What a sample row keeps as its prompt: the text, or a token-id prompt as its JSON list."""
@@ -339,6 +347,13 @@ class RunService:
             query = select(Sample).where(Sample.run_id == run.id).order_by(Sample.id.desc()).limit(_clamp(limit))
             return list(await session.scalars(query))
 
+    async def sample_marks(self, run: Run) -> builtins.list[tuple[int, datetime]]:
+        """Each step the run was sampled at, with its first sample's time: the run page's sample markers."""
+        async with self.db.session() as session:
+            query = (select(Sample.step, func.min(Sample.created_at)).where(Sample.run_id == run.id)
+                     .group_by(Sample.step).order_by(Sample.step))
+            return [(int(step), _aware(first)) for step, first in await session.execute(query)]
+
     async def base_samples(self, user: User, limit: int = 100) -> builtins.list[BaseSample]:
         """The user's samples of base models alone (no run), newest first: their history as `samples` is a run's."""
         async with self.db.session() as session:
@@ -424,6 +439,7 @@ class RunService:
                 await self._metrics(session, run.id, result["step"], {
                     loss_metric(result.get("reduction", reduction)): result["loss"],
                     "num_tokens": result["num_tokens"], "num_examples": result["num_examples"],
+                    **throughput(result),
                 })
             return result
 
@@ -600,6 +616,10 @@ class RunService:
             return await self.recorder.record(caller, "sample", request_id, result, write)
 
         return await asyncio.shield(asyncio.ensure_future(work()))
+
+    async def base_device(self, base_model: str | None) -> str:
+        """The device a run on `base_model` (None: the default) would train on: its pool's runtime's."""
+        return await self._device(self._base_pool(base_model)[1])
 
     async def _device(self, pool: str) -> str:
         """The device a pool's runtime computes on (its ping), asked once per pool: what a base sample is priced by."""
@@ -867,10 +887,13 @@ class RunService:
 
     async def _engine(self, method: str, pool: str | None = None, progress: Progress | None = None,
                       **params: Any) -> dict[str, Any]:
-        try:
+        async def call() -> dict[str, Any]:
             if progress is not None:
                 return await self.backend.call(method, pool=pool, progress=progress, **params)
             return await self.backend.call(method, pool=pool, **params)
+
+        try:
+            return await sent_until_taken(call)  # a refusal resent here only for callers that cannot (throttle.py)
         except SignalError as error:
             # The engine names fields as its contract does (max_tokens, base_model); clients sent maxTokens.
             if not error.field:
@@ -907,6 +930,12 @@ def _aware(moment: datetime) -> datetime:
 
 def _decode_archive(result: dict[str, Any]) -> bytes:
     return base64.b64decode(result["archive_b64"])
+
+
+def throughput(result: dict[str, Any]) -> dict[str, float]:
+    """A forward_backward's `throughput` metric: its tokens ÷ its compute seconds (none when it took no time)."""
+    seconds = float(result.get("compute_seconds") or 0.0)
+    return {"throughput": float(result["num_tokens"]) / seconds} if seconds > 0 else {}
 
 
 def loss_metric(reduction: str) -> str:

@@ -28,6 +28,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from app.db import Database
 from app.errors import NotFound, SignalError, http_status
 from app.pg_listen import listen
+from app.services.throttle import throttled
 from app.services.tinker_sessions import tinker_call
 from app.tables import TinkerFuture, User, could_be_id, new_id, utcnow
 
@@ -46,10 +47,14 @@ OWNER_SILENCE = timedelta(seconds=60)  # …and a pending row whose owner has be
 
 @dataclass(frozen=True)
 class Answer:
-    """What retrieve_future answers: a stored result (bytes of `media_type`), or None while pending."""
+    """What retrieve_future answers: a stored result (bytes of `media_type`), or None while pending; or, while the
+    runtime refuses the work for too many calls in flight and this process waits to send it again, a 429 that
+    says when (the SDK backs off and polls again)."""
 
     media_type: str
     body: bytes
+    status: int = 200
+    retry_after_s: float | None = None
 
 
 def failure(exc: BaseException) -> dict[str, str]:
@@ -67,6 +72,7 @@ class TinkerFutures:
         self.owner = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.notifies = db.url.startswith("postgresql")
         self._done: dict[str, asyncio.Event] = {}  # request_id → set when this process stored its result
+        self._paused: dict[str, float] = {}  # request_id → when its refused work is sent again (loop time)
         self._remote: dict[str, asyncio.Event] = {}  # another process's pending futures that polls here wait on
         self._tasks: set[asyncio.Task[None]] = set()
         self._closing = asyncio.Event()
@@ -106,6 +112,7 @@ class TinkerFutures:
     async def _run(self, request_id: str, work: Callable[[str], Awaitable[tuple[str, bytes]]]) -> None:
         state = "done"
         tinker_call.set(True)  # this task's calls on a run are the Tinker session's own (TinkerSessions.claim)
+        throttled.set(lambda delay: self._pause(request_id, delay))  # its refused calls are resent (throttle.py)
         try:
             media_type, body = await work(request_id)
         except Exception as exc:  # every failure is the future's answer, never a lost poll
@@ -118,9 +125,26 @@ class TinkerFutures:
                     state=state, media_type=media_type, result=body, finished_at=utcnow()))
                 await self._announce(session, request_id)
         finally:
+            self._paused.pop(request_id, None)
             event = self._done.pop(request_id, None)
             if event is not None:
                 event.set()
+
+    def _pause(self, request_id: str, delay: float | None) -> None:
+        if delay is None:
+            self._paused.pop(request_id, None)
+        else:
+            self._paused[request_id] = asyncio.get_running_loop().time() + delay
+
+    def _throttled(self, request_id: str) -> Answer | None:
+        """A 429 while this process waits to send the future's refused work again (None: it is not waiting)."""
+        until = self._paused.get(request_id)
+        if until is None:
+            return None
+        seconds = max(until - asyncio.get_running_loop().time(), 0.0)
+        body = {"detail": f"too many calls in flight: this operation is sent again in {seconds:.1f} s",
+                "category": "server"}
+        return Answer(JSON_TYPE, json.dumps(body).encode(), status=429, retry_after_s=seconds)
 
     async def retrieve(self, user: User, request_id: str) -> Answer | None:
         """The future's stored answer, waiting up to `poll_seconds` while it is pending (then None: try_again).
@@ -138,6 +162,8 @@ class TinkerFutures:
             if row.state != "pending":
                 self._wake(request_id)  # another poll may wait on the same event: it reads the row again
                 return Answer(row.media_type, row.result or b"")
+            if (paused := self._throttled(request_id)) is not None:
+                return paused
             remaining = deadline - asyncio.get_running_loop().time()
             if remaining <= 0 or self._closing.is_set():
                 return None

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import secrets
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -19,7 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from app.errors import BadInput, SignalError, Unauthenticated, http_status
+from app.errors import BadInput, SignalError, Unauthenticated, http_status, retry_after_headers
 from app.services import Services
 from app.services.call_order import Numbered
 from app.services.runs import RunSpec, SampleParams
@@ -41,9 +42,9 @@ Handler = Callable[[Request], Awaitable[Response]]
 UserHandler = Callable[[Request, User], Awaitable[Response | dict[str, Any]]]
 
 
-def error(status: int, message: str, category: str = "user") -> JSONResponse:
+def error(status: int, message: str, category: str = "user", headers: dict[str, str] | None = None) -> JSONResponse:
     # Never an "error" key the SDK could mistake for a failed future: this is an HTTP error, with `detail`.
-    return JSONResponse({"detail": message, "category": category}, status_code=status)
+    return JSONResponse({"detail": message, "category": category}, status_code=status, headers=headers)
 
 
 def services(request: Request) -> Services:
@@ -85,7 +86,9 @@ def endpoint(handler: UserHandler, auth: bool = True) -> Handler:
             status = http_status(exc)
             if isinstance(exc, (BadInput, FailedPrecondition)):
                 status = 400  # the SDK's user error at submit (422 is fatal too; 400 is what the issue names)
-            return error(status if status < 500 else 503, exc.message, "user" if status < 500 else "server")
+            # A 429 (too many calls in flight) carries Retry-After, which the SDK's HTTP layer honours.
+            return error(status if status < 500 else 503, exc.message, "user" if status < 500 else "server",
+                         retry_after_headers(exc))
         return answer if isinstance(answer, Response) else JSONResponse(answer)
 
     return wrapped
@@ -465,7 +468,8 @@ async def retrieve_future(request: Request, user: User) -> Response:
     answer = await services(request).tinker.retrieve(user, request_id)
     if answer is None:
         return JSONResponse({"type": "try_again", "request_id": request_id, "queue_state": "active"})
-    return Response(answer.body, media_type=answer.media_type)
+    headers = {} if answer.retry_after_s is None else {"Retry-After": str(max(1, math.ceil(answer.retry_after_s)))}
+    return Response(answer.body, status_code=answer.status, media_type=answer.media_type, headers=headers)
 
 
 async def weights_info(request: Request, user: User) -> dict[str, Any]:

@@ -82,6 +82,7 @@ from gpu_runtime.contract.settings import (
     MAX_TEMPERATURE,
     MAX_TOKENS_LIMIT,
     MAX_TOP_K,
+    MAX_TOP_P,
     MAX_TOPK_LOGPROBS,
     MLP_PROJECTIONS,
     PACKED_KEY,
@@ -136,6 +137,6 @@ __all__ = [
     "ForwardResult", "LOSS_CONFIG_DEFAULTS", "REDUCTIONS", "PACKED_KEY", "PACKED_TOKENS", "RL_LOSSES", "RenderDatums",
     "RenderDatumsResult", "loss_settings", "RenderChat", "RenderChatResult", "SaveWeightsForSampler",
     "SaveWeightsForSamplerResult", "check_snapshot_name", "LORA_ALPHA_PER_R", "MAX_RUN_SEED", "MAX_SEED", "MAX_STOP",
-    "MAX_STOP_CHARS", "MAX_TEMPERATURE", "MAX_TOP_K", "check_batch_size", "check_sample_size", "check_seed",
+    "MAX_STOP_CHARS", "MAX_TEMPERATURE", "MAX_TOP_K", "MAX_TOP_P", "check_batch_size", "check_sample_size", "check_seed",
     "known_batch_tokens", "Cancel", "CancelResult", "SampleChunk",
 ]

@@ -285,6 +285,7 @@ MAX_TOKENS_LIMIT = 4096
 MAX_SAMPLES = 16
 MAX_TOPK_LOGPROBS = 20  # most (token, logprob) pairs per position, as vLLM's max_logprobs
 MAX_TEMPERATURE = 2.0  # OpenAI's bound; past it sampling is noise (the playground and /v1 share it)
+MAX_TOP_P = 1.0  # top_p is a probability mass in (0, MAX_TOP_P] (the playground and /v1 share it)
 MAX_TOP_K = 1024  # past this top-k keeps the tail anyway; 0 (or -1) turns it off
 MAX_STOP = 16  # stop strings or stop token ids per call: each is checked after every decoded token
 MAX_STOP_CHARS = 256  # characters of one stop string
@@ -375,8 +376,8 @@ def sampling_settings(
     if not _is_number(temperature) or not 0 <= temperature <= MAX_TEMPERATURE:
         raise BadInput(f"temperature must be a number in [0, {MAX_TEMPERATURE}], got {temperature!r}",
                        field="temperature")
-    if not _is_number(top_p) or not 0 < top_p <= 1:
-        raise BadInput(f"top_p must be a number in (0, 1], got {top_p!r}", field="top_p")
+    if not _is_number(top_p) or not 0 < top_p <= MAX_TOP_P:
+        raise BadInput(f"top_p must be a number in (0, {MAX_TOP_P:g}], got {top_p!r}", field="top_p")
     if not _is_int(top_k) or not -1 <= top_k <= MAX_TOP_K:
         raise BadInput(f"top_k must be an integer in -1..{MAX_TOP_K} (0 or -1 = off), got {top_k!r}", field="top_k")
     strings, tokens, eos = stop_settings(stop)

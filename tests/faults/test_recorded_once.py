@@ -122,7 +122,7 @@ CASES: dict[str, tuple[str, Callable[[Any], Any], Callable[[Any], Any], tuple[st
     "optim_step": ("OptimStep", lambda run: run.forward_backward(batch=BATCH), lambda run: run.optim_step(),
                    ("grad_norm", "learning_rate")),
     "forward_backward": ("ForwardBackward", lambda run: None, lambda run: run.forward_backward(batch=BATCH),
-                         ("loss:mean", "num_tokens", "num_examples")),
+                         ("loss:mean", "num_tokens", "num_examples", "throughput")),
 }
 
 

@@ -77,3 +77,18 @@ def test_a_ticket_is_a_positive_integer(ticket: Any) -> None:
         split_ticket({"run_id": RUN, "ticket": ticket})
     assert refused.value.field == "ticket"
     assert split_ticket({"run_id": RUN, "ticket": 7}) == ({"run_id": RUN}, 7)
+
+
+def test_a_refused_calls_ticket_is_not_waited_for() -> None:
+    """A call refused for too many in flight never applied: the run's next ticket (its resend's) goes at once, not
+    after ticket_wait; a resend carrying the refused ticket itself goes at once too."""
+    scheduler = created(Scheduler(tick_tokens=1024, user_calls=1, user_queue=0))
+    answers: list[dict[str, Any]] = []
+    scheduler.submit(call(None, run_id="run-2"))  # the user's one place
+    scheduler.submit(Request("optim_step", {"run_id": RUN}, answers.append, user_id="user", run_id=RUN, ticket=1))
+    assert [answer["error"]["details"]["resource"] for answer in answers] == ["calls"]
+    assert tick(scheduler) == [None]  # the place is free again
+    scheduler.submit(call(2))
+    assert tick(scheduler) == [2]
+    scheduler.submit(call(1))
+    assert tick(scheduler) == [1]

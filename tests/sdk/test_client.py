@@ -47,7 +47,8 @@ def test_results_allow_keys_and_attributes(live_server: LiveServer, key: str) ->
     assert artifact["checkpoint_path"].endswith("checkpoints/adapter_step_1")
     assert artifact.size_bytes > 0
     assert [c.mode for c in run.checkpoints()] == ["adapter"]
-    assert [m.name for m in run.metrics()] == ["loss:mean", "num_tokens", "num_examples", "grad_norm", "learning_rate"]
+    assert [m.name for m in run.metrics()] == ["loss:mean", "num_tokens", "num_examples", "throughput", "grad_norm",
+                                             "learning_rate"]
     assert run.refresh().step == 1
 
 

@@ -112,7 +112,8 @@ def test_an_optim_step_sent_before_its_forward_backward_applies_after_it(
     ref_opt = reference.optim_step(learning_rate=0.05)
     assert fb.loss == pytest.approx(ref_fb.loss, abs=1e-6)
     assert opt.grad_norm == pytest.approx(ref_opt.grad_norm, rel=1e-6) and opt.grad_norm > 0
-    assert [m.name for m in run.metrics()] == ["loss:mean", "num_tokens", "num_examples", "grad_norm", "learning_rate"]
+    assert [m.name for m in run.metrics()] == ["loss:mean", "num_tokens", "num_examples", "throughput", "grad_norm",
+                                             "learning_rate"]
 
 
 async def test_async_calls_apply_in_the_order_they_were_made(small_server: LiveServer, small_key: str) -> None:

@@ -16,7 +16,7 @@ from playwright.sync_api import Browser, BrowserContext, ViewportSize
 
 from tests.helpers.live_server import LiveServer
 from tests.web.conftest import shot
-from tests.web.tour import DESKTOP, PAGES, PHONE, Tour, make_tour
+from tests.web.tour import DESKTOP, PAGES, PHONE, Tour, make_tour, play_side_by_side
 
 AXE = Path(__file__).parents[1] / "vendor" / "axe-core-4.14.1" / "axe.min.js"
 BLOCKING = ("serious", "critical")
@@ -71,6 +71,17 @@ def test_no_serious_accessibility_violations(name: str, tour: Tour, contexts: di
     within = {"exclude": [[GRAPHIQL]]} if name == "graphql" else {"exclude": []}
     picture = f"desktop-{name}" if viewport == DESKTOP else None  # the 390 px set is test_phone.py's
     assert violations(contexts[name != "login"], url, within, ready, picture) == []
+
+
+def test_the_playgrounds_panes_have_no_serious_violations(tour: Tour, contexts: dict[bool, BrowserContext]) -> None:
+    page = contexts[True].new_page()
+    try:
+        play_side_by_side(page, tour)
+        page.add_script_tag(path=str(AXE))
+        found: list[dict[str, Any]] = page.evaluate(RUN_AXE, {"exclude": []})
+    finally:
+        page.close()
+    assert [v for v in found if v["impact"] in BLOCKING] == []
 
 
 def test_graphiqls_own_violations_are_the_listed_ones(tour: Tour, browser: Browser) -> None:

@@ -65,7 +65,7 @@ def test_train_watch_sample_download_revoke(page: Page, live_server: LiveServer,
     for step in range(1, 4):
         run.forward_backward(batch=BATCH)
         run.optim_step()
-        page.wait_for_function(f"document.getElementById('loss-chart').dataset.points >= {step}")
+        expect(page.locator("#loss-chart")).to_have_attribute("data-points", str(step))  # not a string predicate: CSP
     expect(page.locator("#stat-calls")).to_have_text("3")
     expect(page.locator("#stat-step")).to_have_text("3")
     assert page.locator("#loss-chart canvas").count() == 1  # uPlot drew it, no reload needed

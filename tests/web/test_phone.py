@@ -11,7 +11,7 @@ from playwright.sync_api import Browser, BrowserContext, expect
 
 from tests.helpers.live_server import LiveServer
 from tests.web.conftest import shot
-from tests.web.tour import PAGES, PHONE, Tour, make_tour
+from tests.web.tour import PAGES, PHONE, Tour, make_tour, play_side_by_side
 
 # What the phone rule reads, in the page: the document's width, whether html or body hide their sideways overflow
 # (that hides the problem, it does not fix it), and every control that is neither on screen nor inside an element
@@ -103,5 +103,20 @@ def test_wide_tables_scroll_inside_their_cards(tour: Tour, phone: BrowserContext
         assert widths[0] > widths[1] and widths[2] == "auto", widths  # wider than the card, and it scrolls
         scroller.evaluate("(el) => { el.scrollLeft = el.scrollWidth; }")
         expect(page.locator("#runs-table td").last).to_be_in_viewport()
+    finally:
+        page.close()
+
+
+def test_the_playgrounds_panes_fit_a_phone(tour: Tour, phone: BrowserContext) -> None:
+    page = phone.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda error: errors.append(str(error)))
+    page.on("console", lambda message: errors.append(message.text) if "Content Security Policy" in message.text else None)
+    try:
+        play_side_by_side(page, tour)
+        shot(page, "phone-playground-panes")
+        measured = page.evaluate(MEASURE)
+        assert measured["scrollWidth"] <= PHONE["width"] and measured["clipped"] == [] and measured["off"] == [], measured
+        assert errors == []
     finally:
         page.close()

@@ -1,10 +1,13 @@
 """Issue 18 §4: the playground streams. In Chromium against a live server with the tiny model and decode chunks of a
 token or two: the text grows in progress events before the answer ends, and Cancel closes the stream, which stops
 the generation (its rows leave the runtime's decode groups) and keeps the sample in the run's history, cancelled.
-The page's POST only validates and stores the request; a bad bound is refused there, before any stream opens."""
+The page's POST only validates and stores the request; a bad bound is refused there, before any stream opens.
+Side by side, one prompt streams from a run, its sampler snapshot and the base model at once; a system prompt is
+rendered with the model's chat template into the prompt the history keeps; a stop string ends the text before it."""
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -14,14 +17,14 @@ from playwright.sync_api import Browser, Page, expect
 
 from gpu_runtime.contract.settings import MAX_TEMPERATURE
 from rewardsignal import SignalClient
-from tests.helpers.live_server import LiveServer
-from tests.web.conftest import api_key_for, mint_login_link, sign_in
+from tests.helpers.live_server import TINY_MODEL, LiveServer
+from tests.web.conftest import Visitor, api_key_for, mint_login_link, shot, sign_in
 
 pytestmark = pytest.mark.timeout(600)
 expect.set_options(timeout=60_000)
 
 LONG = 200  # tokens: the most a short prompt leaves room for in the tiny model's 256-token context
-SAMPLES = "query($id: ID!) { run(id: $id) { samples { output params } } }"
+SAMPLES = "query($id: ID!) { run(id: $id) { samples { prompt output params } } }"
 # Every attribute change of the stream's box, in order: how the test sees progress events without timing them.
 WATCH = """() => { window.playLog = [];
   new MutationObserver((changes) => changes.forEach((c) => window.playLog.push(
@@ -83,7 +86,8 @@ def test_cancel_stops_the_generation_and_keeps_it_cancelled(play: tuple[Page, st
     page, run_id, key = play
     admin = streaming_server.new_user(is_admin=True)
     start(page, LONG)
-    page.wait_for_function("() => Number(document.querySelector('.play-stream')?.dataset.progress) >= 1")
+    # data-progress appears with the first progress event (a string wait_for_function would need the CSP's eval).
+    expect(page.locator(".play-stream[data-progress]").first).to_be_attached()
     assert any(run_id in str(group["runs"]) for group in decode_groups(streaming_server, admin))  # decoding now
     page.get_by_role("button", name="Cancel").click()
     expect(page.locator(".play-stream")).to_have_attribute("data-state", "cancelled")
@@ -101,6 +105,9 @@ def test_cancel_stops_the_generation_and_keeps_it_cancelled(play: tuple[Page, st
 @pytest.mark.parametrize(("field", "value", "message"), [
     ("temperature", "100", f"temperature must be a number in [0, {MAX_TEMPERATURE}], got 100.0"),
     ("prompt", "", "Write a prompt first."),
+    ("model", "gpt-4", "model must be run:ID, snapshot:ID@NAME or base:NAME, got 'gpt-4'"),
+    ("model", "snapshot:{run}@nope", "has no sampler snapshot 'nope'"),
+    ("model", "base:nowhere", "no base model 'nowhere' on this server"),
 ])
 def test_the_post_refuses_bad_input_before_any_stream(streaming_server: LiveServer, field: str, value: str,
                                                       message: str) -> None:
@@ -108,7 +115,7 @@ def test_the_post_refuses_bad_input_before_any_stream(streaming_server: LiveServ
     run_id = SignalClient(api_key=api_key_for(streaming_server, visitor.email),
                           base_url=streaming_server.url).create_run(lora_r=4).id
     form = {"run_id": run_id, "prompt": "Hello", "temperature": "0.7", "max_tokens": "4", "num_samples": "1"}
-    answer = visitor.post("/playground/stream", data=form | {field: value})
+    answer = visitor.post("/playground/stream", data=form | {field: value.format(run=run_id)})
     assert answer.status_code == 422 and message in answer.text, answer.text
     visitor.client.close()
 
@@ -128,3 +135,74 @@ def test_a_stream_id_opens_once(streaming_server: LiveServer) -> None:
     assert "event: done" in lines and "stop_reason" in "".join(lines)
     assert visitor.client.get(url).status_code == 404  # one time only
     visitor.client.close()
+
+
+def test_side_by_side_streams_a_run_its_snapshot_and_the_base(play: tuple[Page, str, str],
+                                                               streaming_server: LiveServer) -> None:
+    page, run_id, key = play
+    SignalClient(api_key=key, base_url=streaming_server.url).get_run(run_id).save_weights_for_sampler(name="frozen")
+    page.reload()  # the snapshot is offered now
+    page.evaluate(WATCH)
+    page.select_option("#model-2", f"snapshot:{run_id}@frozen")
+    page.select_option("#model-3", f"base:{TINY_MODEL}")
+    start(page, 6)
+    panes = page.locator(".play-stream")
+    expect(panes).to_have_count(3)
+    assert page.locator("[data-stream]").count() == 1  # one stream carries the three panes
+    for i in range(3):
+        expect(panes.nth(i)).to_have_attribute("data-state", "done")
+        assert panes.nth(i).locator(".output-text").inner_text(), i  # every pane ends with text
+    assert [panes.nth(i).locator("h2").inner_text().split(" · ")[-1] for i in range(3)] == [
+        "step 0", "snapshot frozen", "base model"]
+    expect(page.locator("[data-play-all]")).to_have_text("Done")
+    shot(page, "playground-side-by-side")
+    # Both run panes are in the run's history, the snapshot's marked as such; the base's is the user's.
+    rows = streaming_server.graphql(SAMPLES, {"id": run_id}, key=key)["data"]["run"]["samples"]
+    assert sorted(row["params"].get("snapshot", "") for row in rows) == ["", "frozen"], rows
+
+
+def streamed(visitor: Visitor, form: dict[str, str]) -> list[dict[str, Any]]:
+    """POST the playground's form for one model, open its stream, and answer its done event's sequences."""
+    answer = visitor.post("/playground/stream", data=form)
+    assert answer.status_code == 200, answer.text
+    url = answer.text.split('data-stream="')[1].split('"')[0]
+    with visitor.client.stream("GET", url, headers={"Accept": "text/event-stream"}) as events:
+        lines = list(events.iter_lines())
+    done = lines.index("event: done")
+    answer = json.loads(lines[done + 1].removeprefix("data: "))
+    assert answer["pane"] == 0, answer
+    return list(answer["sequences"])
+
+
+@pytest.fixture
+def visitor_run(streaming_server: LiveServer) -> Iterator[tuple[Visitor, str, str]]:
+    visitor = sign_in(streaming_server)
+    key = api_key_for(streaming_server, visitor.email)
+    yield visitor, SignalClient(api_key=key, base_url=streaming_server.url).create_run(lora_r=4).id, key
+    visitor.client.close()
+
+
+def test_a_system_prompt_is_rendered_with_the_chat_template(visitor_run: tuple[Visitor, str, str],
+                                                            streaming_server: LiveServer, tiny_model_dir: str) -> None:
+    from transformers import AutoTokenizer
+
+    visitor, run_id, key = visitor_run
+    form = {"model": f"run:{run_id}", "prompt": "Hello there", "max_tokens": "2", "temperature": "0"}
+    streamed(visitor, form)
+    streamed(visitor, form | {"system": "Answer like a pirate"})
+    plain, chat = reversed(streaming_server.graphql(SAMPLES, {"id": run_id}, key=key)["data"]["run"]["samples"])
+    assert plain["prompt"] == "Hello there"  # no system prompt, no chat box: the text as written
+    rendered = AutoTokenizer.from_pretrained(tiny_model_dir).decode(json.loads(chat["prompt"]))  # the ids sampled
+    assert "<|im_start|>system\nAnswer like a pirate<|im_end|>" in rendered, rendered
+    assert rendered.endswith("<|im_start|>user\nHello there<|im_end|>\n<|im_start|>assistant\n"), rendered
+
+
+def test_a_stop_string_ends_the_text_before_it(visitor_run: tuple[Visitor, str, str]) -> None:
+    visitor, run_id, _ = visitor_run
+    form = {"model": f"run:{run_id}", "prompt": "Once upon a time", "max_tokens": "24", "temperature": "0"}
+    [whole] = streamed(visitor, form)  # greedy: the same text again below, up to the stop
+    text = whole["text"]
+    assert len(text) >= 8 and whole["stop_reason"] == "length", whole
+    stop = next(text[i:i + 3] for i in range(len(text) // 2, len(text) - 2) if not {"\r", "\n"} & set(text[i:i + 3]))
+    [stopped] = streamed(visitor, form | {"stop": f"{stop}\nnever in this text"})
+    assert stopped["text"] == text[:text.index(stop)] and stopped["stop_reason"] == "stop", (stopped, stop)

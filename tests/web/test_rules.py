@@ -67,6 +67,7 @@ def owned(live_server: LiveServer) -> Owned:
 PROBES = [
     ("GET", "/runs/{run}"),
     ("GET", "/runs/{run}/events"),
+    ("GET", "/runs/{run}/checkpoints"),
     ("GET", "/runs/{run}/checkpoints/{checkpoint}/archive"),
     ("POST", "/runs/{run}/save"),
     ("DELETE", "/runs/{run}"),
@@ -117,21 +118,30 @@ def test_event_stream_resumes_after_last_event_id_without_duplicates(live_server
     with viewer.client.stream("GET", f"/runs/{run.id}/events") as response:
         assert response.headers["content-type"].startswith("text/event-stream")
         first_id, rows = next(stream_events(response))
-    assert [row["name"] for row in rows] == ["loss:mean", "num_tokens", "num_examples", "grad_norm", "learning_rate"]
-    assert first_id == f"{rows[-1]['id']}:0"  # "<metric id>:<sample id>": no sample yet
+    assert [row["name"] for row in rows] == ["loss:mean", "num_tokens", "num_examples", "throughput", "grad_norm",
+                                             "learning_rate"]
+    assert first_id == f"{rows[-1]['id']}:0:0"  # "<metric id>:<sample id>:<checkpoint id>": no sample nor checkpoint
 
     run.forward_backward(batch=BATCH)  # written while nobody listens
     with viewer.client.stream("GET", f"/runs/{run.id}/events", headers={"Last-Event-ID": first_id}) as response:
         second_id, rows = next(stream_events(response))
-    assert [row["name"] for row in rows] == ["loss:mean", "num_tokens", "num_examples"]
-    assert min(row["id"] for row in rows) > int(first_id.split(":")[0]) and second_id == f"{rows[-1]['id']}:0"
+    assert [row["name"] for row in rows] == ["loss:mean", "num_tokens", "num_examples", "throughput"]
+    assert min(row["id"] for row in rows) > int(first_id.split(":")[0]) and second_id == f"{rows[-1]['id']}:0:0"
 
     # Samples resume the same way: one made while nobody listens arrives once on the reconnect, alone.
     output = run.sample(prompts=["Resume"], max_tokens=2)["outputs"][0]
     with viewer.client.stream("GET", f"/runs/{run.id}/events", headers={"Last-Event-ID": second_id}) as response:
         third_id, samples = next(stream_events(response, "samples"))
     assert [(sample["prompt"], sample["output"]) for sample in samples] == [("Resume", output)]
-    assert third_id == f"{second_id.split(':')[0]}:{samples[0]['id']}"
+    assert third_id == f"{second_id.split(':')[0]}:{samples[0]['id']}:0"
+
+    # And checkpoints (the loss chart's markers): one saved while nobody listens arrives once on the reconnect.
+    saved = run.save_state(name="resumed")
+    with viewer.client.stream("GET", f"/runs/{run.id}/events", headers={"Last-Event-ID": third_id}) as response:
+        fourth_id, checkpoints = next(stream_events(response, "checkpoints"))
+    assert [(c["id"], c["name"], c["mode"], c["step"]) for c in checkpoints] == [(int(saved["id"]), "resumed",
+                                                                                   "adapter", 1)]
+    assert fourth_id == f"{third_id.rsplit(':', 1)[0]}:{saved['id']}"
 
 
 def test_login_link_works_once(live_server: LiveServer) -> None:

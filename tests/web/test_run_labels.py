@@ -4,11 +4,13 @@ the SDK."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from playwright.sync_api import Page, expect
 
 from rewardsignal import SignalClient
-from tests.helpers.live_server import LiveServer
+from tests.helpers.live_server import TINY_MODEL, LiveServer
 from tests.web.conftest import api_key_for, mint_login_link, sign_in
 
 expect.set_options(timeout=30_000)
@@ -116,3 +118,20 @@ def test_archive_hides_a_run_until_shown_and_unarchived(page: Page, live_server:
     page.get_by_role("button", name="Unarchive").click()
     expect(page.get_by_role("button", name="Archive", exact=True)).to_be_visible()
     assert client.get_run(run.id).info["archived_at"] is None
+
+
+@pytest.mark.parametrize(("fields", "field", "words"), [
+    ({"loraR": "four"}, "loraR", "loraR must be a whole number"),
+    ({"loraR": "4", "loraAlpha": "1e308"}, "loraAlpha", "alpha"),
+    ({"learningRate": "fast"}, "learningRate", "learningRate must be a number"),
+])
+def test_the_new_run_form_shows_the_device_here_and_refuses_bad_settings_beside_their_field(
+        live_server: LiveServer, fields: dict[str, str], field: str, words: str) -> None:
+    visitor = sign_in(live_server)
+    form = visitor.client.get("/runs/new").text
+    assert '<code>cpu</code>' in form and 'name="gpuConfig"' not in form  # locally: the device, no GPU picker
+    answer = visitor.post("/runs/new", data={"baseModel": TINY_MODEL, **fields})
+    assert answer.status_code == 200 and "hx-redirect" not in answer.headers
+    assert 'role="alert"' in answer.text and words in answer.text
+    assert re.search(rf'name="{field}"[^>]*aria-invalid="true"', answer.text)  # the field is marked, for readers
+    assert SignalClient(api_key=api_key_for(live_server, visitor.email), base_url=live_server.url).list_runs() == []

@@ -1,6 +1,8 @@
 """The run page's live view (issue 18): samples made through the SDK appear without a reload, over the page's one
 event stream, each once (bug 6); the chart plots loss against call, step (the token-weighted mean of the step's
-calls) or wall time, with smoothing, a log scale, and a CSV export of every metric row (§2)."""
+calls) or wall time, with smoothing, a log scale, and a CSV export of every metric row (§2); grad norm, learning
+rate, tokens and throughput have charts of their own, every chart has a table view and zooms with a reset, and
+checkpoints and samples are marked on the loss chart (§2)."""
 
 from __future__ import annotations
 
@@ -10,10 +12,13 @@ from collections import defaultdict
 
 import pytest
 from playwright.sync_api import Page, expect
+from sqlalchemy import select
 
+from app.db import Database
+from app.tables import CallRecord
 from rewardsignal import SignalClient
 from tests.helpers.live_server import LiveServer
-from tests.web.conftest import api_key_for, mint_login_link
+from tests.web.conftest import api_key_for, mint_login_link, run_async
 
 expect.set_options(timeout=30_000)
 
@@ -75,7 +80,7 @@ def test_loss_against_call_step_and_time_smoothed_logged_and_exported(wide_page:
     wide_page.goto(mint_login_link(live_server, email))
     wide_page.wait_for_url("**/runs")
     wide_page.goto(f"{live_server.url}/runs/{run.id}")
-    wide_page.wait_for_function("document.getElementById('loss-chart').dataset.points == 4")
+    expect(wide_page.locator("#loss-chart")).to_have_attribute("data-points", "4")  # no string predicate: CSP
 
     exported = wide_page.request.get(f"{live_server.url}/runs/{run.id}/metrics.csv")
     assert exported.status == 200 and exported.headers["content-type"].startswith("text/csv")
@@ -107,3 +112,117 @@ def test_loss_against_call_step_and_time_smoothed_logged_and_exported(wide_page:
     wide_page.locator("#chart-log").check()
     expect(wide_page.locator("#loss-chart canvas")).to_have_count(1)  # redrawn once, on a log scale
     assert wide_page.locator("#loss-chart").evaluate("(el) => el.querySelectorAll('.u-legend .u-series').length") == 3
+
+
+def table(page: Page, name: str) -> list[tuple[float, ...]]:
+    """The table view of chart `name`: its rows (newest first) as numbers."""
+    cells = page.locator(f"#{name}-table tbody tr").evaluate_all(
+        "(rows) => rows.map((row) => [...row.cells].map((cell) => cell.textContent))")
+    return [tuple(float(cell) for cell in row) for row in cells]
+
+
+def newest_first(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    return list(reversed(points))
+
+
+def by_call(rows: list[tuple[int, float]]) -> list[tuple[float, float]]:
+    """(call number, value) for metric rows of forward_backward calls, in order."""
+    return [(float(call), value) for call, (_, value) in enumerate(rows, 1)]
+
+
+def fb_seconds(server: LiveServer, run_id: str) -> list[float]:
+    """Each forward_backward's compute seconds, in order, from its call record."""
+    async def read() -> list[float]:
+        db = Database(server.settings.resolved_database_url)
+        try:
+            async with db.session() as session:
+                rows = await session.scalars(select(CallRecord.compute_seconds).where(
+                    CallRecord.run_id == run_id, CallRecord.operation == "forward_backward")
+                    .order_by(CallRecord.created_at))
+                return [float(seconds) for seconds in rows]
+        finally:
+            await db.dispose()
+
+    return list(run_async(read()))
+
+
+def test_metric_charts_table_view_zoom_and_markers(wide_page: Page, live_server: LiveServer) -> None:
+    email = "charts@example.com"
+    run = SignalClient(api_key=api_key_for(live_server, email), base_url=live_server.url).create_run(
+        lora_r=4, seed=7, learning_rate=0.01)
+    for rate in (0.01, 0.004):  # two steps at two learning rates, so that chart is not one flat value
+        run.forward_backward(batch=SHORT)
+        run.forward_backward(batch=LONG)
+        run.optim_step(learning_rate=rate)
+        if rate == 0.01:  # at step 1: a sample marker from the page's first render, between calls 2 and 3
+            run.sample(prompts=["Marked"], max_tokens=2)
+    wide_page.goto(mint_login_link(live_server, email))
+    wide_page.wait_for_url("**/runs")
+    wide_page.goto(f"{live_server.url}/runs/{run.id}")
+    expect(wide_page.locator("#loss-chart")).to_have_attribute("data-points", "4")
+    api = {name: [(row.step, row.value) for row in run.metrics(name=name)]
+           for name in ("loss:mean", "num_tokens", "throughput", "grad_norm", "learning_rate")}
+    assert [value for _, value in api["learning_rate"]] == pytest.approx([0.01, 0.004])
+    # Throughput is each call's tokens ÷ its compute seconds, recorded with the call.
+    assert [value for _, value in api["throughput"]] == pytest.approx(
+        [tokens / seconds for (_, tokens), seconds in zip(api["num_tokens"], fb_seconds(live_server, run.id))])
+    expect(wide_page.locator("#stat-lr")).to_have_text("0.004")
+
+    # The table view lists each chart's points, newest first: equal to what the API returns (6 significant digits).
+    wide_page.get_by_role("button", name="Table view").click()
+    expect(wide_page.locator("#loss-chart")).to_be_hidden()
+    expect(wide_page.locator("#loss-table caption")).to_have_text("Loss: 4 points, newest first")
+    expected = {"loss": by_call(api["loss:mean"]), "num_tokens": by_call(api["num_tokens"]),
+                "throughput": by_call(api["throughput"]),  # by forward_backward call; the optimizer's by step
+                "grad_norm": [(float(step), value) for step, value in api["grad_norm"]],
+                "learning_rate": [(float(step), value) for step, value in api["learning_rate"]]}
+    for name, points in expected.items():
+        shown = table(wide_page, name)
+        assert len(shown) == len(points) == (2 if name in ("grad_norm", "learning_rate") else 4)
+        for row, point in zip(shown, newest_first(points)):
+            assert row == pytest.approx(point, rel=1e-5), name
+    wide_page.get_by_role("button", name="Chart view").click()
+    expect(wide_page.locator("#loss-table")).to_be_hidden()
+
+    # Drag across the loss chart to zoom into it; Reset zoom brings back calls 1 to 4 whole.
+    chart = wide_page.locator("#loss-chart")
+    expect(chart).to_have_attribute("data-x-min", "1")
+    expect(chart).to_have_attribute("data-x-max", "4")
+    reset = wide_page.get_by_role("button", name="Reset zoom")
+    expect(reset).to_have_count(0)  # hidden, and no other chart is zoomed
+    box = chart.locator(".u-over").bounding_box()
+    assert box is not None
+    wide_page.mouse.move(box["x"] + box["width"] * 0.4, box["y"] + box["height"] / 2)
+    wide_page.mouse.down()
+    wide_page.mouse.move(box["x"] + box["width"] * 0.7, box["y"] + box["height"] / 2, steps=5)
+    wide_page.mouse.up()
+    expect(reset).to_be_visible()
+    x_min, x_max = chart.evaluate("(el) => [Number(el.dataset.xMin), Number(el.dataset.xMax)]")
+    assert 1 < x_min < x_max < 4
+    reset.click()
+    expect(chart).to_have_attribute("data-x-min", "1")
+    expect(chart).to_have_attribute("data-x-max", "4")
+    expect(reset).to_have_count(0)
+
+    # The sample at step 1 is marked from the first render; a checkpoint saved through the SDK appears live, after
+    # the four calls it holds (the range widens to show it), and the checkpoints card lists it.
+    expect(chart).to_have_attribute("data-marks", "sample:1")
+    run.save_state(name="marked")
+    expect(chart).to_have_attribute("data-marks", "checkpoint:2 sample:1")
+    expect(wide_page.locator("#chart-marks")).to_have_text("Checkpoints: marked (adapter) at step 2. Samples at step 1.")
+    expect(chart).to_have_attribute("data-x-max", "4.5")
+    row = wide_page.locator("#checkpoints tr[data-checkpoint='adapter/marked']")
+    expect(row).to_have_count(1)
+    wide_page.once("dialog", lambda dialog: dialog.accept())  # hx-confirm asks first
+    row.get_by_role("button", name="Delete").click()  # a deleted checkpoint loses its marker
+    expect(chart).to_have_attribute("data-marks", "sample:1")
+    expect(wide_page.locator("#chart-marks")).to_have_text("No checkpoints yet. Samples at step 1.")
+
+    # The other charts grow live from the same stream: one more step adds a point to each.
+    run.forward_backward(batch=SHORT)
+    grad_norm = run.optim_step(learning_rate=0.002).grad_norm
+    for name, points in (("loss", "5"), ("num_tokens", "5"), ("throughput", "5"), ("grad_norm", "3"),
+                         ("learning_rate", "3")):
+        expect(wide_page.locator(f"#{name}-chart")).to_have_attribute("data-shown", points)
+    expect(wide_page.locator("#stat-lr")).to_have_text("0.002")
+    assert float(wide_page.locator("#stat-grad").inner_text()) == pytest.approx(grad_norm, rel=1e-3)

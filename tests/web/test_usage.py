@@ -3,8 +3,12 @@ run, read from the call records; an admin sees every user's, and another user's 
 
 from __future__ import annotations
 
+import html
+import json
 import re
 from datetime import UTC, datetime
+
+import pytest
 
 from app.db import Database
 from app.services.users import UserService
@@ -55,6 +59,17 @@ def test_usage_adds_up_a_users_calls_and_an_admin_sees_every_user(live_server: L
     today = datetime.now(UTC).date().isoformat()
     assert row(page.text, f'data-day="{today}"') == [today, *expected]
     assert "By user" not in page.text  # an admin's table only
+    # The chart draws the same day (static/usage.js reads data-days): [day, compute seconds, credits].
+    found = re.search(r'data-days="([^"]*)"', page.text)
+    assert found
+    assert json.loads(html.unescape(found.group(1))) == [[today, pytest.approx(seconds, abs=1e-3), 0.0]]
+
+    # The same numbers through GraphQL and the SDK's `usage`: the total, the run's line and today's.
+    usage = SignalClient(api_key=key, base_url=live_server.url).usage(days=7)
+    assert (usage.days, [line.key for line in usage.by_run], [line.key for line in usage.by_day]) == (7, [run.id], [today])
+    assert [[str(line.calls), f"{line.compute_seconds:.1f}", f"{line.gpu_seconds:.1f}", f"{line.credits:.2f}",
+             f"{line.tokens_trained:,}", f"{line.tokens_sampled:,}"]
+            for line in (usage.total, usage.by_run[0], usage.by_day[0])] == [expected] * 3
 
     someone = sign_in(live_server)
     assert someone.client.get(f"/usage?user={user_id(live_server, email)}").status_code == 404

@@ -7,16 +7,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from playwright.sync_api import Browser, BrowserContext, ViewportSize
+from playwright.sync_api import Browser, BrowserContext, Page, ViewportSize, expect
 
 from rewardsignal import SignalClient
-from tests.helpers.live_server import LiveServer
+from tests.helpers.live_server import TINY_MODEL, LiveServer
 from tests.web.conftest import SCREENSHOT_CLOCK, api_key_for, committing_screenshots, mint_login_link
 
 BATCH = [{"input": "The quick brown fox", "output": " jumps over the lazy dog."}]
 # Page names, for test ids; "login" is the signed-out page, the rest are signed in as the admin.
 PAGES = ["runs", "run", "keys", "start", "models", "admin", "account", "playground", "login", "graphql",
-         "compare", "usage"]
+         "compare", "usage", "new-run"]
 PHONE: ViewportSize = {"width": 390, "height": 844}
 DESKTOP: ViewportSize = {"width": 1280, "height": 860}
 
@@ -29,7 +29,7 @@ class Tour:
     other_run_id: str  # a second run, so the compare page has two
 
     def path(self, name: str) -> str:
-        return {"run": f"/runs/{self.run_id}", "graphql": "/graphql", "login": "/login",
+        return {"run": f"/runs/{self.run_id}", "graphql": "/graphql", "login": "/login", "new-run": "/runs/new",
                 "compare": f"/runs/compare?ids={self.run_id},{self.other_run_id}"}.get(name, f"/{name}")
 
     def context(self, browser: Browser, viewport: ViewportSize, signed_in: bool = True,
@@ -60,3 +60,17 @@ def make_tour(server: LiveServer, email: str = "tour@example.com") -> Tour:
     other.forward_backward(batch=BATCH)
     other.optim_step()
     return Tour(server, email, run.id, other.id)
+
+
+def play_side_by_side(page: Page, tour: Tour) -> None:
+    """The playground after one short prompt sampled from the tour's run and the base model, both panes done."""
+    page.goto(f"{tour.server.url}/playground?run={tour.run_id}")
+    page.select_option("#model-2", f"base:{TINY_MODEL}")
+    page.fill("#system", "Be brief")
+    page.fill("#prompt", "The quick brown fox")
+    page.fill("#max_tokens", "4")
+    page.get_by_role("button", name="Sample").click()
+    panes = page.locator(".play-stream")
+    expect(panes).to_have_count(2)
+    for i in range(2):
+        expect(panes.nth(i)).to_have_attribute("data-state", "done", timeout=60_000)
