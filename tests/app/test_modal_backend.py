@@ -337,7 +337,7 @@ def test_past_the_export_limit_the_run_page_says_signal_pull_instead_of_a_link(m
 
     visitor = sign_in(modal_server, email)
     page = visitor.client.get(f"/runs/{run.id}").text
-    rows = dict(re.findall(r'<tr data-checkpoint="([^"]+)">(.*?)</tr>', page, re.S))
+    rows = dict(re.findall(r'<tr data-checkpoint="([^"]+)"[^>]*>(.*?)</tr>', page, re.S))
     assert f"<code>signal pull {run.id}</code>" in rows[f"merged/{big.name}"]
     assert "/archive" not in rows[f"merged/{big.name}"]
     assert f'href="/runs/{run.id}/checkpoints/{small.id}/archive?format=tar"' in rows[f"state/{small.name}"]
