@@ -105,6 +105,9 @@ class Settings(BaseSettings):
     max_user_calls_waiting: int = Field(RuntimeOptions.max_user_calls_waiting, description="Past the calls in "
                                         "flight, most calls of one user waiting their turn; more are refused "
                                         "RESOURCE_EXHAUSTED (resource calls, retryAfterS; HTTP 429 on /v1).")
+    export_limit_bytes: int = Field(RuntimeOptions.export_limit_bytes, description="Most bytes of a checkpoint "
+                                    "downloaded through the runtime when the server cannot read its files (Modal's "
+                                    "Volume); a bigger one is copied with `signal pull`, as the run page says.")
     allow_downloads: bool = Field(False, description="Let the worker download models from the HF Hub.")
     worker_log: Path | None = Field(None, description="File for the worker's stderr; empty means inherit.")
     bootstrap_admin: bool = Field(True, description="On first start with no users, create an admin and print a key.")

@@ -70,7 +70,6 @@ from gpu_runtime.training_calls import LOAD_STATE  # the journal record type, re
 
 LORA_SHAPE = ("r", "alpha", "target_modules")  # a checkpoint loads into a run only where these agree
 UPLOAD_GRACE_SECONDS = 300  # at shutdown, Hub uploads in flight get this long to finish and answer
-EXPORT_LIMIT_BYTES = 256 * 1024**2  # a checkpoint archive sent through the runtime (JSON, base64); bigger: signal pull
 
 
 class Control:
@@ -379,9 +378,10 @@ class Control:
         source = checkpoint_dir(RunPaths(self.shared.data_dir, root.parent.name, call.run_id), call.mode, name)
         if not source.is_dir():
             raise NotFound(f"run {call.run_id!r} has no {call.mode} checkpoint named {name!r}", field="checkpoint")
-        if dir_size(source) > EXPORT_LIMIT_BYTES:
-            raise BadInput(f"the checkpoint is over {EXPORT_LIMIT_BYTES >> 20} MiB, too large to stream through the "
-                           "runtime: copy it with `signal pull`", field="checkpoint")
+        limit = self.shared.options.export_limit_bytes
+        if dir_size(source) > limit:
+            raise BadInput(f"the checkpoint is over {limit / 1024**2:g} MiB, too large to stream through the "
+                           f"runtime: copy it with `signal pull {call.run_id}`", field="checkpoint")
         buffer = io.BytesIO()
         with tarfile.open(fileobj=buffer, mode="w:gz") as archive:
             label = f"step{call.step}" if call.name is None else name  # the name archives had before names

@@ -218,6 +218,7 @@ class Engine(InProcess):
         plan: TickPlan = self.scheduler.next_tick(self._cost)
         stats.number, stats.requests = plan.number, len(plan.system) + len(plan.picks) + len(plan.free)
         self._planned = plan.free  # a cancel among the system calls may withdraw one
+        stats.system = len(plan.system)
         for request in plan.system:
             self._finish(request, self._isolated(request, functools.partial(self._answer_now, request)))
         fb_parts: dict[str, list[FbPart]] = {}

@@ -24,11 +24,14 @@ from gpu_runtime.pool import BaseEntry, Residency
 from gpu_runtime.run_state import RunState
 from gpu_runtime.scheduler import Request, Scheduler
 
+RECENT_TICKS = 60  # ticks that did work, kept for runtime_state (the admin page's chart)
+
 
 @dataclass
 class TickStats:
     number: int = 0
     requests: int = 0
+    system: int = 0  # of them, calls on no run (ping, runtime_state, tokenizer…): alone they make no tick worth listing
     fb_rows: int = 0
     fb_runs: int = 0
     base_passes: int = 0  # forward+backward passes of a base (one per base per tick when co-batched)
@@ -54,8 +57,8 @@ class Totals:
         self.base_passes += stats.base_passes
         self.fb_rows += stats.fb_rows
         self.decode_passes += stats.decode_passes
-        if stats.requests or stats.decode_passes:
-            self.last_ticks = (self.last_ticks + [stats.__dict__.copy()])[-20:]
+        if stats.requests > stats.system or stats.decode_passes:  # an admin reading the state adds no tick to it
+            self.last_ticks = (self.last_ticks + [stats.__dict__.copy()])[-RECENT_TICKS:]
 
 
 Answer = tuple[Request, dict[str, Any]]  # a request and its {"result": …} or {"error": …}

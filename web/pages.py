@@ -1,4 +1,4 @@
-"""The reading pages: home, models, getting started, and the admin's view of the runtime."""
+"""The reading pages: home, models and getting started."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response
 from starlette.routing import Route
 
-from app.errors import Forbidden, NotFound
 from web.render import page, services, signed_in
 from web.session import current
 
@@ -42,19 +41,9 @@ async def start_key(request: Request, user: User) -> Response:
     return page(request, "_start_env.html", user=user, secret=secret, key=key)
 
 
-@signed_in
-async def admin_page(request: Request, user: User) -> Response:
-    try:
-        state = await services(request).dashboard.runtime_state(user)
-    except Forbidden:
-        raise NotFound("page not found") from None  # the page's existence is not for everyone to learn
-    return page(request, "admin.html", user=user, state=state)
-
-
 routes = [
     Route("/", home),
     Route("/models", models_page),
     Route("/start", start_page),
     Route("/start/key", start_key, methods=["POST"]),
-    Route("/admin", admin_page),
 ]

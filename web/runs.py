@@ -24,6 +24,7 @@ if TYPE_CHECKING:  # rows are only ever received from app.services, never querie
     from app.tables import Checkpoint, Metric, Run, Sample, User
 
 SAVE_MODES = ("adapter", "merged", "state")
+PUSH_MODES = ("adapter", "merged")  # what a Hub repo is for: a state checkpoint (AdamW's moments) resumes only here
 # What each checkpoint kind is, in one line (issue 18 §8); its size is estimated by `_mode_sizes`.
 MODE_HELP = {
     "adapter": "the LoRA weights alone: load them over the base model with PEFT, or share them.",
@@ -112,9 +113,10 @@ async def run_page(request: Request, user: User) -> Response:
     svc = services(request)
     run = await svc.runs.get(user, request.path_params["run_id"])
     marks = [{"step": step, "t": first.timestamp()} for step, first in await svc.runs.sample_marks(run)]
+    checkpoints = await svc.runs.checkpoints(run)
     return page(request, "run.html", user=user, run=run, samples=await svc.runs.samples(run, limit=20),
-                checkpoints=await svc.runs.checkpoints(run), modes=SAVE_MODES, mode_help=MODE_HELP,
-                mode_sizes=_mode_sizes(run), sample_marks=marks,
+                checkpoints=checkpoints, modes=SAVE_MODES, **_checkpoint_context(request, run, checkpoints),
+                sample_marks=marks,
                 tinker=await svc.tinker_sessions.of_run(run.id))  # a run a Tinker client made: its session
 
 
@@ -206,6 +208,20 @@ async def delete_checkpoint(request: Request, user: User) -> Response:
 
 
 @signed_in
+async def push_to_hub(request: Request, user: User) -> Response:
+    """Save and upload in one call, as saveState(pushToHub: true) does: the token is this call's argument only."""
+    form = await request.form()
+    mode = str(form.get("mode", "adapter"))
+    if mode not in PUSH_MODES:
+        raise BadInput(f"mode must be one of {', '.join(PUSH_MODES)}", field="mode")
+    run_id = request.path_params["run_id"]
+    await services(request).runs.save_state(user, run_id, mode, push_to_hub=True,
+                                            hub_model_id=str(form.get("hub_model_id") or "").strip(),
+                                            hf_token=str(form.get("hf_token") or "").strip() or None)
+    return await _checkpoints(request, user, run_id)
+
+
+@signed_in
 async def checkpoints_card(request: Request, user: User) -> Response:
     """The checkpoints card alone: the run page fetches it again when its stream brings one it does not list."""
     return await _checkpoints(request, user, request.path_params["run_id"])
@@ -214,8 +230,18 @@ async def checkpoints_card(request: Request, user: User) -> Response:
 async def _checkpoints(request: Request, user: User, run_id: str) -> Response:
     svc = services(request)
     run = await svc.runs.get(user, run_id)
-    return page(request, "_checkpoints.html", user=user, run=run, checkpoints=await svc.runs.checkpoints(run),
-                mode_help=MODE_HELP, mode_sizes=_mode_sizes(run))
+    checkpoints = await svc.runs.checkpoints(run)
+    return page(request, "_checkpoints.html", user=user, run=run, checkpoints=checkpoints,
+                **_checkpoint_context(request, run, checkpoints))
+
+
+def _checkpoint_context(request: Request, run: Run, checkpoints: list[Checkpoint]) -> dict[str, Any]:
+    """What _checkpoints.html needs beyond the rows: each kind explained and sized, the kinds the Hub takes, and the
+    checkpoints only `signal pull` can copy (Modal, past the runtime's export limit)."""
+    svc = services(request)
+    return {"mode_help": MODE_HELP, "mode_sizes": _mode_sizes(run), "push_modes": PUSH_MODES,
+            "pull_only": svc.dashboard.pull_only(checkpoints),
+            "hub_integration": svc.billing is not None}  # the billing service may hold the user's token
 
 
 def _mode_sizes(run: Run) -> dict[str, int]:
@@ -284,6 +310,7 @@ routes = [
     Route("/runs/{run_id}/events", run_events),
     Route("/runs/{run_id}/metrics.csv", metrics_csv),
     Route("/runs/{run_id}/save", save_now, methods=["POST"]),
+    Route("/runs/{run_id}/push", push_to_hub, methods=["POST"]),
     Route("/runs/{run_id}/labels", update_labels, methods=["POST"]),
     Route("/runs/{run_id}/archive", archive_run, methods=["POST"]),
     Route("/runs/{run_id}/checkpoints", checkpoints_card),

@@ -11,6 +11,7 @@ from app.backends import Backend, make_backend
 from app.catalog import Catalog
 from app.db import Database
 from app.events import EventBroker, MetricFeed
+from app.services.admin import AdminService
 from app.services.billing import BillingClient
 from app.services.dashboard import DashboardService
 from app.services.keys import KeyService
@@ -49,6 +50,7 @@ class Services:
     tinker_sessions: TinkerSessions
     usage: UsageService  # per run, day and user, from call_records (issue 18 §6)
     run_form: RunForm  # the dashboard's New run form: its choices, and its fields read into a RunSpec
+    admin: AdminService  # every user, key and run, and the runtime's report (issue 18 §7)
     supabase: SupabaseSignIn | None = None  # only when SUPABASE_URL and SUPABASE_ANON_KEY are set
     # Shared by the Supabase client and the JWKS fetches; made only for them (its TLS context costs start-up 0.1 s).
     http: httpx.AsyncClient | None = None
@@ -62,6 +64,7 @@ class Services:
         broker = EventBroker()
         feed = MetricFeed(db, broker)
         users = UserService(db)
+        keys = KeyService(db)
         billing = BillingClient(settings, db) if settings.billing_enabled else None
         runs = RunService(db, backend, catalog, feed, settings.default_model, Ledger(db, Rates.of(settings), billing),
                           settings.runtime_options(), settings.record_retry_s, settings.deadlines_s)
@@ -84,7 +87,7 @@ class Services:
             broker=broker,
             feed=feed,
             users=users,
-            keys=KeyService(db),
+            keys=keys,
             runs=runs,
             login_links=LoginLinkService(db, settings.login_link_ttl_s),
             sessions=SessionService(db, settings.session_ttl_s),
@@ -94,6 +97,7 @@ class Services:
             tinker_sessions=tinker_sessions,
             usage=UsageService(db),
             run_form=RunForm(settings, catalog, runs),
+            admin=AdminService(db, backend, users, keys),
             supabase=supabase,
             http=http,
             billing=billing,

@@ -1,5 +1,5 @@
-"""What the dashboard shows beyond the API's own reads: runs with their last loss, checkpoint archives,
-and the runtime's state for admins. Every read goes through the run's ownership check first."""
+"""What the dashboard shows beyond the API's own reads: runs with their last loss, compare curves and checkpoint
+archives. Every read goes through the run's ownership check first (the admin's view is app/services/admin.py)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,7 @@ from app.backends import Backend
 from app.db import Database
 from app.errors import BadInput, NotFound
 from app.events import LOSS_METRICS, EventBroker
-from app.services.runs import FAILED, RunService
-from app.services.users import require_admin
+from app.services.runs import RunService
 from app.tables import Checkpoint, Metric, Run, User
 from app.tar_stream import TarStream, gzip_chunks
 
@@ -124,38 +123,13 @@ class DashboardService:
             return Archive(name, sent=data)
         raise NotFound(f"checkpoint {checkpoint_id}'s files are not on this server", field="checkpointId")
 
-    async def runtime_state(self, user: User) -> dict[str, Any]:
-        """The runtime as far as this server can see it, for admins (it names every user's runs): runs by what the
-        database knows (active, failed), and resident or evicted as the runtime says now (its own state; on Modal,
-        each pool this server called)."""
-        require_admin(user, "read the runtime's state")
-        async with self.db.session() as session:
-            by_status = dict((await session.execute(select(Run.status, func.count()).group_by(Run.status))).all())
-            users = await session.scalar(select(func.count()).select_from(User))
-        state: dict[str, Any] = {
-            "backend": type(self.backend).__name__,
-            "worker_pid": getattr(getattr(self.backend, "client", None), "pid", None),
-            "runs": {"total": sum(by_status.values()), "failed": int(by_status.get(FAILED, 0))},
-            "users": int(users or 0),
-        }
-        if not self.backend.ready:
-            state["runtime_error"] = "the runtime is still starting"
-            return state
-        try:
-            state["runtime"] = await self.backend.call("runtime_state")
-        except Exception as error:  # noqa: BLE001 - the admin page must render even when the runtime is down
-            state["runtime_error"] = f"{type(error).__name__}: {error}"
-            return state
-        state["runs"] |= residency(state["runtime"])
-        return state
-
-
-def residency(runtime: dict[str, Any]) -> dict[str, int]:
-    """Resident and evicted runs in a runtime_state answer: one runtime's, or the sum over Modal's pools."""
-    states = [s for s in runtime.get("pools", {}).values() if isinstance(s, dict)] if "pools" in runtime else [runtime]
-    return {"resident": sum(len(s.get("resident_runs", [])) for s in states),
-            "evicted": sum(len(s.get("evicted_runs", [])) for s in states)}
-
+    def pull_only(self, checkpoints: list[Checkpoint]) -> set[int]:
+        """The checkpoints (ids) a download cannot serve: on a backend whose files are not on this server's disk
+        (Modal), those past the runtime's export limit, which the runtime refuses to send. `signal pull` copies them."""
+        if self.backend.shares_disk:
+            return set()
+        limit = self.runs.bounds.export_limit_bytes
+        return {checkpoint.id for checkpoint in checkpoints if checkpoint.size_bytes > limit}
 
 
 def _curve(run: Run, rows: list[Any]) -> RunCurve:

@@ -10,6 +10,7 @@ from sqlalchemy import select, update
 from app.db import Database, database_error
 from app.errors import BadInput, NotFound, Unauthenticated
 from app.security import display_prefix, generate_api_key, hash_api_key
+from app.services.users import require_admin
 from app.tables import NAME_LENGTH, ApiKey, User, could_be_id, utcnow
 
 # Writing last_used_at on every request would turn every read into a write.
@@ -39,9 +40,17 @@ class KeyService:
             return list(rows)
 
     async def revoke(self, user: User, key_id: str) -> ApiKey:
+        return await self._revoke(key_id, owner=user.id)
+
+    async def revoke_any(self, admin: User, key_id: str) -> ApiKey:
+        """An admin revokes any user's key (the admin page)."""
+        require_admin(admin, "revoke another user's API key")
+        return await self._revoke(key_id, owner=None)
+
+    async def _revoke(self, key_id: str, owner: str | None) -> ApiKey:
         async with self.db.session() as session:
             key = await session.get(ApiKey, key_id) if could_be_id(key_id) else None
-            if key is None or key.user_id != user.id:
+            if key is None or (owner is not None and key.user_id != owner):
                 raise NotFound(f"API key {key_id!r} not found", field="id")
             if key.revoked_at is None:
                 key.revoked_at = utcnow()

@@ -45,7 +45,9 @@ from gpu_runtime.errors import BadInput
 # meets another version refuses to talk to it (a detached runtime outlives its server; a Modal deployment lags).
 # 4: RuntimeOptions gained the per-call bounds (max_batch_tokens, max_sample_rows, ...) and ping the version.
 # 5: sample gained `stream` (SampleChunk progress lines before its result) and the `cancel` call.
-CONTRACT_VERSION = 7
+# 7: cancel gained `deadline` (a call withdrawn at its deadline answers DEADLINE_EXCEEDED).
+# 8: RuntimeOptions gained export_limit_bytes (the dashboard reads the same bound the runtime enforces).
+CONTRACT_VERSION = 8
 
 
 class Method(enum.StrEnum):

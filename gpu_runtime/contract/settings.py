@@ -482,6 +482,9 @@ class RuntimeOptions:
     # waiting too, RESOURCE_EXHAUSTED (resource "calls", retry_after_s). An RL loop's 128 samples at once wait, not fail.
     max_user_calls_in_flight: int = 64
     max_user_calls_waiting: int = 1024
+    # Most bytes of one checkpoint sent through the runtime's export_checkpoint (base64 in one JSON answer: Modal's
+    # downloads); a bigger one is copied with `signal pull`, and the dashboard says so instead of offering a link.
+    export_limit_bytes: int = 256 * 1024**2
 
     def __post_init__(self) -> None:
         for f in fields(self):

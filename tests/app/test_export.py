@@ -5,6 +5,7 @@
   (tests/helpers/hub_standin.py: the network boundary, tests only); the user's token is sent as the
   Authorization header and found nowhere in the data directory or the worker's log;
 - missing hubModelId / hfToken are BAD_INPUT naming the field; the Hub's refusals are HUB_ERROR with its message;
+- the run page's push form does the same upload with the token it was given, which no file or row then holds;
 - every checkpoint's downloadUrl serves its files as a .tar.gz to its owner (API key or session), 404 to others.
 """
 
@@ -17,10 +18,15 @@ from pathlib import Path
 
 import httpx
 import pytest
+from sqlalchemy import select
 
+from app.db import Database
+from app.tables import Base
 from rewardsignal import AsyncSignalClient, BadInputError, HubError, NotFoundError, SignalClient
+from tests.conftest import ON_POSTGRES
 from tests.helpers.hub_standin import HubStandIn
 from tests.helpers.live_server import LiveServer, settings_for
+from tests.web.conftest import api_key_for, run_async, sign_in
 
 HF_TOKEN = "hf_standin_7f3a9c1e5b2d4f6a8c0e"  # distinctive, so a grep for it finds every copy
 BATCH = [{"input": "Q: What is 2 + 2?\nA:", "output": " 4"}, {"text": "The quick brown fox jumps over the lazy dog."}]
@@ -83,6 +89,47 @@ def test_push_to_hub_uploads_a_private_repo_with_card_and_manifest(server: LiveS
     leaks = [str(p) for p in Path(server.settings.data_dir).rglob("*") if p.is_file() and HF_TOKEN.encode() in p.read_bytes()]
     assert leaks == []
     assert (Path(server.settings.data_dir) / "worker.log").exists()
+
+
+def test_the_run_pages_push_form_uploads_with_the_token_and_stores_it_nowhere(server: LiveServer,
+                                                                              hub: HubStandIn) -> None:
+    """Issue 18 §8: the dashboard's "Push to the Hub" form calls the same saveState(pushToHub) service. The Hub is
+    the stand-in at HF_ENDPOINT (tests only: the real Hub cannot be reached from here)."""
+    email = "pusher@example.com"
+    run = trained_run(SignalClient(api_key=api_key_for(server, email), base_url=server.url))
+    visitor = sign_in(server, email)
+    form = visitor.client.get(f"/runs/{run.id}").text
+    assert f'hx-post="/runs/{run.id}/push"' in form and 'name="hf_token" type="password"' in form
+    seen = len(hub.authorizations)
+
+    answer = visitor.post(f"/runs/{run.id}/push",
+                          data={"mode": "adapter", "hub_model_id": "alice/from-the-page", "hf_token": HF_TOKEN})
+
+    assert answer.status_code == 200, answer.text
+    repo = hub.repos["alice/from-the-page"]
+    assert repo.private is True and "adapter_model.safetensors" in repo.files and "README.md" in repo.files
+    assert set(hub.authorizations[seen:]) == {f"Bearer {HF_TOKEN}"}  # the form's token, on every Hub call
+    assert f'href="{hub.url}/alice/from-the-page"' in answer.text and HF_TOKEN not in answer.text
+    # Not in any file of the data directory (the SQLite database and its WAL among them) nor in any table's rows.
+    files = [p for p in Path(server.settings.data_dir).rglob("*") if p.is_file()]
+    assert ON_POSTGRES or any(p.name == "signal.db" for p in files)
+    assert [str(p) for p in files if HF_TOKEN.encode() in p.read_bytes()] == []
+    assert HF_TOKEN not in every_row(server)
+
+
+def every_row(server: LiveServer) -> str:
+    """Every row of every table, as text: what the database holds, on SQLite or PostgreSQL."""
+
+    async def read() -> str:
+        db = Database(server.settings.resolved_database_url)
+        try:
+            async with db.session() as session:
+                return "\n".join([repr((await session.execute(select(table))).all())
+                                  for table in Base.metadata.sorted_tables])
+        finally:
+            await db.dispose()
+
+    return str(run_async(read()))
 
 
 def test_push_to_hub_refusals_are_typed(server: LiveServer, hub: HubStandIn, monkeypatch: pytest.MonkeyPatch) -> None:

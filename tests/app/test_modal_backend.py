@@ -15,6 +15,7 @@ import asyncio
 import importlib.metadata
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 import tomllib
@@ -37,6 +38,7 @@ from gpu_runtime.errors import FailedPrecondition
 from gpu_runtime.journal import Journal
 from rewardsignal import BadInputError, SignalClient
 from tests.helpers.live_server import TINY_MODEL, LiveServer, settings_for
+from tests.web.conftest import api_key_for, sign_in
 
 # `.local()` warns that the Volume is not mounted: that is the point of the offline path.
 pytestmark = pytest.mark.filterwarnings("ignore:The .* function is executing locally:UserWarning")
@@ -45,6 +47,9 @@ REPO = Path(__file__).resolve().parents[2]
 BATCH = [{"input": "The quick brown fox", "output": " jumps over the lazy dog."},
          {"text": "Machine learning is transforming technology."}]
 TINY_POOL = pool_key(TINY_MODEL, "L40S:1", None)
+# The runtime's export limit here: the tiny model's state checkpoints (tens of KB) download through the runtime, its
+# merged ones (its 3M-parameter embedding in float32, over 12 MB) are past it, as a real model's merged ones are.
+EXPORT_LIMIT = 1024**2
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +69,8 @@ def offline_backend(settings: Settings) -> ModalBackend:
 
 @pytest.fixture(scope="module")
 def modal_server(tiny_model_dir: str, container_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    settings = settings_for(tmp_path_factory.mktemp("modal-server"), tiny_model_dir, backend="modal")
+    settings = settings_for(tmp_path_factory.mktemp("modal-server"), tiny_model_dir, backend="modal",
+                            export_limit_bytes=EXPORT_LIMIT)
     server = LiveServer.start(settings, backend=offline_backend(settings))
     yield server
     server.stop()
@@ -319,6 +325,24 @@ def test_a_checkpoint_on_the_volume_downloads_through_the_runtime(modal_server: 
     assert Path("adapter_model.safetensors") in expected
     response = httpx.get(artifact.download_url, headers={"Authorization": f"Bearer {other}"}, timeout=60)
     assert response.status_code == 404  # another user's checkpoint, before the runtime is asked
+
+
+def test_past_the_export_limit_the_run_page_says_signal_pull_instead_of_a_link(modal_server: LiveServer) -> None:
+    """Issue 18 §8: on Modal a checkpoint past the runtime's export limit cannot come through the runtime; the run page
+    offers the command that copies it, and the archive URL, asked anyway, is refused naming that command."""
+    email = "big-checkpoints@example.com"
+    run = SignalClient(api_key=api_key_for(modal_server, email), base_url=modal_server.url).create_run(lora_r=4)
+    small, big = run.save_state(mode="state"), run.save_state(mode="merged")
+    assert small.size_bytes <= EXPORT_LIMIT < big.size_bytes
+
+    visitor = sign_in(modal_server, email)
+    page = visitor.client.get(f"/runs/{run.id}").text
+    rows = dict(re.findall(r'<tr data-checkpoint="([^"]+)"[^>]*>(.*?)</tr>', page, re.S))
+    assert f"<code>signal pull {run.id}</code>" in rows[f"merged/{big.name}"]
+    assert "/archive" not in rows[f"merged/{big.name}"]
+    assert f'href="/runs/{run.id}/checkpoints/{small.id}/archive?format=tar"' in rows[f"state/{small.name}"]
+    refused = visitor.client.get(big.download_url)
+    assert refused.status_code == 422 and f"signal pull {run.id}" in refused.text  # BAD_INPUT
 
 
 def test_a_pool_deployed_from_other_code_is_refused_naming_modal_deploy(tmp_path: Path) -> None:

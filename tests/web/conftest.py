@@ -72,11 +72,13 @@ def mint_login_link(server: LiveServer, email: str, is_admin: bool = False) -> s
     return f"{server.url}/auth/link?token={run_async(mint())}"
 
 
-def api_key_for(server: LiveServer, email: str) -> str:
+def api_key_for(server: LiveServer, email: str, is_admin: bool = False) -> str:
+    """A new API key of `email` (the user is created if new, an admin with `is_admin`; an existing one keeps its role)."""
+
     async def make() -> str:
         db = Database(server.settings.resolved_database_url)
         try:
-            user, _ = await UserService(db).get_or_create(email)
+            user, _ = await UserService(db).get_or_create(email, is_admin=is_admin)
             return (await KeyService(db).create(user, "test"))[0]
         finally:
             await db.dispose()

@@ -51,7 +51,8 @@ def violations(context: BrowserContext, url: str, within: dict[str, Any], ready:
                picture: str | None = None) -> list[dict[str, Any]]:
     page = context.new_page()
     try:
-        page.goto(url)
+        response = page.goto(url)
+        assert response is not None and response.status == 200, url  # the page itself, not the 404 page in its place
         page.wait_for_selector(ready, state="attached") if ready else page.wait_for_load_state("networkidle")
         if picture:
             shot(page, picture)  # before axe adds anything to the page

@@ -58,7 +58,8 @@ def test_every_page_fits_a_phone(name: str, tour: Tour, phone: BrowserContext, b
     # Without bypass_csp (unlike test_accessibility.py): Chromium logs each thing the CSP refused as a console error.
     page.on("console", lambda message: errors.append(message.text) if "Content Security Policy" in message.text else None)
     try:
-        page.goto(tour.server.url + tour.path(name))
+        response = page.goto(tour.server.url + tour.path(name))
+        assert response is not None and response.status == 200  # the page itself, not the 404 page in its place
         page.wait_for_load_state("networkidle") if name != "run" else page.wait_for_selector("#loss-chart canvas")
         if name == "compare":
             page.wait_for_selector("#compare-chart canvas")

@@ -160,14 +160,15 @@ def test_disabling_a_user_ends_their_sessions_keys_and_links(live_server: LiveSe
     other = sign_in(live_server, visitor.email)  # a second browser of the same user
     key = api_key_for(live_server, visitor.email)
 
-    async def disable(db: Database) -> None:
-        users = UserService(db)
-        admin, _ = await users.get_or_create("disabler@example.com", is_admin=True)
-        target = await users.find(visitor.email)
-        assert target is not None
-        await users.set_disabled(admin, target.id)
-
-    db_call(live_server, disable)
+    # From the admin page's Disable button (issue 18 §7): the button's URL holds the user's id.
+    admin = sign_in(live_server, "disabler@example.com", is_admin=True)
+    row = re.search(rf'<tr data-user="{re.escape(visitor.email)}">(.*?)</tr>', admin.client.get("/admin").text, re.S)
+    assert row is not None
+    button = re.search(r'hx-post="(/admin/users/[^"]+/disabled)"', row.group(1))
+    assert button is not None
+    disabled = admin.post(button.group(1), data={"disabled": "1"})
+    after = re.search(rf'<tr data-user="{re.escape(visitor.email)}">(.*?)</tr>', disabled.text, re.S)
+    assert disabled.status_code == 200 and after is not None and '<span class="pill muted">disabled</span>' in after.group(1)
     assert [c.get("/keys").status_code for c in (visitor.client, other.client)] == [303, 303]
     with pytest.raises(AuthenticationError):
         SignalClient(api_key=key, base_url=live_server.url).list_runs()
