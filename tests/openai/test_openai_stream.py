@@ -12,6 +12,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 from rewardsignal import SignalClient
 from tests.helpers.live_server import TINY_MODEL, LiveServer
@@ -19,7 +20,7 @@ from tests.helpers.live_server import TINY_MODEL, LiveServer
 pytestmark = pytest.mark.timeout(600)
 
 LONG = 200  # tokens: many decode chunks of the tiny model (its context is 256)
-MESSAGES = [{"role": "user", "content": "Tell me a long story"}]
+MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Tell me a long story"}]
 BASE_SAMPLES = "query { baseSamples { prompt output params } }"
 
 
