@@ -63,7 +63,7 @@ test-web: install
 screenshots: install
 	SIGNAL_TEST_SCREENSHOTS=tests/web/screenshots $(PY) -m pytest -q tests/web/test_browser.py tests/web/test_phone.py tests/web/test_accessibility.py
 
-# ruff and mypy, both configured in pyproject.toml (bench/ is scripts, linted by ruff only).
+# ruff and mypy, both configured in pyproject.toml (mypy covers tests/, bench/ and examples/ too).
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
