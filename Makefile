@@ -68,7 +68,7 @@ screenshots: install
 fuzz: install
 	$(PY) -m tests.fuzz.long --max-time 120
 
-# ruff and mypy, both configured in pyproject.toml (bench/ is scripts, linted by ruff only).
+# ruff and mypy, both configured in pyproject.toml (mypy covers tests/, bench/ and examples/ too).
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy

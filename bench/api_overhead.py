@@ -17,11 +17,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 ADAM = {"learning_rate": 1e-4, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.0, "grad_clip_norm": 1.0}
-LORA = {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": None}
+LORA: dict[str, Any] = {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": None}
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
@@ -92,7 +93,7 @@ def main() -> None:
         data_dir = Path(tmp)
         cache.mkdir(parents=True, exist_ok=True)
         (data_dir / "models").symlink_to(cache)  # de-quantize the default model once, reuse it after
-        sides = {"api": ThroughApi(args, data_dir), "engine": InProcess(args, data_dir)}
+        sides: dict[str, ThroughApi | InProcess] = {"api": ThroughApi(args, data_dir), "engine": InProcess(args, data_dir)}
         try:
             # Steps alternate between the two sides, so drift in the machine's speed hits both alike.
             for step in range(args.steps + 1):

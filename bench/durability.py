@@ -46,8 +46,9 @@ class Side:
         self.options = RuntimeOptions(**options)
         self.client = RuntimeClient(data_dir, device=args.device, options=self.options, env=env)
         self.client.start()
-        self.pid = self.client.pid
-        assert self.pid is not None
+        pid = self.client.pid
+        assert pid is not None
+        self.pid = pid
         self.run_id = f"run-{name}"
         self.created = self.client.call("create_run", run_id=self.run_id, user_id=f"user-{name}", base_model=args.model,
                                         lora={"r": args.rank}, seed=0)

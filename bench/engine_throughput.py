@@ -15,10 +15,11 @@ import argparse
 import random
 import time
 import uuid
+from typing import Any
 
 from benchlib import apply_threads, common_args, emit, log, scratch_data_dir, target
 
-LORA = {"r": 8, "alpha": 16, "dropout": 0.0}
+LORA: dict[str, Any] = {"r": 8, "alpha": 16, "dropout": 0.0}
 ADAM = {"learning_rate": 1e-4, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.0, "grad_clip_norm": 1.0}
 
 
@@ -113,7 +114,7 @@ def main() -> None:
         try:
             # Steps alternate between the two sides (and which goes first), so drift in the machine's speed hits both alike.
             for step in range(steps + 1):
-                sides = [("worker", worker), ("baseline", baseline)]
+                sides: list[tuple[str, WorkerSide | PeftSide]] = [("worker", worker), ("baseline", baseline)]
                 for name, side in sides if step % 2 == 0 else reversed(sides):
                     start = time.perf_counter()
                     side.step(batch)

@@ -189,7 +189,8 @@ def bench(args: argparse.Namespace) -> None:
 
         recorder, stop, health_stop = Recorder(), threading.Event(), threading.Event()
         health: list[tuple[float, str]] = []
-        steps: dict[str, list[int]] = {run.id: [] for run in runs} | {run_id: [] for run_id in flood_runs}
+        steps: dict[str, list[int]] = {run.id: [] for run in runs}
+        steps.update({run_id: [] for run_id in flood_runs})
         health_thread = threading.Thread(target=health_loop, args=(url, health_stop, health), daemon=True)
         health_thread.start()
         with ThreadPoolExecutor(16) as pool:

@@ -27,7 +27,7 @@ from benchlib import REPO_ROOT, SHORT_TEXTS, apply_threads, emit, log, median, s
 
 
 def parse_args() -> argparse.Namespace:
-    from gpu_runtime.models import DEFAULT_BASE_MODEL
+    from gpu_runtime.model_files import DEFAULT_BASE_MODEL
 
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--model", default=DEFAULT_BASE_MODEL, help="the default model's name or a directory")

@@ -46,7 +46,7 @@ def main() -> None:
                                   "advantages": [rng.uniform(-1, 1) for _ in range(args.tokens)],
                                   "logprobs": [rng.uniform(-5, 0) for _ in range(args.tokens)]}} for _ in range(args.rows)]
     sides = {"typed": graphql_batch(datums), "packed": graphql_batch([pack_datum(d) for d in datums])}
-    item_type = GraphQLNonNull(GraphQLList(GraphQLNonNull(schema._schema.get_type("BatchItem"))))  # type: ignore[arg-type]
+    item_type = GraphQLNonNull(GraphQLList(GraphQLNonNull(schema._schema.get_type("BatchItem"))))  # type: ignore[type-var]  # get_type is Optional; BatchItem exists
     renderer = Renderer(NoTokenizer(), vocab_size=49152, max_length=args.tokens + 1)  # type: ignore[arg-type]  # duck-typed
     runtime_items = {"typed": datums, "packed": [pack_datum(d) for d in datums]}
     seconds: dict[str, list[float]] = {"typed": [], "packed": []}

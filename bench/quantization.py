@@ -37,7 +37,7 @@ def base_bytes(model: Any) -> int:
 
     total, seen = 0, set()
 
-    def add(tensor: torch.Tensor) -> None:
+    def add(tensor: torch.Tensor | None) -> None:
         nonlocal total
         if isinstance(tensor, torch.Tensor) and tensor.data_ptr() not in seen:
             seen.add(tensor.data_ptr())

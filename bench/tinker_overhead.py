@@ -77,7 +77,7 @@ class Tinker:
         self.training = self.service.create_lora_training_client(base_model=served.model_name, rank=RANK,
                                                                  seed=0).result()
         self.data = [types.Datum(model_input=types.ModelInput.from_ints(row[:-1]),
-                                 loss_fn_inputs={"target_tokens": row[1:], "weights": [1.0] * (len(row) - 1)})
+                                 loss_fn_inputs={"target_tokens": row[1:], "weights": [1.0] * (len(row) - 1)})  # type: ignore[dict-item]  # Datum converts lists to TensorData
                      for row in rows]
         self.adam = types.AdamParams(**ADAM)
 

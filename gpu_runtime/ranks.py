@@ -103,7 +103,7 @@ class RankGroup:
         if dist.is_initialized():
             raise BadInput("this process already belongs to a process group: one multi-rank pool per process "
                            "(a Modal container, or the local runtime)", field="local_ranks")
-        store = dist.TCPStore(  # type: ignore[attr-defined]  # exported by torch.distributed, not in its __all__
+        store = dist.TCPStore(
             "127.0.0.1", 0, self.world, is_master=True, wait_for_workers=False,
                               timeout=timedelta(seconds=START_TIMEOUT_S))
         self._store, self.failed, self._stopping = store, None, False
@@ -394,7 +394,7 @@ def main(argv: list[str] | None = None) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     options = RuntimeOptions.from_dict(json.loads(args.options))
-    store = dist.TCPStore(  # type: ignore[attr-defined]  # exported by torch.distributed, not in its __all__
+    store = dist.TCPStore(
         "127.0.0.1", args.port, args.world, is_master=False, timeout=timedelta(seconds=START_TIMEOUT_S))
     store.set(f"ready/{args.rank}", "1")
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=args.rank,

@@ -24,7 +24,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cache
@@ -156,7 +156,7 @@ def _camel(name: str) -> str:
     return head + "".join(part.title() for part in rest)
 
 
-def _batch(batch: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _batch(batch: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """Items as GraphQL's BatchItem: Tinker's datum keys (model_input, loss_fn_inputs.target_tokens, …) in camelCase;
     Signal's own keys are single words already."""
     def item(value: dict[str, Any]) -> dict[str, Any]:
@@ -227,7 +227,7 @@ class _ClientBase:
             if pipeline is not None and pipeline.session == session:
                 pipeline.unanswered -= 1
 
-    def _split(self, batch: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    def _split(self, batch: Sequence[dict[str, Any]]) -> list[Sequence[dict[str, Any]]]:
         """`batch` in parts of at most the server's max_batch_size (known: `_max_batch_size`), in order."""
         most = self._max_batch_size()
         if not most or not isinstance(batch, list) or len(batch) <= most:
@@ -312,7 +312,7 @@ class _ClientBase:
         return self._run(_primitive("Sample", variables, "sample"))
 
     @_answers(ForwardResult)
-    def forward(self, batch: list[dict[str, Any]], base_model: str, loss_fn: str | None = None,
+    def forward(self, batch: Sequence[dict[str, Any]], base_model: str, loss_fn: str | None = None,
                 loss_fn_config: dict[str, Any] | None = None) -> Any:
         """The loss and per-position `logprobs` of `batch` on a base model alone (no run, no adapter): the
         reference a DPO or KL term needs. `run.forward(...)` runs on a run's weights."""
@@ -685,7 +685,7 @@ class _RunBase:
         return self._client._run(Call("UnarchiveRun", {"runId": self.id}, "unarchiveRun", self._store))
 
     @_answers(ForwardBackwardResult)
-    def forward_backward(self, batch: list[dict[str, Any]], loss_fn: str | None = None,
+    def forward_backward(self, batch: Sequence[dict[str, Any]], loss_fn: str | None = None,
                          loss_fn_config: dict[str, Any] | None = None, reduction: str | None = None,
                          return_outputs: bool = False) -> Any:
         """Loss and gradients for `batch`; gradients add up until `optim_step`. Unset: the server's
@@ -700,7 +700,7 @@ class _RunBase:
         return self._client._run_all(calls, functools.partial(combine_forward_backward, reduction=reduction or "mean"))
 
     @_answers(ForwardResult)
-    def forward(self, batch: list[dict[str, Any]], loss_fn: str | None = None,
+    def forward(self, batch: Sequence[dict[str, Any]], loss_fn: str | None = None,
                 loss_fn_config: dict[str, Any] | None = None, snapshot: str | None = None) -> Any:
         """The loss and each datum's per-position `logprobs` on the run's current weights (or with `snapshot`, on
         a snapshot of it: it waits for none of the run's training), with no backward: no gradient, step or
@@ -710,7 +710,7 @@ class _RunBase:
         return self._client._run(_primitive("Forward", variables, "forward"))
 
     @_answers(list[Datum])
-    def render_datums(self, batch: list[dict[str, Any]], loss_fn: str | None = None) -> Any:
+    def render_datums(self, batch: Sequence[dict[str, Any]], loss_fn: str | None = None) -> Any:
         """The token-level datums ({model_input, loss_fn_inputs}) the server builds for `batch` on this run's model."""
         variables = _drop_none({"runId": self.id, "batch": _batch(batch), "lossFn": loss_fn})
         return self._client._run(Call("RenderDatums", variables, "renderDatums"))

@@ -60,7 +60,7 @@ def test_healthz_answers_while_a_run_trains(live_server: LiveServer, key: str) -
     busy = threading.Thread(target=run.sample, kwargs={"prompts": ["hello"] * 4, "max_tokens": 120,
                                                        "temperature": 1.0, "num_samples": 2})
     busy.start()
-    answers = []
+    answers: list[tuple[int, bool]] = []
     while busy.is_alive() and len(answers) < 50:
         response = httpx.get(f"{live_server.url}/healthz", timeout=10)
         answers.append((response.status_code, busy.is_alive()))

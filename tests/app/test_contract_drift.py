@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from strawberry.utils.str_converters import to_camel_case
 
 from app.schema import schema
 from gpu_runtime import contract
-from graphql import GraphQLInputObjectType, GraphQLObjectType, OperationDefinitionNode, parse, value_from_ast_untyped
+from graphql import FieldNode, GraphQLInputObjectType, GraphQLObjectType, OperationDefinitionNode, parse, value_from_ast_untyped
 
 OPERATIONS = Path(__file__).resolve().parents[2] / "graphql" / "operations"
 SDL = schema._schema  # graphql-core's schema, which strawberry builds
@@ -60,6 +60,7 @@ RESULTS: list[tuple[str, type[contract.Result]]] = [
 
 @pytest.mark.parametrize(("mutation", "call"), MUTATIONS, ids=[m for m, _ in MUTATIONS])
 def test_each_primitive_takes_the_contracts_arguments_with_its_defaults(mutation: str, call: type[contract.Call]) -> None:
+    assert SDL.mutation_type is not None
     arguments = SDL.mutation_type.fields[mutation].args
     for field in dataclasses.fields(call):
         if field.name in NOT_ARGUMENTS and field.name != "run_id":
@@ -99,17 +100,18 @@ def _variable_defaults() -> list[tuple[str, str, str, Any]]:
             if not isinstance(definition, OperationDefinitionNode) or definition.operation.value != "mutation":
                 continue
             defaults = {v.variable.name.value: value_from_ast_untyped(v.default_value)
-                        for v in definition.variable_definitions if v.default_value is not None}
+                        for v in definition.variable_definitions or () if v.default_value is not None}
             for selection in definition.selection_set.selections:
                 for argument in getattr(selection, "arguments", []):
                     variable = getattr(argument.value, "name", None)
                     if variable is not None and variable.value in defaults:
-                        found.append((path.name, selection.name.value, argument.name.value, defaults[variable.value]))
+                        found.append((path.name, cast(FieldNode, selection).name.value, argument.name.value, defaults[variable.value]))
     return found
 
 
 @pytest.mark.parametrize(("document", "field", "argument", "default"), _variable_defaults())
 def test_operation_documents_default_to_what_the_schema_does(document: str, field: str, argument: str, default: Any) -> None:
+    assert SDL.mutation_type is not None
     schema_default = SDL.mutation_type.fields[field].args[argument].default_value
     schema_default = getattr(schema_default, "value", schema_default)
     if isinstance(default, str) and hasattr(schema_default, "upper"):

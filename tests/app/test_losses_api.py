@@ -3,6 +3,8 @@ server with a tiny real model."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from rewardsignal import SignalClient, pack_datum
@@ -10,7 +12,7 @@ from rewardsignal.client import _batch as graphql_batch
 from rewardsignal.errors import BadInputError
 from tests.helpers.live_server import LiveServer, error_code
 
-DATUMS = [
+DATUMS: list[dict[str, Any]] = [
     {"model_input": [28120, 905, 314, 260], "loss_fn_inputs": {
         "target_tokens": [0, 0, 3575, 282], "advantages": [0.0, 0.0, 1.0, -0.5], "logprobs": [0.0, 0.0, -9.0, -8.5]}},
     {"model_input": [260, 3575], "loss_fn_inputs": {"target_tokens": [282, 905], "advantages": [0.0, 0.0],

@@ -159,7 +159,8 @@ def test_each_catalogue_entry_gets_its_gpu_string() -> None:
 
 
 def test_class_runs_the_engine_and_answers_plain_data(tiny_model_dir: str, container_dir: Path) -> None:
-    pool = modal_app.Pool.with_options(gpu="L40S")(pool=pool_key("direct", "L40S", None), options="{}")
+    pool = modal_app.Pool.with_options(gpu="L40S")(  # type: ignore[attr-defined]  # app.cls makes a modal.Cls, typed as the class
+        pool=pool_key("direct", "L40S", None), options="{}")
     created = pool.call.local("create_run", {"run_id": "direct1", "user_id": "u1", "base_model": tiny_model_dir,
                                              "lora": {"r": 4}, "seed": 1})
     assert created["result"]["trainable_params"] > 0

@@ -23,6 +23,7 @@ from typing import IO, Any
 import httpx
 import pytest
 import websockets
+from websockets.typing import Subprotocol
 
 from rewardsignal import SignalClient
 from rewardsignal.operations import document
@@ -213,7 +214,7 @@ async def test_live_metrics_survive_a_dropped_listen_connection(cluster: Cluster
 
 @contextlib.asynccontextmanager
 async def _subscription(url: str, key: str, run_id: str) -> AsyncIterator[Any]:
-    async with websockets.connect(url.replace("http", "ws") + "/graphql", subprotocols=["graphql-transport-ws"]) as ws:
+    async with websockets.connect(url.replace("http", "ws") + "/graphql", subprotocols=[Subprotocol("graphql-transport-ws")]) as ws:
         await ws.send(json.dumps({"type": "connection_init", "payload": {"Authorization": f"Bearer {key}"}}))
         assert json.loads(await ws.recv())["type"] == "connection_ack"
         await ws.send(json.dumps({"id": "1", "type": "subscribe",

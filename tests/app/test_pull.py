@@ -61,8 +61,8 @@ def test_pull_then_rederive_from_the_journal(tmp_path: Path, tiny_model_dir: str
     # And it trains on as the original does: the same loss, then the same step (pending gradients included).
     assert again_engine.forward_backward("run-p", BATCH[2:])["loss"] == engine.forward_backward("run-p", BATCH[2:])["loss"]
     stepped = [e.optim_step("run-p", {"learning_rate": 1e-2}) for e in (again_engine, engine)]
-    for result in stepped:
-        assert result.pop("compute_seconds") > 0  # a timing: the one field that may differ
+    for answer in stepped:
+        assert answer.pop("compute_seconds") > 0  # a timing: the one field that may differ
     assert stepped[0] == stepped[1]
     assert_same_weights(lora_weights(again_engine, "run-p"), lora_weights(engine, "run-p"))
     manifest = [json.loads(line) for line in (run_dir / "manifest.jsonl").read_text().splitlines()]

@@ -4,6 +4,7 @@ sorted by the runs list; another user's run cannot be renamed. Real server, tiny
 from __future__ import annotations
 
 import re
+from typing import Any
 
 from rewardsignal import SignalClient
 from tests.helpers.live_server import TINY_MODEL, LiveServer, error_code
@@ -45,6 +46,7 @@ def test_rename_tag_and_note_then_read_back(live_server: LiveServer, key: str) -
 
 def test_labels_out_of_bounds_are_refused_naming_the_field(live_server: LiveServer, key: str) -> None:
     run = create(live_server, key, name="bounded")
+    cases: list[tuple[dict[str, Any], str]]
     cases = [({"name": " "}, "name"), ({"name": "n" * 201}, "name"), ({"tags": [f"t{i}" for i in range(21)]}, "tags"),
              ({"tags": ["x" * 41]}, "tags"), ({"note": "n" * 10_001}, "note")]
     for variables, field in cases:

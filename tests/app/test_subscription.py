@@ -6,9 +6,11 @@ import asyncio
 import json
 import threading
 import uuid
+from typing import Any
 
 import pytest
 import websockets
+from websockets.typing import Subprotocol
 
 from app.db import Database
 from app.services.users import UserService
@@ -19,7 +21,7 @@ from tests.helpers.live_server import LiveServer
 
 async def _connect(live_server: LiveServer, params: dict):  # type: ignore[no-untyped-def]
     ws = await websockets.connect(live_server.url.replace("http", "ws") + "/graphql",
-                                  subprotocols=["graphql-transport-ws"])
+                                  subprotocols=[Subprotocol("graphql-transport-ws")])
     await ws.send(json.dumps({"type": "connection_init", "payload": params}))
     return ws
 
@@ -53,7 +55,7 @@ async def test_events_arrive_as_another_client_trains(live_server: LiveServer, k
     await _subscribe(ws, run.id)
     await asyncio.sleep(0.3)  # let the subscription register before training starts
 
-    results: dict[str, object] = {}
+    results: dict[str, Any] = {}
 
     def trainer() -> None:
         trainer_client = SignalClient(api_key=key, base_url=live_server.url)
@@ -79,7 +81,7 @@ async def test_bad_key_is_refused_at_connection(live_server: LiveServer) -> None
     ws = await _connect(live_server, {"Authorization": "Bearer sk-wrong"})
     with pytest.raises(websockets.ConnectionClosed) as closed:
         await _next(ws, "connection_ack")
-    assert closed.value.rcvd.code == 4403
+    assert closed.value.rcvd is not None and closed.value.rcvd.code == 4403
 
 
 async def test_another_users_run_cannot_be_watched(live_server: LiveServer, key: str) -> None:

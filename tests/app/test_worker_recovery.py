@@ -35,6 +35,7 @@ def kill_worker_when_busy(live_server: LiveServer) -> int:
     live_server.wait_for(lambda: live_server.backend.in_flight > 0 and live_server.worker_pid is not None,
                          "a call to reach the worker")
     pid = live_server.worker_pid
+    assert pid is not None
     os.kill(pid, signal.SIGKILL)
     return pid
 
@@ -76,6 +77,7 @@ def test_worker_killed_between_calls_is_replaced_by_the_next_call(live_server: L
     expected = run.forward_backward(batch=BATCH).loss  # the loss the weights of step 2 give
 
     old_pid = live_server.worker_pid
+    assert old_pid is not None
     os.kill(old_pid, signal.SIGKILL)
     live_server.wait_for(lambda: not live_server.backend.client.alive, "the worker to be gone")
 

@@ -58,7 +58,9 @@ def test_dpo_short_run_moves_the_margin(live_server: LiveServer) -> None:
 
 def test_sft_chat_short_run_trains_on_assistant_turns(live_server: LiveServer) -> None:
     out = run_example(live_server, "sft_chat.py", "--steps", "2", "--base-model", "tiny-llama")
-    trained = [int(n) for n in re.search(r"assistant tokens trained on: \[([\d, ]+)\]", out).group(1).split(",")]
+    found = re.search(r"assistant tokens trained on: \[([\d, ]+)\]", out)
+    assert found is not None, out
+    trained = [int(n) for n in found.group(1).split(",")]
     assert len(trained) == 3 and all(n > 0 for n in trained)
     losses = [float(x) for x in re.findall(r"step \d+: loss ([\d.]+)", out)]
     assert len(losses) == 2 and losses[1] < losses[0]

@@ -157,6 +157,7 @@ ALIASED_STEPS = ("mutation($r: ID!) { a: forwardBackward(runId: $r, batch: [{tex
 
 
 def test_every_primitive_is_a_mutation() -> None:
+    assert schema._schema.mutation_type is not None
     assert PRIMITIVES <= set(schema._schema.mutation_type.fields)
 
 

@@ -7,12 +7,13 @@ from __future__ import annotations
 import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
 from app.db import database_error
-from app.errors import ResourceExhausted, Unavailable
+from app.errors import ResourceExhausted, SignalError, Unavailable
 from tests.conftest import ON_POSTGRES
 from tests.helpers.live_server import LiveServer, settings_for
 
@@ -31,7 +32,7 @@ def server(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Ite
     live.stop()
 
 
-def post(server: LiveServer, key: str, body: dict[str, str]) -> dict[str, object]:
+def post(server: LiveServer, key: str, body: dict[str, str]) -> dict[str, Any]:
     response = httpx.post(f"{server.url}/graphql", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=60)
     return dict(response.json())
 
@@ -47,14 +48,14 @@ def test_a_write_under_an_exclusive_lock_is_unavailable_then_succeeds(server: Li
     try:
         holder.execute("BEGIN EXCLUSIVE")
         body = post(server, key, CREATE_KEY)
-        (error,) = body["errors"]  # type: ignore[misc]  # a GraphQL answer's list
+        (error,) = body["errors"]
         assert error["extensions"]["code"] == "UNAVAILABLE" and error["extensions"]["retryable"] is True
         assert "locked" in error["message"]
     finally:
         holder.execute("ROLLBACK")
         holder.close()
     body = post(server, key, CREATE_KEY)
-    assert "errors" not in body and body["data"]["createApiKey"]["secret"].startswith("sk-")  # type: ignore[index]
+    assert "errors" not in body and body["data"]["createApiKey"]["secret"].startswith("sk-")
 
 
 @sqlite_only
@@ -65,7 +66,7 @@ def test_a_read_only_database_is_unavailable_for_writes_and_serves_reads(server:
     reader = LiveServer.start(settings_for(tmp_path / "ro", tiny_model_dir, database_url=url), wait_for_runtime=False)
     try:
         assert post(reader, key, RUNS)["data"] == {"runs": []}
-        (error,) = post(reader, key, CREATE_KEY)["errors"]  # type: ignore[misc]
+        (error,) = post(reader, key, CREATE_KEY)["errors"]
         assert error["extensions"]["code"] == "UNAVAILABLE" and "read-only" in error["message"]
     finally:
         reader.stop()
@@ -80,7 +81,7 @@ class _PgError(Exception):
 @pytest.mark.parametrize(("sqlstate", "expected"), [
     ("55P03", Unavailable), ("25006", Unavailable), ("57014", Unavailable), ("53100", ResourceExhausted),
 ])
-def test_postgres_states_are_classed(sqlstate: str, expected: type) -> None:
+def test_postgres_states_are_classed(sqlstate: str, expected: type[SignalError]) -> None:
     """PostgreSQL's SQLSTATEs as asyncpg reports them (`.sqlstate` on the driver's exception)."""
     from sqlalchemy.exc import DBAPIError
 

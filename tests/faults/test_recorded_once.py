@@ -139,7 +139,8 @@ def test_a_call_killed_after_its_journal_is_recorded_once_by_its_retry(server: L
     before = recorded(server, run.id)
     assert before.step == 1
 
-    transport.sent.clear(), transport.codes.clear()  # the set-up's calls
+    transport.sent.clear()  # the set-up's calls
+    transport.codes.clear()
     arm_after_journal(server)
     answer = call(run)
 

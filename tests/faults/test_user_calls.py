@@ -133,9 +133,13 @@ def test_a_refusal_is_429_on_pages_and_resent_behind_429_polls_on_tinkers_wire(s
                                       "sampling_params": {"max_tokens": 2}}).json()["request_id"]
         server.wait_for(lambda: sum(refusals(server)) >= before + 2, "the future's work to be refused")
         polls: list[httpx.Response] = []
+
+        def poll_is_429() -> bool:
+            polls.append(post("retrieve_future", {"request_id": request_id}))
+            return polls[-1].status_code == 429
+
         # Until the server has heard the refusal (a poll before that waits out its 1 s, and answers try_again).
-        server.wait_for(lambda: polls.append(post("retrieve_future", {"request_id": request_id})) or
-                        polls[-1].status_code == 429, "a poll answered 429", timeout=30)
+        server.wait_for(poll_is_429, "a poll answered 429", timeout=30)
         assert int(polls[-1].headers["Retry-After"]) >= 1
         assert polls[-1].json()["category"] == "server" and "error" not in polls[-1].json()
         with ThreadPoolExecutor(1) as pool:

@@ -157,7 +157,7 @@ def test_a_datum_that_weighs_nothing_is_accepted_and_counts_no_target(renderer: 
 
 def test_a_datum_keeps_its_targets_as_given_unshifted(renderer: Renderer) -> None:
     # rl_loop's shape: the prompt's targets are 0, not the next input token.
-    item = {"model_input": [5, 6, 7], "loss_fn_inputs": {"target_tokens": [0, 0, 9], "weights": [0, -0.5, 2.5],
+    item: dict[str, Any] = {"model_input": [5, 6, 7], "loss_fn_inputs": {"target_tokens": [0, 0, 9], "weights": [0, -0.5, 2.5],
                                                          "clip_low_threshold": [0.5, 0.5, 0.5]}}
     (datum,) = renderer.render_batch([item], 8, "cross_entropy")
     assert (datum.model_input, datum.targets, datum.weights) == ([5, 6, 7], [0, 0, 9], [0.0, -0.5, 2.5])

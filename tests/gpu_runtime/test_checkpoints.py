@@ -7,6 +7,7 @@ import json
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import cast
 
 import pytest
 import torch
@@ -216,7 +217,7 @@ def test_a_crash_after_load_state_restores_the_loaded_weights_without_the_checkp
     engine.call("load_state", run_id="b", checkpoint="signal://a/state/one", request_id="L")
     loaded = lora_weights(engine, "b")
     engine.forward_backward("b", BATCH)  # journaled after the load's snapshot
-    grads = {n: p.grad.clone() for n, p in engine.runs["b"].named_parameters().items()}
+    grads = {n: cast(torch.Tensor, p.grad).clone() for n, p in engine.runs["b"].named_parameters().items()}
     adapters = tmp_path / "runs" / "u1" / "b" / "lora_adapters"
     assert sorted(p.name for p in adapters.iterdir()) == ["step_1", "step_3"]  # the load's (newest) and step 3's
     assert not (tmp_path / "runs" / "u1" / "b" / "loads").exists()  # the run's copy went once a snapshot held it
@@ -230,7 +231,7 @@ def test_a_crash_after_load_state_restores_the_loaded_weights_without_the_checkp
     assert (info["step"], info["pending_forward_backward"]) == (1, 1)  # the step_1 snapshot, newer than step_3's
     assert_same_weights(lora_weights(fresh, "b"), loaded)
     for name, p in fresh.runs["b"].named_parameters().items():
-        assert torch.equal(p.grad, grads[name])
+        assert torch.equal(cast(torch.Tensor, p.grad), grads[name])
     assert fresh.call("load_state", run_id="b", checkpoint="signal://a/state/one", request_id="L")["replayed"]
 
 

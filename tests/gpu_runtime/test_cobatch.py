@@ -132,7 +132,7 @@ def test_decode_rows_of_two_runs_share_each_pass(tmp_path: Path, tiny_model_dir:
     for run_id in ("a", "d"):  # a step each, so both adapters change the logits
         engine.forward_backward(run_id, BATCH)
         engine.optim_step(run_id, {"learning_rate": 5e-2})
-    prompt = dict(prompts=["The quick brown fox"], max_tokens=6, temperature=0)
+    prompt: dict[str, Any] = dict(prompts=["The quick brown fox"], max_tokens=6, temperature=0)
     passes = count_base_passes(engine, tiny_model_dir)
     futures = {run_id: submit(engine, "sample", run_id=run_id, **prompt) for run_id in ("a", "d")}
     groups = []

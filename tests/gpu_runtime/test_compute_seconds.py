@@ -4,7 +4,7 @@ backward pass is shared among its calls by their tokens; a call split across tic
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -63,13 +63,13 @@ def test_a_split_call_cancelled_between_parts_puts_its_gradients_back(tmp_path: 
     engine = Engine(tmp_path, device="cpu", tick_tokens=32)  # two 16-token rows a tick
     engine.create_run("r", "u1", tiny_model_dir, {"r": 4})
     engine.forward_backward("r", rows(1))  # gradients before the split call
-    before = {name: p.grad.clone() for name, p in engine.runs["r"].named_parameters().items()}
+    before = {name: cast(torch.Tensor, p.grad).clone() for name, p in engine.runs["r"].named_parameters().items()}
     call = submit(engine, "forward_backward", run_id="r", batch=rows(5), request_id="split")
     engine.tick()  # its first part: 2 of 5 rows into the gradients
     assert not call.done() and engine.tick().fb_seconds > 0 and not call.done()
     assert engine.call("cancel", request_id="split", user_id="u1", deadline=True) == {"found": True}
     error = call.result()["error"]
     assert error["code"] == "DEADLINE_EXCEEDED" and error["details"]["compute_seconds"] > 0
-    after = {name: p.grad for name, p in engine.runs["r"].named_parameters().items()}
+    after = {name: cast(torch.Tensor, p.grad) for name, p in engine.runs["r"].named_parameters().items()}
     assert all(torch.equal(before[name], after[name]) for name in before)
     assert engine.optim_step("r")["step"] == 1  # the one applied call's gradients, nothing of the cancelled one

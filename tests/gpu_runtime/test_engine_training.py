@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import cast
 
 import pytest
 import torch
@@ -99,7 +100,7 @@ def test_optim_step_matches_plain_adamw_on_the_same_gradients(engine: Engine, ti
     params = run.parameters()
     reference = [p.detach().clone().requires_grad_(True) for p in params]
     for ref, p in zip(reference, params):
-        ref.grad = p.grad.detach().clone() / run.pending.normaliser
+        ref.grad = cast(torch.Tensor, p.grad).detach().clone() / run.pending.normaliser
     adam = {"learning_rate": 1e-2, "beta1": 0.8, "beta2": 0.95, "eps": 1e-6, "weight_decay": 0.1, "grad_clip_norm": 0}
     engine.optim_step(tiny_run, adam)
     torch.optim.AdamW(reference, lr=1e-2, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1).step()

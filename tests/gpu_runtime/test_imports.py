@@ -12,7 +12,7 @@ WEB_STACK = {"starlette", "strawberry", "sqlalchemy", "app", "web", "uvicorn", "
 
 
 def imported_modules(path: Path) -> set[str]:
-    names = set()
+    names: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             names.update(alias.name.split(".")[0] for alias in node.names)

@@ -157,6 +157,7 @@ def test_adapter_with_lm_head_loads_in_plain_peft_without_warnings(engine: Engin
 
 
 def test_an_lm_head_run_cobatched_with_an_attention_run_equals_each_alone(tmp_path: Path, tiny_model_dir: str) -> None:
+    runs: dict[str, tuple[dict[str, Any], list[dict[str, Any]], int]]
     runs = {"head": ({**UNEMBED, "dropout": 0.1}, BATCH[:2], 1), "attn": ({"r": 8, "alpha": 8}, BATCH[2:], 2)}
 
     def engine_with(path: Path, names: list[str]) -> Engine:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import copy
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -100,7 +100,7 @@ def rl_batch(engine: Engine, run_id: str, seed: int) -> list[dict[str, Any]]:
     """Two RL datums (rl_loop's shape: prompt positions target 0 with advantage 0), whose sampler logprobs sit
     at fixed log-ratios from the run's own (read with forward)."""
     generator = torch.Generator().manual_seed(seed)
-    datums = []
+    datums: list[dict[str, Any]] = []
     for n in (7, 5):
         ids = torch.randint(10, 500, (n,), generator=generator).tolist()
         targets = [0, 0] + torch.randint(10, 500, (n - 2,), generator=generator).tolist()
@@ -152,7 +152,7 @@ def peft_reference(engine: Engine, model: str, run_id: str, loss_fn: str, batch:
         total, normaliser = total + loss_sum, normaliser + norm
     scaled = total / normaliser if reduction == "mean" else total
     scaled.backward()
-    grads = {name: params[name.replace(".weight", ".default.weight")].grad.clone() for name in state.named_parameters()}
+    grads = {name: cast(torch.Tensor, params[name.replace(".weight", ".default.weight")].grad).clone() for name in state.named_parameters()}
     return float(scaled.detach()), grads
 
 
@@ -238,11 +238,11 @@ def test_forward_equals_forward_backwards_logprobs_and_changes_nothing(tmp_path:
     assert forward["loss"] == pytest.approx(fb["loss"], rel=1e-6)
     for mine, theirs in zip(forward["outputs"], fb["outputs"]):
         assert mine["logprobs"] == pytest.approx(theirs["logprobs"], rel=1e-6, abs=1e-7)
-    before = {name: p.grad.clone() for name, p in state.named_parameters().items()}
+    before = {name: cast(torch.Tensor, p.grad).clone() for name, p in state.named_parameters().items()}
     engine.forward(batch, run_id="r")
     assert state.pending.calls == 1 and state.step == 0
     for name, p in state.named_parameters().items():
-        assert torch.equal(p.grad, before[name])
+        assert torch.equal(cast(torch.Tensor, p.grad), before[name])
 
 
 def test_forward_draws_no_dropout_and_moves_no_dropout_counter(tmp_path: Path, tiny_model_dir: str) -> None:
@@ -256,7 +256,7 @@ def test_forward_draws_no_dropout_and_moves_no_dropout_counter(tmp_path: Path, t
         if with_forward:
             engine.forward(text, run_id="r")  # between two calls: the second's dropout seed must not move
         engine.forward_backward("r", text)
-        runs[name] = {n: p.grad.clone() for n, p in engine.runs["r"].named_parameters().items()}
+        runs[name] = {n: cast(torch.Tensor, p.grad).clone() for n, p in engine.runs["r"].named_parameters().items()}
     for name, grad in runs["plain"].items():
         assert torch.equal(grad, runs["forwarded"][name]), name
 
@@ -304,7 +304,7 @@ def test_a_step_of_datums_that_weigh_nothing_applies(tmp_path: Path, tiny_model_
                                                            "logprobs": [-1.0] * 3}}] * 2  # a GRPO group, equal rewards
     result = engine.forward_backward("r", group, loss_fn="importance_sampling")
     assert (result["loss"], result["num_tokens"]) == (0.0, 0)
-    assert all(float(p.grad.abs().max()) == 0.0 for p in engine.runs["r"].parameters())
+    assert all(float(cast(torch.Tensor, p.grad).abs().max()) == 0.0 for p in engine.runs["r"].parameters())
     assert engine.optim_step("r")["step"] == 1
 
 

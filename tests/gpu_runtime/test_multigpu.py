@@ -144,10 +144,10 @@ def test_two_runs_share_the_sharded_pool_in_one_tick(sharded: Engine, single: En
 
 # ---- a rank that dies or hangs ---------------------------------------------------------------------
 
-SCRIPT = [("forward_backward", {"batch": BATCH[:2], "request_id": "fb-1"}),
+SCRIPT: list[tuple[str, dict[str, Any]]] = [("forward_backward", {"batch": BATCH[:2], "request_id": "fb-1"}),
           ("optim_step", {"adam": {"learning_rate": 1e-2}, "request_id": "opt-1"}),
           ("forward_backward", {"batch": BATCH[2:], "request_id": "fb-2"})]
-FAILING = ("forward_backward", {"batch": BATCH, "request_id": "fb-3"})
+FAILING: tuple[str, dict[str, Any]] = ("forward_backward", {"batch": BATCH, "request_id": "fb-3"})
 
 
 @pytest.mark.parametrize("fault", ["rank_dies", "rank_hangs"])

@@ -4,6 +4,7 @@ dropout masks that do not depend on how a call's rows were cut into passes."""
 from __future__ import annotations
 
 import copy
+from typing import cast
 
 import pytest
 import torch
@@ -37,7 +38,7 @@ def run_layer(layer: MultiLoraLinear, x: torch.Tensor, segments: list[Segment], 
     with routed(layer.routing, segments, grouped=grouped):
         out = layer(x)
     (out * torch.linspace(-1, 1, out.numel(), device=out.device, dtype=out.dtype).view_as(out)).sum().backward()
-    grads = {key: (w.A.grad.clone(), w.B.grad.clone()) for key, w in layer.adapters.items() if w.A.grad is not None}
+    grads = {key: (w.A.grad.clone(), cast(torch.Tensor, w.B.grad).clone()) for key, w in layer.adapters.items() if w.A.grad is not None}
     return out.detach(), grads
 
 
@@ -156,7 +157,7 @@ def test_padded_bmm_gives_each_groups_own_matmul_and_gradients(counts: tuple[int
     weights = torch.randn(sum(counts), 8, generator=generator, dtype=torch.float64)
     got = padded_bmm(x, w, counts)
     (got * weights).sum().backward()
-    got_grads = x.grad.clone(), w.grad.clone()
+    got_grads = cast(torch.Tensor, x.grad).clone(), cast(torch.Tensor, w.grad).clone()
     x.grad = w.grad = None
     expected = torch.cat([part @ w[g] for g, part in enumerate(x.split(list(counts)))])
     (expected * weights).sum().backward()

@@ -7,6 +7,7 @@ import copy
 import json
 import sys
 from pathlib import Path
+from typing import Any, cast
 
 import pytest
 import torch
@@ -53,7 +54,7 @@ def test_layer_over_a_quantized_base_matches_pefts_bitsandbytes_lora(tiny_model_
     theirs_base = quantized(tiny_model_dir, kind)  # quantizing is deterministic: the same packed weights
     assert count_quantized(ours_model) == {kind: 2 * LINEARS_PER_LAYER}
     peft = get_peft_model(theirs_base, LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0))
-    peft_layer = peft.base_model.model.model.layers[0].self_attn.q_proj
+    peft_layer = cast(Any, peft.base_model).model.model.layers[0].self_attn.q_proj
     assert type(peft_layer).__module__ == "peft.tuners.lora.bnb"  # PEFT's own bitsandbytes LoRA, not its plain one
     assert type(peft_layer.base_layer).__name__ == MODULE_TYPES[kind]
 
@@ -108,7 +109,7 @@ def test_training_on_a_quantized_base_then_adapter_and_merged(engine: Engine, ti
     assert error <= (1e-4 if kind == "4bit" else 2e-2 * reference.abs().max().item()), error
     # ... and it loads on the original unquantized base as it is.
     original = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), adapter)
-    assert original.peft_config["default"].r == 4
+    assert cast(LoraConfig, original.peft_config["default"]).r == 4
 
     merged = engine.save_state("q1", "merged")["checkpoint_path"]
     assert json.loads((Path(merged) / MERGE_INFO).read_text())["dequantized_from"] == kind
@@ -176,6 +177,6 @@ def test_a_quantized_copy_is_not_the_plain_model(tiny_model_dir: str) -> None:
     model = quantized(tiny_model_dir, "4bit")
     plain = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     q = dequantized_weight(model.get_submodule("model.layers.0.mlp.up_proj"))
-    w = plain.get_submodule("model.layers.0.mlp.up_proj").weight
+    w = cast(torch.Tensor, plain.get_submodule("model.layers.0.mlp.up_proj").weight)
     assert 1e-3 < (q - w).abs().max().item() < 0.5 * w.abs().max().item()
     assert copy.deepcopy(q).shape == w.shape

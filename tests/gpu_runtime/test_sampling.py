@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -59,10 +59,10 @@ def test_stop_string_cuts_the_text_before_it(engine: Engine, tiny_run: str) -> N
 def test_sampling_leaves_training_state_untouched(engine: Engine, tiny_model_dir: str) -> None:
     engine.create_run("r1", "u1", tiny_model_dir, {"r": 4, "dropout": 0.2})
     engine.forward_backward("r1", BATCH)
-    grads = [p.grad.clone() for p in engine.runs["r1"].parameters()]
+    grads = [cast(torch.Tensor, p.grad).clone() for p in engine.runs["r1"].parameters()]
     weights = lora_weights(engine, "r1")
     engine.sample("r1", ["hello"], max_tokens=4, seed=0)
-    assert all(torch.equal(g, p.grad) for g, p in zip(grads, engine.runs["r1"].parameters()))
+    assert all(torch.equal(g, cast(torch.Tensor, p.grad)) for g, p in zip(grads, engine.runs["r1"].parameters()))
     assert all(torch.equal(w, v) for w, v in zip(weights.values(), lora_weights(engine, "r1").values()))
     assert engine.run_info("r1")["pending_forward_backward"] == 1
     assert engine.optim_step("r1")["step"] == 1

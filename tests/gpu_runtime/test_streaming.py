@@ -5,7 +5,7 @@ with what it has; and the incremental detokeniser on SmolLM2's real tokenizer.""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -108,7 +108,7 @@ def test_incremental_text_on_the_real_tokenizer_never_splits_a_character(tiny_mo
     tokenizer = smollm2_tokenizer(Path(tiny_model_dir).parent / "smollm2-tokenizer")
     text = "Café 😀 naïve — 東京 do"  # ends with the start of the stop string "done"
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    stream = IncrementalText(lambda t: tokenizer.decode(t, skip_special_tokens=True), ["done"])
+    stream = IncrementalText(lambda t: cast(str, tokenizer.decode(t, skip_special_tokens=True)), ["done"])
     pieces, counted = [], 0
     for n in range(1, len(ids) + 1):
         piece, count = stream.step(ids[:n])
@@ -116,7 +116,7 @@ def test_incremental_text_on_the_real_tokenizer_never_splits_a_character(tiny_mo
         counted += count
     assert all("\ufffd" not in piece for piece in pieces)
     assert "".join(pieces) == text[:-len("do")]
-    assert "".join(pieces).startswith(tokenizer.decode(ids[:counted])) and counted < len(ids)  # " do" held too
+    assert "".join(pieces).startswith(cast(str, tokenizer.decode(ids[:counted]))) and counted < len(ids)  # " do" held too
     assert len([p for p in pieces if p]) > 3
 
 

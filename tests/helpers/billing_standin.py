@@ -85,7 +85,7 @@ class BillingStandIn:
                 self._record(path, body)
                 self.release.wait(HANG_LIMIT_S)
                 return 200, {"allowed": True}
-            answers = {"approve": (200, {"allowed": True, "balance": 100.0}),
+            answers: dict[str, tuple[int, dict[str, Any]]] = {"approve": (200, {"allowed": True, "balance": 100.0}),
                        "refuse": (402, {"message": "Your balance is 0 credits: top up to keep training."}),
                        "refuse_200": (200, {"allowed": False, "message": "Credits exhausted."}),
                        "error": (500, {"message": "database down"})}

@@ -10,7 +10,7 @@ import torch
 from gpu_runtime.engine import Engine
 from gpu_runtime.multilora import Segment, routed
 
-BATCH = [
+BATCH: list[dict[str, Any]] = [
     {"text": "The quick brown fox jumps over the lazy dog."},
     {"input": "Q: What is 2 + 2?\nA:", "output": " 4"},
     {"messages": [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "Hi there!"}]},
@@ -61,7 +61,7 @@ def run_logits(engine: Engine, run_id: str, input_ids: list[int]) -> torch.Tenso
         return entry.model(input_ids=torch.tensor([input_ids])).logits[0].float()
 
 
-def train(engine: Engine, run_id: str, steps: int, batch: list[dict] | None = None, lr: float = 1e-2) -> list[float]:
+def train(engine: Engine, run_id: str, steps: int, batch: list[dict[str, Any]] | None = None, lr: float = 1e-2) -> list[float]:
     losses = []
     for _ in range(steps):
         losses.append(engine.forward_backward(run_id, batch or BATCH)["loss"])

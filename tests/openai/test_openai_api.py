@@ -4,10 +4,12 @@ the tiny model: shapes, stops, repeatability, logprobs against Signal's forward,
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import httpx
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 from rewardsignal import SignalClient
 from tests.helpers.live_server import LiveServer
@@ -109,7 +111,7 @@ def test_stop_is_honoured_and_left_out(client: openai.OpenAI, owner: tuple[str, 
 
 def test_a_greedy_stream_concatenates_to_the_answer(live_server: LiveServer, client: openai.OpenAI,
                                                     owner: tuple[str, str]) -> None:
-    messages = [{"role": "user", "content": "Tell me a story"}]
+    messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Tell me a story"}]
     whole = client.chat.completions.create(model=owner[1], messages=messages, max_tokens=16, temperature=0)
     stream = client.chat.completions.create(model=owner[1], messages=messages, max_tokens=16, temperature=0,
                                             stream=True, stream_options={"include_usage": True})
@@ -211,7 +213,7 @@ def test_a_snapshot_and_a_base_model_are_models_too(live_server: LiveServer, tin
     client = openai.OpenAI(api_key=key, base_url=f"{live_server.url}/v1", max_retries=0)
     ids = [m.id for m in client.models.list().data]
     assert {run.id, f"{run.id}@s1", "tiny-llama"} <= set(ids)
-    ask = {"prompt": "The sky is", "max_tokens": 6, "temperature": 0, "extra_body": {"return_token_ids": True}}
+    ask: dict[str, Any] = {"prompt": "The sky is", "max_tokens": 6, "temperature": 0, "extra_body": {"return_token_ids": True}}
     frozen = client.completions.create(model=f"{run.id}@s1", **ask)
     expected = run.sample(prompts=["The sky is"], max_tokens=6, temperature=0.0, snapshot="s1")
     assert frozen.choices[0].text == expected["outputs"][0]

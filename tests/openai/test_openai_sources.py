@@ -48,7 +48,7 @@ def tinker_made(live_server: LiveServer) -> dict[str, Any]:
     service = tinker.ServiceClient(base_url=live_server.url, api_key=f"tml-{key}")
     training = service.create_lora_training_client(base_model=TINY_MODEL, rank=4).result()
     datum = types.Datum(model_input=types.ModelInput.from_ints(TOKENS[:-1]),
-                        loss_fn_inputs={"target_tokens": TOKENS[1:], "weights": [1.0] * (len(TOKENS) - 1)})
+                        loss_fn_inputs={"target_tokens": TOKENS[1:], "weights": [1.0] * (len(TOKENS) - 1)})  # type: ignore[dict-item]  # Datum converts lists to TensorData
     training.forward_backward([datum], "cross_entropy").result()
     training.optim_step(types.AdamParams(learning_rate=5e-2)).result()
     path = training.save_weights_for_sampler("s1").result().path

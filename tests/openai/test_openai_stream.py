@@ -12,6 +12,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 from rewardsignal import SignalClient
 from tests.helpers.live_server import TINY_MODEL, LiveServer
@@ -19,7 +20,7 @@ from tests.helpers.live_server import TINY_MODEL, LiveServer
 pytestmark = pytest.mark.timeout(600)
 
 LONG = 200  # tokens: many decode chunks of the tiny model (its context is 256)
-MESSAGES = [{"role": "user", "content": "Tell me a long story"}]
+MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Tell me a long story"}]
 BASE_SAMPLES = "query { baseSamples { prompt output params } }"
 
 
@@ -70,13 +71,13 @@ def test_a_greedy_stream_comes_in_chunks_that_add_up_to_the_answer(streaming_ser
     ask: dict[str, Any] = {"model": owner[1], "max_tokens": 24, "temperature": 0,
                            "extra_body": {"return_token_ids": True}}
     if chat:
-        whole = client.chat.completions.create(messages=MESSAGES, **ask)  # type: ignore[call-overload]  # kwargs
-        chunks = list(client.chat.completions.create(messages=MESSAGES, stream=True, **ask))  # type: ignore[call-overload]  # kwargs
+        whole = client.chat.completions.create(messages=MESSAGES, **ask)
+        chunks = list(client.chat.completions.create(messages=MESSAGES, stream=True, **ask))
         texts = [c.choices[0].delta.content or "" for c in chunks if c.choices]
         expected, expected_ids = whole.choices[0].message.content, (whole.choices[0].model_extra or {})["token_ids"]
     else:
-        whole = client.completions.create(prompt="Once upon a time", **ask)  # type: ignore[call-overload]  # kwargs
-        chunks = list(client.completions.create(prompt="Once upon a time", stream=True, **ask))  # type: ignore[call-overload]  # kwargs
+        whole = client.completions.create(prompt="Once upon a time", **ask)
+        chunks = list(client.completions.create(prompt="Once upon a time", stream=True, **ask))
         texts = [c.choices[0].text for c in chunks if c.choices]
         expected, expected_ids = whole.choices[0].text, (whole.choices[0].model_extra or {})["token_ids"]
     ids = [t for c in chunks if c.choices for t in (c.choices[0].model_extra or {}).get("token_ids") or []]

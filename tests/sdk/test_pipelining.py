@@ -10,6 +10,7 @@ import threading
 from collections.abc import Iterator
 from concurrent.futures import Future
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -19,7 +20,7 @@ from rewardsignal.results import ForwardBackwardResult, OptimStepResult
 from tests.helpers.live_server import LiveServer, error_code, settings_for
 
 SMALL_BATCH = 2  # the small server's max_batch_size
-BATCH = [{"text": "one two three four five"}, {"input": "Question: six?", "output": " seven eight"},
+BATCH: list[dict[str, Any]] = [{"text": "one two three four five"}, {"input": "Question: six?", "output": " seven eight"},
          {"text": "nine"}, {"messages": [{"role": "user", "content": "ten"}, {"role": "assistant", "content": "eleven"}]},
          {"text": "twelve thirteen fourteen fifteen sixteen seventeen"}]
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -70,7 +70,7 @@ def test_get_info_names_the_tokenizer_directory_the_runtime_wrote(wide_server: L
 
     client = tinker.ServiceClient(base_url=wide_server.url, api_key="tml-" + wide_server.new_user())
     training = client.create_lora_training_client(base_model=TINY_MODEL, rank=4).result()
-    directory = Path(training.get_info().model_data.tokenizer_id)
+    directory = Path(cast(str, training.get_info().model_data.tokenizer_id))
     assert directory.parent == Path(wide_server.settings.data_dir) / "tokenizers"
     assert (directory / "tokenizer_config.json").is_file()
     text = "Signal trains LoRA adapters: héllo wörld"

@@ -22,7 +22,7 @@ def datum(tokens: list[int], **inputs: list[float]) -> Any:
     from tinker import types
 
     return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
-                       loss_fn_inputs={"target_tokens": tokens[1:], **inputs})
+                       loss_fn_inputs={"target_tokens": tokens[1:], **inputs})  # type: ignore[dict-item]  # Datum converts lists to TensorData
 
 
 def as_list(tensor: Any) -> list[float]:
@@ -343,7 +343,8 @@ def test_signals_own_mutations_on_a_tinker_run_are_refused(live_server: LiveServ
     assert error_code(refused) == "FAILED_PRECONDITION"
     assert training.model_id.split(":")[0] in refused["errors"][0]["message"]
     training.forward_backward([datum(TOKENS, weights=[1.0] * 9)], "cross_entropy").result()  # Tinker's own go on
-    assert training.optim_step(tinker.types.AdamParams(learning_rate=1e-3)).result().metrics["optim/step"] == 1.0
+    metrics = training.optim_step(tinker.types.AdamParams(learning_rate=1e-3)).result().metrics
+    assert metrics is not None and metrics["optim/step"] == 1.0
 
 
 def test_a_sampler_keeps_its_snapshot_while_training_goes_on(service_client: Any, training: Any) -> None:

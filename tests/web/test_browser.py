@@ -14,14 +14,14 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
-from playwright.sync_api import Browser, Page, Route, expect
+from playwright.sync_api import Browser, Page, Route, ViewportSize, expect
 
 from rewardsignal import AuthenticationError, SignalClient
 from tests.helpers.live_server import LiveServer
 from tests.web.conftest import SCREENSHOT_CLOCK, api_key_for, committing_screenshots, mint_login_link, shot
 
 BATCH = [{"input": "The quick brown fox", "output": " jumps over the lazy dog."}]
-VIEWPORT = {"width": 1280, "height": 860}
+VIEWPORT: ViewportSize = {"width": 1280, "height": 860}
 # Generous: the server trains and samples on the same 2 CPU cores as this browser.
 expect.set_options(timeout=30_000)
 

@@ -23,7 +23,8 @@ def test_two_sdk_runs_are_two_curves_and_the_diff_shows_their_learning_rates(wid
                                                                               live_server: LiveServer) -> None:
     email = "compare@example.com"
     client = SignalClient(api_key=api_key_for(live_server, email), base_url=live_server.url)
-    runs, losses = [], {}
+    runs = []
+    losses: dict[str, list[float]] = {}
     for name, rate, steps in (("slow", 0.001, 2), ("fast", 0.02, 3)):  # different lengths: the x axis is shared
         run = client.create_run(lora_r=4, seed=3, name=name, learning_rate=rate)
         losses[name] = []

@@ -192,7 +192,7 @@ def test_a_system_prompt_is_rendered_with_the_chat_template(visitor_run: tuple[V
     streamed(visitor, form | {"system": "Answer like a pirate"})
     plain, chat = reversed(streaming_server.graphql(SAMPLES, {"id": run_id}, key=key)["data"]["run"]["samples"])
     assert plain["prompt"] == "Hello there"  # no system prompt, no chat box: the text as written
-    rendered = AutoTokenizer.from_pretrained(tiny_model_dir).decode(json.loads(chat["prompt"]))  # the ids sampled
+    rendered = str(AutoTokenizer.from_pretrained(tiny_model_dir).decode(json.loads(chat["prompt"])))  # the ids sampled
     assert "<|im_start|>system\nAnswer like a pirate<|im_end|>" in rendered, rendered
     assert rendered.endswith("<|im_start|>user\nHello there<|im_end|>\n<|im_start|>assistant\n"), rendered
 

@@ -211,18 +211,18 @@ def test_metric_charts_table_view_zoom_and_markers(wide_page: Page, live_server:
     expect(chart).to_have_attribute("data-marks", "checkpoint:2 sample:1")
     expect(wide_page.locator("#chart-marks")).to_have_text("Checkpoints: marked (adapter) at step 2. Samples at step 1.")
     expect(chart).to_have_attribute("data-x-max", "4.5")
-    row = wide_page.locator("#checkpoints tr[data-checkpoint='adapter/marked']")
-    expect(row).to_have_count(1)
+    marked = wide_page.locator("#checkpoints tr[data-checkpoint='adapter/marked']")
+    expect(marked).to_have_count(1)
     wide_page.once("dialog", lambda dialog: dialog.accept())  # hx-confirm asks first
-    row.get_by_role("button", name="Delete").click()  # a deleted checkpoint loses its marker
+    marked.get_by_role("button", name="Delete").click()  # a deleted checkpoint loses its marker
     expect(chart).to_have_attribute("data-marks", "sample:1")
     expect(wide_page.locator("#chart-marks")).to_have_text("No checkpoints yet. Samples at step 1.")
 
     # The other charts grow live from the same stream: one more step adds a point to each.
     run.forward_backward(batch=SHORT)
     grad_norm = run.optim_step(learning_rate=0.002).grad_norm
-    for name, points in (("loss", "5"), ("num_tokens", "5"), ("throughput", "5"), ("grad_norm", "3"),
-                         ("learning_rate", "3")):
-        expect(wide_page.locator(f"#{name}-chart")).to_have_attribute("data-shown", points)
+    for name, count in (("loss", "5"), ("num_tokens", "5"), ("throughput", "5"), ("grad_norm", "3"),
+                        ("learning_rate", "3")):
+        expect(wide_page.locator(f"#{name}-chart")).to_have_attribute("data-shown", count)
     expect(wide_page.locator("#stat-lr")).to_have_text("0.002")
     assert float(wide_page.locator("#stat-grad").inner_text()) == pytest.approx(grad_norm, rel=1e-3)

@@ -21,6 +21,7 @@ import websockets
 from itsdangerous import TimestampSigner
 from playwright.sync_api import Browser, BrowserContext, Page, expect
 from sqlalchemy import func, select, update
+from websockets.typing import Subprotocol
 
 from app.db import Database
 from app.services.next_path import safe_next_path
@@ -350,7 +351,7 @@ def test_graphql_uses_the_session_only_with_its_csrf_token(live_server: LiveServ
 
 async def _ws_handshake(server: LiveServer, cookie: str, params: dict, origin: str | None = None) -> dict:
     headers = {"Cookie": f"{COOKIE_NAME}={cookie}", "Origin": origin or server.url}
-    async with websockets.connect(server.url.replace("http", "ws") + "/graphql", subprotocols=["graphql-transport-ws"],
+    async with websockets.connect(server.url.replace("http", "ws") + "/graphql", subprotocols=[Subprotocol("graphql-transport-ws")],
                                   additional_headers=headers) as ws:
         await ws.send(json.dumps({"type": "connection_init", "payload": params}))
         try:
