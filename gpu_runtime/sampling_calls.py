@@ -58,12 +58,11 @@ class Sampling:
             return None
         body = call.body_sha256()
         previous: dict[str, Any] | None = None
-        if call.frozen:
-            remembered = self.answers.get(_answer_key(call))
-            if remembered is not None:
-                check_same_body(call.request_id, remembered[0], body)
-                previous = remembered[1]
-        else:
+        remembered = self.answers.get(_answer_key(call))  # frozen weights' answers (a queued `latest` sample's: below)
+        if remembered is not None:
+            check_same_body(call.request_id, remembered[0], body)
+            previous = remembered[1]
+        elif not call.frozen or call.latest:
             state = self.shared.residency.runs.get(call.run_id or "")
             previous = state.answer_to(call.request_id, body, sampled=True) if state is not None else None
         return None if previous is None else SampleResult.from_dict(previous).replay()
