@@ -9,6 +9,7 @@ its run until it finishes; one on a snapshot or a base holds nothing but its sna
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import shutil
 import time
@@ -38,6 +39,8 @@ from gpu_runtime.scheduler import Request
 from gpu_runtime.shared import Shared, TickStats, internal
 from gpu_runtime.snapshots import Snapshots
 from gpu_runtime.weights_sources import WeightsSource
+
+log = logging.getLogger("gpu_runtime.sampling")
 
 
 class Sampling:
@@ -204,6 +207,25 @@ class Sampling:
                 self._release(job)
                 scheduler.finish(job.request, {"result": result})
             if group.done:
+                self.groups.remove(group)
+        self._merge()
+
+    def _merge(self) -> None:
+        """At the chunk boundary, groups on one base become one (decoding.py, `absorb`): the oldest takes in the
+        others' calls still decoding, so samples that arrived apart decode as one batch from the next chunk."""
+        by_base: dict[int, list[DecodeGroup]] = {}
+        for group in self.groups:
+            if group.mergeable:
+                by_base.setdefault(id(group.entry), []).append(group)
+        for groups in by_base.values():
+            if len(groups) < 2:
+                continue
+            try:
+                groups[0].absorb(groups[1:])
+            except Exception:  # noqa: BLE001 - e.g. out of memory for the stacked cache: they decode apart, as before
+                log.warning("decode groups on one base could not merge; they go on apart", exc_info=True)
+                continue
+            for group in groups[1:]:
                 self.groups.remove(group)
 
     def _stream(self, group: DecodeGroup, job: SampleJob) -> None:

@@ -41,8 +41,8 @@ def decode_groups(server: LiveServer, admin: str) -> list[dict[str, Any]]:
 
 
 def on_the_base(group: dict[str, Any]) -> bool:
-    """A decode group of base-model samples (their routing key is "base:" and the model's path)."""
-    return all(key.startswith("base:") for key in group["runs"])
+    """A decode group with base-model samples in it (their routing key is "base:" and the model's path)."""
+    return any(key.startswith("base:") for key in group["runs"])
 
 
 def events(lines: Iterator[str]) -> Iterator[dict[str, Any]]:
