@@ -169,8 +169,11 @@ class DecodeGroup:
                 values[i].append(F.pad(layer.values[rows], (0, 0, pad, 0)))
             jobs += live
             clocks += [self.t - (group.t - job.t0) for job in live]  # its tokens so far, on this group's clock
-        stacked = [(torch.cat(keys[i]), torch.cat(values[i])) for i in range(layers)]
         mask, position_ids, next_logits = torch.cat(masks), torch.cat(positions), torch.cat(logits)
+        # Columns no row attends to (left by rows that have left) are dropped: the batch is as wide as it needs.
+        first = int(mask.any(0).nonzero()[0])
+        mask = mask[:, first:]
+        stacked = [(torch.cat(keys[i])[:, :, first:], torch.cat(values[i])[:, :, first:]) for i in range(layers)]
         # Nothing changed above: a failure there leaves every group as it was. The new rows from here on.
         for layer, (k, v) in zip(self.cache.layers, stacked):
             layer.keys, layer.values = k, v

@@ -3,7 +3,8 @@
 A picked sample call becomes a `SampleJob`; the calls picked in one tick on one base form a decode group
 (gpu_runtime/decoding.py), which advances by one time-bounded chunk per tick, so other calls interleave with a
 long generation. Its weights come from gpu_runtime/weights_sources.py: a sample on a run's current weights holds
-its run until it finishes; one on a snapshot or a base holds nothing but its snapshot (in use: never evicted).
+its run until it finishes; one on a snapshot, a copy of the latest weights or a base holds nothing but its snapshot
+(in use: never evicted). A group that starts while another on its base decodes joins it after one chunk (`_merge`).
 """
 
 from __future__ import annotations
