@@ -5,7 +5,7 @@ its own LoRA via the routing. Each prompt is prefilled once, whatever its `num_s
 pass has one row per prompt, and its KV cache rows are then repeated for the samples before the
 first token is drawn. Prompts are left-padded so every row's next token sits in the last column.
 The group advances by chunks of `decode_chunk_seconds`, so other calls interleave with a long
-generation. Late sample calls form a group of their own, which prefills and decodes one chunk, and then joins the
+generation. Late sample calls form a group of their own, which prefills and decodes one token, and then joins the
 older group on its base (`absorb`, continuous batching): their KV caches are left-padded to one length and stacked,
 so concurrent requests on one model decode as one batch whenever they arrive. Rows of calls already answered leave
 at that merge. Only plain full-attention caches merge (`mergeable`); a sliding-window or recurrent one keeps its
@@ -138,11 +138,16 @@ class DecodeGroup:
                     return finished
 
     @property
+    def started(self) -> bool:
+        """Prefilled: it has decoded a chunk."""
+        return self.logits is not None
+
+    @property
     def mergeable(self) -> bool:
         """At a chunk boundary with calls still decoding, and a cache of plain full-attention layers (a sliding window's
         or a recurrent state's rows cannot be left-padded into another's)."""
         layers = getattr(self.cache, "layers", None) or []
-        return (self.logits is not None and not self.done and bool(layers)
+        return (self.started and not self.done and bool(layers)
                 and all(type(layer) is DynamicLayer for layer in layers))
 
     @torch.no_grad()

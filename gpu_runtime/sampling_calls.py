@@ -4,7 +4,7 @@ A picked sample call becomes a `SampleJob`; the calls picked in one tick on one 
 (gpu_runtime/decoding.py), which advances by one time-bounded chunk per tick, so other calls interleave with a
 long generation. Its weights come from gpu_runtime/weights_sources.py: a sample on a run's current weights holds
 its run until it finishes; one on a snapshot, a copy of the latest weights or a base holds nothing but its snapshot
-(in use: never evicted). A group that starts while another on its base decodes joins it after one chunk (`_merge`).
+(in use: never evicted). A group that starts while another on its base decodes joins it after its first token (`_merge`).
 """
 
 from __future__ import annotations
@@ -183,12 +183,15 @@ class Sampling:
         """Every decode group by one chunk; finished calls are answered, a failing group fails its calls alone."""
         scheduler = self.shared.scheduler
         deadline = time.monotonic() + self.shared.options.decode_chunk_seconds
+        decoding = {id(group.entry) for group in self.groups if group.started}  # bases with a group under way
         for group in list(self.groups):
             before = group.passes
             active = [job for job in group.jobs if not job.done]
             started = time.perf_counter()
             try:
-                finished = group.advance(deadline)
+                # A new group on a base already decoding: its prefill and first token alone, then it joins (_merge).
+                joins = not group.started and id(group.entry) in decoding
+                finished = group.advance(0.0 if joins else deadline)
             except Exception as exc:  # noqa: BLE001 - fail its calls, keep the runtime
                 error = exc.to_dict() if isinstance(exc, SignalError) else internal(exc, active[0].request if active else None)
                 self.fail_all(error, [group])

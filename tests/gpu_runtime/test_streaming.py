@@ -83,7 +83,7 @@ def test_a_late_sample_joins_the_decoding_group(chunky: tuple[Engine, str], tiny
     chunks, first_answer = streamed(engine, first, until=lambda chunks: len(chunks) >= 3)
     second_answer: list[Any] = []
     engine.submit("sample", second, second_answer.append)
-    engine.tick()  # its own group: prefill and one chunk, then it joins the first's
+    engine.tick()  # its own group: prefill and one token, then it joins the first's
     assert [group["calls"] for group in engine.call("runtime_state")["decode_groups"]] == [2]
     for _ in range(100):  # bounded: each tick decodes a token of both
         if first_answer and second_answer:
