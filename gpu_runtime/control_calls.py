@@ -301,6 +301,7 @@ class Control:
             for name in files:
                 shutil.copyfile(directory / name, tmp / name)
         dropped = state.pending.calls
+        self.snapshots.retire_latest(state.run_id)  # new weights at what may be the same step
         state.load_checkpoint_files(state.paths.root / LOADS_DIR / staged, call.with_optimizer, int(meta["step"]),
                                     self.shared.device)
         result = LoadStateResult(checkpoint=ref.path, step=state.step, with_optimizer=call.with_optimizer,

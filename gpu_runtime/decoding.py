@@ -5,7 +5,11 @@ its own LoRA via the routing. Each prompt is prefilled once, whatever its `num_s
 pass has one row per prompt, and its KV cache rows are then repeated for the samples before the
 first token is drawn. Prompts are left-padded so every row's next token sits in the last column.
 The group advances by chunks of `decode_chunk_seconds`, so other calls interleave with a long
-generation; KV caches are never merged mid-flight: late sample calls form the next group.
+generation. Late sample calls form a group of their own, which prefills and decodes one token, and then joins the
+older group on its base (`absorb`, continuous batching): their KV caches are left-padded to one length and stacked,
+so concurrent requests on one model decode as one batch whenever they arrive. Rows of calls already answered leave
+at that merge. Only plain full-attention caches merge (`mergeable`); a sliding-window or recurrent one keeps its
+group apart, as before.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
+import torch.nn.functional as F  # noqa: N812 - torch's own spelling
+from transformers.cache_utils import DynamicLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from gpu_runtime.contract import SamplingSettings
@@ -40,6 +46,7 @@ class SampleJob:
     generator: torch.Generator
     step: int  # the run's step when sampling began
     start: int = 0  # its decode rows in the group (prompt by prompt, num_samples each)
+    t0: int = 0  # the group's `t` when this job's first token was chosen (it may have joined a group mid-flight)
     end: int = 0
     prefill_start: int = 0  # its prefill rows (one per prompt)
     tokens: list[list[int]] = field(default_factory=list)
@@ -116,7 +123,7 @@ class DecodeGroup:
                     chosen[job.start:job.end] = tokens
                     topk = top_logprobs(logits, job.settings.topk_sample_logprobs) if job.settings.topk_sample_logprobs else None
                     self._record(job, tokens.tolist(), logprobs.tolist(), topk)
-                    if all(r is not None for r in job.reasons) or self.t + 1 >= job.settings.max_tokens:
+                    if all(r is not None for r in job.reasons) or self.t - job.t0 + 1 >= job.settings.max_tokens:
                         job.done = True
                         finished.append(job)
                 self.t += 1
@@ -129,6 +136,59 @@ class DecodeGroup:
                 self.logits, self.cache, self.passes = out.logits[:, -1, :].float(), out[CACHE], self.passes + 1
                 if time.monotonic() >= deadline:
                     return finished
+
+    @property
+    def started(self) -> bool:
+        """Prefilled: it has decoded a chunk."""
+        return self.logits is not None
+
+    @property
+    def mergeable(self) -> bool:
+        """At a chunk boundary with calls still decoding, and a cache of plain full-attention layers (a sliding window's
+        or a recurrent state's rows cannot be left-padded into another's)."""
+        layers = getattr(self.cache, "layers", None) or []
+        return (self.started and not self.done and bool(layers)
+                and all(type(layer) is DynamicLayer for layer in layers))
+
+    @torch.no_grad()
+    def absorb(self, others: list[DecodeGroup]) -> None:
+        """Take the calls still decoding in `others` (on this base, at a chunk boundary, `mergeable`) into this group:
+        each group's rows of calls not yet answered, their caches and masks left-padded to the longest, stacked in
+        one batch. Positions stay each row's own, so every row computes what it would have alone."""
+        groups = [self, *others]
+        length = max(int(group.attention_mask.shape[1]) for group in groups)
+        layers = len(self.cache.layers)
+        keys: list[list[torch.Tensor]] = [[] for _ in range(layers)]
+        values: list[list[torch.Tensor]] = [[] for _ in range(layers)]
+        masks, positions, logits, jobs, clocks = [], [], [], [], []
+        for group in groups:
+            live = [job for job in group.jobs if not job.done]
+            rows = torch.tensor([r for job in live for r in range(job.start, job.end)], device=self.device)
+            pad = length - int(group.attention_mask.shape[1])
+            masks.append(F.pad(group.attention_mask[rows], (pad, 0)))  # zeros on the left: padding, never attended
+            positions.append(group.position_ids[rows])
+            assert group.logits is not None
+            logits.append(group.logits[rows])
+            for i, layer in enumerate(group.cache.layers):
+                keys[i].append(F.pad(layer.keys[rows], (0, 0, pad, 0)))  # (batch, heads, sequence, head_dim)
+                values[i].append(F.pad(layer.values[rows], (0, 0, pad, 0)))
+            jobs += live
+            clocks += [self.t - (group.t - job.t0) for job in live]  # its tokens so far, on this group's clock
+        mask, position_ids, next_logits = torch.cat(masks), torch.cat(positions), torch.cat(logits)
+        # Columns no row attends to (left by rows that have left) are dropped: the batch is as wide as it needs.
+        first = int(mask.any(0).nonzero()[0])
+        mask = mask[:, first:]
+        stacked = [(torch.cat(keys[i])[:, :, first:], torch.cat(values[i])[:, :, first:]) for i in range(layers)]
+        # Nothing changed above: a failure there leaves every group as it was. The new rows from here on.
+        for layer, (k, v) in zip(self.cache.layers, stacked):
+            layer.keys, layer.values = k, v
+        self.attention_mask, self.position_ids, self.logits = mask, position_ids, next_logits
+        start = 0
+        for job, t0 in zip(jobs, clocks):
+            job.t0, job.start, job.end = t0, start, start + len(job.tokens)
+            start = job.end
+        self.jobs, self.rows = jobs, start
+        self.segments = [Segment(job.key, job.start, job.end) for job in jobs]
 
     def _prefill(self) -> None:
         """One pass over each prompt once; the prompt logprobs of the jobs that asked, from its final hidden state;

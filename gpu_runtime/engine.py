@@ -170,7 +170,7 @@ class Engine(InProcess):
                 self._check_disk()
             run_id = call.run
             # off its run's queue (gpu_runtime/weights_sources.py)
-            frozen = isinstance(call, (Sample, Forward)) and call.frozen
+            frozen = isinstance(call, (Sample, Forward)) and call.frozen and self._copies_latest(call)
             if isinstance(call, CreateRun) or (frozen and run_id is None):
                 user = call.user_id  # type: ignore[attr-defined]  # both carry user_id: a new run's, a base sample's
             elif isinstance(call, Forward) and run_id is None:
@@ -342,7 +342,13 @@ class Engine(InProcess):
 
     def _source(self, call: Sample | Forward) -> weights_sources.WeightsSource:
         """The one way a call's weights are found: a run's current ones, a snapshot of it, or a base alone."""
-        return weights_sources.resolve(call, self.residency, self.snapshots, self.recovery.state, self._save_pending)
+        return weights_sources.resolve(call, self.residency, self.snapshots, self.recovery.state, self._save_pending,
+                                       copy_latest=self.ranks is None)
+
+    def _copies_latest(self, call: Sample | Forward) -> bool:
+        """False for a sample on the latest weights in a multi-GPU pool, which keeps no copies (its ranks hold their
+        own adapters): it queues on its run with no ticket, and decodes the run's weights holding the run."""
+        return not (isinstance(call, Sample) and call.latest and self.ranks is not None)
 
     def _save_pending(self, run_id: str, name: str) -> bool:
         return any(isinstance(r.call, SaveWeightsForSampler) and r.call.name == name
@@ -462,6 +468,7 @@ class Engine(InProcess):
 
     def _housekeeping(self) -> None:
         decoding = self.sampling.decoding_runs
+        self.snapshots.drop_unread_latest()
         self.snapshots.expire()
         self.snapshots.evict_over_budget()  # idle snapshots before runs: a run's training state is dearer to reload
         if free_bytes(self.shared.data_dir) >= self.options.min_free_disk_bytes:  # eviction writes snapshots

@@ -3,12 +3,14 @@
 A picked sample call becomes a `SampleJob`; the calls picked in one tick on one base form a decode group
 (gpu_runtime/decoding.py), which advances by one time-bounded chunk per tick, so other calls interleave with a
 long generation. Its weights come from gpu_runtime/weights_sources.py: a sample on a run's current weights holds
-its run until it finishes; one on a snapshot or a base holds nothing but its snapshot (in use: never evicted).
+its run until it finishes; one on a snapshot, a copy of the latest weights or a base holds nothing but its snapshot
+(in use: never evicted). A group that starts while another on its base decodes joins it after its first token (`_merge`).
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import shutil
 import time
@@ -38,6 +40,8 @@ from gpu_runtime.shared import Shared, TickStats, internal
 from gpu_runtime.snapshots import Snapshots
 from gpu_runtime.weights_sources import WeightsSource
 
+log = logging.getLogger("gpu_runtime.sampling")
+
 
 class Sampling:
     def __init__(self, shared: Shared, snapshots: Snapshots) -> None:
@@ -54,12 +58,11 @@ class Sampling:
             return None
         body = call.body_sha256()
         previous: dict[str, Any] | None = None
-        if call.frozen:
-            remembered = self.answers.get(_answer_key(call))
-            if remembered is not None:
-                check_same_body(call.request_id, remembered[0], body)
-                previous = remembered[1]
-        else:
+        remembered = self.answers.get(_answer_key(call))  # frozen weights' answers (a queued `latest` sample's: below)
+        if remembered is not None:
+            check_same_body(call.request_id, remembered[0], body)
+            previous = remembered[1]
+        elif not call.frozen or call.latest:
             state = self.shared.residency.runs.get(call.run_id or "")
             previous = state.answer_to(call.request_id, body, sampled=True) if state is not None else None
         return None if previous is None else SampleResult.from_dict(previous).replay()
@@ -168,6 +171,7 @@ class Sampling:
         """Every decode group by one chunk; finished calls are answered, a failing group fails its calls alone."""
         scheduler = self.shared.scheduler
         deadline = time.monotonic() + self.shared.options.decode_chunk_seconds
+        decoding = {id(group.entry) for group in self.groups if group.started}  # bases with a group under way
         for group in list(self.groups):
             if "hold_decode" in self.shared.faults and group.passes and any(
                     (job.request.request_id or "").startswith("hold") for job in group.jobs):
@@ -176,7 +180,9 @@ class Sampling:
             active = [job for job in group.jobs if not job.done]
             started = time.perf_counter()
             try:
-                finished = group.advance(deadline)
+                # A new group on a base already decoding: its prefill and first token alone, then it joins (_merge).
+                joins = not group.started and id(group.entry) in decoding
+                finished = group.advance(0.0 if joins else deadline)
             except Exception as exc:  # noqa: BLE001 - fail its calls, keep the runtime
                 error = exc.to_dict() if isinstance(exc, SignalError) else internal(exc, active[0].request if active else None)
                 self.fail_all(error, [group])
@@ -196,6 +202,25 @@ class Sampling:
                 self._release(job)
                 scheduler.finish(job.request, {"result": result})
             if group.done:
+                self.groups.remove(group)
+        self._merge()
+
+    def _merge(self) -> None:
+        """At the chunk boundary, groups on one base become one (decoding.py, `absorb`): the oldest takes in the
+        others' calls still decoding, so samples that arrived apart decode as one batch from the next chunk."""
+        by_base: dict[int, list[DecodeGroup]] = {}
+        for group in self.groups:
+            if group.mergeable:
+                by_base.setdefault(id(group.entry), []).append(group)
+        for groups in by_base.values():
+            if len(groups) < 2:
+                continue
+            try:
+                groups[0].absorb(groups[1:])
+            except Exception:  # noqa: BLE001 - e.g. out of memory for the stacked cache: they decode apart, as before
+                log.warning("decode groups on one base could not merge; they go on apart", exc_info=True)
+                continue
+            for group in groups[1:]:
                 self.groups.remove(group)
 
     def _stream(self, group: DecodeGroup, job: SampleJob) -> None:

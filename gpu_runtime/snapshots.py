@@ -11,6 +11,12 @@ run's and the run trains on without touching it.
   evicted for memory spills to `scratch/snapshots/` and loads back from there; its file is deleted when it
   expires. The scratch directory is emptied when the runtime starts: after a restart an unnamed snapshot is
   NOT_FOUND, and the message says to make another.
+- **Copies of the latest** (`latest`): a sample on a run's current weights off its queue (`Sample.latest`, /v1 on a
+  run id) reads a copy of the run's adapter made when it is picked, "<run_id>@latest:<step>-<id>". Every such sample
+  picked while the run is at that step shares the copy; an optim_step makes the next one read a new copy and changes
+  nothing a decode reads. A copy goes as soon as no decode reads it (`drop_unread_latest`), and an eviction of its
+  run mid-decode does not touch it. Not kept on a multi-GPU pool, whose ranks hold their own adapters: there such a
+  sample queues on its run as before (gpu_runtime/engine.py).
 - They count against the resident budget (`Residency.resident_bytes`). One a decode group is using
   (`in_use`) is never evicted, expired or deleted: deleting it, or its run, is refused (FAILED_PRECONDITION).
 """
@@ -38,6 +44,7 @@ SAMPLER_MODE = "sampler"  # the checkpoints table's `mode` of a named snapshot
 SAMPLER_FILE = "sampler.json"  # beside a named snapshot's adapter: its name, run and step
 
 
+LATEST_PREFIX = "latest:"  # a copy of a run's current weights: "<run_id>@latest:<step>-<id>"
 CHECKPOINT_PREFIX = "checkpoint:"  # a training checkpoint read as a snapshot: "<run_id>@checkpoint:<name>"
 READABLE_KINDS = ("state", "adapter")  # training checkpoints that hold an adapter to sample or score
 
@@ -66,6 +73,7 @@ class Snapshot:
     path: Path | None = None  # named: its directory; unnamed and spilled: its scratch file
     expires_at: float | None = None  # time.monotonic() deadline (unnamed only)
     in_use: int = 0  # decode jobs reading it right now
+    latest: bool = False  # a copy of the run's current weights for samples off its queue (Snapshots.latest)
     last_used: float = field(default_factory=time.monotonic)
 
     @property
@@ -88,6 +96,7 @@ class Snapshots:
         self.scratch = self.data_dir / "scratch" / "snapshots"
         shutil.rmtree(self.scratch, ignore_errors=True)  # unnamed snapshots do not outlive their runtime
         self.entries: dict[str, Snapshot] = {}  # routing key → snapshot (named ones once used since start)
+        self._latest: dict[str, Snapshot] = {}  # run → the copy of its current weights samples picked now share
         residency.snapshots = self.entries
 
     # ---- making one ------------------------------------------------------------------------
@@ -115,6 +124,30 @@ class Snapshots:
         self.entries[snapshot.key] = snapshot
         self._register(snapshot, entry)
         return snapshot
+
+    def latest(self, state: RunState, entry: BaseEntry) -> Snapshot:
+        """The run's weights as they are now, copied for the samples that read them off its queue: one copy per step,
+        shared by every such sample picked while it is the run's step (LoRA weights are small; the copy is cheap)."""
+        snapshot = self._latest.get(state.run_id)
+        if snapshot is None or snapshot.step != state.step or snapshot.weights is None:
+            weights = {path: (A.detach().clone(), B.detach().clone()) for path, (A, B) in state.weights.items()}
+            snapshot = Snapshot(run_id=state.run_id, user_id=state.user_id, step=state.step, base_key=state.base_key,
+                                name=f"{LATEST_PREFIX}{state.step}-{uuid.uuid4().hex[:8]}", named=False,
+                                config=state.config, weights=weights, latest=True)
+            self._latest[state.run_id] = snapshot
+            self.entries[snapshot.key] = snapshot
+            self._register(snapshot, entry)
+        snapshot.last_used = time.monotonic()
+        return snapshot
+
+    def retire_latest(self, run_id: str) -> None:
+        """The run's weights changed without a step (load_state): later samples copy them again."""
+        self._latest.pop(run_id, None)
+
+    def drop_unread_latest(self) -> None:
+        """Copies of the latest that no decode reads any more (each tick's housekeeping)."""
+        for snapshot in [s for s in self.entries.values() if s.latest and not s.in_use]:
+            self._drop(snapshot)
 
     # ---- finding one -----------------------------------------------------------------------
 
@@ -197,6 +230,9 @@ class Snapshots:
     def evict(self, snapshot: Snapshot) -> None:
         """Free its memory: a named one reloads from its directory, an unnamed one spills to scratch first."""
         if snapshot.in_use or snapshot.weights is None:
+            return
+        if snapshot.latest:  # nobody reads it: a later sample copies the run again
+            self._drop(snapshot)
             return
         if not snapshot.named:
             self.scratch.mkdir(parents=True, exist_ok=True)
@@ -289,6 +325,8 @@ class Snapshots:
         if not snapshot.named and snapshot.path is not None:
             snapshot.path.unlink(missing_ok=True)
         self.entries.pop(snapshot.key, None)
+        if self._latest.get(snapshot.run_id) is snapshot:
+            del self._latest[snapshot.run_id]
 
 
 def _read(path: Path, device: torch.device) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:

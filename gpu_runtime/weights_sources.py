@@ -7,7 +7,9 @@ read-only like a named snapshot under "<run_id>@checkpoint:<name>"), or no run w
 layers: the run's id, "<run_id>@<name>", or a key no layer has an adapter under, so the rows compute the plain base.
 
 Only the current weights are in the run's queue; the frozen sources are not (`Sample.frozen`, `Forward.frozen`):
-they are resolved whenever they are picked, and wait only for the call that makes them (`pending_save`).
+they are resolved whenever they are picked, and wait only for the call that makes them (`pending_save`). A sample
+with `latest` names the current weights off the queue: it reads a copy of them made when it is picked
+(`Snapshots.latest`), unless `copy_latest` is off (a multi-GPU pool: then it is in the run's queue).
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ class Pending(Exception):
 
 
 def resolve(call: WeightsCall, residency: Residency, snapshots: Snapshots, state_of: Any,
-            pending_save: Any) -> WeightsSource:
+            pending_save: Any, copy_latest: bool = True) -> WeightsSource:
     """The call's weights. `state_of(run_id)` is the run in memory (Recovery.state); `pending_save(run_id, name)`
     says a save_weights_for_sampler making that snapshot is still queued (then `Pending`)."""
     if call.run_id is None:
@@ -75,6 +77,10 @@ def resolve(call: WeightsCall, residency: Residency, snapshots: Snapshots, state
                              entry=entry, step=0, user_id=call.user_id)
     if call.snapshot is None and call.checkpoint is None:
         state: RunState = state_of(call.run_id)
+        if copy_latest and getattr(call, "latest", False):  # Sample's field; a forward has none
+            copy = snapshots.latest(state, residency.bases[state.base_key])
+            return WeightsSource(key=copy.key, base_key=copy.base_key, entry=residency.bases[copy.base_key],
+                                 step=copy.step, user_id=copy.user_id, snapshot=copy)
         return WeightsSource(key=state.run_id, base_key=state.base_key, entry=residency.bases[state.base_key],
                              step=state.step,
                              user_id=state.user_id, state=state)

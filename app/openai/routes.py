@@ -215,7 +215,8 @@ class Sampling:
                progress: Callable[[dict[str, Any]], None] | None = None) -> Awaitable[dict[str, Any]]:
         run = self.target.run
         return self.runs.sample(self.user, run.id if run else None, sample, request_id=request_id,
-                                snapshot=self.target.snapshot, base_model=self.target.base_model, progress=progress)
+                                snapshot=self.target.snapshot, base_model=self.target.base_model, progress=progress,
+                                latest=run is not None and self.target.snapshot is None)  # no ticket, no run lock
 
     async def answer(self, result: dict[str, Any]) -> tuple[dict[str, Any], list[answers.Choice]]:
         """The whole answer's body and its choices (the text of every id, prompt and top-k ones included, from the

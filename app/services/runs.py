@@ -519,21 +519,24 @@ class RunService:
 
     async def sample(self, user: User, run_id: str | None, params: SampleParams, request_id: str | None = None,
                      snapshot: str | None = None, checkpoint: str | None = None, base_model: str | None = None,
-                     order: Numbered | None = None, progress: Progress | None = None) -> dict[str, Any]:
+                     order: Numbered | None = None, progress: Progress | None = None,
+                     latest: bool = False) -> dict[str, Any]:
         """Sample a run's current weights (in the run's order, under its lock), a snapshot or checkpoint of it, or a
         base alone. Frozen sources (docs/SNAPSHOTS.md) take neither the run's lock nor a ticket: they wait for nothing
-        on the run. Each sequence becomes a sample row when `params.store` says so (None: true for current weights,
-        false otherwise: an RL step of 128 prompts x 16 samples would write 2,048): the run's history on its page, or
-        for a base alone the user's (`base_samples`). A frozen source is named in the row's params."""
+        on the run; so does `latest` (/v1 on a run id): the run's current weights as they are when the call reaches the
+        runtime, which copies them for it, so that nothing queued on the run holds it up. Each sequence becomes a
+        sample row when `params.store` says so (None: true for current weights, false otherwise: an RL step of 128
+        prompts x 16 samples would write 2,048): the run's history on its page, or for a base alone the user's
+        (`base_samples`). A frozen source is named in the row's params."""
         # The contract takes stop strings and ids as one `stop`; GraphQL has two arguments: name the one sent.
         stop_field = "stop_tokens" if params.stop_tokens is not None and params.stop is None else "stop"
         with _fields_renamed(lambda field: stop_field if field == "stop" else field):
             return await self._sample(user, run_id, params, request_id, snapshot, checkpoint, base_model, order,
-                                      progress)
+                                      progress, latest)
 
     async def _sample(self, user: User, run_id: str | None, params: SampleParams, request_id: str | None,
                       snapshot: str | None, checkpoint: str | None, base_model: str | None,
-                      order: Numbered | None, progress: Progress | None) -> dict[str, Any]:
+                      order: Numbered | None, progress: Progress | None, latest: bool) -> dict[str, Any]:
         keep = params.store if params.store is not None else (
             run_id is not None and snapshot is None and checkpoint is None)
         source = {key: value for key, value in (("snapshot", snapshot), ("checkpoint", checkpoint)) if value}
@@ -561,6 +564,9 @@ class RunService:
         if base_model is not None:
             raise BadInput("baseModel samples the base alone: leave runId out", field="baseModel")
         streamed = {"stream": True} if progress is not None else {}
+        if latest and snapshot is None and checkpoint is None:
+            return await self._off_the_queue(user, run_id, "sample", request_id, params.engine_params() | streamed,
+                                             {"latest": True}, record, progress)
         if snapshot is None and checkpoint is None:
             return await self._apply(user, run_id, "sample", request_id, lambda run: params.engine_params() | streamed,
                                      record, order=order, progress=progress)

@@ -45,9 +45,11 @@ from gpu_runtime.errors import BadInput
 # meets another version refuses to talk to it (a detached runtime outlives its server; a Modal deployment lags).
 # 4: RuntimeOptions gained the per-call bounds (max_batch_tokens, max_sample_rows, ...) and ping the version.
 # 5: sample gained `stream` (SampleChunk progress lines before its result) and the `cancel` call.
+# 6: the tokenizer call's `save` (Tinker's get_info tokenizer directory).
 # 7: cancel gained `deadline` (a call withdrawn at its deadline answers DEADLINE_EXCEEDED).
 # 8: RuntimeOptions gained export_limit_bytes (the dashboard reads the same bound the runtime enforces).
-CONTRACT_VERSION = 8
+# 9: sample gained `latest` (a run's current weights as they are when it arrives, off the run's queue).
+CONTRACT_VERSION = 9
 
 
 class Method(enum.StrEnum):
@@ -252,7 +254,8 @@ class OptimStep(RunCall):
 class Sample(Call):
     """Sampling from one weights source (gpu_runtime/weights_sources.py): `run_id` alone (the run's current weights,
     in its queue), `run_id` + `snapshot` or `checkpoint` (frozen weights: off the run's queue), or no `run_id` and
-    `base_model` + `user_id` (the base alone)."""
+    `base_model` + `user_id` (the base alone). `run_id` + `latest`: the run's current weights as they are when the
+    call arrives, copied for it (off the run's queue, like a snapshot: gpu_runtime/snapshots.py, `Snapshots.latest`)."""
 
     method = Method.SAMPLE
     prompts: list[str] | None = None  # exactly one of prompts (text) and prompt_tokens (token ids)
@@ -276,12 +279,18 @@ class Sample(Call):
     # True: after each decode chunk, the new settled text and ids of every sequence (a SampleChunk) reach the caller
     # as progress, before the SampleResult; a transport without progress (Modal) sends the result alone.
     stream: bool = False
+    # True: no place in the run's order (no ticket): the run's weights as of its last applied optim_step when the
+    # call reaches the runtime, copied for it, so later optim_steps do not change what it decodes (/v1 on a run id).
+    latest: bool = False
 
     def validate(self) -> None:
         check_weights_source(self)
         check_request_id(self.request_id)
-        if not isinstance(self.stream, bool):
-            raise BadInput("stream must be true or false", field="stream")
+        for name in ("stream", "latest"):
+            if not isinstance(getattr(self, name), bool):
+                raise BadInput(f"{name} must be true or false", field=name)
+        if self.latest and (self.run_id is None or self.snapshot is not None or self.checkpoint is not None):
+            raise BadInput("latest names a run's current weights: give run_id alone", field="latest")
         self.settings()
 
     def check_size(self, options: RuntimeOptions) -> None:
@@ -295,8 +304,9 @@ class Sample(Call):
 
     @property
     def frozen(self) -> bool:
-        """Whether its weights never change under it (a snapshot, a checkpoint, a base): then it is off the run's queue."""
-        return self.run_id is None or self.snapshot is not None or self.checkpoint is not None
+        """Whether its weights never change under it (a snapshot, a checkpoint, a base, a copy of the latest): then it
+        is off the run's queue."""
+        return self.run_id is None or self.snapshot is not None or self.checkpoint is not None or self.latest
 
     def settings(self) -> tuple[list[str] | list[list[int]], SamplingSettings]:
         """The prompts (text, or token ids when prompt_tokens is set) and the checked settings."""

@@ -61,6 +61,40 @@ def test_a_stop_string_never_reaches_a_chunk(chunky: tuple[Engine, str]) -> None
     assert stop not in joined(chunks, "text") and sequence["text"].startswith(joined(chunks, "text"))
 
 
+def answered(engine: Engine, params: dict[str, Any]) -> dict[str, Any]:
+    """A sample submitted alone, ticked until it is answered: its first sequence."""
+    answer: list[Any] = []
+    engine.submit("sample", params, answer.append)
+    for _ in range(500):  # bounded: a tick decodes at least one token of at most max_tokens
+        if answer:
+            break
+        engine.tick()
+    return dict(answer[0]["result"]["sequences"][0][0])
+
+
+@pytest.mark.parametrize("source", ["latest", "base"])  # the late sample on the run's latest weights, or a base alone
+def test_a_late_sample_joins_the_decoding_group(chunky: tuple[Engine, str], tiny_model_dir: str,
+                                                source: str) -> None:
+    engine, run = chunky
+    first = {"run_id": run, "prompts": ["hello"], "max_tokens": 30, "temperature": 0.0, "latest": True}
+    weights = {"run_id": run, "latest": True} if source == "latest" else {"base_model": tiny_model_dir, "user_id": "u2"}
+    second = {**weights, "prompts": ["a longer prompt than the first one, so the rows are padded"], "max_tokens": 12,
+              "temperature": 0.0}
+    chunks, first_answer = streamed(engine, first, until=lambda chunks: len(chunks) >= 3)
+    second_answer: list[Any] = []
+    engine.submit("sample", second, second_answer.append)
+    engine.tick()  # its own group: prefill and one token, then it joins the first's
+    assert [group["calls"] for group in engine.call("runtime_state")["decode_groups"]] == [2]
+    for _ in range(100):  # bounded: each tick decodes a token of both
+        if first_answer and second_answer:
+            break
+        engine.tick()
+    for params, answer in ((first, first_answer), (second, second_answer)):
+        sequence, alone = answer[0]["result"]["sequences"][0][0], answered(engine, params)
+        assert sequence["tokens"] == alone["tokens"]  # what it decodes alone, to its own max_tokens
+        assert sequence["logprobs"] == pytest.approx(alone["logprobs"], abs=1e-4)
+
+
 def test_cancel_answers_a_decoding_sample_with_what_it_has(chunky: tuple[Engine, str]) -> None:
     engine, run = chunky
     params = {"run_id": run, "prompts": ["hello"], "max_tokens": 200, "request_id": "v1-x"}

@@ -42,8 +42,8 @@ def decode_groups(server: LiveServer, admin: str) -> list[dict[str, Any]]:
 
 
 def on_the_base(group: dict[str, Any]) -> bool:
-    """A decode group of base-model samples (their routing key is "base:" and the model's path)."""
-    return all(key.startswith("base:") for key in group["runs"])
+    """A decode group with base-model samples in it (their routing key is "base:" and the model's path)."""
+    return any(key.startswith("base:") for key in group["runs"])
 
 
 def events(lines: Iterator[str]) -> Iterator[dict[str, Any]]:
@@ -124,3 +124,59 @@ def test_training_another_run_is_answered_during_a_long_stream(streaming_server:
         assert result["num_tokens"] > 0
         groups = decode_groups(streaming_server, admin)
         assert any(on_the_base(group) for group in groups), groups  # the stream still decodes
+
+
+def latest_groups(server: LiveServer, admin: str, run_id: str) -> list[dict[str, Any]]:
+    """Decode groups reading copies of the run's latest weights (routing key "<run_id>@latest:<step>-<id>")."""
+    return [group for group in decode_groups(server, admin)
+            if any(key.startswith(f"{run_id}@latest:") for key in group["runs"])]
+
+
+def test_two_streams_on_one_run_decode_together(streaming_server: LiveServer, admin: str) -> None:
+    key = streaming_server.new_user()
+    run = SignalClient(api_key=key, base_url=streaming_server.url).create_run(lora_r=4)
+    with long_stream(streaming_server, key, run.id) as first:
+        first_events = events(first.iter_lines())  # kept: a generator dropped closes its stream (a disconnect)
+        assert any(content(chunk) for chunk in first_events)  # the first stream is decoding
+        with long_stream(streaming_server, key, run.id) as second:
+            second_events = events(second.iter_lines())
+            assert any(content(chunk) for chunk in second_events)  # its first token is here…
+            # …while the first still decodes: both calls are in the runtime's decode groups, neither waits for the run.
+            calls = sum(group["calls"] for group in latest_groups(streaming_server, admin, run.id))
+            assert calls == 2, decode_groups(streaming_server, admin)
+
+
+def test_an_optim_step_during_a_stream_does_not_change_what_it_decodes(streaming_server: LiveServer,
+                                                                       admin: str) -> None:
+    key = streaming_server.new_user()
+    run = SignalClient(api_key=key, base_url=streaming_server.url).create_run(lora_r=4)
+    client = openai.OpenAI(api_key=key, base_url=f"{streaming_server.url}/v1", max_retries=0)
+    run.forward_backward(batch=[{"text": "a gradient pending while the stream starts"}])  # changes no weights
+    before = run.save_weights_for_sampler()
+    assert before["step"] == 0
+    body = {"model": run.id, "messages": MESSAGES, "max_tokens": LONG, "temperature": 1.0, "seed": 5, "stream": True,
+            "return_token_ids": True}
+    streamed: list[int] = []
+    with httpx.stream("POST", f"{streaming_server.url}/v1/chat/completions", json=body, timeout=300,
+                      headers={"Authorization": f"Bearer {key}"}) as response:
+        chunks = events(response.iter_lines())
+        for chunk in chunks:
+            streamed += (chunk.get("choices") or [{}])[0].get("token_ids") or []
+            if streamed:
+                break
+        assert run.optim_step(learning_rate=5e-2)["step"] == 1
+        assert latest_groups(streaming_server, admin, run.id)  # the step was applied while the stream decoded
+        for chunk in chunks:
+            streamed += (chunk.get("choices") or [{}])[0].get("token_ids") or []
+    ask: dict[str, Any] = {"messages": MESSAGES, "max_tokens": LONG, "temperature": 1.0, "seed": 5,
+                           "extra_body": {"return_token_ids": True}}
+    on_before = client.chat.completions.create(model=f"{run.id}@{before['name']}", **ask)  # type: ignore[call-overload]  # kwargs
+    assert streamed == (on_before.choices[0].model_extra or {})["token_ids"]  # the stream decoded step 0's weights
+    # A request after the step samples the new weights: its first token's logprob is not step 0's.
+    ask = {**ask, "max_tokens": 4, "logprobs": True}
+    lp_after, lp_before = (client.chat.completions.create(model=model, **ask).choices[0].logprobs.content[0].logprob  # type: ignore[call-overload, union-attr]  # kwargs; logprobs asked
+                           for model in (run.id, f"{run.id}@{before['name']}"))
+    assert abs(lp_after - lp_before) > 1e-3
+    # The run's history (snapshot requests are in it too, named): the stream at step 0, the later request at step 1.
+    steps = sorted(row["step"] for row in run.samples() if "snapshot" not in row["params"])
+    assert steps == [0, 1], steps
