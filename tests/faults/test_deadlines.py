@@ -23,6 +23,7 @@ from tests.helpers.live_server import LiveServer, settings_for
 
 # forward_backward's 20 s is under the runtime's 30 s ticket wait: a call held for a withdrawn ticket would fail.
 DEADLINES = {"optim_step": 2.0, "sample": 2.0, "forward_backward": 20.0}
+USER_CALLS = 1  # a user's calls in flight: a second one waits in the runtime behind the first
 CREATE = "mutation { createRun(input: {loraR: 2}) { id } }"
 FORWARD_BACKWARD = "mutation($r: ID!) { forwardBackward(runId: $r, batch: [{text: \"two plus two\"}]) { loss } }"
 SAMPLE = ("mutation($r: ID!) { sample(runId: $r, prompts: [\"hi\"], maxTokens: 100, requestId: \"hold-1\") "
@@ -35,7 +36,8 @@ def server(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Ite
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("SIGNAL_RUNTIME_FAULTS", "hold_decode")
         live = LiveServer.start(settings_for(tmp_path_factory.mktemp("signal-deadlines"), tiny_model_dir,
-                                             deadlines_s=DEADLINES, decode_chunk_seconds=0.001))
+                                             deadlines_s=DEADLINES, decode_chunk_seconds=0.001,
+                                             max_user_calls_in_flight=USER_CALLS))
         yield live
         live.stop()
 
@@ -106,14 +108,23 @@ def test_a_sample_past_its_deadline_stops_decoding_unrecorded(server: LiveServer
 def test_a_stream_whose_client_leaves_before_its_first_chunk_is_withdrawn(server: LiveServer) -> None:
     key = server.new_user()
     run_id = server.graphql(CREATE, key=key)["data"]["createRun"]["id"]
-    take_ticket(server, run_id)  # the stream's sample (ticket 2) waits for ticket 1: no chunk comes
+    take_ticket(server, run_id)  # ticket 1, not sent yet
     before = withdrawn(server)
-    body = json.dumps({"model": run_id, "prompt": "hi", "max_tokens": 5, "stream": True}).encode()
-    host, port = server.url.removeprefix("http://").split(":")
-    with socket.create_connection((host, int(port)), timeout=60) as client:
-        client.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {key}\r\n"
-                       f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
-        server.wait_for(lambda: bool(runtime_state(server)["queue_depth"]), "the sample to queue in the runtime")
-    # The client is gone: the sample is withdrawn (not run to its end once ticket 1 comes).
-    server.wait_for(lambda: withdrawn(server) == before + 1, "the stream's sample to be withdrawn")
-    assert not runtime_state(server)["queue_depth"]
+    with ThreadPoolExecutor(1) as pool:
+        # The user's one place in flight (USER_CALLS): a forward_backward waiting in the runtime for ticket 1.
+        held = pool.submit(server.graphql, FORWARD_BACKWARD, {"r": run_id}, key)
+        server.wait_for(lambda: sum(runtime_state(server)["queue_depth"].values()) == 1, "the held call to queue")
+        # A /v1 stream on the run's current weights takes no ticket, but waits behind the user's bound: no chunk comes.
+        body = json.dumps({"model": run_id, "prompt": "hi", "max_tokens": 5, "stream": True}).encode()
+        host, port = server.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=60) as client:
+            client.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {key}\r\n"
+                           f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+            server.wait_for(lambda: sum(runtime_state(server)["queue_depth"].values()) == 2,
+                            "the stream's sample to wait in the runtime")
+        # The client is gone: its sample is withdrawn while the held call still waits.
+        server.wait_for(lambda: withdrawn(server) == before + 1, "the stream's sample to be withdrawn")
+        assert sum(runtime_state(server)["queue_depth"].values()) == 1 and not held.done()
+        assert server.backend.client.submit("run_info", run_id=run_id, ticket=1).result(timeout=60)["run_id"] == run_id
+        assert "errors" not in held.result(timeout=120)  # ticket 1 came: the held call is answered as usual
+    assert withdrawn(server) == before + 1 and not runtime_state(server)["queue_depth"]
