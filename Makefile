@@ -37,8 +37,13 @@ $(COOKBOOK): $(STAMP) Makefile
 	$(PIP) install $(COOKBOOK_DEPS)
 	touch $(COOKBOOK)
 
+# Two pytest-xdist workers, each running whole test files (--dist loadfile: a module's server starts once), for the
+# two cores CI has and the waits on servers and runtimes; TEST_WORKERS=0 runs the suite in this one process.
+TEST_WORKERS ?= 2
+XDIST = -n $(TEST_WORKERS) --dist loadfile
+
 test: install cookbook
-	$(PY) -m pytest -q --durations=15
+	$(PY) -m pytest -q --durations=15 $(XDIST)
 
 test-fast: install cookbook
 	$(PY) -m pytest -q -m "not slow"
@@ -51,7 +56,7 @@ test-fast: install cookbook
 PG_WEB := $(addprefix tests/web/,test_sessions.py test_usage.py test_run_labels.py test_runs_live.py test_rules.py \
 	test_compare.py test_keys_page.py)
 test-postgres: install
-	SIGNAL_TEST_DATABASE=postgres $(PY) -m pytest -q --durations=15 tests/app tests/sdk tests/faults tests/openai \
+	SIGNAL_TEST_DATABASE=postgres $(PY) -m pytest -q --durations=15 $(XDIST) tests/app tests/sdk tests/faults tests/openai \
 		tests/tinker --ignore=tests/tinker/test_cookbook.py $(PG_WEB)
 
 # The dashboard alone, in Debian's chromium (apt-get install chromium).

@@ -6,9 +6,11 @@ uninstall the test venv's editable install of this repository first.
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import subprocess
 import sys
+import tempfile
 import venv
 from pathlib import Path
 
@@ -21,8 +23,12 @@ HTTPX_CLOSURE = ("httpx", "httpcore", "h11", "anyio", "idna", "certifi", "sniffi
 def build_wheel(source: Path, dest: Path) -> Path:
     """The wheel of the project at `source` (its own pyproject.toml), built offline."""
     before = set(dest.glob("*.whl")) if dest.is_dir() else set()
-    subprocess.run([sys.executable, "-m", "pip", "wheel", str(source), "--no-deps", "--no-build-isolation", "-q",
-                    "-w", str(dest)], check=True, capture_output=True, timeout=300)
+    # One build of a source tree at a time: setuptools writes build/ and *.egg-info inside it, and `make test`'s
+    # two pytest-xdist workers may both build the SDK's wheel at once (tests/sdk, tests/app).
+    with open(Path(tempfile.gettempdir()) / f"signal-wheel{str(source.resolve()).replace('/', '-')}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        subprocess.run([sys.executable, "-m", "pip", "wheel", str(source), "--no-deps", "--no-build-isolation", "-q",
+                        "-w", str(dest)], check=True, capture_output=True, timeout=300)
     (wheel,) = set(dest.glob("*.whl")) - before
     return wheel
 
