@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from datetime import UTC
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlencode
@@ -190,9 +190,7 @@ async def archive_run(request: Request, user: User) -> Response:
 @signed_in
 async def save_now(request: Request, user: User) -> Response:
     form = await request.form()
-    mode = str(form.get("mode", "adapter"))
-    if mode not in SAVE_MODES:
-        raise BadInput(f"mode must be one of {', '.join(SAVE_MODES)}", field="mode")
+    mode = _mode(form, SAVE_MODES)
     name = str(form.get("name") or "").strip() or None  # none: step-N
     svc = services(request)
     run_id = request.path_params["run_id"]
@@ -211,9 +209,7 @@ async def delete_checkpoint(request: Request, user: User) -> Response:
 async def push_to_hub(request: Request, user: User) -> Response:
     """Save and upload in one call, as saveState(pushToHub: true) does: the token is this call's argument only."""
     form = await request.form()
-    mode = str(form.get("mode", "adapter"))
-    if mode not in PUSH_MODES:
-        raise BadInput(f"mode must be one of {', '.join(PUSH_MODES)}", field="mode")
+    mode = _mode(form, PUSH_MODES)
     run_id = request.path_params["run_id"]
     await services(request).runs.save_state(user, run_id, mode, push_to_hub=True,
                                             hub_model_id=str(form.get("hub_model_id") or "").strip(),
@@ -225,6 +221,14 @@ async def push_to_hub(request: Request, user: User) -> Response:
 async def checkpoints_card(request: Request, user: User) -> Response:
     """The checkpoints card alone: the run page fetches it again when its stream brings one it does not list."""
     return await _checkpoints(request, user, request.path_params["run_id"])
+
+
+def _mode(form: Mapping[str, Any], modes: tuple[str, ...]) -> str:
+    """The posted checkpoint kind, one of `modes` (adapter when none is given)."""
+    mode = str(form.get("mode", "adapter"))
+    if mode not in modes:
+        raise BadInput(f"mode must be one of {', '.join(modes)}", field="mode")
+    return mode
 
 
 async def _checkpoints(request: Request, user: User, run_id: str) -> Response:
