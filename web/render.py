@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Awaitable, Callable
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
@@ -28,7 +28,7 @@ templates = Jinja2Templates(directory=str(TEMPLATES))
 INTERNAL_MESSAGE = "Something went wrong on our side; it has been logged."
 
 
-def _ago(value: datetime | None) -> str:
+def ago(value: datetime | None) -> str:
     if value is None:
         return "never"
     seconds = (datetime.now(UTC) - value).total_seconds()
@@ -46,7 +46,18 @@ def _bytes(value: float) -> str:
     return f"{value:.1f} TB"
 
 
-templates.env.filters.update(ago=_ago, bytes=_bytes)
+def duration(value: timedelta) -> str:
+    """A run's span from creation to its last activity: 45 s, 12 min, 3 h 5 min, 2 d 4 h."""
+    seconds = int(value.total_seconds())
+    if seconds < 60:
+        return f"{max(seconds, 0)} s"
+    minutes, hours, days = seconds // 60, seconds // 3600, seconds // 86400
+    if days:
+        return f"{days} d {hours % 24} h"
+    return f"{hours} h {minutes % 60} min" if hours else f"{minutes} min"
+
+
+templates.env.filters.update(ago=ago, bytes=_bytes, duration=duration)
 templates.env.filters["params"] = lambda n: f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
 
 

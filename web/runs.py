@@ -16,7 +16,7 @@ from starlette.routing import Route
 
 from app.errors import BadInput
 from app.services.runs import RUN_SORTS, SEARCH_LENGTH, RunLabels
-from web.render import hx_redirect, page, services, signed_in, signed_in_or_key
+from web.render import ago, duration, hx_redirect, page, services, signed_in, signed_in_or_key
 from web.session_streams import until_signed_out
 
 if TYPE_CHECKING:  # rows are only ever received from app.services, never queried here
@@ -105,7 +105,8 @@ def _cells(summary: RunSummary) -> dict[str, str]:
     """A run's row as the cells' text, formatted as _runs_table.html formats it."""
     run, loss = summary.run, summary.last_loss
     return {"id": run.id, "name": run.name or run.id[:8], "status": run.status, "step": str(run.step),
-            "loss": "—" if loss is None else f"{loss:.4f}"}
+            "loss": "—" if loss is None else f"{loss:.4f}", "tokens": f"{summary.tokens_trained:,}",
+            "activity": ago(run.updated_at), "duration": duration(run.updated_at - run.created_at)}
 
 
 @signed_in

@@ -17,7 +17,7 @@ from app.db import Database
 from app.errors import BadInput, NotFound
 from app.events import LOSS_METRICS, EventBroker
 from app.services.runs import RunService
-from app.tables import Checkpoint, Metric, Run, User
+from app.tables import CallRecord, Checkpoint, Metric, Run, User
 from app.tar_stream import TarStream, gzip_chunks
 
 
@@ -25,6 +25,7 @@ from app.tar_stream import TarStream, gzip_chunks
 class RunSummary:
     run: Run
     last_loss: float | None
+    tokens_trained: int = 0  # forward_backward's weighted target tokens, from the call records (as usage counts them)
 
 
 COMPARE_RUNS = (2, 8)  # how many runs the compare page overlays: fewer is no comparison, more is an unreadable chart
@@ -77,7 +78,18 @@ class DashboardService:
                             archived: bool | None = False) -> list[RunSummary]:
         runs = await self.runs.list(user, limit=limit, search=search, sort=sort, archived=archived)
         losses = await self._last_losses([run.id for run in runs])
-        return [RunSummary(run, losses.get(run.id)) for run in runs]
+        trained = await self._tokens_trained([run.id for run in runs])
+        return [RunSummary(run, losses.get(run.id), trained.get(run.id, 0)) for run in runs]
+
+    async def _tokens_trained(self, run_ids: list[str]) -> dict[str, int]:
+        if not run_ids:
+            return {}
+        async with self.db.session() as session:
+            rows = await session.execute(
+                select(CallRecord.run_id, func.sum(CallRecord.tokens_in))
+                .where(CallRecord.run_id.in_(run_ids), CallRecord.operation == "forward_backward")
+                .group_by(CallRecord.run_id))
+            return {str(run_id): int(total or 0) for run_id, total in rows}
 
     async def _last_losses(self, run_ids: list[str]) -> dict[str, float]:
         if not run_ids:

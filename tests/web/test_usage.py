@@ -59,6 +59,12 @@ def test_usage_adds_up_a_users_calls_and_an_admin_sees_every_user(live_server: L
     today = datetime.now(UTC).date().isoformat()
     assert row(page.text, f'data-day="{today}"') == [today, *expected]
     assert "By user" not in page.text  # an admin's table only
+    # The runs list counts the same tokens trained, and says how long the run has been going.
+    listed = owner.client.get("/runs").text
+    cells = re.search(rf'<tr data-run-id="{run.id}">(.*?)</tr>', listed, re.S)
+    assert cells
+    assert f'data-cell="tokens">{trained:,}<' in cells.group(1)
+    assert re.search(r'data-cell="duration">\d+ (s|min)<', cells.group(1)) and 'data-cell="activity">just now<' in cells.group(1)
     # The chart draws the same day (static/usage.js reads data-days): [day, compute seconds, credits].
     found = re.search(r'data-days="([^"]*)"', page.text)
     assert found
