@@ -14,7 +14,7 @@ import re
 import uuid
 from collections.abc import Iterator
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from playwright.sync_api import Browser, Page, expect
@@ -270,9 +270,10 @@ def test_a_system_prompt_is_rendered_with_the_chat_template(visitor_run: tuple[V
     # What was sampled is the template's rendering: greedy from those ids gives the same text.
     messages = [{"role": "system", "content": "Answer like a pirate"}, {"role": "user", "content": "Hello there"}]
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)
+    ids = cast(list[int], tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
+                                                       return_dict=False))  # one conversation, tokenized: its ids
     direct = SignalClient(api_key=key, base_url=streaming_server.url).get_run(run_id).sample(
-        prompt_tokens=[list(ids)], max_tokens=6, temperature=0, store=False)
+        prompt_tokens=[ids], max_tokens=6, temperature=0, store=False)
     assert direct.sequences[0][0].text == chat["text"], (direct.sequences, chat)
 
 
