@@ -15,7 +15,12 @@
     const elapsedEl = box.querySelector("[data-play-elapsed]");
     const rateEl = box.querySelector("[data-play-rate]");
     const cancelButton = box.querySelector("[data-pane-cancel]");
-    if (cancelButton) cancelButton.addEventListener("click", () => { status.textContent = "Cancelling…"; });
+    if (cancelButton) {
+      cancelButton.addEventListener("click", () => { if (streaming()) status.textContent = "Cancelling…"; });
+      cancelButton.addEventListener("htmx:afterRequest", (event) => { // refused (it had ended meanwhile): say so
+        if (!event.detail.successful && streaming()) status.textContent = "Generating… (Cancel was refused)";
+      });
+    }
     const tokens = outputs.map(() => 0);
     const began = performance.now();
     let progress = 0;
