@@ -104,8 +104,8 @@ async def runs_events(request: Request, user: User) -> Response:
     text in place, static/runs.js, instead of replacing its table every few seconds and losing focus and selection).
     A server-side read of the summaries, not a browser poll: one connection per page, and nothing sent when quiet.
     ?ids= are the runs the page shows (followed wherever they move); on page 1 the first page's runs are read too,
-    and those the page lacks are the "new runs" it announces. Page 2 and on announce nothing: a run there that the
-    page lacks was pushed down from the page before, not made."""
+    and those the page lacks are the "new runs" it announces. A later page gets only its own runs: a run new to its
+    place was pushed down from the page before, not made, so it announces nothing."""
     svc = services(request)
     view = _view(request)  # the page's own filter: a run it hides is not "new"
     first_page = _int(request.query_params.get("page")) <= 1
