@@ -99,7 +99,7 @@ class Services:
             tinker_sessions=tinker_sessions,
             usage=UsageService(db),
             run_form=RunForm(settings, catalog, runs),
-            admin=AdminService(db, backend, users, keys),
+            admin=AdminService(db, backend, users, keys, catalog),
             playground=PlaygroundStreams(db),
             supabase=supabase,
             http=http,

@@ -305,19 +305,30 @@ class RunService:
         return run
 
     async def list(self, user: User, limit: int = 50, search: str = "", sort: str = "newest",
-                   archived: bool | None = False) -> list[Run]:
+                   archived: bool | None = False, offset: int = 0) -> list[Run]:
         """The user's runs in `sort`'s order (RUN_SORTS), those whose name, base model or a tag contain `search`;
-        `archived` False: those not archived (the default list), True: the archived ones, None: both."""
+        `archived` False: those not archived (the default list), True: the archived ones, None: both. `offset`
+        skips that many: the id breaks every tie, so consecutive pages never share or skip a run."""
         if sort not in RUN_SORTS:
             raise BadInput(f"sort must be one of {', '.join(RUN_SORTS)}, got {sort!r}", field="sort")
+        query = self._listed(user, search, archived).order_by(*RUN_SORTS[sort], Run.id)
+        async with self.db.session() as session:
+            rows = await session.scalars(query.offset(max(0, int(offset))).limit(_clamp(limit)))
+            return list(rows)
+
+    async def count(self, user: User, search: str = "", archived: bool | None = False) -> int:
+        """How many runs `list` pages through with the same filters (the runs list's "of N")."""
+        query = select(func.count()).select_from(self._listed(user, search, archived).subquery())
+        async with self.db.session() as session:
+            return int(await session.scalar(query) or 0)
+
+    def _listed(self, user: User, search: str, archived: bool | None) -> Any:
         query = select(Run).where(Run.user_id == user.id)
         if archived is not None:
             query = query.where(Run.archived_at.is_not(None) if archived else Run.archived_at.is_(None))
         if search.strip():
             query = query.where(_search_clause(search.strip()))
-        async with self.db.session() as session:
-            rows = await session.scalars(query.order_by(*RUN_SORTS[sort]).limit(_clamp(limit)))
-            return list(rows)
+        return query
 
     async def archive(self, user: User, run_id: str, archived: bool = True) -> Run:
         """Archive a run (or unarchive it): hidden from the default list, its training and sampling refused with
