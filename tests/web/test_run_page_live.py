@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 import io
 from collections import defaultdict
+from collections.abc import Iterator
 
 import pytest
 from playwright.sync_api import Page, expect
@@ -17,10 +18,19 @@ from sqlalchemy import select
 from app.db import Database
 from app.tables import CallRecord
 from rewardsignal import SignalClient
-from tests.helpers.live_server import LiveServer
+from tests.helpers.live_server import LiveServer, settings_for
 from tests.web.conftest import api_key_for, mint_login_link, run_async
 
 expect.set_options(timeout=30_000)
+
+
+@pytest.fixture(scope="module")
+def live_server(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    """This module's server: its run pages' streams poll once an hour, so whatever a page shows live (a sample, a
+    checkpoint, a metric) came from this process waking the stream as it recorded the row."""
+    server = LiveServer.start(settings_for(tmp_path_factory.mktemp("signal-live"), tiny_model_dir, live_poll_s=3600))
+    yield server
+    server.stop()
 
 
 def test_sdk_samples_appear_on_the_open_run_page(wide_page: Page, live_server: LiveServer) -> None:
