@@ -232,6 +232,8 @@ class SampleParams:
     topk_prompt_logprobs: int = SAMPLE_DEFAULTS["topk_prompt_logprobs"]
     topk_sample_logprobs: int = SAMPLE_DEFAULTS["topk_sample_logprobs"]
     store: bool | None = None  # None: stored (the run's current weights); False: no sample rows
+    # What the history keeps as each token prompt's text (the playground's chat as typed); None: the ids, as JSON.
+    prompt_texts: list[str] | None = None
 
     def engine_params(self) -> dict[str, Any]:
         if self.stop is not None and self.stop_tokens is not None:
@@ -261,8 +263,10 @@ class SampleParams:
         check_sample_size(len(prompts), settings, bounds, "prompts" if self.prompts is not None else "prompt_tokens")
 
     def stored_prompts(self) -> list[str]:
-        """What a sample row keeps as its prompt: the text, or a token-id prompt as its JSON list."""
-        return self.prompts if self.prompts is not None else [json.dumps(ids) for ids in self.prompt_tokens or []]
+        """What a sample row keeps as its prompt: the text, a token-id prompt's given text, or its ids as JSON."""
+        if self.prompts is not None:
+            return self.prompts
+        return self.prompt_texts or [json.dumps(ids) for ids in self.prompt_tokens or []]
 
 
 class RunService:
