@@ -93,7 +93,7 @@ class Services:
             runs=runs,
             login_links=LoginLinkService(db, settings.login_link_ttl_s),
             sessions=SessionService(db, settings.session_ttl_s),
-            live=LiveMetrics(db, broker, runs),
+            live=LiveMetrics(db, broker, runs, settings.live_poll_s),
             dashboard=DashboardService(db, backend, broker, runs, settings.data_dir),
             tinker=TinkerFutures(db, settings.tinker_poll_s, settings.tinker_result_ttl_s),
             tinker_sessions=tinker_sessions,

@@ -871,7 +871,7 @@ class RunService:
         """The applied call recorded once, with what `record` writes, in one transaction (call_records.py)."""
         return await self.recorder.record(Caller.of(run), operation, request_id, result,
                                           lambda session, fresh: record(session, run, result, fresh),
-                                          after=self.feed.written)
+                                          after=lambda: self.feed.written(run.id))
 
     def _checked(self, method: str, arguments: dict[str, Any]) -> Call:
         """The contract's checks and size bounds, here before the call leaves (the runtime runs both again); errors
