@@ -65,6 +65,7 @@ from gpu_runtime.devices import resolve_device
 from gpu_runtime.disk import disk_full_error, free_bytes
 from gpu_runtime.errors import BadInput, SignalError, WorkerFailed
 from gpu_runtime.inprocess import InProcess
+from gpu_runtime.off_tick import OffTick
 from gpu_runtime.ranks import RankGroup, RanksFailed
 from gpu_runtime.recovery import RESTORES_PER_TICK, Recovery
 from gpu_runtime.run_state import RunState
@@ -105,6 +106,7 @@ class Engine(InProcess):
         self.training = Training(self.shared)
         self.snapshots = Snapshots(root, hardware.residency, options.unnamed_snapshot_seconds)
         self.sampling = Sampling(self.shared, self.snapshots)
+        self.off_tick = OffTick(hardware.residency)
         self.recovery = Recovery(self.shared, self.training.replay)
         self.control = Control(self.shared, self.recovery, self.sampling, self.snapshots)
         self.last_tick = TickStats()
@@ -179,6 +181,10 @@ class Engine(InProcess):
                 user = self.recovery.owner(run_id) if run_id else SYSTEM
         except SignalError as exc:
             reply({"error": exc.to_dict()})
+            return
+        rendered = self.off_tick.render_chat(call) if isinstance(call, RenderChat) else None
+        if rendered is not None:  # its base resident: no tick to wait for (gpu_runtime/off_tick.py)
+            reply({"result": rendered.to_dict()})
             return
         streamed = progress if isinstance(call, Sample) and call.stream else None
         self.scheduler.submit(Request(call.method.value, args, reply, user_id=user, run_id=None if frozen else run_id,

@@ -116,23 +116,9 @@ class Sampling:
         return str(directory)
 
     def render_chat(self, call: RenderChat, state: RunState | None) -> RenderChatResult:
-        """Messages through the chat template as ids (tokenize=True: the template's own BOS, once), ids as text."""
+        """In the tick: the base loaded (a run's restored) if it is not."""
         entry = self.shared.entry(state) if state is not None else self.shared.residency.base(str(call.base_model), None)
-        tokenizer = entry.base.tokenizer
-        ids = None
-        if call.messages is not None:
-            if not isinstance(getattr(tokenizer, "chat_template", None), str):
-                raise BadInput("this model has no chat template: use /v1/completions with a prompt", field="messages")
-            rendered = tokenizer.apply_chat_template(call.messages, tokenize=True, add_generation_prompt=True,
-                                                     return_dict=False)
-            ids = [int(t) for t in cast(list[int], rendered)]  # tokenize=True, one conversation: its ids
-        texts = None if call.prompts is None else [list(tokenizer(p, add_special_tokens=True)["input_ids"])
-                                                    for p in call.prompts]  # as prepare() tokenises a text prompt
-        vocab = entry.renderer.vocab_size
-        pieces = [cast(str, tokenizer.decode([t], skip_special_tokens=True)) if t < vocab else ""  # one id in, one str
-                  for t in call.decode or []]
-        return RenderChatResult(prompt_tokens=ids, prompts_tokens=texts, pieces=pieces, context_length=entry.renderer.max_length,
-                                eos_token_ids=sorted(eos_ids(entry)))
+        return render_chat(call, entry, entry.base.tokenizer)
 
     def start(self, entry: BaseEntry, jobs: list[SampleJob]) -> None:
         for job in jobs:
@@ -279,6 +265,25 @@ class Sampling:
 
 def _answer_key(call: Sample) -> tuple[str, str]:
     return (call.run_id or f"user:{call.user_id}", call.request_id or "")
+
+
+def render_chat(call: RenderChat, entry: BaseEntry, tokenizer: Any) -> RenderChatResult:
+    """Messages through the chat template as ids (tokenize=True: the template's own BOS, once), ids as text, with
+    `tokenizer`: the base's in the tick, a copy of it off the tick (gpu_runtime/off_tick.py)."""
+    ids = None
+    if call.messages is not None:
+        if not isinstance(getattr(tokenizer, "chat_template", None), str):
+            raise BadInput("this model has no chat template: use /v1/completions with a prompt", field="messages")
+        rendered = tokenizer.apply_chat_template(call.messages, tokenize=True, add_generation_prompt=True,
+                                                 return_dict=False)
+        ids = [int(t) for t in cast(list[int], rendered)]  # tokenize=True, one conversation: its ids
+    texts = None if call.prompts is None else [list(tokenizer(p, add_special_tokens=True)["input_ids"])
+                                                for p in call.prompts]  # as prepare() tokenises a text prompt
+    vocab = entry.renderer.vocab_size
+    pieces = [cast(str, tokenizer.decode([t], skip_special_tokens=True)) if t < vocab else ""  # one id in, one str
+              for t in call.decode or []]
+    return RenderChatResult(prompt_tokens=ids, prompts_tokens=texts, pieces=pieces, context_length=entry.renderer.max_length,
+                            eos_token_ids=sorted(eos_ids(entry)))
 
 
 def eos_ids(entry: BaseEntry) -> set[int]:

@@ -31,6 +31,12 @@ class Choice:
     generated: int  # every token generated, the stop token included
 
 
+def cut_at_stop(sequence: dict[str, Any], eos: set[int]) -> bool:
+    """Whether `kept` needs the text of the sequence's tokens: it stopped, and not on an EOS token."""
+    tokens = sequence["tokens"]
+    return sequence["stop_reason"] == "stop" and bool(tokens) and tokens[-1] not in eos
+
+
 def kept(sequence: dict[str, Any], pieces: dict[int, str], eos: set[int]) -> int:
     """How many of the sequence's tokens its answer keeps: all but a final EOS, or those before a stop string
     (the runtime cut the text at the match; the token that completed it goes, with any after the cut)."""

@@ -219,19 +219,25 @@ class Sampling:
                                 latest=run is not None and self.target.snapshot is None)  # no ticket, no run lock
 
     async def answer(self, result: dict[str, Any]) -> tuple[dict[str, Any], list[answers.Choice]]:
-        """The whole answer's body and its choices (the text of every id, prompt and top-k ones included, from the
-        runtime's tokenizer)."""
+        """The whole answer's body and its choices (with logprobs or echo, the text of every id, prompt and top-k ones
+        included, from the runtime's tokenizer; else only that of sequences cut at a stop string)."""
         params, prompt_ids = self.params, self.prompt_ids
-        wanted = {t for seq in result["sequences"] for s in seq for t in s["tokens"]}
-        wanted |= {t for ids in prompt_ids for t in ids}
-        for seq in result["sequences"]:
-            for s in seq:
-                wanted |= {int(pair[0]) for top in s.get("topk_logprobs") or [] for pair in top}
-        for tops in result.get("topk_prompt_logprobs") or []:
-            wanted |= {int(pair[0]) for top in tops if top for pair in top}
+        if params.logprobs is None and not params.echo:  # per-token text only to cut a sequence at its stop string
+            wanted = {t for seq in result["sequences"] for s in seq if answers.cut_at_stop(s, self.eos)
+                      for t in s["tokens"]}
+        else:
+            wanted = {t for seq in result["sequences"] for s in seq for t in s["tokens"]}
+            wanted |= {t for ids in prompt_ids for t in ids}
+            for seq in result["sequences"]:
+                for s in seq:
+                    wanted |= {int(pair[0]) for top in s.get("topk_logprobs") or [] for pair in top}
+            for tops in result.get("topk_prompt_logprobs") or []:
+                wanted |= {int(pair[0]) for top in tops if top for pair in top}
         order = sorted(wanted)
-        decoded = await self.runs.render_chat(self.target.run, decode=order, base_model=self.target.base_model)
-        pieces = dict(zip(order, decoded["pieces"]))
+        pieces: dict[int, str] = {}
+        if order:  # else no round trip to the runtime for nothing
+            decoded = await self.runs.render_chat(self.target.run, decode=order, base_model=self.target.base_model)
+            pieces = dict(zip(order, decoded["pieces"]))
         picked = answers.choices(result, pieces, self.eos)
         prompt_texts = [p if isinstance(p, str) else "".join(pieces.get(t, "") for t in p) for p in
                         (params.prompts or prompt_ids)]
