@@ -20,7 +20,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
@@ -28,11 +27,12 @@ from typing import IO, Any
 
 from gpu_runtime.contract import RuntimeOptions
 from gpu_runtime.errors import FailedPrecondition, SignalError, WorkerFailed
+from gpu_runtime.poison import POISON_DEATHS, CallKey, Deaths, call_key, poison_pill
 from gpu_runtime.protocol import HEARTBEAT, LOCK_HELD, check_contract, decode, encode, runtime_socket
 
 PACKAGE_PARENT = str(Path(__file__).resolve().parent.parent)  # a checkout, or site-packages when installed
-POISON_DEATHS = 2  # a call in flight through this many runtime deaths in a row is not sent again (a poison pill)
-REMEMBERED_DEATHS = 4096  # calls whose deaths are remembered, the oldest forgotten first
+DEATHS_FILE = "runtime-deaths.json"  # in the data directory: the poison-pill count every server process shares
+__all__ = ["POISON_DEATHS", "RuntimeClient", "call_key", "poison_pill"]
 
 
 class RuntimeClient:
@@ -64,8 +64,9 @@ class RuntimeClient:
         # request id → (method, its future, the process it was sent to: only that one's death fails it, the call's key)
         self._pending: dict[int, tuple[str, Future[dict[str, Any]], Any, CallKey | None]] = {}
         self._progress: dict[int, Callable[[dict[str, Any]], None]] = {}  # streamed calls' chunk handlers
-        # A call's key → the runtime deaths in a row it was in flight through (answered: forgotten).
-        self._deaths: OrderedDict[CallKey, int] = OrderedDict()
+        # A call's key → the runtime deaths in a row it was in flight through (answered: forgotten); the data
+        # directory's runtime is every server process's, and so is the count (poison.py).
+        self._deaths = Deaths(Path(self.data_dir) / DEATHS_FILE if shared else None)
         self._ids = itertools.count(1)
         self._lock = threading.RLock()  # guards the process, the pending table and writes to stdin
         self.generation = 0  # bumped by every spawn, so a caller can tell "the worker I called" from a new one
@@ -117,7 +118,7 @@ class RuntimeClient:
         future: Future[dict[str, Any]] = Future()
         key = call_key(params)
         with self._lock:
-            if key is not None and self._deaths.get(key, 0) >= POISON_DEATHS:
+            if self._deaths.poisoned(key):
                 future.set_exception(poison_pill(method))  # not even a fresh runtime gets it again
                 return future
             if not self.alive:
@@ -279,8 +280,8 @@ class RuntimeClient:
             with self._lock:
                 self._progress.pop(message.get("id"), None)  # type: ignore[arg-type]  # an answer without an id finds None
                 entry = self._pending.pop(message.get("id"), None)  # type: ignore[arg-type]  # an answer without an id finds None
-                if entry is not None and entry[3] is not None:
-                    self._deaths.pop(entry[3], None)  # answered: its deaths in a row are over
+                if entry is not None:
+                    self._deaths.answered(entry[3])  # its deaths in a row are over
             if entry is None:
                 print(f"gpu_runtime runtime: answer for unknown request {message.get('id')!r}", file=sys.stderr)
                 continue
@@ -303,7 +304,7 @@ class RuntimeClient:
             for rid, _ in failed:
                 del self._pending[rid]
                 self._progress.pop(rid, None)
-            poisoned = {key for _, (_, _, _, key) in failed if key is not None and self._died_with(key)}
+            poisoned = self._deaths.died(key for _, (_, _, _, key) in failed if key is not None)
         for _, (method, future, _, key) in failed:
             if not future.set_running_or_notify_cancel():
                 continue
@@ -313,17 +314,6 @@ class RuntimeClient:
         if failed:
             print(f"gpu_runtime runtime (pid {process.pid}) {_ended(process, code)}; its log: {self.log_path or 'stderr'}",
                   file=sys.stderr)
-
-    def _died_with(self, key: CallKey) -> bool:
-        """Count a runtime death `key` was in flight through; whether that makes it a poison pill."""
-        deaths = self._deaths.pop(key, 0) + 1
-        self._deaths[key] = deaths
-        while len(self._deaths) > REMEMBERED_DEATHS:
-            self._deaths.popitem(last=False)
-        if deaths >= POISON_DEATHS:
-            print(f"gpu_runtime runtime: call {key} was in flight through {deaths} runtime deaths in a row; it is "
-                  "not sent again", file=sys.stderr)
-        return deaths >= POISON_DEATHS
 
     def _stop(self, graceful: bool) -> None:
         process, self._process = self._process, None
@@ -434,23 +424,6 @@ class _EndWatcher:
         if not line:
             self.connection.end()
         return line
-
-
-CallKey = tuple[str, str, str]  # (run, user, request id): one call, however often it is sent
-
-
-def call_key(params: dict[str, Any]) -> CallKey | None:
-    """The key of a call the client may send again with the same request id; None for calls without one."""
-    request_id = params.get("request_id")
-    if not isinstance(request_id, str) or not request_id:
-        return None
-    return (str(params.get("run_id") or ""), str(params.get("user_id") or ""), request_id)
-
-
-def poison_pill(method: str) -> WorkerFailed:
-    return WorkerFailed(f"the runtime died twice in a row with this {method} in flight; it is not sent again (a call "
-                        "that crashes the runtime would take it down for everyone each time): change the call, or "
-                        "report it", retryable=False)
 
 
 def _ended(process: subprocess.Popen[bytes] | RuntimeConnection, code: int) -> str:

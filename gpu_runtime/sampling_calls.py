@@ -132,16 +132,16 @@ class Sampling:
 
     def stop(self, call: Cancel) -> bool:
         """Stop the sample `call` names if it is decoding (False: it is not): its client gone, it is answered with
-        what it has (stop_reason "cancelled"); its deadline passed, DEADLINE_EXCEEDED (never applied, not kept for a
-        retry), with the compute seconds it used."""
+        what it has (stop_reason "cancelled"); withdrawn (`withdraw`, CANCELLED) or its deadline passed
+        (DEADLINE_EXCEEDED): never applied, not kept for a retry, with the compute seconds it used."""
         for group in list(self.groups):
             for job in group.jobs:
                 request = job.request
                 if not job.done and request.request_id == call.request_id and request.user_id == call.user_id:
                     job.done = True
                     self._release(job)
-                    if call.deadline:
-                        message = {"error": cancel_error(True, job.compute_seconds).to_dict()}
+                    if call.deadline or call.withdraw:  # withdrawn: never applied, not kept for a retry
+                        message = {"error": cancel_error(call.deadline, job.compute_seconds).to_dict()}
                     else:
                         job.reasons = [reason or "cancelled" for reason in job.reasons]
                         result = {**group.result(job), "compute_seconds": job.compute_seconds}

@@ -25,11 +25,13 @@ from app.backends import Progress
 from app.errors import BadInput, FailedPrecondition, SignalError, WorkerFailed
 from app.settings import Settings
 from gpu_runtime.allocation import PoolKey, modal_gpu
+from gpu_runtime.poison import Deaths, call_key, poison_pill
 from gpu_runtime.protocol import check_contract
 
 APP_NAME = "signal"  # gpu_runtime.modal_app's APP_NAME and CLASS_NAME (that module is not imported here)
 CLASS_NAME = "Pool"
 SYSTEM_METHODS = ("ping", "runtime_state")
+DEATHS_FILE = "modal-deaths.json"  # in the server's data directory: the poison-pill count its processes share
 log = logging.getLogger("signal.backend")
 CREDENTIALS_HELP = ("Modal credentials are missing: run `modal token new` (writes ~/.modal.toml), or set "
                     "MODAL_TOKEN_ID and MODAL_TOKEN_SECRET; then deploy the runtime with "
@@ -81,6 +83,8 @@ class ModalBackend:
         self._entered: set[str] = set()
         self._started = False
         self._agreed: set[str] = set()  # pools whose container answered this server's contract version
+        # A call in flight through two container failures in a row is not sent again (poison.py), as locally.
+        self.deaths = Deaths(settings.data_dir / DEATHS_FILE)
 
     @property
     def ready(self) -> bool:
@@ -117,11 +121,26 @@ class ModalBackend:
         if method == "delete_run":
             answer = await self._invoke(pool, "delete_run", str(params["run_id"]))
         else:
-            answer = await self._invoke(pool, "call", method, params)
+            answer = await self._guarded(pool, method, params)
         if "error" in answer:
             raise SignalError.from_dict(answer["error"])
         result: dict[str, Any] = answer["result"]
         return result
+
+    async def _guarded(self, pool: str, method: str, params: dict[str, Any]) -> dict[str, Any]:
+        """One call, unless it failed with its container twice in a row (a poison pill: WORKER_FAILED, not retryable,
+        not sent); such a failure is counted, an answer ends the count."""
+        key = call_key(params)
+        if self.deaths.poisoned(key):
+            raise poison_pill(method)
+        try:
+            answer = await self._invoke(pool, "call", method, params)
+        except WorkerFailed as failed:
+            if key is not None and _with_its_container(failed.__cause__) and self.deaths.died([key]):
+                raise poison_pill(method) from failed.__cause__
+            raise
+        self.deaths.answered(key)
+        return answer
 
     async def _agree(self, pool: str) -> None:
         """A deployment can lag the server's code: before a pool's first call, its contract version is asked for."""
@@ -197,3 +216,12 @@ class ModalBackend:
             answer = await self._invoke(pool, "call", method, {})
             answers[pool] = answer.get("result", answer.get("error"))
         return {"backend": "modal", "pools": answers}
+
+
+def _with_its_container(failure: BaseException | None) -> bool:
+    """Whether a failed call failed where it ran (its container lost, timed out, or raising): not Modal's errors on
+    this side of the wire (credentials, connection, lookup), after which the call may never have reached one."""
+    from modal import exception as modal_errors
+
+    return not isinstance(failure, (modal_errors.AuthError, modal_errors.ConnectionError, modal_errors.InvalidError,
+                                    modal_errors.NotFoundError, modal_errors.VersionError))

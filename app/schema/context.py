@@ -3,14 +3,17 @@ web/graphiql.py admits only with its CSRF token)."""
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
+from starlette.requests import Request
 from strawberry.types import Info as StrawberryInfo
 from strawberry.types.nodes import SelectedField
 
 from app.errors import Unauthenticated
 from app.services import Services
+from app.services.streams import gone, hold
 from app.tables import User
 
 
@@ -39,12 +42,23 @@ class Context:
     response: Any = None
     connection_params: dict[str, Any] | None = None
     _user: User | None = field(default=None, repr=False)
+    _gone: asyncio.Future[None] | None = field(default=None, repr=False)
 
     async def user(self) -> User:
         """The caller; raises UNAUTHENTICATED when the key is missing, unknown or revoked."""
         if self._user is None:
             self._user = await self.credential.authenticate(self.services)
         return self._user
+
+    def gone(self) -> asyncio.Future[None]:
+        """Done once the HTTP client has gone away: one watch of the request's ASGI `receive` (its body already read,
+        what comes next is `http.disconnect`, at the latest when the response is sent), shared by its fields. Over a
+        websocket, never done."""
+        if self._gone is None:
+            request = self.request
+            self._gone = hold(gone(request.receive)) if isinstance(request, Request) else \
+                asyncio.get_running_loop().create_future()
+        return self._gone
 
 
 Info = StrawberryInfo[Context, None]

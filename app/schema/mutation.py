@@ -138,9 +138,9 @@ class Mutation:
                               num_samples=num_samples, seed=seed, prompt_logprobs=prompt_logprobs,
                               topk_prompt_logprobs=topk_prompt_logprobs, topk_sample_logprobs=topk_sample_logprobs,
                               store=store)
-        result = await info.context.services.runs.sample(
-            user, None if run_id is None else str(run_id), params, request_id=request_id, snapshot=snapshot,
-            checkpoint=checkpoint, base_model=base_model, order=Numbered.of(seq, session))
+        result = await info.context.services.runs.sample_unless_gone(  # its client gone: withdrawn, unbilled
+            user, None if run_id is None else str(run_id), params, info.context.gone(), request_id=request_id,
+            snapshot=snapshot, checkpoint=checkpoint, base_model=base_model, order=Numbered.of(seq, session))
         return SampleResult.from_result(result)
 
     @strawberry.mutation(description="Freeze the run's current weights as a snapshot to sample from while it trains "

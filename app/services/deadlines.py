@@ -64,19 +64,17 @@ async def answered(deadline: Deadline | None, call: Awaitable[dict[str, Any]],
     whether it was withdrawn (DEADLINE_EXCEEDED) or had been applied (its result, recorded by the caller as usual)."""
     task = asyncio.ensure_future(call)
     if deadline is not None:
-        try:
-            return await asyncio.wait_for(asyncio.shield(task), max(deadline.left(), 0.0))
-        except TimeoutError:
-            if not task.done():
-                try:
-                    await cancel()
-                except SignalError as error:  # the call's own answer still comes: it is waited for below
-                    log.warning("%s: the cancel at its deadline failed: %s", what, error)
+        await asyncio.wait([task], timeout=max(deadline.left(), 0.0))  # the answer's error is read below
+        if not task.done():
+            try:
+                await cancel()
+            except SignalError as error:  # the call's own answer still comes: it is waited for below
+                log.warning("%s: the cancel at its deadline failed: %s", what, error)
     try:
         return await task
     except (DeadlineExceeded, Cancelled) as error:
         seconds = float(error.details.get("compute_seconds", 0.0))
-        log.info("%s: withdrawn (%s), never applied, not billed; %.3f compute seconds used", what, error.code, seconds)
+        log.info("%s: withdrawn (%s), never applied, not billed; %.6f compute seconds used", what, error.code, seconds)
         if isinstance(error, DeadlineExceeded) and deadline is not None:
             raise deadline.error() from None
         raise type(error)(error.message) from None

@@ -33,6 +33,7 @@ from app.services.call_order import CallOrder, Numbered
 from app.services.call_records import Caller, CallRecorder
 from app.services.deadlines import Deadline, answered, waiting
 from app.services.ledger import Ledger
+from app.services.streams import unless_gone
 from app.services.throttle import sent_until_taken
 from app.services.users import require_admin
 from app.settings import DEADLINES_S, RECORD_RETRY_S
@@ -588,12 +589,31 @@ class RunService:
         return await self._off_the_queue(user, run_id, "sample", request_id, params.engine_params() | streamed,
                                          {"snapshot": snapshot, "checkpoint": checkpoint}, record, progress)
 
-    async def cancel_sample(self, user: User, request_id: str, run: Run | None, base_model: str | None) -> None:
+    async def cancel_sample(self, user: User, request_id: str, run: Run | None, base_model: str | None,
+                            withdraw: bool = False) -> None:
         """Stop the caller's streamed sample `request_id` (its client went away): decoding, the runtime answers it with
         what it has, stop_reason "cancelled", which its `sample` call then records as it records any answer; not begun
-        yet, it is withdrawn (CANCELLED): never applied, not billed, not recorded."""
+        yet, or with `withdraw` (a client that saw none of it), it is withdrawn (CANCELLED): never applied, not billed,
+        not recorded."""
         pool = pool_of(run) if run is not None else self._base_pool(base_model)[1]
-        await self._engine("cancel", pool=pool, request_id=request_id, user_id=user.id)
+        await self._engine("cancel", pool=pool, request_id=request_id, user_id=user.id, withdraw=withdraw)
+
+    async def sample_unless_gone(self, user: User, run_id: str | None, params: SampleParams,
+                                 gone: asyncio.Future[None], request_id: str | None = None,
+                                 snapshot: str | None = None, checkpoint: str | None = None,
+                                 base_model: str | None = None, order: Numbered | None = None) -> dict[str, Any]:
+        """`sample` for a client that waits for the whole answer: if it goes away first (`gone`), the sample is
+        withdrawn wherever it is, queued or decoding (CANCELLED: never applied, not billed, not recorded; its compute
+        seconds logged). A training call has no such path: it completes whatever its client does."""
+        request_id = request_id or new_id()  # the name its cancel needs
+
+        async def cancel() -> None:
+            run = await self.get(user, run_id) if run_id is not None else None
+            await self.cancel_sample(user, request_id, run, base_model, withdraw=True)
+
+        return await unless_gone(self.sample(user, run_id, params, request_id=request_id, snapshot=snapshot,
+                                             checkpoint=checkpoint, base_model=base_model, order=order),
+                                 gone, cancel, f"sample {request_id} of user {user.id}")
 
     async def _answered(self, deadline: Deadline, pool: str, user: User, request_id: str,
                         call: Awaitable[dict[str, Any]]) -> dict[str, Any]:

@@ -4,9 +4,14 @@ RunService.sample call (its `progress` callback fills the queue)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any
+from typing import Any, TypeVar
 
+from app.errors import SignalError
+
+log = logging.getLogger("signal.deadlines")  # where a withdrawn call's compute seconds are logged (deadlines.py)
+T = TypeVar("T")
 _BACKGROUND: set[asyncio.Future[Any]] = set()  # samples and cancels that outlive their stream: held till done
 
 
@@ -54,3 +59,24 @@ async def first_or_gone(task: asyncio.Future[Any], chunks: asyncio.Queue[dict[st
         first.cancel()
         return False, None
     return True, first.result()
+
+
+async def unless_gone(call: Awaitable[T], gone: asyncio.Future[None], cancel: Callable[[], Awaitable[Any]],
+                      what: str) -> T:
+    """`call`'s answer; if its client goes away first (`gone`, shared by the request's fields), `cancel` is sent (held:
+    it outlives the request) and `call` is still awaited: withdrawn, it raises CANCELLED (deadlines.answered logs its
+    compute seconds); applied or answered already, it is recorded as usual."""
+    task = asyncio.ensure_future(call)
+    either: list[asyncio.Future[Any]] = [task, gone]
+    await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+    if not task.done():
+        log.info("%s: its client went away; cancelling it", what)
+
+        async def cancelled() -> None:
+            try:
+                await cancel()
+            except SignalError as error:  # the call's own answer still comes
+                log.warning("%s: the cancel after its client went away failed: %s", what, error)
+
+        hold(cancelled())
+    return await task

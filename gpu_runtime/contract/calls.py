@@ -49,7 +49,8 @@ from gpu_runtime.errors import BadInput
 # 7: cancel gained `deadline` (a call withdrawn at its deadline answers DEADLINE_EXCEEDED).
 # 8: RuntimeOptions gained export_limit_bytes (the dashboard reads the same bound the runtime enforces).
 # 9: sample gained `latest` (a run's current weights as they are when it arrives, off the run's queue).
-CONTRACT_VERSION = 9
+# 10: cancel gained `withdraw` (a decoding sample whose client saw none of it is withdrawn, not answered in part).
+CONTRACT_VERSION = 10
 
 
 class Method(enum.StrEnum):
@@ -509,7 +510,8 @@ class Cancel(Call):
     another's). A call not yet begun (queued, past its user's bound, parked, picked this tick, or between the parts
     of a split forward_backward, whose gradients are put back) is withdrawn, never applied, and its ticket counted
     done: answered CANCELLED, or DEADLINE_EXCEEDED with `deadline`. A decoding sample stops between chunks: answered
-    with what it has (stop_reason "cancelled"), or with `deadline` DEADLINE_EXCEEDED. A call in a pass, or applied,
+    with what it has (stop_reason "cancelled": a stream's client saw it), or withdrawn with `withdraw` (CANCELLED: a
+    client that saw none of it) or with `deadline` (DEADLINE_EXCEEDED). A call in a pass, or applied,
     completes as usual. One not here yet is answered so when it arrives. Answered at the next tick. A create_run,
     which has no request id, is named by its run id."""
 
@@ -517,6 +519,7 @@ class Cancel(Call):
     request_id: str
     user_id: str
     deadline: bool = False  # the server's deadline for the call passed (else its client went away)
+    withdraw: bool = False  # a decoding sample too is withdrawn, not answered with what it has (nobody saw it)
 
     def validate(self) -> None:
         if self.request_id is None:
@@ -525,6 +528,8 @@ class Cancel(Call):
         check_id(self.user_id, "user_id")
         if not isinstance(self.deadline, bool):
             raise BadInput(f"deadline must be true or false, got {self.deadline!r}", field="deadline")
+        if not isinstance(self.withdraw, bool):
+            raise BadInput(f"withdraw must be true or false, got {self.withdraw!r}", field="withdraw")
 
 
 @dataclass(frozen=True, kw_only=True)

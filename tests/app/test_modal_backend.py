@@ -34,7 +34,7 @@ from app.settings import Settings
 from gpu_runtime import modal_app
 from gpu_runtime.allocation import GPUS, parse_gpu_config, pool_key
 from gpu_runtime.contract import CONTRACT_VERSION
-from gpu_runtime.errors import FailedPrecondition
+from gpu_runtime.errors import FailedPrecondition, WorkerFailed
 from gpu_runtime.journal import Journal
 from rewardsignal import BadInputError, SignalClient
 from tests.helpers.live_server import TINY_MODEL, LiveServer, settings_for
@@ -369,6 +369,48 @@ def test_a_pool_deployed_from_other_code_is_refused_naming_modal_deploy(tmp_path
     assert f"contract version {CONTRACT_VERSION - 1}, this server {CONTRACT_VERSION}" in refused.value.message
     assert "modal deploy -m gpu_runtime.modal_app" in refused.value.message
     assert LaggingDeployment.calls == ["ping"]  # the call itself never reached the lagging container
+
+
+class CrashingDeployment:
+    """A stand-in for Modal's cloud: its container is lost (Modal's InternalFailure) with every call whose request id
+    starts with "poison", and the connection to Modal fails (ConnectionError) for those starting "unreached"."""
+
+    calls: list[str] = []
+
+    @classmethod
+    def with_options(cls, gpu: str) -> Any:
+        return lambda pool, options: cls()
+
+    @property
+    def call(self) -> Any:
+        def local(method: str, params: dict[str, Any]) -> dict[str, Any]:
+            request_id = str(params.get("request_id", ""))
+            CrashingDeployment.calls.append(request_id)
+            if request_id.startswith("poison"):
+                raise modal.exception.InternalFailure("the container exited while running the input")
+            if request_id.startswith("unreached"):
+                raise modal.exception.ConnectionError("could not reach Modal")
+            return {"result": {"pid": 1, "contract": CONTRACT_VERSION}}
+        return SimpleNamespace(local=local)
+
+
+def test_a_call_that_loses_its_container_twice_is_not_sent_again_by_any_server_process(tmp_path: Path) -> None:
+    settings = settings_for(tmp_path, "unused")
+    first, second = (ModalBackend(settings, lookup=lambda: CrashingDeployment, local=True) for _ in range(2))
+
+    def worker_failed(backend: ModalBackend, request_id: str) -> bool:
+        with pytest.raises(WorkerFailed) as failed:
+            asyncio.run(backend.call("forward_backward", pool=TINY_POOL, run_id="r", user_id="u", request_id=request_id))
+        return failed.value.retryable
+
+    assert worker_failed(first, "poison-1") is True  # one lost container: maybe not this call's doing
+    assert worker_failed(second, "poison-1") is False  # the retry, on another server process: the second in a row
+    assert worker_failed(first, "poison-1") is False  # not sent again
+    assert [call for call in CrashingDeployment.calls if call == "poison-1"] == ["poison-1"] * 2
+    # Failures on this side of the wire count nothing: the call may never have reached a container.
+    assert [worker_failed(first, "unreached-1") for _ in range(3)] == [True] * 3
+    answered = asyncio.run(second.call("forward_backward", pool=TINY_POOL, run_id="r", user_id="u", request_id="fine-1"))
+    assert answered["contract"] == CONTRACT_VERSION
 
 
 def test_a_v1_stream_on_modal_is_the_whole_answer_in_one_chunk(modal_server: LiveServer) -> None:

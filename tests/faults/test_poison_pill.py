@@ -1,6 +1,7 @@
 """A call in flight through two runtime deaths in a row is not sent again (issue 19 §1): the first death answers
 WORKER_FAILED retryable, the retry's (the same request id) WORKER_FAILED with `retryable: false`, and a third try is
-answered so without reaching the runtime. The failpoint die_in_prepare kills the runtime while preparing any call
+answered so without reaching the runtime, whichever server process each try reaches (two servers on one data
+directory share its runtime, and the count). The failpoint die_in_prepare kills the runtime while preparing any call
 whose request id starts with "poison"; other users' calls, and the same user's other calls, are answered."""
 
 from __future__ import annotations
@@ -18,12 +19,16 @@ FORWARD_BACKWARD = ("mutation($r: ID!, $id: String) { forwardBackward(runId: $r,
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+def servers(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LiveServer, LiveServer]]:
+    """Two server processes' worth (as `uvicorn --workers 2` makes) on one data directory: one runtime between them."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("SIGNAL_RUNTIME_FAULTS", "die_in_prepare")  # every runtime the server starts has it
-        live = LiveServer.start(settings_for(tmp_path_factory.mktemp("signal-poison"), tiny_model_dir))
-        yield live
-        live.stop()
+        data_dir = tmp_path_factory.mktemp("signal-poison")
+        first = LiveServer.start(settings_for(data_dir, tiny_model_dir))
+        second = LiveServer.start(settings_for(data_dir, tiny_model_dir))
+        yield first, second
+        second.stop()
+        first.stop()
 
 
 def worker_failed(body: dict[str, Any]) -> dict[str, Any]:
@@ -37,13 +42,15 @@ def fb(server: LiveServer, key: str, run_id: str, request_id: str) -> dict[str, 
     return server.graphql(FORWARD_BACKWARD, {"r": run_id, "id": request_id}, key=key)
 
 
-def test_a_call_that_kills_the_runtime_twice_is_not_sent_a_third_time(server: LiveServer) -> None:
+def test_a_call_that_kills_the_runtime_twice_is_not_sent_a_third_time(servers: tuple[LiveServer, LiveServer]) -> None:
+    server, another = servers
     key, other = server.new_user(), server.new_user()
     run_id = server.graphql(CREATE, key=key)["data"]["createRun"]["id"]
     others_run = server.graphql(CREATE, key=other)["data"]["createRun"]["id"]
 
     assert worker_failed(fb(server, key, run_id, "poison-1"))["retryable"] is True  # the first death: maybe not ours
-    assert worker_failed(fb(server, key, run_id, "poison-1"))["retryable"] is False  # the SDK's retry: the second
+    # The SDK's retry, accepted by the other server process: the second death in a row.
+    assert worker_failed(fb(another, key, run_id, "poison-1"))["retryable"] is False
     answered = fb(server, other, others_run, "other-1")  # another user's call, answered by a third runtime
     assert "errors" not in answered, answered
     pid = server.backend.client.pid

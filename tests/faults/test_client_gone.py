@@ -1,0 +1,106 @@
+"""A client going away (issue 19 §3): a GraphQL sample whose client leaves mid-decode is withdrawn within a chunk
+(never applied: no sample row, no call record, no compute seconds on the run; its compute seconds logged), while a
+forward_backward whose client leaves keeps its shield: it completes and is recorded. The failpoint hold_decode keeps a
+sample whose request id starts with "hold" decoding (after its first chunk) until it is cancelled."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import socket
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+from sqlalchemy import func, select
+
+from app.db import Database
+from app.tables import CallRecord
+from tests.faults.test_deadlines import take_ticket
+from tests.helpers.live_server import LiveServer, settings_for
+
+USER_CALLS = 1  # a user's calls in flight: a call behind an untaken ticket holds the user's one place
+CREATE = "mutation { createRun(input: {loraR: 2}) { id } }"
+SAMPLE = ("mutation($r: ID!) { sample(runId: $r, prompts: [\"hi\"], maxTokens: 200, requestId: \"hold-gone\") "
+          "{ sequences { text } } }")
+FORWARD_BACKWARD = ("mutation($r: ID!) { forwardBackward(runId: $r, batch: [{text: \"two plus two\"}], "
+                    "requestId: \"fb-gone\") { loss } }")
+RUN = "query($r: ID!) { run(id: $r) { computeSeconds samples { output } metrics { name } } }"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SIGNAL_RUNTIME_FAULTS", "hold_decode")
+        live = LiveServer.start(settings_for(tmp_path_factory.mktemp("signal-client-gone"), tiny_model_dir,
+                                             decode_chunk_seconds=0.001, max_user_calls_in_flight=USER_CALLS))
+        yield live
+        live.stop()
+
+
+def runtime_state(server: LiveServer) -> dict[str, Any]:
+    return server.backend.client.call("runtime_state", timeout=60)
+
+
+def records(server: LiveServer, run_id: str) -> int:
+    async def count() -> int:
+        db = Database(server.settings.resolved_database_url)
+        try:
+            async with db.session() as session:
+                return int(await session.scalar(select(func.count()).where(CallRecord.run_id == run_id)) or 0)
+        finally:
+            await db.dispose()
+
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, count()).result()
+
+
+def post_and_leave(server: LiveServer, key: str, query: str, variables: dict[str, Any],
+                   until: Any, what: str) -> None:
+    """POST a GraphQL call on a raw connection, and close it once `until()` holds, before any answer is read."""
+    body = json.dumps({"query": query, "variables": variables}).encode()
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=60) as client:
+        client.sendall(f"POST /graphql HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {key}\r\n"
+                       f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+        server.wait_for(until, what)
+
+
+def test_a_graphql_sample_whose_client_leaves_is_withdrawn_unbilled(server: LiveServer,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="signal.deadlines")
+    key = server.new_user()
+    run_id = server.graphql(CREATE, key=key)["data"]["createRun"]["id"]
+    before = server.graphql(RUN, {"r": run_id}, key=key)["data"]["run"]
+    assert records(server, run_id) == 0
+
+    post_and_leave(server, key, SAMPLE, {"r": run_id}, lambda: bool(runtime_state(server)["decode_groups"]),
+                   "the sample to decode")
+    server.wait_for(lambda: runtime_state(server)["decode_groups"] == [], "the sample to stop decoding", timeout=60)
+
+    def logged() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.name == "signal.deadlines" and "hold-gone" in r.getMessage()
+                and "withdrawn (CANCELLED)" in r.getMessage()]
+
+    server.wait_for(lambda: bool(logged()), "the withdrawn sample's log line", timeout=60)
+    (line,) = logged()
+    assert "never applied, not billed" in line and "compute seconds used" in line
+    assert float(line.split("; ")[-1].split()[0]) > 0  # its prefill and first chunk's seconds
+    after = server.graphql(RUN, {"r": run_id}, key=key)["data"]["run"]
+    assert after["samples"] == [] and after["computeSeconds"] == before["computeSeconds"]
+    assert records(server, run_id) == 0  # no call record: nothing billed
+
+
+def test_a_forward_backward_whose_client_leaves_completes_and_is_recorded(server: LiveServer) -> None:
+    key = server.new_user()
+    run_id = server.graphql(CREATE, key=key)["data"]["createRun"]["id"]
+    take_ticket(server, run_id)  # ticket 1, not sent yet: the call (ticket 2) waits in the runtime behind it
+    post_and_leave(server, key, FORWARD_BACKWARD, {"r": run_id},
+                   lambda: sum(runtime_state(server)["queue_depth"].values()) == 1, "the call to wait in the runtime")
+    assert server.backend.client.submit("run_info", run_id=run_id, ticket=1).result(timeout=60)["run_id"] == run_id
+    server.wait_for(lambda: records(server, run_id) == 1, "the forward_backward to be recorded")
+    run = server.graphql(RUN, {"r": run_id}, key=key)["data"]["run"]
+    assert [metric["name"] for metric in run["metrics"]].count("loss:mean") == 1  # applied once, recorded once
+    assert not runtime_state(server)["queue_depth"]
