@@ -21,15 +21,15 @@ from typing import Any
 
 import anyio.to_thread
 
-from app.backends import Progress
+from app.backends import A, Progress
 from app.errors import BadInput, FailedPrecondition, SignalError, WorkerFailed
 from app.settings import Settings
 from gpu_runtime.allocation import PoolKey, modal_gpu
+from gpu_runtime.contract import Call, DeleteRun, Method
 from gpu_runtime.protocol import check_contract
 
 APP_NAME = "signal"  # gpu_runtime.modal_app's APP_NAME and CLASS_NAME (that module is not imported here)
 CLASS_NAME = "Pool"
-SYSTEM_METHODS = ("ping", "runtime_state")
 log = logging.getLogger("signal.backend")
 CREDENTIALS_HELP = ("Modal credentials are missing: run `modal token new` (writes ~/.modal.toml), or set "
                     "MODAL_TOKEN_ID and MODAL_TOKEN_SECRET; then deploy the runtime with "
@@ -105,23 +105,23 @@ class ModalBackend:
             log.error("the Modal class %s.%s is not reachable (%s: %s); deploy it with `modal deploy -m "
                       "gpu_runtime.modal_app`, and see `signal doctor`", APP_NAME, CLASS_NAME, type(exc).__name__, exc)
 
-    async def call(self, method: str, pool: str | None = None, progress: Progress | None = None,
-                   **params: Any) -> dict[str, Any]:
+    async def call(self, request: Call[A], pool: str | None = None, progress: Progress | None = None,
+                   ticket: int | None = None) -> A:
         # `progress` is never called: a call's answer comes back whole from `.remote()`, so a streamed sample's text
         # reaches the client as one chunk after it (docs/MODAL.md).
         if pool is None:
-            if method not in SYSTEM_METHODS:
-                raise BadInput(f"{method} needs the run's pool on Modal", field="pool")
-            return await self._every_pool(method)
+            if request.method != Method.RUNTIME_STATE:
+                raise BadInput(f"{request.method} needs the run's pool on Modal", field="pool")
+            return request.result(await self._every_pool(request.method))
         await self._agree(pool)
-        if method == "delete_run":
-            answer = await self._invoke(pool, "delete_run", str(params["run_id"]))
+        if isinstance(request, DeleteRun):
+            answer = await self._invoke(pool, "delete_run", request.run_id)
         else:
-            answer = await self._invoke(pool, "call", method, params)
+            params = request.to_dict() | ({} if ticket is None else {"ticket": ticket})
+            answer = await self._invoke(pool, "call", request.method.value, params)
         if "error" in answer:
             raise SignalError.from_dict(answer["error"])
-        result: dict[str, Any] = answer["result"]
-        return result
+        return request.result(answer["result"])
 
     async def _agree(self, pool: str) -> None:
         """A deployment can lag the server's code: before a pool's first call, its contract version is asked for."""

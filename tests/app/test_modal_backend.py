@@ -33,7 +33,7 @@ from app.catalog import Catalog
 from app.settings import Settings
 from gpu_runtime import modal_app
 from gpu_runtime.allocation import GPUS, parse_gpu_config, pool_key
-from gpu_runtime.contract import CONTRACT_VERSION
+from gpu_runtime.contract import CONTRACT_VERSION, RunInfo, RuntimeState
 from gpu_runtime.errors import FailedPrecondition
 from gpu_runtime.journal import Journal
 from rewardsignal import BadInputError, SignalClient
@@ -264,7 +264,7 @@ def test_a_4bit_run_gets_a_pool_of_its_own_on_modal(modal_server: LiveServer) ->
 def test_runtime_state_reports_each_pool(modal_server: LiveServer) -> None:
     import asyncio
 
-    state = asyncio.run(modal_server.backend.call("runtime_state"))
+    state = asyncio.run(modal_server.backend.call(RuntimeState())).state
     assert state["backend"] == "modal" and TINY_POOL in state["pools"]
     assert "resident_runs" in state["pools"][TINY_POOL]
 
@@ -364,7 +364,7 @@ def test_a_pool_deployed_from_other_code_is_refused_naming_modal_deploy(tmp_path
 
     backend = ModalBackend(settings_for(tmp_path, "unused"), lookup=lambda: LaggingDeployment, local=True)
     with pytest.raises(FailedPrecondition) as refused:
-        asyncio.run(backend.call("run_info", pool=TINY_POOL, run_id="r"))
+        asyncio.run(backend.call(RunInfo(run_id="r"), pool=TINY_POOL))
     assert refused.value.field == "runtime"
     assert f"contract version {CONTRACT_VERSION - 1}, this server {CONTRACT_VERSION}" in refused.value.message
     assert "modal deploy -m gpu_runtime.modal_app" in refused.value.message
