@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Protocol, TypeVar
 
 from app.settings import Settings
+from gpu_runtime.allocation import PoolKey
 from gpu_runtime.contract import Call, Result, SampleChunk
 
 A = TypeVar("A", bound=Result)  # the answer type a request names (Call[A])
@@ -24,11 +25,11 @@ class Backend(Protocol):
 
     async def start(self) -> None: ...  # begins starting the runtime; returns at once
 
-    # `request`'s answer, parsed with its result type. `pool`: the run's pool key (gpu_runtime.allocation.pool_key),
-    # None for calls on no run. On Modal it picks the container; the local runtime is one pool for the whole machine
+    # `request`'s answer, parsed with its result type. `pool`: the run's pool (gpu_runtime.allocation.PoolKey), None
+    # for calls on no run. On Modal it picks the container; the local runtime is one pool for the whole machine
     # and ignores it. `progress`: a streamed sample's SampleChunks, called on the event loop before the call returns
     # (Modal calls it never: the result is all). `ticket`: the call's place in its run's order (scheduler.py).
-    async def call(self, request: Call[A], pool: str | None = None, progress: Progress | None = None,
+    async def call(self, request: Call[A], pool: PoolKey | None = None, progress: Progress | None = None,
                    ticket: int | None = None) -> A: ...
 
     async def close(self) -> None: ...

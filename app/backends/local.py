@@ -23,6 +23,7 @@ import anyio.to_thread
 
 from app.backends import A, Progress
 from app.settings import Settings
+from gpu_runtime.allocation import PoolKey
 from gpu_runtime.contract import Call, SampleChunk
 from gpu_runtime.errors import SignalError
 from gpu_runtime.runtime_client import RuntimeClient
@@ -89,7 +90,7 @@ class LocalBackend:
                 continue
             watch.beat(float(answer.get("tick_seconds", 0.0)))
 
-    async def call(self, request: Call[A], pool: str | None = None, progress: Progress | None = None,
+    async def call(self, request: Call[A], pool: PoolKey | None = None, progress: Progress | None = None,
                    ticket: int | None = None) -> A:
         # `pool` is ignored: this machine's runtime is one pool holding every base it is asked for.
         self.in_flight += 1

@@ -105,7 +105,7 @@ class ModalBackend:
             log.error("the Modal class %s.%s is not reachable (%s: %s); deploy it with `modal deploy -m "
                       "gpu_runtime.modal_app`, and see `signal doctor`", APP_NAME, CLASS_NAME, type(exc).__name__, exc)
 
-    async def call(self, request: Call[A], pool: str | None = None, progress: Progress | None = None,
+    async def call(self, request: Call[A], pool: PoolKey | None = None, progress: Progress | None = None,
                    ticket: int | None = None) -> A:
         # `progress` is never called: a call's answer comes back whole from `.remote()`, so a streamed sample's text
         # reaches the client as one chunk after it (docs/MODAL.md).
@@ -113,12 +113,13 @@ class ModalBackend:
             if request.method != Method.RUNTIME_STATE:
                 raise BadInput(f"{request.method} needs the run's pool on Modal", field="pool")
             return request.result(await self._every_pool(request.method))
-        await self._agree(pool)
+        key = str(pool)  # what names the container's variant, and its instance here
+        await self._agree(key)
         if isinstance(request, DeleteRun):
-            answer = await self._invoke(pool, "delete_run", request.run_id)
+            answer = await self._invoke(key, "delete_run", request.run_id)
         else:
             params = request.to_dict() | ({} if ticket is None else {"ticket": ticket})
-            answer = await self._invoke(pool, "call", request.method.value, params)
+            answer = await self._invoke(key, "call", request.method.value, params)
         if "error" in answer:
             raise SignalError.from_dict(answer["error"])
         return request.result(answer["result"])

@@ -52,7 +52,7 @@ from app.tables import (
     new_id,
     utcnow,
 )
-from gpu_runtime.allocation import pool_key
+from gpu_runtime.allocation import PoolKey
 from gpu_runtime.contract import (
     ADAM_DEFAULTS,
     LORA_DEFAULTS,
@@ -310,7 +310,7 @@ class RunService:
         # Still needed beside tickets: a restarted runtime knows no ticket (its journal keeps none) and takes the first
         # it gets as the run's start, and results are recorded in the order calls finish. One call per run per process.
         self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
-        self._devices: dict[str, str] = {}  # pool → its runtime's device, for pricing base samples
+        self._devices: dict[PoolKey, str] = {}  # pool → its runtime's device, for pricing base samples
         # The SDK's numbers (seq, session): a numbered call joins its run's lock queue after its predecessor.
         self.order = CallOrder()
         # A check of another client's claim on the run before each primitive (Tinker's: app/services/tinker_sessions.py
@@ -427,7 +427,7 @@ class RunService:
             lora=spec.explicit_lora() if source else lora, seed=spec.seed if source else spec.seed or 0,
             from_checkpoint=spec.from_checkpoint if source else None,
             with_optimizer=spec.with_optimizer if source else True)
-        pool = pool_key(model.name, gpu_config, quantization)
+        pool = PoolKey.of(model.name, gpu_config, quantization)
         # A create_run is named by its run.
         created = await self._answered(deadline, pool, user, run_id, self._engine(request, pool=pool))
         # The runtime resolved the switches against the model: the run keeps the layers they named.
@@ -509,7 +509,7 @@ class RunService:
         request = self._checked(Forward(batch=batch, loss_fn=loss_fn, loss_fn_config=loss_fn_config,
                                         base_model=model.source, user_id=user.id, request_id=request_id))
         gpu_config = self.catalog.resolve_gpu(model, None, None)
-        pool = pool_key(model.name, gpu_config, None)
+        pool = PoolKey.of(model.name, gpu_config, None)
         request = dataclasses.replace(request, request_id=request_id or new_id())
         request_id = str(request.request_id)
         result = await self._answered(deadline, pool, user, request_id, self._engine(request, pool=pool))
@@ -610,7 +610,8 @@ class RunService:
         pool = pool_of(run) if run is not None else self._base_pool(base_model)[1]
         await self._engine(Cancel(request_id=request_id, user_id=user.id), pool=pool)
 
-    async def _answered(self, deadline: Deadline, pool: str, user: User, request_id: str, call: Awaitable[A]) -> A:
+    async def _answered(self, deadline: Deadline, pool: PoolKey, user: User, request_id: str,
+                        call: Awaitable[A]) -> A:
         """The runtime's answer to `call`; at its deadline the runtime is asked to withdraw it (deadlines.py)."""
         return await answered(deadline, call, lambda: self._engine(
             Cancel(request_id=request_id, user_id=user.id, deadline=True), pool=pool),
@@ -634,11 +635,11 @@ class RunService:
 
         return await asyncio.shield(asyncio.ensure_future(work()))  # recorded even if the caller goes away
 
-    def _base_pool(self, base_model: str | None) -> tuple[Any, str, str]:
+    def _base_pool(self, base_model: str | None) -> tuple[Any, PoolKey, str]:
         """A base model's catalogue entry, pool and GPU configuration (a base alone runs in the pool of its default)."""
         model = self.catalog.get(base_model or self.default_model)
         gpu_config = self.catalog.resolve_gpu(model, None, None)
-        return model, pool_key(model.name, gpu_config, None), gpu_config
+        return model, PoolKey.of(model.name, gpu_config, None), gpu_config
 
     async def _sample_base(self, user: User, base_model: str | None, params: SampleParams,
                            request_id: str | None, store: dict[str, Any] | None,
@@ -673,7 +674,7 @@ class RunService:
         """The device a run on `base_model` (None: the default) would train on: its pool's runtime's."""
         return await self._device(self._base_pool(base_model)[1])
 
-    async def _device(self, pool: str) -> str:
+    async def _device(self, pool: PoolKey) -> str:
         """The device a pool's runtime computes on (its ping), asked once per pool: what a base sample is priced by."""
         if pool not in self._devices:
             self._devices[pool] = (await self.backend.call(Ping(), pool=pool)).device
@@ -713,7 +714,7 @@ class RunService:
             run = await self.get(user, run_id)
             return await self._engine(Tokenizer(run_id=run.id, save=save), pool=pool_of(run))
         model = self.catalog.get(base_model or self.default_model)
-        pool = pool_key(model.name, self.catalog.resolve_gpu(model, None, None), None)
+        pool = PoolKey.of(model.name, self.catalog.resolve_gpu(model, None, None), None)
         return await self._engine(Tokenizer(base_model=model.source, save=save), pool=pool)
 
     async def render_chat(self, run: Run | None, messages: builtins.list[dict[str, str]] | None = None,
@@ -727,7 +728,7 @@ class RunService:
         else:
             model = self.catalog.get(base_model or self.default_model)
             request = RenderChat(base_model=model.source, messages=messages, prompts=prompts, decode=decode)
-            pool = pool_key(model.name, self.catalog.resolve_gpu(model, None, None), None)
+            pool = PoolKey.of(model.name, self.catalog.resolve_gpu(model, None, None), None)
         request.validate()
         return await self._engine(request, pool=pool)
 
@@ -947,7 +948,7 @@ class RunService:
         archive = await self._engine(ExportCheckpoint(run_id=run_id, mode=mode, step=step, name=name), pool=pool_of(run))
         return base64.b64decode(archive.archive_b64)
 
-    async def _engine(self, request: Call[A], pool: str | None = None, progress: Progress | None = None,
+    async def _engine(self, request: Call[A], pool: PoolKey | None = None, progress: Progress | None = None,
                       ticket: int | None = None) -> A:
         async def call() -> A:
             return await self.backend.call(request, pool=pool, progress=progress, ticket=ticket)
@@ -1004,9 +1005,9 @@ def loss_metric(reduction: str) -> str:
     return f"loss:{reduction}"
 
 
-def pool_of(run: Run) -> str:
+def pool_of(run: Run) -> PoolKey:
     """The run's pool: on Modal, the warm container its calls go to (base model, GPU configuration, quantization)."""
-    return pool_key(run.base_model, run.gpu_config, run.quantization or None)
+    return PoolKey.of(run.base_model, run.gpu_config, run.quantization or None)
 
 
 def graphql_field(field: str | None) -> str | None:

@@ -32,7 +32,7 @@ from app.backends.modal import ModalBackend, pool_gpu
 from app.catalog import Catalog
 from app.settings import Settings
 from gpu_runtime import modal_app
-from gpu_runtime.allocation import GPUS, parse_gpu_config, pool_key
+from gpu_runtime.allocation import GPUS, PoolKey, parse_gpu_config, pool_key
 from gpu_runtime.contract import CONTRACT_VERSION, RunInfo, RuntimeState
 from gpu_runtime.errors import FailedPrecondition
 from gpu_runtime.journal import Journal
@@ -364,7 +364,7 @@ def test_a_pool_deployed_from_other_code_is_refused_naming_modal_deploy(tmp_path
 
     backend = ModalBackend(settings_for(tmp_path, "unused"), lookup=lambda: LaggingDeployment, local=True)
     with pytest.raises(FailedPrecondition) as refused:
-        asyncio.run(backend.call(RunInfo(run_id="r"), pool=TINY_POOL))
+        asyncio.run(backend.call(RunInfo(run_id="r"), pool=PoolKey.parse(TINY_POOL)))
     assert refused.value.field == "runtime"
     assert f"contract version {CONTRACT_VERSION - 1}, this server {CONTRACT_VERSION}" in refused.value.message
     assert "modal deploy -m gpu_runtime.modal_app" in refused.value.message
