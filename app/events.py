@@ -15,7 +15,7 @@ import contextlib
 import json
 import logging
 from collections import defaultdict, deque
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Iterator
 from typing import Any
 
 from sqlalchemy import func, select
@@ -43,12 +43,30 @@ class EventBroker:
     def __init__(self, queue_size: int = 1000) -> None:
         self._queue_size = queue_size
         self._subscribers: dict[str, set[asyncio.Queue[dict[str, Any]]]] = defaultdict(set)
+        self._watchers: dict[str, set[asyncio.Event]] = defaultdict(set)  # woken by `touch`, not sent events
 
     def publish(self, run_id: str, event: dict[str, Any]) -> None:
         for queue in list(self._subscribers.get(run_id, ())):
             if queue.full():
                 queue.get_nowait()  # a slow subscriber loses its oldest event, never blocks training
             queue.put_nowait(event)
+
+    def touch(self, run_id: str) -> None:
+        """This process just committed rows of the run that carry no metric event (a sample, a checkpoint): its
+        watchers (the run page's streams) read them now rather than at their next poll."""
+        for woken in list(self._watchers.get(run_id, ())):
+            woken.set()
+
+    @contextlib.contextmanager
+    def watching(self, run_id: str, woken: asyncio.Event) -> Iterator[None]:
+        """`woken` is set by each `touch` of the run while the block runs."""
+        self._watchers[run_id].add(woken)
+        try:
+            yield
+        finally:
+            self._watchers[run_id].discard(woken)
+            if not self._watchers[run_id]:
+                del self._watchers[run_id]
 
     def subscriber_count(self, run_id: str) -> int:
         return len(self._subscribers.get(run_id, ()))
@@ -86,9 +104,12 @@ class MetricFeed:
         if self.notifies and ids:
             await session.execute(select(func.pg_notify(CHANNEL, json.dumps({"run": run_id, "ids": ids}))))
 
-    def written(self) -> None:
-        """After the writer's commit: on SQLite, this process's subscribers need not wait for the next poll."""
+    def written(self, run_id: str | None = None) -> None:
+        """After the writer's commit: on SQLite, this process's subscribers need not wait for the next poll; the run's
+        dashboard streams read its new samples and checkpoints now (they are no metric events)."""
         self._written.set()
+        if run_id is not None:
+            self.broker.touch(run_id)
 
     async def start(self) -> None:
         self._cursor = await self._top()

@@ -121,6 +121,9 @@ class Settings(BaseSettings):
                                      "session this often and ends with `signed-out` once it is revoked or expired; "
                                      "a GraphQL subscription checks its key (or session) as often and ends with "
                                      "UNAUTHENTICATED.")
+    live_poll_s: float = Field(2.0, gt=0, le=3600, description="A run page's event stream reads new rows this often "
+                               "(and sends a keep-alive): rows another server process wrote; this process's "
+                               "arrive at once.")
     login_link_ttl_s: int = Field(900, description="How long a one-time login link stays valid, in seconds.")
     admin_emails: str = Field("", description="Comma-separated emails made admins when they sign in.")
     # The seed's names (SUPABASE_*) and SIGNAL_-prefixed aliases are both accepted; the prefixed one wins.

@@ -229,6 +229,20 @@ class DashboardSession(Base):
     user_agent: Mapped[str] = mapped_column(StoredString(USER_AGENT_LENGTH), default="")
 
 
+class PlaygroundStream(Base):
+    """A playground sample validated by its POST and waiting for its stream's GET (EventSource is GET-only), keyed by
+    the hash of its one-time id: any server process may answer the GET, which opens it once (app/services/
+    playground_streams.py). `panes` holds each pane's model and sample, and the runtime request id a Cancel names."""
+
+    __tablename__ = "playground_streams"
+    id_hash: Mapped[str] = mapped_column(String(64), primary_key=True)
+    user_id: Mapped[str] = mapped_column(USER_ID, ForeignKey("users.id", ondelete="CASCADE"), index=True)
+    panes: Mapped[list[dict[str, Any]]] = mapped_column(JSON)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    expires_at: Mapped[datetime] = mapped_column()  # not opened by then: refused, and dropped by a later POST
+    opened_at: Mapped[datetime | None] = mapped_column(default=None)  # set once, by the one GET that streams it
+
+
 class LoginAttempt(Base):
     """One "Sign in with Google" in flight, keyed by its state: the PKCE verifier lives here, not in a cookie,
     so overlapping logins and several server processes each find their own."""

@@ -1,7 +1,8 @@
 // The playground (issue 18 §4). The result card the POST answers holds one pane per model compared and names one
 // one-time stream for them all; this opens it, appends each decode chunk's text as it comes, shows each pane's elapsed
-// time and tokens per second, and Cancel closes the stream, which stops the generations on the server (the samples
-// are kept, marked cancelled). The form's max tokens and n are bound together: n x max tokens is at most the
+// time and tokens per second. A pane's Cancel (htmx POSTs it) stops that pane's generation on the server, which ends
+// it in the stream with stop reason "cancelled", the other panes going on; "Cancel all" closes the stream, which stops
+// them all (the samples are kept, marked cancelled). The form's max tokens and n are bound together: n x max tokens is at most the
 // server's per-call bound (data-sample-tokens), so the page stops what the server would refuse.
 (function () {
   "use strict";
@@ -13,6 +14,13 @@
     const status = box.querySelector("[data-play-status]");
     const elapsedEl = box.querySelector("[data-play-elapsed]");
     const rateEl = box.querySelector("[data-play-rate]");
+    const cancelButton = box.querySelector("[data-pane-cancel]");
+    if (cancelButton) {
+      cancelButton.addEventListener("click", () => { if (streaming()) status.textContent = "Cancelling…"; });
+      cancelButton.addEventListener("htmx:afterRequest", (event) => { // refused (it had ended meanwhile): say so
+        if (!event.detail.successful && streaming()) status.textContent = "Generating… (Cancel was refused)";
+      });
+    }
     const tokens = outputs.map(() => 0);
     const began = performance.now();
     let progress = 0;
@@ -35,6 +43,7 @@
       tick();
       box.dataset.state = state;
       status.textContent = text;
+      if (cancelButton) cancelButton.disabled = true; // nothing left to stop
     }
     return {
       streaming,
@@ -58,7 +67,11 @@
           tokens[i] = seq.tokens;
           meta(i, seq.stop_reason);
         });
-        end("done", "Done");
+        if (sequences.some((seq) => seq.stop_reason === "cancelled")) {
+          end("cancelled", "Cancelled: kept in the history, marked cancelled");
+        } else {
+          end("done", "Done");
+        }
       },
       cancel() {
         if (!streaming()) return;
@@ -99,7 +112,9 @@
     };
     source.addEventListener("progress", each((view, data) => view.progress(data.pieces)));
     source.addEventListener("done", each((view, data) => view.done(data.sequences)));
-    source.addEventListener("failed", each((view, data) => view.end("failed", data.message)));
+    // CANCELLED: the pane's Cancel came before its generation began, so nothing was made.
+    source.addEventListener("failed", each((view, data) => (data.code === "CANCELLED"
+      ? view.end("cancelled", "Cancelled before it began") : view.end("failed", data.message))));
     const fail = (text) => { views.forEach((view) => view.end("failed", text)); settle(); };
     source.addEventListener("signed-out", (event) => fail(event.data)); // the session ended: sign in again
     source.addEventListener("error", () => fail("The stream was interrupted.")); // no retry: we stop

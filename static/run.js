@@ -1,8 +1,8 @@
 // The run page's live view: metric rows, samples and checkpoints arrive over the page's one server-sent event stream
-// (htmx-ext-sse) and are drawn with uPlot. The loss chart plots loss against the forward_backward call, the step (the
-// token-weighted mean of that step's calls) or wall time, with smoothing, a log scale, a CSV export and markers where
-// checkpoints were saved and samples made; four smaller charts show grad norm, learning rate, tokens per call and
-// throughput. Every chart zooms (drag across it) with a visible reset, and has a table view of its points.
+// (htmx-ext-sse) and are drawn with uPlot: loss, grad norm, learning rate, tokens per call and throughput. One set of
+// controls applies to all five: the x axis (the forward_backward call, the step, or wall time), smoothing and a log
+// scale; the loss chart also marks where checkpoints were saved and samples made. Every chart zooms (drag across it)
+// with a visible reset, and has a table view of its raw points; the CSV export has every metric row.
 (function () {
   "use strict";
   const live = document.getElementById("live");
@@ -49,11 +49,12 @@
   }
   const ticks = (u, splits) => splits.map((split) => format(split, 4));
 
-  // One chart: a uPlot in #NAME-chart, its table view in #NAME-table and its #NAME-reset button. `show(spec, data)`
-  // draws data ([xs, ys, …]); a new spec (another axis, log scale, series) builds the plot again.
+  // One chart: a uPlot in #NAME-chart, its table view in #NAME-table and its #NAME-reset button. `show(spec, data,
+  // raw)` draws data ([xs, ys, …]) and lists raw ([xs, ys]) in the table view; a new spec (another axis, log scale,
+  // series) builds the plot again. The host's data attributes say what is drawn (the tests read them).
   function makeChart(name, height) {
     const host = $(name + "-chart"), tableHost = $(name + "-table"), reset = $(name + "-reset");
-    let plot = null, key = "", spec = null, data = null, zoomed = false;
+    let plot = null, key = "", spec = null, data = null, raw = null, zoomed = false;
 
     // The x range that shows every point and every marker; a lone value gets a unit either side.
     function extent() {
@@ -109,17 +110,19 @@
       }, data, host);
       reset.hidden = true;
       zoomed = false;
+      host.dataset.distr = String(plot.scales.y.distr);  // 3: logarithmic
+      host.dataset.series = String(spec.series.length);
     }
 
     function table() {
-      if (!tableView || !data) return;
-      const rows = data[0].length, first = Math.max(0, rows - TABLE_ROWS);
+      if (!tableView || !raw) return;
+      const rows = raw[0].length, first = Math.max(0, rows - TABLE_ROWS);
       const element = document.createElement("table");
       element.className = "table compact";
       const caption = element.createCaption();
       caption.textContent = `${spec.title}: ${rows > TABLE_ROWS ? `the latest ${TABLE_ROWS} of ${rows}` : rows} points, newest first`;
       const head = element.createTHead().insertRow();
-      for (const label of [spec.xLabel, ...spec.series.map((s) => s.label)]) {
+      for (const label of [spec.xLabel, spec.series[0].label]) {
         const th = document.createElement("th");
         th.scope = "col";
         th.textContent = label;
@@ -128,7 +131,7 @@
       const body = element.createTBody();
       for (let i = rows - 1; i >= first; i--) {
         const row = body.insertRow();
-        data.forEach((column, c) => { row.insertCell().textContent = c === 0 && spec.xFormat ? spec.xFormat(column[i]) : format(column[i]); });
+        raw.forEach((column, c) => { row.insertCell().textContent = c === 0 && spec.xFormat ? spec.xFormat(column[i]) : format(column[i]); });
       }
       tableHost.replaceChildren(element);
     }
@@ -137,12 +140,15 @@
     reset.addEventListener("click", () => { if (plot) plot.setData(data, true); });  // back to the whole range
 
     return {
-      show(nextSpec, nextData) {
+      show(nextSpec, nextData, nextRaw) {
         const nextKey = nextSpec.key || "";
         spec = nextSpec;
         data = nextData;
+        raw = nextRaw;
         host.dataset.shown = String(data[0].length);
-        const [xs, ys] = [data[0], data[data.length - 1]];
+        const top = data[data.length - 1][data[0].length - 1];  // the last point of the series drawn on top
+        host.dataset.last = top == null ? "" : String(top);
+        const [xs, ys] = raw;
         host.setAttribute("aria-label", `${spec.title}: ${xs.length} points; the latest ${format(ys[xs.length - 1])} ` +
                           `at ${spec.xLabel} ${spec.xFormat ? spec.xFormat(xs[xs.length - 1]) : format(xs[xs.length - 1])}`);
         if (!plot || nextKey !== key) { key = nextKey; build(); } else plot.setData(data, !zoomed);
@@ -159,32 +165,62 @@
   }
 
   const AXES = {
-    call: { label: "forward_backward call", note: "Loss of each forward_backward call, in order (several calls may share one optimizer step)." },
-    step: { label: "step", note: "Loss at each step: the token-weighted mean of that step's forward_backward losses." },
-    time: { label: "seconds since the first call", note: "Loss of each forward_backward call against wall time." },
+    call: { label: "forward_backward call", note: "Each forward_backward call in order (several calls may share one optimizer step); grad norm and learning rate sit at the number of calls their optim_step applied." },
+    step: { label: "step", note: "By step: loss is the token-weighted mean of the step's forward_backward losses, tokens per call their mean, throughput the step's tokens ÷ its compute seconds." },
+    time: { label: "seconds since the first call", note: "Against wall time: seconds since the run's first recorded call." },
   };
 
-  // The loss points for the chosen axis: [xs, ys].
-  function points(axis) {
-    if (axis === "call") return [calls.map((_, i) => i + 1), calls.map((c) => c.loss)];
-    if (axis === "time") return [calls.map((c) => c.t - calls[0].t), calls.map((c) => c.loss)];
-    const steps = new Map();
-    for (const c of calls) {
-      const s = steps.get(c.step) || { sum: 0, weight: 0 };
-      const weight = c.tokens || 1;
-      s.sum += c.loss * weight;
-      s.weight += weight;
-      steps.set(c.step, s);
+  // The five charts. Per-call values (rows: calls) on the step axis become one value per step (`byStep`, from that
+  // step's calls); the optimizer's (rows: optim) are one per step already.
+  const sum = (list, f) => list.reduce((total, item) => total + f(item), 0);
+  const CHARTS = {
+    loss: { title: "Loss", rows: "calls", field: "loss", colour: "79,70,229", fill: true,
+            byStep: (cs) => sum(cs, (c) => c.loss * (c.tokens || 1)) / sum(cs, (c) => c.tokens || 1) },
+    grad_norm: { title: "Grad norm", rows: "optim", field: "grad_norm", colour: "14,116,144" },
+    learning_rate: { title: "Learning rate", rows: "optim", field: "learning_rate", colour: "14,116,144" },
+    num_tokens: { title: "Tokens per call", rows: "calls", field: "tokens", colour: "14,116,144",
+                  byStep: (cs) => sum(cs, (c) => c.tokens) / cs.length },
+    throughput: { title: "Throughput", rows: "calls", field: "throughput", colour: "14,116,144",
+                  byStep: (cs) => sum(cs, (c) => c.tokens) / sum(cs, (c) => c.tokens / c.throughput) },  // tokens ÷ seconds
+  };
+
+  const origin = () => Math.min(calls.length ? calls[0].t : Infinity, optim.length ? optim[0].t : Infinity);
+
+  // How many forward_backward calls came before `step` (those its optim_step applied), for each of `steps` (ascending).
+  function callsBefore(steps) {
+    const perStep = new Map();
+    for (const c of calls) perStep.set(c.step, (perStep.get(c.step) || 0) + 1);
+    const keys = [...perStep.keys()].sort((a, b) => a - b);
+    let k = 0, count = 0;
+    return steps.map((step) => {
+      while (k < keys.length && keys[k] < step) count += perStep.get(keys[k++]);
+      return count;
+    });
+  }
+
+  // A chart's raw points against the axis: [xs, ys], xs ascending.
+  function points(chart, axis) {
+    const t0 = origin();
+    if (chart.rows === "optim") {
+      const rows = optim.filter((o) => o[chart.field] != null);
+      const xs = axis === "step" ? rows.map((o) => o.step) : axis === "time" ? rows.map((o) => o.t - t0)
+        : callsBefore(rows.map((o) => o.step));
+      return [xs, rows.map((o) => o[chart.field])];
     }
+    const numbered = calls.map((c, i) => [i + 1, c]).filter(([, c]) => c[chart.field] != null);
+    if (axis === "call") return [numbered.map(([n]) => n), numbered.map(([, c]) => c[chart.field])];
+    if (axis === "time") return [numbered.map(([, c]) => c.t - t0), numbered.map(([, c]) => c[chart.field])];
+    const steps = new Map();
+    for (const [, c] of numbered) steps.set(c.step, [...(steps.get(c.step) || []), c]);
     const xs = [...steps.keys()].sort((a, b) => a - b);
-    return [xs, xs.map((x) => steps.get(x).sum / steps.get(x).weight)];
+    return [xs, xs.map((x) => chart.byStep(steps.get(x)))];
   }
 
   // Where a marker at `step` (made at time `t`) sits on the axis: on the call axis, after the last call before that
   // step (a checkpoint holds the weights those calls trained).
   function markX(axis, step, t) {
     if (axis === "step") return step;
-    if (axis === "time") return t - calls[0].t;
+    if (axis === "time") return t - origin();
     return calls.filter((c) => c.step < step).length + 0.5;
   }
 
@@ -210,53 +246,40 @@
     return ys.map((y, i) => { average = factor * average + (1 - factor) * y; return average / (1 - factor ** (i + 1)); });
   }
 
-  const lossChart = makeChart("loss", 300);
-  const metricCharts = {
-    grad_norm: { chart: makeChart("grad_norm", 200), title: "Grad norm", xLabel: "step", rows: () => optim, field: "grad_norm" },
-    learning_rate: { chart: makeChart("learning_rate", 200), title: "Learning rate", xLabel: "step", rows: () => optim, field: "learning_rate" },
-    num_tokens: { chart: makeChart("num_tokens", 200), title: "Tokens per call", xLabel: "forward_backward call", rows: () => calls, field: "tokens" },
-    throughput: { chart: makeChart("throughput", 200), title: "Throughput", xLabel: "forward_backward call", rows: () => calls, field: "throughput" },
-  };
+  for (const [name, chart] of Object.entries(CHARTS)) chart.view = makeChart(name, name === "loss" ? 300 : 200);
+  const lossChart = CHARTS.loss.view;
 
-  function drawLoss() {
-    if (!calls.length) return;
-    const axis = control("chart-x").value, factor = Number(control("chart-smooth").value), log = control("chart-log").checked;
-    let [xs, ys] = points(axis);
-    if (log) ys = ys.map((y) => (y > 0 ? y : null));  // a log scale has no place for 0 or below
-    const data = factor > 0 ? [xs, ys, smoothed(ys.map((y) => y ?? 0), factor)] : [xs, ys];
-    const series = [{ label: "loss", stroke: factor > 0 ? "rgba(79,70,229,.3)" : "#4f46e5", width: factor > 0 ? 1 : 2,
-                      fill: factor > 0 ? undefined : "rgba(79,70,229,.08)", points: { show: xs.length < 60 } }];
-    if (factor > 0) series.push({ label: "smoothed", stroke: "#4f46e5", width: 2, points: { show: false } });
-    lossChart.show({
-      key: [axis, log, factor > 0].join("|"), title: "Loss", xLabel: AXES[axis].label, yLabel: "loss", log, series,
-      xIncrs: axis === "time" ? undefined : STEP_INCRS, xFormat: axis === "time" ? (x) => x.toFixed(1) : String,
-      marks: () => marks(axis),
-    }, data);
-    control("chart-note").textContent = AXES[axis].note;
-    const last = data[data.length - 1][xs.length - 1];
-    lossEl.dataset.last = last == null ? "" : String(last);
-  }
-
-  function drawMetric(name) {
-    const { chart, title, xLabel, rows, field } = metricCharts[name];
-    const xs = [], ys = [];
-    rows().forEach((row, i) => {
-      if (row[field] == null) return;
-      xs.push(rows() === optim ? row.step : i + 1);
-      ys.push(row[field]);
-    });
+  // Every chart drawn with the shared controls: the axis, smoothing (a second, smoothed series) and a log scale (which
+  // has no place for 0 or below). Its table view lists the raw points.
+  function draw(name) {
+    const chart = CHARTS[name], axis = axisNow(), [xs, ys] = points(chart, axis);
     if (!xs.length) return;
-    chart.show({ title, xLabel, yLabel: title.toLowerCase(), xIncrs: STEP_INCRS, xFormat: String,
-                 series: [{ label: title.toLowerCase(), stroke: "#0e7490", width: 2, points: { show: xs.length < 60 } }] },
-               [xs, ys]);
+    const factor = Number(control("chart-smooth").value), log = control("chart-log").checked;
+    const drawn = (values) => (log ? values.map((y) => (y > 0 ? y : null)) : values);
+    const data = factor > 0 ? [xs, drawn(ys), drawn(smoothed(ys, factor))] : [xs, drawn(ys)];
+    const label = chart.title.toLowerCase();
+    const series = [{ label, stroke: factor > 0 ? `rgba(${chart.colour},.3)` : `rgb(${chart.colour})`, width: factor > 0 ? 1 : 2,
+                      fill: chart.fill && !(factor > 0) ? `rgba(${chart.colour},.08)` : undefined, points: { show: xs.length < 60 } }];
+    if (factor > 0) series.push({ label: "smoothed", stroke: `rgb(${chart.colour})`, width: 2, points: { show: false } });
+    chart.view.show({
+      key: [axis, log, factor > 0].join("|"), title: chart.title, xLabel: AXES[axis].label, yLabel: label, log, series,
+      xIncrs: axis === "time" ? undefined : STEP_INCRS, xFormat: axis === "time" ? (x) => x.toFixed(1) : String,
+      marks: name === "loss" ? () => marks(axis) : undefined,
+    }, data, [xs, ys]);
+  }
+  const axisNow = () => control("chart-x").value;
+
+  function drawAll() {
+    for (const name of Object.keys(CHARTS)) draw(name);
+    control("chart-note").textContent = AXES[axisNow()].note;
   }
 
-  for (const id of ["chart-x", "chart-smooth", "chart-log"]) control(id).addEventListener("input", drawLoss);
+  for (const id of ["chart-x", "chart-smooth", "chart-log"]) control(id).addEventListener("input", drawAll);
   control("chart-table-toggle").addEventListener("click", (event) => {
     tableView = !tableView;
     event.currentTarget.setAttribute("aria-pressed", String(tableView));
     event.currentTarget.textContent = tableView ? "Chart view" : "Table view";
-    for (const chart of [lossChart, ...Object.values(metricCharts).map((m) => m.chart)]) chart.toggle();
+    for (const chart of Object.values(CHARTS)) chart.view.toggle();
   });
 
   function text(id, value) { $(id).textContent = value; }
@@ -293,13 +316,12 @@
     const steps = rows.map((row) => row.step);
     if (steps.length) text("stat-step", Math.max(Number($("stat-step").textContent) || 0, ...steps));
     text("stat-calls", calls.length);
-    drawLoss();
-    for (const name of Object.keys(metricCharts)) drawMetric(name);
+    drawAll();
     lossEl.dataset.points = String(calls.length);
   }
 
   // Checkpoints saved anywhere (the SDK, the page, Tinker) are marked on the loss chart; one the checkpoints card does
-  // not list yet brings the card again.
+  // not list yet brings the card's list again (only the list: the push form keeps what is being typed in it).
   function onCheckpoints(rows) {
     let unlisted = false;
     for (const row of rows) {
@@ -309,12 +331,13 @@
     }
     describeMarks();
     lossChart.redraw();
-    if (unlisted) htmx.ajax("GET", `/runs/${live.dataset.runId}/checkpoints`, { target: "#checkpoints", swap: "outerHTML" });
+    if (unlisted) htmx.ajax("GET", `/runs/${live.dataset.runId}/checkpoints`,
+                            { target: "#checkpoint-list", select: "#checkpoint-list", swap: "outerHTML" });
   }
 
-  // A checkpoint deleted from the card (or gone when it is fetched again) loses its marker.
+  // A checkpoint deleted from the card (or gone when its list is fetched again) loses its marker.
   document.body.addEventListener("htmx:afterSettle", (event) => {
-    if (event.target.id !== "checkpoints") return;
+    if (event.target.id !== "checkpoints" && event.target.id !== "checkpoint-list") return;
     let pruned = false;
     for (const id of [...checkpoints.keys()]) {
       if (!document.querySelector(`#checkpoints [data-checkpoint-id="${id}"]`)) pruned = checkpoints.delete(id);

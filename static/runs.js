@@ -1,7 +1,8 @@
-// The runs table, live (issue 18 §3): one `runs` event (#runs-new's hx-trigger="sse:runs") lists every run's
+// The runs table, live (issue 18 §3): one `runs` event (#runs-new's hx-trigger="sse:runs") lists the page's runs'
 // cells; each cell whose text differs gets the new text, and nothing else is touched. The row and its link stay the same nodes, so keyboard focus and a
 // selection in another cell survive. Runs not on the page are not inserted (rows would move under the reader):
-// a link says how many there are and reloads.
+// a link says how many there are and reloads. Only the first page's stream sends such runs (web/runs.py runs_events):
+// on later pages every run it sends is one the page shows.
 (function () {
   "use strict";
   const table = document.getElementById("runs-table");

@@ -140,9 +140,16 @@ async def prepared(svc: Services, user: User, form: PlayForm) -> list[tuple[Mode
                     raise
                 raise BadInput(f"{model.label} has no chat template: clear the system prompt and untick "
                                "\"Chat template\"", field="system") from None
-            params = replace(params, prompts=None, prompt_tokens=[rendered.prompt_tokens or []])  # messages given: never None
+            # The history shows the chat as typed, not the rendered ids (the template's markup is the model's).
+            params = replace(params, prompts=None, prompt_tokens=[rendered.prompt_tokens or []],  # messages: not None
+                             prompt_texts=[chat_text(messages)])
         panes.append((model, params))
     return panes
+
+
+def chat_text(messages: list[dict[str, str]]) -> str:
+    """A chat as the sample history shows it: each turn on its own lines, named by its role."""
+    return "\n\n".join(f"{message['role'].capitalize()}: {message['content']}" for message in messages)
 
 
 def _number(form: FormData, name: str, kind: type[T], default: T) -> T:

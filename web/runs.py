@@ -15,6 +15,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from app.errors import BadInput
+from app.services.dashboard import RUNS_PAGE_SIZE
 from app.services.runs import RUN_SORTS, SEARCH_LENGTH, RunLabels
 from web.render import ago, duration, hx_redirect, page, services, signed_in, signed_in_or_key
 from web.session_streams import until_signed_out
@@ -42,12 +43,30 @@ RUNS_POLL_S = 1.0  # how soon /runs shows a step, a loss or a status: the stream
 
 @signed_in
 async def runs_page(request: Request, user: User) -> Response:
+    """A page of the runs list (RUNS_PAGE_SIZE runs, ?page=N), its search, order and filter kept in every link."""
     view = _view(request)
-    summaries = await services(request).dashboard.run_summaries(user, search=view["q"], sort=view["sort"],
-                                                                 archived=SHOW[view["show"]])
+    listed = await services(request).dashboard.runs_page(user, _int(request.query_params.get("page")),
+                                                         search=view["q"], sort=view["sort"],
+                                                         archived=SHOW[view["show"]])
     name = "_runs_table.html" if request.url.path.endswith("/table") else "runs.html"
-    return page(request, name, user=user, summaries=summaries, view=view, sorts=SORT_LABELS, shows=SHOW_LABELS,
-                events_url="/runs/events" + (f"?{urlencode(view)}" if view != DEFAULT_VIEW else ""))
+    # The stream follows the runs shown (by id, wherever new runs or the order move them); on the first page it
+    # also reads the first page's runs, so a run the page does not show is announced as new there and only there.
+    stream = {**_query(view, listed.number), "ids": ",".join(s.run.id for s in listed.summaries)}
+    return page(request, name, user=user, summaries=listed.summaries, listed=listed, view=view, sorts=SORT_LABELS,
+                shows=SHOW_LABELS, events_url=f"/runs/events?{urlencode(stream)}",
+                first_url=_runs_url(view, 1), previous_url=_runs_url(view, listed.number - 1),
+                next_url=_runs_url(view, listed.number + 1))
+
+
+def _query(view: dict[str, str], number: int) -> dict[str, str]:
+    """The list's URL query: the view's non-default parts and the page past the first."""
+    query = {key: value for key, value in view.items() if value != DEFAULT_VIEW[key]}
+    return {**query, "page": str(number)} if number > 1 else query
+
+
+def _runs_url(view: dict[str, str], number: int) -> str:
+    query = _query(view, number)
+    return f"/runs?{urlencode(query)}" if query else "/runs"
 
 
 def _view(request: Request) -> dict[str, str]:
@@ -83,16 +102,23 @@ async def create_run(request: Request, user: User) -> Response:
 async def runs_events(request: Request, user: User) -> Response:
     """The user's run rows, as one `runs` event each time any shown cell changes (issue 18 §3: the page updates cell
     text in place, static/runs.js, instead of replacing its table every few seconds and losing focus and selection).
-    A server-side read of the summaries, not a browser poll: one connection per page, and nothing sent when quiet."""
+    A server-side read of the summaries, not a browser poll: one connection per page, and nothing sent when quiet.
+    ?ids= are the runs the page shows (followed wherever they move); on page 1 the first page's runs are read too,
+    and those the page lacks are the "new runs" it announces. A later page gets only its own runs: a run new to its
+    place was pushed down from the page before, not made, so it announces nothing."""
     svc = services(request)
     view = _view(request)  # the page's own filter: a run it hides is not "new"
+    first_page = _int(request.query_params.get("page")) <= 1
+    shown = [run_id for run_id in request.query_params.get("ids", "").split(",") if run_id][:RUNS_PAGE_SIZE]
 
     async def events() -> AsyncIterator[ServerSentEvent]:
         last: list[dict[str, str]] | None = None
         while True:
-            summaries = await svc.dashboard.run_summaries(user, search=view["q"], sort=view["sort"],
-                                                          archived=SHOW[view["show"]])
-            rows = [_cells(summary) for summary in summaries]
+            summaries = await svc.dashboard.run_summaries_of(user, shown)
+            if first_page:
+                summaries += (await svc.dashboard.runs_page(user, 1, search=view["q"], sort=view["sort"],
+                                                            archived=SHOW[view["show"]])).summaries
+            rows = sorted({s.run.id: _cells(s) for s in summaries}.values(), key=lambda row: row["id"])
             if rows != last:
                 yield ServerSentEvent(data=json.dumps(rows), event="runs")
                 last = rows

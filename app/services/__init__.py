@@ -18,6 +18,7 @@ from app.services.keys import KeyService
 from app.services.ledger import Ledger, Rates
 from app.services.live import LiveMetrics
 from app.services.login_links import LoginLinkService
+from app.services.playground_streams import PlaygroundStreams
 from app.services.run_form import RunForm
 from app.services.runs import RunService
 from app.services.sessions import SessionService
@@ -51,6 +52,7 @@ class Services:
     usage: UsageService  # per run, day and user, from call_records (issue 18 §6)
     run_form: RunForm  # the dashboard's New run form: its choices, and its fields read into a RunSpec
     admin: AdminService  # every user, key and run, and the runtime's report (issue 18 §7)
+    playground: PlaygroundStreams  # the playground's one-time stream ids (issue 18 §4)
     supabase: SupabaseSignIn | None = None  # only when SUPABASE_URL and SUPABASE_ANON_KEY are set
     # Shared by the Supabase client and the JWKS fetches; made only for them (its TLS context costs start-up 0.1 s).
     http: httpx.AsyncClient | None = None
@@ -91,13 +93,14 @@ class Services:
             runs=runs,
             login_links=LoginLinkService(db, settings.login_link_ttl_s),
             sessions=SessionService(db, settings.session_ttl_s),
-            live=LiveMetrics(db, broker, runs),
+            live=LiveMetrics(db, broker, runs, settings.live_poll_s),
             dashboard=DashboardService(db, backend, broker, runs, settings.data_dir),
             tinker=TinkerFutures(db, settings.tinker_poll_s, settings.tinker_result_ttl_s),
             tinker_sessions=tinker_sessions,
             usage=UsageService(db),
             run_form=RunForm(settings, catalog, runs),
-            admin=AdminService(db, backend, users, keys),
+            admin=AdminService(db, backend, users, keys, catalog),
+            playground=PlaygroundStreams(db),
             supabase=supabase,
             http=http,
             billing=billing,

@@ -12,6 +12,7 @@ from typing import Any
 from sqlalchemy import func, select
 
 from app.backends import Backend
+from app.catalog import Catalog
 from app.db import Database
 from app.services.keys import KeyService
 from app.services.runs import FAILED
@@ -60,7 +61,7 @@ class PoolReport:
     name: str
     error: str = ""  # the pool did not answer
     device: str = ""
-    bases: list[dict[str, Any]] = field(default_factory=list)
+    bases: list[dict[str, Any]] = field(default_factory=list)  # the runtime's, each with its catalogue "model" added
     queue: list[tuple[str, int, int]] = field(default_factory=list)  # (owner's email, calls queued, calls refused)
     ticks: list[Tick] = field(default_factory=list)  # oldest first
     totals: dict[str, int] = field(default_factory=dict)
@@ -90,9 +91,11 @@ class AdminView:
 
 
 class AdminService:
-    def __init__(self, db: Database, backend: Backend, users: UserService, keys: KeyService) -> None:
+    def __init__(self, db: Database, backend: Backend, users: UserService, keys: KeyService,
+                 catalog: Catalog) -> None:
         self.db = db
         self.backend = backend
+        self.catalog = catalog
         self.users = users
         self.keys = keys
 
@@ -120,7 +123,7 @@ class AdminService:
         where: dict[str, str] = {}
         state = await self._runtime_state(view) if with_runtime else None
         if state is not None:
-            view.pools = [_pool(name, answer, email) for name, answer in _pools(state)]
+            view.pools = [_pool(name, answer, email, self._model_names()) for name, answer in _pools(state)]
             for _, answer in _pools(state):
                 for resident in answer.get("resident_runs", []):
                     where[resident["run_id"]] = RESIDENT
@@ -141,6 +144,10 @@ class AdminService:
             view.runtime_error = f"{type(error).__name__}: {error}"
             return None
 
+    def _model_names(self) -> dict[str, str]:
+        """What the runtime loaded (a model's local path, or its hub id) -> the catalogue's name for it."""
+        return {model.source: model.name for model in self.catalog.list()}
+
     async def revoke_key(self, actor: User, key_id: str) -> ApiKey:
         """Any user's key, at once: its next request is UNAUTHENTICATED."""
         return await self.keys.revoke_any(actor, key_id)
@@ -158,14 +165,21 @@ def _pools(state: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
     return [("local", state)]
 
 
-def _pool(name: str, answer: dict[str, Any], email: dict[str, str]) -> PoolReport:
+def _base(base: dict[str, Any], models: dict[str, str]) -> dict[str, Any]:
+    """A base as the runtime reports it, plus the model's catalogue name: the runtime's key is what it loaded (a
+    path, for a local model) with "#<quantization>" for a quantized copy. A model no longer catalogued keeps it."""
+    loaded = str(base["name"]).split("#", 1)[0]
+    return {**base, "model": models.get(loaded, loaded)}
+
+
+def _pool(name: str, answer: dict[str, Any], email: dict[str, str], models: dict[str, str]) -> PoolReport:
     if "bases" not in answer:  # an error in place of a state
         return PoolReport(name, error=str(answer.get("message") or answer))
     ticks = answer.get("ticks", {})
     refused = answer.get("calls_refused", {})
     queued = answer.get("queue_depth", {})
     return PoolReport(
-        name, device=str(answer.get("device", "")), bases=list(answer["bases"]),
+        name, device=str(answer.get("device", "")), bases=[_base(base, models) for base in answer["bases"]],
         queue=[(email.get(user, user), int(queued.get(user, 0)), int(refused.get(user, 0)))
                for user in sorted({*queued, *refused}, key=lambda u: email.get(u, u))],
         ticks=[Tick(int(t["number"]), int(t["fb_rows"]) + int(t["decode_rows"]),

@@ -28,6 +28,30 @@ class RunSummary:
     tokens_trained: int = 0  # forward_backward's weighted target tokens, from the call records (as usage counts them)
 
 
+@dataclass
+class RunsPage:
+    """One page of the runs list: its summaries, which page it is (1-based) and how many runs the filter matches."""
+
+    summaries: list[RunSummary]
+    number: int
+    total: int
+    size: int
+
+    @property
+    def pages(self) -> int:
+        return max(1, -(-self.total // self.size))
+
+    @property
+    def first(self) -> int:
+        """The position of the page's first run in the whole list (1-based), 0 on an empty page."""
+        return (self.number - 1) * self.size + 1 if self.summaries else 0
+
+    @property
+    def last(self) -> int:
+        return (self.number - 1) * self.size + len(self.summaries)
+
+
+RUNS_PAGE_SIZE = 50  # runs on one page of the list; the rest are a "Next" away
 COMPARE_RUNS = (2, 8)  # how many runs the compare page overlays: fewer is no comparison, more is an unreadable chart
 
 
@@ -74,9 +98,26 @@ class DashboardService:
         self.runs = runs
         self.data_dir = Path(data_dir)
 
-    async def run_summaries(self, user: User, limit: int = 50, search: str = "", sort: str = "newest",
-                            archived: bool | None = False) -> list[RunSummary]:
-        runs = await self.runs.list(user, limit=limit, search=search, sort=sort, archived=archived)
+    async def runs_page(self, user: User, number: int = 1, search: str = "", sort: str = "newest",
+                        archived: bool | None = False, size: int = RUNS_PAGE_SIZE) -> RunsPage:
+        """Page `number` of the user's runs (RunService.list's filters and order). A number past the last page is
+        the last page, one below 1 the first: a stale link still shows runs."""
+        total = await self.runs.count(user, search=search, archived=archived)
+        number = min(max(1, number), max(1, -(-total // size)))
+        runs = await self.runs.list(user, limit=size, offset=(number - 1) * size, search=search, sort=sort,
+                                    archived=archived)
+        return RunsPage(await self._summaries(runs), number, total, size)
+
+    async def run_summaries_of(self, user: User, run_ids: list[str]) -> list[RunSummary]:
+        """The summaries of those of `run_ids` the user owns (unordered): the list's stream follows the runs a page
+        shows wherever the order has moved them since."""
+        if not run_ids:
+            return []
+        async with self.db.session() as session:
+            runs = list(await session.scalars(select(Run).where(Run.user_id == user.id, Run.id.in_(run_ids))))
+        return await self._summaries(runs)
+
+    async def _summaries(self, runs: list[Run]) -> list[RunSummary]:
         losses = await self._last_losses([run.id for run in runs])
         trained = await self._tokens_trained([run.id for run in runs])
         return [RunSummary(run, losses.get(run.id), trained.get(run.id, 0)) for run in runs]

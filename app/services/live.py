@@ -3,7 +3,8 @@
 Ownership is checked here, before anything streams. The dashboard's stream reads metric, sample and checkpoint rows
 after three cursors (`metrics.id`, `samples.id`, `checkpoints.id`, which the browser sends back in Last-Event-ID), so
 a reconnect never repeats a point, a sample or a checkpoint, and rows written by another server process still arrive:
-the in-process broker only wakes the reader early on a metric, a slow poll covers the rest.
+this process's writes wake the reader at once (a metric's event, or the broker's `touch` after a sample or checkpoint
+is recorded), and a slow poll covers the rest.
 """
 
 from __future__ import annotations
@@ -25,10 +26,11 @@ BATCH = 500
 
 
 class LiveMetrics:
-    def __init__(self, db: Database, broker: EventBroker, runs: RunService) -> None:
+    def __init__(self, db: Database, broker: EventBroker, runs: RunService, poll_s: float) -> None:
         self.db = db
         self.broker = broker
         self.runs = runs
+        self.poll_s = poll_s  # SIGNAL_LIVE_POLL_S: how soon another server process's rows reach a stream
 
     async def events(self, user: User, run_id: str) -> AsyncIterator[dict[str, Any]]:
         """The run's training events as they happen (this process's only); RunNotFound before the first."""
@@ -47,14 +49,15 @@ class LiveMetrics:
         return pages()
 
     async def open_stream(self, user: User, run_id: str, after_id: int = 0, samples_after: int | None = None,
-                          poll_s: float = 2.0, checkpoints_after: int = 0) -> MetricStream:
+                          checkpoints_after: int = 0) -> MetricStream:
         """A stream of the run's metric rows with id > after_id, sample rows with id > samples_after (None: those
         made from now on) and checkpoint rows with id > checkpoints_after; RunNotFound here, before it starts."""
         run = await self.runs.get(user, run_id)
         if samples_after is None:
             async with self.db.session() as session:
                 samples_after = await session.scalar(select(func.max(Sample.id)).where(Sample.run_id == run.id)) or 0
-        return MetricStream(self.db, self.broker, run, after_id, poll_s, samples_after, checkpoints_after)
+        return MetricStream(self.db, self.broker, run, after_id, self.poll_s, samples_after,
+                            checkpoints_after)
 
 
 @dataclass
@@ -82,22 +85,23 @@ class MetricStream:
         woken = asyncio.Event()
         listener = asyncio.create_task(self._listen(woken))
         try:
-            while True:
-                woken.clear()  # cleared before reading: a publish during the read wakes the next wait
-                rows, samples = await self._after(self.cursor), await self._samples_after(self.sample_cursor)
-                checkpoints = await self._checkpoints_after(self.checkpoint_cursor)
-                while rows or samples or checkpoints:
-                    self.cursor = rows[-1].id if rows else self.cursor
-                    self.sample_cursor = samples[-1].id if samples else self.sample_cursor
-                    self.checkpoint_cursor = checkpoints[-1].id if checkpoints else self.checkpoint_cursor
-                    yield Batch(rows, samples, checkpoints)
-                    rows = await self._after(self.cursor) if len(rows) == BATCH else []
-                    samples = await self._samples_after(self.sample_cursor) if len(samples) == BATCH else []
-                    checkpoints = []  # a run has few: one read takes them all
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(woken.wait(), self.poll_s)
-                if not woken.is_set():
-                    yield Batch([], [], [])
+            with self.broker.watching(self.run.id, woken):  # also woken by samples and checkpoints recorded here
+                while True:
+                    woken.clear()  # cleared before reading: a publish during the read wakes the next wait
+                    rows, samples = await self._after(self.cursor), await self._samples_after(self.sample_cursor)
+                    checkpoints = await self._checkpoints_after(self.checkpoint_cursor)
+                    while rows or samples or checkpoints:
+                        self.cursor = rows[-1].id if rows else self.cursor
+                        self.sample_cursor = samples[-1].id if samples else self.sample_cursor
+                        self.checkpoint_cursor = checkpoints[-1].id if checkpoints else self.checkpoint_cursor
+                        yield Batch(rows, samples, checkpoints)
+                        rows = await self._after(self.cursor) if len(rows) == BATCH else []
+                        samples = await self._samples_after(self.sample_cursor) if len(samples) == BATCH else []
+                        checkpoints = []  # a run has few: one read takes them all
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(woken.wait(), self.poll_s)
+                    if not woken.is_set():
+                        yield Batch([], [], [])
         finally:
             listener.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -260,6 +260,8 @@ class SampleParams:
     topk_prompt_logprobs: int = SAMPLE_DEFAULTS["topk_prompt_logprobs"]
     topk_sample_logprobs: int = SAMPLE_DEFAULTS["topk_sample_logprobs"]
     store: bool | None = None  # None: stored (the run's current weights); False: no sample rows
+    # What the history keeps as each token prompt's text (the playground's chat as typed); None: the ids, as JSON.
+    prompt_texts: list[str] | None = None
 
     def engine_params(self) -> dict[str, Any]:
         if self.stop is not None and self.stop_tokens is not None:
@@ -289,8 +291,10 @@ class SampleParams:
         check_sample_size(len(prompts), settings, bounds, "prompts" if self.prompts is not None else "prompt_tokens")
 
     def stored_prompts(self) -> list[str]:
-        """What a sample row keeps as its prompt: the text, or a token-id prompt as its JSON list."""
-        return self.prompts if self.prompts is not None else [json.dumps(ids) for ids in self.prompt_tokens or []]
+        """What a sample row keeps as its prompt: the text, a token-id prompt's given text, or its ids as JSON."""
+        if self.prompts is not None:
+            return self.prompts
+        return self.prompt_texts or [json.dumps(ids) for ids in self.prompt_tokens or []]
 
 
 class RunService:
@@ -329,19 +333,30 @@ class RunService:
         return run
 
     async def list(self, user: User, limit: int = 50, search: str = "", sort: str = "newest",
-                   archived: bool | None = False) -> list[Run]:
+                   archived: bool | None = False, offset: int = 0) -> list[Run]:
         """The user's runs in `sort`'s order (RUN_SORTS), those whose name, base model or a tag contain `search`;
-        `archived` False: those not archived (the default list), True: the archived ones, None: both."""
+        `archived` False: those not archived (the default list), True: the archived ones, None: both. `offset`
+        skips that many: the id breaks every tie, so consecutive pages never share or skip a run."""
         if sort not in RUN_SORTS:
             raise BadInput(f"sort must be one of {', '.join(RUN_SORTS)}, got {sort!r}", field="sort")
+        query = self._listed(user, search, archived).order_by(*RUN_SORTS[sort], Run.id)
+        async with self.db.session() as session:
+            rows = await session.scalars(query.offset(max(0, int(offset))).limit(_clamp(limit)))
+            return list(rows)
+
+    async def count(self, user: User, search: str = "", archived: bool | None = False) -> int:
+        """How many runs `list` pages through with the same filters (the runs list's "of N")."""
+        query = select(func.count()).select_from(self._listed(user, search, archived).subquery())
+        async with self.db.session() as session:
+            return int(await session.scalar(query) or 0)
+
+    def _listed(self, user: User, search: str, archived: bool | None) -> Any:
         query = select(Run).where(Run.user_id == user.id)
         if archived is not None:
             query = query.where(Run.archived_at.is_not(None) if archived else Run.archived_at.is_(None))
         if search.strip():
             query = query.where(_search_clause(search.strip()))
-        async with self.db.session() as session:
-            rows = await session.scalars(query.order_by(*RUN_SORTS[sort]).limit(_clamp(limit)))
-            return list(rows)
+        return query
 
     async def archive(self, user: User, run_id: str, archived: bool = True) -> Run:
         """Archive a run (or unarchive it): hidden from the default list, its training and sampling refused with
@@ -883,7 +898,7 @@ class RunService:
         """The applied call recorded once, with what `record` writes, in one transaction (call_records.py)."""
         return await self.recorder.record(Caller.of(run), operation, request_id, result,
                                           lambda session, fresh: record(session, run, result, fresh),
-                                          after=self.feed.written)
+                                          after=lambda: self.feed.written(run.id))
 
     def _checked(self, request: C) -> C:
         """The contract's checks and size bounds, here before the call leaves (the runtime runs both again); errors

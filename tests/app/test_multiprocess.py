@@ -25,12 +25,18 @@ import pytest
 import websockets
 from websockets.typing import Subprotocol
 
+from app.db import Database
+from app.services.keys import KeyService
+from app.services.login_links import LoginLinkService
+from app.services.users import UserService
+from app.settings import Settings
 from rewardsignal import SignalClient
 from rewardsignal.operations import document
 from tests.helpers.live_server import TINY_MODEL, free_port, write_catalog
 
 REPO = Path(__file__).resolve().parents[2]
 BATCH = [{"text": "one run, two servers, one order"}]
+CSRF = re.compile(r'"X-CSRF-Token": "([^"]+)"')  # every dashboard page's hx-headers
 STARTUP_S = 240  # three Python processes and the runtime's torch import, on two busy cores
 
 
@@ -191,6 +197,41 @@ async def test_a_subscriber_on_one_server_sees_metrics_made_through_the_other(cl
             assert event["loss"] == result.loss and event["numTokens"] == result.num_tokens
         else:
             assert event["step"] == result.step and event["gradNorm"] == result.grad_norm
+
+
+def test_a_playground_stream_posted_to_one_server_opens_once_on_another(cluster: Cluster) -> None:
+    link, key = asyncio.run(_login_link_and_key(cluster, "play@example.com"))
+    run = SignalClient(api_key=key, base_url=cluster.urls["a"]).create_run(lora_r=4)
+    with httpx.Client(timeout=120) as browser:  # one cookie jar: the session cookie goes to either port
+        page = browser.get(f"{cluster.urls['a']}{link}")
+        token, csrf = re.search(r'name="token" value="([^"]+)"', page.text), CSRF.search(page.text)
+        assert page.status_code == 200 and token and csrf, page.text
+        signed = browser.post(f"{cluster.urls['a']}/auth/link", data={"token": token.group(1)},
+                              headers={"X-CSRF-Token": csrf.group(1), "HX-Request": "true"})
+        assert signed.status_code == 204, signed.text
+        csrf = CSRF.search(browser.get(f"{cluster.urls['a']}/keys").text)  # signing in made a fresh session token
+        assert csrf
+        answer = browser.post(f"{cluster.urls['a']}/playground/stream", headers={"X-CSRF-Token": csrf.group(1)},
+                              data={"model": f"run:{run.id}", "prompt": "Hello", "max_tokens": "3"})
+        assert answer.status_code == 200, answer.text
+        url = answer.text.split('data-stream="')[1].split('"')[0]
+        # The POST's process kept it in the database: the other server streams it, and it opens once.
+        with browser.stream("GET", f"{cluster.urls['b']}{url}", headers={"Accept": "text/event-stream"}) as events:
+            lines = list(events.iter_lines())
+        assert "event: done" in lines, lines
+        assert browser.get(f"{cluster.urls['a']}{url}").status_code == 404
+
+
+async def _login_link_and_key(cluster: Cluster, email: str) -> tuple[str, str]:
+    """A sign-in path and an API key of `email`, made on the servers' database as `signal login-link` makes one."""
+    settings = Settings(data_dir=cluster.data_dir)
+    db = Database(settings.resolved_database_url)
+    try:
+        user, _ = await UserService(db).get_or_create(email)
+        link = await LoginLinkService(db, settings.login_link_ttl_s).mint(user)
+        return f"/auth/link?token={link}", (await KeyService(db).create(user, "test"))[0]
+    finally:
+        await db.dispose()
 
 
 @pytest.mark.skipif(os.environ.get("SIGNAL_TEST_DATABASE") != "postgres", reason="LISTEN/NOTIFY is PostgreSQL's")

@@ -72,6 +72,8 @@ insert into login_attempts (state, code_verifier, next_path, created_at, expires
   values ('{uuid.uuid4().hex}', 'v', '/', now(), now());
 insert into sessions (id_hash, user_id, created_at, last_seen_at, expires_at, user_agent)
   values ('{uuid.uuid4().hex * 2}', '{user}', now(), now(), now() + interval '1 day', 'Chrome on Linux');
+insert into playground_streams (id_hash, user_id, panes, created_at, expires_at)
+  values ('{uuid.uuid4().hex * 2}', '{user}', '[{{"prompt": "secret"}}]', now(), now() + interval '10 minutes');
 """
 
 
@@ -181,6 +183,8 @@ def writes(a: str) -> dict[str, str]:
         "alembic_version": "insert into alembic_version (version_num) values ('9999')",
         "sessions": f"insert into sessions (id_hash, user_id, created_at, last_seen_at, expires_at, user_agent) "
                     f"values ('{'2' * 64}', '{a}', now(), now(), now() + interval '1 day', 'x')",  # a session of its own
+        "playground_streams": f"insert into playground_streams (id_hash, user_id, panes, created_at, expires_at) "
+                              f"values ('{'3' * 64}', '{a}', '[]', now(), now())",  # a stream id of its choosing
     }
     updates = {
         "users": f"update users set is_admin = true where id = '{a}'",  # making itself an admin
@@ -207,9 +211,11 @@ async def test_clients_cannot_write(world: World, role: str, write: str) -> None
             await conn.execute(sql)
 
 
-def test_sessions_have_a_deny_all_policy(world: World, postgres_cluster) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("table", ["sessions", "playground_streams"])
+def test_server_only_tables_have_a_deny_all_policy(world: World, postgres_cluster,  # type: ignore[no-untyped-def]
+                                                   table: str) -> None:
     # Closed by a policy too, not only by the missing grant: a grant added by mistake still shows no row.
     database = world.url.rsplit("/", 1)[1]
     policies = postgres_cluster.psql("select policyname || ':' || permissive || ':' || qual from pg_policies "
-                                     "where tablename = 'sessions'", database).strip()
-    assert policies == "sessions: no client access:RESTRICTIVE:false"
+                                     f"where tablename = '{table}'", database).strip()
+    assert policies == f"{table}: no client access:RESTRICTIVE:false"

@@ -13,7 +13,7 @@ import pytest
 from playwright.sync_api import Browser
 
 from rewardsignal import SignalClient
-from tests.helpers.live_server import LiveServer
+from tests.helpers.live_server import TINY_MODEL, LiveServer
 from tests.web.conftest import Visitor, api_key_for, mint_login_link, sign_in
 
 BATCH = [{"input": "The quick brown fox", "output": " jumps over the lazy dog."}]
@@ -81,6 +81,11 @@ def test_users_and_runs_tables_count_each_users_things_and_say_where_each_run_is
     assert any(rows >= 1 and passes >= 1 for _, rows, passes in ticks_on(html))  # alice's forward_backward
     base = row(html, "base", state["bases"][0]["name"])
     assert f'<td class="num">{state["bases"][0]["resident_runs"]}</td>' in base
+    # Named as the catalogue names it; what the runtime loaded (the tiny model's path here) only under that name.
+    loaded = state["bases"][0]["name"]
+    shown = re.search(r"<strong>(.*?)</strong>", base)
+    assert shown and shown.group(1) == TINY_MODEL and loaded != TINY_MODEL
+    assert f'<code class="base-key">{loaded}</code>' in base
 
 
 def test_revoking_a_users_key_from_the_admin_page_makes_it_401_and_nobody_else_may(live_server: LiveServer,

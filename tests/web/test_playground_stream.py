@@ -1,24 +1,32 @@
 """Issue 18 §4: the playground streams. In Chromium against a live server with the tiny model and decode chunks of a
-token or two: the text grows in progress events before the answer ends, and Cancel closes the stream, which stops
-the generation (its rows leave the runtime's decode groups) and keeps the sample in the run's history, cancelled.
-The page's POST only validates and stores the request; a bad bound is refused there, before any stream opens.
-Side by side, one prompt streams from a run, its sampler snapshot and the base model at once; a system prompt is
-rendered with the model's chat template into the prompt the history keeps; a stop string ends the text before it."""
+token or two: the text grows in progress events before the answer ends, and "Cancel all" closes the stream, which
+stops the generation (its rows leave the runtime's decode groups) and keeps the sample in the run's history,
+cancelled; a pane's own Cancel stops that pane alone. The page's POST only validates and stores the request, in the
+database under a one-time id (opened once, by its user, within its expiry); a bad bound is refused there, before any
+stream opens. Side by side, one prompt streams from a run, its sampler snapshot and the base model at once; a system
+prompt is rendered with the model's chat template, and the history shows the chat as typed; a stop string ends the
+text before it."""
 
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from collections.abc import Iterator
-from typing import Any
+from datetime import timedelta
+from typing import Any, cast
 
 import pytest
 from playwright.sync_api import Browser, Page, expect
+from sqlalchemy import select, update
 
+from app.db import Database
+from app.services.playground_streams import stream_hash
+from app.tables import PlaygroundStream, utcnow
 from gpu_runtime.contract.settings import MAX_TEMPERATURE
 from rewardsignal import SignalClient
 from tests.helpers.live_server import TINY_MODEL, LiveServer
-from tests.web.conftest import Visitor, api_key_for, mint_login_link, shot, sign_in
+from tests.web.conftest import Visitor, api_key_for, mint_login_link, run_async, shot, sign_in
 
 pytestmark = pytest.mark.timeout(600)
 expect.set_options(timeout=60_000)
@@ -89,7 +97,7 @@ def test_cancel_stops_the_generation_and_keeps_it_cancelled(play: tuple[Page, st
     # data-progress appears with the first progress event (a string wait_for_function would need the CSP's eval).
     expect(page.locator(".play-stream[data-progress]").first).to_be_attached()
     assert any(run_id in str(group["runs"]) for group in decode_groups(streaming_server, admin))  # decoding now
-    page.get_by_role("button", name="Cancel").click()
+    page.get_by_role("button", name="Cancel all").click()
     expect(page.locator(".play-stream")).to_have_attribute("data-state", "cancelled")
     expect(page.locator(".output [data-play-meta]")).to_contain_text("stopped: cancelled")
     streaming_server.wait_for(lambda: not any(run_id in str(group["runs"])
@@ -100,6 +108,30 @@ def test_cancel_stops_the_generation_and_keeps_it_cancelled(play: tuple[Page, st
     rows = streaming_server.graphql(SAMPLES, {"id": run_id}, key=key)["data"]["run"]["samples"]
     assert len(rows) == 1 and rows[0]["params"]["finish_reason"] == "cancelled", rows
     assert len(rows[0]["output"]) > 0  # what it had made is kept
+
+
+def test_a_panes_cancel_stops_that_pane_alone(play: tuple[Page, str, str], streaming_server: LiveServer) -> None:
+    page, run_id, key = play
+    admin = streaming_server.new_user(is_admin=True)
+    page.select_option("#model-2", f"base:{TINY_MODEL}")
+    start(page, LONG)
+    panes = page.locator(".play-stream")
+    expect(panes).to_have_count(2)
+    expect(panes.nth(0)).to_have_attribute("data-progress", re.compile(r"\d"))
+    assert any(run_id in str(group["runs"]) for group in decode_groups(streaming_server, admin))  # decoding now
+    page.get_by_role("button", name="Cancel pane 1").click()
+    expect(panes.nth(0)).to_have_attribute("data-state", "cancelled")
+    expect(panes.nth(0).locator("[data-play-meta]")).to_have_text(re.compile(r"^\d+ tokens · stopped: cancelled$"))
+    expect(panes.nth(0).get_by_role("button", name="Cancel pane 1")).to_be_disabled()
+    streaming_server.wait_for(lambda: not any(run_id in str(group["runs"])
+                                              for group in decode_groups(streaming_server, admin)),
+                              "the cancelled pane's rows to leave the decode groups", 60)
+    # The other pane went on to its own end, in the same one stream.
+    expect(panes.nth(1)).to_have_attribute("data-state", "done")
+    expect(panes.nth(1).locator("[data-play-meta]")).to_have_text(re.compile(r"^\d+ tokens · stopped: (length|stop)$"))
+    expect(page.locator("[data-play-all]")).to_have_text("Ended: cancelled, done")
+    rows = streaming_server.graphql(SAMPLES, {"id": run_id}, key=key)["data"]["run"]["samples"]
+    assert [row["params"]["finish_reason"] for row in rows] == ["cancelled"], rows
 
 
 @pytest.mark.parametrize(("field", "value", "message"), [
@@ -135,6 +167,45 @@ def test_a_stream_id_opens_once(streaming_server: LiveServer) -> None:
     assert "event: done" in lines and "stop_reason" in "".join(lines)
     assert visitor.client.get(url).status_code == 404  # one time only
     visitor.client.close()
+
+
+def stream_url(visitor: Visitor, run_id: str) -> str:
+    answer = visitor.post("/playground/stream", data={"model": f"run:{run_id}", "prompt": "Hello", "max_tokens": "3"})
+    assert answer.status_code == 200, answer.text
+    return answer.text.split('data-stream="')[1].split('"')[0]
+
+
+def test_a_stream_id_is_kept_hashed_and_refused_once_expired(visitor_run: tuple[Visitor, str, str],
+                                                             streaming_server: LiveServer) -> None:
+    visitor, run_id, _ = visitor_run
+    url = stream_url(visitor, run_id)
+    ident = url.rsplit("/", 1)[1]
+
+    async def expire() -> list[str]:
+        db = Database(streaming_server.settings.resolved_database_url)
+        async with db.session() as session:
+            hashes = list(await session.scalars(select(PlaygroundStream.id_hash)
+                                                .where(PlaygroundStream.id_hash.in_([ident, stream_hash(ident)]))))
+            await session.execute(update(PlaygroundStream).where(PlaygroundStream.id_hash == stream_hash(ident))
+                                  .values(expires_at=utcnow() - timedelta(seconds=1)))
+        await db.dispose()
+        return hashes
+
+    assert run_async(expire()) == [stream_hash(ident)]  # the row holds the id's hash, not the id
+    answer = visitor.client.get(url)
+    assert answer.status_code == 404 and "has expired" in answer.text
+
+
+def test_a_pane_is_cancelled_only_by_its_user_while_it_streams(visitor_run: tuple[Visitor, str, str],
+                                                               streaming_server: LiveServer) -> None:
+    visitor, run_id, _ = visitor_run
+    cancel = stream_url(visitor, run_id) + "/cancel/0"
+    assert visitor.client.post(cancel).status_code == 403  # no CSRF token: refused before anything
+    answer = visitor.post(cancel)
+    assert answer.status_code == 404 and "not streaming" in answer.text  # not opened yet: nothing to stop
+    stranger = sign_in(streaming_server)
+    assert stranger.post(cancel).status_code == 404
+    stranger.client.close()
 
 
 def test_side_by_side_streams_a_run_its_snapshot_and_the_base(play: tuple[Page, str, str],
@@ -187,14 +258,23 @@ def test_a_system_prompt_is_rendered_with_the_chat_template(visitor_run: tuple[V
     from transformers import AutoTokenizer
 
     visitor, run_id, key = visitor_run
-    form = {"model": f"run:{run_id}", "prompt": "Hello there", "max_tokens": "2", "temperature": "0"}
+    form = {"model": f"run:{run_id}", "prompt": "Hello there", "max_tokens": "6", "temperature": "0"}
     streamed(visitor, form)
-    streamed(visitor, form | {"system": "Answer like a pirate"})
-    plain, chat = reversed(streaming_server.graphql(SAMPLES, {"id": run_id}, key=key)["data"]["run"]["samples"])
-    assert plain["prompt"] == "Hello there"  # no system prompt, no chat box: the text as written
-    rendered = str(AutoTokenizer.from_pretrained(tiny_model_dir).decode(json.loads(chat["prompt"])))  # the ids sampled
-    assert "<|im_start|>system\nAnswer like a pirate<|im_end|>" in rendered, rendered
-    assert rendered.endswith("<|im_start|>user\nHello there<|im_end|>\n<|im_start|>assistant\n"), rendered
+    [chat] = streamed(visitor, form | {"system": "Answer like a pirate"})
+    rows = list(reversed(streaming_server.graphql(SAMPLES, {"id": run_id}, key=key)["data"]["run"]["samples"]))
+    # The history shows what was typed: the text as written; the chat's turns, named by role (never the token ids).
+    assert [row["prompt"] for row in rows] == ["Hello there", "System: Answer like a pirate\n\nUser: Hello there"]
+    page = visitor.client.get(f"/runs/{run_id}")
+    assert page.status_code == 200
+    assert '<div class="sample-prompt">System: Answer like a pirate\n\nUser: Hello there</div>' in page.text
+    # What was sampled is the template's rendering: greedy from those ids gives the same text.
+    messages = [{"role": "system", "content": "Answer like a pirate"}, {"role": "user", "content": "Hello there"}]
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    ids = cast(list[int], tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
+                                                       return_dict=False))  # one conversation, tokenized: its ids
+    direct = SignalClient(api_key=key, base_url=streaming_server.url).get_run(run_id).sample(
+        prompt_tokens=[ids], max_tokens=6, temperature=0, store=False)
+    assert direct.sequences[0][0].text == chat["text"], (direct.sequences, chat)
 
 
 def test_a_stop_string_ends_the_text_before_it(visitor_run: tuple[Visitor, str, str]) -> None:

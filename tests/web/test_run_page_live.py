@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import csv
 import io
-from collections import defaultdict
+from collections.abc import Iterator
+from datetime import datetime
 
 import pytest
 from playwright.sync_api import Page, expect
@@ -17,10 +18,19 @@ from sqlalchemy import select
 from app.db import Database
 from app.tables import CallRecord
 from rewardsignal import SignalClient
-from tests.helpers.live_server import LiveServer
+from tests.helpers.live_server import LiveServer, settings_for
 from tests.web.conftest import api_key_for, mint_login_link, run_async
 
 expect.set_options(timeout=30_000)
+
+
+@pytest.fixture(scope="module")
+def live_server(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    """This module's server: its run pages' streams poll once an hour, so whatever a page shows live (a sample, a
+    checkpoint, a metric) came from this process waking the stream as it recorded the row."""
+    server = LiveServer.start(settings_for(tmp_path_factory.mktemp("signal-live"), tiny_model_dir, live_poll_s=3600))
+    yield server
+    server.stop()
 
 
 def test_sdk_samples_appear_on_the_open_run_page(wide_page: Page, live_server: LiveServer) -> None:
@@ -64,19 +74,34 @@ LONG = [{"input": "The quick brown fox", "output": " jumps over the lazy dog and
         {"input": "Once upon a time", "output": " there was a tiny model that learned to count."}]
 
 
-def chart(page: Page) -> tuple[int, float]:
-    shown, last = page.locator("#loss-chart").evaluate("(el) => [el.dataset.shown, el.dataset.last]")
+CHARTS = ("loss", "grad_norm", "learning_rate", "num_tokens", "throughput")
+METRIC = {"loss": "loss:mean", "grad_norm": "grad_norm", "learning_rate": "learning_rate", "num_tokens": "num_tokens",
+          "throughput": "throughput"}
+
+
+def chart(page: Page, name: str = "loss") -> tuple[int, float]:
+    """How many points chart `name` draws, and the last value of its top series (the smoothed one when smoothing)."""
+    shown, last = page.locator(f"#{name}-chart").evaluate("(el) => [el.dataset.shown, el.dataset.last]")
     return int(shown), float(last)
 
 
-def test_loss_against_call_step_and_time_smoothed_logged_and_exported(wide_page: Page, live_server: LiveServer) -> None:
+def smoothed_last(values: list[float], factor: float) -> float:
+    """The last point of a debiased exponential moving average (TensorBoard's smoothing)."""
+    average = 0.0
+    for value in values:
+        average = factor * average + (1 - factor) * value
+    return average / (1 - factor ** len(values))
+
+
+def test_every_chart_against_call_step_and_time_smoothed_logged_and_exported(wide_page: Page,
+                                                                             live_server: LiveServer) -> None:
     email = "chart@example.com"
     run = SignalClient(api_key=api_key_for(live_server, email), base_url=live_server.url).create_run(
         lora_r=4, seed=6, learning_rate=0.01)
-    for _ in range(2):  # two steps of two calls each, of different sizes: the step's loss weighs them by tokens
+    for rate in (0.01, 0.004):  # two steps of two calls each, of different sizes: the step's loss weighs them by tokens
         run.forward_backward(batch=SHORT)
         run.forward_backward(batch=LONG)
-        run.optim_step()
+        run.optim_step(learning_rate=rate)
     wide_page.goto(mint_login_link(live_server, email))
     wide_page.wait_for_url("**/runs")
     wide_page.goto(f"{live_server.url}/runs/{run.id}")
@@ -86,32 +111,58 @@ def test_loss_against_call_step_and_time_smoothed_logged_and_exported(wide_page:
     assert exported.status == 200 and exported.headers["content-type"].startswith("text/csv")
     rows = list(csv.DictReader(io.StringIO(exported.text())))
     assert [r["name"] for r in rows].count("loss:mean") == 4 and [r["name"] for r in rows].count("grad_norm") == 2
-    losses = [float(r["value"]) for r in rows if r["name"] == "loss:mean"]
-    tokens = [float(r["value"]) for r in rows if r["name"] == "num_tokens"]
+    values = {name: [float(r["value"]) for r in rows if r["name"] == metric] for name, metric in METRIC.items()}
+    losses, tokens, throughputs = values["loss"], values["num_tokens"], values["throughput"]
     steps = [int(r["step"]) for r in rows if r["name"] == "loss:mean"]
+    optim_steps = [int(r["step"]) for r in rows if r["name"] == "grad_norm"]
     assert tokens[0] != tokens[1]  # the weighting below is not a plain mean
 
-    assert chart(wide_page) == pytest.approx((4, losses[-1]))
+    # Against the call (the default): every chart's latest point is its latest value; the optimizer's charts sit at
+    # the number of calls each optim_step applied.
+    for name in CHARTS:
+        assert chart(wide_page, name) == pytest.approx((len(values[name]), values[name][-1])), name
+    expect(wide_page.locator("#grad_norm-chart")).to_have_attribute(
+        "data-x-max", str(sum(step < optim_steps[-1] for step in steps)))
+
+    # Against the step: one point per step in every chart, each from that step's calls.
     wide_page.select_option("#chart-x", "step")
-    by_step: dict[int, list[float]] = defaultdict(lambda: [0.0, 0.0])
-    for step, loss, weight in zip(steps, losses, tokens):
-        by_step[step][0] += loss * weight
-        by_step[step][1] += weight
-    last_step = max(by_step)
-    assert chart(wide_page) == pytest.approx((2, by_step[last_step][0] / by_step[last_step][1]))
+    last_step = max(steps)
+    last = [i for i, step in enumerate(steps) if step == last_step]
+    weight = sum(tokens[i] for i in last)
+    assert chart(wide_page) == pytest.approx((2, sum(losses[i] * tokens[i] for i in last) / weight))
+    assert chart(wide_page, "num_tokens") == pytest.approx((2, weight / len(last)))  # tokens per call: their mean
+    seconds = sum(tokens[i] / throughputs[i] for i in last)
+    assert chart(wide_page, "throughput") == pytest.approx((2, weight / seconds))  # the step's tokens ÷ its seconds
+    assert chart(wide_page, "grad_norm") == pytest.approx((2, values["grad_norm"][-1]))
+    expect(wide_page.locator("#grad_norm-chart")).to_have_attribute("data-x-max", str(optim_steps[-1]))
     expect(wide_page.locator("#chart-note")).to_contain_text("token-weighted mean")
 
+    # Against wall time, from the first call: the last optim_step sits at its seconds after it.
     wide_page.select_option("#chart-x", "time")
+    times = {r["name"]: datetime.fromisoformat(r["created_at"]) for r in reversed(rows)}  # each name's first
+    latest = {r["name"]: datetime.fromisoformat(r["created_at"]) for r in rows}  # each name's last
     assert chart(wide_page)[0] == 4
+    x_max = float(wide_page.locator("#learning_rate-chart").get_attribute("data-x-max") or "nan")
+    assert x_max == pytest.approx((latest["learning_rate"] - times["loss:mean"]).total_seconds(), abs=1e-3)
+
+    # Smoothing and a log scale apply to every chart: a second, smoothed series on top, a logarithmic y scale.
     wide_page.select_option("#chart-x", "call")
-    wide_page.locator("#chart-smooth").fill("0.5")  # a debiased moving average of the calls' losses
-    average = 0.0
-    for loss in losses:
-        average = 0.5 * average + 0.5 * loss
-    assert chart(wide_page) == pytest.approx((4, average / (1 - 0.5 ** len(losses))))
+    wide_page.locator("#chart-smooth").fill("0.5")
     wide_page.locator("#chart-log").check()
-    expect(wide_page.locator("#loss-chart canvas")).to_have_count(1)  # redrawn once, on a log scale
+    for name in CHARTS:
+        expect(wide_page.locator(f"#{name}-chart")).to_have_attribute("data-distr", "3")  # uPlot's log distribution
+        expect(wide_page.locator(f"#{name}-chart")).to_have_attribute("data-series", "2")
+        assert chart(wide_page, name) == pytest.approx((len(values[name]), smoothed_last(values[name], 0.5))), name
+    expect(wide_page.locator("#loss-chart canvas")).to_have_count(1)  # redrawn once
     assert wide_page.locator("#loss-chart").evaluate("(el) => el.querySelectorAll('.u-legend .u-series').length") == 3
+    # The table view lists the raw values, not the smoothed ones.
+    wide_page.get_by_role("button", name="Table view").click()
+    raw = [value for point in newest_first(by_call(list(enumerate(throughputs)))) for value in point]
+    assert [value for row in table(wide_page, "throughput") for value in row] == pytest.approx(raw, rel=1e-5)
+    wide_page.locator("#chart-log").uncheck()
+    wide_page.locator("#chart-smooth").fill("0")
+    for name in CHARTS:
+        expect(wide_page.locator(f"#{name}-chart")).to_have_attribute("data-distr", "1")
 
 
 def table(page: Page, name: str) -> list[tuple[float, ...]]:
@@ -172,10 +223,12 @@ def test_metric_charts_table_view_zoom_and_markers(wide_page: Page, live_server:
     wide_page.get_by_role("button", name="Table view").click()
     expect(wide_page.locator("#loss-chart")).to_be_hidden()
     expect(wide_page.locator("#loss-table caption")).to_have_text("Loss: 4 points, newest first")
+    # By forward_backward call; the optimizer's at the number of calls each optim_step applied.
+    applied = [float(sum(call_step < step for call_step, _ in api["loss:mean"])) for step, _ in api["grad_norm"]]
     expected = {"loss": by_call(api["loss:mean"]), "num_tokens": by_call(api["num_tokens"]),
-                "throughput": by_call(api["throughput"]),  # by forward_backward call; the optimizer's by step
-                "grad_norm": [(float(step), value) for step, value in api["grad_norm"]],
-                "learning_rate": [(float(step), value) for step, value in api["learning_rate"]]}
+                "throughput": by_call(api["throughput"]),
+                "grad_norm": list(zip(applied, [value for _, value in api["grad_norm"]])),
+                "learning_rate": list(zip(applied, [value for _, value in api["learning_rate"]]))}
     for name, points in expected.items():
         shown = table(wide_page, name)
         assert len(shown) == len(points) == (2 if name in ("grad_norm", "learning_rate") else 4)
@@ -207,12 +260,21 @@ def test_metric_charts_table_view_zoom_and_markers(wide_page: Page, live_server:
     # The sample at step 1 is marked from the first render; a checkpoint saved through the SDK appears live, after
     # the four calls it holds (the range widens to show it), and the checkpoints card lists it.
     expect(chart).to_have_attribute("data-marks", "sample:1")
+    # A Hub token half typed when the checkpoint arrives stays: only the card's list is fetched again.
+    wide_page.locator("#push-hub summary").click()
+    wide_page.locator("#push-repo").fill("me/half-typed")
+    token = wide_page.locator("#push-token")
+    token.press_sequentially("hf_half")
     run.save_state(name="marked")
     expect(chart).to_have_attribute("data-marks", "checkpoint:2 sample:1")
     expect(wide_page.locator("#chart-marks")).to_have_text("Checkpoints: marked (adapter) at step 2. Samples at step 1.")
     expect(chart).to_have_attribute("data-x-max", "4.5")
     marked = wide_page.locator("#checkpoints tr[data-checkpoint='adapter/marked']")
     expect(marked).to_have_count(1)
+    expect(token).to_have_value("hf_half")
+    expect(token).to_be_focused()
+    expect(wide_page.locator("#push-repo")).to_have_value("me/half-typed")
+    expect(wide_page.locator("#push-hub")).to_have_attribute("open", "")
     wide_page.once("dialog", lambda dialog: dialog.accept())  # hx-confirm asks first
     marked.get_by_role("button", name="Delete").click()  # a deleted checkpoint loses its marker
     expect(chart).to_have_attribute("data-marks", "sample:1")
