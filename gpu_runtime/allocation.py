@@ -270,6 +270,13 @@ class PoolKey:
         return f"{self.base_model}|{self.gpu}|{self.quantization or 'none'}"
 
     @classmethod
+    def of(cls, base_model: str, gpu: str, quantization: str | None) -> PoolKey:
+        """The pool of runs on `base_model` with that GPU configuration and quantization, each checked."""
+        if not base_model or "|" in base_model:
+            raise BadInput(f"base model {base_model!r} cannot name a pool", field="baseModel")
+        return cls(base_model, parse_gpu_config(gpu), parse_quantization(quantization))
+
+    @classmethod
     def parse(cls, key: str) -> PoolKey:
         parts = key.split("|")
         if len(parts) != 3 or not parts[0]:
@@ -282,9 +289,7 @@ def pool_key(base_model: str, gpu: str, quantization: str | None) -> str:
 
     Modal scales each distinct parameter set as its own variant, so "h100", "H100" and "H100:1" must agree.
     """
-    if not base_model or "|" in base_model:
-        raise BadInput(f"base model {base_model!r} cannot name a pool", field="baseModel")
-    return str(PoolKey(base_model, parse_gpu_config(gpu), parse_quantization(quantization)))
+    return str(PoolKey.of(base_model, gpu, quantization))
 
 
 def _gpu(name: str) -> GpuType:

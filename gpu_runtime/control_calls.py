@@ -28,11 +28,16 @@ import transformers
 from gpu_runtime.compute import RankCompute
 from gpu_runtime.contract import (
     CONTRACT_VERSION,
+    CloseRunResult,
     CreateRun,
     DeleteCheckpoint,
+    DeleteCheckpointResult,
+    DeleteRunResult,
     ExportCheckpoint,
+    ExportCheckpointResult,
     LoadState,
     LoadStateResult,
+    PingResult,
     RunDescription,
     SaveState,
     SaveStateResult,
@@ -150,15 +155,15 @@ class Control:
             total_params=self.shared.entry(state).params + trainable, pending_forward_backward=state.pending.calls,
             pending_tokens=state.pending.tokens, path=str(state.paths.root), device=str(self.shared.device))
 
-    def close_run(self, run_id: str) -> dict[str, Any]:
+    def close_run(self, run_id: str) -> CloseRunResult:
         state = self.shared.residency.runs.get(run_id)
         if state is not None:
             self.recovery.evict(state, count=False)
         elif not self.recovery.exists(run_id):
             raise RunNotFound(f"run {run_id!r} not found", field="run_id")
-        return {"run_id": run_id, "closed": True}
+        return CloseRunResult(run_id=run_id, closed=True)
 
-    def delete_run(self, run_id: str) -> dict[str, Any]:
+    def delete_run(self, run_id: str) -> DeleteRunResult:
         residency = self.shared.residency
         if not self.recovery.exists(run_id):
             raise RunNotFound(f"run {run_id!r} not found", field="run_id")
@@ -170,7 +175,7 @@ class Control:
         if root is not None:
             shutil.rmtree(root)
         self.shared.owners.pop(run_id, None)
-        return {"run_id": run_id, "deleted": True}
+        return DeleteRunResult(run_id=run_id, deleted=True)
 
     # ---- sampler snapshots -----------------------------------------------------------------
 
@@ -315,7 +320,7 @@ class Control:
         self.recovery.snapshot(state, required=False)  # the journal first, then the snapshot covering the load
         return result
 
-    def delete_checkpoint(self, call: DeleteCheckpoint) -> dict[str, Any]:
+    def delete_checkpoint(self, call: DeleteCheckpoint) -> DeleteCheckpointResult:
         root = find_run_dir(self.shared.data_dir, call.run_id)
         if root is None:
             raise RunNotFound(f"run {call.run_id!r} not found", field="run_id")
@@ -333,7 +338,7 @@ class Control:
             if call.mode in READABLE_KINDS:
                 self.snapshots.forget_checkpoint(call.run_id, call.name)  # refused while a sample reads it
             shutil.rmtree(directory)
-        return {"run_id": call.run_id, "mode": call.mode, "name": call.name, "deleted": True}
+        return DeleteCheckpointResult(run_id=call.run_id, mode=call.mode, name=call.name, deleted=True)
 
     def save_then_upload(self, request: Request, state: RunState, call: SaveState,
                          answer: Callable[[dict[str, Any]], None]) -> None:
@@ -370,7 +375,7 @@ class Control:
         self.uploads.add(thread)
         thread.start()
 
-    def export_checkpoint(self, call: ExportCheckpoint) -> dict[str, Any]:
+    def export_checkpoint(self, call: ExportCheckpoint) -> ExportCheckpointResult:
         """A saved checkpoint's directory as a base64 .tar.gz, for a server whose disk is not the runtime's (Modal)."""
         root = find_run_dir(self.shared.data_dir, call.run_id)
         if root is None:
@@ -387,7 +392,7 @@ class Control:
         with tarfile.open(fileobj=buffer, mode="w:gz") as archive:
             label = f"step{call.step}" if call.name is None else name  # the name archives had before names
             archive.add(source, arcname=f"{call.run_id[:8]}-{label}-{call.mode}")
-        return {"archive_b64": base64.b64encode(buffer.getvalue()).decode()}
+        return ExportCheckpointResult(archive_b64=base64.b64encode(buffer.getvalue()).decode())
 
     def wait_for_uploads(self) -> None:
         for thread in list(self.uploads):
@@ -395,14 +400,14 @@ class Control:
 
     # ---- the runtime -----------------------------------------------------------------------
 
-    def ping(self) -> dict[str, Any]:
+    def ping(self) -> PingResult:
         shared = self.shared
-        return {
-            "pid": os.getpid(), "device": str(shared.device), "dtype": dtype_name(shared.dtype),
-            "loaded_models": list(shared.models.loaded), "models": [describe(b) for b in shared.models.loaded.values()],
-            "runs_in_memory": list(shared.residency.runs), "max_batch_size": shared.options.max_batch_size,
-            "options": shared.options.to_dict(), "contract": CONTRACT_VERSION,
-        }
+        return PingResult(
+            pid=os.getpid(), device=str(shared.device), dtype=dtype_name(shared.dtype),
+            loaded_models=list(shared.models.loaded), models=[describe(b) for b in shared.models.loaded.values()],
+            runs_in_memory=list(shared.residency.runs), max_batch_size=shared.options.max_batch_size,
+            options=shared.options.to_dict(), contract=CONTRACT_VERSION,
+        )
 
     def runtime_state(self) -> dict[str, Any]:
         """What an operator wants to see: bases, resident and evicted runs, queues, and what ticks did."""

@@ -98,7 +98,7 @@ async def playground_sample(request: Request, user: User) -> Response:
     model, params = (await prepared(svc, user, form))[0]
     result = await svc.runs.sample(user, model.run.id if model.run else None, params, snapshot=model.snapshot,
                                    base_model=model.base_model)
-    return page(request, "_samples_result.html", user=user, prompt=form.prompt, sequences=result["sequences"][0])
+    return page(request, "_samples_result.html", user=user, prompt=form.prompt, sequences=result.sequences[0])
 
 
 def sample_form(form: FormData) -> PlayForm:
@@ -141,7 +141,7 @@ async def prepared(svc: Services, user: User, form: PlayForm) -> list[tuple[Mode
                 raise BadInput(f"{model.label} has no chat template: clear the system prompt and untick "
                                "\"Chat template\"", field="system") from None
             # The history shows the chat as typed, not the rendered ids (the template's markup is the model's).
-            params = replace(params, prompts=None, prompt_tokens=[rendered["prompt_tokens"]],
+            params = replace(params, prompts=None, prompt_tokens=[rendered.prompt_tokens or []],  # messages: not None
                              prompt_texts=[chat_text(messages)])
         panes.append((model, params))
     return panes

@@ -26,6 +26,7 @@ from app.errors import NotFound, SignalError
 from app.services import Services
 from app.services.runs import SampleParams
 from app.services.streams import hold
+from gpu_runtime.contract import SampleChunk
 from web.playground import Model, prepared, sample_form
 from web.render import page, services, signed_in
 
@@ -90,7 +91,7 @@ async def stream(request: Request, user: User) -> Response:
     runs = svc.runs
     # Each run still the user's (and not archived) before any sample starts: none is left running unwatched.
     owned = [await _run_of(svc, user, pane) for pane in kept]
-    arrived: asyncio.Queue[tuple[int, dict[str, Any] | None]] = asyncio.Queue()  # (pane, chunk); None: it ended
+    arrived: asyncio.Queue[tuple[int, SampleChunk | None]] = asyncio.Queue()  # (pane, chunk); None: it ended
     started = []
     for index, (pane, run) in enumerate(zip(kept, owned, strict=True)):
         model = Model(pane["model"], pane["label"], run, pane["snapshot"], pane["base_model"])
@@ -109,7 +110,7 @@ async def stream(request: Request, user: User) -> Response:
                 pane, chunk = await arrived.get()
                 if chunk is not None:
                     # Only settled text: the runtime's detokeniser holds back incomplete UTF-8 and stop-string prefixes.
-                    pieces = [{"text": s["text"], "tokens": len(s["tokens"])} for s in chunk["sequences"][0]]
+                    pieces = [{"text": s["text"], "tokens": len(s["tokens"])} for s in chunk.sequences[0]]
                     yield ServerSentEvent(data=json.dumps({"pane": pane, "pieces": pieces}), event="progress")
                     continue
                 left -= 1
@@ -121,7 +122,7 @@ async def stream(request: Request, user: User) -> Response:
                     yield ServerSentEvent(data=json.dumps(failed), event="failed")
                     continue
                 done = [{"text": s["text"], "tokens": len(s["tokens"]), "stop_reason": s["stop_reason"]}
-                        for s in result["sequences"][0]]
+                        for s in result.sequences[0]]
                 yield ServerSentEvent(data=json.dumps({"pane": pane, "sequences": done}), event="done")
         finally:
             for one in started:  # the page closed the stream (Cancel, or left): stop the generations, keep what they made
@@ -132,11 +133,11 @@ async def stream(request: Request, user: User) -> Response:
     return EventSourceResponse(events(), ping=15, send_timeout=30)
 
 
-def _arrived(queue: asyncio.Queue[tuple[int, dict[str, Any] | None]], pane: int, chunk: dict[str, Any]) -> None:
+def _arrived(queue: asyncio.Queue[tuple[int, SampleChunk | None]], pane: int, chunk: SampleChunk) -> None:
     queue.put_nowait((pane, chunk))
 
 
-def _ended(queue: asyncio.Queue[tuple[int, dict[str, Any] | None]], pane: int, _: asyncio.Future[Any]) -> None:
+def _ended(queue: asyncio.Queue[tuple[int, SampleChunk | None]], pane: int, _: asyncio.Future[Any]) -> None:
     queue.put_nowait((pane, None))
 
 

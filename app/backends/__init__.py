@@ -1,13 +1,17 @@
-"""GPU runtimes the server can drive. Each speaks the engine contract of DESIGN.md as plain data."""
+"""GPU runtimes the server can drive. Each takes the contract's typed requests and answers its typed results
+(gpu_runtime.contract), and carries them as the plain data of DESIGN.md's engine contract."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Protocol, TypeVar
 
 from app.settings import Settings
+from gpu_runtime.allocation import PoolKey
+from gpu_runtime.contract import Call, Result, SampleChunk
 
-Progress = Callable[[dict[str, Any]], None]
+A = TypeVar("A", bound=Result)  # the answer type a request names (Call[A])
+Progress = Callable[[SampleChunk], None]
 
 
 class Backend(Protocol):
@@ -21,11 +25,12 @@ class Backend(Protocol):
 
     async def start(self) -> None: ...  # begins starting the runtime; returns at once
 
-    # `pool`: the run's pool key (gpu_runtime.allocation.pool_key), None for calls on no run. On Modal it picks the
-    # container; the local runtime is one pool for the whole machine and ignores it. `progress`: a streamed sample's
-    # SampleChunk dicts, called on the event loop before the call returns (Modal calls it never: the result is all).
-    async def call(self, method: str, pool: str | None = None, progress: Progress | None = None,
-                   **params: Any) -> dict[str, Any]: ...
+    # `request`'s answer, parsed with its result type. `pool`: the run's pool (gpu_runtime.allocation.PoolKey), None
+    # for calls on no run. On Modal it picks the container; the local runtime is one pool for the whole machine
+    # and ignores it. `progress`: a streamed sample's SampleChunks, called on the event loop before the call returns
+    # (Modal calls it never: the result is all). `ticket`: the call's place in its run's order (scheduler.py).
+    async def call(self, request: Call[A], pool: PoolKey | None = None, progress: Progress | None = None,
+                   ticket: int | None = None) -> A: ...
 
     async def close(self) -> None: ...
 

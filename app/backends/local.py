@@ -15,12 +15,16 @@ import asyncio
 import functools
 import logging
 import time
+from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 import anyio.to_thread
 
-from app.backends import Progress
+from app.backends import A, Progress
 from app.settings import Settings
+from gpu_runtime.allocation import PoolKey
+from gpu_runtime.contract import Call, SampleChunk
 from gpu_runtime.errors import SignalError
 from gpu_runtime.runtime_client import RuntimeClient
 
@@ -86,8 +90,8 @@ class LocalBackend:
                 continue
             watch.beat(float(answer.get("tick_seconds", 0.0)))
 
-    async def call(self, method: str, pool: str | None = None, progress: Progress | None = None,
-                   **params: Any) -> dict[str, Any]:
+    async def call(self, request: Call[A], pool: PoolKey | None = None, progress: Progress | None = None,
+                   ticket: int | None = None) -> A:
         # `pool` is ignored: this machine's runtime is one pool holding every base it is asked for.
         self.in_flight += 1
         try:
@@ -97,14 +101,19 @@ class LocalBackend:
                 # thread. Nothing acknowledged is lost: the runtime restores runs from their journals.
                 await anyio.to_thread.run_sync(self.client.start)
             # In a thread: a large batch can fill the pipe, and the write would block the event loop.
-            future = await anyio.to_thread.run_sync(functools.partial(self.client.submit, method, _on_loop(progress),
-                                                                      **params))
-            log.debug("%s sent to the runtime (run %s)", method, params.get("run_id"))
+            future = await anyio.to_thread.run_sync(functools.partial(self._submit, request, _on_loop(progress), ticket))
+            log.debug("%s sent to the runtime (run %s)", request.method, request.run)
             # Shielded: cancelling the caller must not cancel the client's Future, which the runtime still answers.
             # A WorkerFailed passes through; the next call starts a new runtime.
-            return await asyncio.shield(asyncio.wrap_future(future))
+            return request.result(await asyncio.shield(asyncio.wrap_future(future)))
         finally:
             self.in_flight -= 1
+
+    def _submit(self, request: Call, handler: Callable[[dict[str, Any]], None] | None,
+                ticket: int | None) -> Future[dict[str, Any]]:
+        # The request as the wire's arguments (the ticket beside them), made here in the sending thread.
+        params = request.to_dict() | ({} if ticket is None else {"ticket": ticket})
+        return self.client.submit(request.method.value, handler, **params)
 
     async def close(self) -> None:
         if self._watching is not None:
@@ -145,14 +154,15 @@ class Watch:
         return "busy" if self.tick_seconds > self.busy_tick_s else "ok"
 
 
-def _on_loop(progress: Progress | None) -> Progress | None:
-    """The client calls `progress` on its reader thread; the caller's is called on its event loop."""
+def _on_loop(progress: Progress | None) -> Callable[[dict[str, Any]], None] | None:
+    """The client calls its handler on its reader thread with a chunk as it came; the caller's `progress` gets it
+    typed, on its event loop."""
     if progress is None:
         return None
     loop = asyncio.get_running_loop()
 
     def handed_over(chunk: dict[str, Any]) -> None:
-        loop.call_soon_threadsafe(progress, chunk)
+        loop.call_soon_threadsafe(progress, SampleChunk.from_dict(chunk))
 
     return handed_over
 

@@ -21,16 +21,16 @@ from typing import Any
 
 import anyio.to_thread
 
-from app.backends import Progress
+from app.backends import A, Progress
 from app.errors import BadInput, FailedPrecondition, SignalError, WorkerFailed
 from app.settings import Settings
 from gpu_runtime.allocation import PoolKey, modal_gpu
+from gpu_runtime.contract import Call, DeleteRun, Method
 from gpu_runtime.poison import Deaths, call_key, poison_pill
 from gpu_runtime.protocol import check_contract
 
 APP_NAME = "signal"  # gpu_runtime.modal_app's APP_NAME and CLASS_NAME (that module is not imported here)
 CLASS_NAME = "Pool"
-SYSTEM_METHODS = ("ping", "runtime_state")
 DEATHS_FILE = "modal-deaths.json"  # in the server's data directory: the poison-pill count its processes share
 log = logging.getLogger("signal.backend")
 CREDENTIALS_HELP = ("Modal credentials are missing: run `modal token new` (writes ~/.modal.toml), or set "
@@ -109,23 +109,24 @@ class ModalBackend:
             log.error("the Modal class %s.%s is not reachable (%s: %s); deploy it with `modal deploy -m "
                       "gpu_runtime.modal_app`, and see `signal doctor`", APP_NAME, CLASS_NAME, type(exc).__name__, exc)
 
-    async def call(self, method: str, pool: str | None = None, progress: Progress | None = None,
-                   **params: Any) -> dict[str, Any]:
+    async def call(self, request: Call[A], pool: PoolKey | None = None, progress: Progress | None = None,
+                   ticket: int | None = None) -> A:
         # `progress` is never called: a call's answer comes back whole from `.remote()`, so a streamed sample's text
         # reaches the client as one chunk after it (docs/MODAL.md).
         if pool is None:
-            if method not in SYSTEM_METHODS:
-                raise BadInput(f"{method} needs the run's pool on Modal", field="pool")
-            return await self._every_pool(method)
-        await self._agree(pool)
-        if method == "delete_run":
-            answer = await self._invoke(pool, "delete_run", str(params["run_id"]))
+            if request.method != Method.RUNTIME_STATE:
+                raise BadInput(f"{request.method} needs the run's pool on Modal", field="pool")
+            return request.result(await self._every_pool(request.method))
+        key = str(pool)  # what names the container's variant, and its instance here
+        await self._agree(key)
+        if isinstance(request, DeleteRun):
+            answer = await self._invoke(key, "delete_run", request.run_id)
         else:
-            answer = await self._guarded(pool, method, params)
+            params = request.to_dict() | ({} if ticket is None else {"ticket": ticket})
+            answer = await self._guarded(key, request.method.value, params)
         if "error" in answer:
             raise SignalError.from_dict(answer["error"])
-        result: dict[str, Any] = answer["result"]
-        return result
+        return request.result(answer["result"])
 
     async def _guarded(self, pool: str, method: str, params: dict[str, Any]) -> dict[str, Any]:
         """One call, unless it failed with its container twice in a row (a poison pill: WORKER_FAILED, not retryable,

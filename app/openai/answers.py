@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from app.openai.params import Request
+from gpu_runtime.contract import SampleResult
 
 FLOOR = -9999.0  # a logprob of -inf (a token top_p ruled out) as a finite number: JSON has no infinity
 
@@ -53,9 +54,9 @@ def kept(sequence: dict[str, Any], pieces: dict[int, str], eos: set[int]) -> int
     return len(tokens)
 
 
-def choices(result: dict[str, Any], pieces: dict[int, str], eos: set[int]) -> list[Choice]:
+def choices(result: SampleResult, pieces: dict[int, str], eos: set[int]) -> list[Choice]:
     out: list[Choice] = []
-    for p, sequences in enumerate(result["sequences"]):
+    for p, sequences in enumerate(result.sequences):
         for sequence in sequences:
             k = kept(sequence, pieces, eos)
             topk = sequence.get("topk_logprobs")
@@ -89,7 +90,7 @@ def chat_logprobs(choice: Choice, request: Request, pieces: dict[int, str]) -> d
 
 
 def completion_logprobs(choice: Choice, request: Request, pieces: dict[int, str], prompt_ids: list[int],
-                        prompt_text: str, result: dict[str, Any]) -> dict[str, Any] | None:
+                        prompt_text: str, result: SampleResult) -> dict[str, Any] | None:
     """The legacy shape {tokens, token_logprobs, top_logprobs, text_offset}; with echo the prompt's positions
     first (null at 0). Offsets count characters in prompt + completion, as OpenAI's do."""
     if request.logprobs is None:
@@ -100,8 +101,8 @@ def completion_logprobs(choice: Choice, request: Request, pieces: dict[int, str]
     tops: list[list[list[float]] | None] = []
     if request.echo:
         tokens += prompt_ids
-        values += [finite(v) for v in result["prompt_logprobs"][choice.prompt]]
-        prompt_tops = result.get("topk_prompt_logprobs")
+        values += [finite(v) for v in (result.prompt_logprobs or [])[choice.prompt]]  # echo asks for them
+        prompt_tops = result.topk_prompt_logprobs
         tops += prompt_tops[choice.prompt] if prompt_tops is not None else [None] * len(prompt_ids)
     tokens += choice.ids
     values += [finite(v) for v in choice.logprobs]

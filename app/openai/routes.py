@@ -23,6 +23,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route, Router
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from app.backends import Progress
 from app.errors import SignalError
 from app.openai import answers
 from app.openai.errors import OpenAIError, bad, from_signal, model_not_found
@@ -33,7 +34,7 @@ from app.services.runs import RunService, SampleParams
 from app.services.streams import first_or_gone, hold, next_chunk
 from app.tables import Run, User
 from app.tinker import paths as tinker_paths
-from gpu_runtime.contract import MAX_TOKENS_LIMIT
+from gpu_runtime.contract import MAX_TOKENS_LIMIT, SampleChunk, SampleResult
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -173,26 +174,26 @@ async def _prepared(runs: RunService, target: Target, params: Any, chat: bool) -
     try:
         if chat:
             rendered = await runs.render_chat(run, messages=params.messages, base_model=base)
-            prompt_ids = [rendered["prompt_tokens"]]
+            prompt_ids = [rendered.prompt_tokens or []]  # messages given: never None
         elif isinstance(params.prompts[0], str):
             rendered = await runs.render_chat(run, prompts=params.prompts, base_model=base)
-            prompt_ids = rendered["prompts_tokens"]
+            prompt_ids = rendered.prompts_tokens or []  # prompts given: never None
         else:
             rendered = await runs.render_chat(run, base_model=base)
             prompt_ids = params.prompts  # token-id prompts
     except SignalError as error:
         raise from_signal(error, prompt_param) from None
-    room = rendered["context_length"] - max(len(ids) for ids in prompt_ids)
+    room = rendered.context_length - max(len(ids) for ids in prompt_ids)
     if room < 1:
         raise bad(prompt_param, f"the prompt is {max(len(ids) for ids in prompt_ids)} tokens; the model's context "
-                                f"is {rendered['context_length']}")
+                                f"is {rendered.context_length}")
     sample = SampleParams(
         prompt_tokens=prompt_ids, max_tokens=params.max_tokens or min(room, MAX_TOKENS_LIMIT),
         temperature=params.temperature, top_p=params.top_p, stop=params.stop, num_samples=params.n,
         seed=params.seed, prompt_logprobs=params.echo and params.logprobs is not None,
         topk_prompt_logprobs=(params.logprobs or 0) if params.echo else 0,
         topk_sample_logprobs=params.logprobs or 0, store=params.store)
-    return prompt_ids, sample, set(rendered["eos_token_ids"])
+    return prompt_ids, sample, set(rendered.eos_token_ids)
 
 
 @dataclass
@@ -212,32 +213,32 @@ class Sampling:
         return "messages" if self.chat else "prompt"
 
     def sample(self, sample: SampleParams, request_id: str | None = None,
-               progress: Callable[[dict[str, Any]], None] | None = None) -> Awaitable[dict[str, Any]]:
+               progress: Progress | None = None) -> Awaitable[SampleResult]:
         run = self.target.run
         return self.runs.sample(self.user, run.id if run else None, sample, request_id=request_id,
                                 snapshot=self.target.snapshot, base_model=self.target.base_model, progress=progress,
                                 latest=run is not None and self.target.snapshot is None)  # no ticket, no run lock
 
-    async def answer(self, result: dict[str, Any]) -> tuple[dict[str, Any], list[answers.Choice]]:
+    async def answer(self, result: SampleResult) -> tuple[dict[str, Any], list[answers.Choice]]:
         """The whole answer's body and its choices (with logprobs or echo, the text of every id, prompt and top-k ones
         included, from the runtime's tokenizer; else only that of sequences cut at a stop string)."""
         params, prompt_ids = self.params, self.prompt_ids
         if params.logprobs is None and not params.echo:  # per-token text only to cut a sequence at its stop string
-            wanted = {t for seq in result["sequences"] for s in seq if answers.cut_at_stop(s, self.eos)
+            wanted = {t for seq in result.sequences for s in seq if answers.cut_at_stop(s, self.eos)
                       for t in s["tokens"]}
         else:
-            wanted = {t for seq in result["sequences"] for s in seq for t in s["tokens"]}
+            wanted = {t for seq in result.sequences for s in seq for t in s["tokens"]}
             wanted |= {t for ids in prompt_ids for t in ids}
-            for seq in result["sequences"]:
+            for seq in result.sequences:
                 for s in seq:
                     wanted |= {int(pair[0]) for top in s.get("topk_logprobs") or [] for pair in top}
-            for tops in result.get("topk_prompt_logprobs") or []:
+            for tops in result.topk_prompt_logprobs or []:
                 wanted |= {int(pair[0]) for top in tops if top for pair in top}
         order = sorted(wanted)
         pieces: dict[int, str] = {}
         if order:  # else no round trip to the runtime for nothing
             decoded = await self.runs.render_chat(self.target.run, decode=order, base_model=self.target.base_model)
-            pieces = dict(zip(order, decoded["pieces"]))
+            pieces = dict(zip(order, decoded.pieces))
         picked = answers.choices(result, pieces, self.eos)
         prompt_texts = [p if isinstance(p, str) else "".join(pieces.get(t, "") for t in p) for p in
                         (params.prompts or prompt_ids)]
@@ -266,7 +267,7 @@ def _chat_choice(choice: answers.Choice, params: Any, pieces: dict[int, str]) ->
 
 
 def _completion_choice(choice: answers.Choice, params: Any, pieces: dict[int, str], prompt_ids: list[list[int]],
-                       prompt_texts: list[str], result: dict[str, Any]) -> dict[str, Any]:
+                       prompt_texts: list[str], result: SampleResult) -> dict[str, Any]:
     prompt_text = prompt_texts[choice.prompt]
     item: dict[str, Any] = {
         "index": choice.index, "text": (prompt_text if params.echo else "") + choice.text,
@@ -316,7 +317,7 @@ async def _streamed(call: Sampling, sample: SampleParams, request: Request) -> R
     """A stream fed by the runtime's decode chunks. Errors met before its first chunk are answered as errors; the
     sample is recorded whatever the client does, and cancelled in the runtime when the client goes away, before its
     first chunk too (then, not begun, it is withdrawn: never applied, not billed, not recorded)."""
-    chunks: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+    chunks: asyncio.Queue[SampleChunk] = asyncio.Queue()
     request_id = f"v1-{uuid.uuid4().hex}"
     task = hold(call.sample(sample, request_id, chunks.put_nowait))
     try:
@@ -330,8 +331,8 @@ async def _streamed(call: Sampling, sample: SampleParams, request: Request) -> R
                              headers=SSE_HEADERS)
 
 
-async def _chunk_events(call: Sampling, task: asyncio.Future[Any], chunks: asyncio.Queue[dict[str, Any]],
-                        request_id: str, first: dict[str, Any] | None) -> AsyncIterator[str]:
+async def _chunk_events(call: Sampling, task: asyncio.Future[Any], chunks: asyncio.Queue[SampleChunk],
+                        request_id: str, first: SampleChunk | None) -> AsyncIterator[str]:
     """Each decode chunk's settled text (and ids, with return_token_ids) as it comes; then per choice the rest of its
     answer and its finish, usage when asked, [DONE]. A client gone mid-stream cancels the sample within one chunk."""
     params, chat = call.params, call.chat
@@ -364,7 +365,7 @@ async def _chunk_events(call: Sampling, task: asyncio.Future[Any], chunks: async
                 yield event(index, "", [], opening=True)
         chunk = first
         while chunk is not None:
-            for p, sequences in enumerate(chunk["sequences"]):
+            for p, sequences in enumerate(chunk.sequences):
                 for j, sequence in enumerate(sequences):
                     index = p * params.n + j
                     if sequence["text"] or sequence["tokens"]:

@@ -61,10 +61,9 @@ class Mutation:
             request_id=request_id, reduction=reduction, return_outputs=selects(info, "outputs"),
             order=Numbered.of(seq, session),
         )
-        return ForwardBackwardResult(loss=result["loss"], num_tokens=result["num_tokens"],
-                                     num_examples=result["num_examples"], step=result["step"],
-                                     reduction=result.get("reduction", DEFAULT_REDUCTION),
-                                     outputs=datum_outputs(result.get("outputs")))
+        return ForwardBackwardResult(loss=result.loss, num_tokens=result.num_tokens,
+                                     num_examples=result.num_examples, step=result.step,
+                                     reduction=result.reduction, outputs=datum_outputs(result.outputs))
 
     @strawberry.mutation(description="The loss and per-position logprobs of a batch, with no backward: nothing "
                          "changes. On a run's current weights (runId), a snapshot of it (runId + snapshot), or a base "
@@ -83,9 +82,9 @@ class Mutation:
             user, [item.to_dict() for item in batch], run_id=str(run_id) if run_id is not None else None,
             base_model=base_model, loss_fn=loss_fn, loss_fn_config=config, request_id=request_id,
             order=Numbered.of(seq, session), snapshot=snapshot, checkpoint=checkpoint)
-        return ForwardResult(loss=result["loss"], loss_sum=result["loss_sum"], num_tokens=result["num_tokens"],
-                             num_examples=result["num_examples"], step=result.get("step"),
-                             outputs=datum_outputs(result["outputs"]) or [])
+        return ForwardResult(loss=result.loss, loss_sum=result.loss_sum, num_tokens=result.num_tokens,
+                             num_examples=result.num_examples, step=result.step,
+                             outputs=datum_outputs(result.outputs) or [])
 
     @strawberry.mutation(description="Apply the accumulated gradients with AdamW")
     async def optim_step(self, info: Info, run_id: strawberry.ID, adam: AdamInput | None = None,
@@ -93,8 +92,7 @@ class Mutation:
         user = await info.context.user()
         result = await info.context.services.runs.optim_step(user, str(run_id), adam.to_dict() if adam else None,
                                                              request_id=request_id, order=Numbered.of(seq, session))
-        return OptimStepResult(step=result["step"], grad_norm=result["grad_norm"],
-                               learning_rate=result["learning_rate"])
+        return OptimStepResult(step=result.step, grad_norm=result.grad_norm, learning_rate=result.learning_rate)
 
     @strawberry.mutation(description="Generate from a run's current weights (in its order), a snapshot of it "
                          "(snapshot), or a base model alone (baseModel, no runId) (docs/SAMPLING.md, docs/SNAPSHOTS.md)")
@@ -184,9 +182,8 @@ class Mutation:
         user = await info.context.user()
         result = await info.context.services.runs.load_state(user, str(run_id), checkpoint, with_optimizer,
                                                              request_id=request_id, order=Numbered.of(seq, session))
-        return LoadStateResult(checkpoint=result["checkpoint"], step=result["step"],
-                               with_optimizer=result["with_optimizer"],
-                               pending_dropped=result.get("pending_dropped", 0))
+        return LoadStateResult(checkpoint=result.checkpoint, step=result.step, with_optimizer=result.with_optimizer,
+                               pending_dropped=result.pending_dropped)
 
     @strawberry.mutation(description="Delete a checkpoint or sampler snapshot: its files and its row")
     async def delete_checkpoint(self, info: Info, run_id: strawberry.ID, checkpoint_id: strawberry.ID) -> bool:

@@ -67,7 +67,7 @@ class Query:
         user = await info.context.user()
         result = await info.context.services.runs.render_datums(user, str(run_id), [item.to_dict() for item in batch],
                                                                 loss_fn=loss_fn)
-        return [Datum.from_dict(datum) for datum in result["datums"]]
+        return [Datum.from_dict(datum) for datum in result.datums]
 
     @strawberry.field
     async def api_keys(self, info: Info) -> list[ApiKey]:

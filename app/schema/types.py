@@ -17,6 +17,7 @@ from app.catalog import CatalogModel
 from app.schema.context import Info
 from app.services import usage
 from app.services.ledger import gpu_seconds
+from gpu_runtime import contract
 from gpu_runtime.contract import CheckpointRef
 
 
@@ -379,9 +380,9 @@ class SamplerSnapshot:
     expires_in_seconds: float | None = strawberry.field(description="Unnamed only: seconds until it expires")
 
     @classmethod
-    def from_result(cls, result: dict[str, Any]) -> SamplerSnapshot:
-        return cls(run_id=strawberry.ID(result["run_id"]), name=result["name"], step=int(result["step"]),
-                   named=bool(result["named"]), expires_in_seconds=result.get("expires_in_seconds"))
+    def from_result(cls, result: contract.SaveWeightsForSamplerResult) -> SamplerSnapshot:
+        return cls(run_id=strawberry.ID(result.run_id), name=result.name, step=result.step, named=result.named,
+                   expires_in_seconds=result.expires_in_seconds)
 
 
 @strawberry.type
@@ -397,21 +398,21 @@ class SampleResult:
         "likely first (null at position 0)")
 
     @classmethod
-    def from_result(cls, result: dict[str, Any]) -> SampleResult:
-        topk_prompt = result.get("topk_prompt_logprobs")
+    def from_result(cls, result: contract.SampleResult) -> SampleResult:
+        topk_prompt = result.topk_prompt_logprobs
         return cls(
-            outputs=list(result["outputs"]),
-            prompt_tokens=[list(ids) for ids in result["prompt_tokens"]],
-            step=int(result["step"]),
+            outputs=list(result.outputs),
+            prompt_tokens=[list(ids) for ids in result.prompt_tokens],
+            step=result.step,
             sequences=[
                 [SampledSequence(text=s["text"], tokens=list(s["tokens"]), logprobs=[float(x) for x in s["logprobs"]],
                                  stop_reason=s["stop_reason"],
                                  topk_logprobs=None if s.get("topk_logprobs") is None else
                                  [TokenLogprob.pairs(p) or [] for p in s["topk_logprobs"]])
                  for s in per_prompt]
-                for per_prompt in result["sequences"]
+                for per_prompt in result.sequences
             ],
-            prompt_logprobs=result.get("prompt_logprobs"),
+            prompt_logprobs=result.prompt_logprobs,
             topk_prompt_logprobs=None if topk_prompt is None else
             [[TokenLogprob.pairs(p) for p in per_prompt] for per_prompt in topk_prompt],
         )
@@ -427,10 +428,10 @@ class TokenizerInfo:
     chat_template: str | None = strawberry.field(description="Its Jinja chat template, if it has one")
 
     @classmethod
-    def from_result(cls, result: dict[str, Any]) -> TokenizerInfo:
-        return cls(name=result["name"], vocab_size=int(result["vocab_size"]),
-                   eos_token_ids=[int(i) for i in result["eos_token_ids"]], bos_token_id=result.get("bos_token_id"),
-                   pad_token_id=result.get("pad_token_id"), chat_template=result.get("chat_template"))
+    def from_result(cls, result: contract.TokenizerResult) -> TokenizerInfo:
+        return cls(name=result.name, vocab_size=result.vocab_size, eos_token_ids=list(result.eos_token_ids),
+                   bos_token_id=result.bos_token_id, pad_token_id=result.pad_token_id,
+                   chat_template=result.chat_template)
 
 
 @strawberry.type

@@ -18,6 +18,7 @@ from app.services.keys import KeyService
 from app.services.runs import FAILED
 from app.services.users import UserService, require_admin
 from app.tables import ApiKey, Run, User
+from gpu_runtime.contract import RuntimeState
 
 ADMIN_RUNS_SHOWN = 200  # the runs table lists the most recently active ones; the count above it says how many exist
 RESIDENT, EVICTED = "resident", "evicted"
@@ -138,7 +139,7 @@ class AdminService:
             view.runtime_error = "the runtime is still starting"
             return None
         try:
-            return await self.backend.call("runtime_state")
+            return (await self.backend.call(RuntimeState())).state
         except Exception as error:  # noqa: BLE001 - the admin page must render even when the runtime is down
             view.runtime_error = f"{type(error).__name__}: {error}"
             return None

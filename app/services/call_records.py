@@ -18,7 +18,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -27,6 +27,7 @@ from app.db import Database, database_error
 from app.errors import Unavailable
 from app.services.ledger import Ledger, billing_key, charge, user_key
 from app.tables import CallRecord, Run, utcnow
+from gpu_runtime.contract import ForwardBackwardResult, ForwardResult, Result, SampleResult
 
 T = TypeVar("T")
 log = logging.getLogger("signal.records")
@@ -55,15 +56,14 @@ class Caller:
 Write = Callable[[AsyncSession, bool], Awaitable[T]]
 
 
-def tokens(operation: str, result: dict[str, Any]) -> tuple[int, int]:
+def tokens(result: Result) -> tuple[int, int]:
     """(tokens in, tokens out) of an answer: a training call's weighted target tokens, a sample's prompt tokens (each
     prompt once per sequence made from it) and generated tokens; none for the others."""
-    if operation in ("forward_backward", "forward"):
-        return int(result.get("num_tokens") or 0), 0
-    if operation == "sample":
-        sequences = result.get("sequences") or []
-        prompts = result.get("prompt_tokens") or []
-        tokens_in = sum(len(prompt) * len(made) for prompt, made in zip(prompts, sequences))
+    if isinstance(result, (ForwardBackwardResult, ForwardResult)):
+        return result.num_tokens, 0
+    if isinstance(result, SampleResult):
+        sequences = result.sequences
+        tokens_in = sum(len(prompt) * len(made) for prompt, made in zip(result.prompt_tokens, sequences))
         return tokens_in, sum(len(sequence.get("tokens") or []) for made in sequences for sequence in made)
     return 0, 0
 
@@ -74,7 +74,7 @@ class CallRecorder:
         self.ledger = ledger
         self.retry_s = retry_s  # SIGNAL_RECORD_RETRY_S
 
-    async def record(self, caller: Caller, operation: str, request_id: str, result: dict[str, Any],
+    async def record(self, caller: Caller, operation: str, request_id: str, result: Result,
                      write: Write[T], after: Callable[[], None] | None = None) -> T:
         """Record an applied call once (see the module's doc); `after` runs once its first recording committed."""
         deadline = time.monotonic() + self.retry_s
@@ -99,7 +99,7 @@ class CallRecorder:
                     after()
             return answer
 
-    async def _once(self, caller: Caller, operation: str, request_id: str, result: dict[str, Any],
+    async def _once(self, caller: Caller, operation: str, request_id: str, result: Result,
                     write: Write[T]) -> tuple[T, bool]:
         key = billing_key(caller.run.id, request_id) if caller.run else user_key(caller.user_id, request_id)
         fresh = True
@@ -125,10 +125,10 @@ class CallRecorder:
                 return await write(session, False), False
         return answer, fresh
 
-    def _row(self, caller: Caller, key: str, operation: str, request_id: str, result: dict[str, Any]) -> CallRecord:
+    def _row(self, caller: Caller, key: str, operation: str, request_id: str, result: Result) -> CallRecord:
         seconds = _seconds(result)
         owed = charge(Run(device=caller.device, gpu_config=caller.gpu_config), seconds, self.ledger.rates)
-        tokens_in, tokens_out = tokens(operation, result)
+        tokens_in, tokens_out = tokens(result)
         return CallRecord(
             key=key, user_id=caller.user_id, run_id=caller.run.id if caller.run else None, request_id=request_id,
             operation=operation, base_model=caller.base_model, compute_seconds=seconds, device=owed.device,
@@ -136,5 +136,5 @@ class CallRecorder:
             tokens_in=tokens_in, tokens_out=tokens_out, created_at=utcnow())
 
 
-def _seconds(result: dict[str, Any]) -> float:
-    return max(float(result.get("compute_seconds") or 0.0), 0.0)
+def _seconds(result: Result) -> float:
+    return max(float(getattr(result, "compute_seconds", 0.0)), 0.0)  # the calls that compute carry it

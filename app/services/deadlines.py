@@ -58,8 +58,8 @@ async def waiting(deadline: Deadline | None, wait: Awaitable[T], gave_up: Callab
         raise deadline.error() from None
 
 
-async def answered(deadline: Deadline | None, call: Awaitable[dict[str, Any]],
-                   cancel: Callable[[], Awaitable[Any]], what: str) -> dict[str, Any]:
+async def answered(deadline: Deadline | None, call: Awaitable[T], cancel: Callable[[], Awaitable[Any]],
+                   what: str) -> T:
     """The runtime's answer to `call`; at the deadline the runtime is asked to `cancel` it, and its answer then says
     whether it was withdrawn (DEADLINE_EXCEEDED) or had been applied (its result, recorded by the caller as usual)."""
     task = asyncio.ensure_future(call)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import builtins
+import dataclasses
 import json
 import math
 from collections import defaultdict
@@ -24,7 +25,7 @@ from sqlalchemy import Text, case, cast, delete, func, or_, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 from strawberry.utils.str_converters import to_camel_case
 
-from app.backends import Backend, Progress
+from app.backends import A, Backend, Progress
 from app.catalog import Catalog
 from app.db import Database
 from app.errors import BadInput, FailedPrecondition, NotFound, RunNotFound, SignalError
@@ -52,7 +53,7 @@ from app.tables import (
     new_id,
     utcnow,
 )
-from gpu_runtime.allocation import pool_key
+from gpu_runtime.allocation import PoolKey
 from gpu_runtime.contract import (
     ADAM_DEFAULTS,
     LORA_DEFAULTS,
@@ -65,21 +66,48 @@ from gpu_runtime.contract import (
     MAX_TOP_P,
     SAMPLE_DEFAULTS,
     Call,
+    Cancel,
     CheckpointRef,
+    CreateRun,
+    DeleteCheckpoint,
+    DeleteRun,
+    ExportCheckpoint,
+    Forward,
+    ForwardBackward,
+    ForwardBackwardResult,
+    ForwardResult,
+    LoadState,
+    LoadStateResult,
+    OptimStep,
+    OptimStepResult,
+    Ping,
+    RenderChat,
+    RenderChatResult,
+    RenderDatums,
+    RenderDatumsResult,
     RuntimeOptions,
+    RuntimeState,
+    SampleResult,
+    SaveState,
+    SaveStateResult,
+    SaveWeightsForSampler,
+    SaveWeightsForSamplerResult,
+    Tokenizer,
+    TokenizerResult,
     adam_settings,
     check_sample_size,
     check_seed,
     checkpoint_ref,
     lora_settings,
-    parse_call,
     sampling_settings,
     target_families,
 )
+from gpu_runtime.contract import Sample as SampleCall  # app.tables.Sample is a sample's row
 
 T = TypeVar("T")
-# What a primitive records of its answer, inside the call's one recording transaction (`fresh`: its first).
-Record = Callable[[AsyncSession, Run, dict[str, Any], bool], Awaitable[T]]
+C = TypeVar("C", bound=Call)
+# What a primitive records of its answer `A`, inside the call's one recording transaction (`fresh`: its first).
+Record = Callable[[AsyncSession, Run, A, bool], Awaitable[T]]
 
 FAILED = "failed"  # runs.status once the runtime no longer has the run (else "active", the column's default)
 MAX_METRICS_LIMIT = 10_000  # most metric rows one read returns (a run's curve; the dashboard asks for 1,000)
@@ -287,7 +315,7 @@ class RunService:
         # Still needed beside tickets: a restarted runtime knows no ticket (its journal keeps none) and takes the first
         # it gets as the run's start, and results are recorded in the order calls finish. One call per run per process.
         self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
-        self._devices: dict[str, str] = {}  # pool → its runtime's device, for pricing base samples
+        self._devices: dict[PoolKey, str] = {}  # pool → its runtime's device, for pricing base samples
         # The SDK's numbers (seq, session): a numbered call joins its run's lock queue after its predecessor.
         self.order = CallOrder()
         # A check of another client's claim on the run before each primitive (Tinker's: app/services/tinker_sessions.py
@@ -410,30 +438,30 @@ class RunService:
         quantization = self.catalog.resolve_quantization(model, requested_quantization)
         run_id = new_id()
         await self.ledger.allow_create(user, run_id, gpu_config, model.name)
-        from_checkpoint = {"from_checkpoint": spec.from_checkpoint, "with_optimizer": spec.with_optimizer,
-                           "lora": spec.explicit_lora(), "seed": spec.seed} if source else {"lora": lora,
-                                                                                            "seed": spec.seed or 0}
-        pool = pool_key(model.name, gpu_config, quantization)
-        created = await self._answered(deadline, pool, user, run_id, self._engine(  # a create_run is named by its run
-            "create_run", pool=pool, run_id=run_id, user_id=user.id, base_model=model.source,
-            quantization=quantization, **from_checkpoint,
-        ))
+        request = CreateRun(  # from a checkpoint: only the LoRA settings given, which must agree with its own
+            run_id=run_id, user_id=user.id, base_model=model.source, quantization=quantization,
+            lora=spec.explicit_lora() if source else lora, seed=spec.seed if source else spec.seed or 0,
+            from_checkpoint=spec.from_checkpoint if source else None,
+            with_optimizer=spec.with_optimizer if source else True)
+        pool = PoolKey.of(model.name, gpu_config, quantization)
+        # A create_run is named by its run.
+        created = await self._answered(deadline, pool, user, run_id, self._engine(request, pool=pool))
         # The runtime resolved the switches against the model: the run keeps the layers they named.
-        lora = {key: value for key, value in dict(created.get("lora") or lora).items() if key not in LORA_SWITCHES}
-        lora["target_modules"] = created.get("target_modules", lora["target_modules"])
+        lora = {key: value for key, value in dict(created.lora or lora).items() if key not in LORA_SWITCHES}
+        lora["target_modules"] = created.target_modules
         run = Run(
             id=run_id,
             user_id=user.id,
             base_model=model.name,
             lora_config=lora,
             optimizer_config=adam,
-            seed=int(created.get("seed", spec.seed or 0)),
-            step=int(created.get("step", 0)),
+            seed=created.seed,
+            step=created.step,
             gpu_config=gpu_config,
-            device=str(created.get("device") or ""),
+            device=created.device,
             quantization=quantization or "",
-            trainable_params=int(created.get("trainable_params", 0)),
-            total_params=int(created.get("total_params", 0)),
+            trainable_params=created.trainable_params,
+            total_params=created.total_params,
             **({"name": default_run_name(model.name, utcnow())} | spec.labels().checked()),
         )
         async with self.db.session() as session:
@@ -444,21 +472,22 @@ class RunService:
         self, user: User, run_id: str, batch: builtins.list[dict[str, Any]], loss_fn: str = "cross_entropy",
         loss_fn_config: dict[str, Any] | None = None, request_id: str | None = None, reduction: str = "mean",
         return_outputs: bool = False, order: Numbered | None = None,
-    ) -> dict[str, Any]:
+    ) -> ForwardBackwardResult:
         """Loss and gradients of a batch. `reduction` is the step's (one per step: another is FAILED_PRECONDITION);
         `return_outputs` asks for per-datum, per-position logprobs and losses (a retried call's answer has none)."""
-        def arguments(run: Run) -> dict[str, Any]:
+        def arguments(run: Run) -> ForwardBackward:
             if not isinstance(batch, list) or not batch:
                 raise BadInput("batch must be a non-empty list of examples", field="batch")
-            return {"batch": batch, "loss_fn": loss_fn, "loss_fn_config": loss_fn_config, "reduction": reduction,
-                    "return_outputs": return_outputs}
+            return ForwardBackward(run_id=run.id, batch=batch, loss_fn=loss_fn, loss_fn_config=loss_fn_config,
+                                   reduction=reduction, return_outputs=return_outputs)
 
-        async def record(session: AsyncSession, run: Run, result: dict[str, Any], fresh: bool) -> dict[str, Any]:
+        async def record(session: AsyncSession, run: Run, result: ForwardBackwardResult,
+                         fresh: bool) -> ForwardBackwardResult:
             if fresh:
                 # Metric names carry their reduction (Tinker's name:reduction): loss:mean, loss:sum.
-                await self._metrics(session, run.id, result["step"], {
-                    loss_metric(result.get("reduction", reduction)): result["loss"],
-                    "num_tokens": result["num_tokens"], "num_examples": result["num_examples"],
+                await self._metrics(session, run.id, result.step, {
+                    loss_metric(result.reduction): result.loss,
+                    "num_tokens": result.num_tokens, "num_examples": result.num_examples,
                     **throughput(result),
                 })
             return result
@@ -469,22 +498,23 @@ class RunService:
                       base_model: str | None = None, loss_fn: str = "cross_entropy",
                       loss_fn_config: dict[str, Any] | None = None, request_id: str | None = None,
                       order: Numbered | None = None, snapshot: str | None = None,
-                      checkpoint: str | None = None) -> dict[str, Any]:
+                      checkpoint: str | None = None) -> ForwardResult:
         """Losses and per-position logprobs with no backward, changing nothing, on a weights source as sample's:
         the caller's run's current weights (`run_id`, in the run's order), a snapshot of it (`snapshot`: off the
         run's queue), or a catalogue base model alone (`base_model`, no run: only its call record is written)."""
-        params = {"batch": batch, "loss_fn": loss_fn, "loss_fn_config": loss_fn_config}
+        def on(run: Run) -> Forward:
+            return Forward(run_id=run.id, batch=batch, loss_fn=loss_fn, loss_fn_config=loss_fn_config,
+                           snapshot=snapshot, checkpoint=checkpoint)
 
-        async def record(session: AsyncSession, run: Run, result: dict[str, Any], fresh: bool) -> dict[str, Any]:
+        async def record(session: AsyncSession, run: Run, result: ForwardResult, fresh: bool) -> ForwardResult:
             return result  # nothing changed, so nothing to record beyond the call record
 
         if run_id is not None:
             if base_model is not None:
                 raise BadInput("forward takes runId or baseModel, not both", field="baseModel")
             if snapshot is not None or checkpoint is not None:
-                return await self._off_the_queue(user, run_id, "forward", request_id, params,
-                                                 {"snapshot": snapshot, "checkpoint": checkpoint}, record)
-            return await self._apply(user, run_id, "forward", request_id, lambda run: params, record, order=order)
+                return await self._off_the_queue(user, run_id, "forward", request_id, on, record)
+            return await self._apply(user, run_id, "forward", request_id, on, record, order=order)
         if snapshot is not None or checkpoint is not None:
             raise BadInput("snapshot and checkpoint name a run's weights: give runId too",
                            field="snapshot" if snapshot is not None else "checkpoint")
@@ -492,42 +522,41 @@ class RunService:
             raise BadInput("forward needs runId or baseModel", field="baseModel")
         deadline = Deadline.start(self.deadlines, "forward")
         model = self.catalog.get(base_model)
-        arguments: dict[str, Any] = {**params, "run_id": None, "base_model": model.source, "user_id": user.id,
-                                     "request_id": request_id}
-        self._checked("forward", arguments)
+        request = self._checked(Forward(batch=batch, loss_fn=loss_fn, loss_fn_config=loss_fn_config,
+                                        base_model=model.source, user_id=user.id, request_id=request_id))
         gpu_config = self.catalog.resolve_gpu(model, None, None)
-        pool = pool_key(model.name, gpu_config, None)
-        arguments["request_id"] = request_id = request_id or new_id()
-        result = await self._answered(deadline, pool, user, request_id, self._engine("forward", pool=pool, **arguments))
+        pool = PoolKey.of(model.name, gpu_config, None)
+        request = dataclasses.replace(request, request_id=request_id or new_id())
+        request_id = str(request.request_id)
+        result = await self._answered(deadline, pool, user, request_id, self._engine(request, pool=pool))
         caller = Caller(user.id, None, model.name, await self._device(pool), gpu_config)
 
-        async def answer(session: AsyncSession, fresh: bool) -> dict[str, Any]:
+        async def answer(session: AsyncSession, fresh: bool) -> ForwardResult:
             return result  # changes nothing: its call record (usage) is all it leaves
 
         return await self.recorder.record(caller, "forward", request_id, result, answer)
 
     async def render_datums(self, user: User, run_id: str, batch: builtins.list[dict[str, Any]],
-                            loss_fn: str = "cross_entropy") -> dict[str, Any]:
+                            loss_fn: str = "cross_entropy") -> RenderDatumsResult:
         """The datums the runtime would build for `batch` on the run's model; nothing is applied or billed."""
         run = await self.get(user, run_id)
-        self._checked("render_datums", {"run_id": run.id, "batch": batch, "loss_fn": loss_fn})
-        return await self._on_run(run, "render_datums", batch=batch, loss_fn=loss_fn)
+        return await self._on_run(run, self._checked(RenderDatums(run_id=run.id, batch=batch, loss_fn=loss_fn)))
 
     async def optim_step(self, user: User, run_id: str, adam: dict[str, Any] | None = None,
-                         request_id: str | None = None, order: Numbered | None = None) -> dict[str, Any]:
-        def arguments(run: Run) -> dict[str, Any]:
+                         request_id: str | None = None, order: Numbered | None = None) -> OptimStepResult:
+        def arguments(run: Run) -> OptimStep:
             overrides = {key: value for key, value in (adam or {}).items() if value is not None}
-            return {"adam": {**ADAM_DEFAULTS, **run.optimizer_config, **overrides}}
+            return OptimStep(run_id=run.id, adam={**ADAM_DEFAULTS, **run.optimizer_config, **overrides})
 
-        async def record(session: AsyncSession, run: Run, result: dict[str, Any], fresh: bool) -> dict[str, Any]:
+        async def record(session: AsyncSession, run: Run, result: OptimStepResult, fresh: bool) -> OptimStepResult:
             if not fresh:
                 return result  # its step was stored when it was recorded; a later step may have followed
-            step = int(result["step"])
+            step = result.step
             # greatest(step, :s), portably: another server's later step may have been written first.
             await session.execute(update(Run).where(Run.id == run.id)
                                   .values(step=case((Run.step < step, step), else_=Run.step)))
             await self._metrics(session, run.id, step, {
-                "grad_norm": result["grad_norm"], "learning_rate": result["learning_rate"],
+                "grad_norm": result.grad_norm, "learning_rate": result.learning_rate,
             })
             return result
 
@@ -536,7 +565,7 @@ class RunService:
     async def sample(self, user: User, run_id: str | None, params: SampleParams, request_id: str | None = None,
                      snapshot: str | None = None, checkpoint: str | None = None, base_model: str | None = None,
                      order: Numbered | None = None, progress: Progress | None = None,
-                     latest: bool = False) -> dict[str, Any]:
+                     latest: bool = False) -> SampleResult:
         """Sample a run's current weights (in the run's order, under its lock), a snapshot or checkpoint of it, or a
         base alone. Frozen sources (docs/SNAPSHOTS.md) take neither the run's lock nor a ticket: they wait for nothing
         on the run; so does `latest` (/v1 on a run id): the run's current weights as they are when the call reaches the
@@ -552,7 +581,7 @@ class RunService:
 
     async def _sample(self, user: User, run_id: str | None, params: SampleParams, request_id: str | None,
                       snapshot: str | None, checkpoint: str | None, base_model: str | None,
-                      order: Numbered | None, progress: Progress | None, latest: bool) -> dict[str, Any]:
+                      order: Numbered | None, progress: Progress | None, latest: bool) -> SampleResult:
         keep = params.store if params.store is not None else (
             run_id is not None and snapshot is None and checkpoint is None)
         source = {key: value for key, value in (("snapshot", snapshot), ("checkpoint", checkpoint)) if value}
@@ -561,13 +590,13 @@ class RunService:
             return {**{k: v for k, v in params.engine_params().items() if k not in ("prompts", "prompt_tokens")},
                     **source}
 
-        async def record(session: AsyncSession, run: Run, result: dict[str, Any], fresh: bool) -> dict[str, Any]:
+        async def record(session: AsyncSession, run: Run, result: SampleResult, fresh: bool) -> SampleResult:
             if not fresh or not keep:
                 return result
             kept = stored_params()
-            for prompt, sequences in zip(params.stored_prompts(), result["sequences"]):
+            for prompt, sequences in zip(params.stored_prompts(), result.sequences):
                 for sequence in sequences:
-                    session.add(Sample(run_id=run.id, step=int(result.get("step", run.step)), prompt=prompt,
+                    session.add(Sample(run_id=run.id, step=result.step, prompt=prompt,
                                        output=sequence["text"], params=cancelled(kept, sequence)))
             return result
 
@@ -579,15 +608,16 @@ class RunService:
                                            progress)
         if base_model is not None:
             raise BadInput("baseModel samples the base alone: leave runId out", field="baseModel")
-        streamed = {"stream": True} if progress is not None else {}
+        def on(run: Run) -> SampleCall:
+            return SampleCall(run_id=run.id, **params.engine_params(), stream=progress is not None,
+                              snapshot=snapshot, checkpoint=checkpoint,
+                              latest=latest and snapshot is None and checkpoint is None)
+
         if latest and snapshot is None and checkpoint is None:
-            return await self._off_the_queue(user, run_id, "sample", request_id, params.engine_params() | streamed,
-                                             {"latest": True}, record, progress)
+            return await self._off_the_queue(user, run_id, "sample", request_id, on, record, progress)
         if snapshot is None and checkpoint is None:
-            return await self._apply(user, run_id, "sample", request_id, lambda run: params.engine_params() | streamed,
-                                     record, order=order, progress=progress)
-        return await self._off_the_queue(user, run_id, "sample", request_id, params.engine_params() | streamed,
-                                         {"snapshot": snapshot, "checkpoint": checkpoint}, record, progress)
+            return await self._apply(user, run_id, "sample", request_id, on, record, order=order, progress=progress)
+        return await self._off_the_queue(user, run_id, "sample", request_id, on, record, progress)
 
     async def cancel_sample(self, user: User, request_id: str, run: Run | None, base_model: str | None,
                             withdraw: bool = False) -> None:
@@ -596,12 +626,12 @@ class RunService:
         yet, or with `withdraw` (a client that saw none of it), it is withdrawn (CANCELLED): never applied, not billed,
         not recorded."""
         pool = pool_of(run) if run is not None else self._base_pool(base_model)[1]
-        await self._engine("cancel", pool=pool, request_id=request_id, user_id=user.id, withdraw=withdraw)
+        await self._engine(Cancel(request_id=request_id, user_id=user.id, withdraw=withdraw), pool=pool)
 
     async def sample_unless_gone(self, user: User, run_id: str | None, params: SampleParams,
                                  gone: asyncio.Future[None], request_id: str | None = None,
                                  snapshot: str | None = None, checkpoint: str | None = None,
-                                 base_model: str | None = None, order: Numbered | None = None) -> dict[str, Any]:
+                                 base_model: str | None = None, order: Numbered | None = None) -> SampleResult:
         """`sample` for a client that waits for the whole answer: if it goes away first (`gone`), the sample is
         withdrawn wherever it is, queued or decoding (CANCELLED: never applied, not billed, not recorded; its compute
         seconds logged). A training call has no such path: it completes whatever its client does."""
@@ -615,57 +645,57 @@ class RunService:
                                              checkpoint=checkpoint, base_model=base_model, order=order),
                                  gone, cancel, f"sample {request_id} of user {user.id}")
 
-    async def _answered(self, deadline: Deadline, pool: str, user: User, request_id: str,
-                        call: Awaitable[dict[str, Any]]) -> dict[str, Any]:
+    async def _answered(self, deadline: Deadline, pool: PoolKey, user: User, request_id: str,
+                        call: Awaitable[A]) -> A:
         """The runtime's answer to `call`; at its deadline the runtime is asked to withdraw it (deadlines.py)."""
-        return await answered(deadline, call, lambda: self._engine("cancel", pool=pool, request_id=request_id,
-                                                                   user_id=user.id, deadline=True),
+        return await answered(deadline, call, lambda: self._engine(
+            Cancel(request_id=request_id, user_id=user.id, deadline=True), pool=pool),
                               f"{deadline.operation} {request_id} of user {user.id}")
 
     async def _off_the_queue(self, user: User, run_id: str, method: str, request_id: str | None,
-                             params: dict[str, Any], source: dict[str, Any],
-                             record: Record[dict[str, Any]], progress: Progress | None = None) -> dict[str, Any]:
+                             arguments: Callable[[Run], Call[A]], record: Record[A, A],
+                             progress: Progress | None = None) -> A:
         """A call on a run's frozen weights (a snapshot or checkpoint: docs/SNAPSHOTS.md): owned and billed like the
         run's calls, but it takes neither the run's lock nor a ticket, so it waits for nothing queued on the run."""
         deadline = Deadline.start(self.deadlines, method)
         run = await self.get(user, run_id)
         _refuse_archived(run, method)
-        self._checked(method, {"run_id": run.id, **params, **source, "request_id": request_id})
+        request = self._checked(_sent_as(arguments(run), request_id=request_id))
         request_id = await self.ledger.allow(user, run, method, request_id or new_id())
+        request = _sent_as(request, request_id=request_id)
 
-        async def work() -> dict[str, Any]:
-            result = await self._answered(deadline, pool_of(run), user, request_id, self._on_run(
-                run, method, progress, **params, **source, request_id=request_id))
+        async def work() -> A:
+            result = await self._answered(deadline, pool_of(run), user, request_id, self._on_run(run, request, progress))
             return await self._recorded(run, method, request_id, result, record)
 
         return await asyncio.shield(asyncio.ensure_future(work()))  # recorded even if the caller goes away
 
-    def _base_pool(self, base_model: str | None) -> tuple[Any, str, str]:
+    def _base_pool(self, base_model: str | None) -> tuple[Any, PoolKey, str]:
         """A base model's catalogue entry, pool and GPU configuration (a base alone runs in the pool of its default)."""
         model = self.catalog.get(base_model or self.default_model)
         gpu_config = self.catalog.resolve_gpu(model, None, None)
-        return model, pool_key(model.name, gpu_config, None), gpu_config
+        return model, PoolKey.of(model.name, gpu_config, None), gpu_config
 
     async def _sample_base(self, user: User, base_model: str | None, params: SampleParams,
                            request_id: str | None, store: dict[str, Any] | None,
-                           progress: Progress | None = None) -> dict[str, Any]:
+                           progress: Progress | None = None) -> SampleResult:
         """The base alone: no run, so no lock and no ticket; billed to the user (Ledger.owe_user). `store` (the
         params to keep with them, or None) writes the sequences to the user's base-model history."""
         deadline = Deadline.start(self.deadlines, "sample")
         model, pool, gpu_config = self._base_pool(base_model)
-        engine_params = {**params.engine_params(), "base_model": model.source, "user_id": user.id,
-                         **({"stream": True} if progress is not None else {})}
-        self._checked("sample", {**engine_params, "request_id": request_id})
+        request = self._checked(SampleCall(**params.engine_params(), base_model=model.source, user_id=user.id,
+                                           stream=progress is not None, request_id=request_id))
         request_id = await self.ledger.allow_user(user, "sample", request_id or new_id(), model.name, gpu_config)
+        request = dataclasses.replace(request, request_id=request_id)
 
-        async def work() -> dict[str, Any]:
+        async def work() -> SampleResult:
             result = await self._answered(deadline, pool, user, request_id, self._engine(
-                "sample", pool=pool, progress=progress, **engine_params, request_id=request_id))
+                request, pool=pool, progress=progress))
             caller = Caller(user.id, None, model.name, await self._device(pool), gpu_config)
 
-            async def write(session: AsyncSession, fresh: bool) -> dict[str, Any]:
+            async def write(session: AsyncSession, fresh: bool) -> SampleResult:
                 if fresh and store is not None:
-                    for prompt, sequences in zip(params.stored_prompts(), result["sequences"]):
+                    for prompt, sequences in zip(params.stored_prompts(), result.sequences):
                         session.add_all(BaseSample(user_id=user.id, base_model=model.name, prompt=prompt,
                                                    output=sequence["text"], params=cancelled(store, sequence))
                                         for sequence in sequences)
@@ -679,34 +709,36 @@ class RunService:
         """The device a run on `base_model` (None: the default) would train on: its pool's runtime's."""
         return await self._device(self._base_pool(base_model)[1])
 
-    async def _device(self, pool: str) -> str:
+    async def _device(self, pool: PoolKey) -> str:
         """The device a pool's runtime computes on (its ping), asked once per pool: what a base sample is priced by."""
         if pool not in self._devices:
-            self._devices[pool] = str((await self.backend.call("ping", pool=pool)).get("device") or "")
+            self._devices[pool] = (await self.backend.call(Ping(), pool=pool)).device
         return self._devices[pool]
 
     async def save_weights_for_sampler(self, user: User, run_id: str, name: str | None = None,
-                                       request_id: str | None = None, order: Numbered | None = None) -> dict[str, Any]:
+                                       request_id: str | None = None,
+                                       order: Numbered | None = None) -> SaveWeightsForSamplerResult:
         """Freeze the run's weights as they are after its calls before this one (in the run's order). A named
         snapshot gets a `checkpoints` row (mode "sampler"), so it is listed and downloadable; an unnamed one gets a
         row with its expiry, dropped by listing once it is past."""
 
-        async def record(session: AsyncSession, run: Run, result: dict[str, Any], fresh: bool) -> dict[str, Any]:
+        async def record(session: AsyncSession, run: Run, result: SaveWeightsForSamplerResult,
+                         fresh: bool) -> SaveWeightsForSamplerResult:
             row = await session.scalar(select(Checkpoint).where(
-                Checkpoint.run_id == run.id, Checkpoint.mode == "sampler", Checkpoint.name == result["name"]))
+                Checkpoint.run_id == run.id, Checkpoint.mode == "sampler", Checkpoint.name == result.name))
             if row is None:
-                row = Checkpoint(run_id=run.id, mode="sampler", name=result["name"])
+                row = Checkpoint(run_id=run.id, mode="sampler", name=result.name)
                 session.add(row)
-            row.step, row.path, row.size_bytes = int(result["step"]), result["path"], int(result["size_bytes"])
-            expires = result.get("expires_in_seconds")
+            row.step, row.path, row.size_bytes = result.step, result.path, result.size_bytes
+            expires = result.expires_in_seconds
             row.expires_at = None if expires is None else utcnow() + timedelta(seconds=float(expires))
             return result
 
-        return await self._apply(user, run_id, "save_weights_for_sampler", request_id, lambda run: {"name": name},
-                                 record, order=order)
+        return await self._apply(user, run_id, "save_weights_for_sampler", request_id,
+                                 lambda run: SaveWeightsForSampler(run_id=run.id, name=name), record, order=order)
 
     async def tokenizer(self, user: User, run_id: str | None = None, base_model: str | None = None,
-                        save: bool = False) -> dict[str, Any]:
+                        save: bool = False) -> TokenizerResult:
         """The tokenizer of a run's base (the caller's run) or of a catalogue model (default: the server's): its id,
         vocabulary size, EOS, BOS and pad ids, and chat template. Reads the base only: no run's queue, no credits.
         `save`: the runtime also writes it to a directory of its own and answers its path (a path on the runtime's
@@ -715,26 +747,25 @@ class RunService:
             raise BadInput("give runId or baseModel, not both", field="runId")
         if run_id is not None:
             run = await self.get(user, run_id)
-            return await self._engine("tokenizer", pool=pool_of(run), run_id=run.id, save=save)
+            return await self._engine(Tokenizer(run_id=run.id, save=save), pool=pool_of(run))
         model = self.catalog.get(base_model or self.default_model)
-        pool = pool_key(model.name, self.catalog.resolve_gpu(model, None, None), None)
-        return await self._engine("tokenizer", pool=pool, base_model=model.source, save=save)
+        pool = PoolKey.of(model.name, self.catalog.resolve_gpu(model, None, None), None)
+        return await self._engine(Tokenizer(base_model=model.source, save=save), pool=pool)
 
     async def render_chat(self, run: Run | None, messages: builtins.list[dict[str, str]] | None = None,
                           prompts: builtins.list[str] | None = None, decode: builtins.list[int] | None = None,
-                          base_model: str | None = None) -> dict[str, Any]:
+                          base_model: str | None = None) -> RenderChatResult:
         """On the caller's run's base (ownership checked by `get`), or a catalogue model's (`base_model`, run None):
         messages through its chat template as token ids, text `prompts` as ids, and `decode`'s ids as text, one
         each: the OpenAI endpoint's tokenizer work. No run queue, no credits."""
-        params: dict[str, Any] = {"messages": messages, "prompts": prompts, "decode": decode}
         if run is not None:
-            params["run_id"], pool = run.id, pool_of(run)
+            request, pool = RenderChat(run_id=run.id, messages=messages, prompts=prompts, decode=decode), pool_of(run)
         else:
             model = self.catalog.get(base_model or self.default_model)
-            params["base_model"], pool = model.source, pool_key(model.name, self.catalog.resolve_gpu(model, None, None),
-                                                                None)
-        parse_call("render_chat", params)
-        return await self._engine("render_chat", pool=pool, **params)
+            request = RenderChat(base_model=model.source, messages=messages, prompts=prompts, decode=decode)
+            pool = PoolKey.of(model.name, self.catalog.resolve_gpu(model, None, None), None)
+        request.validate()
+        return await self._engine(request, pool=pool)
 
     async def save_state(self, user: User, run_id: str, mode: str = "adapter", push_to_hub: bool = False,
                          hub_model_id: str | None = None, request_id: str | None = None,
@@ -745,10 +776,10 @@ class RunService:
         token is the user's Hugging Face integration, fetched from the billing service now (docs/BILLING.md)."""
         billing = self.ledger.billing
 
-        def arguments(run: Run) -> dict[str, Any]:
+        def arguments(run: Run) -> SaveState:
             if push_to_hub and not (hub_model_id or "").strip():
                 raise BadInput("pushToHub needs hubModelId (e.g. 'your-name/my-adapter')", field="hubModelId")
-            return {"mode": mode, "name": name, "with_optimizer": with_optimizer}
+            return SaveState(run_id=run.id, mode=mode, name=name, with_optimizer=with_optimizer)
 
         async def hub() -> dict[str, Any]:
             """The push's arguments, once the call is allowed: the user's token is fetched only for a call that runs."""
@@ -763,42 +794,42 @@ class RunService:
                                field="hfToken")
             return {"push_to_hub": True, "hub_model_id": hub_model_id, "hf_token": token}
 
-        async def record(session: AsyncSession, run: Run, result: dict[str, Any], fresh: bool) -> Checkpoint:
+        async def record(session: AsyncSession, run: Run, result: SaveStateResult, fresh: bool) -> Checkpoint:
             # One row per run, kind and name, written on a retry too: saving step-N again at the same step (a new
             # call) rewrites it, and the answer is that row.
             checkpoint = await session.scalar(select(Checkpoint).where(
-                Checkpoint.run_id == run.id, Checkpoint.mode == result["mode"],
-                Checkpoint.name == result["name"]).limit(1))
+                Checkpoint.run_id == run.id, Checkpoint.mode == result.mode,
+                Checkpoint.name == result.name).limit(1))
             if checkpoint is None:
-                checkpoint = Checkpoint(run_id=run.id, path=result["checkpoint_path"], name=result["name"])
+                checkpoint = Checkpoint(run_id=run.id, path=result.checkpoint_path, name=result.name)
                 session.add(checkpoint)
-            checkpoint.path = result["checkpoint_path"]
-            checkpoint.step, checkpoint.mode = int(result["step"]), result["mode"]
-            checkpoint.size_bytes = int(result["size_bytes"])
-            checkpoint.hub_url = result.get("hub", {}).get("url") or checkpoint.hub_url
-            checkpoint.with_optimizer = bool(result.get("with_optimizer", False))
-            checkpoint.pending_excluded = int(result.get("pending_excluded", 0))
+            checkpoint.path = result.checkpoint_path
+            checkpoint.step, checkpoint.mode = result.step, result.mode
+            checkpoint.size_bytes = result.size_bytes
+            checkpoint.hub_url = (result.hub or {}).get("url") or checkpoint.hub_url
+            checkpoint.with_optimizer = result.with_optimizer
+            checkpoint.pending_excluded = result.pending_excluded
             await session.flush()  # its id, for the answer
             return checkpoint
 
         return await self._apply(user, run_id, "save_state", request_id, arguments, record, allowed=hub, order=order)
 
     async def load_state(self, user: User, run_id: str, checkpoint: str, with_optimizer: bool = True,
-                         request_id: str | None = None, order: Numbered | None = None) -> dict[str, Any]:
+                         request_id: str | None = None, order: Numbered | None = None) -> LoadStateResult:
         """A checkpoint of this run, or of another run of the same user, into this run (docs/CHECKPOINTS.md): its
         adapter, with_optimizer its AdamW, and its step either way. Another user's checkpoint is NOT_FOUND."""
         run = await self.get(user, run_id)
         ref = checkpoint_ref(checkpoint, "checkpoint", run.id)
         await self._checkpoint_row(user, ref, "checkpoint")
 
-        async def record(session: AsyncSession, run: Run, result: dict[str, Any], fresh: bool) -> dict[str, Any]:
+        async def record(session: AsyncSession, run: Run, result: LoadStateResult, fresh: bool) -> LoadStateResult:
             if fresh:  # the step is the checkpoint's: it may go back
-                await session.execute(update(Run).where(Run.id == run.id).values(step=int(result["step"])))
+                await session.execute(update(Run).where(Run.id == run.id).values(step=result.step))
             return result
 
         return await self._apply(user, run_id, "load_state", request_id,
-                                 lambda run: {"checkpoint": ref.path, "with_optimizer": with_optimizer}, record,
-                                 order=order)
+                                 lambda run: LoadState(run_id=run.id, checkpoint=ref.path, with_optimizer=with_optimizer),
+                                 record, order=order)
 
     async def delete_checkpoint(self, user: User, run_id: str, checkpoint_id: str) -> None:
         """A checkpoint's (or a sampler snapshot's) files in the runtime, then its row."""
@@ -810,8 +841,7 @@ class RunService:
 
         async def work() -> None:
             try:
-                await self._engine("delete_checkpoint", pool=pool_of(run), run_id=run.id, mode=row.mode,
-                                   name=row.name)
+                await self._engine(DeleteCheckpoint(run_id=run.id, mode=row.mode, name=row.name), pool=pool_of(run))
             except NotFound:
                 pass  # its files are already gone (a delete half done): remove the row anyway
             async with self.db.session() as session:
@@ -834,7 +864,7 @@ class RunService:
 
         async def work() -> None:
             try:
-                await self._engine("delete_run", pool=pool_of(run), run_id=run.id)
+                await self._engine(DeleteRun(run_id=run.id), pool=pool_of(run))
             except RunNotFound:
                 pass  # its files are already gone (an earlier delete half done): remove the rows anyway
             async with self.db.session() as session:
@@ -852,12 +882,12 @@ class RunService:
         """What the GPU runtime holds and does (bases, resident and evicted runs, queues, ticks): admins only,
         since it names every user's runs."""
         require_admin(user, "read the runtime's state")
-        return await self.backend.call("runtime_state")
+        return (await self.backend.call(RuntimeState())).state
 
     # ---- one skeleton for the four primitives ----------------------------------------------
 
     async def _apply(self, user: User, run_id: str, operation: str, request_id: str | None,
-                     arguments: Callable[[Run], dict[str, Any]], record: Record[T],
+                     arguments: Callable[[Run], Call[A]], record: Record[A, T],
                      allowed: Callable[[], Awaitable[dict[str, Any]]] | None = None, order: Numbered | None = None,
                      progress: Progress | None = None) -> T:
         """A primitive on the caller's run: its `arguments` checked (before anyone is asked about credits), the call
@@ -872,40 +902,38 @@ class RunService:
             _refuse_archived(run, operation)
         if self.claim is not None:
             await self.claim(run, operation)
-        params = arguments(run)
-        self._checked(operation, {"run_id": run.id, **params, "request_id": request_id})
+        request = self._checked(_sent_as(arguments(run), request_id=request_id))
         request_id = await self.ledger.allow(user, run, operation, request_id or new_id())
-        if allowed is not None:
-            params |= await allowed()
+        request = _sent_as(request, request_id=request_id, **(await allowed() if allowed is not None else {}))
 
         async def work() -> T:
             ticket = await self._ticket(run.id)
-            result = await self._answered(deadline, pool_of(run), user, request_id, self._on_run(
-                run, operation, progress, **params, request_id=request_id, ticket=ticket))
+            result = await self._answered(deadline, pool_of(run), user, request_id,
+                                          self._on_run(run, request, progress, ticket))
             return await self._recorded(run, operation, request_id, result, record)
 
         return await self._serialised(run.id, work, order, deadline)
 
-    async def _recorded(self, run: Run, operation: str, request_id: str, result: dict[str, Any],
-                        record: Record[T]) -> T:
+    async def _recorded(self, run: Run, operation: str, request_id: str, result: A, record: Record[A, T]) -> T:
         """The applied call recorded once, with what `record` writes, in one transaction (call_records.py)."""
         return await self.recorder.record(Caller.of(run), operation, request_id, result,
                                           lambda session, fresh: record(session, run, result, fresh),
                                           after=lambda: self.feed.written(run.id))
 
-    def _checked(self, method: str, arguments: dict[str, Any]) -> Call:
+    def _checked(self, request: C) -> C:
         """The contract's checks and size bounds, here before the call leaves (the runtime runs both again); errors
         name the field as the client sent it."""
         with _fields_renamed(lambda field: field):
-            call = parse_call(method, arguments)
-            call.check_size(self.bounds)
-        return call
+            request.validate()
+            request.check_size(self.bounds)
+        return request
 
-    async def _on_run(self, run: Run, method: str, progress: Progress | None = None, **params: Any) -> dict[str, Any]:
+    async def _on_run(self, run: Run, request: Call[A], progress: Progress | None = None,
+                      ticket: int | None = None) -> A:
         """A runtime call on a run the database holds. The runtime answering that it has no such run means its
         files are gone for good: the run is marked failed (runs.status), and the caller gets NOT_FOUND."""
         try:
-            return await self._engine(method, pool=pool_of(run), progress=progress, run_id=run.id, **params)
+            return await self._engine(request, pool=pool_of(run), progress=progress, ticket=ticket)
         except RunNotFound:
             async with self.db.session() as session:
                 await session.execute(update(Run).where(Run.id == run.id).values(status=FAILED))
@@ -952,15 +980,13 @@ class RunService:
             run = await session.get(Run, run_id)
         if run is None:
             raise RunNotFound(f"run {run_id!r} not found", field="runId")
-        return _decode_archive(await self._engine("export_checkpoint", pool=pool_of(run), run_id=run_id, mode=mode,
-                                                  step=step, name=name))
+        archive = await self._engine(ExportCheckpoint(run_id=run_id, mode=mode, step=step, name=name), pool=pool_of(run))
+        return base64.b64decode(archive.archive_b64)
 
-    async def _engine(self, method: str, pool: str | None = None, progress: Progress | None = None,
-                      **params: Any) -> dict[str, Any]:
-        async def call() -> dict[str, Any]:
-            if progress is not None:
-                return await self.backend.call(method, pool=pool, progress=progress, **params)
-            return await self.backend.call(method, pool=pool, **params)
+    async def _engine(self, request: Call[A], pool: PoolKey | None = None, progress: Progress | None = None,
+                      ticket: int | None = None) -> A:
+        async def call() -> A:
+            return await self.backend.call(request, pool=pool, progress=progress, ticket=ticket)
 
         try:
             return await sent_until_taken(call)  # a refusal resent here only for callers that cannot (throttle.py)
@@ -998,14 +1024,15 @@ def _aware(moment: datetime) -> datetime:
     return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
 
 
-def _decode_archive(result: dict[str, Any]) -> bytes:
-    return base64.b64decode(result["archive_b64"])
+def _sent_as(request: C, **changes: Any) -> C:
+    """The request with fields set after its checks: the request id a call gets once allowed, a Hub token."""
+    return dataclasses.replace(request, **changes)
 
 
-def throughput(result: dict[str, Any]) -> dict[str, float]:
+def throughput(result: ForwardBackwardResult) -> dict[str, float]:
     """A forward_backward's `throughput` metric: its tokens ÷ its compute seconds (none when it took no time)."""
-    seconds = float(result.get("compute_seconds") or 0.0)
-    return {"throughput": float(result["num_tokens"]) / seconds} if seconds > 0 else {}
+    seconds = result.compute_seconds
+    return {"throughput": float(result.num_tokens) / seconds} if seconds > 0 else {}
 
 
 def loss_metric(reduction: str) -> str:
@@ -1013,9 +1040,9 @@ def loss_metric(reduction: str) -> str:
     return f"loss:{reduction}"
 
 
-def pool_of(run: Run) -> str:
+def pool_of(run: Run) -> PoolKey:
     """The run's pool: on Modal, the warm container its calls go to (base model, GPU configuration, quantization)."""
-    return pool_key(run.base_model, run.gpu_config, run.quantization or None)
+    return PoolKey.of(run.base_model, run.gpu_config, run.quantization or None)
 
 
 def graphql_field(field: str | None) -> str | None:

@@ -9,6 +9,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any, TypeVar
 
 from app.errors import SignalError
+from gpu_runtime.contract import SampleChunk
 
 log = logging.getLogger("signal.deadlines")  # where a withdrawn call's compute seconds are logged (deadlines.py)
 T = TypeVar("T")
@@ -23,7 +24,7 @@ def hold(work: Awaitable[Any]) -> asyncio.Future[Any]:
     return task
 
 
-async def next_chunk(task: asyncio.Future[Any], chunks: asyncio.Queue[dict[str, Any]]) -> dict[str, Any] | None:
+async def next_chunk(task: asyncio.Future[Any], chunks: asyncio.Queue[SampleChunk]) -> SampleChunk | None:
     """The next decode chunk, or None once the sample is answered and its chunks are all taken (its error raised)."""
     if chunks.empty() and not task.done():
         getter = asyncio.ensure_future(chunks.get())
@@ -45,8 +46,8 @@ async def gone(receive: Callable[[], Awaitable[MutableMapping[str, Any]]]) -> No
         pass
 
 
-async def first_or_gone(task: asyncio.Future[Any], chunks: asyncio.Queue[dict[str, Any]],
-                        receive: Callable[[], Awaitable[MutableMapping[str, Any]]]) -> tuple[bool, dict[str, Any] | None]:
+async def first_or_gone(task: asyncio.Future[Any], chunks: asyncio.Queue[SampleChunk],
+                        receive: Callable[[], Awaitable[MutableMapping[str, Any]]]) -> tuple[bool, SampleChunk | None]:
     """A stream's first chunk (as `next_chunk`), or (False, None) if its client goes away before it comes: a stream
     answered only once its first chunk is there would otherwise never notice, and the sample would run to its end."""
     first = asyncio.ensure_future(next_chunk(task, chunks))

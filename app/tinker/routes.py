@@ -14,7 +14,7 @@ import logging
 import math
 import secrets
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -32,6 +32,7 @@ from gpu_runtime.contract.settings import MAX_TOKENS_LIMIT
 from gpu_runtime.errors import FailedPrecondition
 
 log = logging.getLogger("signal.tinker")
+T = TypeVar("T")
 
 PREFIX = "/api/v1"
 KEY_PREFIX = "tml-"  # the SDK refuses keys without it: users send tml- + their whole Signal key (tml-sk-…)
@@ -231,14 +232,14 @@ async def tokenizer_id(svc: Services, user: User, run: Run) -> str:
     path is on this machine); else the catalogue's `tokenizer`, else the model's name (the SDK cuts a tokenizer id
     at its first ':')."""
     if svc.settings.tinker_tokenizer_dir and svc.settings.backend == "local":
-        return str((await svc.runs.tokenizer(user, run_id=run.id, save=True))["directory"])
+        return str((await svc.runs.tokenizer(user, run_id=run.id, save=True)).directory)
     return (svc.catalog.get(run.base_model).tokenizer or run.base_model).split(":", 1)[0]
 
 
 # ---- training ------------------------------------------------------------------------------------------------
 
 async def ordered(svc: Services, model: TinkerModel, seq: int,
-                  call: Callable[[Numbered, str], Awaitable[Any]], request_id: str) -> Any:
+                  call: Callable[[Numbered, str], Awaitable[T]], request_id: str) -> T:
     """A training operation in its model's order: seq_id is its number in the pipeline named by the model id
     (app/services/call_order.py), so chunks 2..k sent before chunk 1 wait in the background, never at submit."""
     return await call(Numbered(model.id, seq), request_id)
@@ -281,17 +282,16 @@ async def forward_backward(request: Request, user: User) -> dict[str, Any]:
 
     async def work(request_id: str) -> tuple[str, bytes]:
         if forward_only:
-            result = await ordered(svc, model, seq, lambda order, rid: svc.runs.forward(
+            ahead = await ordered(svc, model, seq, lambda order, rid: svc.runs.forward(
                 user, message["data"], run_id=model.run_id, loss_fn=message["loss_fn"],
                 loss_fn_config=message["loss_fn_config"], request_id=rid, order=order), request_id)
-            loss = float(result["loss_sum"])
+            loss, outputs = ahead.loss_sum, ahead.outputs
         else:
-            result = await ordered(svc, model, seq, lambda order, rid: svc.runs.forward_backward(
+            trained = await ordered(svc, model, seq, lambda order, rid: svc.runs.forward_backward(
                 user, model.run_id or "", message["data"], loss_fn=message["loss_fn"],
                 loss_fn_config=message["loss_fn_config"], request_id=rid, reduction="sum", return_outputs=True,
                 order=order), request_id)
-            loss = float(result["loss"])
-        outputs = result.get("outputs") or []
+            loss, outputs = trained.loss, trained.outputs or []
         return PROTO_TYPE, proto.encode_forward_backward_output(outputs, {"loss:sum": loss})
 
     row = await submit_training(svc, user, model, seq, "Forward" if forward_only else "ForwardBackward", work)
@@ -314,8 +314,8 @@ async def optim_step(request: Request, user: User) -> dict[str, Any]:
             user, model.run_id or "", params, request_id=rid, order=order), request_id)
         # Namespaced: the cookbook merges these into its own metrics rows, whose `step` is its batch index.
         return json_answer({"type": "optim_step", "metrics": {
-            "optim/step": float(result["step"]), "optim/grad_norm": float(result["grad_norm"]),
-            "optim/learning_rate": float(result["learning_rate"])}})
+            "optim/step": float(result.step), "optim/grad_norm": float(result.grad_norm),
+            "optim/learning_rate": float(result.learning_rate)}})
 
     row = await submit_training(svc, user, model, seq, "OptimStep", work)
     return future_answer(row)
@@ -341,7 +341,7 @@ async def save(request: Request, user: User, kind: str) -> dict[str, Any]:
             saved = await ordered(svc, model, seq, lambda order, rid: svc.runs.save_weights_for_sampler(
                 user, run.id, name=None, request_id=rid, order=order), request_id)
             await svc.tinker_sessions.map(user, the_id, model.session_id, "sample", run.id, model.base_model,
-                                          f"tinker://{model.id}/sampler_weights/{saved['name']}")
+                                          f"tinker://{model.id}/sampler_weights/{saved.name}")
             return json_answer({"sampling_session_id": the_id, "type": "save_weights_for_sampler"})
         target = paths.TinkerPath(model.id, kind, name or "")
         existing = {(c.mode, c.name) for c in await svc.runs.checkpoints(run)}
@@ -453,8 +453,8 @@ async def asample(request: Request, user: User) -> dict[str, Any]:
     async def work(request_id: str) -> tuple[str, bytes]:
         result = await svc.runs.sample(user, sampler.run_id, params, request_id=request_id, snapshot=snapshot,
                                        checkpoint=checkpoint, base_model=base_model)
-        prompt_logprobs = (result.get("prompt_logprobs") or [None])[0] if params.prompt_logprobs else None
-        return PROTO_TYPE, proto.encode_sample_response(result["sequences"][0], prompt_logprobs)
+        prompt_logprobs = result.prompt_logprobs[0] if params.prompt_logprobs and result.prompt_logprobs else None
+        return PROTO_TYPE, proto.encode_sample_response(result.sequences[0], prompt_logprobs)
 
     row = await svc.tinker.submit(user, ("sample", sampler.id, seq), "Sample", work, samples=num_samples)
     return future_answer(row)

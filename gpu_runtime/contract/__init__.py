@@ -41,14 +41,20 @@ from gpu_runtime.contract.calls import (
 )
 from gpu_runtime.contract.results import (
     CancelResult,
+    CloseRunResult,
+    DeleteCheckpointResult,
+    DeleteRunResult,
+    ExportCheckpointResult,
     ForwardBackwardResult,
     ForwardResult,
     LoadStateResult,
     OptimStepResult,
+    PingResult,
     RenderChatResult,
     RenderDatumsResult,
     Result,
     RunDescription,
+    RuntimeStateResult,
     SampleChunk,
     SampleResult,
     SaveStateResult,
@@ -138,5 +144,6 @@ __all__ = [
     "RenderDatumsResult", "loss_settings", "RenderChat", "RenderChatResult", "SaveWeightsForSampler",
     "SaveWeightsForSamplerResult", "check_snapshot_name", "LORA_ALPHA_PER_R", "MAX_RUN_SEED", "MAX_SEED", "MAX_STOP",
     "MAX_STOP_CHARS", "MAX_TEMPERATURE", "MAX_TOP_K", "MAX_TOP_P", "check_batch_size", "check_sample_size", "check_seed",
-    "known_batch_tokens", "Cancel", "CancelResult", "SampleChunk",
+    "known_batch_tokens", "Cancel", "CancelResult", "SampleChunk", "CloseRunResult", "DeleteRunResult",
+    "DeleteCheckpointResult", "ExportCheckpointResult", "PingResult", "RuntimeStateResult",
 ]

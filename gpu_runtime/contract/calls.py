@@ -11,9 +11,32 @@ from __future__ import annotations
 import enum
 import hashlib
 import json
-from dataclasses import MISSING, asdict, dataclass, fields
-from typing import Any, ClassVar, TypeVar
+from dataclasses import MISSING, dataclass, fields
+from typing import Any, ClassVar, Generic, cast
 
+from typing_extensions import TypeVar  # a TypeVar with a default: a bare `Call` is a call answered by some Result
+
+from gpu_runtime.contract.results import (
+    CancelResult,
+    CloseRunResult,
+    DeleteCheckpointResult,
+    DeleteRunResult,
+    ExportCheckpointResult,
+    ForwardBackwardResult,
+    ForwardResult,
+    LoadStateResult,
+    OptimStepResult,
+    PingResult,
+    RenderChatResult,
+    RenderDatumsResult,
+    Result,
+    RunDescription,
+    RuntimeStateResult,
+    SampleResult,
+    SaveStateResult,
+    SaveWeightsForSamplerResult,
+    TokenizerResult,
+)
 from gpu_runtime.contract.settings import (
     CHECKPOINT_KINDS,
     DEFAULT_LOSS_FN,
@@ -77,16 +100,24 @@ class Method(enum.StrEnum):
 
 
 R = TypeVar("R", bound="Call")
+A = TypeVar("A", bound=Result, default=Result, covariant=True)  # what a call is answered with
 
 
 @dataclass(frozen=True, kw_only=True)
-class Call:
-    """A request to the runtime. Subclasses name their `method`; runs' calls carry `run_id`."""
+class Call(Generic[A]):
+    """A request to the runtime, answered with an `A`. Subclasses name their `method` and their `answer` type (the
+    same A); runs' calls carry `run_id`."""
 
     method: ClassVar[Method]
+    answer: ClassVar[type[Result]]
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        # Shallow: the fields are plain data already, and a deep copy of a large batch costs milliseconds per call.
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def result(self, data: dict[str, Any]) -> A:
+        """Its answer as it came over the wire, typed (unknown fields dropped: Result.from_dict)."""
+        return cast(A, self.answer.from_dict(data))
 
     def body_sha256(self) -> str:
         """What a request id stands for: the method and every argument but the id itself and a Hub token (a retry may
@@ -122,7 +153,7 @@ class Call:
 
 
 @dataclass(frozen=True, kw_only=True)
-class RunCall(Call):
+class RunCall(Call[A]):
     run_id: str
 
     def validate(self) -> None:
@@ -130,8 +161,9 @@ class RunCall(Call):
 
 
 @dataclass(frozen=True, kw_only=True)
-class CreateRun(RunCall):
+class CreateRun(RunCall[RunDescription]):
     method = Method.CREATE_RUN
+    answer = RunDescription
     user_id: str
     base_model: str
     lora: dict[str, Any] | None = None
@@ -175,8 +207,9 @@ class _Batched:
 
 
 @dataclass(frozen=True, kw_only=True)
-class ForwardBackward(_Batched, RunCall):
+class ForwardBackward(_Batched, RunCall[ForwardBackwardResult]):
     method = Method.FORWARD_BACKWARD
+    answer = ForwardBackwardResult
     batch: list[dict[str, Any]]
     loss_fn: str = DEFAULT_LOSS_FN
     loss_fn_config: dict[str, Any] | None = None
@@ -194,12 +227,13 @@ class ForwardBackward(_Batched, RunCall):
 
 
 @dataclass(frozen=True, kw_only=True)
-class Forward(_Batched, Call):
+class Forward(_Batched, Call[ForwardResult]):
     """The loss and per-position logprobs of a batch, with no backward: nothing of the run changes (no gradient,
     no dropout, no counter). Its weights, as a sample's (gpu_runtime/weights_sources.py): `run_id`'s current ones
     (in the run's queue), `run_id` + `snapshot` (frozen: off the queue), or with run_id None the base model alone."""
 
     method = Method.FORWARD
+    answer = ForwardResult
     batch: list[dict[str, Any]]
     run_id: str | None = None
     snapshot: str | None = None  # a sampler snapshot's name on the run (save_weights_for_sampler)
@@ -223,10 +257,11 @@ class Forward(_Batched, Call):
 
 
 @dataclass(frozen=True, kw_only=True)
-class RenderDatums(_Batched, RunCall):
+class RenderDatums(_Batched, RunCall[RenderDatumsResult]):
     """The datums the runtime would build for a batch of Signal items (renderDatums), changing nothing."""
 
     method = Method.RENDER_DATUMS
+    answer = RenderDatumsResult
     batch: list[dict[str, Any]]
     loss_fn: str = DEFAULT_LOSS_FN
 
@@ -237,8 +272,9 @@ class RenderDatums(_Batched, RunCall):
 
 
 @dataclass(frozen=True, kw_only=True)
-class OptimStep(RunCall):
+class OptimStep(RunCall[OptimStepResult]):
     method = Method.OPTIM_STEP
+    answer = OptimStepResult
     adam: dict[str, Any] | None = None
     request_id: str | None = None
 
@@ -252,13 +288,14 @@ class OptimStep(RunCall):
 
 
 @dataclass(frozen=True, kw_only=True)
-class Sample(Call):
+class Sample(Call[SampleResult]):
     """Sampling from one weights source (gpu_runtime/weights_sources.py): `run_id` alone (the run's current weights,
     in its queue), `run_id` + `snapshot` or `checkpoint` (frozen weights: off the run's queue), or no `run_id` and
     `base_model` + `user_id` (the base alone). `run_id` + `latest`: the run's current weights as they are when the
     call arrives, copied for it (off the run's queue, like a snapshot: gpu_runtime/snapshots.py, `Snapshots.latest`)."""
 
     method = Method.SAMPLE
+    answer = SampleResult
     prompts: list[str] | None = None  # exactly one of prompts (text) and prompt_tokens (token ids)
     prompt_tokens: list[list[int]] | None = None
     run_id: str | None = None
@@ -318,11 +355,12 @@ class Sample(Call):
 
 
 @dataclass(frozen=True, kw_only=True)
-class Tokenizer(Call):
+class Tokenizer(Call[TokenizerResult]):
     """A base model's tokenizer, as sampling and rendering use it: on `base_model` (a name or path the runtime
     loads), or on the base of run `run_id`. A call on no run's queue: answered at the next tick."""
 
     method = Method.TOKENIZER
+    answer = TokenizerResult
     base_model: str | None = None
     quantization: str | None = None
     run_id: str | None = None
@@ -346,11 +384,12 @@ class Tokenizer(Call):
 
 
 @dataclass(frozen=True, kw_only=True)
-class SaveWeightsForSampler(RunCall):
+class SaveWeightsForSampler(RunCall[SaveWeightsForSamplerResult]):
     """Freeze the run's current adapter as a read-only snapshot (docs/SNAPSHOTS.md); in the run's queue, so it sees
     the weights after every call before it. `name` None: a generated name, and the snapshot expires."""
 
     method = Method.SAVE_WEIGHTS_FOR_SAMPLER
+    answer = SaveWeightsForSamplerResult
     name: str | None = None
     request_id: str | None = None
 
@@ -362,13 +401,14 @@ class SaveWeightsForSampler(RunCall):
 
 
 @dataclass(frozen=True, kw_only=True)
-class RenderChat(Call):
+class RenderChat(Call[RenderChatResult]):
     """The tokenizer's text work for a client that has none (the OpenAI endpoint): `messages` rendered with the
     model's chat template and the generation prompt, as token ids (rendering to text and tokenising again would
     double BOS), `prompts` tokenised as sample would, and the ids in `decode` as text, one token each. On a run's base (`run_id`) or on `base_model`.
     A call on no run's queue, like `tokenizer`."""
 
     method = Method.RENDER_CHAT
+    answer = RenderChatResult
     base_model: str | None = None
     run_id: str | None = None
     messages: list[dict[str, str]] | None = None  # [{role, content}], content already text
@@ -401,8 +441,9 @@ class RenderChat(Call):
 
 
 @dataclass(frozen=True, kw_only=True)
-class SaveState(RunCall):
+class SaveState(RunCall[SaveStateResult]):
     method = Method.SAVE_STATE
+    answer = SaveStateResult
     mode: str = SAVE_MODES[0]
     name: str | None = None  # None: step-N; unique per run and mode (docs/CHECKPOINTS.md)
     with_optimizer: bool | None = None  # None: the mode's own (state: with AdamW; adapter: without; merged: never)
@@ -434,10 +475,11 @@ class SaveState(RunCall):
 
 
 @dataclass(frozen=True, kw_only=True)
-class LoadState(RunCall):
+class LoadState(RunCall[LoadStateResult]):
     """Put a checkpoint's adapter (and, with_optimizer, its AdamW and step) into an existing run."""
 
     method = Method.LOAD_STATE
+    answer = LoadStateResult
     checkpoint: str  # signal://<run_id>/<kind>/<name>, or a name: this run's state checkpoint
     with_optimizer: bool = True
     request_id: str | None = None
@@ -451,10 +493,11 @@ class LoadState(RunCall):
 
 
 @dataclass(frozen=True, kw_only=True)
-class DeleteCheckpoint(RunCall):
+class DeleteCheckpoint(RunCall[DeleteCheckpointResult]):
     """Remove a checkpoint's (or a sampler snapshot's) files from the runtime's disk."""
 
     method = Method.DELETE_CHECKPOINT
+    answer = DeleteCheckpointResult
     mode: str
     name: str
 
@@ -466,28 +509,33 @@ class DeleteCheckpoint(RunCall):
 
 
 @dataclass(frozen=True, kw_only=True)
-class LoadRun(RunCall):
+class LoadRun(RunCall[RunDescription]):
     method = Method.LOAD_RUN
+    answer = RunDescription
 
 
 @dataclass(frozen=True, kw_only=True)
-class RunInfo(RunCall):
+class RunInfo(RunCall[RunDescription]):
     method = Method.RUN_INFO
+    answer = RunDescription
 
 
 @dataclass(frozen=True, kw_only=True)
-class CloseRun(RunCall):
+class CloseRun(RunCall[CloseRunResult]):
     method = Method.CLOSE_RUN
+    answer = CloseRunResult
 
 
 @dataclass(frozen=True, kw_only=True)
-class DeleteRun(RunCall):
+class DeleteRun(RunCall[DeleteRunResult]):
     method = Method.DELETE_RUN
+    answer = DeleteRunResult
 
 
 @dataclass(frozen=True, kw_only=True)
-class ExportCheckpoint(RunCall):
+class ExportCheckpoint(RunCall[ExportCheckpointResult]):
     method = Method.EXPORT_CHECKPOINT
+    answer = ExportCheckpointResult
     mode: str
     step: int
     name: str | None = None  # None: step-N (what checkpoints saved before names are called)
@@ -505,7 +553,7 @@ class ExportCheckpoint(RunCall):
 
 
 @dataclass(frozen=True, kw_only=True)
-class Cancel(Call):
+class Cancel(Call[CancelResult]):
     """Stop the call `request_id` of `user_id` (its owner: ids are the clients', so one user's cannot reach
     another's). A call not yet begun (queued, past its user's bound, parked, picked this tick, or between the parts
     of a split forward_backward, whose gradients are put back) is withdrawn, never applied, and its ticket counted
@@ -516,6 +564,7 @@ class Cancel(Call):
     which has no request id, is named by its run id."""
 
     method = Method.CANCEL
+    answer = CancelResult
     request_id: str
     user_id: str
     deadline: bool = False  # the server's deadline for the call passed (else its client went away)
@@ -533,13 +582,15 @@ class Cancel(Call):
 
 
 @dataclass(frozen=True, kw_only=True)
-class Ping(Call):
+class Ping(Call[PingResult]):
     method = Method.PING
+    answer = PingResult
 
 
 @dataclass(frozen=True, kw_only=True)
-class RuntimeState(Call):
+class RuntimeState(Call[RuntimeStateResult]):
     method = Method.RUNTIME_STATE
+    answer = RuntimeStateResult
 
 
 CALLS: dict[Method, type[Call]] = {cls.method: cls for cls in (

@@ -194,3 +194,58 @@ class RunDescription(Result):
     pending_tokens: int
     path: str
     device: str = "cpu"  # what the run trains on: cpu, cuda:0, …
+
+
+@dataclass(frozen=True, kw_only=True)
+class CloseRunResult(Result):
+    run_id: str
+    closed: bool  # always True: its memory is freed (its files stay)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeleteRunResult(Result):
+    run_id: str
+    deleted: bool  # always True: its files are gone
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeleteCheckpointResult(Result):
+    run_id: str
+    mode: str
+    name: str
+    deleted: bool  # always True: its files are gone
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExportCheckpointResult(Result):
+    archive_b64: str  # the checkpoint's directory as a base64 .tar.gz
+
+
+@dataclass(frozen=True, kw_only=True)
+class PingResult(Result):
+    """The runtime's greeting: who it is, what it holds, and the contract version it speaks."""
+
+    pid: int
+    device: str
+    dtype: str
+    loaded_models: list[str]
+    models: list[dict[str, Any]]  # each loaded base as gpu_runtime.models.describe says it
+    runs_in_memory: list[str]
+    max_batch_size: int
+    options: dict[str, Any]  # RuntimeOptions.to_dict()
+    contract: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class RuntimeStateResult(Result):
+    """An operator's view of the runtime (bases, resident and evicted runs, queues, ticks), kept as the document it is:
+    read whole by the admin page and GraphQL's `runtime`. On Modal, with no pool, each pool's answer under `pools`."""
+
+    state: dict[str, Any]
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.state
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RuntimeStateResult:
+        return cls(state=data)

@@ -209,6 +209,12 @@ NOT_IN_GRAPHQL: dict[str, str] = {
     "Cancel": "the OpenAI endpoint's stop of a stream whose client went away (app/openai)",
     "CancelResult": "the same",
     "SampleChunk": "a streamed sample's progress, which only the OpenAI endpoint asks for",
+    "CloseRunResult": "CloseRun's acknowledgement",
+    "DeleteRunResult": "deleteRun answers true",
+    "DeleteCheckpointResult": "deleteCheckpoint answers true",
+    "ExportCheckpointResult": "the archive Checkpoint.downloadUrl serves",
+    "PingResult": "the runtime's greeting (the contract version), read by the server",
+    "RuntimeStateResult": "Query.runtime, as JSON (admins only)",
 }
 
 

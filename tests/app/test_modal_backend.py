@@ -32,8 +32,8 @@ from app.backends.modal import ModalBackend, pool_gpu
 from app.catalog import Catalog
 from app.settings import Settings
 from gpu_runtime import modal_app
-from gpu_runtime.allocation import GPUS, parse_gpu_config, pool_key
-from gpu_runtime.contract import CONTRACT_VERSION
+from gpu_runtime.allocation import GPUS, PoolKey, parse_gpu_config, pool_key
+from gpu_runtime.contract import CONTRACT_VERSION, OptimStep, RunInfo, RuntimeState
 from gpu_runtime.errors import FailedPrecondition, WorkerFailed
 from gpu_runtime.journal import Journal
 from rewardsignal import BadInputError, SignalClient
@@ -264,7 +264,7 @@ def test_a_4bit_run_gets_a_pool_of_its_own_on_modal(modal_server: LiveServer) ->
 def test_runtime_state_reports_each_pool(modal_server: LiveServer) -> None:
     import asyncio
 
-    state = asyncio.run(modal_server.backend.call("runtime_state"))
+    state = asyncio.run(modal_server.backend.call(RuntimeState())).state
     assert state["backend"] == "modal" and TINY_POOL in state["pools"]
     assert "resident_runs" in state["pools"][TINY_POOL]
 
@@ -364,7 +364,7 @@ def test_a_pool_deployed_from_other_code_is_refused_naming_modal_deploy(tmp_path
 
     backend = ModalBackend(settings_for(tmp_path, "unused"), lookup=lambda: LaggingDeployment, local=True)
     with pytest.raises(FailedPrecondition) as refused:
-        asyncio.run(backend.call("run_info", pool=TINY_POOL, run_id="r"))
+        asyncio.run(backend.call(RunInfo(run_id="r"), pool=PoolKey.parse(TINY_POOL)))
     assert refused.value.field == "runtime"
     assert f"contract version {CONTRACT_VERSION - 1}, this server {CONTRACT_VERSION}" in refused.value.message
     assert "modal deploy -m gpu_runtime.modal_app" in refused.value.message
@@ -390,7 +390,9 @@ class CrashingDeployment:
                 raise modal.exception.InternalFailure("the container exited while running the input")
             if request_id.startswith("unreached"):
                 raise modal.exception.ConnectionError("could not reach Modal")
-            return {"result": {"pid": 1, "contract": CONTRACT_VERSION}}
+            if method == "ping":
+                return {"result": {"pid": 1, "contract": CONTRACT_VERSION}}
+            return {"result": {"step": 1, "grad_norm": 0.5, "learning_rate": 1e-4}}
         return SimpleNamespace(local=local)
 
 
@@ -400,7 +402,7 @@ def test_a_call_that_loses_its_container_twice_is_not_sent_again_by_any_server_p
 
     def worker_failed(backend: ModalBackend, request_id: str) -> bool:
         with pytest.raises(WorkerFailed) as failed:
-            asyncio.run(backend.call("forward_backward", pool=TINY_POOL, run_id="r", user_id="u", request_id=request_id))
+            asyncio.run(backend.call(OptimStep(run_id="r", request_id=request_id), pool=PoolKey.parse(TINY_POOL)))
         return failed.value.retryable
 
     assert worker_failed(first, "poison-1") is True  # one lost container: maybe not this call's doing
@@ -409,8 +411,8 @@ def test_a_call_that_loses_its_container_twice_is_not_sent_again_by_any_server_p
     assert [call for call in CrashingDeployment.calls if call == "poison-1"] == ["poison-1"] * 2
     # Failures on this side of the wire count nothing: the call may never have reached a container.
     assert [worker_failed(first, "unreached-1") for _ in range(3)] == [True] * 3
-    answered = asyncio.run(second.call("forward_backward", pool=TINY_POOL, run_id="r", user_id="u", request_id="fine-1"))
-    assert answered["contract"] == CONTRACT_VERSION
+    answered = asyncio.run(second.call(OptimStep(run_id="r", request_id="fine-1"), pool=PoolKey.parse(TINY_POOL)))
+    assert answered.step == 1
 
 
 def test_a_v1_stream_on_modal_is_the_whole_answer_in_one_chunk(modal_server: LiveServer) -> None:

@@ -8,6 +8,7 @@ import json
 import socket
 import struct
 import threading
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from gpu_runtime.contract import (
     MAX_TOP_K,
     ForwardBackward,
     Method,
+    Result,
     RuntimeOptions,
     Sample,
     parse_call,
@@ -58,6 +60,14 @@ EXAMPLES: dict[Method, dict[str, Any]] = {
 
 def test_every_method_has_a_request_type_and_an_example() -> None:
     assert set(CALLS) == set(Method) == set(EXAMPLES)
+
+
+@pytest.mark.parametrize("method", list(Method))
+def test_each_request_names_the_answer_its_type_promises(method: Method) -> None:
+    # `answer` parses what the runtime sends; the type parameter is what the server's code reads (Call[A] -> A).
+    kind = CALLS[method]
+    promised = [typing.get_args(base)[0] for base in kind.__dict__.get("__orig_bases__", ()) if typing.get_args(base)]
+    assert promised == [kind.answer] and issubclass(kind.answer, Result)
 
 
 @pytest.mark.parametrize("method", list(Method))
