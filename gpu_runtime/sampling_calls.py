@@ -169,18 +169,19 @@ class Sampling:
         return False
 
     def advance(self, stats: TickStats) -> None:
-        """Every decode group by one chunk, shared fairly by the users decoding (`_slices`); finished calls are
-        answered as they finish, a failing group fails its calls alone."""
-        decoding = {id(group.entry) for group in self.groups if group.started}  # bases with a group under way
-        slices = self._slices()
-        for group in list(self.groups):
+        """Every decode group by one chunk, shared fairly by the users decoding (`_shares`), the fewest rows first
+        (the time a group leaves is the next ones'); finished calls are answered as they finish, a failing group fails
+        its calls alone. A new group decodes its share too, then joins its like (`_merge`)."""
+        shares = self._shares()
+        end = time.monotonic() + self.shared.options.decode_chunk_seconds
+        order = sorted(self.groups, key=lambda group: group.live_rows)
+        for i, group in enumerate(order):
             if "hold_decode" in self.shared.faults and group.passes and any(
                     (job.request.request_id or "").startswith("hold") for job in group.jobs):
                 continue  # failpoint: a sample that never ends (after its first chunk) until it is cancelled
-            before = group.passes
-            # A new group on a base already decoding: its prefill and first token alone, then it joins (_merge).
-            joins = not group.started and id(group.entry) in decoding
-            deadline = 0.0 if joins else time.monotonic() + slices[id(group)]
+            before, now = group.passes, time.monotonic()
+            left = sum(shares[id(later)] for later in order[i:])
+            deadline = now + max(end - now, 0.0) * shares[id(group)] / left if left > 0 else now
             if not self._advance(group, deadline):
                 continue
             stats.decode_passes += group.passes - before
@@ -216,16 +217,16 @@ class Sampling:
             if group.done or time.monotonic() >= deadline:
                 return True
 
-    def _slices(self) -> dict[int, float]:
-        """Each decode group's seconds of this tick's chunk: every user decoding has an equal share, split over their
+    def _shares(self) -> dict[int, float]:
+        """Each decode group's share of this tick's chunk: every user decoding has an equal share, split over their
         groups by their rows, so a user with many rows (in a group of their own, `may_share`) takes no more of the
-        chunk than a user with one. A group past its slice still decodes a token (none starves)."""
+        chunk than a user with one. A group past its share still decodes a token (none starves)."""
         rows: dict[str, int] = {}
         for group in self.groups:
             for job in group.jobs:
                 if not job.done:
                     rows[job.request.user_id] = rows.get(job.request.user_id, 0) + job.end - job.start
-        share = self.shared.options.decode_chunk_seconds / max(len(rows), 1)
+        share = 1 / max(len(rows), 1)
         return {id(group): sum(share * (job.end - job.start) / rows[job.request.user_id]
                                for job in group.jobs if not job.done) for group in self.groups}
 
