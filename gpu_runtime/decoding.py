@@ -51,6 +51,28 @@ def may_share(rows: int, other: int, device: torch.device) -> bool:
     return rows + other <= shared or max(rows, other) <= LIKE_ROWS * min(rows, other)
 
 
+FIRST_PIECE_TOKENS = 512  # a base's first prefill piece, before its speed is known (rows x columns)
+MIN_PIECE_TOKENS = 64  # a piece is at least this (or the rest of the prompt): tiny passes would waste the device
+
+
+@dataclass
+class PrefillRate:
+    """A base's prefill speed, in prompt tokens a second, as its last pieces measured it: each piece is sized to the
+    time its group has left in the chunk (issue 14 §7: a chunk, its prefill included, ends within its bound)."""
+
+    tokens_per_second: float | None = None
+
+    def piece(self, seconds: float, most: int) -> int:
+        """Tokens for a piece that should take `seconds`, at most `most`."""
+        if self.tokens_per_second is None:
+            return min(FIRST_PIECE_TOKENS, most)
+        return min(most, max(MIN_PIECE_TOKENS, int(self.tokens_per_second * seconds)))
+
+    def measured(self, tokens: int, seconds: float) -> None:
+        rate = tokens / max(seconds, 1e-6)
+        self.tokens_per_second = rate if self.tokens_per_second is None else (self.tokens_per_second + rate) / 2
+
+
 @dataclass
 class SampleJob:
     request: Request
@@ -78,7 +100,8 @@ class SampleJob:
 
 
 class DecodeGroup:
-    def __init__(self, entry: BaseEntry, jobs: list[SampleJob], eos_ids: set[int], prefill_tokens: int = 2**62) -> None:
+    def __init__(self, entry: BaseEntry, jobs: list[SampleJob], eos_ids: set[int], prefill_tokens: int = 2**62,
+                 rate: PrefillRate | None = None) -> None:
         self.entry = entry
         self.jobs = jobs
         self.eos_ids = eos_ids
@@ -114,9 +137,11 @@ class DecodeGroup:
         self.cache: Any = None
         self.t = 0
         self.passes = 0
-        # The prefill goes by pieces of at most `prefill_tokens` (rows x columns), so a long prompt's prefill yields
-        # to other work between pieces (issue 14 §7) instead of holding a tick for one pass over all of it.
-        self.piece = max(1, prefill_tokens // self.prefill_rows)
+        # The prefill goes by pieces of at most `prefill_tokens` (rows x columns), each sized by the base's measured
+        # speed to the time left, so a long prompt's prefill yields to other work between pieces (issue 14 §7)
+        # instead of holding a tick for one pass over all of it.
+        self.prefill_tokens = prefill_tokens
+        self.rate = rate if rate is not None else PrefillRate()
         self.filled = 0  # prompt columns prefilled so far
         self.scores: dict[int, PromptScores] = {}  # the prompt scores of the jobs that asked, by id(job), piece by piece
 
@@ -226,11 +251,17 @@ class DecodeGroup:
         width = int(self.input_ids.shape[1])
         with routed(self.entry.routing, self.prefill_segments), self._scoring_prompts():
             while True:
-                start, end = self.filled, min(self.filled + self.piece, width)
+                tokens = self.rate.piece(deadline - time.monotonic(), self.prefill_tokens)
+                start = self.filled
+                end = min(start + max(1, tokens // self.prefill_rows), width)
+                began = time.perf_counter()
                 out = self.entry.model(input_ids=self.input_ids[:, start:end], attention_mask=self.attention_mask[:, :end],
                                        position_ids=self.position_ids[:, start:end], use_cache=True, logits_to_keep=1,
                                        **{CACHE: self.cache})
                 self.cache, self.filled, self.passes = out[CACHE], end, self.passes + 1
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)  # its kernels done: the measured time is the piece's
+                self.rate.measured(self.prefill_rows * (end - start), time.perf_counter() - began)
                 if end == width:
                     break
                 if time.monotonic() >= deadline:

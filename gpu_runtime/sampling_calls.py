@@ -30,7 +30,7 @@ from gpu_runtime.contract import (
     TokenizerResult,
     check_sample_size,
 )
-from gpu_runtime.decoding import DecodeGroup, SampleJob, may_share
+from gpu_runtime.decoding import DecodeGroup, PrefillRate, SampleJob, may_share
 from gpu_runtime.detokenize import IncrementalText
 from gpu_runtime.errors import BadInput, SignalError
 from gpu_runtime.pool import BaseEntry
@@ -48,6 +48,7 @@ class Sampling:
         self.shared = shared
         self.snapshots = snapshots
         self.groups: list[DecodeGroup] = []
+        self.prefill_rates: dict[int, PrefillRate] = {}  # each base's (by id of its entry) prefill speed
         # Answers of frozen samples by (run or user, request id), each with its call's body hash: memory only, like
         # a run's `sampled`.
         self.answers: OrderedDict[tuple[str, str], tuple[str, dict[str, object]]] = OrderedDict()
@@ -143,7 +144,8 @@ class Sampling:
             if job.snapshot is not None:
                 self.snapshots.acquire(job.snapshot)
         for part in _partition(jobs, next(entry.model.parameters()).device):
-            self.groups.append(DecodeGroup(entry, part, eos_ids(entry), self.shared.options.tick_tokens))
+            rate = self.prefill_rates.setdefault(id(entry), PrefillRate())
+            self.groups.append(DecodeGroup(entry, part, eos_ids(entry), self.shared.options.tick_tokens, rate))
 
     def stop(self, call: Cancel) -> bool:
         """Stop the sample `call` names if it is decoding (False: it is not): its client gone, it is answered with
