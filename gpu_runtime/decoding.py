@@ -1,15 +1,15 @@
 """Decode groups: the sample calls that arrived together, decoded as one batch in time-bounded chunks.
 
-A group is formed when its requests are picked, from runs on one base; each run's rows go through
-its own LoRA via the routing. Each prompt is prefilled once, whatever its `num_samples`: the prefill
-pass has one row per prompt, and its KV cache rows are then repeated for the samples before the
-first token is drawn. Prompts are left-padded so every row's next token sits in the last column.
-The group advances by chunks of `decode_chunk_seconds`, so other calls interleave with a long
-generation. Late sample calls form a group of their own, which prefills and decodes one token, and then joins the
-older group on its base (`absorb`, continuous batching): their KV caches are left-padded to one length and stacked,
-so concurrent requests on one model decode as one batch whenever they arrive. Rows of calls already answered leave
-at that merge. Only plain full-attention caches merge (`mergeable`); a sliding-window or recurrent one keeps its
-group apart, as before.
+A group is formed when its requests are picked, from runs on one base, of users whose rows may share a pass
+(`may_share`); each run's rows go through its own LoRA via the routing. Each prompt is prefilled once, whatever its
+`num_samples`: the prefill has one row per prompt, goes by pieces sized to the time left (`PrefillRate`), and its KV
+cache rows are then repeated for the samples before the first token is drawn. Prompts are left-padded so every row's
+next token sits in the last column. The group advances by its share of each tick's `decode_chunk_seconds`, so other
+calls interleave with a long generation. Late sample calls form a group of their own, and at a chunk boundary join an
+older group on its base they may share with (`absorb`, continuous batching): their KV caches are left-padded to one
+length and stacked, so concurrent requests on one model decode as one batch whenever they arrive. Rows of calls
+already answered leave at that merge. Only plain full-attention caches merge (`mergeable`); a sliding-window or
+recurrent one keeps its group apart, as before.
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
 """sample on resident runs: check the prompts against the model, then decode in groups, chunk by chunk.
 
-A picked sample call becomes a `SampleJob`; the calls picked in one tick on one base form a decode group
-(gpu_runtime/decoding.py), which advances by one time-bounded chunk per tick, so other calls interleave with a
-long generation. Its weights come from gpu_runtime/weights_sources.py: a sample on a run's current weights holds
+A picked sample call becomes a `SampleJob`; the calls picked in one tick on one base form decode groups
+(gpu_runtime/decoding.py; users of like size together), each advancing by a time-bounded share of a chunk per tick,
+so other calls interleave with a long generation. Its weights come from gpu_runtime/weights_sources.py: a sample on a run's current weights holds
 its run until it finishes; one on a snapshot, a copy of the latest weights or a base holds nothing but its snapshot
-(in use: never evicted). A group that starts while another on its base decodes joins it after its first token (`_merge`).
+(in use: never evicted). A group that starts while another on its base decodes joins one it may share with
+(`may_share`) after its first chunk (`_merge`); each user decoding has an equal share of a tick's chunk (`_shares`).
 """
 
 from __future__ import annotations
