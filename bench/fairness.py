@@ -1,6 +1,7 @@
 """Fairness through the API: user B's short forward_backward alone, and while user A samples 16 prompts × 128 tokens.
 
     .venv/bin/python bench/fairness.py [--rounds 2] [--quick] [--calls 20] [--alone-calls 8] [--threads 1]
+                                       [--prompts 16] [--max-tokens 128] [--prompt-tokens N]
 
 A real `signal serve` runs on a fresh data directory (its `models/` shared with ./data, so the default
 model is de-quantized once). B is the admin whose key the server prints on first start; A is a second
@@ -17,7 +18,8 @@ speed hits them alike:
 
 B's ratio is each call's latency while A samples over the median alone; p50, p90 and the worst are
 reported, since a median hides the tail. A's slowdown is its median sample time with B's calls over
-alone. Targets (issue 14 §7): B's worst ≤ 3× alone, A ≤ 2× slower.
+alone. Targets (issue 14 §7): B's worst ≤ 3× alone, A ≤ 2× slower. `--prompt-tokens N`: A's prompts are token ids, N
+each, so its prefill is long (issue 14 §7: a decode chunk, its prefill included, ends within its time bound).
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--alone-calls", type=int, default=8, help="B's calls alone per round")
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--prompt-tokens", type=int, default=0, help="A's prompts as N token ids each (a long prefill)")
     return parser.parse_args()
 
 
@@ -140,9 +143,14 @@ def main() -> None:
         log(f"signal serve at {url}: creating runs for user A (a@x) and user B (the admin)")
         a_run, b_run = a_client.create_run(seed=0), b_client.create_run(seed=1)
 
+        long_prompts = [[(17 * i + 31 * j) % 5000 + 100 for j in range(args.prompt_tokens)] for i in range(len(prompts))]
+
         def sample() -> tuple[float, int]:
             start = time.perf_counter()
-            result = a_run.sample(prompts=prompts, max_tokens=max_tokens, temperature=1.0, seed=1234)
+            if args.prompt_tokens:
+                result = a_run.sample(prompt_tokens=long_prompts, max_tokens=max_tokens, temperature=1.0, seed=1234)
+            else:
+                result = a_run.sample(prompts=prompts, max_tokens=max_tokens, temperature=1.0, seed=1234)
             return time.perf_counter() - start, sum(len(s["tokens"]) for seqs in result["sequences"] for s in seqs)
 
         def b_call() -> tuple[float, float]:
@@ -238,7 +246,7 @@ def main() -> None:
     emit({
         "bench": "fairness", "model": args.model, "device": device, "threads": args.threads,
         "transport": "rewardsignal SDK → signal serve (GraphQL) → runtime", "prompts": len(prompts),
-        "max_tokens": max_tokens, "tokens_generated_per_sample": generated, "rounds": rounds,
+        "max_tokens": max_tokens, "prompt_tokens": args.prompt_tokens or None, "tokens_generated_per_sample": generated, "rounds": rounds,
         "b_calls_per_round_while_sampling": round(len(together) / rounds, 1),
         "b_latency_alone_s": [round(s, 3) for s in alone], "b_latency_while_sampling_s": [round(s, 3) for s in together],
         "b_median_alone_s": round(b_alone, 4),

@@ -1,15 +1,15 @@
 """Decode groups: the sample calls that arrived together, decoded as one batch in time-bounded chunks.
 
-A group is formed when its requests are picked, from runs on one base; each run's rows go through
-its own LoRA via the routing. Each prompt is prefilled once, whatever its `num_samples`: the prefill
-pass has one row per prompt, and its KV cache rows are then repeated for the samples before the
-first token is drawn. Prompts are left-padded so every row's next token sits in the last column.
-The group advances by chunks of `decode_chunk_seconds`, so other calls interleave with a long
-generation. Late sample calls form a group of their own, which prefills and decodes one token, and then joins the
-older group on its base (`absorb`, continuous batching): their KV caches are left-padded to one length and stacked,
-so concurrent requests on one model decode as one batch whenever they arrive. Rows of calls already answered leave
-at that merge. Only plain full-attention caches merge (`mergeable`); a sliding-window or recurrent one keeps its
-group apart, as before.
+A group is formed when its requests are picked, from runs on one base, of users whose rows may share a pass
+(`may_share`); each run's rows go through its own LoRA via the routing. Each prompt is prefilled once, whatever its
+`num_samples`: the prefill has one row per prompt, goes by pieces sized to the time left (`PrefillRate`), and its KV
+cache rows are then repeated for the samples before the first token is drawn. Prompts are left-padded so every row's
+next token sits in the last column. The group advances by its share of each tick's `decode_chunk_seconds`, so other
+calls interleave with a long generation. Late sample calls form a group of their own, and at a chunk boundary join an
+older group on its base they may share with (`absorb`, continuous batching): their KV caches are left-padded to one
+length and stacked, so concurrent requests on one model decode as one batch whenever they arrive. Rows of calls
+already answered leave at that merge. Only plain full-attention caches merge (`mergeable`); a sliding-window or
+recurrent one keeps its group apart, as before.
 """
 
 from __future__ import annotations
@@ -29,12 +29,48 @@ from gpu_runtime.contract import SamplingSettings
 from gpu_runtime.multilora import Segment, routed
 from gpu_runtime.pool import BaseEntry
 from gpu_runtime.run_state import RunState
-from gpu_runtime.sampling import choose_tokens, score_prompts, top_logprobs
+from gpu_runtime.sampling import PromptScores, choose_tokens, top_logprobs
 from gpu_runtime.scheduler import Request
 
 # transformers 5.24 (pyproject's pin) calls the KV cache `cache`, argument and output; earlier 5.x releases (a GPU
 # machine's own) call it `past_key_values`. Decoding reads and passes it under whichever name this one uses.
 CACHE = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
+# Most rows a decode group holds whatever its calls' sizes: a pass over that many costs about one over a single row on
+# an accelerator, while a CPU pass costs in proportion to its rows. Past them, groups merge only with groups of like
+# size (at most LIKE_ROWS times the other's rows), so one user's many rows do not slow the passes of another's few.
+SHARED_ROWS = {"cpu": 8}
+SHARED_ROWS_ACCELERATOR = 256
+LIKE_ROWS = 2
+
+
+def may_share(rows: int, other: int, device: torch.device) -> bool:
+    """Whether calls of `rows` rows and of `other` rows decode in one group (one batch per pass)."""
+    shared = SHARED_ROWS.get(device.type, SHARED_ROWS_ACCELERATOR)
+    return rows + other <= shared or max(rows, other) <= LIKE_ROWS * min(rows, other)
+
+
+FIRST_PIECE_TOKENS = 512  # a base's first prefill piece, before its speed is known (rows x columns)
+MIN_PIECE_TOKENS = 64  # a piece is at least this (or the rest of the prompt): tiny passes would waste the device
+
+
+@dataclass
+class PrefillRate:
+    """A base's prefill speed, in prompt tokens a second, as its last pieces measured it: each piece is sized to the
+    time its group has left in the chunk (issue 14 §7: a chunk, its prefill included, ends within its bound)."""
+
+    tokens_per_second: float | None = None
+
+    def piece(self, seconds: float, most: int) -> int:
+        """Tokens for a piece that should take `seconds`, at most `most`."""
+        if self.tokens_per_second is None:
+            return min(FIRST_PIECE_TOKENS, most)
+        return min(most, max(MIN_PIECE_TOKENS, int(self.tokens_per_second * seconds)))
+
+    def measured(self, tokens: int, seconds: float) -> None:
+        rate = tokens / max(seconds, 1e-6)
+        self.tokens_per_second = rate if self.tokens_per_second is None else (self.tokens_per_second + rate) / 2
 
 
 @dataclass
@@ -64,7 +100,8 @@ class SampleJob:
 
 
 class DecodeGroup:
-    def __init__(self, entry: BaseEntry, jobs: list[SampleJob], eos_ids: set[int]) -> None:
+    def __init__(self, entry: BaseEntry, jobs: list[SampleJob], eos_ids: set[int], prefill_tokens: int = 2**62,
+                 rate: PrefillRate | None = None) -> None:
         self.entry = entry
         self.jobs = jobs
         self.eos_ids = eos_ids
@@ -100,6 +137,17 @@ class DecodeGroup:
         self.cache: Any = None
         self.t = 0
         self.passes = 0
+        # The prefill goes by pieces of at most `prefill_tokens` (rows x columns), each sized by the base's measured
+        # speed to the time left, so a long prompt's prefill yields to other work between pieces (issue 14 §7)
+        # instead of holding a tick for one pass over all of it.
+        self.prefill_tokens = prefill_tokens
+        self.rate = rate if rate is not None else PrefillRate()
+        self.filled = 0  # prompt columns prefilled so far
+        self.scores: dict[int, PromptScores] = {}  # the prompt scores of the jobs that asked, by id(job), piece by piece
+
+    @property
+    def users(self) -> set[str]:
+        return {job.request.user_id for job in self.jobs if not job.done}
 
     @property
     def run_ids(self) -> list[str]:
@@ -107,10 +155,11 @@ class DecodeGroup:
 
     @torch.no_grad()
     def advance(self, deadline: float) -> list[SampleJob]:
-        """Decode until every job is done or `deadline` passes (at least one token); return jobs finished now."""
+        """Decode until every job is done, a job finishes or `deadline` passes (at least one token, or one piece of a
+        prefill); return jobs finished now."""
         finished: list[SampleJob] = []
-        if self.logits is None:
-            self._prefill()
+        if self.logits is None and not self._prefill(deadline):
+            return finished  # still prefilling: the rest of the prompt at the next turn
         with routed(self.entry.routing, self.segments):
             while True:
                 assert self.logits is not None
@@ -134,8 +183,8 @@ class DecodeGroup:
                 out = self.entry.model(input_ids=chosen[:, None], attention_mask=self.attention_mask,
                                        position_ids=self.position_ids, use_cache=True, **{CACHE: self.cache})
                 self.logits, self.cache, self.passes = out.logits[:, -1, :].float(), out[CACHE], self.passes + 1
-                if time.monotonic() >= deadline:
-                    return finished
+                if finished or time.monotonic() >= deadline:
+                    return finished  # a finished call is answered now, not at the chunk's end
 
     @property
     def started(self) -> bool:
@@ -190,25 +239,53 @@ class DecodeGroup:
         self.jobs, self.rows = jobs, start
         self.segments = [Segment(job.key, job.start, job.end) for job in jobs]
 
-    def _prefill(self) -> None:
-        """One pass over each prompt once; the prompt logprobs of the jobs that asked, from its final hidden state;
-        then the cache, mask, positions and next-token logits repeated into one row per sample."""
+    @property
+    def live_rows(self) -> int:
+        """Rows of calls still decoding (a finished call's rows stay in the batch until it is compacted)."""
+        return sum(job.end - job.start for job in self.jobs if not job.done)
+
+    def _prefill(self, deadline: float) -> bool:
+        """Each prompt once, piece by piece (columns, with the cache of the pieces before) until the prompts are done
+        or `deadline` passes (one piece at least); the prompt logprobs of the jobs that asked, from the final hidden
+        state. Once done (True): the cache, mask, positions and next-token logits repeated into one row per sample."""
+        width = int(self.input_ids.shape[1])
         with routed(self.entry.routing, self.prefill_segments), self._scoring_prompts():
-            out = self.entry.model(input_ids=self.input_ids, attention_mask=self.attention_mask,
-                                   position_ids=self.position_ids, use_cache=True, logits_to_keep=1)
-        self.passes += 1
-        self.cache, self.logits = out[CACHE], out.logits[:, -1, :].float()
+            while True:
+                tokens = self.rate.piece(deadline - time.monotonic(), self.prefill_tokens)
+                start = self.filled
+                end = min(start + max(1, tokens // self.prefill_rows), width)
+                began = time.perf_counter()
+                out = self.entry.model(input_ids=self.input_ids[:, start:end], attention_mask=self.attention_mask[:, :end],
+                                       position_ids=self.position_ids[:, start:end], use_cache=True, logits_to_keep=1,
+                                       **{CACHE: self.cache})
+                self.cache, self.filled, self.passes = out[CACHE], end, self.passes + 1
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)  # its kernels done: the measured time is the piece's
+                self.rate.measured(self.prefill_rows * (end - start), time.perf_counter() - began)
+                if end == width:
+                    break
+                if time.monotonic() >= deadline:
+                    return False
+        for job in self.jobs:
+            scores = self.scores.pop(id(job), None)
+            if scores is not None:
+                prompt, top = scores.result()
+                job.prompt_logprobs = prompt if job.settings.prompt_logprobs else None
+                job.topk_prompt_logprobs = top if job.settings.topk_prompt_logprobs else None
+        self.logits = out.logits[:, -1, :].float()
         if self.rows == self.prefill_rows:
-            return  # one sample per prompt: nothing to repeat
+            return True  # one sample per prompt: nothing to repeat
         self.cache.reorder_cache(self.expand)  # each layer's keys and values, index_select on the batch dimension
         self.logits = self.logits.index_select(0, self.expand)
         self.attention_mask = self.attention_mask.index_select(0, self.expand)
         self.position_ids = self.position_ids.index_select(0, self.expand)
+        return True
 
     @contextmanager
     def _scoring_prompts(self) -> Iterator[None]:
         """While the prefill runs, score the prompts of the jobs that asked: hooked on the decoder, so the vocabulary
-        projection runs inside the model's own forward (where a sharded base has its head gathered), in chunks."""
+        projection runs inside the model's own forward (where a sharded base has its head gathered), in chunks, each
+        prefill piece's columns as that piece passes."""
         asking = [job for job in self.jobs if job.settings.wants_prompt_logprobs]
         if not asking:
             yield
@@ -230,11 +307,9 @@ class DecodeGroup:
                         logits: torch.Tensor = head(h)
                         return torch.tanh(logits / cap) * cap if cap else logits
 
-                    k = job.settings.topk_prompt_logprobs
-                    scores, tops = score_prompts(hidden[rows], self.input_ids[rows], [len(p) for p in job.prompt_ids],
-                                                 vocab, project, k)
-                    job.prompt_logprobs = scores if job.settings.prompt_logprobs else None
-                    job.topk_prompt_logprobs = tops if k else None
+                    scores = self.scores.setdefault(id(job), PromptScores(
+                        self.input_ids[rows], [len(p) for p in job.prompt_ids], job.settings.topk_prompt_logprobs))
+                    scores.add(hidden[rows], self.filled, vocab, project)
             finally:
                 routing.segments = outer
 

@@ -53,24 +53,44 @@ def score_prompts(hidden: torch.Tensor, input_ids: torch.Tensor, lengths: list[i
     """Each left-padded prompt row's logprob of its own tokens (None at position 0) and, with k > 0, its top-k
     [token, logprob] pairs per position (most likely first; None at 0). `hidden` [rows, width, dim] is the final
     hidden state; `project` maps a slice of it to logits. Columns are projected in bounded chunks."""
-    rows, width, _ = hidden.shape
-    first = width - max(lengths)  # columns before it are padding in every row
-    chunk = max(1, LOGIT_CHUNK_ELEMENTS // max(rows * vocab, 1))
-    own = torch.zeros(rows, width - 1)
-    top_values = torch.zeros(rows, width - 1, k)
-    top_ids = torch.zeros(rows, width - 1, k, dtype=torch.long)
-    for start in range(first, width - 1, chunk):  # column c predicts column c + 1
-        end = min(start + chunk, width - 1)
-        logprobs = torch.log_softmax(project(hidden[:, start:end]).float(), dim=-1)
-        own[:, start:end] = logprobs.gather(-1, input_ids[:, start + 1:end + 1, None]).squeeze(-1).cpu()
-        if k:
-            values, ids = torch.topk(logprobs, min(k, logprobs.shape[-1]), dim=-1)
-            top_values[:, start:end, :values.shape[-1]], top_ids[:, start:end, :ids.shape[-1]] = values.cpu(), ids.cpu()
-    scores: list[list[float | None]] = []
-    tops: list[list[list[list[float]] | None]] = []
-    for row, length in enumerate(lengths):
-        columns = slice(width - length, width - 1)  # the columns predicting prompt positions 1..length-1
-        scores.append([None, *own[row, columns].tolist()])
-        tops.append([None, *([[int(t), float(v)] for t, v in zip(ids, values)]
-                             for ids, values in zip(top_ids[row, columns].tolist(), top_values[row, columns].tolist()))])
-    return scores, tops
+    scores = PromptScores(input_ids, lengths, k)
+    scores.add(hidden, 0, vocab, project)
+    return scores.result()
+
+
+class PromptScores:
+    """`score_prompts` a piece of the prompt columns at a time (a chunked prefill's passes): each piece's hidden
+    state is projected as it comes, and the rows' scores are read once every column has been added."""
+
+    def __init__(self, input_ids: torch.Tensor, lengths: list[int], k: int) -> None:
+        rows, width = input_ids.shape
+        self.input_ids, self.lengths, self.k, self.width = input_ids, lengths, k, width
+        self.first = width - max(lengths)  # columns before it are padding in every row
+        self.own = torch.zeros(rows, width - 1)
+        self.top_values = torch.zeros(rows, width - 1, k)
+        self.top_ids = torch.zeros(rows, width - 1, k, dtype=torch.long)
+
+    def add(self, hidden: torch.Tensor, offset: int, vocab: int, project: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """The final hidden state of columns offset.. (column c predicts column c + 1)."""
+        rows, k = hidden.shape[0], self.k
+        chunk = max(1, LOGIT_CHUNK_ELEMENTS // max(rows * vocab, 1))
+        for start in range(max(self.first, offset), min(offset + hidden.shape[1], self.width - 1), chunk):
+            end = min(start + chunk, offset + hidden.shape[1], self.width - 1)
+            logprobs = torch.log_softmax(project(hidden[:, start - offset:end - offset]).float(), dim=-1)
+            own = logprobs.gather(-1, self.input_ids[:, start + 1:end + 1, None].to(logprobs.device)).squeeze(-1)
+            self.own[:, start:end] = own.cpu()
+            if k:
+                values, ids = torch.topk(logprobs, min(k, logprobs.shape[-1]), dim=-1)
+                self.top_values[:, start:end, :values.shape[-1]] = values.cpu()
+                self.top_ids[:, start:end, :ids.shape[-1]] = ids.cpu()
+
+    def result(self) -> tuple[list[list[float | None]], list[list[list[list[float]] | None]]]:
+        scores: list[list[float | None]] = []
+        tops: list[list[list[list[float]] | None]] = []
+        for row, length in enumerate(self.lengths):
+            columns = slice(self.width - length, self.width - 1)  # the columns predicting prompt positions 1..length-1
+            scores.append([None, *self.own[row, columns].tolist()])
+            tops.append([None, *([[int(t), float(v)] for t, v in zip(ids, values)]
+                                 for ids, values in zip(self.top_ids[row, columns].tolist(),
+                                                        self.top_values[row, columns].tolist()))])
+        return scores, tops

@@ -1,10 +1,11 @@
 """sample on resident runs: check the prompts against the model, then decode in groups, chunk by chunk.
 
-A picked sample call becomes a `SampleJob`; the calls picked in one tick on one base form a decode group
-(gpu_runtime/decoding.py), which advances by one time-bounded chunk per tick, so other calls interleave with a
-long generation. Its weights come from gpu_runtime/weights_sources.py: a sample on a run's current weights holds
+A picked sample call becomes a `SampleJob`; the calls picked in one tick on one base form decode groups
+(gpu_runtime/decoding.py; users of like size together), each advancing by a time-bounded share of a chunk per tick,
+so other calls interleave with a long generation. Its weights come from gpu_runtime/weights_sources.py: a sample on a run's current weights holds
 its run until it finishes; one on a snapshot, a copy of the latest weights or a base holds nothing but its snapshot
-(in use: never evicted). A group that starts while another on its base decodes joins it after its first token (`_merge`).
+(in use: never evicted). A group that starts while another on its base decodes joins one it may share with
+(`may_share`) after its first chunk (`_merge`); each user decoding has an equal share of a tick's chunk (`_shares`).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from gpu_runtime.contract import (
     TokenizerResult,
     check_sample_size,
 )
-from gpu_runtime.decoding import DecodeGroup, SampleJob
+from gpu_runtime.decoding import DecodeGroup, PrefillRate, SampleJob, may_share
 from gpu_runtime.detokenize import IncrementalText
 from gpu_runtime.errors import BadInput, SignalError
 from gpu_runtime.pool import BaseEntry
@@ -48,6 +49,7 @@ class Sampling:
         self.shared = shared
         self.snapshots = snapshots
         self.groups: list[DecodeGroup] = []
+        self.prefill_rates: dict[int, PrefillRate] = {}  # each base's (by id of its entry) prefill speed
         # Answers of frozen samples by (run or user, request id), each with its call's body hash: memory only, like
         # a run's `sampled`.
         self.answers: OrderedDict[tuple[str, str], tuple[str, dict[str, object]]] = OrderedDict()
@@ -128,7 +130,9 @@ class Sampling:
                 self.shared.residency.touch(job.state)
             if job.snapshot is not None:
                 self.snapshots.acquire(job.snapshot)
-        self.groups.append(DecodeGroup(entry, jobs, eos_ids(entry)))
+        for part in _partition(jobs, next(entry.model.parameters()).device):
+            rate = self.prefill_rates.setdefault(id(entry), PrefillRate())
+            self.groups.append(DecodeGroup(entry, part, eos_ids(entry), self.shared.options.tick_tokens, rate))
 
     def stop(self, call: Cancel) -> bool:
         """Stop the sample `call` names if it is decoding (False: it is not): its client gone, it is answered with
@@ -154,60 +158,103 @@ class Sampling:
         return False
 
     def advance(self, stats: TickStats) -> None:
-        """Every decode group by one chunk; finished calls are answered, a failing group fails its calls alone."""
-        scheduler = self.shared.scheduler
-        deadline = time.monotonic() + self.shared.options.decode_chunk_seconds
-        decoding = {id(group.entry) for group in self.groups if group.started}  # bases with a group under way
-        for group in list(self.groups):
+        """Every decode group by one chunk, shared fairly by the users decoding (`_shares`), the fewest rows first
+        (the time a group leaves is the next ones'); finished calls are answered as they finish, a failing group fails
+        its calls alone. A new group decodes its share too, then joins its like (`_merge`)."""
+        shares = self._shares()
+        end = time.monotonic() + self.shared.options.decode_chunk_seconds
+        order = sorted(self.groups, key=lambda group: group.live_rows)
+        for i, group in enumerate(order):
             if "hold_decode" in self.shared.faults and group.passes and any(
                     (job.request.request_id or "").startswith("hold") for job in group.jobs):
                 continue  # failpoint: a sample that never ends (after its first chunk) until it is cancelled
-            before = group.passes
-            active = [job for job in group.jobs if not job.done]
-            started = time.perf_counter()
-            try:
-                # A new group on a base already decoding: its prefill and first token alone, then it joins (_merge).
-                joins = not group.started and id(group.entry) in decoding
-                finished = group.advance(0.0 if joins else deadline)
-            except Exception as exc:  # noqa: BLE001 - fail its calls, keep the runtime
-                error = exc.to_dict() if isinstance(exc, SignalError) else internal(exc, active[0].request if active else None)
-                self.fail_all(error, [group])
+            before, now = group.passes, time.monotonic()
+            left = sum(shares[id(later)] for later in order[i:])
+            deadline = now + max(end - now, 0.0) * shares[id(group)] / left if left > 0 else now
+            if not self._advance(group, deadline):
                 continue
             stats.decode_passes += group.passes - before
             stats.decode_rows += group.rows
-            seconds, rows = self.shared.compute.seconds_since(started), sum(job.end - job.start for job in active)
-            for job in active:  # the chunk's seconds, shared by the rows of the calls still decoding
-                job.compute_seconds += seconds * (job.end - job.start) / max(rows, 1)
             group.entry.idle_since = time.monotonic()  # a base being decoded on is not idle
-            for job in active:
+            for job in group.jobs:
                 if not job.done and job.request.progress is not None:
                     self._stream(group, job)
-            for job in finished:
-                result = {**group.result(job), "compute_seconds": job.compute_seconds}
-                self._remember(job, result)
-                self._release(job)
-                scheduler.finish(job.request, {"result": result})
             if group.done:
                 self.groups.remove(group)
         self._merge()
 
+    def _advance(self, group: DecodeGroup, deadline: float) -> bool:
+        """Decode `group` until `deadline` (one token at least), answering each call as it finishes. False: the group
+        failed, and its calls with it."""
+        while True:
+            active = [job for job in group.jobs if not job.done]
+            started = time.perf_counter()
+            try:
+                finished = group.advance(deadline)
+            except Exception as exc:  # noqa: BLE001 - fail its calls, keep the runtime
+                error = exc.to_dict() if isinstance(exc, SignalError) else internal(exc, active[0].request if active else None)
+                self.fail_all(error, [group])
+                return False
+            seconds, rows = self.shared.compute.seconds_since(started), sum(job.end - job.start for job in active)
+            for job in active:  # the seconds, shared by the rows of the calls still decoding
+                job.compute_seconds += seconds * (job.end - job.start) / max(rows, 1)
+            for job in finished:
+                result = {**group.result(job), "compute_seconds": job.compute_seconds}
+                self._remember(job, result)
+                self._release(job)
+                self.shared.scheduler.finish(job.request, {"result": result})
+            if group.done or time.monotonic() >= deadline:
+                return True
+
+    def _shares(self) -> dict[int, float]:
+        """Each decode group's share of this tick's chunk: every user decoding has an equal share, split over their
+        groups by their rows, so a user with many rows (in a group of their own, `may_share`) takes no more of the
+        chunk than a user with one. A group past its share still decodes a token (none starves)."""
+        rows: dict[str, int] = {}
+        for group in self.groups:
+            for job in group.jobs:
+                if not job.done:
+                    rows[job.request.user_id] = rows.get(job.request.user_id, 0) + job.end - job.start
+        share = 1 / max(len(rows), 1)
+        return {id(group): sum(share * (job.end - job.start) / rows[job.request.user_id]
+                               for job in group.jobs if not job.done) for group in self.groups}
+
     def _merge(self) -> None:
-        """At the chunk boundary, groups on one base become one (decoding.py, `absorb`): the oldest takes in the
-        others' calls still decoding, so samples that arrived apart decode as one batch from the next chunk."""
+        """At the chunk boundary, groups on one base become one (decoding.py, `absorb`) where their sizes allow
+        (`may_share`, or one user's alone): the oldest takes in the others' calls still decoding, so samples that
+        arrived apart decode as one batch from the next chunk. A group whose finished calls hold half its rows or
+        more drops them first."""
         by_base: dict[int, list[DecodeGroup]] = {}
         for group in self.groups:
-            if group.mergeable:
-                by_base.setdefault(id(group.entry), []).append(group)
+            if not group.mergeable:
+                continue
+            if group.live_rows * 2 <= group.rows:
+                try:
+                    group.absorb([])  # alone: keeps the rows of the calls still decoding
+                except Exception:  # noqa: BLE001 - e.g. out of memory for the copy: it decodes as it was
+                    log.warning("a decode group could not drop its finished rows", exc_info=True)
+            by_base.setdefault(id(group.entry), []).append(group)
         for groups in by_base.values():
-            if len(groups) < 2:
-                continue
-            try:
-                groups[0].absorb(groups[1:])
-            except Exception:  # noqa: BLE001 - e.g. out of memory for the stacked cache: they decode apart, as before
-                log.warning("decode groups on one base could not merge; they go on apart", exc_info=True)
-                continue
-            for group in groups[1:]:
-                self.groups.remove(group)
+            clusters: list[tuple[DecodeGroup, list[DecodeGroup]]] = []  # each head and the groups it takes in
+            for group in groups:
+                for head, taken in clusters:
+                    users = group.users.union(*(member.users for member in (head, *taken)))
+                    if len(users) == 1 or may_share(sum(member.live_rows for member in (head, *taken)), group.live_rows,
+                                                    group.device):
+                        taken.append(group)
+                        break
+                else:
+                    clusters.append((group, []))
+            for head, taken in clusters:
+                if not taken:
+                    continue
+                try:
+                    head.absorb(taken)
+                except Exception:  # noqa: BLE001 - e.g. out of memory for the stacked cache: they decode apart, as before
+                    log.warning("decode groups on one base could not merge; they go on apart", exc_info=True)
+                    continue
+                for group in taken:
+                    self.groups.remove(group)
 
     def _stream(self, group: DecodeGroup, job: SampleJob) -> None:
         """A streamed job's progress after a chunk: each sequence's newly settled text and ids (none once finished)."""
@@ -261,6 +308,27 @@ class Sampling:
     @property
     def decoding_runs(self) -> set[str]:
         return {run_id for group in self.groups for run_id in group.run_ids}
+
+
+def _partition(jobs: list[SampleJob], device: torch.device) -> list[list[SampleJob]]:
+    """The decode groups a tick's calls on one base start in: each user's calls together, and users together where
+    their rows may share a group (`may_share`); calls in their order of arrival within each."""
+    by_user: dict[str, list[SampleJob]] = {}
+    for job in jobs:
+        by_user.setdefault(job.request.user_id, []).append(job)
+    parts: list[tuple[list[SampleJob], int]] = []
+    for mine in sorted(by_user.values(), key=_rows):
+        index = next((i for i, (part, rows) in enumerate(parts) if may_share(rows, _rows(mine), device)), None)
+        if index is None:
+            parts.append((mine, _rows(mine)))
+        else:
+            parts[index] = (parts[index][0] + mine, parts[index][1] + _rows(mine))
+    order = {id(job): i for i, job in enumerate(jobs)}
+    return sorted((sorted(part, key=lambda job: order[id(job)]) for part, _ in parts), key=lambda p: order[id(p[0])])
+
+
+def _rows(jobs: list[SampleJob]) -> int:
+    return sum(len(job.prompt_ids) * job.settings.num_samples for job in jobs)
 
 
 def _answer_key(call: Sample) -> tuple[str, str]:
