@@ -165,8 +165,7 @@ class Sampling:
         end = time.monotonic() + self.shared.options.decode_chunk_seconds
         order = sorted(self.groups, key=lambda group: group.live_rows)
         for i, group in enumerate(order):
-            if "hold_decode" in self.shared.faults and group.passes and any(
-                    (job.request.request_id or "").startswith("hold") for job in group.jobs):
+            if group.passes and any(_held(self.shared.faults, job.request) for job in group.jobs):
                 continue  # failpoint: a sample that never ends (after its first chunk) until it is cancelled
             before, now = group.passes, time.monotonic()
             left = sum(shares[id(later)] for later in order[i:])
@@ -359,3 +358,10 @@ def eos_ids(entry: BaseEntry) -> set[int]:
     configured = getattr(entry.model.generation_config, "eos_token_id", None)
     ids.update(configured if isinstance(configured, list) else [configured])
     return {i for i in ids if i is not None}
+
+
+def _held(faults: set[str], request: Request) -> bool:
+    """The failpoints hold_decode (a sample whose request id starts with "hold") and hold_streams (any streamed
+    sample): such a sample stops after its first chunk until it is cancelled (tests/faults/test_deadlines.py)."""
+    return (("hold_decode" in faults and (request.request_id or "").startswith("hold"))
+            or ("hold_streams" in faults and request.progress is not None))

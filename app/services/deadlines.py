@@ -6,6 +6,11 @@ is asked to cancel it by request id, and its own answer says what happened: with
 (DEADLINE_EXCEEDED, its ticket counted done, a split forward_backward's gradients put back, a sample stopped between
 decode chunks), or applied (in a pass or journaled: answered and recorded as usual). Either way never abandoned half
 way, and a withdrawn call is neither billed nor recorded: its compute seconds are logged here.
+
+A stream whose client has already read text (`Streamed.sent`) is not withdrawn at its deadline, which would end it
+with an error after text it was shown: the runtime stops it between decode chunks and answers with what it has
+(stop_reason "cancelled", as when a pane is cancelled), recorded and billed as any answer. The deadline still bounds
+it.
 """
 
 from __future__ import annotations
@@ -56,6 +61,23 @@ async def waiting(deadline: Deadline | None, wait: Awaitable[T], gave_up: Callab
         if gave_up is not None:
             gave_up()
         raise deadline.error() from None
+
+
+class Streamed:
+    """A stream's `progress`, remembering whether any chunk went to its client (`sent`)."""
+
+    def __init__(self, progress: Callable[[Any], None] | None) -> None:
+        self.progress = progress
+        self.sent = False
+
+    def __call__(self, chunk: Any) -> None:
+        self.sent = True
+        if self.progress is not None:
+            self.progress(chunk)
+
+    @classmethod
+    def of(cls, progress: Callable[[Any], None] | None) -> Streamed | None:
+        return None if progress is None else cls(progress)
 
 
 async def answered(deadline: Deadline | None, call: Awaitable[T], cancel: Callable[[], Awaitable[Any]],

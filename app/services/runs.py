@@ -32,7 +32,7 @@ from app.errors import BadInput, FailedPrecondition, NotFound, RunNotFound, Sign
 from app.events import MetricFeed
 from app.services.call_order import CallOrder, Numbered
 from app.services.call_records import Caller, CallRecorder
-from app.services.deadlines import Deadline, answered, waiting
+from app.services.deadlines import Deadline, Streamed, answered, waiting
 from app.services.ledger import Ledger
 from app.services.streams import unless_gone
 from app.services.throttle import sent_until_taken
@@ -646,10 +646,11 @@ class RunService:
                                  gone, cancel, f"sample {request_id} of user {user.id}")
 
     async def _answered(self, deadline: Deadline, pool: PoolKey, user: User, request_id: str,
-                        call: Awaitable[A]) -> A:
-        """The runtime's answer to `call`; at its deadline the runtime is asked to withdraw it (deadlines.py)."""
+                        call: Awaitable[A], streamed: Streamed | None = None) -> A:
+        """The runtime's answer to `call`; at its deadline the runtime is asked to withdraw it, or, for a stream whose
+        client has read text, to stop it and answer with what it has (deadlines.py)."""
         return await answered(deadline, call, lambda: self._engine(
-            Cancel(request_id=request_id, user_id=user.id, deadline=True), pool=pool),
+            Cancel(request_id=request_id, user_id=user.id, deadline=streamed is None or not streamed.sent), pool=pool),
                               f"{deadline.operation} {request_id} of user {user.id}")
 
     async def _off_the_queue(self, user: User, run_id: str, method: str, request_id: str | None,
@@ -664,8 +665,11 @@ class RunService:
         request_id = await self.ledger.allow(user, run, method, request_id or new_id())
         request = _sent_as(request, request_id=request_id)
 
+        streamed = Streamed.of(progress)
+
         async def work() -> A:
-            result = await self._answered(deadline, pool_of(run), user, request_id, self._on_run(run, request, progress))
+            result = await self._answered(deadline, pool_of(run), user, request_id,
+                                          self._on_run(run, request, streamed), streamed)
             return await self._recorded(run, method, request_id, result, record)
 
         return await asyncio.shield(asyncio.ensure_future(work()))  # recorded even if the caller goes away
@@ -688,9 +692,11 @@ class RunService:
         request_id = await self.ledger.allow_user(user, "sample", request_id or new_id(), model.name, gpu_config)
         request = dataclasses.replace(request, request_id=request_id)
 
+        streamed = Streamed.of(progress)
+
         async def work() -> SampleResult:
             result = await self._answered(deadline, pool, user, request_id, self._engine(
-                request, pool=pool, progress=progress))
+                request, pool=pool, progress=streamed), streamed)
             caller = Caller(user.id, None, model.name, await self._device(pool), gpu_config)
 
             async def write(session: AsyncSession, fresh: bool) -> SampleResult:
@@ -906,10 +912,12 @@ class RunService:
         request_id = await self.ledger.allow(user, run, operation, request_id or new_id())
         request = _sent_as(request, request_id=request_id, **(await allowed() if allowed is not None else {}))
 
+        streamed = Streamed.of(progress)
+
         async def work() -> T:
             ticket = await self._ticket(run.id)
             result = await self._answered(deadline, pool_of(run), user, request_id,
-                                          self._on_run(run, request, progress, ticket))
+                                          self._on_run(run, request, streamed, ticket), streamed)
             return await self._recorded(run, operation, request_id, result, record)
 
         return await self._serialised(run.id, work, order, deadline)

@@ -1,8 +1,10 @@
 """Deadlines and cancel (issue 19 §3) on a live server whose optim_step and sample deadlines are 2 s: a call queued in
 the runtime past its deadline is withdrawn, answers DEADLINE_EXCEEDED (never applied) and its ticket is counted done,
 so the run's next call does not wait the 30 s ticket wait; a sample decoding past its deadline stops, unrecorded; and a
-/v1 stream whose client leaves before its first chunk is withdrawn. The failpoint hold_decode keeps a sample whose
-request id starts with "hold" decoding (after its first chunk) until it is cancelled."""
+/v1 stream whose client leaves before its first chunk is withdrawn, while one whose client has read text ends at its
+deadline with that text (finish_reason "length"), recorded, never with an error event. The failpoints hold_decode and
+hold_streams keep a sample whose request id starts with "hold", and every streamed sample, decoding (after its first
+chunk) until it is cancelled."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import httpx
 import pytest
 from sqlalchemy import update
 
@@ -34,7 +37,7 @@ RUN = "query($r: ID!) { run(id: $r) { step samples { output } metrics { name } }
 @pytest.fixture(scope="module")
 def server(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("SIGNAL_RUNTIME_FAULTS", "hold_decode")
+        patch.setenv("SIGNAL_RUNTIME_FAULTS", "hold_decode,hold_streams")
         live = LiveServer.start(settings_for(tmp_path_factory.mktemp("signal-deadlines"), tiny_model_dir,
                                              deadlines_s=DEADLINES, decode_chunk_seconds=0.001,
                                              max_user_calls_in_flight=USER_CALLS))
@@ -128,3 +131,22 @@ def test_a_stream_whose_client_leaves_before_its_first_chunk_is_withdrawn(server
         assert server.backend.client.submit("run_info", run_id=run_id, ticket=1).result(timeout=60)["run_id"] == run_id
         assert "errors" not in held.result(timeout=120)  # ticket 1 came: the held call is answered as usual
     assert withdrawn(server) == before + 1 and not runtime_state(server)["queue_depth"]
+
+
+def test_a_stream_that_has_sent_text_ends_at_its_deadline_with_that_text(server: LiveServer) -> None:
+    key = server.new_user()
+    run_id = server.graphql(CREATE, key=key)["data"]["createRun"]["id"]
+    body = {"model": run_id, "prompt": "hi", "max_tokens": 100, "stream": True, "temperature": 0}
+    events: list[dict[str, Any]] = []
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=120,
+                      headers={"Authorization": f"Bearer {key}"}) as response:
+        assert response.status_code == 200
+        lines = [line for line in response.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    events = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+    assert not [event for event in events if "error" in event], events  # no error after the text it was shown
+    text = "".join(choice["text"] for event in events for choice in event["choices"])
+    assert text and [choice["finish_reason"] for choice in events[-1]["choices"]] == ["length"]
+    (stored,) = server.graphql(RUN, {"r": run_id}, key=key)["data"]["run"]["samples"]  # recorded as any answer
+    assert stored["output"] == text
+    assert runtime_state(server)["decode_groups"] == []
