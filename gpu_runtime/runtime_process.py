@@ -19,7 +19,7 @@ kills the process (SIGKILL) at that point, as a power cut would; die_in_prepare 
 whose request id starts with "poison" (a call that crashes the runtime each time it is sent). enospc_journal and
 enospc_snapshot raise ENOSPC at that write instead (tests/faults/test_disk_full.py). hold_decode stops a decode group
 with a sample whose request id starts with "hold" after its first chunk, until a cancel (tests/faults/test_deadlines.py);
-hold_streams does so with every streamed sample, once it has sent its first chunk.
+hold_streams does so with every streamed sample, once it has sent its first chunk, and hold_v1 with every /v1 sample.
 """
 
 from __future__ import annotations

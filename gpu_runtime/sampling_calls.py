@@ -361,7 +361,9 @@ def eos_ids(entry: BaseEntry) -> set[int]:
 
 
 def _held(faults: set[str], request: Request) -> bool:
-    """The failpoints hold_decode (a sample whose request id starts with "hold") and hold_streams (any streamed
-    sample): such a sample stops after its first chunk until it is cancelled (tests/faults/test_deadlines.py)."""
-    return (("hold_decode" in faults and (request.request_id or "").startswith("hold"))
-            or ("hold_streams" in faults and request.progress is not None))
+    """The failpoints hold_decode (a sample whose request id starts with "hold"), hold_streams (any streamed sample)
+    and hold_v1 (any /v1 sample): such a sample stops after its first chunk until it is cancelled (tests/faults)."""
+    request_id = request.request_id or ""
+    return (("hold_decode" in faults and request_id.startswith("hold"))
+            or ("hold_streams" in faults and request.progress is not None)
+            or ("hold_v1" in faults and request_id.startswith("v1-")))

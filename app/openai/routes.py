@@ -31,7 +31,7 @@ from app.openai.params import parse
 from app.schema.context import bearer_from_header
 from app.services import Services
 from app.services.runs import RunService, SampleParams
-from app.services.streams import first_or_gone, hold, next_chunk
+from app.services.streams import first_or_gone, gone, hold, next_chunk, unless_gone
 from app.tables import Run, User
 from app.tinker import paths as tinker_paths
 from gpu_runtime.contract import MAX_TOKENS_LIMIT, SampleChunk, SampleResult
@@ -154,11 +154,16 @@ async def _generate(request: Request, chat: bool) -> Response:
     call = Sampling(services.runs, user, target, params, chat, prompt_ids, eos)
     if params.stream and params.logprobs is None and not params.echo:
         return await _streamed(call, sample, request)
+    request_id = f"v1-{uuid.uuid4().hex}"  # what its cancel names if the client leaves
+    leaving = hold(gone(request.receive))
     try:
-        result = await call.sample(sample)
+        result = await unless_gone(call.sample(sample, request_id), leaving, lambda: call.runs.cancel_sample(
+            call.user, request_id, call.target.run, call.target.base_model, withdraw=True), f"/v1 sample {request_id}")
         body, _ = await call.answer(result)
     except SignalError as error:
         raise from_signal(error, call.prompt_param) from None
+    finally:
+        leaving.cancel()
     if not params.stream:
         return JSONResponse(body)
     # Logprobs and echo in a stream: the whole answer after the sample (their per-token text needs a decode call).

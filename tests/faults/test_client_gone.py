@@ -1,7 +1,8 @@
-"""A client going away (issue 19 §3): a GraphQL sample whose client leaves mid-decode is withdrawn within a chunk
-(never applied: no sample row, no call record, no compute seconds on the run; its compute seconds logged), while a
-forward_backward whose client leaves keeps its shield: it completes and is recorded. The failpoint hold_decode keeps a
-sample whose request id starts with "hold" decoding (after its first chunk) until it is cancelled."""
+"""A client going away (issue 19 §3): a GraphQL sample, or a /v1 completion without a stream, whose client leaves
+mid-decode is withdrawn within a chunk (never applied: no sample row, no call record, no compute seconds on the run;
+its compute seconds logged), while a forward_backward whose client leaves keeps its shield: it completes and is
+recorded. The failpoints hold_decode and hold_v1 keep a sample whose request id starts with "hold", and every /v1
+sample, decoding (after its first chunk) until it is cancelled."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ RUN = "query($r: ID!) { run(id: $r) { computeSeconds samples { output } metrics 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("SIGNAL_RUNTIME_FAULTS", "hold_decode")
+        patch.setenv("SIGNAL_RUNTIME_FAULTS", "hold_decode,hold_v1")
         live = LiveServer.start(settings_for(tmp_path_factory.mktemp("signal-client-gone"), tiny_model_dir,
                                              decode_chunk_seconds=0.001, max_user_calls_in_flight=USER_CALLS))
         yield live
@@ -58,30 +59,37 @@ def records(server: LiveServer, run_id: str) -> int:
 
 
 def post_and_leave(server: LiveServer, key: str, query: str, variables: dict[str, Any],
-                   until: Any, what: str) -> None:
-    """POST a GraphQL call on a raw connection, and close it once `until()` holds, before any answer is read."""
-    body = json.dumps({"query": query, "variables": variables}).encode()
+                   until: Any, what: str, path: str = "/graphql", payload: dict[str, Any] | None = None) -> None:
+    """POST a GraphQL call (or `payload` to `path`) on a raw connection, and close it once `until()` holds, before any
+    answer is read."""
+    body = json.dumps(payload if payload is not None else {"query": query, "variables": variables}).encode()
     host, port = server.url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=60) as client:
-        client.sendall(f"POST /graphql HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {key}\r\n"
+        client.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {key}\r\n"
                        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
         server.wait_for(until, what)
 
 
-def test_a_graphql_sample_whose_client_leaves_is_withdrawn_unbilled(server: LiveServer,
-                                                                     caplog: pytest.LogCaptureFixture) -> None:
+@pytest.mark.parametrize("front", ["graphql", "v1"])
+def test_a_sample_whose_client_leaves_is_withdrawn_unbilled(server: LiveServer, caplog: pytest.LogCaptureFixture,
+                                                            front: str) -> None:
     caplog.set_level(logging.INFO, logger="signal.deadlines")
     key = server.new_user()
     run_id = server.graphql(CREATE, key=key)["data"]["createRun"]["id"]
     before = server.graphql(RUN, {"r": run_id}, key=key)["data"]["run"]
     assert records(server, run_id) == 0
 
-    post_and_leave(server, key, SAMPLE, {"r": run_id}, lambda: bool(runtime_state(server)["decode_groups"]),
-                   "the sample to decode")
+    if front == "graphql":
+        post_and_leave(server, key, SAMPLE, {"r": run_id}, lambda: bool(runtime_state(server)["decode_groups"]),
+                       "the sample to decode")
+    else:  # /v1 without a stream: the client waits for the whole answer
+        post_and_leave(server, key, "", {}, lambda: bool(runtime_state(server)["decode_groups"]), "the sample to decode",
+                       path="/v1/completions", payload={"model": run_id, "prompt": "hi", "max_tokens": 200})
     server.wait_for(lambda: runtime_state(server)["decode_groups"] == [], "the sample to stop decoding", timeout=60)
+    marker = "hold-gone" if front == "graphql" else "sample v1-"
 
     def logged() -> list[str]:
-        return [r.getMessage() for r in caplog.records if r.name == "signal.deadlines" and "hold-gone" in r.getMessage()
+        return [r.getMessage() for r in caplog.records if r.name == "signal.deadlines" and marker in r.getMessage()
                 and "withdrawn (CANCELLED)" in r.getMessage()]
 
     server.wait_for(lambda: bool(logged()), "the withdrawn sample's log line", timeout=60)
