@@ -102,10 +102,15 @@ def live_server(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -
 def streaming_server(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     """A live server whose decode chunks are a token or two, so a stream of a few tokens comes in several chunks
     (the /v1 and playground stream tests)."""
-    from tests.helpers.live_server import LiveServer, settings_for
+    from tests.helpers.live_server import LiveServer, settings_for, write_catalog
+    from tests.helpers.tiny_model import with_context
 
-    server = LiveServer.start(settings_for(tmp_path_factory.mktemp("signal-stream"), tiny_model_dir,
-                                           decode_chunk_seconds=0.001))
+    data_dir = tmp_path_factory.mktemp("signal-stream")
+    # Also the tiny model with room for 512+ tokens after a prompt (issue 18's playground check asks for that many).
+    long_model = with_context(tiny_model_dir, tmp_path_factory.mktemp("tiny-long") / "tiny-llama", 1024)
+    server = LiveServer.start(settings_for(data_dir, tiny_model_dir, decode_chunk_seconds=0.001,
+                                           models_file=write_catalog(data_dir / "models-long.yaml", tiny_model_dir,
+                                                                     long_model)))
     yield server
     server.stop()
 

@@ -4,7 +4,8 @@ in a URL would land in the access log; any server process may answer the GET: ap
 GET /playground/stream/{id} starts them all through RunService.sample with a `progress` callback, the one function
 /v1 streams through, and sends each decode chunk's settled text as it is made, every pane's in this one stream.
 POST /playground/stream/{id}/cancel/{pane} stops one pane's generation, the others go on; closing the stream stops
-them all. A cancelled sample is still kept in the history, with finish_reason "cancelled", as /v1 keeps them."""
+them all, and so does the session's end (the stream then says `signed-out`: web/session_streams.py). A cancelled
+sample is still kept in the history, with finish_reason "cancelled", as /v1 keeps them."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from app.services.streams import hold
 from gpu_runtime.contract import SampleChunk
 from web.playground import Model, prepared, sample_form
 from web.render import page, services, signed_in
+from web.session_streams import until_signed_out
 
 if TYPE_CHECKING:  # rows are only ever received from app.services, never queried here
     from app.tables import Run, User
@@ -130,7 +132,8 @@ async def stream(request: Request, user: User) -> Response:
                     hold(runs.cancel_sample(user, one.request_id, one.run, one.model.base_model))
             hold(svc.playground.close(ident))  # nothing left to cancel by pane
 
-    return EventSourceResponse(events(), ping=15, send_timeout=30)
+    # Signed out elsewhere: the stream says so and ends, and its `finally` stops the generations.
+    return EventSourceResponse(until_signed_out(request, events()), ping=15, send_timeout=30)
 
 
 def _arrived(queue: asyncio.Queue[tuple[int, SampleChunk | None]], pane: int, chunk: SampleChunk) -> None:

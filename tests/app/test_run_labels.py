@@ -4,6 +4,7 @@ sorted by the runs list; another user's run cannot be renamed. Real server, tiny
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Any
 
 from rewardsignal import SignalClient
@@ -112,8 +113,12 @@ FB = ('mutation($id: ID!) { forwardBackward(runId: $id, batch: [{input: "The qui
 SAMPLE = 'mutation($id: ID!) { sample(runId: $id, prompts: ["The"], maxTokens: 2) { outputs } }'
 
 
-def test_an_archived_run_is_hidden_and_refuses_training_until_unarchived(live_server: LiveServer, key: str) -> None:
+def test_an_archived_run_is_hidden_and_refuses_training_until_unarchived(live_server: LiveServer, key: str,
+                                                                        tmp_path: Path) -> None:
     run = create(live_server, key, name="old")
+    sdk_run = SignalClient(api_key=key, base_url=live_server.url).get_run(run["id"])
+    saved = sdk_run.save_state(mode="adapter")
+    kept = {path.relative_to(saved.checkpoint_path) for path in Path(saved.checkpoint_path).rglob("*") if path.is_file()}
     create(live_server, key, name="current")
     archived = live_server.graphql(ARCHIVE, {"id": run["id"]}, key=key)
     assert "errors" not in archived, archived
@@ -131,6 +136,11 @@ def test_an_archived_run_is_hidden_and_refuses_training_until_unarchived(live_se
         refused = live_server.graphql(operation, {"id": run["id"]}, key=key)
         assert error_code(refused) == "FAILED_PRECONDITION", refused
         assert "archived" in refused["errors"][0]["message"]
+    # Its files are kept: its checkpoint still lists, is on disk, and downloads whole.
+    assert [checkpoint.id for checkpoint in sdk_run.checkpoints()] == [saved.id]
+    assert kept and (Path(saved.checkpoint_path) / "adapter_config.json").is_file()
+    fetched = saved.download(tmp_path / "fetched")
+    assert {path.relative_to(fetched) for path in fetched.rglob("*") if path.is_file()} == kept
     # Its history is kept, and a stranger can neither archive nor unarchive it.
     other = live_server.new_user()
     assert error_code(live_server.graphql(UNARCHIVE, {"id": run["id"]}, key=other)) == "NOT_FOUND"

@@ -27,6 +27,7 @@ from app.services.users import UserService
 from app.settings import Settings
 
 TINY_MODEL = "tiny-llama"
+LONG_TINY_MODEL = "tiny-llama-long"  # the same weights, a 1024-token context (streaming_server only)
 
 
 def free_port() -> int:
@@ -35,13 +36,18 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def write_catalog(path: Path, tiny_model_dir: str) -> Path:
+def write_catalog(path: Path, tiny_model_dir: str, long_model_dir: str | None = None) -> Path:
+    """The tests' catalogue; with `long_model_dir`, also LONG_TINY_MODEL, the tiny model with a longer context."""
     catalog = {"models": [
         {"name": TINY_MODEL, "path": tiny_model_dir, "family": "llama", "parameters": 1_000_000, "offline": True,
          "description": "random tiny Llama for tests", "quantization_allowed": True},
         # In the catalogue but not on this machine: createRun must answer MODEL_UNAVAILABLE.
         {"name": "meta-llama/Llama-3.2-1B", "family": "llama", "parameters": 1_240_000_000},
     ]}
+    if long_model_dir is not None:
+        catalog["models"].append({"name": LONG_TINY_MODEL, "path": long_model_dir, "family": "llama",
+                                  "parameters": 1_000_000, "offline": True,
+                                  "description": "the tiny Llama with a 1024-token context"})
     path.write_text(yaml.safe_dump(catalog))
     return path
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import shutil
 from pathlib import Path
 
@@ -52,4 +53,17 @@ def build_tiny_model(path: str | Path, tokenizer_cache: str | Path | None = None
         shutil.rmtree(path)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def with_context(tiny_model_dir: str | Path, path: str | Path, tokens: int) -> str:
+    """A copy of the tiny model whose context is `tokens`: the same weights (Llama's positions are rotary, with no
+    table to grow), only its config's max_position_embeddings changed. A file copy, no model built."""
+    path = Path(path)
+    if path.exists():
+        shutil.rmtree(path)
+    shutil.copytree(tiny_model_dir, path)
+    config = json.loads((path / "config.json").read_text())
+    config["max_position_embeddings"] = tokens
+    (path / "config.json").write_text(json.dumps(config, indent=2))
     return str(path)

@@ -25,13 +25,14 @@ from app.services.playground_streams import stream_hash
 from app.tables import PlaygroundStream, utcnow
 from gpu_runtime.contract.settings import MAX_TEMPERATURE
 from rewardsignal import SignalClient
-from tests.helpers.live_server import TINY_MODEL, LiveServer
+from tests.helpers.live_server import LONG_TINY_MODEL, TINY_MODEL, LiveServer
 from tests.web.conftest import Visitor, api_key_for, mint_login_link, run_async, shot, sign_in
 
 pytestmark = pytest.mark.timeout(600)
 expect.set_options(timeout=60_000)
 
 LONG = 200  # tokens: the most a short prompt leaves room for in the tiny model's 256-token context
+AT_LEAST = 512  # max tokens of the issue's progress check: on LONG_TINY_MODEL, whose context is 1024
 SAMPLES = "query($id: ID!) { run(id: $id) { samples { prompt output params } } }"
 # Every attribute change of the stream's box, in order: how the test sees progress events without timing them.
 WATCH = """() => { window.playLog = [];
@@ -41,11 +42,14 @@ WATCH = """() => { window.playLog = [];
 
 
 @pytest.fixture
-def play(browser: Browser, streaming_server: LiveServer) -> Iterator[tuple[Page, str, str]]:
-    """A signed-in page on the playground of a fresh run: the page, the run's id and its owner's key."""
+def play(browser: Browser, streaming_server: LiveServer,
+         request: pytest.FixtureRequest) -> Iterator[tuple[Page, str, str]]:
+    """A signed-in page on the playground of a fresh run (on the tiny model, or the base model given as the
+    fixture's indirect parameter): the page, the run's id and its owner's key."""
     email = f"play-{uuid.uuid4().hex[:8]}@example.com"
     key = api_key_for(streaming_server, email)
-    run_id = SignalClient(api_key=key, base_url=streaming_server.url).create_run(lora_r=4).id
+    base = getattr(request, "param", TINY_MODEL)
+    run_id = SignalClient(api_key=key, base_url=streaming_server.url).create_run(base_model=base, lora_r=4).id
     context = browser.new_context(viewport={"width": 1280, "height": 860})
     page = context.new_page()
     errors: list[str] = []
@@ -72,9 +76,10 @@ def decode_groups(server: LiveServer, admin: str) -> list[dict[str, Any]]:
     return list(body["data"]["runtime"]["decode_groups"])
 
 
+@pytest.mark.parametrize("play", [LONG_TINY_MODEL], indirect=True)
 def test_tokens_arrive_in_progress_events_before_the_end(play: tuple[Page, str, str]) -> None:
     page, _, _ = play
-    start(page, LONG)
+    start(page, AT_LEAST)
     box = page.locator(".play-stream")
     expect(box).to_have_attribute("data-state", "done")
     log = page.evaluate("window.playLog")
@@ -83,7 +88,7 @@ def test_tokens_arrive_in_progress_events_before_the_end(play: tuple[Page, str, 
     assert len(progress) >= 2 and progress == list(range(1, len(progress) + 1)), log
     meta = page.locator(".output [data-play-meta]").inner_text()
     tokens = int(meta.split()[0])
-    assert 0 < tokens <= LONG and "stopped: " in meta
+    assert 0 < tokens <= AT_LEAST and "stopped: " in meta
     assert page.locator(".output .output-text").inner_text()  # the whole answer is shown
     assert float(page.locator("[data-play-elapsed]").inner_text()) > 0
     assert float(page.locator("[data-play-rate]").inner_text()) > 0

@@ -5,12 +5,13 @@ the SDK."""
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 from playwright.sync_api import Page, expect
 
 from rewardsignal import SignalClient
-from tests.helpers.live_server import TINY_MODEL, LiveServer
+from tests.helpers.live_server import TINY_MODEL, LiveServer, error_code
 from tests.web.conftest import api_key_for, mint_login_link, sign_in
 
 expect.set_options(timeout=30_000)
@@ -90,6 +91,31 @@ def test_another_user_cannot_rename_your_run_from_the_dashboard(live_server: Liv
     finally:
         stranger.client.close()
     assert owner.get_run(run.id).name == "mine"
+
+
+def test_the_owners_delete_on_the_run_page_removes_the_run_and_its_files(live_server: LiveServer) -> None:
+    owner = sign_in(live_server)
+    key = api_key_for(live_server, owner.email)
+    run = SignalClient(api_key=key, base_url=live_server.url).create_run(lora_r=4, name="to delete")
+    saved = run.save_state(mode="adapter")
+    [run_dir] = live_server.settings.data_dir.glob(f"runs/*/{run.id}")
+    assert Path(saved.checkpoint_path).is_relative_to(run_dir) and Path(saved.checkpoint_path).is_dir()
+    stranger = sign_in(live_server)
+    try:
+        assert f'hx-delete="/runs/{run.id}"' in owner.client.get(f"/runs/{run.id}").text  # the page's Delete
+        assert owner.client.delete(f"/runs/{run.id}").status_code == 403  # without the CSRF token: refused
+        assert stranger.delete(f"/runs/{run.id}").status_code == 404  # another's run: not found, and kept
+        assert run_dir.is_dir()
+        deleted = owner.delete(f"/runs/{run.id}")
+        assert deleted.status_code == 204 and deleted.headers["hx-redirect"] == "/runs"
+        assert owner.client.get(f"/runs/{run.id}").status_code == 404
+        assert not run_dir.exists()
+        gone = live_server.graphql("query($id: ID!) { run(id: $id) { id } }", {"id": run.id}, key=key)
+        assert error_code(gone) == "NOT_FOUND", gone
+        assert run.id not in owner.client.get("/runs").text
+    finally:
+        stranger.client.close()
+        owner.client.close()
 
 
 def test_archive_hides_a_run_until_shown_and_unarchived(page: Page, live_server: LiveServer) -> None:

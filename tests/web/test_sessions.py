@@ -36,13 +36,15 @@ from web.session import session_secret
 
 expect.set_options(timeout=30_000)
 RECHECK_S = 0.3  # streams re-check their session this often here (the default is 15 s)
+LONG = 200  # tokens: a generation that outlasts a re-check (the tiny model's context is 256)
 ME = "{ me { email } }"
 
 
 @pytest.fixture(scope="module")
 def live_server(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     server = LiveServer.start(settings_for(tmp_path_factory.mktemp("sessions"), tiny_model_dir,
-                                           session_recheck_s=RECHECK_S))
+                                           session_recheck_s=RECHECK_S,
+                                           decode_chunk_seconds=0.001))  # a progress event per token or two
     yield server
     server.stop()
 
@@ -215,6 +217,35 @@ def test_an_open_stream_says_signed_out_when_its_session_is_revoked(live_server:
     # Reopened with the dead cookie, the stream says so at once instead of redirecting (EventSource would retry).
     with watcher.stream("GET", f"/runs/{run_id}/events", headers={"Accept": "text/event-stream"}) as stream:
         assert stream.status_code == 200 and _events_until(stream, "signed-out") == ["signed-out"]
+
+
+def _decoding(server: LiveServer, admin: str, run_id: str) -> bool:
+    body = server.graphql("{ runtime }", key=admin)
+    return any(run_id in str(group["runs"]) for group in body["data"]["runtime"]["decode_groups"])
+
+
+def test_an_open_playground_stream_stops_its_generation_when_signed_out(live_server: LiveServer) -> None:
+    visitor = sign_in(live_server)
+    run_id = _run_id(live_server, visitor.email)
+    admin = live_server.new_user(is_admin=True)
+    answer = visitor.post("/playground/stream", data={"model": f"run:{run_id}", "prompt": "Tell me a long story",
+                                                      "temperature": "1", "max_tokens": str(LONG)})
+    assert answer.status_code == 200, answer.text
+    url = answer.text.split('data-stream="')[1].split('"')[0]
+    watcher = copy_of(visitor.client, live_server)
+    with watcher.stream("GET", url, headers={"Accept": "text/event-stream"}) as stream:
+        # One iterator over the stream: leaving an httpx line iterator closes the stream, which stops the sample.
+        events = (line.split(":", 1)[1].strip() for line in stream.iter_lines() if line.startswith("event:"))
+        assert next(events) == "progress"
+        assert _decoding(live_server, admin, run_id)  # generating now
+        visitor.post("/logout")
+        seen = [next(events)]
+        while seen[-1] != "signed-out":
+            seen.append(next(events))
+        assert "done" not in seen, seen  # the session's end came before the generation's
+        # Stopped by the server while this client still holds the stream open.
+        live_server.wait_for(lambda: not _decoding(live_server, admin, run_id),
+                             "the signed-out stream's rows to leave the decode groups", 60)
 
 
 def test_an_open_run_page_says_signed_out_after_sign_out_in_another_tab(context: BrowserContext,
