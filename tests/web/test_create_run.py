@@ -1,7 +1,8 @@
 """Create a run from the dashboard (issue 18 §1): the New run form on the Modal backend offers a GPU picker whose fit
 check refuses a model too large for the chosen GPU inside the form, and a run it creates (8-bit, the form saying it
-is loading meanwhile) trains through the SDK by its id; a second run may take the same name. Modal's cloud cannot be reached from here: the server runs its Modal backend on Modal's offline path
-(`.local()` of the app's class, tests/helpers/modal_server.py's stand-in), with a real server and real Chromium."""
+is loading meanwhile) trains through the SDK by its id; a second run may take the same name. Modal's cloud cannot be
+reached from here: the server runs its Modal backend on Modal's offline path (`.local()` of the app's class,
+tests/helpers/modal_server.py's stand-in), with a real server and real Chromium."""
 
 from __future__ import annotations
 
