@@ -81,6 +81,14 @@ def test_a_first_run_is_announced_on_the_empty_list_and_its_row_opens_it(page: P
     expect(box).to_be_checked()
     assert page.url == f"{live_server.url}/runs"
     assert page.evaluate("getComputedStyle(document.querySelector('#runs-table tbody tr')).cursor") == "pointer"
+    # Dragging across the base model's name selects it and opens nothing.
+    base = row.locator("td.run-base").bounding_box()
+    assert base is not None
+    page.mouse.move(base["x"] + 2, base["y"] + base["height"] / 2)
+    page.mouse.down()
+    page.mouse.move(base["x"] + base["width"] - 2, base["y"] + base["height"] / 2, steps=5)
+    page.mouse.up()
+    assert page.evaluate("getSelection().toString()") != "" and page.url == f"{live_server.url}/runs"
     row.locator("[data-cell=loss]").click()
     page.wait_for_url(f"{live_server.url}/runs/{run.id}")
 
