@@ -25,4 +25,15 @@
     notice.hidden = unseen === 0;
     notice.querySelector("a").textContent = unseen === 1 ? "1 new run: show it" : `${unseen} new runs: show them`;
   });
+
+  // A click anywhere on a row opens its run (issue 18 §1), except on the row's controls (the compare box and its
+  // cell, links) and when the click ended a text selection. Keyboard users have the row's link.
+  table.addEventListener("click", (event) => {
+    if (event.button !== 0 || event.target.closest("a, button, input, select, textarea, label, td.pick")) return;
+    const row = event.target.closest("tbody tr[data-run-id]");
+    const link = row && row.querySelector("a[href]");
+    if (!link || getSelection().toString() !== "") return;
+    if (event.ctrlKey || event.metaKey || event.shiftKey) window.open(link.href, "_blank", "noopener");
+    else window.location.assign(link.href);
+  });
 })();

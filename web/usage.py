@@ -28,7 +28,8 @@ async def usage_page(request: Request, user: User) -> Response:
         raise BadInput("days must be a whole number of days", field="days")
     days = int(raw_days)
     try:
-        report = await usage.report(user, request.query_params.get("user") or None, days)
+        report = await usage.report(user, request.query_params.get("user") or None, days,
+                                    request.query_params.get("run") or None)
     except Forbidden:
         raise NotFound("page not found") from None  # another user's usage: not for everyone to learn it exists
     users = await usage.by_user(user, days) if user.is_admin else None

@@ -45,6 +45,7 @@ class UsageReport:
     total: Usage
     by_day: list[Usage]  # newest first
     by_run: list[Usage]  # most compute first
+    run_id: str | None = None  # the one run the report is narrowed to (its days), or None for all the user's runs
 
 
 def _sums() -> list[Any]:
@@ -70,8 +71,10 @@ class UsageService:
     def __init__(self, db: Database) -> None:
         self.db = db
 
-    async def report(self, viewer: User, user_id: str | None = None, days: int = DEFAULT_DAYS) -> UsageReport:
-        """`viewer`'s usage over the last `days` days (today included), or, for an admin, `user_id`'s."""
+    async def report(self, viewer: User, user_id: str | None = None, days: int = DEFAULT_DAYS,
+                     run_id: str | None = None) -> UsageReport:
+        """`viewer`'s usage over the last `days` days (today included), or, for an admin, `user_id`'s; with `run_id`,
+        that one run's (per run over time): only the user's own records are read, so another's run adds up to 0."""
         _check_days(days)
         user = viewer
         if user_id and user_id != viewer.id:
@@ -82,7 +85,8 @@ class UsageService:
                 raise NotFound("no user has that id", field="user")
             user = found
         since = _since(days)
-        mine = (CallRecord.user_id == user.id, CallRecord.created_at >= since)
+        mine = (CallRecord.user_id == user.id, CallRecord.created_at >= since,
+                *((CallRecord.run_id == run_id,) if run_id else ()))
         day = func.date(CallRecord.created_at)
         async with self.db.session() as session:
             total = (await session.execute(select(*_sums()).where(*mine))).one()
@@ -94,7 +98,8 @@ class UsageService:
             return UsageReport(
                 user=user, days=days, since=since.date(), total=_usage("", "total", total),
                 by_day=[_usage(row[0], row[0], row[1:]) for row in daily],
-                by_run=[_usage(row[0], row[1] if row[0] else "base models (no run)", row[2:]) for row in runs])
+                by_run=[_usage(row[0], row[1] if row[0] else "base models (no run)", row[2:]) for row in runs],
+                run_id=run_id or None)
 
     async def by_user(self, viewer: User, days: int = DEFAULT_DAYS) -> list[Usage]:
         """Every user's usage over the window, most compute first: the admin's view."""

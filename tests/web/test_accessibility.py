@@ -16,7 +16,7 @@ from playwright.sync_api import Browser, BrowserContext, ViewportSize
 
 from tests.helpers.live_server import LiveServer
 from tests.web.conftest import shot
-from tests.web.tour import DESKTOP, PAGES, PHONE, Tour, make_tour, play_side_by_side
+from tests.web.tour import DESKTOP, PAGES, PHONE, SIGNED_OUT, STATUS, Tour, finish, make_tour, play_side_by_side, stage
 
 AXE = Path(__file__).parents[1] / "vendor" / "axe-core-4.14.1" / "axe.min.js"
 BLOCKING = ("serious", "critical")
@@ -48,12 +48,15 @@ def contexts(browser: Browser, tour: Tour, viewport: ViewportSize) -> Iterator[d
 
 
 def violations(context: BrowserContext, url: str, within: dict[str, Any], ready: str | None,
-               picture: str | None = None) -> list[dict[str, Any]]:
+               picture: str | None = None, name: str = "") -> list[dict[str, Any]]:
     page = context.new_page()
     try:
+        stage(page, name)
         response = page.goto(url)
-        assert response is not None and response.status == 200, url  # the page itself, not the 404 page in its place
+        # the page itself, not the 404 page in its place
+        assert response is not None and response.status == STATUS.get(name, 200), url
         page.wait_for_selector(ready, state="attached") if ready else page.wait_for_load_state("networkidle")
+        finish(page, name)
         if picture:
             shot(page, picture)  # before axe adds anything to the page
         page.add_script_tag(path=str(AXE))
@@ -67,10 +70,11 @@ def violations(context: BrowserContext, url: str, within: dict[str, Any], ready:
 def test_no_serious_accessibility_violations(name: str, tour: Tour, contexts: dict[bool, BrowserContext],
                                             viewport: ViewportSize) -> None:
     url = tour.server.url + tour.path(name)
-    ready = {"run": "#loss-chart canvas", "compare": "#compare-chart canvas", "graphql": f"{GRAPHIQL} .graphiql-execute-button"}.get(name)
+    ready = {"run": "#loss-chart canvas", "signed-out": "#loss-chart canvas", "compare": "#compare-chart canvas",
+             "graphql": f"{GRAPHIQL} .graphiql-execute-button"}.get(name)
     within = {"exclude": [[GRAPHIQL]]} if name == "graphql" else {"exclude": []}
     picture = f"desktop-{name}" if viewport == DESKTOP else None  # the 390 px set is test_phone.py's
-    assert violations(contexts[name != "login"], url, within, ready, picture) == []
+    assert violations(contexts[name not in SIGNED_OUT], url, within, ready, picture, name) == []
 
 
 def test_the_playgrounds_panes_have_no_serious_violations(tour: Tour, contexts: dict[bool, BrowserContext]) -> None:

@@ -6,15 +6,20 @@ is tested with the other ways a session ends (tests/web/test_sessions.py)."""
 from __future__ import annotations
 
 import re
+from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import httpx
 import pytest
 from playwright.sync_api import Browser
+from sqlalchemy import update
 
+from app.db import Database
+from app.tables import Run
 from rewardsignal import SignalClient
 from tests.helpers.live_server import TINY_MODEL, LiveServer
-from tests.web.conftest import Visitor, api_key_for, mint_login_link, sign_in
+from tests.web.conftest import Visitor, api_key_for, mint_login_link, run_async, sign_in
 
 BATCH = [{"input": "The quick brown fox", "output": " jumps over the lazy dog."}]
 RESIDENCY = {"resident": "in memory", "evicted": "evicted to disk", "": "not loaded"}
@@ -44,6 +49,19 @@ def runtime_state(server: LiveServer) -> dict[str, Any]:
     return server.backend.client.submit("runtime_state").result(timeout=120)  # type: ignore[no-any-return]
 
 
+def change_run(server: LiveServer, run_id: str, **values: Any) -> None:
+    """Write the run's row as another server process would (a ticket taken, an activity long ago)."""
+    async def write() -> None:
+        db = Database(server.settings.resolved_database_url)
+        try:
+            async with db.session() as session:
+                await session.execute(update(Run).where(Run.id == run_id).values(**values))
+        finally:
+            await db.dispose()
+
+    run_async(write())
+
+
 @pytest.fixture(scope="module")
 def admin(live_server: LiveServer) -> Visitor:
     return sign_in(live_server, "chief@example.com", is_admin=True)
@@ -58,6 +76,8 @@ def test_users_and_runs_tables_count_each_users_things_and_say_where_each_run_is
     trained.forward_backward(batch=BATCH)
     trained.optim_step(learning_rate=0.01)
     theirs = bob.create_run(lora_r=4, name="bob's run")
+    idle.archive()
+    change_run(live_server, theirs.id, updated_at=datetime.now(UTC) - timedelta(hours=2))
 
     page = admin.client.get("/admin")
     assert page.status_code == 200
@@ -75,6 +95,9 @@ def test_users_and_runs_tables_count_each_users_things_and_say_where_each_run_is
         assert cell(line, "residency") == RESIDENCY[held]
         assert f'href="/runs/{run.id}"' not in line  # another user's run page is not the admin's to open
     assert "alice trains" in row(html, "run", trained.id) and trained.id in resident
+    assert [(cell(row(html, "run", run.id), "status"), cell(row(html, "run", run.id), "step"),
+             cell(row(html, "run", run.id), "activity")) for run in (trained, idle, theirs)] == [
+        ("active", "1", "just now"), ("active archived", "0", "just now"), ("active", "0", "2 h ago")]
 
     assert ticks_on(html) == sorted((t["number"], t["fb_rows"] + t["decode_rows"], t["base_passes"] + t["decode_passes"])
                                     for t in state["ticks"]["recent"])
@@ -132,3 +155,23 @@ def test_the_ticks_chart_draws_the_runtimes_recent_ticks(browser: Browser, live_
         assert errors == []
     finally:
         context.close()
+
+
+def test_a_call_held_queued_shows_in_the_queue_by_user(live_server: LiveServer, admin: Visitor) -> None:
+    email = "queued@example.com"
+    client = SignalClient(api_key=api_key_for(live_server, email), base_url=live_server.url)
+    run = client.create_run(lora_r=4)
+    assert 'data-queue="queued@example.com"' not in admin.client.get("/admin").text
+    # The run's next ticket is taken (as a server process that has not sent its call yet would: the technique of
+    # tests/faults/test_deadlines.py), so this forward_backward waits in the runtime's queue for it.
+    change_run(live_server, run.id, call_seq=Run.call_seq + 1)
+    with ThreadPoolExecutor(1) as pool:
+        held = pool.submit(run.forward_backward, batch=BATCH)
+        live_server.wait_for(lambda: sum(runtime_state(live_server)["queue_depth"].values()) == 1 or held.done(),
+                             "the held call to queue")
+        assert not held.done()
+        queue = row(admin.client.get("/admin").text, "queue", email)
+        assert re.findall(r'<td class="num">(\d+)</td>', queue) == ["1", "0"]  # one call queued, none refused
+        live_server.backend.client.submit("run_info", run_id=run.id, ticket=1).result(timeout=60)  # ticket 1 comes
+        assert held.result(timeout=120).num_tokens > 0
+    assert 'data-queue="queued@example.com"' not in admin.client.get("/admin").text

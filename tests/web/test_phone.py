@@ -11,7 +11,7 @@ from playwright.sync_api import Browser, BrowserContext, expect
 
 from tests.helpers.live_server import LiveServer
 from tests.web.conftest import shot
-from tests.web.tour import PAGES, PHONE, Tour, make_tour, play_side_by_side
+from tests.web.tour import PAGES, PHONE, SIGNED_OUT, STATUS, Tour, finish, make_tour, play_side_by_side, stage
 
 # What the phone rule reads, in the page: the document's width, whether html or body hide their sideways overflow
 # (that hides the problem, it does not fix it), and every control that is neither on screen nor inside an element
@@ -51,16 +51,22 @@ def phone(browser: Browser, tour: Tour) -> Iterator[BrowserContext]:
 
 @pytest.mark.parametrize("name", PAGES)
 def test_every_page_fits_a_phone(name: str, tour: Tour, phone: BrowserContext, browser: Browser) -> None:
-    context = tour.context(browser, PHONE, signed_in=False) if name == "login" else phone
+    context = tour.context(browser, PHONE, signed_in=False) if name in SIGNED_OUT else phone
     page = context.new_page()
     errors: list[str] = []
     page.on("pageerror", lambda error: errors.append(str(error)))
     # Without bypass_csp (unlike test_accessibility.py): Chromium logs each thing the CSP refused as a console error.
     page.on("console", lambda message: errors.append(message.text) if "Content Security Policy" in message.text else None)
     try:
+        stage(page, name)
         response = page.goto(tour.server.url + tour.path(name))
-        assert response is not None and response.status == 200  # the page itself, not the 404 page in its place
-        page.wait_for_load_state("networkidle") if name != "run" else page.wait_for_selector("#loss-chart canvas")
+        # the page itself, not the 404 page in its place
+        assert response is not None and response.status == STATUS.get(name, 200)
+        if name in ("run", "signed-out"):
+            page.wait_for_selector("#loss-chart canvas")
+        else:
+            page.wait_for_load_state("networkidle")
+        finish(page, name)
         if name == "compare":
             page.wait_for_selector("#compare-chart canvas")
         if name == "graphql":

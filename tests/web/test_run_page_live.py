@@ -288,3 +288,8 @@ def test_metric_charts_table_view_zoom_and_markers(wide_page: Page, live_server:
         expect(wide_page.locator(f"#{name}-chart")).to_have_attribute("data-shown", count)
     expect(wide_page.locator("#stat-lr")).to_have_text("0.002")
     assert float(wide_page.locator("#stat-grad").inner_text()) == pytest.approx(grad_norm, rel=1e-3)
+
+    # A sample made now, at step 3, is marked live on the loss chart (the one at step 1 came with the page).
+    run.sample(prompts=["Marked live"], max_tokens=2)
+    expect(chart).to_have_attribute("data-marks", "sample:1 sample:3")
+    expect(wide_page.locator("#chart-marks")).to_have_text("No checkpoints yet. Samples at step 1, 3.")

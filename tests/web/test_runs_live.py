@@ -64,15 +64,33 @@ def test_training_changes_cells_in_place_and_keeps_focus_and_selection(page: Pag
     expect(page.locator("#runs-new")).to_be_hidden()
 
 
-def test_a_first_run_is_announced_on_the_empty_list(page: Page, live_server: LiveServer) -> None:
+def test_a_first_run_is_announced_on_the_empty_list_and_its_row_opens_it(page: Page, live_server: LiveServer) -> None:
     email = "runs-first@example.com"
     client = SignalClient(api_key=api_key_for(live_server, email), base_url=live_server.url)
     page.goto(mint_login_link(live_server, email))
     page.wait_for_url(f"{live_server.url}/runs")
     expect(page.get_by_role("heading", name="No runs yet")).to_be_visible()
-    client.create_run(lora_r=4)
+    run = client.create_run(lora_r=4)
     page.get_by_role("link", name="1 new run: show it").click()
-    expect(page.locator("#runs-table tbody tr")).to_have_count(1)
+    row = page.locator("#runs-table tbody tr")
+    expect(row).to_have_count(1)
+
+    # Clickable rows (issue 18 §1): the compare box only ticks; anywhere else on the row (here the Loss cell) opens it.
+    box = row.get_by_role("checkbox")
+    box.click()
+    expect(box).to_be_checked()
+    assert page.url == f"{live_server.url}/runs"
+    assert page.evaluate("getComputedStyle(document.querySelector('#runs-table tbody tr')).cursor") == "pointer"
+    # Dragging across the base model's name selects it and opens nothing.
+    base = row.locator("td.run-base").bounding_box()
+    assert base is not None
+    page.mouse.move(base["x"] + 2, base["y"] + base["height"] / 2)
+    page.mouse.down()
+    page.mouse.move(base["x"] + base["width"] - 2, base["y"] + base["height"] / 2, steps=5)
+    page.mouse.up()
+    assert page.evaluate("getSelection().toString()") != "" and page.url == f"{live_server.url}/runs"
+    row.locator("[data-cell=loss]").click()
+    page.wait_for_url(f"{live_server.url}/runs/{run.id}")
 
 
 @dataclass

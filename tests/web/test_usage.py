@@ -6,12 +6,13 @@ from __future__ import annotations
 import html
 import json
 import re
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 import pytest
 
 from app.db import Database
 from app.services.users import UserService
+from app.tables import CallRecord
 from rewardsignal import SignalClient
 from tests.helpers.live_server import LiveServer
 from tests.web.conftest import api_key_for, run_async, sign_in
@@ -55,7 +56,7 @@ def test_usage_adds_up_a_users_calls_and_an_admin_sees_every_user(live_server: L
     page = owner.client.get("/usage")
     assert page.status_code == 200
     assert row(page.text, 'data-usage="total"') == ["Total", *expected]
-    assert row(page.text, f'data-run="{run.id}"') == ["usage run", *expected]
+    assert row(page.text, f'data-run="{run.id}"') == ["usage run by day", *expected]
     today = datetime.now(UTC).date().isoformat()
     assert row(page.text, f'data-day="{today}"') == [today, *expected]
     assert "By user" not in page.text  # an admin's table only
@@ -88,4 +89,59 @@ def test_usage_adds_up_a_users_calls_and_an_admin_sees_every_user(live_server: L
     assert row(listed, f'data-user="{owner_id}"') == [email, *expected]
     theirs = admin.client.get(f"/usage?user={owner_id}").text
     assert f"{email}'s calls since" in theirs  # whose page it is
-    assert row(theirs, f'data-run="{run.id}"') == ["usage run", *expected]
+    assert row(theirs, f'data-run="{run.id}"') == ["usage run by day", *expected]
+
+
+# (run, days ago, gpu seconds, credits, tokens trained): GPU calls as a Modal worker would record them.
+GPU_CALLS = [("a", 0, 12.5, 1.25, 100), ("a", 1, 4.0, 0.5, 40), ("b", 0, 2.25, 0.75, 10)]
+USAGE = "query($days: Int!) { usage(days: $days) { total { calls gpuSeconds credits tokensTrained } " \
+        "byDay { key calls gpuSeconds credits } byRun { key calls gpuSeconds credits } } }"
+
+
+def test_gpu_seconds_and_cost_add_up_per_day_and_per_run(live_server: LiveServer) -> None:
+    """The CPU records 0 GPU-seconds and 0 credits, so the sums are checked on call records written straight into
+    the server's database, as a GPU worker's calls would be (this is the read path only; writing them is
+    tests/app's)."""
+    email = "usage-gpu@example.com"
+    key = api_key_for(live_server, email)
+    client = SignalClient(api_key=key, base_url=live_server.url)
+    runs = {name: client.create_run(lora_r=4, name=f"gpu {name}").id for name in ("a", "b")}
+    owner_id = user_id(live_server, email)
+    now = datetime.now(UTC)
+
+    async def record() -> None:
+        db = Database(live_server.settings.resolved_database_url)
+        try:
+            async with db.session() as session:  # one transaction, committed on leaving
+                session.add_all(CallRecord(
+                    key=f"{runs[name]}:gpu-{i}", user_id=owner_id, run_id=runs[name], request_id=f"gpu-{i}",
+                    operation="forward_backward", compute_seconds=gpu, device="cuda", gpu_type="H100", gpu_count=1,
+                    gpu_seconds=gpu, credits=credits, tokens_in=tokens, created_at=now - timedelta(days=ago))
+                    for i, (name, ago, gpu, credits, tokens) in enumerate(GPU_CALLS))
+        finally:
+            await db.dispose()
+
+    run_async(record())
+    today, yesterday = now.date().isoformat(), (now - timedelta(days=1)).date().isoformat()
+    page = sign_in(live_server, email).client.get("/usage?days=7").text
+    # calls, compute s, GPU-s, credits, tokens trained, tokens sampled
+    assert row(page, 'data-usage="total"') == ["Total", "3", "18.8", "18.8", "2.50", "150", "0"]
+    assert row(page, f'data-day="{today}"') == [today, "2", "14.8", "14.8", "2.00", "110", "0"]
+    assert row(page, f'data-day="{yesterday}"') == [yesterday, "1", "4.0", "4.0", "0.50", "40", "0"]
+    assert row(page, f'data-run="{runs["a"]}"') == ["gpu a by day", "2", "16.5", "16.5", "1.75", "140", "0"]
+    assert row(page, f'data-run="{runs["b"]}"') == ["gpu b by day", "1", "2.2", "2.2", "0.75", "10", "0"]
+    # Per run over time: the run's "by day" link narrows every table to that run.
+    link = f'/usage?days=7&run={runs["a"]}'
+    assert f'href="{link}"' in page
+    narrowed = sign_in(live_server, email).client.get(link).text
+    assert row(narrowed, 'data-usage="total"') == ["Total", "2", "16.5", "16.5", "1.75", "140", "0"]
+    assert row(narrowed, f'data-day="{today}"') == [today, "1", "12.5", "12.5", "1.25", "100", "0"]
+    assert row(narrowed, f'data-day="{yesterday}"') == [yesterday, "1", "4.0", "4.0", "0.50", "40", "0"]
+    assert f'data-run="{runs["b"]}"' not in narrowed
+
+    usage = live_server.graphql(USAGE, {"days": 7}, key=key)["data"]["usage"]
+    assert usage["total"] == {"calls": 3, "gpuSeconds": 18.75, "credits": 2.5, "tokensTrained": 150}
+    assert usage["byDay"] == [{"key": today, "calls": 2, "gpuSeconds": 14.75, "credits": 2.0},
+                              {"key": yesterday, "calls": 1, "gpuSeconds": 4.0, "credits": 0.5}]
+    assert usage["byRun"] == [{"key": runs["a"], "calls": 2, "gpuSeconds": 16.5, "credits": 1.75},
+                              {"key": runs["b"], "calls": 1, "gpuSeconds": 2.25, "credits": 0.75}]

@@ -14,9 +14,13 @@ from tests.helpers.live_server import TINY_MODEL, LiveServer
 from tests.web.conftest import SCREENSHOT_CLOCK, api_key_for, committing_screenshots, mint_login_link
 
 BATCH = [{"input": "The quick brown fox", "output": " jumps over the lazy dog."}]
-# Page names, for test ids; "login" is the signed-out page, the rest are signed in as the admin.
+# Page names, for test ids; SIGNED_OUT's are visited signed out, the rest signed in as the admin. "link" is the
+# one-time sign-in link's page, "link-used" its error, "not-found" the 404 page, "signed-out" a run page after its
+# stream said the session ended (the banner).
 PAGES = ["runs", "run", "keys", "start", "models", "admin", "account", "playground", "login", "graphql",
-         "compare", "usage", "new-run"]
+         "compare", "usage", "new-run", "link", "link-used", "not-found", "signed-out"]
+SIGNED_OUT = {"login", "link", "link-used"}
+STATUS = {"link-used": 401, "not-found": 404}  # the pages not answered 200
 PHONE: ViewportSize = {"width": 390, "height": 844}
 DESKTOP: ViewportSize = {"width": 1280, "height": 860}
 
@@ -29,8 +33,11 @@ class Tour:
     other_run_id: str  # a second run, so the compare page has two
 
     def path(self, name: str) -> str:
+        if name == "link":  # a fresh link each visit (stage() keeps the page from using it)
+            return mint_login_link(self.server, self.email, is_admin=True).removeprefix(self.server.url)
         return {"run": f"/runs/{self.run_id}", "graphql": "/graphql", "login": "/login", "new-run": "/runs/new",
-                "compare": f"/runs/compare?ids={self.run_id},{self.other_run_id}"}.get(name, f"/{name}")
+                "compare": f"/runs/compare?ids={self.run_id},{self.other_run_id}", "signed-out": f"/runs/{self.run_id}",
+                "link-used": "/auth/link?token=spent", "not-found": "/no-such-page"}.get(name, f"/{name}")
 
     def context(self, browser: Browser, viewport: ViewportSize, signed_in: bool = True,
                 bypass_csp: bool = False) -> BrowserContext:
@@ -60,6 +67,26 @@ def make_tour(server: LiveServer, email: str = "tour@example.com") -> Tour:
     other.forward_backward(batch=BATCH)
     other.optim_step()
     return Tour(server, email, run.id, other.id)
+
+
+def stage(page: Page, name: str) -> None:
+    """Before the visit. The link page posts its token on load and leaves: that post is answered with nothing, so the
+    page stays as a visitor sees it while it signs them in."""
+    if name == "link":
+        page.route("**/auth/link", lambda route: route.fulfill(status=204) if route.request.method == "POST"
+                   else route.continue_())
+
+
+def finish(page: Page, name: str) -> None:
+    """After the page is ready. "signed-out": the event the SSE extension fires when a stream closes on `signed-out`
+    (static/app.js draws the banner from it); the real sign-out that sends it is tests/web/test_sessions.py's."""
+    headings = {"link": "Signing you in…", "link-used": "This link cannot sign you in", "not-found": "Not found"}
+    if name in headings:  # the page meant, still on screen
+        expect(page.get_by_role("heading", name=headings[name], exact=True)).to_be_visible()
+    if name == "signed-out":
+        page.evaluate("document.body.dispatchEvent(new CustomEvent('htmx:sseClose', "
+                      "{bubbles: true, detail: {type: 'message'}}))")
+        expect(page.locator("#signed-out")).to_be_visible()
 
 
 def play_side_by_side(page: Page, tour: Tour) -> None:
