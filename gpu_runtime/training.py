@@ -126,7 +126,7 @@ def adamw_step(params: list[torch.nn.Parameter], optimizer: torch.optim.Optimize
     grads = [param.grad for param in params if param.grad is not None]
     if grads:  # summed token losses → their mean over all calls; one foreach call, the bits of a div_ each
         torch._foreach_div_(grads, normaliser)
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, settings["grad_clip_norm"] or math.inf))
+    grad_norm = clip_grad_norm(grads, settings["grad_clip_norm"] or math.inf)
     if not math.isfinite(grad_norm):
         optimizer.zero_grad(set_to_none=True)
         return grad_norm
@@ -138,6 +138,18 @@ def adamw_step(params: list[torch.nn.Parameter], optimizer: torch.optim.Optimize
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return grad_norm
+
+
+def clip_grad_norm(grads: list[torch.Tensor], max_norm: float) -> float:
+    """torch's `clip_grad_norm_`, bit for bit (the same ops in the same order), less its multiply by a coefficient
+    of exactly 1 when the norm is within bounds: a pass over every gradient that changes no bit of them."""
+    if not grads:
+        return 0.0
+    total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0)), 2.0)
+    coefficient = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)  # float / tensor: torch's own expression
+    if not coefficient.item() == 1.0:  # NaN too: torch multiplies then, and the caller drops these gradients anyway
+        torch._foreach_mul_(grads, coefficient)
+    return float(total)
 
 
 def _padding_row(entry: BaseEntry) -> Datum:
