@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -22,6 +22,9 @@ from gpu_runtime.ranks import RankGroup
 from gpu_runtime.run_state import RunState
 from gpu_runtime.sharding import ShardedRegistry, ShardedResidency
 from gpu_runtime.training import Outcome, PassPart, adamw_step, forward_backward_pass
+
+if TYPE_CHECKING:  # training_calls imports shared, which imports this module
+    from gpu_runtime.training_calls import FbProgress
 
 
 class LocalCompute:
@@ -49,6 +52,10 @@ class LocalCompute:
 
     def drop_grads(self, state: RunState) -> None:
         state.optimizer.zero_grad(set_to_none=True)
+
+    def restore_grads(self, progress: FbProgress) -> None:
+        """A split call withdrawn between its parts: the gradients from before it put back."""
+        progress.restore_grads()
 
     def seconds_since(self, started: float) -> float:
         """Seconds since `started` (time.perf_counter), once the device's queued work is done."""
@@ -94,6 +101,11 @@ class RankCompute(LocalCompute):
     def drop_grads(self, state: RunState) -> None:
         self.ranks.send("drop_grads", run_id=state.run_id)
         super().drop_grads(state)
+
+    def restore_grads(self, progress: FbProgress) -> None:
+        if progress.done > 0:  # each follower put its own backup aside at the call's first part
+            self.ranks.send("restore_grads", run_id=progress.state.run_id)
+        super().restore_grads(progress)
 
     def keepalive(self) -> None:
         self.ranks.keepalive()

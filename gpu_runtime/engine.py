@@ -383,9 +383,7 @@ class Engine(InProcess):
             return CancelResult(found=True).to_dict()  # under way outside the passes (a Hub upload): it completes
         seconds = 0.0
         if progress is not None:
-            if progress.done > 0 and self.ranks is not None:
-                return CancelResult(found=True).to_dict()  # the ranks hold its gradients' backup: it completes
-            progress.restore_grads()  # between parts of a split call: its earlier parts' gradients undone
+            self.shared.compute.restore_grads(progress)  # between parts of a split call, on every rank: undone
             seconds = progress.compute_seconds
             del self._prepared[request]
         if request in self._planned:

@@ -374,6 +374,13 @@ class Follower:
     def drop_grads(self, run_id: str) -> None:
         self.pool.runs[run_id].optimizer.zero_grad(set_to_none=True)
 
+    def restore_grads(self, run_id: str) -> None:
+        """A split call withdrawn between its parts (a cancel): the gradients from before it put back, as rank 0 does."""
+        backup = self.backups.pop(run_id, None)
+        if backup is not None:
+            for param, grad in zip(self.pool.runs[run_id].parameters(), backup):
+                param.grad = grad
+
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m gpu_runtime.ranks", description="A follower rank of a pool.")

@@ -181,3 +181,28 @@ def test_a_rank_that_fails_mid_call_fails_the_call_then_the_pool_recovers_everyt
     single.optim_step(run_id, {"learning_rate": 1e-2})
     assert_same_weights(lora_weights(sharded, run_id), lora_weights(single, run_id), exact=False, rel=WEIGHTS_REL)
 
+
+
+def test_a_split_call_cancelled_between_parts_is_undone_on_every_rank(single: Engine, tiny_model_dir: str,
+                                                                      tmp_path: Any) -> None:
+    """A deadline between the parts of a split forward_backward withdraws it on a multi-rank pool too: every rank puts
+    back its gradients from before the call, so the next step's weights on both ranks are one process's without it."""
+    row = {"tokens": list(range(300, 316)), "weights": [0] + [1] * 15}  # 16 tokens: two rows a tick
+    small = Engine(tmp_path, device="cpu", local_ranks=2, rank_timeout_seconds=TIMEOUT_S, tick_tokens=32)
+    try:
+        create([small, single], "split-cancel", tiny_model_dir)
+        for engine in (small, single):
+            engine.forward_backward("split-cancel", [row, row])  # gradients before the split call
+        call = submit(small, "forward_backward", run_id="split-cancel", batch=[row] * 6, request_id="split")
+        small.tick()
+        assert small.tick().fb_seconds > 0 and not call.done()  # a part of it is in the gradients
+        assert small.call("cancel", request_id="split", user_id="u1", deadline=True) == {"found": True}
+        assert call.result(timeout=0)["error"]["code"] == "DEADLINE_EXCEEDED"  # never applied
+        assert_same_grads(grads(small, "split-cancel"), grads(single, "split-cancel"))
+        assert small.optim_step("split-cancel")["step"] == single.optim_step("split-cancel")["step"] == 1
+        # Rank 1 trains on its own replica: had it kept the withdrawn part's gradients, its rows' loss would differ.
+        got, expected = small.forward_backward("split-cancel", BATCH), single.forward_backward("split-cancel", BATCH)
+        assert got["loss"] == pytest.approx(expected["loss"], rel=1e-5)
+        assert_same_grads(grads(small, "split-cancel"), grads(single, "split-cancel"))
+    finally:
+        small.shutdown()
