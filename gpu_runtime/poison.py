@@ -83,7 +83,8 @@ class Deaths:
         if key is None:
             return
         with self._lock:
-            if _name(key) not in self._counts:  # as of this client's last send: the usual case, no file touched
+            self._refresh()  # a death another process counted is ended by this answer too
+            if _name(key) not in self._counts:  # the usual case: nothing written
                 return
             with self._shared():
                 if self._counts.pop(_name(key), None) is not None:
