@@ -27,13 +27,13 @@ from app.errors import NotFound, SignalError
 from app.services import Services
 from app.services.runs import SampleParams
 from app.services.streams import hold
-from gpu_runtime.contract import SampleChunk
 from web.playground import Model, prepared, sample_form
 from web.render import page, services, signed_in
 from web.session_streams import until_signed_out
 
-if TYPE_CHECKING:  # rows are only ever received from app.services, never queried here
+if TYPE_CHECKING:  # rows and chunks are only ever received from app.services: web imports no lower layer
     from app.tables import Run, User
+    from gpu_runtime.contract import SampleChunk
 
 STREAM_ID = "playground-{}"  # the runtime request id: what a cancel names
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import math
 import os
 import signal
 import sys
@@ -26,6 +27,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from gpu_runtime import training
 from gpu_runtime.contract import CONTRACT_VERSION, RuntimeOptions
 from gpu_runtime.engine import Engine
 from gpu_runtime.errors import FailedPrecondition, WorkerFailed
@@ -410,7 +412,7 @@ def test_a_retried_optim_step_that_failed_fails_again_and_is_never_applied(
     create(engine, "r", tiny_model_dir)
     do(engine, "r", 0)
     with monkeypatch.context() as patch:
-        patch.setattr(torch.nn.utils, "clip_grad_norm_", lambda *args, **kwargs: torch.tensor(float("inf")))
+        patch.setattr(training, "clip_grad_norm", lambda grads, max_norm: math.inf)  # what AdamW's step measures
         with pytest.raises(FailedPrecondition) as first:
             do(engine, "r", 1)
     assert "gradient norm is inf" in first.value.message

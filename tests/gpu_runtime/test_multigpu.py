@@ -183,26 +183,22 @@ def test_a_rank_that_fails_mid_call_fails_the_call_then_the_pool_recovers_everyt
 
 
 
-def test_a_split_call_cancelled_between_parts_is_undone_on_every_rank(single: Engine, tiny_model_dir: str,
-                                                                      tmp_path: Any) -> None:
+def test_a_split_call_cancelled_between_parts_is_undone_on_every_rank(sharded: Engine, single: Engine,
+                                                                      tiny_model_dir: str) -> None:
     """A deadline between the parts of a split forward_backward withdraws it on a multi-rank pool too: every rank puts
     back its gradients from before the call, so the next step's weights on both ranks are one process's without it."""
-    row = {"tokens": list(range(300, 316)), "weights": [0] + [1] * 15}  # 16 tokens: two rows a tick
-    small = Engine(tmp_path, device="cpu", local_ranks=2, rank_timeout_seconds=TIMEOUT_S, tick_tokens=32)
-    try:
-        create([small, single], "split-cancel", tiny_model_dir)
-        for engine in (small, single):
-            engine.forward_backward("split-cancel", [row, row])  # gradients before the split call
-        call = submit(small, "forward_backward", run_id="split-cancel", batch=[row] * 6, request_id="split")
-        small.tick()
-        assert small.tick().fb_seconds > 0 and not call.done()  # a part of it is in the gradients
-        assert small.call("cancel", request_id="split", user_id="u1", deadline=True) == {"found": True}
-        assert call.result(timeout=0)["error"]["code"] == "DEADLINE_EXCEEDED"  # never applied
-        assert_same_grads(grads(small, "split-cancel"), grads(single, "split-cancel"))
-        assert small.optim_step("split-cancel")["step"] == single.optim_step("split-cancel")["step"] == 1
-        # Rank 1 trains on its own replica: had it kept the withdrawn part's gradients, its rows' loss would differ.
-        got, expected = small.forward_backward("split-cancel", BATCH), single.forward_backward("split-cancel", BATCH)
-        assert got["loss"] == pytest.approx(expected["loss"], rel=1e-5)
-        assert_same_grads(grads(small, "split-cancel"), grads(single, "split-cancel"))
-    finally:
-        small.shutdown()
+    row = {"tokens": [300 + i for i in range(200)], "weights": [0] + [1] * 199}
+    create([sharded, single], "split-cancel", tiny_model_dir)
+    for engine in (sharded, single):
+        engine.forward_backward("split-cancel", BATCH)  # gradients before the split call
+    # 64 rows of 200 tokens: more than one pass's budget (tick_tokens, 8192), so the call is split in two parts.
+    call = submit(sharded, "forward_backward", run_id="split-cancel", batch=[row] * 64, request_id="split")
+    assert sharded.tick().fb_seconds > 0 and not call.done()  # its first part is in every rank's gradients
+    assert sharded.call("cancel", request_id="split", user_id="u1", deadline=True) == {"found": True}
+    assert call.result(timeout=0)["error"]["code"] == "DEADLINE_EXCEEDED"  # never applied
+    assert_same_grads(grads(sharded, "split-cancel"), grads(single, "split-cancel"))
+    assert sharded.optim_step("split-cancel")["step"] == single.optim_step("split-cancel")["step"] == 1
+    # Rank 1 trains on its own replica: had it kept the withdrawn part's gradients, its rows' loss would differ.
+    got, expected = sharded.forward_backward("split-cancel", BATCH), single.forward_backward("split-cancel", BATCH)
+    assert got["loss"] == pytest.approx(expected["loss"], rel=1e-5)
+    assert_same_grads(grads(sharded, "split-cancel"), grads(single, "split-cancel"))
