@@ -126,6 +126,7 @@ def test_archive_hides_a_run_until_shown_and_unarchived(page: Page, live_server:
     page.goto(mint_login_link(live_server, email))
     page.wait_for_url(f"{live_server.url}/runs")
     page.get_by_role("link", name="finished sweep").click()
+    page.wait_for_url(f"{live_server.url}/runs/{run.id}")  # loaded: htmx handles the buttons from here
     page.once("dialog", lambda dialog: dialog.accept())
     page.get_by_role("button", name="Archive", exact=True).click()
     expect(page.get_by_role("button", name="Unarchive")).to_be_visible()
@@ -141,6 +142,7 @@ def test_archive_hides_a_run_until_shown_and_unarchived(page: Page, live_server:
     expect(rows.nth(0)).to_contain_text("archived")
 
     page.get_by_role("link", name="finished sweep").click()
+    page.wait_for_url(f"{live_server.url}/runs/{run.id}")
     page.get_by_role("button", name="Unarchive").click()
     expect(page.get_by_role("button", name="Archive", exact=True)).to_be_visible()
     assert client.get_run(run.id).info["archived_at"] is None
