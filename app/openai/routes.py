@@ -31,7 +31,7 @@ from app.openai.params import parse
 from app.schema.context import bearer_from_header
 from app.services import Services
 from app.services.runs import RunService, SampleParams
-from app.services.streams import first_or_gone, gone, hold, next_chunk, unless_gone
+from app.services.streams import first_or_gone, gone, hold, next_chunk
 from app.tables import Run, User
 from app.tinker import paths as tinker_paths
 from gpu_runtime.contract import MAX_TOKENS_LIMIT, SampleChunk, SampleResult
@@ -154,11 +154,9 @@ async def _generate(request: Request, chat: bool) -> Response:
     call = Sampling(services.runs, user, target, params, chat, prompt_ids, eos)
     if params.stream and params.logprobs is None and not params.echo:
         return await _streamed(call, sample, request)
-    request_id = f"v1-{uuid.uuid4().hex}"  # what its cancel names if the client leaves
     leaving = hold(gone(request.receive))
     try:
-        result = await unless_gone(call.sample(sample, request_id), leaving, lambda: call.runs.cancel_sample(
-            call.user, request_id, call.target.run, call.target.base_model, withdraw=True), f"/v1 sample {request_id}")
+        result = await call.sample_unless_gone(sample, leaving)  # its client gone first: withdrawn, unbilled
         body, _ = await call.answer(result)
     except SignalError as error:
         raise from_signal(error, call.prompt_param) from None
@@ -223,6 +221,15 @@ class Sampling:
         return self.runs.sample(self.user, run.id if run else None, sample, request_id=request_id,
                                 snapshot=self.target.snapshot, base_model=self.target.base_model, progress=progress,
                                 latest=run is not None and self.target.snapshot is None)  # no ticket, no run lock
+
+    def sample_unless_gone(self, sample: SampleParams, gone: asyncio.Future[None]) -> Awaitable[SampleResult]:
+        """`sample` for a client that waits for the whole answer: withdrawn wherever it is if the client leaves first
+        (RunService.sample_unless_gone, as a GraphQL sample)."""
+        run = self.target.run
+        return self.runs.sample_unless_gone(self.user, run.id if run else None, sample, gone,
+                                            request_id=f"v1-{uuid.uuid4().hex}", snapshot=self.target.snapshot,
+                                            base_model=self.target.base_model,
+                                            latest=run is not None and self.target.snapshot is None)
 
     async def answer(self, result: SampleResult) -> tuple[dict[str, Any], list[answers.Choice]]:
         """The whole answer's body and its choices (with logprobs or echo, the text of every id, prompt and top-k ones

@@ -66,14 +66,13 @@ async def waiting(deadline: Deadline | None, wait: Awaitable[T], gave_up: Callab
 class Streamed:
     """A stream's `progress`, remembering whether any chunk went to its client (`sent`)."""
 
-    def __init__(self, progress: Callable[[Any], None] | None) -> None:
+    def __init__(self, progress: Callable[[Any], None]) -> None:
         self.progress = progress
         self.sent = False
 
     def __call__(self, chunk: Any) -> None:
         self.sent = True
-        if self.progress is not None:
-            self.progress(chunk)
+        self.progress(chunk)
 
     @classmethod
     def of(cls, progress: Callable[[Any], None] | None) -> Streamed | None:

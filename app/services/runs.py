@@ -631,7 +631,8 @@ class RunService:
     async def sample_unless_gone(self, user: User, run_id: str | None, params: SampleParams,
                                  gone: asyncio.Future[None], request_id: str | None = None,
                                  snapshot: str | None = None, checkpoint: str | None = None,
-                                 base_model: str | None = None, order: Numbered | None = None) -> SampleResult:
+                                 base_model: str | None = None, order: Numbered | None = None,
+                                 latest: bool = False) -> SampleResult:
         """`sample` for a client that waits for the whole answer: if it goes away first (`gone`), the sample is
         withdrawn wherever it is, queued or decoding (CANCELLED: never applied, not billed, not recorded; its compute
         seconds logged). A training call has no such path: it completes whatever its client does."""
@@ -642,7 +643,8 @@ class RunService:
             await self.cancel_sample(user, request_id, run, base_model, withdraw=True)
 
         return await unless_gone(self.sample(user, run_id, params, request_id=request_id, snapshot=snapshot,
-                                             checkpoint=checkpoint, base_model=base_model, order=order),
+                                             checkpoint=checkpoint, base_model=base_model, order=order,
+                                             latest=latest),
                                  gone, cancel, f"sample {request_id} of user {user.id}")
 
     async def _answered(self, deadline: Deadline, pool: PoolKey, user: User, request_id: str,
