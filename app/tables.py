@@ -22,7 +22,7 @@ from sqlalchemy import (
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
 
-from gpu_runtime.contract.settings import MAX_REQUEST_ID_LENGTH
+from gpu_runtime.contract.checks import MAX_REQUEST_ID_LENGTH
 
 
 def utcnow() -> datetime:

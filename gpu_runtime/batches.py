@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from gpu_runtime.contract.settings import DATUM_INPUTS, PACKED_KEY, PACKED_TOKENS, RL_LOSSES, TEXT_KEYS, TOKEN_KEYS
+from gpu_runtime.contract.training_settings import DATUM_INPUTS, PACKED_KEY, PACKED_TOKENS, RL_LOSSES, TEXT_KEYS, TOKEN_KEYS
 from gpu_runtime.errors import BadInput
 
 ROLES = {"system", "user", "assistant", "tool"}

@@ -47,7 +47,7 @@ from gpu_runtime.contract import (
     default_checkpoint_name,
     lora_settings,
 )
-from gpu_runtime.contract.settings import DEFAULT_NAME, CheckpointRef
+from gpu_runtime.contract.checkpoints import DEFAULT_NAME, CheckpointRef
 from gpu_runtime.devices import dtype_name
 from gpu_runtime.errors import BadInput, FailedPrecondition, NotFound, RunNotFound, SignalError
 from gpu_runtime.merging import save_merged

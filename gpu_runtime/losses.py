@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 
 from gpu_runtime.batches import Collated
-from gpu_runtime.contract.settings import LOSS_CONFIG_DEFAULTS, RL_LOSSES
+from gpu_runtime.contract.training_settings import LOSS_CONFIG_DEFAULTS, RL_LOSSES
 
 LossFn = Callable[[torch.Tensor, Collated, dict[str, float]], torch.Tensor]
 

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from gpu_runtime.contract.settings import check_id as check_id  # the rule lives in the contract
+from gpu_runtime.contract.checks import check_id as check_id  # the rule lives in the contract
 
 
 def write_json(path: Path, data: Any) -> None:

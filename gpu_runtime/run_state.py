@@ -28,7 +28,8 @@ import torch
 from peft import LoraConfig
 from safetensors.torch import load_file, save_file
 
-from gpu_runtime.contract.settings import DEFAULT_NAME, DEFAULT_REDUCTION
+from gpu_runtime.contract.checkpoints import DEFAULT_NAME
+from gpu_runtime.contract.training_settings import DEFAULT_REDUCTION
 from gpu_runtime.errors import BadInput
 from gpu_runtime.journal import Journal
 from gpu_runtime.multilora import LoraWeights, MultiLoraLinear

@@ -28,7 +28,7 @@ from app.services.tinker_futures import PROTO_TYPE, json_answer
 from app.services.tinker_sessions import SessionFinished, model_id, sampling_session_id, session_of
 from app.tables import Run, TinkerModel, User
 from app.tinker import paths, proto, rest
-from gpu_runtime.contract.settings import MAX_TOKENS_LIMIT
+from gpu_runtime.contract.sampling_settings import MAX_TOKENS_LIMIT
 from gpu_runtime.errors import FailedPrecondition
 
 log = logging.getLogger("signal.tinker")

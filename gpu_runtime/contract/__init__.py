@@ -5,38 +5,60 @@ these before a call leaves it, and the runtime validates again with the same fun
 skips the server is held to the same rules. Errors are `BadInput` naming the field in the contract's own
 (snake_case) names; the server renames them to GraphQL's camelCase.
 
-- `settings`: AdamW, LoRA and sampling settings, ids, the runtime's own options.
-- `calls`: the `Method` enum and one frozen request type per method (`parse_call` for what arrives).
+- `calls`: the `Method` enum, the `Call` base and CONTRACT_VERSION; the requests by family in `training_calls`,
+  `sampling_calls` and `control_calls`; `registry` maps a method name to its type (`parse_call` for what arrives).
 - `results`: one frozen result type per call.
+- `checks`: ids, request ids, text and seeds, which every call shares.
+- `training_settings`: AdamW, LoRA, batch items and losses; `sampling_settings`: sampling's knobs, prompts, stops.
+- `checkpoints`: checkpoint kinds, names and `signal://` references.
+- `runtime_options`: the runtime's own options and the per-call size bounds they set.
 """
 
 from gpu_runtime.contract.calls import (
-    CALLS,
     CONTRACT_VERSION,
-    SYSTEM_CALLS,
     Call,
+    Method,
+    RunCall,
+)
+from gpu_runtime.contract.checkpoints import (
+    CHECKPOINT_KINDS,
+    CHECKPOINT_SCHEME,
+    LOADABLE_KINDS,
+    SAVE_MODES,
+    CheckpointRef,
+    check_checkpoint_name,
+    check_snapshot_name,
+    checkpoint_ref,
+    default_checkpoint_name,
+)
+from gpu_runtime.contract.checks import (
+    MAX_REQUEST_ID_LENGTH,
+    MAX_RUN_SEED,
+    MAX_SEED,
+    check_batch_text,
+    check_id,
+    check_request_id,
+    check_seed,
+    check_text,
+)
+from gpu_runtime.contract.control_calls import (
     Cancel,
     CloseRun,
     CreateRun,
     DeleteCheckpoint,
     DeleteRun,
     ExportCheckpoint,
-    Forward,
-    ForwardBackward,
     LoadRun,
     LoadState,
-    Method,
-    OptimStep,
     Ping,
-    RenderChat,
-    RenderDatums,
-    RunCall,
     RunInfo,
     RuntimeState,
-    Sample,
     SaveState,
     SaveWeightsForSampler,
-    Tokenizer,
+)
+from gpu_runtime.contract.registry import (
+    CALLS,
+    SYSTEM_CALLS,
     parse_call,
 )
 from gpu_runtime.contract.results import (
@@ -61,28 +83,19 @@ from gpu_runtime.contract.results import (
     SaveWeightsForSamplerResult,
     TokenizerResult,
 )
-from gpu_runtime.contract.settings import (
-    ADAM_BOUNDS,
-    ADAM_DEFAULTS,
-    ATTENTION_PROJECTIONS,
-    CHECKPOINT_KINDS,
-    CHECKPOINT_SCHEME,
-    DATUM_INPUTS,
-    DATUM_KEYS,
-    DEFAULT_LOSS_FN,
-    DEFAULT_REDUCTION,
-    ITEM_KEYS,
-    LOADABLE_KINDS,
-    LORA_ALPHA_PER_R,
-    LORA_DEFAULTS,
-    LORA_KEYS,
-    LORA_R_MAX,
-    LORA_SWITCHES,
-    LOSS_CONFIG_DEFAULTS,
-    MAX_REQUEST_ID_LENGTH,
-    MAX_RUN_SEED,
+from gpu_runtime.contract.runtime_options import (
+    RuntimeOptions,
+    check_batch_size,
+    check_sample_size,
+    known_batch_tokens,
+)
+from gpu_runtime.contract.sampling_calls import (
+    RenderChat,
+    Sample,
+    Tokenizer,
+)
+from gpu_runtime.contract.sampling_settings import (
     MAX_SAMPLES,
-    MAX_SEED,
     MAX_STOP,
     MAX_STOP_CHARS,
     MAX_TEMPERATURE,
@@ -90,39 +103,46 @@ from gpu_runtime.contract.settings import (
     MAX_TOP_K,
     MAX_TOP_P,
     MAX_TOPK_LOGPROBS,
+    SAMPLE_DEFAULTS,
+    SamplingSettings,
+    sampling_prompts,
+    sampling_settings,
+    stop_settings,
+)
+from gpu_runtime.contract.training_calls import (
+    Forward,
+    ForwardBackward,
+    OptimStep,
+    RenderDatums,
+)
+from gpu_runtime.contract.training_settings import (
+    ADAM_BOUNDS,
+    ADAM_DEFAULTS,
+    ATTENTION_PROJECTIONS,
+    DATUM_INPUTS,
+    DATUM_KEYS,
+    DEFAULT_LOSS_FN,
+    DEFAULT_REDUCTION,
+    ITEM_KEYS,
+    LORA_ALPHA_PER_R,
+    LORA_DEFAULTS,
+    LORA_KEYS,
+    LORA_R_MAX,
+    LORA_SWITCHES,
+    LOSS_CONFIG_DEFAULTS,
     MLP_PROJECTIONS,
     PACKED_KEY,
     PACKED_TOKENS,
     REDUCTIONS,
     RL_LOSSES,
-    SAMPLE_DEFAULTS,
-    SAVE_MODES,
     TEXT_KEYS,
     TOKEN_KEYS,
     UNEMBEDDING,
-    CheckpointRef,
-    RuntimeOptions,
-    SamplingSettings,
     adam_settings,
     check_adam_value,
-    check_batch_size,
-    check_batch_text,
-    check_checkpoint_name,
-    check_id,
-    check_request_id,
-    check_sample_size,
-    check_seed,
-    check_snapshot_name,
-    check_text,
-    checkpoint_ref,
-    default_checkpoint_name,
     default_target_modules,
-    known_batch_tokens,
     lora_settings,
     loss_settings,
-    sampling_prompts,
-    sampling_settings,
-    stop_settings,
     switched_target_modules,
     target_families,
 )

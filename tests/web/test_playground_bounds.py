@@ -9,7 +9,7 @@ import re
 import pytest
 from playwright.sync_api import Browser
 
-from gpu_runtime.contract.settings import MAX_SAMPLES, MAX_TEMPERATURE, MAX_TOKENS_LIMIT, MAX_TOP_P
+from gpu_runtime.contract.sampling_settings import MAX_SAMPLES, MAX_TEMPERATURE, MAX_TOKENS_LIMIT, MAX_TOP_P
 from rewardsignal import SignalClient
 from tests.helpers.live_server import LiveServer
 from tests.web.conftest import Visitor, api_key_for, mint_login_link

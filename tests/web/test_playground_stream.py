@@ -23,7 +23,7 @@ from sqlalchemy import select, update
 from app.db import Database
 from app.services.playground_streams import stream_hash
 from app.tables import PlaygroundStream, utcnow
-from gpu_runtime.contract.settings import MAX_TEMPERATURE
+from gpu_runtime.contract.sampling_settings import MAX_TEMPERATURE
 from rewardsignal import SignalClient
 from tests.helpers.live_server import LONG_TINY_MODEL, TINY_MODEL, LiveServer
 from tests.web.conftest import Visitor, api_key_for, mint_login_link, run_async, shot, sign_in

@@ -1,0 +1,116 @@
+"""The training calls as types: forward_backward, forward, render_datums and optim_step (gpu_runtime/training_calls.py
+answers them)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from gpu_runtime.contract.calls import Call, Method, RunCall
+from gpu_runtime.contract.checks import check_batch_text, check_request_id
+from gpu_runtime.contract.results import (
+    ForwardBackwardResult,
+    ForwardResult,
+    OptimStepResult,
+    RenderDatumsResult,
+)
+from gpu_runtime.contract.runtime_options import RuntimeOptions, check_batch_size, known_batch_tokens
+from gpu_runtime.contract.sampling_calls import check_weights_source
+from gpu_runtime.contract.training_settings import DEFAULT_LOSS_FN, DEFAULT_REDUCTION, adam_settings, loss_settings
+from gpu_runtime.errors import BadInput
+
+
+def _check_batch(batch: Any) -> None:
+    if not isinstance(batch, list) or not batch:
+        raise BadInput("batch must be a non-empty list of examples", field="batch")
+    check_batch_text(batch)
+
+
+class _Batched:
+    """A call carrying a batch: bounded in items and in the tokens countable before rendering."""
+
+    batch: list[dict[str, Any]]
+
+    def check_size(self, options: RuntimeOptions) -> None:
+        check_batch_size(len(self.batch), known_batch_tokens(self.batch), options)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ForwardBackward(_Batched, RunCall[ForwardBackwardResult]):
+    method = Method.FORWARD_BACKWARD
+    answer = ForwardBackwardResult
+    batch: list[dict[str, Any]]
+    loss_fn: str = DEFAULT_LOSS_FN
+    loss_fn_config: dict[str, Any] | None = None
+    reduction: str = DEFAULT_REDUCTION  # every call between two optim_steps uses the same one
+    return_outputs: bool = False  # per-datum, per-position logprobs and elementwise_loss in the result
+    request_id: str | None = None
+
+    def validate(self) -> None:
+        super().validate()
+        check_request_id(self.request_id)
+        _check_batch(self.batch)
+        loss_settings(self.loss_fn, self.loss_fn_config, self.reduction)
+        if not isinstance(self.return_outputs, bool):
+            raise BadInput("return_outputs must be a boolean", field="return_outputs")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Forward(_Batched, Call[ForwardResult]):
+    """The loss and per-position logprobs of a batch, with no backward: nothing of the run changes (no gradient,
+    no dropout, no counter). Its weights, as a sample's (gpu_runtime/weights_sources.py): `run_id`'s current ones
+    (in the run's queue), `run_id` + `snapshot` (frozen: off the queue), or with run_id None the base model alone."""
+
+    method = Method.FORWARD
+    answer = ForwardResult
+    batch: list[dict[str, Any]]
+    run_id: str | None = None
+    snapshot: str | None = None  # a sampler snapshot's name on the run (save_weights_for_sampler)
+    checkpoint: str | None = None  # a training checkpoint's name on the run (not readable yet: refused)
+    base_model: str | None = None  # with run_id None: the base to run (rows reach no adapter)
+    user_id: str | None = None  # with run_id None: whose call it is
+    loss_fn: str = DEFAULT_LOSS_FN
+    loss_fn_config: dict[str, Any] | None = None
+    request_id: str | None = None
+
+    def validate(self) -> None:
+        check_request_id(self.request_id)
+        check_weights_source(self)
+        _check_batch(self.batch)
+        loss_settings(self.loss_fn, self.loss_fn_config)
+
+    @property
+    def frozen(self) -> bool:
+        """On a snapshot or checkpoint: off the run's queue, like such a sample (a base alone rides the system lane)."""
+        return self.run_id is not None and (self.snapshot is not None or self.checkpoint is not None)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RenderDatums(_Batched, RunCall[RenderDatumsResult]):
+    """The datums the runtime would build for a batch of Signal items (renderDatums), changing nothing."""
+
+    method = Method.RENDER_DATUMS
+    answer = RenderDatumsResult
+    batch: list[dict[str, Any]]
+    loss_fn: str = DEFAULT_LOSS_FN
+
+    def validate(self) -> None:
+        super().validate()
+        _check_batch(self.batch)
+        loss_settings(self.loss_fn, None)
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimStep(RunCall[OptimStepResult]):
+    method = Method.OPTIM_STEP
+    answer = OptimStepResult
+    adam: dict[str, Any] | None = None
+    request_id: str | None = None
+
+    def validate(self) -> None:
+        super().validate()
+        check_request_id(self.request_id)
+        adam_settings(self.adam)
+
+    def settings(self) -> dict[str, float]:
+        return adam_settings(self.adam)
