@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from gpu_runtime.contract.results import RenderedDatum
 from gpu_runtime.contract.training_settings import DATUM_INPUTS, PACKED_KEY, PACKED_TOKENS, RL_LOSSES, TEXT_KEYS, TOKEN_KEYS
 from gpu_runtime.errors import BadInput
 
@@ -52,7 +53,7 @@ class Datum:
             return sum(1 for a in self.inputs["advantages"] if a != 0)
         return len(self.targets)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> RenderedDatum:
         """Tinker's datum shape (what renderDatums returns and new journal records hold)."""
         inputs: dict[str, list[Any]] = {"target_tokens": list(self.targets)}
         if self.weights is not None:

@@ -12,12 +12,13 @@ import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import cast
 
 import torch
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from gpu_runtime.contract.results import BaseDescription
 from gpu_runtime.errors import ModelUnavailable
 from gpu_runtime.model_files import (  # noqa: F401 - re-exported: the runtime's callers import them from here
     CACHE_MARKER,
@@ -196,6 +197,6 @@ def _plain_copy(quantized: PreTrainedModel) -> PreTrainedModel:
     return model
 
 
-def describe(base: LoadedBase) -> dict[str, Any]:
+def describe(base: LoadedBase) -> BaseDescription:
     return {"name": base.name, "source": base.source, "revision": base.revision, "path": base.path,
             "quantization": base.quantization}

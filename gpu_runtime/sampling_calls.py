@@ -27,6 +27,7 @@ from gpu_runtime.contract import (
     Sample,
     SampleChunk,
     SampleResult,
+    SequenceChunk,
     Tokenizer,
     TokenizerResult,
     check_sample_size,
@@ -265,7 +266,7 @@ class Sampling:
                 return cast(str, tokenizer.decode(ids, skip_special_tokens=True))  # one sequence in, one str out
 
             job.streams = [IncrementalText(decode, stops) for _ in job.tokens]
-        rows: list[dict[str, Any]] = []
+        rows: list[SequenceChunk] = []
         for i, stream in enumerate(job.streams):
             if job.reasons[i] is not None:
                 rows.append({"text": "", "tokens": [], "logprobs": []})

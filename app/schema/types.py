@@ -18,7 +18,7 @@ from app.schema.context import Info
 from app.services import usage
 from app.services.ledger import gpu_seconds
 from gpu_runtime import contract
-from gpu_runtime.contract import CheckpointRef
+from gpu_runtime.contract import CheckpointRef, RenderedDatum
 
 
 @strawberry.type(name="BaseModel")
@@ -337,7 +337,7 @@ class Datum:
     loss_fn_inputs: DatumInputs
 
     @classmethod
-    def from_dict(cls, datum: dict[str, Any]) -> Datum:
+    def from_dict(cls, datum: RenderedDatum) -> Datum:
         return cls(model_input=list(datum["model_input"]), loss_fn_inputs=DatumInputs(**datum["loss_fn_inputs"]))
 
 

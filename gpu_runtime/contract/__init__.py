@@ -62,6 +62,7 @@ from gpu_runtime.contract.registry import (
     parse_call,
 )
 from gpu_runtime.contract.results import (
+    BaseDescription,
     CancelResult,
     CloseRunResult,
     DeleteCheckpointResult,
@@ -74,6 +75,7 @@ from gpu_runtime.contract.results import (
     PingResult,
     RenderChatResult,
     RenderDatumsResult,
+    RenderedDatum,
     Result,
     RunDescription,
     RuntimeStateResult,
@@ -81,6 +83,7 @@ from gpu_runtime.contract.results import (
     SampleResult,
     SaveStateResult,
     SaveWeightsForSamplerResult,
+    SequenceChunk,
     TokenizerResult,
 )
 from gpu_runtime.contract.runtime_options import (
@@ -104,6 +107,7 @@ from gpu_runtime.contract.sampling_settings import (
     MAX_TOP_P,
     MAX_TOPK_LOGPROBS,
     SAMPLE_DEFAULTS,
+    SampleDefaults,
     SamplingSettings,
     sampling_prompts,
     sampling_settings,
@@ -166,4 +170,5 @@ __all__ = [
     "MAX_STOP_CHARS", "MAX_TEMPERATURE", "MAX_TOP_K", "MAX_TOP_P", "check_batch_size", "check_sample_size", "check_seed",
     "known_batch_tokens", "Cancel", "CancelResult", "SampleChunk", "CloseRunResult", "DeleteRunResult",
     "DeleteCheckpointResult", "ExportCheckpointResult", "PingResult", "RuntimeStateResult",
+    "BaseDescription", "RenderedDatum", "SequenceChunk", "SampleDefaults",
 ]

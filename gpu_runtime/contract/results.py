@@ -8,11 +8,39 @@ the fields it knows, so a runtime one field ahead (same contract version) does n
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields, replace
-from typing import Any, TypeVar
+from typing import Any, TypedDict, TypeVar
 
 R = TypeVar("R", bound="Result")
 OMITTED_UNLESS_SET = ("replayed", "hub", "pending_excluded", "prompt_logprobs", "topk_prompt_logprobs", "outputs",
                       "directory")
+
+
+# The fixed shapes inside results, as they cross the wire (plain dicts at run time: to_dict and from_dict are unchanged).
+
+
+class RenderedDatum(TypedDict):
+    """Tinker's datum: the ids a pass reads, and per position its target_tokens, weights, advantages, logprobs, …"""
+
+    model_input: list[int]
+    loss_fn_inputs: dict[str, list[Any]]  # each of len(model_input): target_tokens ids, the rest floats
+
+
+class SequenceChunk(TypedDict):
+    """What became settled of one sequence since the last chunk."""
+
+    text: str
+    tokens: list[int]
+    logprobs: list[float]
+
+
+class BaseDescription(TypedDict):
+    """A loaded base, as gpu_runtime.models.describe says it."""
+
+    name: str
+    source: str
+    revision: str | None
+    path: str
+    quantization: str | None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,7 +98,7 @@ class ForwardResult(Result):
 
 @dataclass(frozen=True, kw_only=True)
 class RenderDatumsResult(Result):
-    datums: list[dict[str, Any]]  # Tinker's datum shape: {model_input, loss_fn_inputs: {target_tokens, weights, …}}
+    datums: list[RenderedDatum]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -104,7 +132,7 @@ class SampleChunk(Result):
     # per prompt, per sample: {text, tokens, logprobs}, what became settled since the last chunk: the text holds back
     # an incomplete UTF-8 sequence and any end that could start a stop string (gpu_runtime/detokenize.py), the ids
     # those characters' tokens. A sequence that finished sends the rest in the result.
-    sequences: list[list[dict[str, Any]]]
+    sequences: list[list[SequenceChunk]]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -229,10 +257,10 @@ class PingResult(Result):
     device: str
     dtype: str
     loaded_models: list[str]
-    models: list[dict[str, Any]]  # each loaded base as gpu_runtime.models.describe says it
+    models: list[BaseDescription]
     runs_in_memory: list[str]
     max_batch_size: int
-    options: dict[str, Any]  # RuntimeOptions.to_dict()
+    options: dict[str, float]  # RuntimeOptions.to_dict(): every option is a number
     contract: int
 
 

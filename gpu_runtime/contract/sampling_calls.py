@@ -9,11 +9,7 @@ from typing import Any
 from gpu_runtime.contract.calls import Call, Method
 from gpu_runtime.contract.checkpoints import check_snapshot_name
 from gpu_runtime.contract.checks import check_id, check_request_id
-from gpu_runtime.contract.results import (
-    RenderChatResult,
-    SampleResult,
-    TokenizerResult,
-)
+from gpu_runtime.contract.results import RenderChatResult, SampleResult, TokenizerResult
 from gpu_runtime.contract.runtime_options import RuntimeOptions, check_sample_size
 from gpu_runtime.contract.sampling_settings import SAMPLE_DEFAULTS, SamplingSettings, sampling_prompts, sampling_settings
 from gpu_runtime.errors import BadInput

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
 from gpu_runtime.contract.checks import MAX_SEED, check_seed, check_text, is_int, is_number
 from gpu_runtime.errors import BadInput
@@ -17,7 +17,20 @@ MAX_TOP_P = 1.0  # top_p is a probability mass in (0, MAX_TOP_P] (the playground
 MAX_TOP_K = 1024  # past this top-k keeps the tail anyway; 0 (or -1) turns it off
 MAX_STOP = 16  # stop strings or stop token ids per call: each is checked after every decoded token
 MAX_STOP_CHARS = 256  # characters of one stop string
-SAMPLE_DEFAULTS: dict[str, Any] = {"max_tokens": 64, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "num_samples": 1,
+
+
+class SampleDefaults(TypedDict):
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    num_samples: int
+    prompt_logprobs: bool
+    topk_prompt_logprobs: int
+    topk_sample_logprobs: int
+
+
+SAMPLE_DEFAULTS: SampleDefaults = {"max_tokens": 64, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "num_samples": 1,
                                    "prompt_logprobs": False, "topk_prompt_logprobs": 0, "topk_sample_logprobs": 0}
 
 

@@ -8,12 +8,7 @@ from typing import Any
 
 from gpu_runtime.contract.calls import Call, Method, RunCall
 from gpu_runtime.contract.checks import check_batch_text, check_request_id
-from gpu_runtime.contract.results import (
-    ForwardBackwardResult,
-    ForwardResult,
-    OptimStepResult,
-    RenderDatumsResult,
-)
+from gpu_runtime.contract.results import ForwardBackwardResult, ForwardResult, OptimStepResult, RenderDatumsResult
 from gpu_runtime.contract.runtime_options import RuntimeOptions, check_batch_size, known_batch_tokens
 from gpu_runtime.contract.sampling_calls import check_weights_source
 from gpu_runtime.contract.training_settings import DEFAULT_LOSS_FN, DEFAULT_REDUCTION, adam_settings, loss_settings
@@ -41,7 +36,7 @@ class ForwardBackward(_Batched, RunCall[ForwardBackwardResult]):
     answer = ForwardBackwardResult
     batch: list[dict[str, Any]]
     loss_fn: str = DEFAULT_LOSS_FN
-    loss_fn_config: dict[str, Any] | None = None
+    loss_fn_config: dict[str, float] | None = None
     reduction: str = DEFAULT_REDUCTION  # every call between two optim_steps uses the same one
     return_outputs: bool = False  # per-datum, per-position logprobs and elementwise_loss in the result
     request_id: str | None = None
@@ -70,7 +65,7 @@ class Forward(_Batched, Call[ForwardResult]):
     base_model: str | None = None  # with run_id None: the base to run (rows reach no adapter)
     user_id: str | None = None  # with run_id None: whose call it is
     loss_fn: str = DEFAULT_LOSS_FN
-    loss_fn_config: dict[str, Any] | None = None
+    loss_fn_config: dict[str, float] | None = None
     request_id: str | None = None
 
     def validate(self) -> None:
@@ -104,7 +99,7 @@ class RenderDatums(_Batched, RunCall[RenderDatumsResult]):
 class OptimStep(RunCall[OptimStepResult]):
     method = Method.OPTIM_STEP
     answer = OptimStepResult
-    adam: dict[str, Any] | None = None
+    adam: dict[str, float | None] | None = None  # None (or a setting None): the default
     request_id: str | None = None
 
     def validate(self) -> None:
