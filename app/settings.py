@@ -18,7 +18,7 @@ from gpu_runtime.contract import RuntimeOptions
 DB_LOCK_TIMEOUT_S = 5.0  # a write waits this long for a lock (SQLite's busy timeout, PostgreSQL's lock_timeout)
 DB_STATEMENT_TIMEOUT_S = 30.0  # PostgreSQL's statement_timeout: a stuck statement becomes UNAVAILABLE, not a hang
 RECORD_RETRY_S = 10.0  # an applied call's recording is retried this long, then the call answers UNAVAILABLE
-SDK_TIMEOUT_S = 600.0  # the SDK's HTTP timeout (rewardsignal.client.DEFAULT_TIMEOUT): every deadline ends before it
+SDK_TIMEOUT_S = 600.0  # the SDK's HTTP timeout (rewardsignal.transport.DEFAULT_TIMEOUT): every deadline ends before it
 # Each method's deadline in seconds, from its arrival, queue time included (issue 19 §3); past it, the call still not
 # applied is withdrawn and answers DEADLINE_EXCEEDED. create_run's and save_state's cover a model load, a Hub upload.
 DEADLINES_S: dict[str, float] = {

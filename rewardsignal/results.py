@@ -164,7 +164,7 @@ class CreatedApiKeyResult(Result):
     api_key: Result  # the key's fields, as ApiKeyResult's
 
 
-# The class each GraphQL field's answer becomes (client.Call.field), or each item of a list answer; others stay
+# The class each GraphQL field's answer becomes (calls.Call.field), or each item of a list answer; others stay
 # plain Results.
 TYPED: dict[str, type[Result]] = {
     "forwardBackward": ForwardBackwardResult,
