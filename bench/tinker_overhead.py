@@ -26,7 +26,7 @@ from typing import Any
 from benchlib import BenchServer, apply_threads, common_args, emit, log, median, scratch_data_dir, target
 
 os.environ.setdefault("TINKER_TELEMETRY", "0")  # the SDK's telemetry loop (served as a no-op anyway)
-RANK, ALPHA = 16, 32.0  # Tinker's alpha is fixed server-side (app/tinker/routes.py TINKER_LORA_ALPHA)
+RANK, ALPHA = 16, 32.0  # Tinker's alpha is fixed server-side (app/tinker/models.py TINKER_LORA_ALPHA)
 ADAM = {"learning_rate": 1e-4, "beta1": 0.9, "beta2": 0.95, "eps": 1e-12, "weight_decay": 0.0, "grad_clip_norm": 0.0}
 TINY_TOKENS = 16  # one datum of this many tokens per tiny-model operation
 

@@ -7,22 +7,19 @@ from typing import Annotated, Any, cast
 import strawberry
 from strawberry.scalars import JSON
 
+from app.schema.account import ApiKey, CreatedApiKey
 from app.schema.context import Info, selects
 from app.schema.inputs import AdamInput, BatchItem, CreateRunInput
-from app.schema.types import (
-    ApiKey,
-    Checkpoint,
-    CreatedApiKey,
+from app.schema.results import (
     ForwardBackwardResult,
     ForwardResult,
     LoadStateResult,
     OptimStepResult,
-    Run,
     SampleResult,
     SamplerSnapshot,
-    SaveMode,
     datum_outputs,
 )
+from app.schema.runs import Checkpoint, Run, SaveMode
 from app.services.call_order import Numbered
 from app.services.runs import RunLabels, SampleParams
 from gpu_runtime.contract import DEFAULT_LOSS_FN, DEFAULT_REDUCTION, SAMPLE_DEFAULTS

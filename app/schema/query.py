@@ -5,9 +5,12 @@ from __future__ import annotations
 import strawberry
 from strawberry.scalars import JSON
 
+from app.schema.account import ApiKey, UsageReport, User
+from app.schema.catalog import Limits, ModelInfo, TokenizerInfo
 from app.schema.context import Info
 from app.schema.inputs import BatchItem
-from app.schema.types import ApiKey, BaseSample, Datum, Limits, ModelInfo, Run, RunSort, TokenizerInfo, UsageReport, User
+from app.schema.results import Datum
+from app.schema.runs import BaseSample, Run, RunSort
 from app.services.usage import DEFAULT_DAYS
 from gpu_runtime.contract import DEFAULT_LOSS_FN
 

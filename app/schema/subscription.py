@@ -8,7 +8,7 @@ import strawberry
 
 from app.rechecked import rechecked
 from app.schema.context import Info
-from app.schema.types import TrainingEvent
+from app.schema.runs import TrainingEvent
 
 
 @strawberry.type

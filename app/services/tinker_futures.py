@@ -16,7 +16,7 @@ import logging
 import math
 import os
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -246,7 +246,7 @@ class TinkerFutures:
                 await task
 
 
-def json_answer(value: dict[str, Any]) -> tuple[str, bytes]:
+def json_answer(value: Mapping[str, object]) -> tuple[str, bytes]:
     """A JSON result as stored: non-finite numbers left out (JSON has none; the SDK would refuse NaN)."""
     return JSON_TYPE, json.dumps(_finite(value), allow_nan=False).encode()
 

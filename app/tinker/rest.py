@@ -7,19 +7,27 @@ from typing import Any
 
 from starlette.requests import Request
 
+from app import tables
 from app.errors import BadInput, NotFound
 from app.services import Services
-from app.tables import Checkpoint, Run, TinkerModel, User
+from app.tables import TinkerModel, User
 from app.tinker import paths
+from app.tinker.endpoint import services
+from app.tinker.messages import (
+    Checkpoint,
+    CheckpointsListResponse,
+    CheckpointType,
+    Empty,
+    GetServerCapabilitiesResponse,
+    TrainingRun,
+    TrainingRunsResponse,
+    WeightsInfoResponse,
+)
 from gpu_runtime.contract import target_families
 
 KINDS = {mode: kind for kind, mode in paths.MODES.items()}  # Signal's mode → Tinker's path segment
-TYPES = {"weights": "training", "sampler_weights": "sampler"}
+TYPES: dict[str, CheckpointType] = {"weights": "training", "sampler_weights": "sampler"}
 PAGE_MOST = 1000
-
-
-def services(request: Request) -> Services:
-    return request.app.state.services  # type: ignore[no-any-return]  # Starlette's state is untyped
 
 
 def page(request: Request) -> tuple[int, int]:
@@ -31,7 +39,7 @@ def page(request: Request) -> tuple[int, int]:
     return max(1, min(limit, PAGE_MOST)), max(0, offset)
 
 
-def checkpoint(model: TinkerModel, row: Checkpoint) -> dict[str, Any] | None:
+def checkpoint(model: TinkerModel, row: tables.Checkpoint) -> Checkpoint | None:
     kind = KINDS.get(row.mode)
     if kind is None or not paths.NAME.match(row.name):
         return None  # a merged export, or a name Tinker paths cannot carry
@@ -40,17 +48,14 @@ def checkpoint(model: TinkerModel, row: Checkpoint) -> dict[str, Any] | None:
             "public": False}
 
 
-def switches(run: Run) -> dict[str, bool]:
-    return target_families(run.lora_config.get("target_modules"))
-
-
-async def training_run(svc: Services, user: User, model: TinkerModel) -> dict[str, Any]:
+async def training_run(svc: Services, user: User, model: TinkerModel) -> TrainingRun:
     run = await svc.runs.get(user, model.run_id or "")
     saved = [c for c in (checkpoint(model, row) for row in await svc.runs.checkpoints(run)) if c is not None]
     last = {t: next((c for c in reversed(saved) if c["checkpoint_type"] == t), None) for t in ("training", "sampler")}
-    answer = {"training_run_id": model.id, "base_model": model.base_model, "model_owner": user.email, "is_lora": True,
-              "corrupted": run.status == "failed", "lora_rank": int(run.lora_config.get("r", 0)),
-              "last_request_time": run.updated_at.isoformat()}
+    answer: TrainingRun = {
+        "training_run_id": model.id, "base_model": model.base_model, "model_owner": user.email, "is_lora": True,
+        "corrupted": run.status == "failed", "lora_rank": int(run.lora_config.get("r", 0)),
+        "last_request_time": run.updated_at.isoformat()}
     if last["training"]:
         answer["last_checkpoint"] = last["training"]
     if last["sampler"]:
@@ -58,13 +63,13 @@ async def training_run(svc: Services, user: User, model: TinkerModel) -> dict[st
     return answer
 
 
-async def server_capabilities(request: Request, user: User) -> dict[str, Any]:
+async def server_capabilities(request: Request, user: User) -> GetServerCapabilitiesResponse:
     return {"supported_models": [
         {"model_name": m.name, "max_context_length": m.context_length, "trainable": m.available,
          "sampleable": m.available} for m in services(request).catalog.list()]}
 
 
-async def list_training_runs(request: Request, user: User) -> dict[str, Any]:
+async def list_training_runs(request: Request, user: User) -> TrainingRunsResponse:
     svc = services(request)
     limit, offset = page(request)
     models, total = await svc.tinker_sessions.models(user, limit, offset)
@@ -77,12 +82,12 @@ async def list_training_runs(request: Request, user: User) -> dict[str, Any]:
     return {"training_runs": runs, "cursor": {"offset": offset, "limit": limit, "total_count": total}}
 
 
-async def get_training_run(request: Request, user: User) -> dict[str, Any]:
+async def get_training_run(request: Request, user: User) -> TrainingRun:
     svc = services(request)
     return await training_run(svc, user, await svc.tinker_sessions.model(user, request.path_params["model_id"]))
 
 
-async def list_checkpoints(request: Request, user: User) -> dict[str, Any]:
+async def list_checkpoints(request: Request, user: User) -> CheckpointsListResponse:
     svc = services(request)
     model = await svc.tinker_sessions.model(user, request.path_params["model_id"])
     run = await svc.runs.get(user, model.run_id or "")
@@ -90,11 +95,11 @@ async def list_checkpoints(request: Request, user: User) -> dict[str, Any]:
     return {"checkpoints": [c for c in rows if c is not None]}
 
 
-async def list_user_checkpoints(request: Request, user: User) -> dict[str, Any]:
+async def list_user_checkpoints(request: Request, user: User) -> CheckpointsListResponse:
     svc = services(request)
     limit, offset = page(request)
     models, _ = await svc.tinker_sessions.models(user, PAGE_MOST, 0)
-    found: list[dict[str, Any]] = []
+    found: list[Checkpoint] = []
     for model in models:
         try:
             run = await svc.runs.get(user, model.run_id or "")
@@ -106,7 +111,7 @@ async def list_user_checkpoints(request: Request, user: User) -> dict[str, Any]:
             "cursor": {"offset": offset, "limit": limit, "total_count": len(found)}}
 
 
-async def delete_checkpoint(request: Request, user: User) -> dict[str, Any]:
+async def delete_checkpoint(request: Request, user: User) -> Empty:
     svc = services(request)
     model = await svc.tinker_sessions.model(user, request.path_params["model_id"])
     kind, _, name = str(request.path_params["checkpoint_id"]).partition("/")
@@ -120,12 +125,15 @@ async def delete_checkpoint(request: Request, user: User) -> dict[str, Any]:
     return {}
 
 
-async def weights_info(request: Request, user: User, data: dict[str, Any]) -> dict[str, Any]:
+async def weights_info(request: Request, user: User, data: dict[str, Any]) -> WeightsInfoResponse:
+    """The LoRA a checkpoint loads into, from weights_info's JSON body (as sent)."""
     svc = services(request)
     source = paths.parse(data.get("tinker_path"), "tinker_path")
     model = await svc.tinker_sessions.model(user, source.model_id)
     run = await svc.runs.get(user, model.run_id or "")
     if not any(c.mode == source.mode and c.name == source.name for c in await svc.runs.checkpoints(run)):
         raise NotFound(f"checkpoint {source.path} not found", field="tinker_path")
+    switches = target_families(run.lora_config.get("target_modules"))
     return {"base_model": model.base_model, "is_lora": True, "lora_rank": int(run.lora_config.get("r", 0)),
-            **switches(run), "optimizer_config": {"type": "adamw"}}
+            "train_attn": switches["train_attn"], "train_mlp": switches["train_mlp"],
+            "train_unembed": switches["train_unembed"], "optimizer_config": {"type": "adamw"}}

@@ -1,0 +1,110 @@
+"""A sampling client's operations: create_sampling_session (a snapshot, a checkpoint or the base alone), the
+sampler's description, and asample, whose answer is a protobuf SampleResponse (app/tinker/proto.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from starlette.requests import Request
+
+from app.errors import BadInput
+from app.services.runs import SampleParams
+from app.services.tinker_futures import PROTO_TYPE
+from app.services.tinker_sessions import sampling_session_id
+from app.tables import User
+from app.tinker import paths, proto
+from app.tinker.endpoint import body, future_answer, integer, services
+from app.tinker.messages import CreateSamplingSessionResponse, GetSamplerResponse, UntypedAPIFuture
+from gpu_runtime.contract.sampling_settings import MAX_TOKENS_LIMIT
+
+
+async def create_sampling_session(request: Request, user: User) -> CreateSamplingSessionResponse:
+    data = await body(request)
+    svc = services(request)
+    session_id = str(data.get("session_id", ""))
+    await svc.tinker_sessions.open(user, session_id)
+    seq = integer(data.get("sampling_session_seq_id"), "sampling_session_seq_id")
+    the_id = sampling_session_id(session_id, seq)
+    if data.get("model_path") is None:  # the base alone
+        base_model = data.get("base_model")
+        if not isinstance(base_model, str) or not base_model:
+            raise BadInput("create_sampling_session needs model_path or base_model", field="base_model")
+        svc.catalog.get(base_model)  # an unknown name is the caller's error now, not at the first sample
+        await svc.tinker_sessions.map(user, the_id, session_id, "sample", None, base_model)
+        return {"sampling_session_id": the_id, "type": "create_sampling_session"}
+    source = paths.parse(data["model_path"], "model_path")
+    model = await svc.tinker_sessions.model(user, source.model_id)
+    run = await svc.runs.get(user, model.run_id or "")
+    if (source.mode, source.name) not in {(c.mode, c.name) for c in await svc.runs.checkpoints(run)}:
+        raise BadInput(f"model_path: {source.path} not found", field="model_path")
+    await svc.tinker_sessions.map(user, the_id, session_id, "sample", run.id, model.base_model, source.path)
+    return {"sampling_session_id": the_id, "type": "create_sampling_session"}
+
+
+async def get_sampler(request: Request, user: User) -> GetSamplerResponse:
+    sampler = await services(request).tinker_sessions.model(user, request.path_params["sampler_id"], "sample")
+    answer = GetSamplerResponse(sampler_id=sampler.id, base_model=sampler.base_model)
+    if sampler.model_path:
+        answer["model_path"] = sampler.model_path
+    return answer
+
+
+def sample_params(data: dict[str, Any], context_length: int | None) -> SampleParams:
+    """A SampleRequest's JSON body (as sent) as Signal's sampling parameters."""
+    params = data.get("sampling_params") or {}
+    chunks = (data.get("prompt") or {}).get("chunks") or []
+    tokens: list[int] = []
+    for i, chunk in enumerate(chunks):
+        if chunk.get("type", "encoded_text") != "encoded_text":
+            raise BadInput(f"prompt.chunks[{i}]: only encoded_text chunks are supported", field=f"prompt.chunks[{i}]")
+        tokens += list(chunk.get("tokens") or [])
+    stop = params.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    is_ids = isinstance(stop, list) and bool(stop) and all(isinstance(s, int) for s in stop)
+    max_tokens = params.get("max_tokens")
+    top_k = params.get("top_k", -1)
+    return SampleParams(
+        prompt_tokens=[tokens],
+        max_tokens=room(len(tokens), context_length) if max_tokens is None else max_tokens,
+        temperature=params.get("temperature", 1.0), top_p=params.get("top_p", 1.0),
+        top_k=0 if top_k == -1 else top_k,  # Tinker's -1 is Signal's 0: off
+        stop=None if is_ids else stop, stop_tokens=stop if is_ids else None,
+        num_samples=data.get("num_samples", 1), seed=params.get("seed"),
+        prompt_logprobs=bool(data.get("prompt_logprobs", False)), store=False)
+
+
+def room(prompt_length: int, context_length: int | None) -> int:
+    """max_tokens null: the room the prompt leaves in the context (the catalogue's context_length), up to the bound."""
+    if context_length is None:
+        return MAX_TOKENS_LIMIT
+    return max(1, min(MAX_TOKENS_LIMIT, context_length - prompt_length))
+
+
+async def asample(request: Request, user: User) -> UntypedAPIFuture:
+    data = await body(request)
+    svc = services(request)
+    sampler = await svc.tinker_sessions.model(user, str(data.get("sampling_session_id", "")), "sample", live=True)
+    seq = integer(data.get("seq_id", 0), "seq_id")
+    num_samples = integer(data.get("num_samples", 1), "num_samples", 1)
+    context_length = None
+    if (data.get("sampling_params") or {}).get("max_tokens") is None:
+        base = sampler.base_model if sampler.run_id is None else (await svc.runs.get(user, sampler.run_id)).base_model
+        context_length = svc.catalog.get(base).context_length
+    params = sample_params(data, context_length)
+    # The weights: a sampler snapshot (named or the ephemeral one), a training checkpoint, or the base alone.
+    snapshot = checkpoint = base_model = None
+    if sampler.run_id is None:
+        base_model = sampler.base_model
+    elif sampler.model_path:
+        kind, name = sampler.model_path.rsplit("/", 2)[-2:]
+        snapshot, checkpoint = (name, None) if kind == "sampler_weights" else (None, name)
+
+    async def work(request_id: str) -> tuple[str, bytes]:
+        result = await svc.runs.sample(user, sampler.run_id, params, request_id=request_id, snapshot=snapshot,
+                                       checkpoint=checkpoint, base_model=base_model)
+        prompt_logprobs = result.prompt_logprobs[0] if params.prompt_logprobs and result.prompt_logprobs else None
+        return PROTO_TYPE, proto.encode_sample_response(result.sequences[0], prompt_logprobs)
+
+    row = await svc.tinker.submit(user, ("sample", sampler.id, seq), "Sample", work, samples=num_samples)
+    return future_answer(row)

@@ -1,0 +1,159 @@
+"""A training client's operations, each in its model's order: forward_backward (and forward), optim_step,
+save_weights and save_weights_for_sampler. forward_backward's body and answer are protobuf (app/tinker/proto.py)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+from starlette.requests import Request
+
+from app.errors import BadInput
+from app.services import Services
+from app.services.call_order import Numbered
+from app.services.tinker_futures import PROTO_TYPE, json_answer
+from app.services.tinker_sessions import sampling_session_id, session_of
+from app.tables import TinkerFuture, TinkerModel, User
+from app.tinker import paths, proto
+from app.tinker.endpoint import body, future_answer, integer, services
+from app.tinker.messages import (
+    OptimStepResponse,
+    SaveWeightsForSamplerResponseInternal,
+    SaveWeightsResponse,
+    UntypedAPIFuture,
+)
+from gpu_runtime.errors import FailedPrecondition
+
+T = TypeVar("T")
+ADAM_KEYS = ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")  # AdamParams' fields
+
+
+async def ordered(svc: Services, model: TinkerModel, seq: int,
+                  call: Callable[[Numbered, str], Awaitable[T]], request_id: str) -> T:
+    """A training operation in its model's order: seq_id is its number in the pipeline named by the model id
+    (app/services/call_order.py), so chunks 2..k sent before chunk 1 wait in the background, never at submit."""
+    return await call(Numbered(model.id, seq), request_id)
+
+
+async def submit_training(svc: Services, user: User, model: TinkerModel, seq: int, request_type: str,
+                          work: Callable[[str], Awaitable[tuple[str, bytes]]]) -> TinkerFuture:
+    """A training operation's future, keyed (model_id, seq_id). One refused before it joined the run's queue (a bad
+    datum, an existing name) still releases its number, so the operation after it does not wait for it."""
+    async def released(request_id: str) -> tuple[str, bytes]:
+        try:
+            return await work(request_id)
+        except FailedPrecondition as exc:
+            if exc.field != "seq":  # a gap in the numbers: this one never joined, and nothing can release it
+                await release(svc, model, seq)
+            raise
+        except Exception:
+            await release(svc, model, seq)
+            raise
+
+    return await svc.tinker.submit(user, ("train", model.id, seq), request_type, released)
+
+
+async def release(svc: Services, model: TinkerModel, seq: int) -> None:
+    # Already admitted: returns at once. Else it waits (bounded) for seq - 1, then counts this number as joined.
+    with contextlib.suppress(FailedPrecondition):
+        await svc.runs.order.admit(model.run_id or "", Numbered(model.id, seq))
+
+
+async def forward_backward(request: Request, user: User) -> UntypedAPIFuture:
+    if "protobuf" not in request.headers.get("content-type", ""):
+        raise BadInput("forward_backward takes an application/x-protobuf ForwardBackwardRequest", field="body")
+    if request.headers.get("content-encoding", "identity") not in ("identity", ""):
+        raise BadInput("Content-Encoding is not supported (the server sets proto_compress_fwdbwd false)", field="body")
+    message = proto.decode_forward_backward(await request.body())
+    svc = services(request)
+    model = await svc.tinker_sessions.model(user, message["model_id"], live=True)
+    seq = integer(message["seq_id"], "seq_id", 1)
+    forward_only = message["forward_only"]
+
+    async def work(request_id: str) -> tuple[str, bytes]:
+        if forward_only:
+            ahead = await ordered(svc, model, seq, lambda order, rid: svc.runs.forward(
+                user, message["data"], run_id=model.run_id, loss_fn=message["loss_fn"],
+                loss_fn_config=message["loss_fn_config"], request_id=rid, order=order), request_id)
+            loss, outputs = ahead.loss_sum, ahead.outputs
+        else:
+            trained = await ordered(svc, model, seq, lambda order, rid: svc.runs.forward_backward(
+                user, model.run_id or "", message["data"], loss_fn=message["loss_fn"],
+                loss_fn_config=message["loss_fn_config"], request_id=rid, reduction="sum", return_outputs=True,
+                order=order), request_id)
+            loss, outputs = trained.loss, trained.outputs or []
+        return PROTO_TYPE, proto.encode_forward_backward_output(outputs, {"loss:sum": loss})
+
+    row = await submit_training(svc, user, model, seq, "Forward" if forward_only else "ForwardBackward", work)
+    return future_answer(row)
+
+
+async def optim_step(request: Request, user: User) -> UntypedAPIFuture:
+    data = await body(request)
+    svc = services(request)
+    model = await svc.tinker_sessions.model(user, str(data.get("model_id", "")), live=True)
+    seq = integer(data.get("seq_id"), "seq_id", 1)
+    adam = data.get("adam_params") or {}
+    if "optimizer_params" in data and (data["optimizer_params"] or {}).get("type", "adamw") != "adamw":
+        raise BadInput("only AdamW is supported", field="optimizer_params")
+
+    async def work(request_id: str) -> tuple[str, bytes]:
+        params = {key: adam[key] for key in ADAM_KEYS if key in adam}  # as sent: Tinker's eps 1e-12, clip 0 (off)
+        result = await ordered(svc, model, seq, lambda order, rid: svc.runs.optim_step(
+            user, model.run_id or "", params, request_id=rid, order=order), request_id)
+        # Namespaced: the cookbook merges these into its own metrics rows, whose `step` is its batch index.
+        return json_answer(OptimStepResponse(type="optim_step", metrics={
+            "optim/step": float(result.step), "optim/grad_norm": float(result.grad_norm),
+            "optim/learning_rate": float(result.learning_rate)}))
+
+    row = await submit_training(svc, user, model, seq, "OptimStep", work)
+    return future_answer(row)
+
+
+async def save(request: Request, user: User, kind: str) -> UntypedAPIFuture:
+    """save_weights (a resumable training checkpoint) and save_weights_for_sampler (a sampler snapshot: named, or
+    unnamed behind a new sampling session)."""
+    data = await body(request)
+    svc = services(request)
+    model = await svc.tinker_sessions.model(user, str(data.get("model_id", "")), live=True)
+    seq = integer(data.get("seq_id"), "seq_id", 1)
+    ephemeral = kind == "sampler_weights" and data.get("path") is None
+    name = None if ephemeral else paths.check_name(data.get("path"))
+    overwrite = bool(data.get("overwrite", False))
+    request_type = "SaveWeights" if kind == "weights" else "SaveWeightsForSampler"
+
+    async def work(request_id: str) -> tuple[str, bytes]:
+        run = await svc.runs.get(user, model.run_id or "")
+        if ephemeral:  # an unnamed snapshot (memory only, expiring), sampled through a sampling session
+            sampling_seq = integer(data.get("sampling_session_seq_id"), "sampling_session_seq_id")
+            the_id = sampling_session_id(session_of(model.id), sampling_seq)
+            saved = await ordered(svc, model, seq, lambda order, rid: svc.runs.save_weights_for_sampler(
+                user, run.id, name=None, request_id=rid, order=order), request_id)
+            await svc.tinker_sessions.map(user, the_id, model.session_id, "sample", run.id, model.base_model,
+                                          f"tinker://{model.id}/sampler_weights/{saved.name}")
+            return json_answer(SaveWeightsForSamplerResponseInternal(sampling_session_id=the_id,
+                                                                     type="save_weights_for_sampler"))
+        target = paths.TinkerPath(model.id, kind, name or "")
+        existing = {(c.mode, c.name) for c in await svc.runs.checkpoints(run)}
+        if (target.mode, target.name) in existing and not overwrite:
+            raise BadInput(f"checkpoint {target.path} exists; pass overwrite=True to replace it", field="path")
+        if kind == "sampler_weights":  # a named snapshot: the weights at this seq_id, kept until deleted
+            await ordered(svc, model, seq, lambda order, rid: svc.runs.save_weights_for_sampler(
+                user, run.id, name=target.name, request_id=rid, order=order), request_id)
+            return json_answer(SaveWeightsForSamplerResponseInternal(path=target.path, type="save_weights_for_sampler"))
+        await ordered(svc, model, seq, lambda order, rid: svc.runs.save_state(
+            user, run.id, mode=target.mode, name=target.name, with_optimizer=True, request_id=rid, order=order),
+            request_id)
+        return json_answer(SaveWeightsResponse(path=target.path, type="save_weights"))
+
+    row = await submit_training(svc, user, model, seq, request_type, work)
+    return future_answer(row)
+
+
+async def save_weights(request: Request, user: User) -> UntypedAPIFuture:
+    return await save(request, user, "weights")
+
+
+async def save_weights_for_sampler(request: Request, user: User) -> UntypedAPIFuture:
+    return await save(request, user, "sampler_weights")
