@@ -32,9 +32,23 @@ from web.render import not_found_page
 log = logging.getLogger("signal.server")
 
 
+def _show_signal_logs(level: str) -> None:
+    """Signal's own log lines (loggers `signal.*`) on stderr at the server's log level, beside uvicorn's, which
+    configures its loggers alone: else only warnings would show, through Python's last-resort handler. Left alone
+    where the process already logs somewhere (a root handler: an embedding app, pytest)."""
+    logger = logging.getLogger("signal")
+    if logging.getLogger().handlers or logger.handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)-9s %(name)s: %(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(level.upper())
+
+
 def create_app(settings: Settings | None = None, backend: Backend | None = None, announce: bool = False) -> Starlette:
     """The app; with `announce` (`signal serve`), its start prints the admin's sign-in link and the URL too."""
     settings = settings or Settings()
+    _show_signal_logs(settings.log_level)
     if backend is None:
         check_backend(settings)  # e.g. SIGNAL_BACKEND=modal without credentials: said now, not at the first call
 

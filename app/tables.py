@@ -229,6 +229,18 @@ class DashboardSession(Base):
     user_agent: Mapped[str] = mapped_column(StoredString(USER_AGENT_LENGTH), default="")
 
 
+class RunSession(Base):
+    """A caller's numbered session on a run (app/services/call_order.py): the last number that holds a ticket, so a
+    pipelined call's successor, on any server process, takes its ticket after it."""
+
+    __tablename__ = "run_sessions"
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    session: Mapped[str] = mapped_column(String(64), primary_key=True)
+    last_seq: Mapped[int] = mapped_column(BigInteger)
+    ticket: Mapped[int] = mapped_column(BigInteger)  # the run's ticket of that last call: old sessions are forgotten
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
 class PlaygroundStream(Base):
     """A playground sample validated by its POST and waiting for its stream's GET (EventSource is GET-only), keyed by
     the hash of its one-time id: any server process may answer the GET, which opens it once (app/services/

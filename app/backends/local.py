@@ -91,7 +91,7 @@ class LocalBackend:
             watch.beat(float(answer.get("tick_seconds", 0.0)))
 
     async def call(self, request: Call[A], pool: PoolKey | None = None, progress: Progress | None = None,
-                   ticket: int | None = None) -> A:
+                   ticket: int | None = None, sent: Callable[[], None] | None = None) -> A:
         # `pool` is ignored: this machine's runtime is one pool holding every base it is asked for.
         self.in_flight += 1
         try:
@@ -103,6 +103,8 @@ class LocalBackend:
             # In a thread: a large batch can fill the pipe, and the write would block the event loop.
             future = await anyio.to_thread.run_sync(functools.partial(self._submit, request, _on_loop(progress), ticket))
             log.debug("%s sent to the runtime (run %s)", request.method, request.run)
+            if sent is not None:
+                sent()  # written to the runtime's connection, which it reads in order: the run's next call may go
             # Shielded: cancelling the caller must not cancel the client's Future, which the runtime still answers.
             # A WorkerFailed passes through; the next call starts a new runtime.
             return request.result(await asyncio.shield(asyncio.wrap_future(future)))

@@ -110,7 +110,7 @@ class ModalBackend:
                       "gpu_runtime.modal_app`, and see `signal doctor`", APP_NAME, CLASS_NAME, type(exc).__name__, exc)
 
     async def call(self, request: Call[A], pool: PoolKey | None = None, progress: Progress | None = None,
-                   ticket: int | None = None) -> A:
+                   ticket: int | None = None, sent: Callable[[], None] | None = None) -> A:
         # `progress` is never called: a call's answer comes back whole from `.remote()`, so a streamed sample's text
         # reaches the client as one chunk after it (docs/MODAL.md).
         if pool is None:
@@ -123,6 +123,10 @@ class ModalBackend:
             answer = await self._invoke(key, "delete_run", request.run_id)
         else:
             params = request.to_dict() | ({} if ticket is None else {"ticket": ticket})
+            if sent is not None:
+                # Concurrent .remote() calls may arrive in any order: the container orders a run's tickets itself once
+                # it knows the run (docs/ORDERING.md), so the run's next call need not wait for this one's answer.
+                sent()
             answer = await self._guarded(key, request.method.value, params)
         if "error" in answer:
             raise SignalError.from_dict(answer["error"])

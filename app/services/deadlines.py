@@ -1,7 +1,7 @@
 """Each method's deadline (issue 19 §3, SIGNAL_DEADLINES_S): counted from the call's arrival, queue time included.
 
-A call still waiting in this server (for its run's lock, or its session's previous number) at its deadline stops
-waiting: it has no ticket yet, so nothing else waits for it. A call sent to the runtime is not abandoned: the runtime
+A call still waiting in this server (for its session's previous number, or its run's turn to take a ticket) at its
+deadline stops waiting: it has no ticket yet, so nothing else waits for it. A call sent to the runtime is not abandoned: the runtime
 is asked to cancel it by request id, and its own answer says what happened: withdrawn before it was applied
 (DEADLINE_EXCEEDED, its ticket counted done, a split forward_backward's gradients put back, a sample stopped between
 decode chunks), or applied (in a pass or journaled: answered and recorded as usual). Either way never abandoned half

@@ -2,7 +2,7 @@
 
 GraphQL resolvers and dashboard handlers both call this. Every primitive goes through one skeleton (`_apply`):
 ownership first (another user's run is "not found", never data), its arguments checked, the ledger's credit check,
-then in the run's order (its lock and ticket) the runtime call, and the call recorded once: its call record, result
+then in the run's order (its ticket: call_order.py) the runtime call, and the call recorded once: its call record, result
 and compute seconds in one transaction (call_records.py), which a retry of an applied call completes if it never ran.
 """
 
@@ -14,7 +14,6 @@ import builtins
 import dataclasses
 import json
 import math
-from collections import defaultdict
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -312,12 +311,9 @@ class RunService:
         self.backend = backend
         self.catalog = catalog
         self.feed = feed
-        # Still needed beside tickets: a restarted runtime knows no ticket (its journal keeps none) and takes the first
-        # it gets as the run's start, and results are recorded in the order calls finish. One call per run per process.
-        self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         self._devices: dict[PoolKey, str] = {}  # pool → its runtime's device, for pricing base samples
-        # The SDK's numbers (seq, session): a numbered call joins its run's lock queue after its predecessor.
-        self.order = CallOrder()
+        # A run's calls in one order across processes: tickets, in the callers' numbers (seq, session).
+        self.order = CallOrder(db)
         # A check of another client's claim on the run before each primitive (Tinker's: app/services/tinker_sessions.py
         # refuses Signal's own calls on a run a live Tinker session drives); None: no check.
         self.claim: Callable[[Run, str], Awaitable[None]] | None = None
@@ -566,8 +562,8 @@ class RunService:
                      snapshot: str | None = None, checkpoint: str | None = None, base_model: str | None = None,
                      order: Numbered | None = None, progress: Progress | None = None,
                      latest: bool = False) -> SampleResult:
-        """Sample a run's current weights (in the run's order, under its lock), a snapshot or checkpoint of it, or a
-        base alone. Frozen sources (docs/SNAPSHOTS.md) take neither the run's lock nor a ticket: they wait for nothing
+        """Sample a run's current weights (in the run's order: its ticket), a snapshot or checkpoint of it, or a
+        base alone. Frozen sources (docs/SNAPSHOTS.md) take no ticket: they wait for nothing
         on the run; so does `latest` (/v1 on a run id): the run's current weights as they are when the call reaches the
         runtime, which copies them for it, so that nothing queued on the run holds it up. Each sequence becomes a
         sample row when `params.store` says so (None: true for current weights, false otherwise: an RL step of 128
@@ -659,7 +655,7 @@ class RunService:
                              arguments: Callable[[Run], Call[A]], record: Record[A, A],
                              progress: Progress | None = None) -> A:
         """A call on a run's frozen weights (a snapshot or checkpoint: docs/SNAPSHOTS.md): owned and billed like the
-        run's calls, but it takes neither the run's lock nor a ticket, so it waits for nothing queued on the run."""
+        run's calls, but it takes no ticket, so it waits for nothing queued on the run."""
         deadline = Deadline.start(self.deadlines, method)
         run = await self.get(user, run_id)
         _refuse_archived(run, method)
@@ -685,7 +681,7 @@ class RunService:
     async def _sample_base(self, user: User, base_model: str | None, params: SampleParams,
                            request_id: str | None, store: dict[str, Any] | None,
                            progress: Progress | None = None) -> SampleResult:
-        """The base alone: no run, so no lock and no ticket; billed to the user (Ledger.owe_user). `store` (the
+        """The base alone: no run, so no ticket; billed to the user (Ledger.owe_user). `store` (the
         params to keep with them, or None) writes the sequences to the user's base-model history."""
         deadline = Deadline.start(self.deadlines, "sample")
         model, pool, gpu_config = self._base_pool(base_model)
@@ -847,15 +843,16 @@ class RunService:
         if row is None or row.run_id != run.id:
             raise NotFound(f"checkpoint {checkpoint_id} of run {run_id!r} not found", field="checkpointId")
 
-        async def work() -> None:
-            try:
-                await self._engine(DeleteCheckpoint(run_id=run.id, mode=row.mode, name=row.name), pool=pool_of(run))
+        async def work(ticket: int, sent: Callable[[], None]) -> None:
+            try:  # after the run's calls before it (a save_state of this checkpoint's name)
+                await self._engine(DeleteCheckpoint(run_id=run.id, mode=row.mode, name=row.name), pool=pool_of(run),
+                                   ticket=ticket, sent=sent)
             except NotFound:
                 pass  # its files are already gone (a delete half done): remove the row anyway
             async with self.db.session() as session:
                 await session.execute(delete(Checkpoint).where(Checkpoint.id == row.id))
 
-        await self._serialised(run.id, work)
+        await self._in_order(run.id, work)
 
     async def _checkpoint_row(self, user: User, ref: CheckpointRef, field: str) -> tuple[Run, Checkpoint]:
         """The caller's run and checkpoint a reference names; another user's, or none, is NOT_FOUND alike."""
@@ -870,9 +867,9 @@ class RunService:
     async def delete(self, user: User, run_id: str) -> None:
         run = await self.get(user, run_id)
 
-        async def work() -> None:
-            try:
-                await self._engine(DeleteRun(run_id=run.id), pool=pool_of(run))
+        async def work(ticket: int, sent: Callable[[], None]) -> None:
+            try:  # after the run's calls before it
+                await self._engine(DeleteRun(run_id=run.id), pool=pool_of(run), ticket=ticket, sent=sent)
             except RunNotFound:
                 pass  # its files are already gone (an earlier delete half done): remove the rows anyway
             async with self.db.session() as session:
@@ -880,8 +877,7 @@ class RunService:
                     await session.execute(delete(table).where(table.run_id == run.id))
                 await session.execute(delete(Run).where(Run.id == run.id))
 
-        await self._serialised(run.id, work)
-        self._locks.pop(run.id, None)
+        await self._in_order(run.id, work)
         self.order.forget(run.id)
 
     # ---- the runtime ---------------------------------------------------------------------
@@ -916,13 +912,12 @@ class RunService:
 
         streamed = Streamed.of(progress)
 
-        async def work() -> T:
-            ticket = await self._ticket(run.id)
+        async def work(ticket: int, sent: Callable[[], None]) -> T:
             result = await self._answered(deadline, pool_of(run), user, request_id,
-                                          self._on_run(run, request, streamed, ticket), streamed)
+                                          self._on_run(run, request, streamed, ticket, sent), streamed)
             return await self._recorded(run, operation, request_id, result, record)
 
-        return await self._serialised(run.id, work, order, deadline)
+        return await self._in_order(run.id, work, order, deadline)
 
     async def _recorded(self, run: Run, operation: str, request_id: str, result: A, record: Record[A, T]) -> T:
         """The applied call recorded once, with what `record` writes, in one transaction (call_records.py)."""
@@ -939,11 +934,11 @@ class RunService:
         return request
 
     async def _on_run(self, run: Run, request: Call[A], progress: Progress | None = None,
-                      ticket: int | None = None) -> A:
+                      ticket: int | None = None, sent: Callable[[], None] | None = None) -> A:
         """A runtime call on a run the database holds. The runtime answering that it has no such run means its
         files are gone for good: the run is marked failed (runs.status), and the caller gets NOT_FOUND."""
         try:
-            return await self._engine(request, pool=pool_of(run), progress=progress, ticket=ticket)
+            return await self._engine(request, pool=pool_of(run), progress=progress, ticket=ticket, sent=sent)
         except RunNotFound:
             async with self.db.session() as session:
                 await session.execute(update(Run).where(Run.id == run.id).values(status=FAILED))
@@ -951,38 +946,26 @@ class RunService:
 
     # ---- bookkeeping ---------------------------------------------------------------------
 
-    async def _ticket(self, run_id: str) -> int:
-        """The call's place in the run's order across server processes; the runtime applies calls in ticket order.
-        Taken under the run's lock (this process's arrival order) and committed at once, so every process sees it."""
-        async with self.db.session() as session:
-            ticket = await session.scalar(update(Run).where(Run.id == run_id).values(call_seq=Run.call_seq + 1)
-                                          .returning(Run.call_seq))
-        if ticket is None:
-            raise RunNotFound(f"run {run_id!r} not found", field="runId")
-        return int(ticket)
-
-    async def _serialised(self, run_id: str, work: Callable[[], Awaitable[T]], order: Numbered | None = None,
-                          deadline: Deadline | None = None) -> T:
-        """Run `work` under the run's lock (FIFO: arrival order), to the end even if the caller goes away:
-        a call the worker has taken is always recorded. A numbered call (`order`) joins the lock's queue only
-        after its session's previous number has (call_order.py), with no await in between: arrival order, and so
-        the tickets taken under the lock, follow the client's numbers. Waiting for either past `deadline` answers
-        DEADLINE_EXCEEDED; no ticket was taken, and its session's next number goes on without it."""
-        lock = self._locks[run_id]
-
-        async def queued() -> None:
-            if order is not None:
-                await self.order.admit(run_id, order)
-            await lock.acquire()
-
-        async def locked() -> T:
-            await waiting(deadline, queued(), None if order is None else lambda: self.order.passed(run_id, order))
+    async def _in_order(self, run_id: str, call: Callable[[int, Callable[[], None]], Awaitable[T]],
+                        order: Numbered | None = None, deadline: Deadline | None = None) -> T:
+        """`call(ticket, sent)` in the run's order (call_order.py): its place in line waited for (past `deadline`:
+        DEADLINE_EXCEEDED, no ticket taken), its ticket taken, and the run's turn held until the call has left for the
+        runtime (`sent`), not until its answer, so a run's calls are pipelined. Run to the end even if the caller goes
+        away: a call the runtime has taken is always recorded."""
+        async def in_order() -> T:
+            turn = await waiting(deadline, self.order.enter(run_id, order))
             try:
-                return await work()
+                ticket = await self.order.ticket(run_id, order)
+                left = asyncio.Event()
+                task = asyncio.ensure_future(call(ticket, left.set))
+                leaving = asyncio.ensure_future(left.wait())
+                await asyncio.wait([task, leaving], return_when=asyncio.FIRST_COMPLETED)
+                leaving.cancel()
             finally:
-                lock.release()
+                turn.release()
+            return await task
 
-        return await asyncio.shield(asyncio.ensure_future(locked()))
+        return await asyncio.shield(asyncio.ensure_future(in_order()))
 
     async def checkpoint_archive(self, run_id: str, mode: str, step: int, name: str | None = None) -> bytes:
         """A checkpoint's files as .tar.gz bytes, from the runtime that holds them (the caller checked ownership)."""
@@ -994,9 +977,9 @@ class RunService:
         return base64.b64decode(archive.archive_b64)
 
     async def _engine(self, request: Call[A], pool: PoolKey | None = None, progress: Progress | None = None,
-                      ticket: int | None = None) -> A:
+                      ticket: int | None = None, sent: Callable[[], None] | None = None) -> A:
         async def call() -> A:
-            return await self.backend.call(request, pool=pool, progress=progress, ticket=ticket)
+            return await self.backend.call(request, pool=pool, progress=progress, ticket=ticket, sent=sent)
 
         try:
             return await sent_until_taken(call)  # a refusal resent here only for callers that cannot (throttle.py)

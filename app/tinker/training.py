@@ -55,9 +55,9 @@ async def submit_training(svc: Services, user: User, model: TinkerModel, seq: in
 
 
 async def release(svc: Services, model: TinkerModel, seq: int) -> None:
-    # Already admitted: returns at once. Else it waits (bounded) for seq - 1, then counts this number as joined.
+    # Already admitted: changes nothing. Else it waits (bounded) for seq - 1, then counts this number as admitted.
     with contextlib.suppress(FailedPrecondition):
-        await svc.runs.order.admit(model.run_id or "", Numbered(model.id, seq))
+        await svc.runs.order.skip(model.run_id or "", Numbered(model.id, seq))
 
 
 async def forward_backward(request: Request, user: User) -> UntypedAPIFuture:

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -177,6 +178,34 @@ def test_calls_on_one_run_alternate_between_servers_and_apply_in_order(cluster: 
     assert handles["b"].optim_step().step == 5
     assert {name: client.get_run(run.id).step for name, client in clients.items()} == {"a": 5, "b": 5}
     assert len(clients["a"].get_run(run.id).metrics(name="loss:mean")) == 4 + 6
+
+
+def test_a_sessions_numbers_order_its_calls_across_server_processes(cluster: Cluster) -> None:
+    # Pipelined calls of one session on two server processes: seq 2 (optim_step) reaches server b first and waits
+    # there until seq 1 (forward_backward), sent to server a, holds its ticket (run_sessions, call_order.py).
+    key = cluster.admin_key()
+    client = SignalClient(api_key=key, base_url=cluster.urls["a"])
+    run, reference = client.create_run(lora_r=4, seed=5), client.create_run(lora_r=4, seed=5)
+    ref_fb, ref_opt = reference.forward_backward(batch=BATCH), reference.optim_step(learning_rate=0.05)
+    session = uuid.uuid4().hex
+
+    def call(server: str, operation: str, variables: dict[str, Any]) -> dict[str, Any]:
+        body = httpx.post(f"{cluster.urls[server]}/graphql", json={"query": document(operation), "variables": variables},
+                          headers={"Authorization": f"Bearer {key}"}, timeout=300).json()
+        assert "errors" not in body, body
+        return dict(body["data"])
+
+    with ThreadPoolExecutor(1) as pool:
+        later = pool.submit(call, "b", "OptimStep", {"runId": run.id, "adam": {"learningRate": 0.05},
+                                                     "seq": 2, "session": session})
+        cluster.servers["b"].wait_for_line(rf"run {run.id}: call 2 of session {session} waits for call 1")
+        fb = call("a", "ForwardBackward", {"runId": run.id, "batch": BATCH, "seq": 1, "session": session})
+        opt = later.result(timeout=300)
+    assert fb["forwardBackward"]["step"] == 0 and opt["optimStep"]["step"] == 1
+    assert fb["forwardBackward"]["loss"] == pytest.approx(ref_fb.loss, abs=1e-6)
+    assert opt["optimStep"]["gradNorm"] == pytest.approx(ref_opt.grad_norm, rel=1e-6) and ref_opt.grad_norm > 0
+    # Admitted because server a's ticket for seq 1 was seen, not after the bound as an unknown session's start.
+    assert f"session {session} unknown" not in cluster.servers["b"].output
 
 
 async def test_a_subscriber_on_one_server_sees_metrics_made_through_the_other(cluster: Cluster) -> None:

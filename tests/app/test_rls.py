@@ -74,6 +74,7 @@ insert into sessions (id_hash, user_id, created_at, last_seen_at, expires_at, us
   values ('{uuid.uuid4().hex * 2}', '{user}', now(), now(), now() + interval '1 day', 'Chrome on Linux');
 insert into playground_streams (id_hash, user_id, panes, created_at, expires_at)
   values ('{uuid.uuid4().hex * 2}', '{user}', '[{{"prompt": "secret"}}]', now(), now() + interval '10 minutes');
+insert into run_sessions (run_id, session, last_seq, ticket, updated_at) values ('{run}', 'pipeline', 1, 1, now());
 """
 
 
@@ -185,6 +186,8 @@ def writes(a: str) -> dict[str, str]:
                     f"values ('{'2' * 64}', '{a}', now(), now(), now() + interval '1 day', 'x')",  # a session of its own
         "playground_streams": f"insert into playground_streams (id_hash, user_id, panes, created_at, expires_at) "
                               f"values ('{'3' * 64}', '{a}', '[]', now(), now())",  # a stream id of its choosing
+        "run_sessions": f"insert into run_sessions (run_id, session, last_seq, ticket, updated_at) "
+                        f"values ({run}, 'x', 99, 99, now())",  # skipping its own calls' order
     }
     updates = {
         "users": f"update users set is_admin = true where id = '{a}'",  # making itself an admin
@@ -193,6 +196,7 @@ def writes(a: str) -> dict[str, str]:
         "checkpoints": "update checkpoints set path = '/etc'",
         "alembic_version": "update alembic_version set version_num = '0001'",
         "sessions": f"update sessions set revoked_at = null, expires_at = now() + interval '1 year' where user_id = '{a}'",
+        "run_sessions": "update run_sessions set last_seq = 99",
     }
     kinds: dict[str, str] = {}
     for table in ALL_TABLES:
@@ -211,7 +215,7 @@ async def test_clients_cannot_write(world: World, role: str, write: str) -> None
             await conn.execute(sql)
 
 
-@pytest.mark.parametrize("table", ["sessions", "playground_streams"])
+@pytest.mark.parametrize("table", ["sessions", "playground_streams", "run_sessions"])
 def test_server_only_tables_have_a_deny_all_policy(world: World, postgres_cluster,  # type: ignore[no-untyped-def]
                                                    table: str) -> None:
     # Closed by a policy too, not only by the missing grant: a grant added by mistake still shows no row.
