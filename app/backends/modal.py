@@ -112,7 +112,9 @@ class ModalBackend:
     async def call(self, request: Call[A], pool: PoolKey | None = None, progress: Progress | None = None,
                    ticket: int | None = None, sent: Callable[[], None] | None = None) -> A:
         # `progress` is never called: a call's answer comes back whole from `.remote()`, so a streamed sample's text
-        # reaches the client as one chunk after it (docs/MODAL.md).
+        # reaches the client as one chunk after it (docs/MODAL.md). Nor is `sent`: concurrent .remote() calls may
+        # arrive in any order, and a container that does not know the run yet (cold) takes the first ticket it sees
+        # as the run's start, so the run's next call goes only once this one is answered (docs/ORDERING.md).
         if pool is None:
             if request.method != Method.RUNTIME_STATE:
                 raise BadInput(f"{request.method} needs the run's pool on Modal", field="pool")
@@ -123,10 +125,6 @@ class ModalBackend:
             answer = await self._invoke(key, "delete_run", request.run_id)
         else:
             params = request.to_dict() | ({} if ticket is None else {"ticket": ticket})
-            if sent is not None:
-                # Concurrent .remote() calls may arrive in any order: the container orders a run's tickets itself once
-                # it knows the run (docs/ORDERING.md), so the run's next call need not wait for this one's answer.
-                sent()
             answer = await self._guarded(key, request.method.value, params)
         if "error" in answer:
             raise SignalError.from_dict(answer["error"])
