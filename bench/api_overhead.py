@@ -1,10 +1,10 @@
 """What the API costs: the same training steps through SDK → GraphQL → worker and through the engine in process.
 
-    .venv/bin/python bench/api_overhead.py --steps 5 --batch-size 8 --seq-len 128 [--model DIR] [--device cpu]
+    .venv/bin/python bench/api_overhead.py --steps 5 --batch-size 8 --seq-len 128 --threads 1 [--model DIR] [--device cpu]
 
 Both sides run the same model, LoRA config, token batch and AdamW, one after the other in this
 process's machine; the first step of each is a warm-up and is not timed. The API side includes
-everything a user's call pays: HTTP, auth, GraphQL, the run lock, the worker pipe, and the
+everything a user's call pays: HTTP, auth, GraphQL, the run's ticket, the worker pipe, and the
 metric rows written to SQLite. Last line: a JSON summary with both tokens/s and their ratio.
 """
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
 import tempfile
@@ -34,6 +35,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--model", default=DEFAULT_MODEL, help="catalogue name or a local model directory")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--data-dir", default="data", help="model cache to reuse (default ./data)")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch threads, here and in the server's runtime process (0: torch's default)")
     return parser.parse_args()
 
 
@@ -85,6 +88,9 @@ class ThroughApi:
 
 def main() -> None:
     args = parse_args()
+    from benchlib import apply_threads
+
+    os.environ.update(apply_threads(args.threads))  # the server's runtime process inherits the same thread count
     batch = token_batch(args.batch_size, args.seq_len)
     cache = Path(args.data_dir).resolve() / "models"
     elapsed = {"api": 0.0, "engine": 0.0}
@@ -112,7 +118,8 @@ def main() -> None:
     print(f"{'engine in process':<28}{tokens['engine']:>10}{elapsed['engine']:>10.2f}{engine_tps:>12.1f}")
     print(json.dumps({"api_tokens_per_s": round(api_tps, 2), "engine_tokens_per_s": round(engine_tps, 2),
                       "ratio": round(api_tps / engine_tps, 4), "steps": args.steps, "batch_size": args.batch_size,
-                      "seq_len": args.seq_len, "model": args.model}))
+                      "seq_len": args.seq_len, "threads": args.threads, "model": args.model,
+                      "target": {"ratio": ">= 0.97", "pass": api_tps / engine_tps >= 0.97}}))
 
 
 if __name__ == "__main__":
