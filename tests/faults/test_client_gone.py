@@ -112,3 +112,24 @@ def test_a_forward_backward_whose_client_leaves_completes_and_is_recorded(server
     run = server.graphql(RUN, {"r": run_id}, key=key)["data"]["run"]
     assert [metric["name"] for metric in run["metrics"]].count("loss:mean") == 1  # applied once, recorded once
     assert not runtime_state(server)["queue_depth"]
+
+
+def test_a_runs_next_call_reaches_the_runtime_while_the_one_before_still_decodes(server: LiveServer) -> None:
+    # A run's turn ends once its call has left for the runtime, not at its answer (app/services/call_order.py): a
+    # forward_backward behind a sample still decoding waits in the runtime's queue, in ticket order, not in the server.
+    key = server.new_user()
+    run_id = server.graphql(CREATE, key=key)["data"]["createRun"]["id"]
+    body = json.dumps({"query": SAMPLE, "variables": {"r": run_id}}).encode()
+    host, port = server.url.removeprefix("http://").split(":")
+    with ThreadPoolExecutor(1) as pool, socket.create_connection((host, int(port)), timeout=60) as client:
+        client.sendall(f"POST /graphql HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {key}\r\n"
+                       f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+        server.wait_for(lambda: bool(runtime_state(server)["decode_groups"]), "the sample to decode")
+        trained = pool.submit(server.graphql, FORWARD_BACKWARD, {"r": run_id}, key)
+        server.wait_for(lambda: sum(runtime_state(server)["queue_depth"].values()) == 1 or trained.done(),
+                        "the forward_backward to reach the runtime's queue")
+        assert not trained.done()  # queued behind the decoding sample (the user's one place in flight)
+        client.close()  # the sample's client leaves: it is withdrawn, and the forward_backward goes
+        answered = trained.result(timeout=120)
+    assert "errors" not in answered and answered["data"]["forwardBackward"]["loss"] > 0
+    assert records(server, run_id) == 1  # the forward_backward alone
