@@ -78,7 +78,7 @@ class RunCalls:
 
     async def _apply(self, user: User, run_id: str, operation: str, request_id: str | None,
                      arguments: Callable[[Run], Call[A]], record: Record[A, T],
-                     allowed: Callable[[], Awaitable[dict[str, Any]]] | None = None, order: Numbered | None = None,
+                     allowed: Callable[[], Awaitable[dict[str, object]]] | None = None, order: Numbered | None = None,
                      progress: Progress | None = None) -> T:
         """A primitive on the caller's run: its `arguments` checked (before anyone is asked about credits), the call
         allowed by the ledger, then in the run's order the runtime call, and the call recorded once: `record` writes

@@ -6,7 +6,6 @@ from __future__ import annotations
 import base64
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
 
 from sqlalchemy import delete, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -66,7 +65,7 @@ class RunCheckpoints(RunCalls):
                 raise BadInput("pushToHub needs hubModelId (e.g. 'your-name/my-adapter')", field="hubModelId")
             return SaveState(run_id=run.id, mode=mode, name=name, with_optimizer=with_optimizer)
 
-        async def hub() -> dict[str, Any]:
+        async def hub() -> dict[str, object]:
             """The push's arguments, once the call is allowed: the user's token is fetched only for a call that runs."""
             token = hf_token
             if not push_to_hub:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import builtins
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -59,7 +59,7 @@ class RunSampling(RunCalls):
             run_id is not None and snapshot is None and checkpoint is None)
         source = {key: value for key, value in (("snapshot", snapshot), ("checkpoint", checkpoint)) if value}
 
-        def stored_params() -> dict[str, Any]:
+        def stored_params() -> dict[str, object]:
             return {**{k: v for k, v in params.engine_params().items() if k not in ("prompts", "prompt_tokens")},
                     **source}
 
@@ -148,7 +148,7 @@ class RunSampling(RunCalls):
         return model, PoolKey.of(model.name, gpu_config, None), gpu_config
 
     async def _sample_base(self, user: User, base_model: str | None, params: SampleParams,
-                           request_id: str | None, store: dict[str, Any] | None,
+                           request_id: str | None, store: dict[str, object] | None,
                            progress: Progress | None = None) -> SampleResult:
         """The base alone: no run, so no ticket; billed to the user (Ledger.owe_user). `store` (the
         params to keep with them, or None) writes the sequences to the user's base-model history."""
@@ -219,6 +219,6 @@ class RunSampling(RunCalls):
         return await self._engine(request, pool=pool)
 
 
-def cancelled(params: dict[str, Any], sequence: dict[str, Any]) -> dict[str, Any]:
+def cancelled(params: dict[str, object], sequence: Mapping[str, object]) -> dict[str, object]:
     """A sample row's params; a sequence cut short by its client going away says so (finish_reason "cancelled")."""
     return {**params, "finish_reason": "cancelled"} if sequence.get("stop_reason") == "cancelled" else params

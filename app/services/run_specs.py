@@ -113,9 +113,9 @@ class RunLabels:
     tags: list[str] | None = None
     note: str | None = None
 
-    def checked(self) -> dict[str, Any]:
+    def checked(self) -> dict[str, str | list[str]]:
         """The labels given, cleaned (names and tags stripped, tags once each in their order) and within bounds."""
-        values: dict[str, Any] = {}
+        values: dict[str, str | list[str]] = {}
         if self.name is not None:
             name = self.name.strip()
             if not name:
