@@ -139,7 +139,7 @@ class Run(Base):
     total_params: Mapped[int] = mapped_column(BigInteger, default=0)
     # Device seconds its calls took (a co-batched pass shared by token share), in every mode; × its GPUs = GPU-seconds.
     compute_seconds: Mapped[float] = mapped_column(Float, default=0.0, server_default="0")
-    call_seq: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")  # the last call's ticket (runs.py)
+    call_seq: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")  # the last call's ticket (call_order.py)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
 

@@ -1,0 +1,202 @@
+"""The one skeleton every call on a run goes through (RunCalls, the base of RunService's parts).
+
+Ownership first (another user's run is "not found", never data), its arguments checked, the ledger's credit check,
+then in the run's order (its ticket: call_order.py) the runtime call, and the call recorded once: its call record, result
+and compute seconds in one transaction (call_records.py), which a retry of an applied call completes if it never ran.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import math
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+from sqlalchemy import update
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from app.backends import A, Backend, Progress
+from app.catalog import Catalog
+from app.db import Database
+from app.errors import FailedPrecondition, RunNotFound, SignalError
+from app.events import MetricFeed
+from app.services.call_order import CallOrder, Numbered
+from app.services.call_records import Caller, CallRecorder
+from app.services.deadlines import Deadline, Streamed, answered, waiting
+from app.services.ledger import Ledger
+from app.services.run_specs import _fields_renamed, graphql_field
+from app.services.throttle import sent_until_taken
+from app.settings import DEADLINES_S, RECORD_RETRY_S
+from app.tables import Metric, Run, User, could_be_id, new_id, utcnow
+from gpu_runtime.allocation import PoolKey
+from gpu_runtime.contract import Call, Cancel, RuntimeOptions
+
+T = TypeVar("T")
+C = TypeVar("C", bound=Call)
+# What a primitive records of its answer `A`, inside the call's one recording transaction (`fresh`: its first).
+Record = Callable[[AsyncSession, Run, A, bool], Awaitable[T]]
+
+FAILED = "failed"  # runs.status once the runtime no longer has the run (else "active", the column's default)
+
+
+class RunCalls:
+    """Every dependency of RunService, and the skeleton its primitives share (`_apply`)."""
+
+    def __init__(self, db: Database, backend: Backend, catalog: Catalog, feed: MetricFeed,
+                 default_model: str, ledger: Ledger, bounds: RuntimeOptions | None = None,
+                 record_retry_s: float = RECORD_RETRY_S, deadlines: dict[str, float] | None = None) -> None:
+        self.db = db
+        self.deadlines = deadlines or DEADLINES_S  # each method's, from arrival (SIGNAL_DEADLINES_S; deadlines.py)
+        self.recorder = CallRecorder(db, ledger, record_retry_s)  # each applied call recorded once (issue 19 §5)
+        # The per-call size bounds (SIGNAL_MAX_SAMPLE_ROWS…): checked here before a call leaves, by the runtime again.
+        self.bounds = bounds or RuntimeOptions()
+        self.ledger = ledger  # compute seconds, credits and the billing service (docs/BILLING.md)
+        self.default_model = default_model
+        self.backend = backend
+        self.catalog = catalog
+        self.feed = feed
+        self._devices: dict[PoolKey, str] = {}  # pool → its runtime's device, for pricing base samples
+        # A run's calls in one order across processes: tickets, in the callers' numbers (seq, session).
+        self.order = CallOrder(db)
+        # A check of another client's claim on the run before each primitive (Tinker's: app/services/tinker_sessions.py
+        # refuses Signal's own calls on a run a live Tinker session drives); None: no check.
+        self.claim: Callable[[Run, str], Awaitable[None]] | None = None
+
+    # ---- ownership -----------------------------------------------------------------------
+
+    async def get(self, user: User, run_id: str) -> Run:
+        async with self.db.session() as session:
+            run = await session.get(Run, run_id) if could_be_id(run_id) else None
+        if run is None or run.user_id != user.id:
+            # Not echoed when it cannot be an id: the dashboard would print `/runs/%00` as '\x00'.
+            raise RunNotFound(f"run {run_id!r} not found" if could_be_id(run_id) else "no run has that id",
+                              field="runId")
+        return run
+
+    # ---- one skeleton for the four primitives ----------------------------------------------
+
+    async def _apply(self, user: User, run_id: str, operation: str, request_id: str | None,
+                     arguments: Callable[[Run], Call[A]], record: Record[A, T],
+                     allowed: Callable[[], Awaitable[dict[str, object]]] | None = None, order: Numbered | None = None,
+                     progress: Progress | None = None) -> T:
+        """A primitive on the caller's run: its `arguments` checked (before anyone is asked about credits), the call
+        allowed by the ledger, then in the run's order the runtime call, and the call recorded once: `record` writes
+        what it records in that transaction (`fresh`: its first recording; call_records.py). A call without a
+        request id gets one here, so its retries and its record have a key. `allowed` adds arguments that only a call allowed to run may fetch.
+        `order`: the SDK's number for the call, which puts it in the run's order after its session's previous one.
+        Its deadline counts from here, its arrival, through the run's queue (deadlines.py)."""
+        deadline = Deadline.start(self.deadlines, operation)
+        run = await self.get(user, run_id)
+        if operation != "save_state":  # an archived run's weights can still be exported
+            _refuse_archived(run, operation)
+        if self.claim is not None:
+            await self.claim(run, operation)
+        request = self._checked(_sent_as(arguments(run), request_id=request_id))
+        request_id = await self.ledger.allow(user, run, operation, request_id or new_id())
+        request = _sent_as(request, request_id=request_id, **(await allowed() if allowed is not None else {}))
+
+        streamed = Streamed.of(progress)
+
+        async def work(ticket: int, sent: Callable[[], None]) -> T:
+            result = await self._answered(deadline, pool_of(run), user, request_id,
+                                          self._on_run(run, request, streamed, ticket, sent), streamed)
+            return await self._recorded(run, operation, request_id, result, record)
+
+        return await self._in_order(run.id, work, order, deadline)
+
+    async def _recorded(self, run: Run, operation: str, request_id: str, result: A, record: Record[A, T]) -> T:
+        """The applied call recorded once, with what `record` writes, in one transaction (call_records.py)."""
+        return await self.recorder.record(Caller.of(run), operation, request_id, result,
+                                          lambda session, fresh: record(session, run, result, fresh),
+                                          after=lambda: self.feed.written(run.id))
+
+    def _checked(self, request: C) -> C:
+        """The contract's checks and size bounds, here before the call leaves (the runtime runs both again); errors
+        name the field as the client sent it."""
+        with _fields_renamed(lambda field: field):
+            request.validate()
+            request.check_size(self.bounds)
+        return request
+
+    async def _on_run(self, run: Run, request: Call[A], progress: Progress | None = None,
+                      ticket: int | None = None, sent: Callable[[], None] | None = None) -> A:
+        """A runtime call on a run the database holds. The runtime answering that it has no such run means its
+        files are gone for good: the run is marked failed (runs.status), and the caller gets NOT_FOUND."""
+        try:
+            return await self._engine(request, pool=pool_of(run), progress=progress, ticket=ticket, sent=sent)
+        except RunNotFound:
+            async with self.db.session() as session:
+                await session.execute(update(Run).where(Run.id == run.id).values(status=FAILED))
+            raise
+
+    async def _answered(self, deadline: Deadline, pool: PoolKey, user: User, request_id: str,
+                        call: Awaitable[A], streamed: Streamed | None = None) -> A:
+        """The runtime's answer to `call`; at its deadline the runtime is asked to withdraw it, or, for a stream whose
+        client has read text, to stop it and answer with what it has (deadlines.py)."""
+        return await answered(deadline, call, lambda: self._engine(
+            Cancel(request_id=request_id, user_id=user.id, deadline=streamed is None or not streamed.sent), pool=pool),
+                              f"{deadline.operation} {request_id} of user {user.id}")
+
+    # ---- bookkeeping ---------------------------------------------------------------------
+
+    async def _in_order(self, run_id: str, call: Callable[[int, Callable[[], None]], Awaitable[T]],
+                        order: Numbered | None = None, deadline: Deadline | None = None) -> T:
+        """`call(ticket, sent)` in the run's order (call_order.py): its place in line waited for (past `deadline`:
+        DEADLINE_EXCEEDED, no ticket taken), its ticket taken, and the run's turn held until the call has left for the
+        runtime (`sent`), not until its answer, so a run's calls are pipelined. Run to the end even if the caller goes
+        away: a call the runtime has taken is always recorded."""
+        async def in_order() -> T:
+            turn = await waiting(deadline, self.order.enter(run_id, order))
+            try:
+                ticket = await self.order.ticket(run_id, order)
+                left = asyncio.Event()
+                task = asyncio.ensure_future(call(ticket, left.set))
+                leaving = asyncio.ensure_future(left.wait())
+                await asyncio.wait([task, leaving], return_when=asyncio.FIRST_COMPLETED)
+                leaving.cancel()
+            finally:
+                turn.release()
+            return await task
+
+        return await asyncio.shield(asyncio.ensure_future(in_order()))
+
+    async def _engine(self, request: Call[A], pool: PoolKey | None = None, progress: Progress | None = None,
+                      ticket: int | None = None, sent: Callable[[], None] | None = None) -> A:
+        async def call() -> A:
+            return await self.backend.call(request, pool=pool, progress=progress, ticket=ticket, sent=sent)
+
+        try:
+            return await sent_until_taken(call)  # a refusal resent here only for callers that cannot (throttle.py)
+        except SignalError as error:
+            # The engine names fields as its contract does (max_tokens, base_model); clients sent maxTokens.
+            if not error.field:
+                raise
+            raise type(error)(error.message, field=graphql_field(error.field)) from None
+
+    async def _metrics(self, session: AsyncSession, run_id: str, step: int, values: dict[str, float]) -> None:
+        """A call's metric rows, in its recording transaction; every server process's subscribers get them as one
+        event once it commits (events.MetricFeed)."""
+        now = utcnow()
+        # NaN is no point on a curve, and SQLite would store it as NULL.
+        rows = [Metric(run_id=run_id, step=int(step), name=name, value=float(value), created_at=now)
+                for name, value in values.items() if math.isfinite(value)]
+        session.add_all(rows)
+        await session.flush()  # their ids, for the announcement
+        await self.feed.announce(session, run_id, [row.id for row in rows])
+
+
+def _refuse_archived(run: Run, operation: str) -> None:
+    if run.archived_at is not None:
+        raise FailedPrecondition(f"run {run.id} is archived: unarchive it to {operation} (unarchiveRun, "
+                                 "run.unarchive(), or the run's page)", field="runId")
+
+
+def _sent_as(request: C, **changes: Any) -> C:
+    """The request with fields set after its checks: the request id a call gets once allowed, a Hub token."""
+    return dataclasses.replace(request, **changes)
+
+
+def pool_of(run: Run) -> PoolKey:
+    """The run's pool: on Modal, the warm container its calls go to (base model, GPU configuration, quantization)."""
+    return PoolKey.of(run.base_model, run.gpu_config, run.quantization or None)
