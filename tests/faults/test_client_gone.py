@@ -126,10 +126,15 @@ def test_a_runs_next_call_reaches_the_runtime_while_the_one_before_still_decodes
                        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
         server.wait_for(lambda: bool(runtime_state(server)["decode_groups"]), "the sample to decode")
         trained = pool.submit(server.graphql, FORWARD_BACKWARD, {"r": run_id}, key)
-        server.wait_for(lambda: sum(runtime_state(server)["queue_depth"].values()) == 1 or trained.done(),
+        # The decoding sample stays queued on its run until it ends: the forward_backward makes the user's depth 2.
+        server.wait_for(lambda: runtime_state(server)["queue_depth"].get(user_of(server, key)) == 2 or trained.done(),
                         "the forward_backward to reach the runtime's queue")
-        assert not trained.done()  # queued behind the decoding sample (the user's one place in flight)
+        assert not trained.done()  # queued behind the decoding sample, its run's earlier ticket
         client.close()  # the sample's client leaves: it is withdrawn, and the forward_backward goes
         answered = trained.result(timeout=120)
     assert "errors" not in answered and answered["data"]["forwardBackward"]["loss"] > 0
     assert records(server, run_id) == 1  # the forward_backward alone
+
+
+def user_of(server: LiveServer, key: str) -> str:
+    return str(server.graphql("{ me { id } }", key=key)["data"]["me"]["id"])
