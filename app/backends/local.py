@@ -130,6 +130,8 @@ class LocalBackend:
         if starting is None or (starting.done() and (starting.cancelled() or starting.exception() is not None)):
             starting = self._starting = asyncio.ensure_future(anyio.to_thread.run_sync(self.client.start))
             starting.add_done_callback(_report_failed_start)
+            # Its grace period counts from when it is up: a slow start is not silence (/healthz "unresponsive").
+            starting.add_done_callback(lambda _: self.watch.reset())
         return starting
 
 
