@@ -71,12 +71,12 @@ from gpu_runtime.in_flight import InFlight
 from gpu_runtime.inprocess import InProcess
 from gpu_runtime.off_tick import OffTick
 from gpu_runtime.protocol import Heartbeat
-from gpu_runtime.ranks import RankGroup, RanksFailed
+from gpu_runtime.ranks import RankGroup
 from gpu_runtime.recovery import RESTORES_PER_TICK, Recovery
 from gpu_runtime.run_state import RunState
 from gpu_runtime.sampling_calls import Sampling
 from gpu_runtime.scheduler import SYSTEM, Request, Scheduler, TickPlan
-from gpu_runtime.shared import Answer, Shared, TickStats, internal, isolated
+from gpu_runtime.shared import Answer, Shared, TickStats, isolated
 from gpu_runtime.snapshots import Snapshots
 from gpu_runtime.tickets import split_ticket
 from gpu_runtime.training_calls import FbPart, FbProgress, Training
@@ -249,7 +249,7 @@ class Engine(InProcess):
             if message is not None:
                 answers.append((request, message))
         for key, parts in fb_parts.items():
-            answers += self._run_pass(key, parts, stats)
+            answers += self.training.run_live_pass(self.residency.bases[key], parts, stats)
         unwritten = self.shared.sync_journals()
         if unwritten:  # a full disk: those runs leave memory unsaved, their calls in this tick fail
             answers = self.in_flight.forget_unwritten(self.recovery.drop_unwritten(unwritten), answers)
@@ -376,20 +376,6 @@ class Engine(InProcess):
         if not result.replayed:
             self.recovery.snapshot_if_due(state)
         return result
-
-    def _run_pass(self, key: str, parts: list[FbPart], stats: TickStats) -> list[Answer]:
-        """One co-batched pass; if it fails as a whole, its calls fail (with their gradients put back), no others."""
-        try:
-            return self.training.run_pass(self.residency.bases[key], parts, stats)
-        except RanksFailed as exc:  # every rank stopped: these calls fail; the pool restarts after this tick
-            return [(part.request, {"error": exc.to_dict()}) for part in parts if part.request is not None]
-        except Exception as exc:  # noqa: BLE001 - one failing pass must not take the runtime down
-            answers: list[Answer] = []
-            for part in parts:
-                part.progress.restore_grads()
-                if part.request is not None:
-                    answers.append((part.request, {"error": internal(exc, part.request)}))
-            return answers
 
     # ---- between calls ----------------------------------------------------------------------
 
