@@ -62,6 +62,7 @@ from gpu_runtime.run_state import (
     CHECKPOINT_FORMAT,
     LEGACY_OPTIMIZER_FILE,
     LOADS_DIR,
+    RunConfig,
     RunState,
     append_manifest,
     check_same_body,
@@ -96,7 +97,7 @@ class Control:
         entry = shared.residency.base(call.base_model, quantization)
         lora = source[2]["lora"] if source else lora_settings(call.lora, entry.available)
         seed = source[2]["seed"] if source else call.seed or 0
-        config = {
+        config: RunConfig = {
             "run_id": call.run_id, "user_id": call.user_id, "base_model": call.base_model,
             "base_revision": entry.base.revision, "lora": lora, "seed": seed,
             "created_at": time.time(), "quantization": quantization,

@@ -18,7 +18,8 @@ One tick:
 
 Each call is isolated: an exception in its preparation, pass or completion fails that call alone, with a
 typed error and a log line naming its request id; the tick goes on. The rooms: training_calls.py,
-sampling_calls.py, control_calls.py, recovery.py; where tensors run: compute.py.
+sampling_calls.py, control_calls.py, recovery.py; calls begun and ended early (cancelled, or failed with their
+run): in_flight.py; where tensors run: compute.py.
 """
 
 from __future__ import annotations
@@ -36,7 +37,6 @@ from gpu_runtime.compute import RankCompute, open_hardware
 from gpu_runtime.contract import (
     Call,
     Cancel,
-    CancelResult,
     CloseRun,
     CreateRun,
     DeleteCheckpoint,
@@ -47,12 +47,15 @@ from gpu_runtime.contract import (
     LoadRun,
     LoadState,
     OptimStep,
+    OptimStepResult,
     Ping,
     RenderChat,
     RenderDatums,
+    Result,
     RunInfo,
     RuntimeOptions,
     RuntimeState,
+    RuntimeStateResult,
     Sample,
     SaveState,
     SaveWeightsForSampler,
@@ -64,15 +67,18 @@ from gpu_runtime.decoding import SampleJob
 from gpu_runtime.devices import resolve_device
 from gpu_runtime.disk import disk_full_error, free_bytes
 from gpu_runtime.errors import BadInput, SignalError, WorkerFailed
+from gpu_runtime.in_flight import InFlight
 from gpu_runtime.inprocess import InProcess
 from gpu_runtime.off_tick import OffTick
-from gpu_runtime.ranks import RankGroup, RanksFailed
+from gpu_runtime.protocol import Heartbeat
+from gpu_runtime.ranks import RankGroup
 from gpu_runtime.recovery import RESTORES_PER_TICK, Recovery
 from gpu_runtime.run_state import RunState
 from gpu_runtime.sampling_calls import Sampling
-from gpu_runtime.scheduler import SYSTEM, Request, Scheduler, TickPlan, cancel_error, split_ticket
-from gpu_runtime.shared import Answer, Shared, TickStats, internal
+from gpu_runtime.scheduler import SYSTEM, Request, Scheduler, TickPlan
+from gpu_runtime.shared import Answer, Shared, TickStats, isolated
 from gpu_runtime.snapshots import Snapshots
+from gpu_runtime.tickets import split_ticket
 from gpu_runtime.training_calls import FbPart, FbProgress, Training
 
 # Calls that write (journal, snapshot, checkpoint): refused at submit while the disk is below its margin.
@@ -111,30 +117,27 @@ class Engine(InProcess):
         self.control = Control(self.shared, self.recovery, self.sampling, self.snapshots)
         self.last_tick = TickStats()
         self.ticking_since: float | None = None  # monotonic start of the tick running now (the heartbeat reads it)
-        self._prepared: dict[Request, FbProgress] = {}  # forward_backward heads, rendered before they are priced
-        self._planned: list[Request] = []  # this tick's frozen samples, off the scheduler's lanes until they begin
-        self._handlers: dict[type[Call], Callable[[Any], dict[str, Any]]] = {
-            CreateRun: lambda c: self.control.create_run(c).to_dict(),
+        self.in_flight = InFlight(self.shared, self.sampling)  # begun, not yet answered: withdrawn or failed early
+        state = self.recovery.state
+        self._handlers: dict[type[Call], Callable[[Any], Result]] = {  # a call answered now: which room answers it
+            CreateRun: self.control.create_run,
             OptimStep: self._optim_step,
-            Forward: self._forward,
-            RenderDatums: lambda c: self.training.render_datums(self.recovery.state(c.run_id), c).to_dict(),
-            SaveState: lambda c: self.control.save_state(self.recovery.state(c.run_id), c).to_dict(),
-            RunInfo: lambda c: self.control.describe(self.recovery.state(c.run_id)).to_dict(),
-            LoadRun: lambda c: self.control.describe(self.recovery.state(c.run_id)).to_dict(),
-            CloseRun: lambda c: self.control.close_run(c.run_id).to_dict(),
-            DeleteRun: lambda c: self.control.delete_run(c.run_id).to_dict(),
-            ExportCheckpoint: lambda c: self.control.export_checkpoint(c).to_dict(),
-            SaveWeightsForSampler: lambda c: self.control.save_weights_for_sampler(self.recovery.state(c.run_id),
-                                                                                   c).to_dict(),
-            LoadState: lambda c: self.control.load_state(self.recovery.state(c.run_id), c).to_dict(),
-            DeleteCheckpoint: lambda c: self.control.delete_checkpoint(c).to_dict(),
-            Ping: lambda c: self.control.ping().to_dict(),
-            RuntimeState: lambda c: self.control.runtime_state(),
-            Tokenizer: lambda c: self.sampling.tokenizer(
-                c, self.recovery.state(c.run_id) if c.run_id is not None else None).to_dict(),
-            RenderChat: lambda c: self.sampling.render_chat(
-                c, self.recovery.state(c.run_id) if c.run_id is not None else None).to_dict(),
-            Cancel: self._cancel,
+            Forward: lambda c: self.training.forward(c, self._source(c)),  # a run's current weights, or a base alone
+            RenderDatums: lambda c: self.training.render_datums(state(c.run_id), c),
+            SaveState: lambda c: self.control.save_state(state(c.run_id), c),
+            RunInfo: lambda c: self.control.describe(state(c.run_id)),
+            LoadRun: lambda c: self.control.describe(state(c.run_id)),
+            CloseRun: lambda c: self.control.close_run(c.run_id),
+            DeleteRun: lambda c: self.control.delete_run(c.run_id),
+            ExportCheckpoint: self.control.export_checkpoint,
+            SaveWeightsForSampler: lambda c: self.control.save_weights_for_sampler(state(c.run_id), c),
+            LoadState: lambda c: self.control.load_state(state(c.run_id), c),
+            DeleteCheckpoint: self.control.delete_checkpoint,
+            Ping: lambda c: self.control.ping(),
+            RuntimeState: lambda c: RuntimeStateResult(state=self.control.runtime_state()),
+            Tokenizer: lambda c: self.sampling.tokenizer(c, state(c.run_id) if c.run_id is not None else None),
+            RenderChat: lambda c: self.sampling.render_chat(c, state(c.run_id) if c.run_id is not None else None),
+            Cancel: self.in_flight.cancel,
         }
 
     # What the rooms share, read by transports, tests and benchmarks.
@@ -210,7 +213,7 @@ class Engine(InProcess):
 
     # ---- one tick -------------------------------------------------------------------------
 
-    def heartbeat(self) -> dict[str, Any]:
+    def heartbeat(self) -> Heartbeat:
         """Read from another thread without a lock: two attribute reads, so it answers while a tick runs."""
         since = self.ticking_since
         return {"tick": self.last_tick.number, "tick_seconds": time.monotonic() - since if since is not None else 0.0}
@@ -223,10 +226,10 @@ class Engine(InProcess):
         self._resolve_heads(stats)
         plan: TickPlan = self.scheduler.next_tick(self._cost)
         stats.number, stats.requests = plan.number, len(plan.system) + len(plan.picks) + len(plan.free)
-        self._planned = plan.free  # a cancel among the system calls may withdraw one
+        self.in_flight.planned = plan.free  # a cancel among the system calls may withdraw one
         stats.system = len(plan.system)
         for request in plan.system:
-            self._finish(request, self._isolated(request, functools.partial(self._answer_now, request)))
+            self.in_flight.finish(request, isolated(request, functools.partial(self._answer_now, request)))
         fb_parts: dict[str, list[FbPart]] = {}
         samples: dict[str, list[SampleJob]] = {}
         answers: list[Answer] = []  # answered once the journals are synced
@@ -234,28 +237,28 @@ class Engine(InProcess):
             request = pick.request
             if request.answered:
                 continue  # withdrawn by a cancel earlier in this tick
-            message = self._isolated(request, functools.partial(self._begin, request, pick.allowance, fb_parts, samples,
-                                                                  answers))
+            message = isolated(request, functools.partial(self._begin, request, pick.allowance, fb_parts, samples,
+                                                          answers))
             if message is not None:
                 answers.append((request, message))
-        self._planned = []
+        self.in_flight.planned = []
         for request in plan.free:  # frozen samples: every pending one, into this tick's decode groups
             if request.answered:
                 continue
-            message = self._isolated(request, functools.partial(self._begin_frozen, request, samples))
+            message = isolated(request, functools.partial(self._begin_frozen, request, samples))
             if message is not None:
                 answers.append((request, message))
         for key, parts in fb_parts.items():
-            answers += self._run_pass(key, parts, stats)
+            answers += self.training.run_live_pass(self.residency.bases[key], parts, stats)
         unwritten = self.shared.sync_journals()
-        if unwritten:
-            answers = self._forget_unwritten(unwritten, answers)
+        if unwritten:  # a full disk: those runs leave memory unsaved, their calls in this tick fail
+            answers = self.in_flight.forget_unwritten(self.recovery.drop_unwritten(unwritten), answers)
         if self.shared.discarded:
-            self._discard(answers)
+            self.in_flight.discard(answers)
         if "after_journal" in self.shared.faults and answers:
             os.kill(os.getpid(), signal.SIGKILL)  # failpoint: journaled, not yet answered
         for request, message in answers:
-            self._finish(request, message)
+            self.in_flight.finish(request, message)
         for key, jobs in samples.items():
             self.sampling.start(self.residency.bases[key], jobs)
         self.sampling.advance(stats)
@@ -273,15 +276,15 @@ class Engine(InProcess):
         here are answered here, before the planner runs; a run past this tick's restores waits for the next."""
         for request in self.scheduler.heads():
             call = request.call
-            if request in self._prepared or not isinstance(call, ON_RESIDENT_RUN) or call.run is None:
+            if request in self.in_flight.prepared or not isinstance(call, ON_RESIDENT_RUN) or call.run is None:
                 continue
             if call.run_id not in self.runs:
                 if stats.restores >= RESTORES_PER_TICK:
                     continue  # not priced, so not picked: it keeps its place for the next tick
                 stats.restores += 1
-            message = self._isolated(request, functools.partial(self._resolve, request, call))
+            message = isolated(request, functools.partial(self._resolve, request, call))
             if message is not None:
-                self._finish(request, message)
+                self.in_flight.finish(request, message)
 
     def _resolve(self, request: Request, call: Call) -> dict[str, Any] | None:
         if "raise_in_prepare" in self.shared.faults and (request.request_id or "").startswith("raise"):
@@ -293,14 +296,14 @@ class Engine(InProcess):
             prepared = self.training.prepare(state, call)
             if not isinstance(prepared, FbProgress):  # a retry of a call already journaled: its first answer, again
                 return {"result": prepared.to_dict()}
-            self._prepared[request] = prepared
+            self.in_flight.prepared[request] = prepared
             request.started = True
         return None
 
     def _cost(self, request: Request) -> int | None:
         """Tokens a head needs this tick (forward_backward), 0 for other calls; None: not resolved, not this tick."""
         if isinstance(request.call, ForwardBackward):
-            progress = self._prepared.get(request)
+            progress = self.in_flight.prepared.get(request)
             return None if progress is None else max(progress.remaining_tokens, 1)
         if isinstance(request.call, ON_RESIDENT_RUN) and request.run_id is not None and request.run_id not in self.runs:
             return None
@@ -312,7 +315,7 @@ class Engine(InProcess):
         done now. Returns its answer when it has one already."""
         call = request.call
         if isinstance(call, ForwardBackward):
-            progress = self._prepared[request]
+            progress = self.in_flight.prepared[request]
             rows = Training.take_rows(progress, allowance)
             fb_parts.setdefault(progress.state.base_key, []).append(FbPart(request, progress, rows, progress.done))
             return None
@@ -365,108 +368,14 @@ class Engine(InProcess):
 
     def _handle(self, call: Call | None) -> dict[str, Any]:
         assert call is not None, "every queued request carries its typed call"
-        return self._handlers[type(call)](call)
+        return self._handlers[type(call)](call).to_dict()
 
-    def _cancel(self, call: Cancel) -> dict[str, Any]:
-        """Withdraw the call `call` names if it has not begun, or stop its decoding (contract: Cancel). Runs with the
-        tick's system calls, so no pass is under way: a split forward_backward is between parts."""
-        if self.sampling.stop(call):
-            return CancelResult(found=True).to_dict()
-        request = self.scheduler.find(call.user_id, call.request_id) or next(
-            (r for r in self._planned if r.user_id == call.user_id and r.named(call.request_id)), None)
-        if request is None:
-            if not self._answered(call):  # else applied already: a retry of it must get its answer, not a refusal
-                self.scheduler.refuse_on_arrival(call.user_id, call.request_id, call.deadline)
-            return CancelResult(found=False).to_dict()
-        progress = self._prepared.get(request)
-        if request.started and progress is None:
-            return CancelResult(found=True).to_dict()  # under way outside the passes (a Hub upload): it completes
-        seconds = 0.0
-        if progress is not None:
-            self.shared.compute.restore_grads(progress)  # between parts of a split call, on every rank: undone
-            seconds = progress.compute_seconds
-            del self._prepared[request]
-        if request in self._planned:
-            self._planned.remove(request)
-        self.scheduler.withdraw(request, {"error": cancel_error(call.deadline, seconds).to_dict()})
-        return CancelResult(found=True).to_dict()
-
-    def _answered(self, call: Cancel) -> bool:
-        """Whether a resident run of the caller's remembers an answer to the call `call` names (or is the run it
-        would create)."""
-        return call.request_id in self.runs or any(
-            state.user_id == call.user_id and (call.request_id in state.answered or call.request_id in state.sampled)
-            for state in self.runs.values())
-
-    def _optim_step(self, call: OptimStep) -> dict[str, Any]:
+    def _optim_step(self, call: OptimStep) -> OptimStepResult:
         state = self.recovery.state(call.run_id)
         result = self.training.optim_step(state, call)
         if not result.replayed:
             self.recovery.snapshot_if_due(state)
-        return result.to_dict()
-
-    def _forward(self, call: Forward) -> dict[str, Any]:
-        """A forward on a run's current weights (in its queue; restored if it was evicted) or on a base alone."""
-        return self.training.forward(call, self._source(call)).to_dict()
-
-    def _run_pass(self, key: str, parts: list[FbPart], stats: TickStats) -> list[Answer]:
-        """One co-batched pass; if it fails as a whole, its calls fail (with their gradients put back), no others."""
-        try:
-            return self.training.run_pass(self.residency.bases[key], parts, stats)
-        except RanksFailed as exc:  # every rank stopped: these calls fail; the pool restarts after this tick
-            return [(part.request, {"error": exc.to_dict()}) for part in parts if part.request is not None]
-        except Exception as exc:  # noqa: BLE001 - one failing pass must not take the runtime down
-            answers: list[Answer] = []
-            for part in parts:
-                part.progress.restore_grads()
-                if part.request is not None:
-                    answers.append((part.request, {"error": internal(exc, part.request)}))
-            return answers
-
-    @staticmethod
-    def _isolated(request: Request, work: Callable[[], dict[str, Any] | None]) -> dict[str, Any] | None:
-        """Run one call's step; its exception becomes its own typed answer (INTERNAL, logged with its id)."""
-        try:
-            return work()
-        except SignalError as exc:
-            return {"error": exc.to_dict()}
-        except Exception as exc:  # noqa: BLE001 - one bad call must not take the runtime down
-            return {"error": internal(exc, request)}
-
-    def _finish(self, request: Request, message: dict[str, Any] | None) -> None:
-        assert message is not None
-        self._prepared.pop(request, None)
-        self.scheduler.finish(request, message)
-
-    def _forget_unwritten(self, failed: dict[str, OSError], answers: list[Answer]) -> list[Answer]:
-        """Runs whose journal write failed this tick (a full disk): each of their calls in it fails, none is answered
-        as applied; the runs leave memory unsaved and come back from snapshot + journal on their next call."""
-        errors = self.recovery.drop_unwritten(failed)
-        self._fail_in_flight(errors, answers)
-        return [(request, {"error": errors[request.run_id]}) if request.run_id in errors else (request, message)
-                for request, message in answers]
-
-    def _discard(self, answers: list[Answer]) -> None:
-        """Runs a call of which failed after its pass: their memory holds its gradients, their journals do not. Each
-        leaves memory unsaved (the tick's other calls are synced) and comes back from snapshot + journal on its next
-        call."""
-        discarded, self.shared.discarded = self.shared.discarded, {}
-        self._fail_in_flight(discarded, answers)
-        for run_id in discarded:
-            self.shared.residency.detach(run_id)
-
-    def _fail_in_flight(self, errors: dict[str, dict[str, Any]], answers: list[Answer]) -> None:
-        """Runs about to leave memory unsaved: their split forward_backwards part-done fail (a part not yet begun
-        starts again on the restored run), and so do their decode groups, which lose the adapters they read."""
-        answering = {request for request, _ in answers}
-        for request in self.scheduler.queued():
-            if request.run_id in errors and request in self._prepared and request not in answering:
-                if self._prepared.pop(request).done > 0:
-                    self.scheduler.finish(request, {"error": errors[request.run_id]})
-                else:
-                    request.started = False
-        self.sampling.fail_all(next(iter(errors.values())), [g for g in self.sampling.groups
-                                                            if any(r in errors for r in g.run_ids)])
+        return result
 
     # ---- between calls ----------------------------------------------------------------------
 
@@ -491,12 +400,6 @@ class Engine(InProcess):
         is dropped unsaved: every acknowledged call is in a journal. What was mid-flight fails; calls still queued
         start afresh; runs come back from snapshot + journal on their next call, through a fresh group."""
         error = WorkerFailed(f"a rank of this pool failed ({self.compute.failed}); the pool restarted: retry the call")
-        self.sampling.fail_all(error.to_dict())
-        for request in self.scheduler.queued():
-            progress = self._prepared.pop(request, None)
-            if progress is not None and progress.done > 0:
-                self.scheduler.finish(request, {"error": error.to_dict()})  # part of it went with the dropped state
-            else:
-                request.started = False  # resolved again, against the restored run
+        self.in_flight.fail_all(error.to_dict())
         self.residency.forget()
         self.compute.restart()

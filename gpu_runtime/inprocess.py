@@ -47,7 +47,7 @@ class InProcess:
                          quantization=quantization)
 
     def forward_backward(self, run_id: str, batch: list[dict[str, Any]], loss_fn: str = "cross_entropy",
-                         loss_fn_config: dict[str, Any] | None = None, request_id: str | None = None,
+                         loss_fn_config: dict[str, float] | None = None, request_id: str | None = None,
                          reduction: str = "mean", return_outputs: bool = False) -> dict[str, Any]:
         return self.call("forward_backward", run_id=run_id, batch=batch, loss_fn=loss_fn,
                          loss_fn_config=loss_fn_config, request_id=request_id, reduction=reduction,
@@ -59,7 +59,8 @@ class InProcess:
     def render_datums(self, run_id: str, batch: list[dict[str, Any]], loss_fn: str = "cross_entropy") -> dict[str, Any]:
         return self.call("render_datums", run_id=run_id, batch=batch, loss_fn=loss_fn)
 
-    def optim_step(self, run_id: str, adam: dict[str, Any] | None = None, request_id: str | None = None) -> dict[str, Any]:
+    def optim_step(self, run_id: str, adam: dict[str, float] | None = None,
+                   request_id: str | None = None) -> dict[str, Any]:
         return self.call("optim_step", run_id=run_id, adam=adam, request_id=request_id)
 
     def sample(self, run_id: str, prompts: list[str] | None = None, **params: Any) -> dict[str, Any]:

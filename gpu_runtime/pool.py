@@ -29,7 +29,7 @@ from gpu_runtime.multilora import MultiLoraLinear, Routing, init_lora, linear_mo
 from gpu_runtime.optimizer import new_adamw
 from gpu_runtime.persistence import RunPaths
 from gpu_runtime.quantization import base_key
-from gpu_runtime.run_state import RunState
+from gpu_runtime.run_state import RunConfig, RunState
 
 
 @dataclass
@@ -71,7 +71,7 @@ class Residency:
             )
         return self.bases[key]
 
-    def attach(self, config: dict[str, Any], data_dir: Any) -> RunState:
+    def attach(self, config: RunConfig, data_dir: Any) -> RunState:
         """Put a run in memory, freshly initialised from its seed (the engine then restores what it saved)."""
         entry = self.base(config["base_model"], config.get("quantization"))
         lora = config["lora"]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from gpu_runtime.contract import CONTRACT_VERSION
 from gpu_runtime.errors import FailedPrecondition
@@ -20,9 +20,14 @@ from gpu_runtime.errors import FailedPrecondition
 RUNTIME_SOCKET = "runtime.sock"  # in the data directory: one runtime per data directory
 RUNTIME_LOCK = "runtime.lock"  # flock'd by the runtime serving the socket, so a second one refuses
 LOCK_HELD = "runtime_lock"  # the `field` of that refusal, which a server that started a runtime waits out
-# Answered by the transport's reader thread, never the tick: {"tick": N, "tick_seconds": how long the current tick
-# has run (0 between ticks)}. A runtime that answers it is alive, however long its tick; one that does not is hung.
+# Answered by the transport's reader thread, never the tick, with a `Heartbeat`. A runtime that answers it is alive,
+# however long its tick; one that does not is hung.
 HEARTBEAT = "heartbeat"
+
+
+class Heartbeat(TypedDict):
+    tick: int  # the number of the last tick that ended
+    tick_seconds: float  # how long the current tick has run (0 between ticks)
 
 
 def encode(message: dict[str, Any]) -> bytes:

@@ -48,7 +48,7 @@ from gpu_runtime.errors import BadInput, SignalError, WorkerFailed
 from gpu_runtime.optimizer import kernel as optimizer_kernel
 from gpu_runtime.pool import BaseEntry, Residency
 from gpu_runtime.quantization import base_key
-from gpu_runtime.run_state import RunState
+from gpu_runtime.run_state import RunConfig, RunState
 from gpu_runtime.sharding import PassPlan, RankShard, ShardedRegistry, ShardedResidency, local_param_bytes, split_rows
 from gpu_runtime.training import Outcome, PassPart, adamw_step, forward_backward_pass
 
@@ -325,7 +325,7 @@ class Follower:
         self.models.files[name] = files
         self.pool.base(name)
 
-    def attach(self, config: dict[str, Any]) -> None:
+    def attach(self, config: RunConfig) -> None:
         state = self.pool.attach(config, self.data_dir)
         state.load_latest_snapshot(self.device)  # rank 0 loads the same one as it restores the run
 

@@ -20,7 +20,7 @@ from typing import Any
 from gpu_runtime.disk import disk_full_error, is_disk_full
 from gpu_runtime.errors import InternalError, RunNotFound
 from gpu_runtime.persistence import check_id, find_run_dir, read_json
-from gpu_runtime.run_state import RunState
+from gpu_runtime.run_state import RunConfig, RunState
 from gpu_runtime.shared import Shared
 
 RESTORES_PER_TICK = 1  # one restore's replay per tick, so one evicted run coming back does not stall every tenant
@@ -64,7 +64,7 @@ class Recovery:
             self.shared.residency.touch(state)
         return state
 
-    def restore(self, config: dict[str, Any]) -> RunState:
+    def restore(self, config: RunConfig) -> RunState:
         """The newest snapshot, then every journal record after it: the run as if it never stopped."""
         residency = self.shared.residency
         state = residency.attach(config, self.shared.data_dir)

@@ -22,7 +22,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NotRequired, TypedDict
 
 import torch
 from peft import LoraConfig
@@ -55,6 +55,38 @@ def peft_name(path: str, matrix: str) -> str:
     return f"base_model.model.{path}.lora_{matrix}.weight"
 
 
+class RunConfig(TypedDict):
+    """What a run's config.json holds: written once by create_run, read by every restore."""
+
+    run_id: str
+    user_id: str
+    base_model: str
+    base_revision: NotRequired[str | None]  # the base's content hash when the run was made (a restore checks it)
+    lora: dict[str, Any]  # r, alpha, dropout, target_modules, as the contract's lora_settings resolved them
+    seed: int
+    created_at: NotRequired[float]
+    quantization: NotRequired[str | None]  # None: the base in its own dtype (runs from before quantization have none)
+    from_checkpoint: NotRequired[str]  # signal://… the run started from, if it did
+
+
+class BatchRecord(TypedDict):
+    """One forward_backward's batch as the manifest's step line lists it."""
+
+    sha256: str
+    num_examples: int
+    num_tokens: int
+
+
+class PendingRecord(TypedDict):
+    """`PendingGrads` as snapshot.json holds it."""
+
+    normaliser: float
+    calls: int
+    tokens: int
+    batches: list[BatchRecord]
+    reduction: str | None
+
+
 @dataclass
 class PendingGrads:
     """Gradients summed in .grad since the last optim_step: what they are divided by, and what they came from."""
@@ -62,10 +94,10 @@ class PendingGrads:
     normaliser: float = 0.0  # the sum a "mean" reduction divides by (|weights| or counted positions, every call)
     calls: int = 0  # forward_backward calls summed in
     tokens: int = 0  # their target tokens
-    batches: list[dict[str, Any]] = field(default_factory=list)  # each call's hash and size, for the manifest
+    batches: list[BatchRecord] = field(default_factory=list)  # each call's hash and size, for the manifest
     reduction: str | None = None  # the reduction every call since the last step used (None: no call yet)
 
-    def add(self, normaliser: float, tokens: int, batch: dict[str, Any], reduction: str = DEFAULT_REDUCTION) -> None:
+    def add(self, normaliser: float, tokens: int, batch: BatchRecord, reduction: str = DEFAULT_REDUCTION) -> None:
         self.normaliser += normaliser
         self.calls += 1
         self.tokens += tokens
@@ -80,7 +112,7 @@ class PendingGrads:
             return 1.0
         return self.normaliser
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> PendingRecord:
         return {"normaliser": self.normaliser, "calls": self.calls, "tokens": self.tokens, "batches": self.batches,
                 "reduction": self.reduction}
 
@@ -95,7 +127,7 @@ class PendingGrads:
 class RunState:
     run_id: str
     user_id: str
-    config: dict[str, Any]  # what config.json holds
+    config: RunConfig
     paths: RunPaths
     base_model: str
     weights: dict[str, tuple[torch.nn.Parameter, torch.nn.Parameter]]  # layer path → (A, B)
@@ -115,8 +147,7 @@ class RunState:
 
     @property
     def lora(self) -> dict[str, Any]:
-        lora: dict[str, Any] = self.config["lora"]
-        return lora
+        return self.config["lora"]
 
     @property
     def quantization(self) -> str | None:

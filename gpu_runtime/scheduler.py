@@ -3,9 +3,9 @@
 - **Per-run order.** Each run has a FIFO queue and only its head is ever eligible, so calls on
   one run apply in arrival order whatever the server does. A head stays put until it is done:
   a forward_backward split across ticks, or a sample decoding over many ticks, holds its run.
-- **Tickets: one order across server processes.** A server numbers each call on a run from the
-  database (`runs.call_seq`); a ticketed call queues in ticket order and waits until the run's
-  earlier tickets are done, at most `ticket_wait` seconds (its server may have died between
+- **Tickets: one order across server processes** (gpu_runtime/tickets.py keeps their books). A server numbers
+  each call on a run from the database (`runs.call_seq`); a ticketed call queues in ticket order and waits until
+  the run's earlier tickets are done, at most `ticket_wait` seconds (its server may have died between
   ticket and call), then goes on, logged. A runtime that has not seen the run since it started
   takes the first ticket it gets as the start; a ticket behind the run's goes when it arrives.
 - **Fairness: least recently served first.** A tick visits users in the order of the tick that
@@ -47,11 +47,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpu_runtime.errors import BadInput, Cancelled, DeadlineExceeded, ResourceExhausted, SignalError
+from gpu_runtime.errors import Cancelled, DeadlineExceeded, ResourceExhausted, SignalError
+from gpu_runtime.tickets import TICKET_WAIT_SECONDS, Tickets
 
 log = logging.getLogger("gpu_runtime.scheduler")
 
-TICKET_WAIT_SECONDS = 30.0  # how long a call waits for an earlier ticket of its run before going on without it
 MIN_SHARE_TOKENS = 64  # a tick takes at most tick_tokens / 64 forward_backward heads
 SYSTEM = "__system__"  # the lane of calls on no run (ping, runtime_state): answered at the next tick, first
 RETRY_AFTER_S = (1.0, 30.0)  # a refused call is told to come back after its user's typical call time, within these
@@ -110,27 +110,17 @@ class TickPlan:
     free: list[Request] = field(default_factory=list)  # frozen samples, every one pending (taken off the lane)
 
 
-def split_ticket(params: dict[str, Any]) -> tuple[dict[str, Any], int | None]:
-    """The call's arguments without its `ticket`, and the ticket (a positive integer, or None)."""
-    ticket = params.get("ticket")
-    if ticket is not None and (type(ticket) is not int or ticket < 1):
-        raise BadInput(f"ticket must be a positive integer, got {ticket!r}", field="ticket")
-    return {k: v for k, v in params.items() if k != "ticket"}, ticket
-
-
 class Scheduler:
     def __init__(self, tick_tokens: int, ticket_wait: float = TICKET_WAIT_SECONDS, user_calls: int | None = None,
                  user_queue: int = 0) -> None:
         self.tick_tokens = tick_tokens
-        self.ticket_wait = ticket_wait
+        self.tickets = Tickets(ticket_wait)  # whose turn it is on each run, across server processes
         self.user_calls = user_calls  # a user's calls in flight at most (None: unbounded)…
         self.user_queue = user_queue  # …and past it, at most this many waiting; more are refused
         self._in_flight: dict[str, int] = {}  # user → calls taken in and not yet answered
         self._waiting: dict[str, deque[Request]] = {}  # user → calls past the bound, oldest first
         self._call_seconds: dict[str, float] = {}  # user → a moving average of their calls' time in flight
         self.refused: dict[str, int] = {}  # user → calls refused past the bound since start (runtime_state shows it)
-        self._next_ticket: dict[str, int] = {}  # run → the ticket whose turn it is
-        self._skipped: dict[str, set[int]] = {}  # run → tickets of withdrawn calls, counted done when their turn comes
         self._cancels: OrderedDict[tuple[str, str], bool] = OrderedDict()  # (user, request id) → deadline, not here yet
         self.withdrawn: dict[str, int] = {}  # user → calls withdrawn by a cancel since start (runtime_state shows it)
         self.condition = threading.Condition()
@@ -162,7 +152,7 @@ class Scheduler:
         deadline = self._cancels.pop((request.user_id, key), None) if key else None
         if deadline is None:
             return None
-        self._skip(request)
+        self.tickets.skip(request)
         self.withdrawn[request.user_id] = self.withdrawn.get(request.user_id, 0) + 1
         return cancel_error(deadline)
 
@@ -176,7 +166,7 @@ class Scheduler:
                 waiting.append(request)
                 return None
             self.refused[request.user_id] = self.refused.get(request.user_id, 0) + 1
-            self._skip(request)  # never applied: the run's later tickets do not wait ticket_wait for it
+            self.tickets.skip(request)  # never applied: the run's later tickets do not wait ticket_wait for it
             self.condition.notify_all()  # a call held for the refused ticket may go now
             return self._refusal(request.user_id, len(waiting))
         self._take(request, bounded)
@@ -231,17 +221,14 @@ class Scheduler:
                 position -= 1
         queue.insert(position, request)
 
-    def _turn(self, request: Request, now: float) -> bool:
-        """Whether a head may go: no ticket, its run's turn (or a new run's first), or it has waited long enough."""
-        expected = self._next_ticket.get(request.run_id or "")
-        if request.ticket is None or expected is None or request.ticket <= expected:
-            return True
-        return now - request.since >= self.ticket_wait
+    def _ready(self, run_id: str, queue: deque[Request], now: float) -> bool:
+        """Whether the run's head may go: there is one, no decode group holds the run, and it is its ticket's turn."""
+        return bool(queue) and run_id not in self._busy and self.tickets.turn(queue[0], now)
 
     def _next_turn_in(self, now: float) -> float | None:
         """Seconds until the first held head's wait runs out (None: none is held)."""
-        waits = [q[0].since + self.ticket_wait - now for run, q in self._runs.items()
-                 if q and run not in self._busy and not self._turn(q[0], now)]
+        waits = [q[0].since + self.tickets.wait - now for run, q in self._runs.items()
+                 if q and run not in self._busy and not self.tickets.turn(q[0], now)]
         return max(min(waits), 0.0) if waits else None
 
     def close(self) -> None:
@@ -262,8 +249,7 @@ class Scheduler:
     def has_work(self) -> bool:
         with self.condition:
             now = time.monotonic()
-            return bool(self._system) or bool(self._free) or any(q and run not in self._busy and self._turn(q[0], now)
-                                             for run, q in self._runs.items())
+            return bool(self._system) or bool(self._free) or any(self._ready(run, q, now) for run, q in self._runs.items())
 
     def pending(self) -> int:
         with self.condition:
@@ -282,7 +268,7 @@ class Scheduler:
         """The heads that may go this tick, oldest first (the engine prices these before `next_tick`)."""
         with self.condition:
             now = time.monotonic()
-            heads = [q[0] for run, q in self._runs.items() if q and run not in self._busy and self._turn(q[0], now)]
+            heads = [q[0] for run, q in self._runs.items() if self._ready(run, q, now)]
             return sorted(heads, key=lambda r: r.arrival)
 
     def next_tick(self, cost: Callable[[Request], int | None]) -> TickPlan:
@@ -295,7 +281,7 @@ class Scheduler:
             heads: dict[str, list[str]] = {}  # user → runs with an eligible head, oldest head first
             now = time.monotonic()
             for run_id, queue in sorted(self._runs.items(), key=lambda item: item[1][0].arrival if item[1] else 0):
-                if queue and run_id not in self._busy and self._turn(queue[0], now):
+                if self._ready(run_id, queue, now):
                     heads.setdefault(queue[0].user_id, []).append(run_id)
         # Least recently served users first; among equals, whoever's head has waited longest.
         users = sorted(heads, key=lambda u: (self._last_served.get(u, -1), self._runs[heads[u][0]][0].arrival))
@@ -329,7 +315,7 @@ class Scheduler:
         """Answer a head and take it off its run's queue (the next call on the run becomes eligible)."""
         reply, request.reply = request.reply, _DONE
         with self.condition:
-            self._advance_tickets(request, message)
+            self.tickets.done(request, created=request.method == "create_run" and "result" in message)
             if request.run_id is not None:
                 queue = self._runs.get(request.run_id)
                 if queue and queue[0] is request:
@@ -344,20 +330,6 @@ class Scheduler:
                 self._release(request)
             self.condition.notify_all()
         reply(message)
-
-    def _advance_tickets(self, request: Request, message: dict[str, Any]) -> None:
-        run_id = request.run_id
-        if run_id is None:
-            return
-        if request.method == "create_run" and "result" in message:
-            self._next_ticket[run_id] = 1  # the server's call_seq starts at 0: its first ticket is 1
-        if request.ticket is not None:
-            expected = self._next_ticket.get(run_id, request.ticket)
-            if request.ticket > expected:
-                log.warning("run %s: tickets %d..%d did not arrive within %.0f s; ticket %d went on without them",
-                            run_id, expected, request.ticket - 1, self.ticket_wait, request.ticket)
-            self._next_ticket[run_id] = max(expected, request.ticket + 1)
-        self._settle(run_id)
 
     def find(self, user_id: str, request_id: str) -> Request | None:
         """The user's call `request_id` wherever it waits here (queued, parked, past the bound), else None."""
@@ -382,7 +354,7 @@ class Scheduler:
             for lanes in (self._runs, self._waiting):
                 for key in [key for key, queue in lanes.items() if not queue]:
                     del lanes[key]
-            self._skip(request)
+            self.tickets.skip(request)
             self.withdrawn[request.user_id] = self.withdrawn.get(request.user_id, 0) + 1
             if request.counted:
                 request.counted = False
@@ -391,28 +363,6 @@ class Scheduler:
         log.info("withdrew %s %s of user %s (ticket %s): %s", request.method, request.request_id, request.user_id,
                  request.ticket, message.get("error", {}).get("code"))
         reply(message)
-
-    def _skip(self, request: Request) -> None:
-        """A withdrawn call's ticket counts as done: the run's next one need not wait for it."""
-        if request.run_id is None or request.ticket is None:
-            return
-        self._skipped.setdefault(request.run_id, set()).add(request.ticket)
-        self._settle(request.run_id)
-
-    def _settle(self, run_id: str) -> None:
-        """Move the run's turn past the withdrawn tickets it has reached."""
-        skipped = self._skipped.get(run_id)
-        expected = self._next_ticket.get(run_id)
-        if not skipped or expected is None:
-            return
-        while expected in skipped:
-            skipped.discard(expected)
-            expected += 1
-        self._next_ticket[run_id] = expected
-        for ticket in [t for t in skipped if t < expected]:
-            skipped.discard(ticket)  # a ticket already passed (its wait ran out): nothing to skip any more
-        if not skipped:
-            del self._skipped[run_id]
 
     def hold(self, run_id: str) -> None:
         """The run's head is in progress outside the picks (a decode group): not eligible until finished."""

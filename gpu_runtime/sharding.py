@@ -33,7 +33,7 @@ from gpu_runtime.models import LoadedBase, ModelRegistry, sha256_files
 from gpu_runtime.multilora import linear_module_names, wrap_targets
 from gpu_runtime.pool import BaseEntry, Residency
 from gpu_runtime.quantization import base_key
-from gpu_runtime.run_state import RunState
+from gpu_runtime.run_state import RunConfig, RunState
 
 if TYPE_CHECKING:
     from gpu_runtime.ranks import RankGroup
@@ -323,7 +323,7 @@ class ShardedResidency(Residency):
             self.group.mirror_forwards(key, entry.model)
         return entry
 
-    def attach(self, config: dict[str, Any], data_dir: Any) -> RunState:
+    def attach(self, config: RunConfig, data_dir: Any) -> RunState:
         self.base(config["base_model"], config.get("quantization"))
         if self.group is not None:
             self.group.send("attach", config=config)

@@ -19,6 +19,7 @@ import torch
 
 from gpu_runtime.compute import LocalCompute
 from gpu_runtime.contract import RuntimeOptions
+from gpu_runtime.errors import SignalError
 from gpu_runtime.models import ModelRegistry
 from gpu_runtime.pool import BaseEntry, Residency
 from gpu_runtime.run_state import RunState
@@ -130,3 +131,13 @@ def internal(exc: BaseException, request: Request | None = None) -> dict[str, An
     print(f"error{where}: {type(exc).__name__}: {exc}", file=sys.stderr)
     traceback.print_exception(exc, file=sys.stderr)
     return {"type": "InternalError", "code": "INTERNAL", "message": f"{type(exc).__name__}: {exc}", "field": None}
+
+
+def isolated(request: Request, work: Callable[[], dict[str, Any] | None]) -> dict[str, Any] | None:
+    """Run one call's step; its exception becomes its own typed answer (INTERNAL, logged with its id)."""
+    try:
+        return work()
+    except SignalError as exc:
+        return {"error": exc.to_dict()}
+    except Exception as exc:  # noqa: BLE001 - one bad call must not take the runtime down
+        return {"error": internal(exc, request)}

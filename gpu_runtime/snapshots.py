@@ -38,7 +38,7 @@ from gpu_runtime.multilora import LoraWeights, wrap_targets
 from gpu_runtime.persistence import RunPaths, atomic_dir, dir_size, find_run_dir, read_json, write_json
 from gpu_runtime.pool import BaseEntry, Residency
 from gpu_runtime.quantization import base_key
-from gpu_runtime.run_state import ADAPTER_WEIGHTS, CHECKPOINT_FILE, RunState, checkpoint_dir, fsync_tree, peft_name
+from gpu_runtime.run_state import ADAPTER_WEIGHTS, CHECKPOINT_FILE, RunConfig, RunState, checkpoint_dir, fsync_tree, peft_name
 
 SAMPLER_MODE = "sampler"  # the checkpoints table's `mode` of a named snapshot
 SAMPLER_FILE = "sampler.json"  # beside a named snapshot's adapter: its name, run and step
@@ -68,7 +68,7 @@ class Snapshot:
     named: bool
     step: int
     base_key: str
-    config: dict[str, Any]  # the run's config.json: base, quantization, LoRA settings
+    config: RunConfig  # the run's config.json: base, quantization, LoRA settings
     weights: dict[str, tuple[torch.Tensor, torch.Tensor]] | None  # layer path → (A, B); None: not in memory
     path: Path | None = None  # named: its directory; unnamed and spilled: its scratch file
     expires_at: float | None = None  # time.monotonic() deadline (unnamed only)

@@ -38,6 +38,7 @@ from gpu_runtime.errors import FailedPrecondition, SignalError
 from gpu_runtime.optimizer import PORTABLE, kernel_of
 from gpu_runtime.persistence import sha256_json
 from gpu_runtime.pool import BaseEntry
+from gpu_runtime.ranks import RanksFailed
 from gpu_runtime.run_state import LOADS_DIR, RunState, append_manifest, last_manifest_step
 from gpu_runtime.scheduler import Request
 from gpu_runtime.shared import Answer, Shared, TickStats, internal
@@ -164,6 +165,20 @@ class Training:
             if result is not None:
                 answers.append((part.request, {"result": result.to_dict()}))
         return answers
+
+    def run_live_pass(self, entry: BaseEntry, parts: list[FbPart], stats: TickStats) -> list[Answer]:
+        """`run_pass` in a tick: if the pass fails as a whole, its calls fail (gradients put back), no others."""
+        try:
+            return self.run_pass(entry, parts, stats)
+        except RanksFailed as exc:  # every rank stopped: these calls fail; the pool restarts after this tick
+            return [(part.request, {"error": exc.to_dict()}) for part in parts if part.request is not None]
+        except Exception as exc:  # noqa: BLE001 - one failing pass must not take the runtime down
+            answers: list[Answer] = []
+            for part in parts:
+                part.progress.restore_grads()
+                if part.request is not None:
+                    answers.append((part.request, {"error": internal(exc, part.request)}))
+            return answers
 
     def _pass(self, entry: BaseEntry, parts: list[FbPart]) -> list[PartOutcome | SignalError]:
         plan = []

@@ -33,6 +33,7 @@ from gpu_runtime.engine import Engine
 from gpu_runtime.errors import FailedPrecondition, WorkerFailed
 from gpu_runtime.journal import HEADER, JOURNAL_FILE
 from gpu_runtime.persistence import write_json
+from gpu_runtime.run_state import RunConfig
 from gpu_runtime.runtime_client import RuntimeClient
 from tests.helpers.engine_tools import BATCH
 
@@ -107,7 +108,7 @@ def create(engine: Engine, run_id: str, tiny_model_dir: str) -> None:
 class Reference:
     results: list[dict[str, Any]]  # of each call of CALLS
     after: list[Captured]  # the run's state after each call of CALLS
-    config: dict[str, Any]
+    config: RunConfig
     module_order: list[str]  # the targeted layers in the base's module order (PEFT's parameter order)
 
 

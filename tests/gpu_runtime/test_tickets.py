@@ -8,7 +8,8 @@ from typing import Any
 import pytest
 
 from gpu_runtime.errors import BadInput
-from gpu_runtime.scheduler import Request, Scheduler, cancel_error, split_ticket
+from gpu_runtime.scheduler import Request, Scheduler, cancel_error
+from gpu_runtime.tickets import split_ticket
 
 RUN = "run-1"
 
