@@ -248,8 +248,10 @@ class Engine(InProcess):
             message = isolated(request, functools.partial(self._begin_frozen, request, samples))
             if message is not None:
                 answers.append((request, message))
+        trained_from = time.monotonic()
         for key, parts in fb_parts.items():
             answers += self.training.run_live_pass(self.residency.bases[key], parts, stats)
+        trained = time.monotonic() - trained_from
         unwritten = self.shared.sync_journals()
         if unwritten:  # a full disk: those runs leave memory unsaved, their calls in this tick fail
             answers = self.in_flight.forget_unwritten(self.recovery.drop_unwritten(unwritten), answers)
@@ -261,7 +263,7 @@ class Engine(InProcess):
             self.in_flight.finish(request, message)
         for key, jobs in samples.items():
             self.sampling.start(self.residency.bases[key], jobs)
-        self.sampling.advance(stats)
+        self.sampling.advance(stats, trained)
         self._housekeeping()
         if self.compute.failed:
             self._restart_ranks()

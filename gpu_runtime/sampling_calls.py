@@ -158,12 +158,15 @@ class Sampling:
                     return True
         return False
 
-    def advance(self, stats: TickStats) -> None:
+    def advance(self, stats: TickStats, trained: float = 0.0) -> None:
         """Every decode group by one chunk, shared fairly by the users decoding (`_shares`), the fewest rows first
         (the time a group leaves is the next ones'); finished calls are answered as they finish, a failing group fails
-        its calls alone. A new group decodes its share too, then joins its like (`_merge`)."""
+        its calls alone. A new group decodes its share too, then joins its like (`_merge`).
+
+        The chunk lasts `decode_chunk_seconds`, or as long as the tick's training took (`trained`) if that was
+        longer: a tick time-shares sampling and training, so neither gets less than half the device while both wait."""
         shares = self._shares()
-        end = time.monotonic() + self.shared.options.decode_chunk_seconds
+        end = time.monotonic() + max(self.shared.options.decode_chunk_seconds, trained)
         order = sorted(self.groups, key=lambda group: group.live_rows)
         for i, group in enumerate(order):
             if group.passes and any(_held(self.shared.faults, job.request) for job in group.jobs):
