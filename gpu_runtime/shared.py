@@ -20,6 +20,7 @@ import torch
 from gpu_runtime.compute import LocalCompute
 from gpu_runtime.contract import RuntimeOptions
 from gpu_runtime.errors import SignalError
+from gpu_runtime.journal import sync_all
 from gpu_runtime.models import ModelRegistry
 from gpu_runtime.pool import BaseEntry, Residency
 from gpu_runtime.run_state import RunState
@@ -107,17 +108,20 @@ class Shared:
     def sync_journals(self) -> dict[str, OSError]:
         """fsync every journal written this tick; returns the runs whose records could not be made durable."""
         failed, self.unwritten = self.unwritten, {}
+        syncing: list[RunState] = []
         for run_id in list(self.touched):
             state = self.residency.runs.get(run_id)
             if state is None or run_id in failed:
                 continue
-            try:
-                if run_id in self.armed:
-                    self.armed.discard(run_id)
-                    raise OSError(errno.ENOSPC, "No space left on device (failpoint enospc_journal)")
-                state.journal.sync()
-            except OSError as exc:
-                failed[run_id] = exc
+            if run_id in self.armed:
+                self.armed.discard(run_id)
+                failed[run_id] = OSError(errno.ENOSPC, "No space left on device (failpoint enospc_journal)")
+                continue
+            syncing.append(state)
+        # All at once: one tick's fsyncs are committed together, each durable before any answer of the tick goes out.
+        for state, error in zip(syncing, sync_all([state.journal for state in syncing])):
+            if error is not None:
+                failed[state.run_id] = error
         if (self.touched or self.snapshotted) and self.after_sync is not None:
             self.after_sync()
         self.touched = set()

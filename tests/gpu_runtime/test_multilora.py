@@ -76,12 +76,13 @@ def test_one_run_through_the_layer_gives_pefts_logits_and_gradients(tiny_model_d
             torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-5, atol=1e-6, msg=f"{path} {matrix}")
 
 
-@pytest.mark.parametrize("shape", [(7, 16), (7, 5, 16)], ids=["rows", "rows-by-tokens"])
-def test_grouped_path_equals_the_per_segment_loop(shape: tuple[int, ...]) -> None:
+@pytest.mark.parametrize("shape", [(16,), (5, 16)], ids=["rows", "rows-by-tokens"])
+@pytest.mark.parametrize("ends", [(2, 3, 7), (2, 4, 6)], ids=["uneven", "even"])  # even: one bmm, no _grouped_mm
+def test_grouped_path_equals_the_per_segment_loop(shape: tuple[int, ...], ends: tuple[int, int, int]) -> None:
     adapters = {f"run-{i}": lora(4, 16, 12, scaling=[2.0, 0.5, 1.0][i], dropout=0.0, seed=i) for i in range(3)}
     layer = layer_with(adapters, Routing())
-    x = torch.randn(*shape, generator=torch.Generator().manual_seed(5))
-    segments = [Segment("run-0", 0, 2), Segment("run-1", 2, 3), Segment("run-2", 3, 7)]
+    x = torch.randn(ends[2], *shape, generator=torch.Generator().manual_seed(5))
+    segments = [Segment("run-0", 0, ends[0]), Segment("run-1", ends[0], ends[1]), Segment("run-2", ends[1], ends[2])]
     looped, loop_grads = run_layer(layer, x, segments, grouped=False)
     grouped, grouped_grads = run_layer(layer, x, segments, grouped=True)
     torch.testing.assert_close(grouped, looped, rtol=1e-5, atol=1e-6)
@@ -89,6 +90,23 @@ def test_grouped_path_equals_the_per_segment_loop(shape: tuple[int, ...]) -> Non
     for key in adapters:
         for ours, theirs in zip(grouped_grads[key], loop_grads[key]):
             torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+
+
+def test_grouped_path_takes_a_zero_stride_gradient() -> None:
+    # A plain .sum() sends back an expanded (zero-stride) gradient, which _grouped_mm's backward refuses: the
+    # layer's scaling multiply in between makes it dense.
+    adapters = {f"run-{i}": lora(4, 16, 12, scaling=1.0, dropout=0.0, seed=i) for i in range(2)}
+    layer = layer_with(adapters, Routing())
+    x = torch.randn(5, 3, 16, generator=torch.Generator().manual_seed(5))
+    grads = []
+    for grouped in (False, True):
+        for weights in adapters.values():
+            weights.A.grad = weights.B.grad = None
+        with routed(layer.routing, [Segment("run-0", 0, 2), Segment("run-1", 2, 5)], grouped=grouped):
+            layer(x).sum().backward()
+        grads.append([cast(torch.Tensor, g).clone() for w in adapters.values() for g in (w.A.grad, w.B.grad)])
+    for ours, theirs in zip(grads[1], grads[0]):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5 * theirs.abs().max().item())
 
 
 def test_each_rows_delta_is_its_own_runs() -> None:
