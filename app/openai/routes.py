@@ -220,7 +220,7 @@ class Sampling:
         run = self.target.run
         return self.runs.sample(self.user, run.id if run else None, sample, request_id=request_id,
                                 snapshot=self.target.snapshot, base_model=self.target.base_model, progress=progress,
-                                latest=run is not None and self.target.snapshot is None)  # no ticket, no run lock
+                                latest=run is not None and self.target.snapshot is None)  # no ticket: off the run's order
 
     def sample_unless_gone(self, sample: SampleParams, gone: asyncio.Future[None]) -> Awaitable[SampleResult]:
         """`sample` for a client that waits for the whole answer: withdrawn wherever it is if the client leaves first
