@@ -101,7 +101,7 @@ def test_a_flooding_user_does_not_hold_back_another_users_call(live_server: Live
         flood = [threading.Thread(target=call, args=(f"flood-{i}", runs[i % 4])) for i in range(20)]
         for thread in flood:
             thread.start()
-        # The flood is inside the backend (each run's lock lets one call through at a time: 4 in the runtime).
+        # The flood is inside the backend: a run's calls pipeline to the runtime, whose scheduler picks each run's head.
         live_server.wait_for(lambda: live_server.backend.in_flight >= 4, "the flood to reach the runtime")
         single = threading.Thread(target=call, args=("single", single_run))
         single.start()
@@ -112,6 +112,8 @@ def test_a_flooding_user_does_not_hold_back_another_users_call(live_server: Live
         backend_log.setLevel(level)
     assert sorted(order) == sorted([f"flood-{i}" for i in range(20)] + ["single"])
     assert len(finished_before_arrival) == 1
-    # Served in the tick after it reached the runtime: at most the calls of two ticks (4 runs each) finish between.
-    assert order.index("single") - finished_before_arrival[0] <= 8
+    # Served in the tick after it reached the runtime. Counted as the clients see answers, so at most the calls of
+    # three ticks (4 runs each) finish between: the tick running when it arrived, the tick that serves it, and the next,
+    # whose answers may overtake its own on the way back (recording, HTTP). Served after the flood would be 20.
+    assert order.index("single") - finished_before_arrival[0] <= 12
     assert [len(run.metrics(name="loss:mean")) for run in runs] == [5, 5, 5, 5]  # each flood call applied once
