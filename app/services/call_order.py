@@ -93,17 +93,25 @@ class CallOrder:
     async def ticket(self, run_id: str, number: Numbered | None) -> int:
         """The run's next ticket, committed at once (every process sees it), with the session's last number in the
         same transaction, so no process sees `seq` admitted before its ticket exists. Taken holding the turn."""
+        ticket = await self._admitted_with(run_id, number, tickets=1)
+        if ticket is None:
+            raise RunNotFound(f"run {run_id!r} not found", field="runId")
+        return ticket
+
+    async def _admitted_with(self, run_id: str, number: Numbered | None, tickets: int) -> int | None:
+        """Take `tickets` (1, or 0 for a number that passes without one) and count `number` admitted, in one committed
+        transaction; waiting numbers are woken. The run's last ticket, or None: no such run."""
         async with self.db.session() as session:
             # The run's row first: its lock (PostgreSQL) serialises every ticket and session write of the run.
-            ticket = await session.scalar(update(Run).where(Run.id == run_id).values(call_seq=Run.call_seq + 1)
-                                          .returning(Run.call_seq))
-            if ticket is None:
-                raise RunNotFound(f"run {run_id!r} not found", field="runId")
-            if number is not None:
+            ticket = await session.scalar(update(Run).where(Run.id == run_id)
+                                          .values(call_seq=Run.call_seq + tickets).returning(Run.call_seq))
+            if ticket is not None and number is not None:
                 await _write_last(session, run_id, number, int(ticket))
-        if number is not None:
-            await self._wake(run_id)
-        return int(ticket)
+        if ticket is not None and number is not None:
+            condition = self._admitted[run_id]
+            async with condition:
+                condition.notify_all()
+        return None if ticket is None else int(ticket)
 
     async def skip(self, run_id: str, number: Numbered) -> None:
         """A numbered call refused before it took a ticket (a bad datum): once its predecessor is admitted (bounded
@@ -149,21 +157,9 @@ class CallOrder:
         """`number` gave up waiting (its deadline): counted as admitted without a ticket, so its successors do not
         wait for it."""
         try:
-            async with self.db.session() as session:
-                # A write to the run's row, for its lock (as `ticket`), changing nothing.
-                ticket = await session.scalar(update(Run).where(Run.id == run_id).values(call_seq=Run.call_seq)
-                                              .returning(Run.call_seq))
-                if ticket is not None:
-                    await _write_last(session, run_id, number, int(ticket))
+            await self._admitted_with(run_id, number, tickets=0)
         except Exception:  # its deadline's answer goes out regardless; its successors then wait their bound
             log.exception("run %s: could not pass call %d of session %s", run_id, number.seq, number.session)
-            return
-        await self._wake(run_id)
-
-    async def _wake(self, run_id: str) -> None:
-        condition = self._admitted[run_id]
-        async with condition:
-            condition.notify_all()
 
     def forget(self, run_id: str) -> None:
         """A deleted run's turns (its sessions' rows go with the run)."""
