@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from gpu_runtime.contract import RuntimeOptions
+from gpu_runtime.host_memory import keep_freed_memory
 from gpu_runtime.models import ModelRegistry
 from gpu_runtime.optimizer import kernel as optimizer_kernel
 from gpu_runtime.pool import BaseEntry, Residency
@@ -130,6 +131,8 @@ class Hardware:
 def open_hardware(data_dir: Path, device: torch.device, dtype: torch.dtype, options: RuntimeOptions,
                   allow_downloads: bool, faults: set[str]) -> Hardware:
     """`local_ranks` > 1: a multi-GPU pool, its bases sharded across the ranks; else this process alone."""
+    if device.type == "cpu":  # the C allocator then serves the tensors themselves
+        keep_freed_memory()
     if options.local_ranks > 1:
         world = options.local_ranks
         ranks = RankGroup(world, device, data_dir, options, allow_downloads, faults)

@@ -181,3 +181,31 @@ def test_padded_bmm_gives_each_groups_own_matmul_and_gradients(counts: tuple[int
     (expected * weights).sum().backward()
     torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(got_grads, (x.grad, w.grad), rtol=1e-12, atol=1e-12)
+
+
+def test_equal_rows_hand_each_run_its_gradient_slice_as_autograd_would() -> None:
+    # Equal rows take one batched matmul on stacked copies of the runs' matrices (multilora.stacked): each run's
+    # .grad is its slice of theirs. A run with two segments gets their sum; a second pass adds to the .grad it has;
+    # ranks 4 and 16 share width 16 (run-1's slice is cut back to rank 4); the input's gradient is the loop's.
+    adapters = {f"run-{i}": lora(r, 16, 12, scaling=s, dropout=0.0, seed=i) for i, (r, s) in enumerate([(16, 2.0), (4, 0.5)])}
+    layer = layer_with(adapters, Routing())
+    x = torch.randn(6, 5, 16, generator=torch.Generator().manual_seed(5))
+    segments = [Segment("run-0", 0, 2), Segment("run-1", 2, 4), Segment("run-0", 4, 6)]
+    results = {}
+    for grouped in (False, True):
+        for weights in adapters.values():
+            weights.A.grad = weights.B.grad = None
+        outputs, input_grads = [], []
+        for _ in range(2):  # two passes before any optimizer step: the second accumulates
+            rows = x.clone().requires_grad_()
+            with routed(layer.routing, segments, grouped=grouped):
+                out = layer(rows)
+            (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+            outputs.append(out.detach())
+            input_grads.append(cast(torch.Tensor, rows.grad))
+        grads = [cast(torch.Tensor, g).clone() for w in adapters.values() for g in (w.A.grad, w.B.grad)]
+        results[grouped] = outputs, input_grads, grads
+    for ours, theirs in zip(results[True], results[False]):
+        for a, b in zip(ours, theirs):
+            assert a.shape == b.shape and a.is_contiguous()
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item())
