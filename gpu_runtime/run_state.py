@@ -144,6 +144,7 @@ class RunState:
     snapshot_seq: int = 0
     snapshot_time: float = field(default_factory=time.monotonic)
     last_used: float = field(default_factory=time.monotonic)
+    _moment_bytes: tuple[tuple[int, int], int] = field(default=((0, 0), 0), repr=False, compare=False)
 
     @property
     def lora(self) -> dict[str, Any]:
@@ -205,13 +206,15 @@ class RunState:
         return (self.sampled if sampled else self.answered).get(request_id)
 
     def resident_bytes(self) -> int:
-        """Parameters, gradients and optimizer state held for this run."""
-        total = 0
-        for p in self.parameters():
-            total += p.numel() * p.element_size() * (2 if p.grad is not None else 1)
-        for state in self.optimizer.state.values():
-            total += sum(t.numel() * t.element_size() for t in state.values() if isinstance(t, torch.Tensor))
-        return total
+        """Parameters, gradients and optimizer state held for this run. The eviction check counts every resident
+        run each tick: the moments are summed once per optimizer and size (they never change size after)."""
+        total = sum(p.nbytes * (2 if p.grad is not None else 1) for pair in self.weights.values() for p in pair)
+        moments = self.optimizer.state
+        key = (id(moments), len(moments))
+        if self._moment_bytes[0] != key:
+            counted = sum(t.nbytes for state in moments.values() for t in state.values() if isinstance(t, torch.Tensor))
+            self._moment_bytes = (key, counted)
+        return total + self._moment_bytes[1]
 
     @property
     def changed_since_snapshot(self) -> bool:

@@ -183,14 +183,16 @@ def test_padded_bmm_gives_each_groups_own_matmul_and_gradients(counts: tuple[int
     torch.testing.assert_close(got_grads, (x.grad, w.grad), rtol=1e-12, atol=1e-12)
 
 
-def test_equal_rows_hand_each_run_its_gradient_slice_as_autograd_would() -> None:
+@pytest.mark.parametrize(("ranks", "keys"), [((16, 4), ("run-0", "run-1", "run-0")), ((16, 16, 16), ("run-0", "run-1", "run-2"))],
+                         ids=["a-run-twice-and-a-padded-rank", "each-run-once-at-its-width"])
+def test_equal_rows_hand_each_run_its_gradient_slice_as_autograd_would(ranks: tuple[int, ...], keys: tuple[str, ...]) -> None:
     # Equal rows take one batched matmul on stacked copies of the runs' matrices (multilora.stacked): each run's
     # .grad is its slice of theirs. A run with two segments gets their sum; a second pass adds to the .grad it has;
-    # ranks 4 and 16 share width 16 (run-1's slice is cut back to rank 4); the input's gradient is the loop's.
-    adapters = {f"run-{i}": lora(r, 16, 12, scaling=s, dropout=0.0, seed=i) for i, (r, s) in enumerate([(16, 2.0), (4, 0.5)])}
+    # ranks 4 and 16 share width 16 (a rank-4 slice is cut back to rank 4); the input's gradient is the loop's.
+    adapters = {f"run-{i}": lora(r, 16, 12, scaling=[2.0, 0.5, 1.0][i], dropout=0.0, seed=i) for i, r in enumerate(ranks)}
     layer = layer_with(adapters, Routing())
     x = torch.randn(6, 5, 16, generator=torch.Generator().manual_seed(5))
-    segments = [Segment("run-0", 0, 2), Segment("run-1", 2, 4), Segment("run-0", 4, 6)]
+    segments = [Segment(key, 2 * i, 2 * i + 2) for i, key in enumerate(keys)]
     results = {}
     for grouped in (False, True):
         for weights in adapters.values():
