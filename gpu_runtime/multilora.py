@@ -174,7 +174,8 @@ class MultiLoraLinear(nn.Module):
         xs = self._group_input(x, group, loras[0].A.dtype)
         counts = tuple((s.end - s.start) * per_row for s in group)
         if len(set(counts)) == 1:  # equal rows: one batched matmul each way, the gradients in A's and B's layout
-            A, B = stacked([lora.A for lora in loras], width, 0), stacked([lora.B for lora in loras], width, 1)
+            A = torch.stack([_pad_to(lora.A, width, dim=0) for lora in loras])
+            B = torch.stack([_pad_to(lora.B, width, dim=1) for lora in loras])
             rows = xs.view(len(counts), counts[0], xs.shape[-1])
             delta: torch.Tensor = equal_rows_lora(rows, A, B).reshape(xs.shape[0], -1)
         else:
@@ -205,47 +206,12 @@ def _pad_to(matrix: torch.Tensor, width: int, dim: int) -> torch.Tensor:
     return F.pad(matrix, (0, 0, 0, missing) if dim == 0 else (0, missing))
 
 
-def stacked(params: list[torch.nn.Parameter], width: int, dim: int) -> torch.Tensor:
-    """The runs' matrices zero-padded along the rank's `dim` to `width`, as one [runs, …] tensor. Under autograd it
-    is a leaf of its own, and once its gradient is in, each run's slice becomes that run's .grad as a view: through
-    the stack's own backward every slice was copied into a fresh .grad (1920 copies a pass for 8 runs of r=32 on
-    SmolLM2, 33 of its 190 ms of co-batching overhead in bench/cobatch.py --profile)."""
-    if not (torch.is_grad_enabled() and any(p.requires_grad for p in params)):
-        return torch.stack([_pad_to(p, width, dim) for p in params])
-    leaf = torch.stack([_pad_to(p.detach(), width, dim) for p in params]).requires_grad_()
-    leaf.register_post_accumulate_grad_hook(functools.partial(_hand_out, params=params, dim=dim))
-    return leaf
-
-
-def _hand_out(leaf: torch.Tensor, params: list[torch.nn.Parameter], dim: int) -> None:
-    """Each run's slice of the stacked gradient (cut to its own rank) added to its .grad, as autograd would: the
-    slices of a run that appears twice summed first, then set, or added to the .grad it already has."""
-    grad, leaf.grad = leaf.grad, None
-    assert grad is not None
-    width = grad.shape[1 + dim]
-    if all(p.shape[dim] == width and p.requires_grad for p in params) and len({id(p) for p in params}) == len(params):
-        for param, piece in zip(params, grad.unbind(0)):  # the usual case: no padding, each run once
-            if param.grad is None:
-                param.grad = piece
-            else:
-                param.grad.add_(piece)
-        return
-    slices: dict[int, tuple[torch.nn.Parameter, torch.Tensor]] = {}
-    for i, param in enumerate(params):
-        if param.requires_grad:
-            piece = grad[i].narrow(dim, 0, param.shape[dim])
-            slices[id(param)] = (param, slices[id(param)][1] + piece) if id(param) in slices else (param, piece)
-    for param, piece in slices.values():
-        if param.grad is None:
-            param.grad = piece if piece.is_contiguous() else piece.contiguous()
-        else:
-            param.grad.add_(piece)
-
-
 class EqualRowsLora(torch.autograd.Function):
     """`(x @ Aᵀ) @ Bᵀ` for groups of equal rows (x [groups, rows, in], A [groups, width, in], B [groups, out, width]),
-    whose gradients come out contiguous in A's and B's own layout: autograd's would be transposed views, which the
-    runs' .grad must copy to be dense."""
+    whose gradients come out contiguous in A's and B's own layout. The stack's backward then hands each run a
+    contiguous slice, which becomes its .grad as it is. Autograd's own gradients here are transposed views: each
+    slice was copied into a fresh .grad (1920 copies a pass for 8 runs of r=32 on SmolLM2, 33 of its 190 ms of
+    co-batching overhead in bench/cobatch.py --profile)."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:

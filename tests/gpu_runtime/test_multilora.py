@@ -186,9 +186,10 @@ def test_padded_bmm_gives_each_groups_own_matmul_and_gradients(counts: tuple[int
 @pytest.mark.parametrize(("ranks", "keys"), [((16, 4), ("run-0", "run-1", "run-0")), ((16, 16, 16), ("run-0", "run-1", "run-2"))],
                          ids=["a-run-twice-and-a-padded-rank", "each-run-once-at-its-width"])
 def test_equal_rows_hand_each_run_its_gradient_slice_as_autograd_would(ranks: tuple[int, ...], keys: tuple[str, ...]) -> None:
-    # Equal rows take one batched matmul on stacked copies of the runs' matrices (multilora.stacked): each run's
-    # .grad is its slice of theirs. A run with two segments gets their sum; a second pass adds to the .grad it has;
-    # ranks 4 and 16 share width 16 (a rank-4 slice is cut back to rank 4); the input's gradient is the loop's.
+    # Equal rows take one batched matmul on the runs' stacked matrices (multilora.EqualRowsLora), whose gradient
+    # comes back in slices: each run's .grad is its slice, dense. A run with two segments gets their sum; a second
+    # pass adds to the .grad it has; ranks 4 and 16 share width 16 (a rank-4 slice is cut back to rank 4); the
+    # input's gradient is the loop's.
     adapters = {f"run-{i}": lora(r, 16, 12, scaling=[2.0, 0.5, 1.0][i], dropout=0.0, seed=i) for i, r in enumerate(ranks)}
     layer = layer_with(adapters, Routing())
     x = torch.randn(6, 5, 16, generator=torch.Generator().manual_seed(5))
