@@ -216,10 +216,11 @@ class Control:
             return SaveStateResult.from_dict(answered).replay()
         name = call.name or default_checkpoint_name(state.step)
         path = checkpoint_dir(state.paths, call.mode, name)
-        if path.is_dir() and not DEFAULT_NAME.match(name):
-            # A name is kept once per kind: saving over "final" would lose it. A retry of the save that wrote it
-            # (same request id, after a restart forgot the answer) gets that save's answer.
-            meta = read_json(path / CHECKPOINT_FILE) if (path / CHECKPOINT_FILE).exists() else {}
+        meta = read_json(path / CHECKPOINT_FILE) if (path / CHECKPOINT_FILE).exists() else {}
+        if path.is_dir() and not (call.name is None and meta.get("step") == state.step):
+            # A name is kept once per kind: saving over "final" (or over step-0 at step 1) would lose it. Only a save
+            # without a name at the same step writes its step-N again. A retry of the save that wrote it (same
+            # request id, after a restart forgot the answer) gets that save's answer.
             if call.request_id and meta.get("request_id") == call.request_id:
                 check_same_body(call.request_id, meta.get("body_sha256"), body)
                 return SaveStateResult.from_dict(meta["result"]).replay()

@@ -11,6 +11,8 @@ where the runtime greets each connection with the ready line. No torch here: the
 from __future__ import annotations
 
 import json
+import threading
+from collections import deque
 from pathlib import Path
 from typing import Any, TypedDict
 
@@ -61,3 +63,100 @@ def check_contract(greeted: dict[str, Any], where: str, fix: str) -> None:
     if version != CONTRACT_VERSION:
         raise FailedPrecondition(f"the runtime {where} speaks contract version {version}, this server {CONTRACT_VERSION}: "
                                  f"{fix}", field="runtime")
+
+
+# What a writer holds queued before its callers wait for room: enough for a few large batches, never the whole
+# memory. Waiting happens in the caller, outside every lock, so a full pipe never blocks a heartbeat or a reader.
+WRITER_QUEUE_BYTES = 64 * 1024 * 1024
+
+
+class LineWriter:
+    """Protocol lines to one stream, written by a thread of their own, in the order they were queued.
+
+    Neither side of the channel ever writes while holding a lock another thread needs: a peer that stops reading
+    (its own reader blocked writing to us) would otherwise stall both processes for good. `urgent` lines
+    (heartbeats and their answers) go ahead of queued ones, between whole lines. `written` runs once a line is out
+    (or could not go); `failed` gets the ids of the lines that could not be written once the stream breaks."""
+
+    def __init__(self, stream: Any, name: str, failed: Any = None, limit_bytes: int = WRITER_QUEUE_BYTES) -> None:
+        self.stream = stream
+        self.limit_bytes = limit_bytes
+        self._failed = failed
+        self._lines: deque[tuple[Any, bytes, Any]] = deque()
+        self._urgent: deque[tuple[Any, bytes, Any]] = deque()
+        self._queued_bytes = 0
+        self._closing = False
+        self.broken = False
+        self._changed = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name=f"writer-{name}", daemon=True)
+        self._thread.start()
+
+    def put(self, line: bytes, request_id: Any = None, urgent: bool = False, written: Any = None) -> bool:
+        """Queue one whole line; False when the stream has broken or closed (nothing will be written)."""
+        with self._changed:
+            if self.broken or self._closing:
+                return False
+            (self._urgent if urgent else self._lines).append((request_id, line, written))
+            self._queued_bytes += len(line)
+            self._changed.notify_all()
+        return True
+
+    def wait_for_room(self, timeout: float | None = None) -> None:
+        """Back-pressure for a caller with a large line: wait (holding no lock) until the queue has drained below its
+        bound. The line itself is never refused for size; the server bounds request bodies."""
+        with self._changed:
+            self._changed.wait_for(lambda: self._queued_bytes < self.limit_bytes or self.broken, timeout)
+
+    def close(self) -> None:
+        """End of input for the peer once every queued line is out: the stream is closed after the last."""
+        with self._changed:
+            self._closing = True
+            self._changed.notify_all()
+
+    def join(self, timeout: float | None = None) -> None:
+        self._thread.join(timeout)
+
+    def _next(self) -> tuple[Any, bytes, Any] | None:
+        with self._changed:
+            self._changed.wait_for(lambda: bool(self._urgent or self._lines or self._closing))
+            if self._urgent:
+                return self._urgent.popleft()
+            if self._lines:
+                return self._lines.popleft()
+            return None
+
+    def _run(self) -> None:
+        while (item := self._next()) is not None:
+            request_id, line, written = item
+            try:
+                rest = memoryview(line)
+                while rest:  # a raw socket or pipe may take part of a large line at a time
+                    count = self.stream.write(rest)
+                    rest = rest[count:] if count is not None else rest[:0]
+                self.stream.flush()
+            except (OSError, ValueError):  # the peer has gone (ValueError: the file was closed under us)
+                self._break(item)
+                return
+            with self._changed:
+                self._queued_bytes -= len(line)
+                self._changed.notify_all()
+            if written is not None:
+                written()
+        try:
+            self.stream.close()
+        except OSError:
+            pass
+
+    def _break(self, item: tuple[Any, bytes, Any]) -> None:
+        with self._changed:
+            self.broken = True
+            lost = [item, *self._urgent, *self._lines]
+            self._urgent.clear()
+            self._lines.clear()
+            self._queued_bytes = 0
+            self._changed.notify_all()
+        for _, _, written in lost:
+            if written is not None:
+                written()
+        if self._failed is not None:
+            self._failed([request_id for request_id, _, _ in lost if request_id is not None])

@@ -28,7 +28,7 @@ from typing import IO, Any
 from gpu_runtime.contract import RuntimeOptions
 from gpu_runtime.errors import FailedPrecondition, SignalError, WorkerFailed
 from gpu_runtime.poison import POISON_DEATHS, CallKey, Deaths, call_key, poison_pill
-from gpu_runtime.protocol import HEARTBEAT, LOCK_HELD, check_contract, decode, encode, runtime_socket
+from gpu_runtime.protocol import HEARTBEAT, LOCK_HELD, LineWriter, check_contract, decode, encode, runtime_socket
 
 PACKAGE_PARENT = str(Path(__file__).resolve().parent.parent)  # a checkout, or site-packages when installed
 DEATHS_FILE = "runtime-deaths.json"  # in the data directory: the poison-pill count every server process shares
@@ -68,7 +68,12 @@ class RuntimeClient:
         # directory's runtime is every server process's, and so is the count (poison.py).
         self._deaths = Deaths(Path(self.data_dir) / DEATHS_FILE if shared else None)
         self._ids = itertools.count(1)
-        self._lock = threading.RLock()  # guards the process, the pending table and writes to stdin
+        # Two locks, neither held across I/O to the runtime: `_lock` for starting and stopping it (a start may wait
+        # for the runtime's ready line), `_table` for the pending table. Lines go out through `_writer`'s thread, so
+        # a runtime that stops reading never blocks the reader, the heartbeat or the watchdog.
+        self._lock = threading.RLock()
+        self._table = threading.Lock()
+        self._writer: LineWriter | None = None
         self.generation = 0  # bumped by every spawn, so a caller can tell "the worker I called" from a new one
 
     # ---- lifecycle -----------------------------------------------------------------------
@@ -117,50 +122,58 @@ class RuntimeClient:
         `progress` gets a streamed call's chunks, on the reader thread, before the Future is done."""
         future: Future[dict[str, Any]] = Future()
         key = call_key(params)
+        with self._table:
+            poisoned, request_id = self._deaths.poisoned(key), next(self._ids)
+        if poisoned:
+            future.set_exception(poison_pill(method))  # not even a fresh runtime gets it again
+            return future
+        line = encode({"id": request_id, "method": method, "params": params})  # outside every lock: it may be large
         with self._lock:
-            if self._deaths.poisoned(key):
-                future.set_exception(poison_pill(method))  # not even a fresh runtime gets it again
-                return future
             if not self.alive:
                 self._stop(graceful=False)
                 self._spawn()
-            process = self._process
-            assert process is not None and process.stdin is not None
-            request_id = next(self._ids)
+            process, writer = self._process, self._writer
+        assert process is not None and writer is not None
+        writer.wait_for_room()  # back-pressure on this caller alone, holding no lock
+        with self._table:
             self._pending[request_id] = (method, future, process, key)
             if progress is not None:
                 self._progress[request_id] = progress
-            try:
-                process.stdin.write(encode({"id": request_id, "method": method, "params": params}))
-                process.stdin.flush()
-            except (BrokenPipeError, OSError):
-                self._pending.pop(request_id, None)
-                self._progress.pop(request_id, None)
-                future.set_exception(WorkerFailed(f"worker process is gone; {method} was not sent"))
+            # Queued in the order callers submit: a run's next call (its turn ends here) goes out after this one.
+            sent = writer.put(line, request_id)
+        if not sent:
+            self._fail_unsent([request_id], "was not sent")
         return future
 
     def heartbeat(self) -> Future[dict[str, Any]]:
         """Ask the runtime it is connected to (never a new one) whether it is alive: its reader thread answers,
         however long the current tick runs. WorkerFailed if there is none."""
         future: Future[dict[str, Any]] = Future()
-        with self._lock:
-            process = self._process
-            if process is None or process.poll() is not None or process.stdin is None:
-                future.set_exception(WorkerFailed("no runtime is running"))
-                return future
+        process, writer = self._process, self._writer  # no lifecycle lock: a start or a stop may hold it for seconds
+        if process is None or writer is None or process.poll() is not None:
+            future.set_exception(WorkerFailed("no runtime is running"))
+            return future
+        with self._table:
             request_id = next(self._ids)
             self._pending[request_id] = (HEARTBEAT, future, process, None)
-            try:
-                process.stdin.write(encode({"id": request_id, "method": HEARTBEAT, "params": {}}))
-                process.stdin.flush()
-            except OSError:
-                self._pending.pop(request_id, None)
-                future.set_exception(WorkerFailed("the runtime's connection is gone"))
+            sent = writer.put(encode({"id": request_id, "method": HEARTBEAT, "params": {}}), request_id, urgent=True)
+        if not sent:
+            self._fail_unsent([request_id], "could not be sent: the runtime's connection is gone")
         return future
+
+    def _fail_unsent(self, request_ids: list[int], why: str) -> None:
+        """Calls whose lines never reached the runtime (its input broke or closed): they fail, typed, unapplied."""
+        with self._table:
+            entries = [(rid, self._pending.pop(rid, None)) for rid in request_ids]
+            for rid, _ in entries:
+                self._progress.pop(rid, None)
+        for _, entry in entries:
+            if entry is not None and entry[1].set_running_or_notify_cancel():
+                entry[1].set_exception(WorkerFailed(f"worker process is gone; {entry[0]} {why}"))
 
     def forget(self, future: Future[dict[str, Any]]) -> None:
         """Drop an unanswered request (a heartbeat that timed out) so its entry does not linger."""
-        with self._lock:
+        with self._table:
             for request_id, entry in list(self._pending.items()):
                 if entry[1] is future:
                     del self._pending[request_id]
@@ -175,15 +188,15 @@ class RuntimeClient:
         return process is not None and any(p.pid == process.pid and p.poll() is None for p in self._spawned)
 
     def kill(self) -> None:
-        """SIGKILL the runtime in use (only one this client started): its calls fail WORKER_FAILED, the next respawns."""
-        with self._lock:
-            process = self._process
-            if process is None or not self.started_by_us:
-                return
-            try:
-                os.kill(process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        """SIGKILL the runtime in use (only one this client started): its calls fail WORKER_FAILED, the next respawns.
+        Takes no lock: the watchdog calls it when a start, a stop or the runtime itself is stuck."""
+        process = self._process
+        if process is None or not self.started_by_us:
+            return
+        try:
+            os.kill(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
     def call(self, method: str, timeout: float | None = None, **params: Any) -> dict[str, Any]:
         """Blocking form of `submit`."""
@@ -263,6 +276,8 @@ class RuntimeClient:
             process = self._connect()
         else:
             process = self._launch([], subprocess.PIPE, self.start_timeout)
+        assert process.stdin is not None
+        self._writer = LineWriter(process.stdin, str(process.pid), lambda ids: self._fail_unsent(ids, "was not sent"))
         self._process = process
         self.generation += 1
         threading.Thread(target=self._read_answers, args=(process,), name=f"worker-reader-{process.pid}",
@@ -272,12 +287,12 @@ class RuntimeClient:
         assert process.stdout is not None
         while (message := _read_message(process.stdout)) is not None:
             if "chunk" in message:  # a streamed call's progress: its entry stays until the answer
-                with self._lock:
+                with self._table:
                     handler = self._progress.get(message.get("id"))  # type: ignore[arg-type]  # no id finds None
                 if handler is not None:
                     handler(message["chunk"])
                 continue
-            with self._lock:
+            with self._table:
                 self._progress.pop(message.get("id"), None)  # type: ignore[arg-type]  # an answer without an id finds None
                 entry = self._pending.pop(message.get("id"), None)  # type: ignore[arg-type]  # an answer without an id finds None
                 if entry is not None:
@@ -298,7 +313,7 @@ class RuntimeClient:
         except subprocess.TimeoutExpired:
             process.kill()
             code = process.wait()
-        with self._lock:
+        with self._table:
             # Only calls sent to this process: a call may already be waiting on its replacement.
             failed = [(rid, entry) for rid, entry in self._pending.items() if entry[2] is process]
             for rid, _ in failed:
@@ -317,21 +332,25 @@ class RuntimeClient:
 
     def _stop(self, graceful: bool) -> None:
         process, self._process = self._process, None
+        writer, self._writer = self._writer, None
         if process is None:
             return
-        if process.poll() is None and graceful and process.stdin is not None:
+        if process.poll() is None and graceful and writer is not None:
+            writer.close()  # EOF once the queued lines are out: the runtime finishes what it has, snapshots, exits
             try:
-                process.stdin.close()  # EOF: the runtime finishes what it has, snapshots, and exits
                 process.wait(timeout=self.stop_timeout)
-            except (OSError, subprocess.TimeoutExpired):
+            except subprocess.TimeoutExpired:
                 pass
         if process.poll() is None:
             process.kill()
         process.wait()
+        if writer is not None:
+            writer.close()
+            writer.join(1.0)  # a writer stuck on a dead pipe ends when the pipe does
         if process.stdin is not None:
             try:
                 process.stdin.close()
-            except OSError:
+            except (OSError, ValueError):
                 pass
 
 

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from gpu_runtime.errors import BadInput, FailedPrecondition, SignalError
-from gpu_runtime.protocol import HEARTBEAT, LOCK_HELD, decode, encode, greeting, runtime_lock, runtime_socket
+from gpu_runtime.protocol import HEARTBEAT, LOCK_HELD, LineWriter, decode, encode, greeting, runtime_lock, runtime_socket
 
 
 def claim_stdout() -> IO[bytes]:
@@ -67,36 +67,38 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+CLOSE_SECONDS = 30.0  # how long a closing channel waits for a client that stopped reading its last answers
+
+
 class Channel:
-    """Answers to the protocol stream, one whole line at a time, from any thread."""
+    """Answers to the protocol stream, one whole line at a time, from any thread, written by a thread of their own:
+    the request reader answers a heartbeat or a refusal without ever waiting on a client that is not reading."""
 
     def __init__(self, stream: IO[bytes] | socket.SocketIO) -> None:
-        self.stream = stream
-        self.lock = threading.Lock()
-        self.unanswered = 0  # requests handed to the engine and not yet answered
+        self.writer = LineWriter(stream, "answers")
+        self.unanswered = 0  # requests handed to the engine whose answer is not yet written
         self.answered = threading.Condition()
 
-    def send(self, message: dict[str, Any]) -> None:
+    def send(self, message: dict[str, Any], written: Any = None, urgent: bool = False) -> None:
         try:
             line = encode(message)
         except (TypeError, ValueError) as exc:  # a result that is not JSON-able is a bug: say so, typed
             line = encode({"id": message.get("id"), "error": {"type": "InternalError", "code": "INTERNAL",
                                                               "message": f"unserialisable answer: {exc}", "field": None}})
-        with self.lock:
-            try:
-                self.stream.write(line)
-            except OSError:
-                pass  # the client has gone: its call was applied (and journaled) all the same
+        if not self.writer.put(line, urgent=urgent, written=written) and written is not None:
+            written()  # the client has gone: its call was applied (and journaled) all the same
 
     def replier(self, request_id: Any) -> Any:
         with self.answered:
             self.unanswered += 1
 
-        def reply(message: dict[str, Any]) -> None:
-            self.send({"id": request_id, **message})
+        def written() -> None:
             with self.answered:
                 self.unanswered -= 1
                 self.answered.notify_all()
+
+        def reply(message: dict[str, Any]) -> None:
+            self.send({"id": request_id, **message}, written)
 
         return reply
 
@@ -107,6 +109,11 @@ class Channel:
     def wait_answered(self) -> None:
         with self.answered:
             self.answered.wait_for(lambda: self.unanswered == 0)
+
+    def close(self) -> None:
+        """After the last answer: the stream closes once every queued line is out."""
+        self.writer.close()
+        self.writer.join(CLOSE_SECONDS)
 
 
 def read_requests(engine: Any, channel: Channel, stream: IO[bytes]) -> None:
@@ -120,7 +127,7 @@ def read_requests(engine: Any, channel: Channel, stream: IO[bytes]) -> None:
             channel.send({"id": None, "error": BadInput(f"request is not a JSON object: {exc}", field="request").to_dict()})
             continue
         if request.get("method") == HEARTBEAT:  # on this thread: it must answer while a tick runs
-            channel.send({"id": request.get("id"), "result": engine.heartbeat()})
+            channel.send({"id": request.get("id"), "result": engine.heartbeat()}, urgent=True)
             continue
         engine.submit(request.get("method"), request.get("params") or {}, channel.replier(request.get("id")),
                       channel.progress(request.get("id")))
@@ -160,6 +167,7 @@ class SocketServer:
         self.listener.bind(str(path))
         self.listener.listen(128)  # bound before the engine loads: clients connect now, greeted once it is up
         self.connections: set[socket.socket] = set()
+        self.channels: set[Channel] = set()  # drained before the process exits: their answers are written by a thread
         self.lock = threading.Lock()
         self.stopped = False
         self.ever_connected = False
@@ -206,15 +214,19 @@ class SocketServer:
 
     def _serve(self, engine: Any, connection: socket.socket) -> None:
         channel = Channel(connection.makefile("wb", buffering=0))
+        with self.lock:
+            self.channels.add(channel)
         channel.send(greeting(os.getpid()))
         try:
             read_requests(engine, channel, connection.makefile("rb"))
         except OSError:
             pass  # the connection broke: what it sent is still answered (into the void)
         channel.wait_answered()  # the client closed its side: answer what it sent, then close ours
+        channel.close()
         connection.close()
         with self.lock:
             self.connections.discard(connection)
+            self.channels.discard(channel)
             unused = not self.connections
         if unused and self.exit_when_unused:
             self.stop(engine)
@@ -247,13 +259,20 @@ def main(argv: list[str] | None = None) -> int:
             protocol.write(encode({"ready": False, "error": error.to_dict()}))
         print(f"error: {error.message}", file=sys.stderr)
         return 2
+    channels: list[Channel] = []
     if server is None:
         channel = Channel(protocol)
+        channels.append(channel)
         channel.send(greeting(os.getpid()))
         threading.Thread(target=read_stdin, args=(engine, channel), name="requests", daemon=True).start()
     else:
         serve_socket(server, engine, protocol if args.spawned else None, args.first_client_seconds)
     engine.serve_forever()
+    if server is not None:
+        with server.lock:
+            channels = list(server.channels)
+    for channel in channels:  # the last answers are queued on writer threads: out before the process ends
+        channel.close()
     return 0
 
 

@@ -342,6 +342,7 @@ def render_chat(call: RenderChat, entry: BaseEntry, tokenizer: Any) -> RenderCha
     """Messages through the chat template as ids (tokenize=True: the template's own BOS, once), ids as text, with
     `tokenizer`: the base's in the tick, a copy of it off the tick (gpu_runtime/off_tick.py)."""
     ids = None
+    check_text_fits(call, tokenizer, entry.renderer.max_length)
     if call.messages is not None:
         if not isinstance(getattr(tokenizer, "chat_template", None), str):
             raise BadInput("this model has no chat template: use /v1/completions with a prompt", field="messages")
@@ -371,3 +372,28 @@ def _held(faults: set[str], request: Request) -> bool:
     return (("hold_decode" in faults and request_id.startswith("hold"))
             or ("hold_streams" in faults and request.progress is not None)
             or ("hold_v1" in faults and request_id.startswith("v1-")))
+
+
+def longest_token_bytes(tokenizer: Any) -> int:
+    """An upper bound on the bytes of text one token stands for: its vocabulary string's UTF-8 length (a byte-level
+    BPE's one character per byte, SentencePiece's 3-byte word marker for one space, a byte token's <0xNN>)."""
+    cached = getattr(tokenizer, "_signal_longest_token_bytes", None)
+    if cached is None:
+        cached = max((len(token.encode("utf-8", "surrogatepass")) for token in tokenizer.get_vocab()), default=1)
+        tokenizer._signal_longest_token_bytes = cached
+    return int(cached)
+
+
+def check_text_fits(call: RenderChat, tokenizer: Any, context_length: int) -> None:
+    """Refuse text that cannot fit the context before tokenizing it: past context x the longest token's bytes it
+    is more tokens than the context holds, whatever they are (a 6 MB prompt took seconds of this thread)."""
+    bound = context_length * longest_token_bytes(tokenizer)
+    for i, prompt in enumerate(call.prompts or []):
+        size = len(prompt.encode("utf-8", "surrogatepass"))
+        if size > bound:
+            raise BadInput(f"prompt {i} is {size} bytes: more than the {context_length} tokens of the model's context "
+                           f"can hold (at most {bound} bytes)", field="prompt")
+    size = sum(len(str(m.get("content") or "").encode("utf-8", "surrogatepass")) for m in call.messages or [])
+    if size > bound:
+        raise BadInput(f"the messages are {size} bytes: more than the {context_length} tokens of the model's "
+                       f"context can hold (at most {bound} bytes)", field="messages")

@@ -26,11 +26,12 @@ from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from app.db import Database
-from app.errors import NotFound, SignalError, http_status
+from app.errors import BadInput, NotFound, SignalError, http_status
 from app.pg_listen import listen
 from app.services.throttle import throttled
 from app.services.tinker_sessions import tinker_call
 from app.tables import TinkerFuture, User, could_be_id, new_id, utcnow
+from gpu_runtime.contract import MAX_SAMPLES
 
 log = logging.getLogger("signal.tinker")
 
@@ -89,6 +90,8 @@ class TinkerFutures:
                      work: Callable[[str], Awaitable[tuple[str, bytes]]], samples: int = 0) -> TinkerFuture:
         """Insert the future's row, then dispatch `work(request_id)` (which returns (media type, bytes)) in the background; the
         loser of an insert race (or a resubmission) gets the winner's row and dispatches nothing."""
+        if not 0 <= samples <= MAX_SAMPLES:  # one id per sample is built below: bounded first, whatever the caller
+            raise BadInput(f"num_samples must be in 1..{MAX_SAMPLES}, got {samples}", field="num_samples")
         request_id = new_id()
         row = TinkerFuture(request_id=request_id, user_id=user.id, key_kind=key[0], key_scope=key[1], key_seq=key[2],
                            request_type=request_type, owner=self.owner,

@@ -80,9 +80,14 @@ def endpoint(handler: UserHandler, auth: bool = True) -> Handler:
     return wrapped
 
 
-def integer(value: object, field: str, low: int = 0) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise BadInput(f"{field} must be an integer >= {low}, got {value!r}", field=field)
+# The largest integer a database column holds (SQLite's and PostgreSQL's BIGINT): a larger id is the caller's error.
+MAX_INTEGER = 2**63 - 1
+
+
+def integer(value: object, field: str, low: int = 0, high: int = MAX_INTEGER) -> int:
+    """A JSON integer in low..high, checked before anything proportional to it is built."""
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise BadInput(f"{field} must be an integer in {low}..{high}, got {value!r}", field=field)
     return value
 
 

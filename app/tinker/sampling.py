@@ -15,7 +15,7 @@ from app.tables import User
 from app.tinker import paths, proto
 from app.tinker.endpoint import body, future_answer, integer, services
 from app.tinker.messages import CreateSamplingSessionResponse, GetSamplerResponse, UntypedAPIFuture
-from gpu_runtime.contract.sampling_settings import MAX_TOKENS_LIMIT
+from gpu_runtime.contract.sampling_settings import MAX_SAMPLES, MAX_TOKENS_LIMIT
 
 
 async def create_sampling_session(request: Request, user: User) -> CreateSamplingSessionResponse:
@@ -70,7 +70,7 @@ def sample_params(data: dict[str, Any], context_length: int | None) -> SamplePar
         temperature=params.get("temperature", 1.0), top_p=params.get("top_p", 1.0),
         top_k=0 if top_k == -1 else top_k,  # Tinker's -1 is Signal's 0: off
         stop=None if is_ids else stop, stop_tokens=stop if is_ids else None,
-        num_samples=data.get("num_samples", 1), seed=params.get("seed"),
+        num_samples=integer(data.get("num_samples", 1), "num_samples", 1, MAX_SAMPLES), seed=params.get("seed"),
         prompt_logprobs=bool(data.get("prompt_logprobs", False)), store=False)
 
 
@@ -86,7 +86,8 @@ async def asample(request: Request, user: User) -> UntypedAPIFuture:
     svc = services(request)
     sampler = await svc.tinker_sessions.model(user, str(data.get("sampling_session_id", "")), "sample", live=True)
     seq = integer(data.get("seq_id", 0), "seq_id")
-    num_samples = integer(data.get("num_samples", 1), "num_samples", 1)
+    # Bounded before the future's row lists one sequence id per sample (a billion of them took the server down).
+    num_samples = integer(data.get("num_samples", 1), "num_samples", 1, MAX_SAMPLES)
     context_length = None
     if (data.get("sampling_params") or {}).get("max_tokens") is None:
         base = sampler.base_model if sampler.run_id is None else (await svc.runs.get(user, sampler.run_id)).base_model

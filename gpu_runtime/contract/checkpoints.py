@@ -13,7 +13,9 @@ SAVE_MODES = ("adapter", "merged", "state")
 CHECKPOINT_KINDS = (*SAVE_MODES, "sampler")  # a checkpoint's kind (its `mode`); "sampler": save_weights_for_sampler's
 LOADABLE_KINDS = ("state", "adapter")  # what load_state and create_run(from_checkpoint=…) read: an adapter, ± AdamW
 CHECKPOINT_SCHEME = "signal://"  # signal://<run_id>/<kind>/<name>, like Tinker's tinker:// paths (docs/CHECKPOINTS.md)
-DEFAULT_NAME = re.compile(r"^step-(\d+)$")  # the name of a save_state without one: step-N, as migration 0009 named old rows
+# The name of a save_state without one: step-N, as migration 0009 named old rows. Only the canonical spelling (no
+# leading zero): "step-00" is a name of its own, or it would share step-0's directory and overwrite it.
+DEFAULT_NAME = re.compile(r"^step-(0|[1-9][0-9]*)$")
 CHECKPOINT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
 
