@@ -11,7 +11,7 @@ from typing import Any
 import yaml
 
 from app.errors import BadInput
-from gpu_runtime.allocation import (
+from gpu_runtime.client.allocation import (
     ATTENTION_ONLY,
     GB,
     LoraTargets,
@@ -58,7 +58,7 @@ class CatalogModel:
     @property
     def estimated_memory_gb(self) -> float:
         """GPU memory a run at the default LoRA settings needs (rank 32, attention only), bf16 weights
-        (gpu_runtime.allocation's estimate). A run on the MLP or the unembedding needs more: resolve_gpu counts it."""
+        (gpu_runtime.client.allocation's estimate). A run on the MLP or the unembedding needs more: resolve_gpu counts it."""
         return round(estimate_bytes(self.parameters) / GB, 1)
 
     def lora_targets(self, switches: dict[str, bool]) -> LoraTargets:

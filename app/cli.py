@@ -105,7 +105,7 @@ def serve_command(settings: Settings, args: argparse.Namespace) -> int:
 
 def runtime_command(settings: Settings, args: argparse.Namespace) -> int:
     """Become the runtime (exec): it holds DATA_DIR/runtime.lock, so a second one on the same data dir refuses."""
-    from gpu_runtime.runtime_client import RuntimeClient
+    from gpu_runtime.client.runtime_client import RuntimeClient
 
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     client = RuntimeClient(data_dir=str(settings.data_dir), device=settings.device, options=settings.runtime_options(),
@@ -126,14 +126,14 @@ def models_command(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def pull_command(settings: Settings, args: argparse.Namespace) -> int:
-    from gpu_runtime.export import LocalRunFiles, RunFiles, VolumeRunFiles, pull_run
-    from gpu_runtime.persistence import check_id
+    from gpu_runtime.client.persistence import check_id
+    from gpu_runtime.client.run_files import LocalRunFiles, RunFiles, VolumeRunFiles, pull_run
 
     run_id = check_id(args.run_id, "run_id")
     dest = Path(args.dir or run_id)
     files: RunFiles
     if settings.backend == "modal":
-        from gpu_runtime.modal_app import VOLUME_NAME
+        from gpu_runtime.client.modal_names import VOLUME_NAME
 
         # The Volume is laid out by user: the run's owner comes from the database.
         files = VolumeRunFiles(VOLUME_NAME, _with_db(settings, lambda db: _run_owner(db, run_id)), run_id)

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from app.settings import Settings
-from gpu_runtime.model_files import BUILTIN_GGUF, CACHE_MARKER, builtin_gguf_path, cached_model_dir
+from gpu_runtime.client.model_files import BUILTIN_GGUF, CACHE_MARKER, builtin_gguf_path, cached_model_dir
 
 OK, MISSING, UNKNOWN, WARNING = "ok", "missing", "unknown", "warning"
 MIN_FREE_BYTES = 2 * 1024**3  # below this a merged checkpoint of a small model may not fit
@@ -101,7 +101,7 @@ def credentials_check(source: str | None, required: bool) -> Check:
 
 
 def modal_checks(has_credentials: bool, required: bool) -> list[Check]:
-    from gpu_runtime.modal_app import APP_NAME, CLASS_NAME, HF_SECRET_NAME
+    from gpu_runtime.client.modal_names import APP_NAME, CLASS_NAME, HF_SECRET_NAME
 
     secret_fix = f"modal secret create {HF_SECRET_NAME} HF_TOKEN=hf_..."
     if not has_credentials:
@@ -184,11 +184,11 @@ def disk_check(data_dir: Path) -> Check:
     return Check("disk", OK, True, detail)
 
 
-# ---- torch and CUDA: asked of a subprocess (gpu_runtime.probe); the default model: its files ---------------
+# ---- torch and CUDA: asked of a subprocess (gpu_runtime.compute.probe); the default model: its files ---------------
 
 def runtime_checks(settings: Settings, required: bool) -> list[Check]:
     try:
-        done = subprocess.run([sys.executable, "-m", "gpu_runtime.probe"], capture_output=True, text=True, timeout=180)
+        done = subprocess.run([sys.executable, "-m", "gpu_runtime.compute.probe"], capture_output=True, text=True, timeout=180)
         probe = json.loads(done.stdout.strip().splitlines()[-1])
     except (subprocess.TimeoutExpired, ValueError, IndexError) as exc:
         probe = {"torch_error": f"the probe failed: {exc}"}

@@ -51,7 +51,7 @@ class InProcess:
     """The engine called directly: the baseline."""
 
     def __init__(self, args: argparse.Namespace, data_dir: Path) -> None:
-        from gpu_runtime.engine import Engine
+        from gpu_runtime.engine.engine import Engine
 
         self.engine = Engine(data_dir, device=args.device)
         self.engine.create_run("bench-engine", "bench", args.model, LORA, seed=0)

@@ -44,7 +44,7 @@ def log(message: str) -> None:
 
 
 def common_args(parser: argparse.ArgumentParser) -> None:
-    from gpu_runtime.model_files import DEFAULT_BASE_MODEL
+    from gpu_runtime.client.model_files import DEFAULT_BASE_MODEL
 
     parser.add_argument("--model", default=DEFAULT_BASE_MODEL, help="base model: a catalogue name or a local directory")
     parser.add_argument("--device", default="auto")

@@ -89,7 +89,7 @@ def main() -> None:
     apply_threads(args.threads)
     rounds = 2 if args.quick else args.rounds
     from gpu_runtime.contract import ADAM_DEFAULTS
-    from gpu_runtime.engine import Engine
+    from gpu_runtime.engine.engine import Engine
 
     lora = {} if args.rank is None else {"r": args.rank}
     examples = [{"text": text} for text in SHORT_TEXTS[:RUNS]]

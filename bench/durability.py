@@ -39,8 +39,8 @@ def parse_args() -> argparse.Namespace:
 
 class Side:
     def __init__(self, name: str, data_dir: str, args: argparse.Namespace, env: dict[str, str], **options: int) -> None:
+        from gpu_runtime.client.runtime_client import RuntimeClient
         from gpu_runtime.contract import RuntimeOptions
-        from gpu_runtime.runtime_client import RuntimeClient
 
         self.name = name
         self.options = RuntimeOptions(**options)

@@ -43,7 +43,7 @@ class WorkerSide:
     """The runtime in its worker process, through RuntimeClient: what the server drives."""
 
     def __init__(self, args: argparse.Namespace, data_dir: str, env: dict[str, str]) -> None:
-        from gpu_runtime.runtime_client import RuntimeClient
+        from gpu_runtime.client.runtime_client import RuntimeClient
 
         self.run_id = f"bench-{uuid.uuid4().hex[:8]}"
         self.client = RuntimeClient(data_dir, device=args.device, env=env)
@@ -68,11 +68,11 @@ class PeftSide:
         import torch
         from peft import LoraConfig, get_peft_model
 
+        from gpu_runtime.compute.devices import resolve_device
+        from gpu_runtime.compute.lora.wrap import linear_module_names
+        from gpu_runtime.compute.models import ModelRegistry
+        from gpu_runtime.compute.optimizer import new_adamw
         from gpu_runtime.contract import default_target_modules
-        from gpu_runtime.devices import resolve_device
-        from gpu_runtime.models import ModelRegistry
-        from gpu_runtime.multilora import linear_module_names
-        from gpu_runtime.optimizer import new_adamw
 
         self.torch = torch
         self.device, dtype = resolve_device(args.device)

@@ -144,7 +144,7 @@ def mfu(args: argparse.Namespace) -> None:
     from cobatch import pump, submit
     from torch import nn
 
-    from gpu_runtime.engine import Engine
+    from gpu_runtime.engine.engine import Engine
 
     apply_threads(args.threads)
     rows, length = (8, 64) if args.tiny else (8, args.seq_len)

@@ -81,7 +81,7 @@ def train_groups(engine: Any, run_ids: list[str], group: int, batch_of: Any, aft
 
 
 def child_a(args: argparse.Namespace) -> dict[str, Any]:
-    from gpu_runtime.engine import Engine
+    from gpu_runtime.engine.engine import Engine
 
     engine = Engine(args.child_data_dir, device=args.device)
     rss_start = proc_status()["VmRSS"]
@@ -101,7 +101,7 @@ def child_a(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def child_b(args: argparse.Namespace) -> dict[str, Any]:
-    from gpu_runtime.engine import Engine
+    from gpu_runtime.engine.engine import Engine
 
     engine = Engine(args.child_data_dir, device=args.device)  # the default RuntimeOptions
     budget = engine.options

@@ -27,7 +27,7 @@ from benchlib import REPO_ROOT, SHORT_TEXTS, apply_threads, emit, log, median, s
 
 
 def parse_args() -> argparse.Namespace:
-    from gpu_runtime.model_files import DEFAULT_BASE_MODEL
+    from gpu_runtime.client.model_files import DEFAULT_BASE_MODEL
 
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--model", default=DEFAULT_BASE_MODEL, help="the default model's name or a directory")
@@ -41,9 +41,9 @@ def parse_args() -> argparse.Namespace:
 
 
 def compare(label: str, model: str, data_dir: Path, device: str, rounds: int) -> dict[str, Any]:
+    from gpu_runtime.compute.ranks import describe_rank
     from gpu_runtime.contract import ADAM_DEFAULTS
-    from gpu_runtime.engine import Engine
-    from gpu_runtime.ranks import describe_rank
+    from gpu_runtime.engine.engine import Engine
 
     batch = [{"text": text} for text in SHORT_TEXTS]
     # One data directory (its models/ cache shared), a run of each side's own in it.

@@ -32,7 +32,7 @@ def main() -> None:
     args = parse_args()
     apply_threads(args.threads)
     from app.schema import schema
-    from gpu_runtime.batches import Renderer
+    from gpu_runtime.compute.batches import Renderer
     from graphql import GraphQLList, GraphQLNonNull, coerce_input_value
     from rewardsignal import pack_datum
     from rewardsignal.client import _batch as graphql_batch

@@ -75,7 +75,7 @@ def main() -> None:
     args = parser.parse_args()
     apply_threads(args.threads)
 
-    from gpu_runtime.engine import Engine
+    from gpu_runtime.engine.engine import Engine
 
     with scratch_data_dir(args.data_dir) as data_dir:
         engine = Engine(data_dir, device=args.device)

@@ -85,11 +85,11 @@ class ByHand:
         import torch
         from peft import LoraConfig, get_peft_model
 
+        from gpu_runtime.compute.devices import resolve_device
+        from gpu_runtime.compute.lora.wrap import linear_module_names
+        from gpu_runtime.compute.models import ModelRegistry
+        from gpu_runtime.compute.optimizer import new_adamw
         from gpu_runtime.contract import default_target_modules
-        from gpu_runtime.devices import resolve_device
-        from gpu_runtime.models import ModelRegistry
-        from gpu_runtime.multilora import linear_module_names
-        from gpu_runtime.optimizer import new_adamw
 
         self.torch = torch
         self.device, dtype = resolve_device(args.device)

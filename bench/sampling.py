@@ -66,7 +66,7 @@ def main() -> None:
     args = parse_args()
     apply_threads(args.threads)
     rounds = 1 if args.quick else args.rounds
-    from gpu_runtime.engine import Engine
+    from gpu_runtime.engine.engine import Engine
 
     prompts = [SHORT_TEXTS[i % len(SHORT_TEXTS)][: 24 + i] for i in range(REQUESTS)]  # 32 distinct prompts
     with scratch_data_dir(args.data_dir) as data_dir:

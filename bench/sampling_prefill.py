@@ -39,7 +39,7 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     apply_threads(args.threads)
-    from gpu_runtime.engine import Engine
+    from gpu_runtime.engine.engine import Engine
 
     rounds = 2 if args.quick else args.rounds
     prompt = [random.Random(0).randrange(10_000) for _ in range(args.prompt_tokens)]  # ids every tokenizer here has

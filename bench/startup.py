@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from benchlib import REPO_ROOT, emit, log, median, target  # noqa: E402
 
-from gpu_runtime.protocol import RUNTIME_LOCK  # noqa: E402
+from gpu_runtime.client.protocol import RUNTIME_LOCK  # noqa: E402
 
 TARGET_S = 1.5  # issue 14 §7: both answer within 1.5 s of `signal serve` starting (median of 5)
 GIVE_UP_S = 120.0  # a start that has not answered by then failed

@@ -2,7 +2,7 @@
 
     modal deploy -m gpu_runtime.modal_app        # once, and after every upgrade
 
-A pool is (base model, GPU configuration, quantization), named by its key (gpu_runtime.allocation.pool_key).
+A pool is (base model, GPU configuration, quantization), named by its key (gpu_runtime.client.allocation.pool_key).
 The server looks the class up by name, picks the pool's GPU with `with_options(gpu=...)`, and calls
 `Pool(pool=key, options=...).call.remote.aio(method, params)`. Each distinct key is its own container
 (`max_containers=1`): every run on that pool shares one base and its co-batched passes.
@@ -30,11 +30,9 @@ from typing import Any
 
 import modal
 
-APP_NAME = "signal"
-CLASS_NAME = "Pool"
-VOLUME_NAME = "signal-data"
-HF_SECRET_NAME = "signal-hf"  # a Modal secret holding HF_TOKEN: gated base models (`modal secret create signal-hf HF_TOKEN=...`)
-VOLUME_PATH = "/data"  # runs/, models/ (safetensors cache) and hf-cache/: DESIGN.md's data directory
+from gpu_runtime.client.modal_names import APP_NAME, HF_SECRET_NAME, VOLUME_NAME
+
+VOLUME_PATH = "/data"  # runs/, models/ (safetensors cache) and hf-cache/: the data directory
 
 # The container's own settings (read at `@modal.enter`): offline tests point these at a temporary directory and CPU.
 DATA_DIR_ENV = "SIGNAL_MODAL_DATA_DIR"
@@ -123,9 +121,9 @@ class Pool:
     @modal.enter()
     def start(self) -> None:
         # The base loads now (offline: with its first run); runs restore lazily from the Volume, on their first call.
-        from gpu_runtime.allocation import PoolKey
+        from gpu_runtime.client.allocation import PoolKey
         from gpu_runtime.contract import RuntimeOptions
-        from gpu_runtime.engine import Engine
+        from gpu_runtime.engine.engine import Engine
 
         self.commits = VolumeCommits(offline=modal.is_local())
         # A pool on N GPUs starts N ranks now, kept for the container's life (docs/MULTIGPU.md): rank i on GPU i.
@@ -170,7 +168,7 @@ class Pool:
     def _load_base(self) -> None:
         # The key's first part is the catalogue's name, which on Modal is the hub id the runs load (no local paths
         # there). Best effort: a base that fails here fails its first call too, with a typed error the caller sees.
-        from gpu_runtime.allocation import PoolKey
+        from gpu_runtime.client.allocation import PoolKey
 
         base = PoolKey.parse(self.pool).base_model
         try:

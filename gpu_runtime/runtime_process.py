@@ -8,7 +8,7 @@ each greeted with the ready line, and their calls share the one engine (per-run 
 servers' tickets, see scheduler.py). --spawned: started by a server that found no runtime; it reports
 readiness (or that another runtime holds the lock) on stdout, and exits once its last client has gone.
 
-Protocol (gpu_runtime/protocol.py): one JSON object per line each way; every request has an id and
+Protocol (gpu_runtime/client/protocol.py): one JSON object per line each way; every request has an id and
 its answer carries it back, in whatever order the scheduler finishes them. A reader thread queues
 requests; the main thread runs the engine's ticks. At end of input the runtime finishes what it
 has, snapshots every run that changed, and exits. Only protocol messages reach the real stdout;
@@ -35,8 +35,8 @@ import threading
 from pathlib import Path
 from typing import IO, Any
 
+from gpu_runtime.client.protocol import HEARTBEAT, LOCK_HELD, LineWriter, decode, encode, greeting, runtime_lock, runtime_socket
 from gpu_runtime.errors import BadInput, FailedPrecondition, SignalError
-from gpu_runtime.protocol import HEARTBEAT, LOCK_HELD, LineWriter, decode, encode, greeting, runtime_lock, runtime_socket
 
 
 def claim_stdout() -> IO[bytes]:
@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     protocol = claim_stdout()
     # Imported only now, so anything torch & co print at import goes to stderr.
     from gpu_runtime.contract import RuntimeOptions
-    from gpu_runtime.engine import Engine
+    from gpu_runtime.engine.engine import Engine
 
     faults = {f for f in os.environ.get("SIGNAL_RUNTIME_FAULTS", "").split(",") if f}
     try:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 if TYPE_CHECKING:
-    from gpu_runtime.engine import Engine
+    from gpu_runtime.engine.engine import Engine
     from tests.helpers.live_server import LiveServer
     from tests.helpers.postgres import Cluster
 
@@ -83,7 +83,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.fixture
 def engine(tmp_path: Path) -> Iterator[Engine]:
     """An Engine on a fresh data directory, on CPU."""
-    from gpu_runtime.engine import Engine
+    from gpu_runtime.engine.engine import Engine
 
     yield Engine(tmp_path / "data", device="cpu")
 

@@ -21,12 +21,12 @@ from typing import Any
 
 import anyio.to_thread
 
-from app.backends import A, Progress
+from app.backends.base import A, Progress
 from app.settings import Settings
-from gpu_runtime.allocation import PoolKey
+from gpu_runtime.client.allocation import PoolKey
+from gpu_runtime.client.runtime_client import RuntimeClient
 from gpu_runtime.contract import Call, SampleChunk
 from gpu_runtime.errors import SignalError
-from gpu_runtime.runtime_client import RuntimeClient
 
 log = logging.getLogger("signal.backend")
 

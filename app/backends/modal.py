@@ -1,6 +1,6 @@
 """The Modal backend: each run's calls go to its pool's warm container (gpu_runtime/modal_app.py).
 
-A pool is (base model, GPU configuration, quantization), named by gpu_runtime.allocation.pool_key. The class
+A pool is (base model, GPU configuration, quantization), named by gpu_runtime.client.allocation.pool_key. The class
 is looked up once by name (`modal.Cls.from_name`); each pool gets its GPU with `with_options(gpu=...)` and its
 own instance, cached, and its calls go through `.aio`, so many are in flight at once from the event loop and
 the container's scheduler co-batches them.
@@ -21,16 +21,15 @@ from typing import Any
 
 import anyio.to_thread
 
-from app.backends import A, Progress
+from app.backends.base import A, Progress
 from app.errors import BadInput, FailedPrecondition, SignalError, WorkerFailed
 from app.settings import Settings
-from gpu_runtime.allocation import PoolKey, modal_gpu
+from gpu_runtime.client.allocation import PoolKey, modal_gpu
+from gpu_runtime.client.modal_names import APP_NAME, CLASS_NAME
+from gpu_runtime.client.poison import Deaths, call_key, poison_pill
+from gpu_runtime.client.protocol import check_contract
 from gpu_runtime.contract import Call, DeleteRun, Method
-from gpu_runtime.poison import Deaths, call_key, poison_pill
-from gpu_runtime.protocol import check_contract
 
-APP_NAME = "signal"  # gpu_runtime.modal_app's APP_NAME and CLASS_NAME (that module is not imported here)
-CLASS_NAME = "Pool"
 DEATHS_FILE = "modal-deaths.json"  # in the server's data directory: the poison-pill count its processes share
 log = logging.getLogger("signal.backend")
 CREDENTIALS_HELP = ("Modal credentials are missing: run `modal token new` (writes ~/.modal.toml), or set "

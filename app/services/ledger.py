@@ -25,7 +25,7 @@ from app.db import Database
 from app.services.billing import BillingClient
 from app.settings import Settings
 from app.tables import BillingOutbox, Run, User, utcnow
-from gpu_runtime.allocation import GpuAllocation, parse_gpu_config
+from gpu_runtime.client.allocation import GpuAllocation, parse_gpu_config
 from gpu_runtime.errors import BadInput
 
 CPU = "cpu"  # the runtime's name for the CPU device (str(torch.device("cpu")))

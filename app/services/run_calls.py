@@ -29,7 +29,7 @@ from app.services.run_specs import _fields_renamed, graphql_field
 from app.services.throttle import sent_until_taken
 from app.settings import DEADLINES_S, RECORD_RETRY_S
 from app.tables import Metric, Run, User, could_be_id, new_id, utcnow
-from gpu_runtime.allocation import PoolKey
+from gpu_runtime.client.allocation import PoolKey
 from gpu_runtime.contract import Call, Cancel, RuntimeOptions
 
 T = TypeVar("T")

@@ -15,7 +15,7 @@ from app.catalog import Catalog
 from app.errors import BadInput, SignalError
 from app.services.runs import RunService, RunSpec
 from app.settings import Settings
-from gpu_runtime.allocation import GPUS, LEGAL_COUNTS, QUANTIZATIONS
+from gpu_runtime.client.allocation import GPUS, LEGAL_COUNTS, QUANTIZATIONS
 from gpu_runtime.contract import ADAM_DEFAULTS, LORA_DEFAULTS, LORA_R_MAX
 
 Number = TypeVar("Number", int, float)

@@ -20,7 +20,7 @@ from app.services.run_calls import Record, RunCalls, _refuse_archived, _sent_as,
 from app.services.run_specs import SampleParams, _fields_renamed
 from app.services.streams import unless_gone
 from app.tables import BaseSample, Run, Sample, User, new_id
-from gpu_runtime.allocation import PoolKey
+from gpu_runtime.client.allocation import PoolKey
 from gpu_runtime.contract import (
     Call,
     Cancel,

@@ -44,7 +44,7 @@ from app.services.run_specs import (
 )
 from app.services.users import require_admin
 from app.tables import Checkpoint, Metric, Run, Sample, User, new_id, utcnow
-from gpu_runtime.allocation import PoolKey
+from gpu_runtime.client.allocation import PoolKey
 from gpu_runtime.contract import (
     ADAM_DEFAULTS,
     LORA_SWITCHES,

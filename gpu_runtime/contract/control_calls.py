@@ -1,5 +1,5 @@
 """The control calls as types: create, describe, close and delete runs; save, load, export and delete checkpoints and
-sampler snapshots; cancel a call; ping and the operator's view (gpu_runtime/control_calls.py answers them)."""
+sampler snapshots; cancel a call; ping and the operator's view (gpu_runtime/engine/control_calls.py answers them)."""
 
 from __future__ import annotations
 
@@ -84,7 +84,7 @@ class SaveState(RunCall[SaveStateResult]):
     request_id: str | None = None
     push_to_hub: bool = False
     hub_model_id: str | None = None
-    hf_token: str | None = None  # the user's: it reaches gpu_runtime.hub and nothing else (no journal, manifest, log)
+    hf_token: str | None = None  # the user's: it reaches gpu_runtime.engine.hub and nothing else (no journal, manifest, log)
 
     def validate(self) -> None:
         super().validate()

@@ -34,7 +34,7 @@ class SequenceChunk(TypedDict):
 
 
 class BaseDescription(TypedDict):
-    """A loaded base, as gpu_runtime.models.describe says it."""
+    """A loaded base, as gpu_runtime.compute.models.describe says it."""
 
     name: str
     source: str
@@ -130,7 +130,7 @@ class SampleChunk(Result):
     """A streamed sample's progress after one decode chunk (sent before its SampleResult, never instead of it)."""
 
     # per prompt, per sample: {text, tokens, logprobs}, what became settled since the last chunk: the text holds back
-    # an incomplete UTF-8 sequence and any end that could start a stop string (gpu_runtime/detokenize.py), the ids
+    # an incomplete UTF-8 sequence and any end that could start a stop string (gpu_runtime/engine/detokenize.py), the ids
     # those characters' tokens. A sequence that finished sends the rest in the result.
     sequences: list[list[SequenceChunk]]
 

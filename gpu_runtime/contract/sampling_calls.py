@@ -1,5 +1,5 @@
 """The sampling calls as types: sample, and the tokenizer's work for clients that have none (tokenizer, render_chat);
-gpu_runtime/sampling_calls.py answers them. `check_weights_source` is the one rule for which weights a call reads."""
+gpu_runtime/engine/sampling_calls.py answers them. `check_weights_source` is the one rule for which weights a call reads."""
 
 from __future__ import annotations
 
@@ -17,10 +17,10 @@ from gpu_runtime.errors import BadInput
 
 @dataclass(frozen=True, kw_only=True)
 class Sample(Call[SampleResult]):
-    """Sampling from one weights source (gpu_runtime/weights_sources.py): `run_id` alone (the run's current weights,
+    """Sampling from one weights source (gpu_runtime/engine/weights_sources.py): `run_id` alone (the run's current weights,
     in its queue), `run_id` + `snapshot` or `checkpoint` (frozen weights: off the run's queue), or no `run_id` and
     `base_model` + `user_id` (the base alone). `run_id` + `latest`: the run's current weights as they are when the
-    call arrives, copied for it (off the run's queue, like a snapshot: gpu_runtime/snapshots.py, `Snapshots.latest`)."""
+    call arrives, copied for it (off the run's queue, like a snapshot: gpu_runtime/engine/snapshots.py, `Snapshots.latest`)."""
 
     method = Method.SAMPLE
     answer = SampleResult

@@ -1,4 +1,4 @@
-"""The training calls as types: forward_backward, forward, render_datums and optim_step (gpu_runtime/training_calls.py
+"""The training calls as types: forward_backward, forward, render_datums and optim_step (gpu_runtime/engine/training_calls.py
 answers them)."""
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ class ForwardBackward(_Batched, RunCall[ForwardBackwardResult]):
 @dataclass(frozen=True, kw_only=True)
 class Forward(_Batched, Call[ForwardResult]):
     """The loss and per-position logprobs of a batch, with no backward: nothing of the run changes (no gradient,
-    no dropout, no counter). Its weights, as a sample's (gpu_runtime/weights_sources.py): `run_id`'s current ones
+    no dropout, no counter). Its weights, as a sample's (gpu_runtime/engine/weights_sources.py): `run_id`'s current ones
     (in the run's queue), `run_id` + `snapshot` (frozen: off the queue), or with run_id None the base model alone."""
 
     method = Method.FORWARD

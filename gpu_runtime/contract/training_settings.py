@@ -176,7 +176,7 @@ def _switches(lora: dict[str, Any]) -> dict[str, bool] | None:
 
 # ---- batches -------------------------------------------------------------------------------------
 
-# A batch item is one of these key sets (gpu_runtime/batches.py renders them): text, a prompt/answer pair, a chat,
+# A batch item is one of these key sets (gpu_runtime/compute/batches.py renders them): text, a prompt/answer pair, a chat,
 # or token level. Token items take per-token logprobs and advantages for the RL losses.
 TEXT_KEYS = ({"text"}, {"input", "output"}, {"input"}, {"output"}, {"messages"})
 TOKEN_KEYS = {"tokens", "weights", "logprobs", "advantages"}

@@ -4,7 +4,7 @@ Supabase's user ids are UUIDs and `auth.uid()` returns `uuid`: the row-level-sec
 `auth.uid()::text` with `user_id`, so Signal's own ids take the same text form. Rows written before this
 revision hold 32 hex characters; each is rewritten as 8-4-4-4-12, in parents and children alike, and so are the
 run and user directories inside stored checkpoint paths (the runtime adopts legacy directories on first use:
-gpu_runtime.persistence.find_run_dir).
+gpu_runtime.client.persistence.find_run_dir).
 
 Revision ID: 0003
 Revises: 0002

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from app.catalog import Catalog, available_frameworks
-from gpu_runtime.allocation import (
+from gpu_runtime.client.allocation import (
     GB,
     GPU_TYPES,
     LORA_STATE_BYTES,

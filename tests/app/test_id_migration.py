@@ -18,7 +18,7 @@ from sqlalchemy.ext.asyncio import create_async_engine
 
 from app.db import alembic_config
 from app.tables import new_id
-from gpu_runtime.persistence import RunPaths, find_run_dir, read_json, write_json
+from gpu_runtime.client.persistence import RunPaths, find_run_dir, read_json, write_json
 from tests.helpers.postgres import Cluster
 
 DASHED = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")

@@ -32,10 +32,11 @@ from app.backends.modal import ModalBackend, pool_gpu
 from app.catalog import Catalog
 from app.settings import Settings
 from gpu_runtime import modal_app
-from gpu_runtime.allocation import GPUS, PoolKey, parse_gpu_config, pool_key
+from gpu_runtime.client.allocation import GPUS, PoolKey, parse_gpu_config, pool_key
+from gpu_runtime.client.modal_names import HF_SECRET_NAME
 from gpu_runtime.contract import CONTRACT_VERSION, OptimStep, RunInfo, RuntimeState
+from gpu_runtime.engine.journal import Journal
 from gpu_runtime.errors import FailedPrecondition, WorkerFailed
-from gpu_runtime.journal import Journal
 from rewardsignal import BadInputError, SignalClient
 from tests.helpers.live_server import TINY_MODEL, LiveServer, settings_for
 from tests.web.conftest import api_key_for, sign_in
@@ -112,7 +113,7 @@ def test_class_is_declared_one_container_per_pool(monkeypatch: pytest.MonkeyPatc
     assert set(built._method_partials) == {"call", "delete_run"}
     function_spec = built._class_service_function._spec
     assert list(function_spec.volumes) == ["/data"] == [modal_app.VOLUME_PATH]
-    assert [s.name for s in map(synchronizer._translate_out, function_spec.secrets)] == [modal_app.HF_SECRET_NAME]
+    assert [s.name for s in map(synchronizer._translate_out, function_spec.secrets)] == [HF_SECRET_NAME]
 
 
 def test_image_pins_what_the_tests_run() -> None:
@@ -128,7 +129,7 @@ def test_image_pins_what_the_tests_run() -> None:
 
 def test_server_side_modules_stay_light() -> None:
     code = ("import sys\nimport app.backends.modal, gpu_runtime.modal_app\n"
-            "heavy = sorted(m for m in ('torch', 'transformers', 'peft', 'gpu_runtime.engine', 'starlette', 'strawberry')"
+            "heavy = sorted(m for m in ('torch', 'transformers', 'peft', 'gpu_runtime.engine.engine', 'starlette', 'strawberry')"
             " if m in sys.modules)\nassert not heavy, heavy\n")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr

@@ -7,7 +7,7 @@ import json
 import shutil
 from pathlib import Path
 
-from gpu_runtime.export import select_artifacts
+from gpu_runtime.client.run_files import select_artifacts
 from tests.app.test_cli import cli_env, run_cli
 
 
@@ -22,7 +22,7 @@ def test_select_artifacts_keeps_the_newest_snapshot_and_whole_files_only() -> No
 
 
 def test_pull_then_rederive_from_the_journal(tmp_path: Path, tiny_model_dir: str) -> None:
-    from gpu_runtime.engine import Engine
+    from gpu_runtime.engine.engine import Engine
     from tests.helpers.engine_tools import BATCH, assert_same_weights, lora_weights, train
 
     data = tmp_path / "data"

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from gpu_runtime.engine import Engine
+from gpu_runtime.engine.engine import Engine
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

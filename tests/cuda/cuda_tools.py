@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_runtime.engine import Engine
-from gpu_runtime.multilora import Segment, routed
-from gpu_runtime.pool import BaseEntry
+from gpu_runtime.compute.lora.layer import Segment, routed
+from gpu_runtime.compute.pool import BaseEntry
+from gpu_runtime.engine.engine import Engine
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (bench/gpu.sh runs these)")
 

@@ -1,6 +1,6 @@
 """AdamW on CUDA against the CPU reference: the same gradients give the same steps.
 
-The engine's optim_step on a CUDA run (torch's fused AdamW kernel, which gpu_runtime/optimizer.py picks
+The engine's optim_step on a CUDA run (torch's fused AdamW kernel, which gpu_runtime/compute/optimizer.py picks
 there) is replayed on the CPU with torch's single-tensor AdamW, from the same state, through the same
 `adamw_step` (normaliser, clipping, settings). Both hold fp32 parameters
 and see bitwise-equal gradients, so they differ only by the kernels' rounding: within ADAM_REL of the
@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpu_runtime.engine import Engine
-from gpu_runtime.training import adamw_step
+from gpu_runtime.compute.training import adamw_step
+from gpu_runtime.engine.engine import Engine
 from tests.cuda.cuda_tools import requires_cuda
 from tests.helpers.engine_tools import BATCH
 
@@ -58,7 +58,7 @@ def test_optim_steps_on_cuda_match_the_cpu_reference(tmp_path: Path, tiny_model_
 
 
 def test_torch_fused_adamw_on_cuda_matches_the_cpu_reference() -> None:
-    # The fused kernel itself, on LoRA-shaped fp32 tensors: the one gpu_runtime/optimizer.py picks on CUDA.
+    # The fused kernel itself, on LoRA-shaped fp32 tensors: the one gpu_runtime/compute/optimizer.py picks on CUDA.
     generator = torch.Generator().manual_seed(0)
     shapes = [(8, 64), (128, 8), (8, 128), (64, 8)] * 4
     initial = [torch.randn(shape, generator=generator) * 0.1 for shape in shapes]

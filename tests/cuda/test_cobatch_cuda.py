@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpu_runtime.engine import Engine
+from gpu_runtime.engine.engine import Engine
 from tests.cuda.cuda_tools import assert_close_to_scale, base_entry, grads, requires_cuda
 from tests.gpu_runtime.test_cobatch import BATCHES, LEARNING_RATES, RUNS
 from tests.helpers.engine_tools import result_of, submit

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
-from gpu_runtime.multilora import MultiLoraLinear, Routing, Segment
+from gpu_runtime.compute.lora.layer import MultiLoraLinear, Routing, Segment
 from tests.cuda.cuda_tools import requires_cuda
 from tests.gpu_runtime.test_multilora import lora, run_layer
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpu_runtime.engine import Engine
-from gpu_runtime.quantization import count_quantized
+from gpu_runtime.compute.quantization import count_quantized
+from gpu_runtime.engine.engine import Engine
 from tests.cuda.cuda_tools import base_entry, requires_cuda
 from tests.helpers.engine_tools import BATCH
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from gpu_runtime.engine import Engine
+from gpu_runtime.engine.engine import Engine
 from tests.cuda.cuda_tools import requires_cuda, teacher_forced_logprobs, weights
 from tests.helpers.engine_tools import BATCH, result_of, submit
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from gpu_runtime.engine import Engine
+from gpu_runtime.engine.engine import Engine
 from tests.cuda.cuda_tools import assert_bitwise, grads, requires_cuda, weights
 from tests.helpers.engine_tools import BATCH
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpu_runtime.engine import Engine
+from gpu_runtime.engine.engine import Engine
 from gpu_runtime.errors import ResourceExhausted
 from tests.helpers.engine_tools import assert_same_weights, lora_weights
 

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from gpu_runtime.engine import Engine
+from gpu_runtime.engine.engine import Engine
 
 
 @pytest.fixture
@@ -18,8 +18,8 @@ def smollm2_data_dir(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, st
     """A data dir whose models/ cache holds SmolLM2, built once per session (the ~20 s de-quantization)."""
     import torch
 
-    from gpu_runtime.model_files import DEFAULT_BASE_MODEL
-    from gpu_runtime.models import ModelRegistry
+    from gpu_runtime.client.model_files import DEFAULT_BASE_MODEL
+    from gpu_runtime.compute.models import ModelRegistry
 
     data_dir = tmp_path_factory.mktemp("smollm2-data")
     first = ModelRegistry(data_dir, torch.device("cpu"), torch.float32).get(DEFAULT_BASE_MODEL)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from gpu_runtime.batches import Datum, Renderer, collate
+from gpu_runtime.compute.batches import Datum, Renderer, collate
 from gpu_runtime.errors import BadInput
 from rewardsignal import pack_datum
 

@@ -13,9 +13,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from gpu_runtime.engine import Engine
+from gpu_runtime.client.runtime_client import RuntimeClient
+from gpu_runtime.engine.engine import Engine
 from gpu_runtime.errors import BadInput, FailedPrecondition, NotFound, WorkerFailed
-from gpu_runtime.runtime_client import RuntimeClient
 from tests.helpers.engine_tools import BATCH, assert_same_weights, lora_weights, train
 from tests.helpers.tiny_model import build_tiny_model
 

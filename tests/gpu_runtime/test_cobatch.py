@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from gpu_runtime.engine import Engine
+from gpu_runtime.engine.engine import Engine
 from tests.helpers.engine_tools import BATCH, FP32_REL, assert_same_grads, assert_same_weights, lora_weights, result_of, submit
 
 # Mixed ranks, alphas, dropouts, target modules and learning rates, in one tick.

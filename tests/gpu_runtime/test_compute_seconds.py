@@ -9,7 +9,7 @@ from typing import Any, cast
 import pytest
 import torch
 
-from gpu_runtime.engine import Engine
+from gpu_runtime.engine.engine import Engine
 from tests.helpers.engine_tools import result_of, submit
 
 ROW = list(range(300, 316))  # 16 token ids: every row the same length, so token shares are known exactly

@@ -5,7 +5,7 @@ from typing import Any
 import pytest
 
 from gpu_runtime.contract import RuntimeOptions, adam_settings, lora_settings
-from gpu_runtime.engine import Engine
+from gpu_runtime.engine.engine import Engine
 from gpu_runtime.errors import BadInput
 
 LLAMA_LINEARS = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"}

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from gpu_runtime.client.runtime_client import RuntimeClient
 from gpu_runtime.contract import (
     CALLS,
     CONTRACT_VERSION,
@@ -31,7 +32,6 @@ from gpu_runtime.contract import (
     parse_call,
 )
 from gpu_runtime.errors import BadInput, FailedPrecondition
-from gpu_runtime.runtime_client import RuntimeClient
 
 EXAMPLES: dict[Method, dict[str, Any]] = {
     Method.CREATE_RUN: {"run_id": "r1", "user_id": "u1", "base_model": "m", "lora": {"r": 4}, "seed": 3},

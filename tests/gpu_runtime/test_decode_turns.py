@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from gpu_runtime.engine import Engine
+from gpu_runtime.engine.engine import Engine
 
 PROMPTS = ["a prompt long enough to be prefilled in several pieces when the budget is tiny, " * 2, "short"]
 SETTINGS = {"max_tokens": 6, "temperature": 0.0, "num_samples": 2, "prompt_logprobs": True, "topk_prompt_logprobs": 3}

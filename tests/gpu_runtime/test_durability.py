@@ -27,14 +27,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from gpu_runtime import training
+from gpu_runtime.client.persistence import write_json
+from gpu_runtime.client.runtime_client import RuntimeClient
+from gpu_runtime.compute import training
 from gpu_runtime.contract import CONTRACT_VERSION, RuntimeOptions
-from gpu_runtime.engine import Engine
+from gpu_runtime.engine.engine import Engine
+from gpu_runtime.engine.journal import HEADER, JOURNAL_FILE
+from gpu_runtime.engine.run_state import RunConfig
 from gpu_runtime.errors import FailedPrecondition, WorkerFailed
-from gpu_runtime.journal import HEADER, JOURNAL_FILE
-from gpu_runtime.persistence import write_json
-from gpu_runtime.run_state import RunConfig
-from gpu_runtime.runtime_client import RuntimeClient
 from tests.helpers.engine_tools import BATCH
 
 LORA = {"r": 4, "alpha": 8, "dropout": 0.1}  # dropout on: replay must redraw the same masks

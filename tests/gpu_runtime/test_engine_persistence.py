@@ -10,9 +10,9 @@ import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from gpu_runtime.engine import Engine
+from gpu_runtime.client.persistence import sha256_json
+from gpu_runtime.engine.engine import Engine
 from gpu_runtime.errors import BadInput, RunNotFound
-from gpu_runtime.persistence import sha256_json
 from tests.helpers.engine_tools import BATCH, assert_same_weights, lora_weights, run_logits, train
 
 LORA = {"r": 4, "alpha": 8, "dropout": 0.1}

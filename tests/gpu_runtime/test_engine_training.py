@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from gpu_runtime.engine import Engine
+from gpu_runtime.engine.engine import Engine
 from gpu_runtime.errors import BadInput, FailedPrecondition, RunNotFound
 from tests.helpers.engine_tools import BATCH, assert_same_weights, lora_weights, train
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from gpu_runtime.engine import Engine
+from gpu_runtime.engine.engine import Engine
 from tests.helpers.engine_tools import result_of, submit, train
 
 PROMPT = [28120, 905, 314, 260, 3575, 282, 1116]

@@ -1,4 +1,4 @@
-"""A CPU runtime keeps freed memory for its next pass (gpu_runtime/host_memory.py; the speed-up is bench/cobatch.py's)."""
+"""A CPU runtime keeps freed memory for its next pass (gpu_runtime/compute/host_memory.py; the speed-up is bench/cobatch.py's)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from gpu_runtime.host_memory import keep_freed_memory
+from gpu_runtime.compute.host_memory import keep_freed_memory
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc", reason="glibc's mallopt")

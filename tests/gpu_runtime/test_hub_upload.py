@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import huggingface_hub.constants
 import pytest
 
-from gpu_runtime.engine import Engine
+from gpu_runtime.engine.engine import Engine
 from tests.helpers.engine_tools import BATCH, result_of, submit
 from tests.helpers.hub_standin import HubStandIn
 

@@ -35,7 +35,7 @@ def test_package_init_is_light() -> None:
 def test_worker_client_and_errors_import_no_torch() -> None:
     code = (
         "import sys\n"
-        "import gpu_runtime.runtime_client, gpu_runtime.errors, gpu_runtime.protocol, gpu_runtime.allocation\n"
+        "import gpu_runtime.client.runtime_client, gpu_runtime.errors, gpu_runtime.client.protocol, gpu_runtime.client.allocation\n"
         "heavy = sorted(m for m in ('torch', 'transformers', 'peft', 'numpy', 'safetensors') if m in sys.modules)\n"
         "assert not heavy, heavy\n"
     )

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from gpu_runtime.engine import Engine
+from gpu_runtime.engine.engine import Engine
 from tests.helpers.engine_tools import assert_same_weights, lora_weights
 
 BATCH = [{"text": "The quick brown fox jumps over the lazy dog."}]

@@ -1,4 +1,4 @@
-"""One tick's journals are fsync'd together (gpu_runtime/journal.py `sync_all`): each journal's error stays its own,
+"""One tick's journals are fsync'd together (gpu_runtime/engine/journal.py `sync_all`): each journal's error stays its own,
 and every other journal is durable: its records read back from a fresh open."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from gpu_runtime.journal import Journal, sync_all
+from gpu_runtime.engine.journal import Journal, sync_all
 
 
 @pytest.mark.parametrize("journals", [1, 3, 12])  # alone, a tick's few, more than the pool's threads

@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from gpu_runtime.engine import Engine
+from gpu_runtime.engine.engine import Engine
 from tests.helpers.engine_tools import assert_relatively_close
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "legacy_datadir"

@@ -13,7 +13,7 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 from gpu_runtime.contract import lora_settings
-from gpu_runtime.engine import Engine
+from gpu_runtime.engine.engine import Engine
 from gpu_runtime.errors import BadInput
 from tests.helpers.engine_tools import BATCH, assert_same_grads, result_of, run_logits, submit, train
 

@@ -13,10 +13,10 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
-from gpu_runtime.batches import Datum, collate
-from gpu_runtime.engine import Engine
+from gpu_runtime.compute.batches import Datum, collate
+from gpu_runtime.compute.losses import LOSSES
+from gpu_runtime.engine.engine import Engine
 from gpu_runtime.errors import BadInput, FailedPrecondition
-from gpu_runtime.losses import LOSSES
 from tests.helpers.engine_tools import assert_relatively_close, result_of, submit
 
 LOSS_NAMES = ["cross_entropy", "importance_sampling", "ppo", "cispo", "dro"]
@@ -116,7 +116,7 @@ def rl_batch(engine: Engine, run_id: str, seed: int) -> list[dict[str, Any]]:
 
 def reference_loss(loss_fn: str, logp: torch.Tensor, inputs: dict[str, Any], config: dict[str, float],
                    ) -> tuple[torch.Tensor, float]:
-    """§9's formula for one datum, written independently of gpu_runtime.losses: (sum, the mean's normaliser)."""
+    """§9's formula for one datum, written independently of gpu_runtime.compute.losses: (sum, the mean's normaliser)."""
     w = torch.tensor(inputs["weights"])
     if loss_fn == "cross_entropy":
         return -(logp * w).sum(), float(w.abs().sum())

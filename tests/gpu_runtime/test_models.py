@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpu_runtime.engine import Engine
+from gpu_runtime.client.model_files import CACHE_MARKER, DEFAULT_BASE_MODEL, builtin_gguf_path, safe_name
+from gpu_runtime.compute.models import ModelRegistry
+from gpu_runtime.engine.engine import Engine
 from gpu_runtime.errors import ModelUnavailable
-from gpu_runtime.model_files import CACHE_MARKER, DEFAULT_BASE_MODEL, builtin_gguf_path, safe_name
-from gpu_runtime.models import ModelRegistry
 
 
 def test_hub_id_not_in_the_local_cache_is_model_unavailable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

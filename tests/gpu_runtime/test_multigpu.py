@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from gpu_runtime.engine import Engine
+from gpu_runtime.engine.engine import Engine
 from gpu_runtime.errors import WorkerFailed
 from tests.helpers.engine_tools import BATCH, assert_same_grads, assert_same_weights, lora_weights, result_of, submit
 

@@ -12,8 +12,9 @@ from peft import LoraConfig, get_peft_model
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from gpu_runtime.multilora import LoraWeights, MultiLoraLinear, Routing, Segment, init_lora, padded_bmm, routed, wrap_targets
-from gpu_runtime.run_state import peft_name
+from gpu_runtime.compute.lora.layer import LoraWeights, MultiLoraLinear, Routing, Segment, padded_bmm, routed
+from gpu_runtime.compute.lora.wrap import init_lora, wrap_targets
+from gpu_runtime.engine.run_state import peft_name
 
 PROBE = [[28120, 905, 314, 260, 3575, 282, 11, 99], [1, 17, 28120, 905, 314, 44, 260, 7]]
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from gpu_runtime.engine import Engine
+from gpu_runtime.engine.engine import Engine
 
 MESSAGES = [{"role": "user", "content": "Write a long story about a lighthouse keeper."}]
 

@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from gpu_runtime.optimizer import fused_on, new_adamw, restore_fused
-from gpu_runtime.training import clip_grad_norm
+from gpu_runtime.compute.optimizer import fused_on, new_adamw, restore_fused
+from gpu_runtime.compute.training import clip_grad_norm
 
 
 def params() -> list[torch.nn.Parameter]:

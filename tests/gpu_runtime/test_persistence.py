@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from gpu_runtime.persistence import RunPaths, atomic_dir, find_run_dir, read_json, write_json
+from gpu_runtime.client.persistence import RunPaths, atomic_dir, find_run_dir, read_json, write_json
 
 
 def test_atomic_dir_replaces_an_old_directory_whole(tmp_path: Path) -> None:

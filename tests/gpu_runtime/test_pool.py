@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gpu_runtime.engine import Engine
+from gpu_runtime.engine.engine import Engine
 from tests.helpers.engine_tools import BATCH, assert_same_weights, lora_weights, train
 
 LORA = {"r": 8, "alpha": 16}

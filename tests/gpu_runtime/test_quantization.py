@@ -15,12 +15,13 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
-from gpu_runtime.engine import Engine
+from gpu_runtime.compute.lora.layer import LoraWeights, Routing, Segment, routed
+from gpu_runtime.compute.lora.wrap import init_lora, wrap_targets
+from gpu_runtime.compute.merging import MERGE_INFO, save_merged
+from gpu_runtime.compute.quantization import count_quantized, dequantized_weight, quantize_model
+from gpu_runtime.engine.engine import Engine
+from gpu_runtime.engine.run_state import peft_name
 from gpu_runtime.errors import BadInput, FailedPrecondition
-from gpu_runtime.merging import MERGE_INFO, save_merged
-from gpu_runtime.multilora import LoraWeights, Routing, Segment, init_lora, routed, wrap_targets
-from gpu_runtime.quantization import count_quantized, dequantized_weight, quantize_model
-from gpu_runtime.run_state import peft_name
 from tests.helpers.engine_tools import BATCH, run_logits, train
 
 bnb = pytest.importorskip("bitsandbytes")

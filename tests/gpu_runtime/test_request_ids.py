@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from gpu_runtime.engine import Engine
+from gpu_runtime.engine.engine import Engine
 from gpu_runtime.errors import BadInput
 from tests.helpers.engine_tools import BATCH
 

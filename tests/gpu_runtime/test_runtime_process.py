@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from gpu_runtime.client.runtime_client import RuntimeClient
 from gpu_runtime.errors import BadInput, RunNotFound, WorkerFailed
-from gpu_runtime.runtime_client import RuntimeClient
 from tests.helpers.engine_tools import BATCH
 
 
@@ -99,7 +99,8 @@ def test_a_bad_device_fails_start_with_a_typed_error(tmp_path: Path) -> None:
 
 NOISY_WORKER = """
 import os, sys
-from gpu_runtime import control_calls, runtime_process
+from gpu_runtime import runtime_process
+from gpu_runtime.engine import control_calls
 
 original_ping = control_calls.Control.ping
 

@@ -7,7 +7,7 @@ from typing import Any, cast
 import pytest
 import torch
 
-from gpu_runtime.engine import Engine
+from gpu_runtime.engine.engine import Engine
 from gpu_runtime.errors import BadInput
 from tests.helpers.engine_tools import BATCH, lora_weights, run_logits, train
 

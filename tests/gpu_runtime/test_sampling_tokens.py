@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from gpu_runtime.engine import Engine
+from gpu_runtime.engine.engine import Engine
 from tests.helpers.engine_tools import run_logits, train
 
 PROMPTS = ["hello", "a much longer prompt here"]

@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
+from gpu_runtime.client.runtime_client import RuntimeClient
 from gpu_runtime.contract import RuntimeOptions
-from gpu_runtime.engine import Engine
-from gpu_runtime.runtime_client import RuntimeClient
+from gpu_runtime.engine.engine import Engine
 from tests.helpers.engine_tools import BATCH, result_of, submit
 
 LORA = {"r": 4, "alpha": 8}

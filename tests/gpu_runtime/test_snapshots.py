@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from gpu_runtime.engine import Engine
+from gpu_runtime.engine.engine import Engine
 from gpu_runtime.errors import FailedPrecondition, NotFound, RunNotFound
 from tests.helpers.engine_tools import BATCH, result_of, submit, train
 

@@ -9,8 +9,8 @@ from typing import Any, cast
 
 import pytest
 
-from gpu_runtime.detokenize import IncrementalText, settled
-from gpu_runtime.engine import Engine
+from gpu_runtime.engine.detokenize import IncrementalText, settled
+from gpu_runtime.engine.engine import Engine
 from tests.helpers.tiny_model import smollm2_tokenizer
 
 

@@ -7,9 +7,10 @@ from typing import Any
 
 import pytest
 
+from gpu_runtime.engine.request import Request
+from gpu_runtime.engine.scheduler import Scheduler, cancel_error
+from gpu_runtime.engine.tickets import split_ticket
 from gpu_runtime.errors import BadInput
-from gpu_runtime.scheduler import Request, Scheduler, cancel_error
-from gpu_runtime.tickets import split_ticket
 
 RUN = "run-1"
 
@@ -46,7 +47,7 @@ def test_a_ticket_that_never_comes_is_waited_for_at_most_ticket_wait(caplog: pyt
     scheduler.submit(call(2))  # ticket 1's server died between its ticket and its call
     assert not scheduler.has_work()
     # wait_for_work wakes when the hold runs out, not at its (longer) timeout.
-    with caplog.at_level(logging.WARNING, logger="gpu_runtime.scheduler"):
+    with caplog.at_level(logging.WARNING, logger="gpu_runtime.engine.scheduler"):
         assert scheduler.wait_for_work(timeout=30)
         assert tick(scheduler) == [2]
     assert "tickets 1..1 did not arrive" in caplog.text

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from gpu_runtime.scheduler import RETRY_AFTER_S, SYSTEM, Request, Scheduler
+from gpu_runtime.engine.request import SYSTEM, Request
+from gpu_runtime.engine.scheduler import RETRY_AFTER_S, Scheduler
 
 
 def call(user: str, run_id: str, answers: list[dict[str, Any]] | None = None) -> Request:

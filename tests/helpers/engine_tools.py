@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
-from gpu_runtime.engine import Engine
-from gpu_runtime.multilora import Segment, routed
+from gpu_runtime.compute.lora.layer import Segment, routed
+from gpu_runtime.engine.engine import Engine
 
 BATCH: list[dict[str, Any]] = [
     {"text": "The quick brown fox jumps over the lazy dog."},

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import yaml
 
-from gpu_runtime.journal import Journal
+from gpu_runtime.engine.journal import Journal
 from tests.helpers.live_server import LiveServer, settings_for
 
 # The cookbook refuses model names outside its registry before it calls the server, so this test's catalogue (test

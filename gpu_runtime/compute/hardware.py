@@ -1,0 +1,112 @@
+"""Where the tensor work of a tick runs: this process, or a group of ranks. The tick does not know which.
+
+`LocalCompute` runs the training step (gpu_runtime/compute/training.py) here. `RankCompute` drives a multi-GPU pool
+(gpu_runtime/compute/ranks.py): rank 0 is this process, the others follow its broadcast, and the same step runs on
+every rank. Both offer the same calls, so the engine has no `if ranks` branches.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from gpu_runtime.compute.optimizer import kernel as optimizer_kernel
+from gpu_runtime.compute.plan import Outcome, PassPart, RunWeights, SplitCall
+from gpu_runtime.compute.pool import BaseEntry
+from gpu_runtime.compute.ranks import RankGroup
+from gpu_runtime.compute.training import adamw_step, forward_backward_pass
+
+
+class LocalCompute:
+    """One process holds the base and every run's LoRA."""
+
+    world = 1
+    can_merge = True  # whole base weights are here, so merged checkpoints can be folded
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    @property
+    def failed(self) -> str | None:
+        """Why the compute stopped (a rank died or hung); None while it works. One process never fails alone."""
+        return None
+
+    def forward_backward(self, entry: BaseEntry, runs: Mapping[str, RunWeights], plan: list[PassPart]) -> list[Outcome]:
+        return forward_backward_pass(entry, runs, plan, self.device)
+
+    def optim(self, state: RunWeights, normaliser: float, settings: dict[str, float], kernel: str | None = None) -> float:
+        """AdamW on the run's summed gradients over `normaliser`; returns the gradient norm. `kernel`: the one a
+        replayed journal record names (None: the run's own)."""
+        with optimizer_kernel(state.optimizer, kernel):
+            return adamw_step(state.parameters(), state.optimizer, normaliser, settings)
+
+    def drop_grads(self, state: RunWeights) -> None:
+        state.optimizer.zero_grad(set_to_none=True)
+
+    def restore_grads(self, progress: SplitCall) -> None:
+        """A split call withdrawn between its parts: the gradients from before it put back."""
+        progress.restore_grads()
+
+    def seconds_since(self, started: float) -> float:
+        """Seconds since `started` (time.perf_counter), once the device's queued work is done."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - started
+
+    def keepalive(self) -> None:
+        pass
+
+    def restart(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+    def describe(self) -> dict[str, Any]:
+        return {"world": 1}
+
+
+class RankCompute(LocalCompute):
+    """A multi-GPU pool: the base sharded with FSDP across the ranks, each run's LoRA and AdamW on every rank."""
+
+    can_merge = False  # no rank holds whole base weights (docs/MULTIGPU.md: merge the adapter elsewhere)
+
+    def __init__(self, device: torch.device, ranks: RankGroup) -> None:
+        super().__init__(device)
+        self.ranks = ranks
+        self.world = ranks.world
+
+    @property
+    def failed(self) -> str | None:
+        return self.ranks.failed
+
+    def forward_backward(self, entry: BaseEntry, runs: Mapping[str, RunWeights], plan: list[PassPart]) -> list[Outcome]:
+        return self.ranks.forward_backward(entry, runs, plan)
+
+    def optim(self, state: RunWeights, normaliser: float, settings: dict[str, float], kernel: str | None = None) -> float:
+        self.ranks.send("optim", run_id=state.run_id, normaliser=normaliser, settings=settings, kernel=kernel)
+        return super().optim(state, normaliser, settings, kernel)
+
+    def drop_grads(self, state: RunWeights) -> None:
+        self.ranks.send("drop_grads", run_id=state.run_id)
+        super().drop_grads(state)
+
+    def restore_grads(self, progress: SplitCall) -> None:
+        if progress.done > 0:  # each follower put its own backup aside at the call's first part
+            self.ranks.send("restore_grads", run_id=progress.run_id)
+        super().restore_grads(progress)
+
+    def keepalive(self) -> None:
+        self.ranks.keepalive()
+
+    def restart(self) -> None:
+        self.ranks.restart()
+
+    def stop(self) -> None:
+        self.ranks.stop()
+
+    def describe(self) -> dict[str, Any]:
+        return self.ranks.describe()

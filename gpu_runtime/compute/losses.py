@@ -1,0 +1,89 @@
+"""Loss functions, per position, as the Tinker cookbook defines them (docs/LOSSES.md has the formulas).
+
+Each returns the elementwise loss [B, T] (already multiplied by the datum's weights; padding weighs 0): its sum
+is what backward sees. `normaliser` is what a "mean" reduction divides by; optim_step divides the gradients
+summed over every call since the last step by the sum of their normalisers, so two half-batches equal one
+full batch. A "sum" reduction divides by nothing. Every function works in the dtype of the logprobs it gets
+(fp32 in the runtime, float64 in the tests that check their derivatives).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from gpu_runtime.compute.batches import Collated
+from gpu_runtime.contract.training_settings import LOSS_CONFIG_DEFAULTS, RL_LOSSES
+
+LossFn = Callable[[torch.Tensor, Collated, dict[str, float]], torch.Tensor]
+
+
+def target_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """log p(targets[b, t] | prefix) for every position, in fp32 (the logprob Signal reports and trains on)."""
+    # Flattened to (tokens, vocab): cross_entropy over a strided class dim (the (B, V, T) layout) is ~10% slower on CPU.
+    flat = logits.float().reshape(-1, logits.size(-1))
+    return -torch.nn.functional.cross_entropy(flat, targets.reshape(-1), reduction="none").view_as(targets)
+
+
+def _input(batch: Collated, name: str, like: torch.Tensor) -> torch.Tensor:
+    return batch.extras[name].to(like.dtype)
+
+
+def _threshold(batch: Collated, name: str, config: dict[str, float], like: torch.Tensor) -> torch.Tensor:
+    """A clip threshold per position: the datum's own where it gave one, else the config's."""
+    default = torch.full_like(like, config[name])
+    if name not in batch.extras:
+        return default
+    given = _input(batch, name, like)
+    return torch.where(torch.isnan(given), default, given)
+
+
+def _ratio(logprobs: torch.Tensor, batch: Collated) -> torch.Tensor:
+    return torch.exp(logprobs - _input(batch, "logprobs", logprobs))
+
+
+def cross_entropy(logprobs: torch.Tensor, batch: Collated, config: dict[str, float]) -> torch.Tensor:
+    # Weights are used verbatim: fractional (per-example means) and negative (a custom loss's -dLoss/dlogprob).
+    return -(logprobs * batch.weights.to(logprobs.dtype))
+
+
+def importance_sampling(logprobs: torch.Tensor, batch: Collated, config: dict[str, float]) -> torch.Tensor:
+    # Policy gradient corrected for sampling from older weights: -ratio * advantage per token.
+    advantages = _input(batch, "advantages", logprobs)
+    return -(_ratio(logprobs, batch) * advantages * batch.weights.to(logprobs.dtype))
+
+
+def ppo(logprobs: torch.Tensor, batch: Collated, config: dict[str, float]) -> torch.Tensor:
+    advantages = _input(batch, "advantages", logprobs)
+    ratio = _ratio(logprobs, batch)
+    low, high = _threshold(batch, "clip_low_threshold", config, ratio), _threshold(batch, "clip_high_threshold", config, ratio)
+    clipped = torch.minimum(torch.maximum(ratio, low), high)
+    return -(torch.minimum(ratio * advantages, clipped * advantages) * batch.weights.to(logprobs.dtype))
+
+
+def cispo(logprobs: torch.Tensor, batch: Collated, config: dict[str, float]) -> torch.Tensor:
+    advantages = _input(batch, "advantages", logprobs)
+    ratio = _ratio(logprobs, batch)
+    low, high = _threshold(batch, "clip_low_threshold", config, ratio), _threshold(batch, "clip_high_threshold", config, ratio)
+    clipped = torch.minimum(torch.maximum(ratio, low), high).detach()  # sg(clip(r)): the gradient flows through logp
+    return -(clipped * logprobs * advantages * batch.weights.to(logprobs.dtype))
+
+
+def dro(logprobs: torch.Tensor, batch: Collated, config: dict[str, float]) -> torch.Tensor:
+    advantages = _input(batch, "advantages", logprobs)
+    drift = logprobs - _input(batch, "logprobs", logprobs)
+    return -((logprobs * advantages - 0.5 * config["beta"] * drift * drift) * batch.weights.to(logprobs.dtype))
+
+
+LOSSES: dict[str, LossFn] = {"cross_entropy": cross_entropy, "importance_sampling": importance_sampling, "ppo": ppo,
+                             "cispo": cispo, "dro": dro}
+assert set(LOSSES) == set(LOSS_CONFIG_DEFAULTS), "every loss the contract names has a function here"
+
+
+def normaliser(loss_fn: str, batch: Collated) -> float:
+    """What a "mean" reduction divides this batch's loss sum by: the sum of |weights| over the target positions
+    (cross_entropy), or the positions that count (RL losses: non-zero weight, or non-zero advantage without weights)."""
+    if loss_fn in RL_LOSSES:
+        return float(batch.counted.sum())
+    return float(batch.weights.abs().sum())

@@ -1,0 +1,95 @@
+"""The engine's calls in process, for tests and benchmarks: submit one call, pump ticks in this thread until it
+is answered, and return its result (or raise its typed error). The runtime process never uses these."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Future, wait
+from typing import Any
+
+from gpu_runtime.engine.sampling_calls import Sampling
+from gpu_runtime.engine.scheduler import Scheduler
+from gpu_runtime.engine.shared import TickStats
+from gpu_runtime.errors import SignalError
+
+
+class InProcess:
+    """Mixed into Engine, which provides these four."""
+
+    scheduler: Scheduler
+    sampling: Sampling
+
+    def submit(self, method: str, params: dict[str, Any], reply: Callable[[dict[str, Any]], None],
+               progress: Callable[[dict[str, Any]], None] | None = None) -> None:
+        raise NotImplementedError
+
+    def tick(self) -> TickStats:
+        raise NotImplementedError
+
+    def call(self, method: str, **params: Any) -> dict[str, Any]:
+        """Submit and pump ticks in this thread until answered (in-process use: tests, benchmarks)."""
+        future: Future[dict[str, Any]] = Future()
+        self.submit(method, params, future.set_result)
+        while not future.done():
+            self.tick()
+            if not future.done() and not self.scheduler.has_work() and not self.sampling.groups:
+                wait([future], timeout=0.5)  # answered off the tick (a Hub upload): nothing to pump meanwhile
+        message = future.result()
+        if "error" in message:
+            raise SignalError.from_dict(message["error"])
+        result: dict[str, Any] = message["result"]
+        return result
+
+    # The primitives, with the contract's arguments.
+    def create_run(self, run_id: str, user_id: str, base_model: str, lora: dict[str, Any] | None = None,
+                   seed: int = 0, quantization: str | None = None) -> dict[str, Any]:
+        return self.call("create_run", run_id=run_id, user_id=user_id, base_model=base_model, lora=lora, seed=seed,
+                         quantization=quantization)
+
+    def forward_backward(self, run_id: str, batch: list[dict[str, Any]], loss_fn: str = "cross_entropy",
+                         loss_fn_config: dict[str, float] | None = None, request_id: str | None = None,
+                         reduction: str = "mean", return_outputs: bool = False) -> dict[str, Any]:
+        return self.call("forward_backward", run_id=run_id, batch=batch, loss_fn=loss_fn,
+                         loss_fn_config=loss_fn_config, request_id=request_id, reduction=reduction,
+                         return_outputs=return_outputs)
+
+    def forward(self, batch: list[dict[str, Any]], run_id: str | None = None, **params: Any) -> dict[str, Any]:
+        return self.call("forward", batch=batch, run_id=run_id, **params)
+
+    def render_datums(self, run_id: str, batch: list[dict[str, Any]], loss_fn: str = "cross_entropy") -> dict[str, Any]:
+        return self.call("render_datums", run_id=run_id, batch=batch, loss_fn=loss_fn)
+
+    def optim_step(self, run_id: str, adam: dict[str, float] | None = None,
+                   request_id: str | None = None) -> dict[str, Any]:
+        return self.call("optim_step", run_id=run_id, adam=adam, request_id=request_id)
+
+    def sample(self, run_id: str, prompts: list[str] | None = None, **params: Any) -> dict[str, Any]:
+        return self.call("sample", run_id=run_id, prompts=prompts, **params)
+
+    def save_weights_for_sampler(self, run_id: str, name: str | None = None,
+                                 request_id: str | None = None) -> dict[str, Any]:
+        return self.call("save_weights_for_sampler", run_id=run_id, name=name, request_id=request_id)
+
+    def tokenizer(self, base_model: str | None = None, run_id: str | None = None) -> dict[str, Any]:
+        return self.call("tokenizer", base_model=base_model, run_id=run_id)
+
+    def save_state(self, run_id: str, mode: str = "adapter") -> dict[str, Any]:
+        return self.call("save_state", run_id=run_id, mode=mode)
+
+    def load_run(self, run_id: str) -> dict[str, Any]:
+        return self.call("load_run", run_id=run_id)
+
+    def run_info(self, run_id: str) -> dict[str, Any]:
+        return self.call("run_info", run_id=run_id)
+
+    def close_run(self, run_id: str) -> dict[str, Any]:
+        return self.call("close_run", run_id=run_id)
+
+    def delete_run(self, run_id: str) -> dict[str, Any]:
+        return self.call("delete_run", run_id=run_id)
+
+    def ping(self) -> dict[str, Any]:
+        return self.call("ping")
+
+    def runtime_state(self) -> dict[str, Any]:
+        return self.call("runtime_state")

@@ -1,0 +1,78 @@
+"""Tickets: one order for a run's calls across server processes (the overview is gpu_runtime/engine/scheduler.py's).
+
+A server numbers each call on a run from the database (`runs.call_seq`). For each run, `Tickets` knows whose
+turn it is and which later tickets were withdrawn (counted done when their turn comes). The scheduler asks it
+whether a head may go, and tells it when a call is answered or withdrawn. It holds no lock of its own: the
+scheduler calls it under its condition.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from gpu_runtime.engine.request import Request
+from gpu_runtime.errors import BadInput
+
+log = logging.getLogger("gpu_runtime.engine.scheduler")  # the scheduler's log: tickets are its bookkeeping
+
+TICKET_WAIT_SECONDS = 30.0  # how long a call waits for an earlier ticket of its run before going on without it
+
+
+def split_ticket(params: dict[str, Any]) -> tuple[dict[str, Any], int | None]:
+    """The call's arguments without its `ticket`, and the ticket (a positive integer, or None)."""
+    ticket = params.get("ticket")
+    if ticket is not None and (type(ticket) is not int or ticket < 1):
+        raise BadInput(f"ticket must be a positive integer, got {ticket!r}", field="ticket")
+    return {k: v for k, v in params.items() if k != "ticket"}, ticket
+
+
+class Tickets:
+    def __init__(self, wait: float = TICKET_WAIT_SECONDS) -> None:
+        self.wait = wait
+        self._next: dict[str, int] = {}  # run → the ticket whose turn it is
+        self._skipped: dict[str, set[int]] = {}  # run → withdrawn calls' tickets, counted done at their turn
+
+    def turn(self, request: Request, now: float) -> bool:
+        """Whether a head may go: no ticket, its run's turn (or a new run's first), or it has waited long enough."""
+        expected = self._next.get(request.run_id or "")
+        if request.ticket is None or expected is None or request.ticket <= expected:
+            return True
+        return now - request.since >= self.wait
+
+    def done(self, request: Request, created: bool) -> None:
+        """A call on a run was answered (`created`: a create_run that made its run, whose tickets start at 1)."""
+        run_id = request.run_id
+        if run_id is None:
+            return
+        if created:
+            self._next[run_id] = 1  # the server's call_seq starts at 0: its first ticket is 1
+        if request.ticket is not None:
+            expected = self._next.get(run_id, request.ticket)
+            if request.ticket > expected:
+                log.warning("run %s: tickets %d..%d did not arrive within %.0f s; ticket %d went on without them",
+                            run_id, expected, request.ticket - 1, self.wait, request.ticket)
+            self._next[run_id] = max(expected, request.ticket + 1)
+        self._settle(run_id)
+
+    def skip(self, request: Request) -> None:
+        """A withdrawn call's ticket counts as done: the run's next one need not wait for it."""
+        if request.run_id is None or request.ticket is None:
+            return
+        self._skipped.setdefault(request.run_id, set()).add(request.ticket)
+        self._settle(request.run_id)
+
+    def _settle(self, run_id: str) -> None:
+        """Move the run's turn past the withdrawn tickets it has reached."""
+        skipped = self._skipped.get(run_id)
+        expected = self._next.get(run_id)
+        if not skipped or expected is None:
+            return
+        while expected in skipped:
+            skipped.discard(expected)
+            expected += 1
+        self._next[run_id] = expected
+        for ticket in [t for t in skipped if t < expected]:
+            skipped.discard(ticket)  # a ticket already passed (its wait ran out): nothing to skip any more
+        if not skipped:
+            del self._skipped[run_id]

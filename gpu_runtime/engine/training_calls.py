@@ -1,0 +1,360 @@
+"""forward_backward and optim_step on resident runs: prepare, share a pass, count, journal, step.
+
+A forward_backward is prepared once (its batch rendered to token rows) before the scheduler prices it,
+may be split across ticks by the token budget, and is journaled when its last rows are done. Every
+part of a tick's calls on one base runs in one pass (gpu_runtime/compute/training.py, through `Compute`).
+optim_step divides each run's summed gradients by their normaliser ("mean"; by 1 for "sum") and applies AdamW.
+forward runs the same datums through a pass with no autograd and no dropout on a weights source
+(gpu_runtime/engine/weights_sources.py, as a sample's), changing nothing; render_datums shows what a batch renders to.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import signal
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from gpu_runtime.client.persistence import sha256_json
+from gpu_runtime.compute.batches import Datum
+from gpu_runtime.compute.optimizer import PORTABLE, kernel_of
+from gpu_runtime.compute.plan import PartOutcome, PassPart
+from gpu_runtime.compute.pool import BaseEntry
+from gpu_runtime.compute.ranks import RanksFailed
+from gpu_runtime.contract import (
+    DEFAULT_REDUCTION,
+    Forward,
+    ForwardBackward,
+    ForwardBackwardResult,
+    ForwardResult,
+    OptimStep,
+    OptimStepResult,
+    RenderDatums,
+    RenderDatumsResult,
+    check_batch_size,
+    loss_settings,
+)
+from gpu_runtime.engine.request import Request
+from gpu_runtime.engine.run_state import LOADS_DIR, RunState, append_manifest, last_manifest_step
+from gpu_runtime.engine.shared import Answer, Shared, TickStats, internal
+from gpu_runtime.engine.weights_sources import WeightsSource
+from gpu_runtime.errors import FailedPrecondition, SignalError
+
+FORWARD_BACKWARD, OPTIM_STEP = "forward_backward", "optim_step"  # journal record types
+LOAD_STATE = "load_state"  # written by control_calls.py's load_state
+
+
+@dataclass(eq=False)
+class FbProgress:
+    """A forward_backward call being computed, possibly across several ticks."""
+
+    state: RunState
+    examples: list[Datum]
+    loss_fn: str
+    loss_config: dict[str, Any]
+    batch_hash: str
+    call: int  # which call since the last optim_step: seeds its dropout
+    width: int  # the call's own padded width: its dropout masks are drawn at this shape
+    reduction: str = DEFAULT_REDUCTION
+    return_outputs: bool = False
+    body: str | None = None  # the call's Call.body_sha256, journaled and remembered beside its answer
+    outputs: list[dict[str, list[float]]] | None = None  # per datum, gathered across the call's parts
+    done: int = 0
+    loss_sum: float = 0.0
+    normaliser: float = 0.0
+    compute_seconds: float = 0.0  # this call's share of its ticks' passes, by its rows' tokens
+    backup: list[torch.Tensor | None] | None = None  # gradients before a split call, restored if a later part fails
+
+    @property
+    def run_id(self) -> str:
+        return self.state.run_id
+
+    @property
+    def remaining_tokens(self) -> int:
+        return sum(e.cost for e in self.examples[self.done:])
+
+    def restore_grads(self) -> None:
+        """A later part of a split call failed: put back the gradients from before the call."""
+        if self.backup is None or self.done == 0:
+            return  # nothing of this call reached the gradients
+        for param, grad in zip(self.state.parameters(), self.backup):
+            param.grad = grad
+
+
+@dataclass
+class FbPart:
+    request: Request | None  # None while replaying the journal
+    progress: FbProgress
+    examples: list[Datum]
+    row_offset: int
+
+
+class Training:
+    def __init__(self, shared: Shared) -> None:
+        self.shared = shared
+
+    # ---- forward_backward ----------------------------------------------------------------
+
+    def prepare(self, state: RunState, call: ForwardBackward) -> FbProgress | ForwardBackwardResult:
+        """The call's rows, ready to price and run; or, for a retry of a journaled call, its first answer."""
+        body = call.body_sha256()
+        answered = state.answer_to(call.request_id, body)
+        if answered is not None:
+            return ForwardBackwardResult.from_dict(answered).replay()
+        config = loss_settings(call.loss_fn, call.loss_fn_config, call.reduction)
+        if state.pending.calls and state.pending.reduction != call.reduction:
+            raise FailedPrecondition(
+                f"reduction {call.reduction!r} differs from the {state.pending.reduction!r} of the {state.pending.calls} "
+                "forward_backward call(s) since the last optim_step: every call between two steps uses one reduction",
+                field="reduction")
+        examples = self.rendered(self.shared.entry(state), call.batch, call.loss_fn)
+        batch_hash = sha256_json({"loss_fn": call.loss_fn, "batch": call.batch})
+        return FbProgress(state, examples, call.loss_fn, config, batch_hash, call=state.pending.calls,
+                          width=max(e.length for e in examples), reduction=call.reduction,
+                          return_outputs=call.return_outputs, body=body)
+
+    def rendered(self, entry: BaseEntry, batch: list[dict[str, Any]], loss_fn: str) -> list[Datum]:
+        """A batch's rows, bounded in items and (now that text is tokenized) in tokens by the runtime's options."""
+        examples = entry.renderer.render_batch(batch, self.shared.options.max_batch_size, loss_fn)
+        check_batch_size(len(examples), sum(e.cost for e in examples), self.shared.options)
+        return examples
+
+    @staticmethod
+    def take_rows(progress: FbProgress, allowance: int) -> list[Datum]:
+        """The next rows of a call that fit in `allowance` tokens (at least one)."""
+        taken: list[Datum] = []
+        tokens = 0
+        for example in progress.examples[progress.done:]:
+            if taken and tokens + example.cost > allowance:
+                break
+            taken.append(example)
+            tokens += example.cost
+        if progress.done == 0 and len(taken) < len(progress.examples):
+            # A split call: keep the gradients from before it, to put back if a later part fails.
+            progress.backup = [None if p.grad is None else p.grad.clone() for p in progress.state.parameters()]
+        return taken
+
+    def run_pass(self, entry: BaseEntry, parts: list[FbPart], stats: TickStats) -> list[Answer]:
+        """One forward and backward pass of the base for every part; journal the calls that completed.
+        The pass's seconds are shared among its parts by their tokens (a call's compute_seconds)."""
+        started = time.perf_counter()
+        outcomes = self._pass(entry, parts)
+        seconds = self.shared.compute.seconds_since(started)
+        tokens = [sum(e.cost for e in part.examples) for part in parts]
+        stats.fb_seconds += seconds
+        stats.base_passes += 1
+        stats.fb_rows += sum(len(p.examples) for p in parts)
+        stats.fb_runs += len(parts)
+        answers: list[Answer] = []
+        for part, outcome, part_tokens in zip(parts, outcomes, tokens):
+            assert part.request is not None
+            if isinstance(outcome, SignalError):
+                part.progress.restore_grads()
+                answers.append((part.request, {"error": outcome.to_dict()}))
+                continue
+            try:
+                result = self._count(part, outcome, seconds * part_tokens / max(sum(tokens), 1))
+            except Exception as exc:  # noqa: BLE001  # one call's completion fails it alone, not the pass's others
+                if part.request is None:
+                    raise  # replaying: the restore fails, as a broken journal would
+                error = internal(exc, part.request)
+                self.shared.discarded.setdefault(part.progress.state.run_id, error)
+                answers.append((part.request, {"error": error}))
+                continue
+            if result is not None:
+                answers.append((part.request, {"result": result.to_dict()}))
+        return answers
+
+    def run_live_pass(self, entry: BaseEntry, parts: list[FbPart], stats: TickStats) -> list[Answer]:
+        """`run_pass` in a tick: if the pass fails as a whole, its calls fail (gradients put back), no others."""
+        try:
+            return self.run_pass(entry, parts, stats)
+        except RanksFailed as exc:  # every rank stopped: these calls fail; the pool restarts after this tick
+            return [(part.request, {"error": exc.to_dict()}) for part in parts if part.request is not None]
+        except Exception as exc:  # noqa: BLE001 - one failing pass must not take the runtime down
+            answers: list[Answer] = []
+            for part in parts:
+                part.progress.restore_grads()
+                if part.request is not None:
+                    answers.append((part.request, {"error": internal(exc, part.request)}))
+            return answers
+
+    def _pass(self, entry: BaseEntry, parts: list[FbPart]) -> list[PartOutcome | SignalError]:
+        plan = []
+        for part in parts:
+            progress = part.progress
+            plan.append(PassPart(
+                progress.state.run_id, part.examples, part.row_offset, call_rows=len(progress.examples),
+                call_width=progress.width, loss_fn=progress.loss_fn, loss_config=progress.loss_config,
+                dropout_seed=derive_seed(progress.state.config["seed"], progress.state.step, progress.call),
+                backup=part.row_offset == 0 and len(part.examples) < len(progress.examples),
+                return_outputs=progress.return_outputs and part.request is not None))  # none when replaying
+        return self.shared.compute.forward_backward(entry, self.shared.residency.runs, plan)
+
+    def _count(self, part: FbPart, outcome: PartOutcome, seconds: float = 0.0) -> ForwardBackwardResult | None:
+        """Count a part (and its share of the pass's `seconds`); when the call is whole, journal it and return
+        its result."""
+        progress, state = part.progress, part.progress.state
+        if "raise_in_count" in self.shared.faults and (part.request and part.request.request_id or "").startswith("raise"):
+            raise RuntimeError("failpoint raise_in_count")  # what a bug in one call's completion does
+        progress.compute_seconds += seconds
+        progress.loss_sum += outcome.loss_sum
+        progress.normaliser += outcome.normaliser
+        if outcome.outputs is not None:
+            progress.outputs = (progress.outputs or []) + outcome.outputs
+        progress.done += len(part.examples)
+        if progress.done < len(progress.examples):
+            return None
+        num_tokens = sum(e.num_targets for e in progress.examples)
+        state.pending.add(progress.normaliser, num_tokens, {"sha256": progress.batch_hash,
+                                                             "num_examples": len(progress.examples),
+                                                             "num_tokens": num_tokens}, progress.reduction)
+        if progress.reduction == "sum":
+            loss = progress.loss_sum
+        else:
+            loss = progress.loss_sum / progress.normaliser if progress.normaliser else 0.0
+        result = ForwardBackwardResult(
+            loss=loss, num_tokens=num_tokens, num_examples=len(progress.examples), step=state.step,
+            compute_seconds=progress.compute_seconds, reduction=progress.reduction, outputs=progress.outputs)
+        if part.request is None:  # replaying: the journal already holds it
+            return result
+        if "before_journal" in self.shared.faults:
+            os.kill(os.getpid(), signal.SIGKILL)  # failpoint: computed, not journaled
+        request_id = part.request.request_id
+        kept = result.kept().to_dict()  # nothing per-position in the journal or the retry cache
+        self.shared.journal(state, {
+            "type": FORWARD_BACKWARD, "request_id": request_id, "loss_fn": progress.loss_fn,
+            "loss_fn_config": progress.loss_config, "reduction": progress.reduction, "call": progress.call,
+            "step": state.step, "batch_sha256": progress.batch_hash, "body_sha256": progress.body,
+            "datums": [e.to_dict() for e in progress.examples],
+            "result": kept,
+        })
+        state.remember(request_id, kept, progress.body)
+        self.shared.residency.touch(state)
+        return result
+
+    # ---- forward and render_datums: change nothing --------------------------------------
+
+    def forward(self, call: Forward, source: WeightsSource) -> ForwardResult:
+        """The batch's losses and logprobs on the call's weights source (gpu_runtime/engine/weights_sources.py: the engine
+        resolves it, as a sample's), without autograd or dropout: no gradient, step or dropout counter of any run
+        changes. Pure, so a retry (same request id) computes the same answer."""
+        started = time.perf_counter()
+        config = loss_settings(call.loss_fn, call.loss_fn_config)
+        examples = self.rendered(source.entry, call.batch, call.loss_fn)
+        part = PassPart(source.routing_key, examples, 0, call_rows=len(examples),
+                        call_width=max(e.length for e in examples), dropout_seed=None, loss_fn=call.loss_fn,
+                        loss_config=config, return_outputs=True, forward_only=True)
+        (outcome,) = self.shared.compute.forward_backward(source.entry, self.shared.residency.runs, [part])
+        if isinstance(outcome, SignalError):
+            raise outcome
+        assert outcome.outputs is not None
+        if source.state is not None:
+            self.shared.residency.touch(source.state)
+        return ForwardResult(
+            loss=outcome.loss_sum / outcome.normaliser if outcome.normaliser else 0.0, loss_sum=outcome.loss_sum,
+            num_tokens=sum(e.num_targets for e in examples), num_examples=len(examples),
+            step=source.known_step, outputs=outcome.outputs,
+            compute_seconds=self.shared.compute.seconds_since(started))
+
+    def render_datums(self, state: RunState, call: RenderDatums) -> RenderDatumsResult:
+        examples = self.rendered(self.shared.entry(state), call.batch, call.loss_fn)
+        return RenderDatumsResult(datums=[e.to_dict() for e in examples])
+
+    # ---- optim_step ------------------------------------------------------------------------
+
+    def optim_step(self, state: RunState, call: OptimStep) -> OptimStepResult:
+        body = call.body_sha256()
+        answered = state.answer_to(call.request_id, body)
+        if answered is not None:
+            if "error" in answered:  # it failed (and dropped the gradients) the first time: the retry fails alike
+                raise SignalError.from_dict(answered["error"])
+            return OptimStepResult.from_dict(answered).replay()
+        settings = call.settings()
+        if state.pending.calls == 0:
+            raise FailedPrecondition("no gradients to apply: call forward_backward before optim_step")
+        pending = state.pending
+        started = time.perf_counter()
+        record: dict[str, Any]
+        try:
+            result = self._apply(state, settings)
+            result = OptimStepResult(step=result.step, grad_norm=result.grad_norm, learning_rate=result.learning_rate,
+                                     compute_seconds=self.shared.compute.seconds_since(started))
+            record = result.to_dict()
+        except FailedPrecondition as exc:
+            record = {"error": exc.to_dict()}  # journaled too: dropping the gradients is a change replay must repeat
+        self.shared.journal(state, {"type": OPTIM_STEP, "request_id": call.request_id, "adam": settings,
+                                    "kernel": kernel_of(state.optimizer), "body_sha256": body, "result": record})
+        state.remember(call.request_id, record, body)
+        self.shared.residency.touch(state)
+        if "error" in record:
+            raise SignalError.from_dict(record["error"])
+        append_manifest(state.paths.manifest, {"step": state.step, "adam": settings, "grad_norm": result.grad_norm,
+                                               "num_tokens": pending.tokens, "batches": pending.batches})
+        return result
+
+    def _apply(self, state: RunState, settings: dict[str, float], kernel: str | None = None) -> OptimStepResult:
+        """AdamW on the run's summed gradients divided by their normaliser (on every rank, alike); clears them."""
+        if state.pending.calls == 0:
+            raise FailedPrecondition("no gradients to apply: call forward_backward before optim_step")
+        grad_norm = self.shared.compute.optim(state, state.pending.divisor, settings, kernel)
+        state.clear_pending()
+        if not math.isfinite(grad_norm):
+            raise FailedPrecondition(f"gradient norm is {grad_norm}; the step was skipped and the gradients dropped")
+        state.step += 1
+        return OptimStepResult(step=state.step, grad_norm=grad_norm, learning_rate=settings["learning_rate"])
+
+    # ---- replay (restore = snapshot + these) -----------------------------------------------
+
+    def replay(self, state: RunState, record: dict[str, Any]) -> None:
+        """Apply one journal record again, as it was applied live."""
+        request_id = record.get("request_id")
+        if request_id and request_id in state.answered:
+            return  # a duplicate cannot be applied twice
+        if record["type"] == FORWARD_BACKWARD:
+            self._replay_fb(state, record)
+        elif record["type"] == LOAD_STATE:
+            # Only a crash between the load's journal record and its snapshot gets here: the run's own copy of the
+            # checkpoint's files (never the checkpoint, which may be gone) is still there until a snapshot covers it.
+            staged = state.paths.root / LOADS_DIR / record["staged"]
+            state.load_checkpoint_files(staged, record["with_optimizer"], record["step"], self.shared.device)
+        elif "error" in record["result"]:
+            # It failed live and dropped the gradients: the journal's outcome holds, whatever a recompute says.
+            self.shared.compute.drop_grads(state)
+            state.clear_pending()
+        else:
+            pending = state.pending
+            try:
+                self._apply(state, record["adam"], record.get("kernel", PORTABLE))  # unnamed: written before fused
+            except FailedPrecondition:
+                pass  # it failed the first time too, and dropped the gradients as it does now
+            else:
+                if last_manifest_step(state.paths.manifest) < state.step:  # the crash came before its manifest line
+                    append_manifest(state.paths.manifest, {
+                        "step": state.step, "adam": record["adam"], "grad_norm": record["result"]["grad_norm"],
+                        "num_tokens": pending.tokens, "batches": pending.batches})
+        state.remember(request_id, record["result"], record.get("body_sha256"))  # none in journals from before
+
+    def _replay_fb(self, state: RunState, record: dict[str, Any]) -> None:
+        # Journals written before datums hold {tokens, weights, extras} per example: rendered as they were then.
+        examples = [Datum.from_record(e) for e in record.get("datums") or record["examples"]]
+        reduction = record.get("reduction", DEFAULT_REDUCTION)
+        config = loss_settings(record["loss_fn"], record.get("loss_fn_config") or None, reduction)
+        progress = FbProgress(state, examples, record["loss_fn"], config, record.get("batch_sha256", ""),
+                              call=record["call"], width=max(e.length for e in examples), reduction=reduction)
+        entry = self.shared.entry(state)
+        while progress.done < len(examples):  # split as the budget splits live calls
+            part = FbPart(None, progress, self.take_rows(progress, self.shared.options.tick_tokens), progress.done)
+            (outcome,) = self._pass(entry, [part])
+            assert not isinstance(outcome, SignalError), "a journaled call cannot fail on replay"
+            self._count(part, outcome)
+
+
+def derive_seed(*parts: int) -> int:
+    digest = hashlib.sha256(":".join(map(str, parts)).encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
