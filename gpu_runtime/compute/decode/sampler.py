@@ -1,0 +1,130 @@
+"""One batched sampler for every row of a decode step: per-row temperature, top-k, top-p and seed as device tensors.
+
+Randomness is counter-based: row r's noise for token t is a hash of (seed, sequence index, position, t), so a
+seeded sequence draws the same tokens alone, beside other sequences, at any batch size and in any row. The draw is
+Gumbel-max: argmax(logits / temperature + g) with g = -log(-log(u)) and u the hash mapped into (0, 1), which picks
+token t with probability softmax(logits / temperature)[t], restricted to the tokens top-k and top-p keep.
+
+The hash runs on 32-bit lanes held in int64 tensors. A product of two 32-bit values can reach 2**64, past int64
+(signed overflow is undefined behaviour in the C++ kernels), so every multiply is split: x * c mod 2**32 is
+(x * c_lo + ((x * c_hi) mod 2**16) * 2**16) mod 2**32 with c = c_hi * 2**16 + c_lo, each partial product under 2**48.
+The mixer is murmur3's 32-bit finaliser (fmix32), applied per row to fold the key and per element to fold the token.
+
+Reported logprobs are the unmodified model's log_softmax at the chosen token (temperature 1, no filter), the quantity
+a teacher-forced forward gives, as gpu_runtime/sampling.py reports them; top-k logprobs are from the same
+distribution. Temperature 0 is argmax.
+
+Cost per step, all on the device and with no host sync: a log_softmax and an argmax over [rows, vocab]; with any
+sampled row, about fifteen elementwise int64 kernels for the noise (fused into one by torch.compile on CUDA);
+with top-k, one `topk` of the largest k in the batch (`top_k_cap`, a host int); with top-p, a sort, softmax and
+cumsum over the rows that ask for it only (`top_p_rows`, host-known indices): O(rows_p x vocab log vocab).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+MASK32 = 0xFFFFFFFF
+GOLDEN = 0x9E3779B9  # 2**32 / phi: spreads consecutive token ids before mixing
+ROW_SALT = 0x85EBCA77
+
+
+def mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2**32 for x in [0, 2**32) held in int64, without any intermediate reaching 2**63."""
+    lo, hi = c & 0xFFFF, (c >> 16) & 0xFFFF
+    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & MASK32
+
+
+def fmix32(h: torch.Tensor) -> torch.Tensor:
+    """murmur3's finaliser on 32-bit lanes in int64: a bijection of [0, 2**32) with full avalanche."""
+    h = h ^ (h >> 16)
+    h = mul32(h, 0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = mul32(h, 0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def split_seed(seed: int) -> tuple[int, int]:
+    """A Python seed (any int) as two 32-bit lanes: its value mod 2**64."""
+    seed &= (1 << 64) - 1
+    return seed & MASK32, seed >> 32
+
+
+def row_keys(seed_lo: torch.Tensor, seed_hi: torch.Tensor, seq: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+    """One 32-bit key per row from (seed, sequence index, position): [rows] int64."""
+    h = fmix32((position & MASK32) ^ ROW_SALT)
+    h = fmix32(h ^ (seq & MASK32))
+    h = fmix32(h ^ seed_hi)
+    return fmix32(h ^ seed_lo)
+
+
+def uniform(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """u[r, t] in (0, 1), float32, a function of keys[r] and t only: 24 bits of the mixed hash, centred in its bin."""
+    tokens = torch.arange(vocab, device=keys.device, dtype=torch.int64)
+    h = fmix32(keys[:, None] ^ mul32(tokens, GOLDEN)[None, :])
+    h = fmix32(h ^ mul32(keys, GOLDEN)[:, None])
+    return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+
+
+@dataclass
+class RowParams:
+    """Per-row sampling settings on the device, one entry per row of the batch (views of per-slot buffers)."""
+
+    temperature: torch.Tensor  # float32; 0: argmax
+    top_k: torch.Tensor  # int64; 0: off
+    top_p: torch.Tensor  # float32; 1: off
+    seed_lo: torch.Tensor  # int64, low 32 bits of the seed
+    seed_hi: torch.Tensor  # int64, high 32 bits
+    seq: torch.Tensor  # int64, the sequence index (sample number) inside its request
+
+
+@dataclass
+class Sampled:
+    tokens: torch.Tensor  # [rows] int64
+    logprobs: torch.Tensor  # [rows] float32, the unmodified model's
+    top_values: torch.Tensor | None  # [rows, k] float32, the k most likely logprobs, most likely first
+    top_ids: torch.Tensor | None  # [rows, k] int64
+
+
+def sample(logits: torch.Tensor, params: RowParams, position: torch.Tensor, *, any_sampled: bool = True,
+           top_k_cap: int = 0, top_p_rows: torch.Tensor | None = None, logprobs_k: int = 0) -> Sampled:
+    """The next token of every row of `logits` [rows, vocab] at `position` [rows] (the index the token will have in
+    its sequence). Host ints choose kernels only, never values: `any_sampled` (some row has temperature > 0; False
+    skips the noise), `top_k_cap` (the largest top_k of any row, 0: none), `top_p_rows` (indices of rows with
+    top_p < 1, None: none), `logprobs_k` (top logprobs to return per row)."""
+    logits = logits.float()
+    logprobs = torch.log_softmax(logits, dim=-1)
+    tokens = logits.argmax(dim=-1)
+    if any_sampled:
+        hot = params.temperature > 0
+        scaled = logits / torch.where(hot, params.temperature, 1.0)[:, None]
+        vocab = int(logits.shape[-1])
+        if top_k_cap > 0:
+            cap = min(top_k_cap, vocab)
+            largest = torch.topk(scaled, cap, dim=-1).values
+            kth = largest.gather(1, (params.top_k.clamp(1, cap) - 1)[:, None])
+            scaled = scaled.masked_fill((params.top_k[:, None] > 0) & (scaled < kth), -torch.inf)
+        if top_p_rows is not None:
+            scaled = _top_p(scaled, params.top_p, top_p_rows)
+        noise = -torch.log(-torch.log(uniform(row_keys(params.seed_lo, params.seed_hi, params.seq, position), vocab)))
+        drawn = (scaled + noise).argmax(dim=-1)
+        tokens = torch.where(hot, drawn, tokens)
+    chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
+    if logprobs_k > 0:
+        values, ids = torch.topk(logprobs, min(logprobs_k, int(logits.shape[-1])), dim=-1)
+        return Sampled(tokens, chosen, values, ids)
+    return Sampled(tokens, chosen, None, None)
+
+
+def _top_p(scaled: torch.Tensor, top_p: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Keep, in each of `rows`, the most likely tokens whose probabilities before them sum to at most top_p (the first
+    always stays), as sampling.py does; a sort over those rows only. Ties with the last kept token stay too."""
+    part = scaled.index_select(0, rows)
+    ordered = torch.sort(part, dim=-1, descending=True).values
+    probs = torch.softmax(ordered, dim=-1)
+    keep = (probs.cumsum(dim=-1) - probs) <= top_p.index_select(0, rows)[:, None]
+    last = (keep.sum(dim=-1, keepdim=True) - 1).clamp(min=0)
+    threshold = ordered.gather(1, last)
+    return scaled.index_copy(0, rows, part.masked_fill(part < threshold, -torch.inf))

@@ -1,0 +1,340 @@
+"""The decode engine (gpu_runtime/compute/decode) on tiny random models: against transformers' generate and a
+teacher-forced forward, seeded draws at any batch size, continuous batching, cancel, the cache's budget, prefix
+reuse, stops, and at most one host sync per decode step."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config
+
+from gpu_runtime.compute.decode.engine import DecodeEngine, DecodeSettings, Handle
+from gpu_runtime.compute.decode.sampler import RowParams, sample, split_seed, uniform
+from gpu_runtime.compute.decode.slot_cache import SlotCache, refusal
+
+VOCAB = 512
+SMALL: dict[str, Any] = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             vocab_size=VOCAB, max_position_embeddings=512, initializer_range=0.3, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+
+def _model(kind: str = "llama") -> Any:
+    torch.manual_seed(0)
+    if kind == "llama":
+        config: Any = LlamaConfig(**SMALL)
+        config._attn_implementation = "sdpa"
+        return LlamaForCausalLM(config).eval()
+    config = MistralConfig(**SMALL, sliding_window=8)
+    config._attn_implementation = "sdpa"
+    return MistralForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="module")
+def llama() -> Any:
+    return _model("llama")
+
+
+def decode_text(ids: list[int]) -> str:
+    return "".join(chr(97 + t % 26) for t in ids)
+
+
+def _engine(model: Any, slots: int = 16, prefill_tokens: int = 64, max_len: int = 160) -> DecodeEngine:
+    return DecodeEngine(model, SlotCache(model.config, max_len, slots=slots), prefill_tokens=prefill_tokens,
+                        decode=decode_text)
+
+
+def _run(engine: DecodeEngine) -> int:
+    steps = 0
+    while engine.busy:
+        engine.step()
+        steps += 1
+    return steps
+
+
+def _prompt(seed: int, length: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, VOCAB) for _ in range(length)]
+
+
+@torch.no_grad()
+def _generate(model: Any, prompt: list[int], n: int) -> list[int]:
+    out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=n, min_new_tokens=n)
+    return list(out[0, len(prompt):].tolist())
+
+
+@torch.no_grad()
+def _teacher_forced(model: Any, prompt: list[int], tokens: list[int]) -> list[float]:
+    ids = torch.tensor([prompt + tokens])
+    logprobs = torch.log_softmax(model(input_ids=ids).logits[0].float(), dim=-1)
+    return [float(logprobs[len(prompt) - 1 + i, t]) for i, t in enumerate(tokens)]
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral_window"])
+@pytest.mark.parametrize("prefill_tokens", [7, 512])
+def test_greedy_equals_generate(kind: str, prefill_tokens: int) -> None:
+    model = _model(kind)
+    engine = _engine(model, prefill_tokens=prefill_tokens)
+    prompts = [_prompt(i, length) for i, length in enumerate([3, 17, 40, 9])]
+    handles = [engine.add(p, DecodeSettings(max_tokens=12))[0] for p in prompts]
+    _run(engine)
+    for prompt, handle in zip(prompts, handles):
+        assert handle.tokens == _generate(model, prompt, 12)
+        assert handle.reason == "length"
+
+
+@pytest.mark.parametrize("settings", [
+    DecodeSettings(max_tokens=10, temperature=1.0, seed=3),
+    DecodeSettings(max_tokens=10, temperature=0.7, top_k=20, seed=4, logprobs_k=3),
+    DecodeSettings(max_tokens=10, temperature=1.3, top_p=0.8, seed=5),
+    DecodeSettings(max_tokens=10, temperature=0.0, logprobs_k=5),
+])
+def test_sampled_logprobs_equal_teacher_forced(llama: Any, settings: DecodeSettings) -> None:
+    engine = _engine(llama)
+    prompt = _prompt(10, 21)
+    handles = engine.add(prompt, settings, num_samples=3)
+    engine.add(_prompt(11, 5), DecodeSettings(max_tokens=4, temperature=1.0))  # a neighbour
+    _run(engine)
+    for handle in handles:
+        assert len(handle.tokens) == 10
+        assert handle.logprobs == pytest.approx(_teacher_forced(llama, prompt, handle.tokens), abs=1e-4)
+        if settings.logprobs_k:
+            first = handle.topk[0]
+            assert len(first) == settings.logprobs_k and first[0][1] >= first[-1][1]
+            assert handle.logprobs[0] <= first[0][1] + 1e-6
+
+
+@pytest.mark.parametrize("prefill_tokens", [6, 512])
+def test_prompt_logprobs_equal_forward(llama: Any, prefill_tokens: int) -> None:
+    engine = _engine(llama, prefill_tokens=prefill_tokens)
+    prompt = _prompt(20, 19)
+    handle, = engine.add(prompt, DecodeSettings(max_tokens=2, prompt_logprobs=True, prompt_topk=4))
+    _run(engine)
+    with torch.no_grad():
+        logprobs = torch.log_softmax(llama(input_ids=torch.tensor([prompt])).logits[0].float(), dim=-1)
+    expected = [float(logprobs[i - 1, prompt[i]]) for i in range(1, len(prompt))]
+    assert handle.prompt_logprobs is not None and handle.prompt_logprobs[0] is None
+    assert handle.prompt_logprobs[1:] == pytest.approx(expected, abs=1e-4)
+    assert handle.prompt_topk is not None and handle.prompt_topk[0] is None
+    top = torch.topk(logprobs[0], 4)
+    assert [t for t, _ in handle.prompt_topk[1] or []] == top.indices.tolist()
+    assert engine.result(handle)["prompt_logprobs"] == handle.prompt_logprobs
+
+
+SEEDED = DecodeSettings(max_tokens=12, temperature=1.0, top_k=40, top_p=0.9, seed=1234)
+
+
+@pytest.mark.parametrize("others", [0, 7, 63])
+def test_seeded_tokens_same_alone_and_beside_others(llama: Any, others: int) -> None:
+    engine = _engine(llama, slots=64, prefill_tokens=4096)
+    for i in range(others // 2):  # some before it, some after: it sits in a different slot each time
+        engine.add(_prompt(100 + i, 3 + i % 11), DecodeSettings(max_tokens=5 + i % 9, temperature=0.9, seed=i))
+    handle, = engine.add(_prompt(7, 15), SEEDED, seq_ids=[2])
+    for i in range(others // 2, others):
+        engine.add(_prompt(100 + i, 3 + i % 11), DecodeSettings(max_tokens=5 + i % 9, temperature=0.9, top_p=0.5,
+                                                                 seed=i))
+    _run(engine)
+    alone = _engine(llama)
+    reference, = alone.add(_prompt(7, 15), SEEDED, seq_ids=[2])
+    _run(alone)
+    assert handle.tokens == reference.tokens
+    assert handle.logprobs == pytest.approx(reference.logprobs, abs=1e-5)
+
+
+def test_num_samples_are_the_sequences_drawn_alone(llama: Any) -> None:
+    engine = _engine(llama)
+    prompt = _prompt(30, 12)
+    settings = DecodeSettings(max_tokens=8, temperature=1.0, seed=9)
+    samples = engine.add(prompt, settings, num_samples=4)
+    _run(engine)
+    assert len({tuple(h.tokens) for h in samples}) > 1  # different sequence indices: different draws
+    for i, sample_handle in enumerate(samples):
+        alone = _engine(llama)
+        one, = alone.add(prompt, settings, seq_ids=[i])
+        _run(alone)
+        assert sample_handle.tokens == one.tokens
+
+
+@pytest.mark.parametrize("prompt_length", [5, 50])
+def test_request_added_mid_decode_gets_its_first_token_when_its_prefill_ends(llama: Any, prompt_length: int) -> None:
+    engine = _engine(llama, prefill_tokens=16)
+    first, = engine.add(_prompt(40, 6), DecodeSettings(max_tokens=40))
+    for _ in range(3):
+        engine.step()
+    assert len(first.tokens) == 3
+    late, = engine.add(_prompt(41, prompt_length), DecodeSettings(max_tokens=5))
+    chunks = -(-prompt_length // 16)
+    for step in range(1, chunks + 1):
+        engine.step()
+        assert len(first.tokens) == 3 + step  # never stalled by the prefill
+        assert len(late.tokens) == (1 if step == chunks else 0)
+    engine.step()
+    assert len(late.tokens) == 2
+    _run(engine)
+    assert late.tokens == _generate(llama, _prompt(41, prompt_length), 5)
+    assert first.tokens == _generate(llama, _prompt(40, 6), 40)
+
+
+@pytest.mark.parametrize("when", ["decoding", "prefilling", "waiting"])
+def test_cancelled_sequence_frees_its_slot_within_a_step(llama: Any, when: str) -> None:
+    engine = _engine(llama, slots=2, prefill_tokens=8)
+    keep, = engine.add(_prompt(50, 4), DecodeSettings(max_tokens=30))
+    engine.step()
+    prompt = _prompt(51, 30 if when == "prefilling" else 4)
+    gone, = engine.add(prompt, DecodeSettings(max_tokens=30))
+    if when != "waiting":
+        engine.step()
+    if when == "decoding":
+        engine.step()
+        assert gone.running
+    before = engine.cache.free
+    engine.cancel(gone)
+    assert gone.reason == "cancelled" and gone.slot == -1
+    assert engine.cache.free == before + (0 if when == "waiting" else 1)
+    count = len(gone.tokens)
+    engine.step()
+    assert len(gone.tokens) == count
+    assert engine.result(gone)["stop_reason"] == "cancelled"
+    _run(engine)
+    assert keep.tokens == _generate(llama, _prompt(50, 4), 30)
+    assert engine.cache.free == engine.cache.count
+
+
+def test_cache_stays_within_budget_under_500_sequences(llama: Any) -> None:
+    max_len = 64
+    per_slot = SlotCache(llama.config, max_len, slots=1).slot_bytes
+    budget = per_slot * 12 + per_slot // 2
+    engine = DecodeEngine(llama, SlotCache(llama.config, max_len, budget_bytes=budget), prefill_tokens=128)
+    assert engine.cache.count == 12 and engine.cache.nbytes <= budget
+    rng = random.Random(5)
+    handles = [h for i in range(500) for h in engine.add(
+        _prompt(1000 + i, rng.randrange(1, 40)), DecodeSettings(max_tokens=rng.randrange(1, 20), temperature=1.0,
+                                                                 seed=i))]
+    steps = 0
+    while engine.busy:
+        engine.step()
+        steps += 1
+        assert engine.cache.nbytes <= budget and len(engine.by_slot) <= engine.cache.count
+    assert all(h.reason == "length" and len(h.tokens) == h.settings.max_tokens for h in handles)
+    assert engine.cache.free == engine.cache.count
+
+
+@pytest.mark.parametrize("source", ["freed", "live"])
+def test_repeated_prompt_hits_the_cache(llama: Any, source: str) -> None:
+    engine = _engine(llama)
+    prompt = _prompt(60, 40)
+    first, = engine.add(prompt, DecodeSettings(max_tokens=6 if source == "freed" else 30))
+    engine.step()
+    if source == "freed":
+        _run(engine)
+    else:
+        engine.step()
+    again, = engine.add(prompt, DecodeSettings(max_tokens=6))
+    longer, = engine.add(prompt + [7, 8, 9], DecodeSettings(max_tokens=6))
+    _run(engine)
+    assert first.prompt_cache_hit_tokens == 0
+    assert again.prompt_cache_hit_tokens == 39  # all but the last token, whose pass gives the first logits
+    # A freed slot is taken as it is by the first prompt matching it (cut to what that prompt shares), a live one
+    # copied, so the longer prompt finds 39 or more of its tokens.
+    assert longer.prompt_cache_hit_tokens >= (39 if source == "freed" else 40)
+    assert again.tokens == _generate(llama, prompt, 6)
+    assert longer.tokens == _generate(llama, prompt + [7, 8, 9], 6)
+    assert engine.result(again)["prompt_cache_hit_tokens"] == 39
+
+
+def test_stop_token_and_stop_string_end_with_stop(llama: Any) -> None:
+    prompt = _prompt(70, 9)
+    reference = _generate(llama, prompt, 20)
+    text = decode_text(reference)
+    engine = _engine(llama)
+    by_token, = engine.add(prompt, DecodeSettings(max_tokens=20), stop_token_ids=[reference[6]])
+    stop = text[8:10]
+    by_string, = engine.add(prompt, DecodeSettings(max_tokens=20), stop_strings=[stop, "@@"])
+    plain, = engine.add(prompt, DecodeSettings(max_tokens=20), stop_strings=["@@"])
+    _run(engine)
+    cut = reference.index(reference[6]) + 1
+    assert by_token.reason == "stop" and by_token.tokens == reference[:cut]
+    assert by_token.text == decode_text(reference[:cut - 1])
+    at = text.find(stop)
+    assert by_string.reason == "stop" and by_string.text == text[:at]
+    assert by_string.tokens == reference[:at + len(stop)]
+    assert plain.reason == "length" and engine.result(plain)["text"] == text
+
+
+SYNCS = [torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.cpu, torch.Tensor.__bool__, torch.Tensor.__float__,
+         torch.Tensor.__int__, torch.nonzero, torch.Tensor.nonzero]
+
+
+class CountSyncs(torch.overrides.TorchFunctionMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func: Callable[..., Any], types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func in SYNCS:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("settings", [
+    DecodeSettings(max_tokens=20),
+    DecodeSettings(max_tokens=20, temperature=0.8, top_k=30, top_p=0.9, seed=1, logprobs_k=2),
+])
+def test_at_most_one_host_sync_per_decode_step(llama: Any, settings: DecodeSettings) -> None:
+    engine = _engine(llama, prefill_tokens=512)
+    handles = [h for i in range(8) for h in engine.add(_prompt(80 + i, 5 + i), settings, stop_strings=["zz"])]
+    engine.step()  # every prefill and first token
+    assert all(h.running for h in handles)
+    with CountSyncs() as mode:
+        for _ in range(5):
+            engine.step()
+    assert mode.count <= 5  # the one copy (tolist) per step; the forward and the sampler add none
+    assert mode.count == 5
+
+
+def _flash() -> Any:
+    config = LlamaConfig(**SMALL)
+    config._attn_implementation = "flash_attention_2"
+    return config
+
+
+@pytest.mark.parametrize(("make", "reason"), [
+    (lambda: Qwen2Config(**SMALL, use_sliding_window=True, sliding_window=8, max_window_layers=1), "mixed"),
+    (_flash, "flash_attention_2"),
+])
+def test_unsupported_families_are_refused_with_a_reason(make: Callable[[], Any], reason: str) -> None:
+    config = make()
+    assert reason in (refusal(config) or "")
+    with pytest.raises(ValueError, match="no slot cache"):
+        SlotCache(config, 32, slots=1)
+
+
+def test_sampler_noise_depends_on_the_key_only() -> None:
+    keys = torch.tensor([0, 1, 2**32 - 1], dtype=torch.int64)
+    u = uniform(keys, 5000)
+    assert u.shape == (3, 5000) and float(u.min()) > 0 and float(u.max()) < 1
+    assert torch.equal(u[1:2], uniform(keys[1:2], 5000))
+    assert abs(float(u.mean()) - 0.5) < 0.02
+    assert split_seed(-1) == (2**32 - 1, 2**32 - 1)
+
+
+@pytest.mark.parametrize(("top_k", "top_p", "allowed"), [(2, 1.0, {0, 1}), (0, 0.4, {0}), (0, 0.5, {0, 1}), (3, 0.7, {0, 1})])
+def test_sampler_keeps_only_what_top_k_and_top_p_allow(top_k: int, top_p: float, allowed: set[int]) -> None:
+    logits = torch.log(torch.tensor([[0.45, 0.3, 0.15, 0.1]])).expand(400, -1).contiguous()
+    rows = 400
+    params = RowParams(temperature=torch.ones(rows), top_k=torch.full((rows,), top_k), top_p=torch.full((rows,), top_p),
+                       seed_lo=torch.arange(rows), seed_hi=torch.zeros(rows, dtype=torch.int64),
+                       seq=torch.zeros(rows, dtype=torch.int64))
+    drawn = sample(logits, params, torch.zeros(rows, dtype=torch.int64), top_k_cap=top_k,
+                   top_p_rows=torch.arange(rows) if top_p < 1 else None)
+    assert set(drawn.tokens.tolist()) == allowed
+
+
+def test_handles_are_handles(llama: Any) -> None:
+    engine = _engine(llama)
+    handle, = engine.add([1, 2, 3], DecodeSettings(max_tokens=1))
+    assert isinstance(handle, Handle) and not handle.done
+    ended = engine.step()
+    assert ended == [handle] and handle.reason == "length" and engine.cache.free == engine.cache.count
