@@ -1,0 +1,145 @@
+"""The multi-LoRA kernels compiled by Triton on CUDA against their torch references: the CPU file's checks
+(tests/gpu_runtime/test_lora_ops.py, which runs them in triton's interpreter) on the device, plus one pass at a
+model's scale. Tolerances as a fraction of the expected tensor's scale: fp32 1e-5 (the kernels dot in full fp32,
+not TF32, and the references run with TF32 off), bf16 2e-2 against the fp32 reference on the same bf16 values."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from gpu_runtime.compute.lora import ops
+from tests.cuda.cuda_tools import requires_cuda
+from tests.gpu_runtime.test_lora_ops import (
+    DROPOUT,
+    DTYPES,
+    LAYOUT_IDS,
+    OUT,
+    Case,
+    assert_close,
+    autograd_grads,
+    expert_case,
+    make_case,
+    naive_expert_delta,
+    rows_case,
+)
+
+pytestmark = requires_cuda
+CUDA = torch.device("cuda")
+
+
+@pytest.fixture(autouse=True)
+def compiled_triton(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """choose() left to pick (Triton on CUDA), and fp32 references in full fp32."""
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        pytest.skip("TRITON_INTERPRET is set: these check the compiled kernels")
+    monkeypatch.delenv("SIGNAL_LORA_KERNELS", raising=False)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    yield
+
+
+def on_cuda(case: Case) -> Case:
+    table = ops.build_table(case.table.segments, CUDA, case.table.total_rows)
+    return Case(table, case.x.to(CUDA), case.A.to(CUDA), case.B.to(CUDA),
+                None if case.mask is None else case.mask.to(CUDA), case.grad.to(CUDA))
+
+
+def test_choose_picks_triton_on_cuda() -> None:
+    assert ops.choose(CUDA, torch.bfloat16) == "triton" and ops.choose(CUDA, torch.float32) == "triton"
+    assert ops.choose("cpu", torch.bfloat16) == "torch"
+
+
+def test_the_table_is_one_buffer_on_the_device() -> None:
+    table = ops.build_table([(0, 5, 1, 8, 0.5), (7, 9, 0, 16, 2.0)], CUDA, 10)
+    views = (table.seg_starts, table.seg_ends, table.seg_slots, table.seg_ranks, table.seg_scalings, table.slot_ids, table.slot_ranks)
+    assert all(v.device.type == "cuda" for v in views)
+    assert len({v.untyped_storage().data_ptr() for v in views}) == 1
+    assert table.seg_scalings.tolist() == [0.5, 2.0]
+
+
+@pytest.mark.parametrize("with_dropout", DROPOUT)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", LAYOUT_IDS)
+def test_shrink_and_expand_on_cuda(layout: str, dtype: torch.dtype, with_dropout: bool) -> None:
+    case = on_cuda(make_case(layout, with_dropout, dtype))
+    f32 = case.to(torch.float32)
+    h = ops.lora_shrink(case.x, case.A, case.table, case.mask)
+    assert_close(h, ops.reference_shrink(f32.x, f32.A, f32.table, f32.mask), dtype, "h")
+    base = torch.randn(case.table.total_rows, OUT, device=CUDA).to(dtype)
+    out = base.clone()
+    assert ops.lora_expand(h, case.B, case.table, out) is out
+    assert_close(out, ops.reference_expand(h.float(), f32.B, f32.table, base.float()), dtype, "out")
+
+
+@pytest.mark.parametrize("with_dropout", DROPOUT)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", LAYOUT_IDS)
+def test_segmented_lora_and_its_gradients_on_cuda(layout: str, dtype: torch.dtype, with_dropout: bool) -> None:
+    case = on_cuda(make_case(layout, with_dropout, dtype))
+    got = autograd_grads(ops.segmented_lora, case, dtype)
+    expected = autograd_grads(ops.reference_segmented_lora, case, torch.float32)
+    for name, g, e in zip(("delta", "grad_x", "grad_A", "grad_B"), got, expected):
+        assert g.dtype == dtype and g.device.type == "cuda"
+        assert_close(g, e, dtype, name)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rows_on_cuda(dtype: torch.dtype) -> None:
+    table, x, A, B, base = rows_case(dtype)
+    table = ops.build_rows_table(table.host_row_slots, table.host_slot_ranks, table.host_slot_scalings, CUDA)
+    x, A, B, base = x.to(CUDA), A.to(CUDA), B.to(CUDA), base.to(CUDA)
+    out = ops.rows_lora(x, A, B, table, base.clone())
+    expected = ops.rows_lora(x.float(), A.float(), B.float(), table, base.float(), impl="torch")
+    assert_close(out, expected, dtype, "out")
+    assert torch.equal(out[1], base[1]) and torch.equal(out[5], base[5])
+
+
+@pytest.mark.parametrize("with_dropout", DROPOUT)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_grouped_expert_lora_on_cuda(dtype: torch.dtype, with_dropout: bool) -> None:
+    table, x, A, B, mask, grad = expert_case(dtype, with_dropout)
+    table = ops.build_table(table.segments, CUDA, table.total_rows)
+    mask = None if mask is None else mask.to(CUDA)
+
+    def run(fn_dtype: torch.dtype, grouped: bool) -> list[torch.Tensor]:
+        leaves = [t.detach().to(CUDA, fn_dtype).requires_grad_() for t in (x, A, B)]
+        m = None if mask is None else mask.to(fn_dtype)
+        if grouped:
+            delta = ops.grouped_expert_lora(leaves[0], leaves[1], leaves[2], table, m)
+        else:
+            delta = naive_expert_delta(leaves[0].cpu(), leaves[1].cpu(), leaves[2].cpu(), None if m is None else m.cpu()).to(CUDA)
+        delta.backward(grad.to(CUDA, fn_dtype))
+        return [delta.detach()] + [t.grad for t in leaves if t.grad is not None]
+
+    got, expected = run(dtype, True), run(torch.float32, False)
+    for name, g, e in zip(("delta", "grad_x", "grad_A", "grad_B"), got, expected):
+        assert_close(g, e, dtype, name)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_pass_at_model_scale(dtype: torch.dtype) -> None:
+    """8 runs of ranks 8..64 over 4,096 rows (one run twice, base-only rows between) at hidden 2,048: every grid and
+    loop well past one block."""
+    generator = torch.Generator().manual_seed(0)
+    hidden, out_features, rows = 2048, 2048, 4096
+    ranks = [8, 16, 32, 64, 8, 16, 32, 64]
+    segments, cursor = [], 0
+    for slot, rank in enumerate(ranks):
+        length = 200 + 60 * slot  # 3,320 rows with the gaps; slot 3 again takes the last 776
+        segments.append((cursor, cursor + length, slot, rank, 2.0 / rank))
+        cursor += length + 5
+    segments.append((cursor, rows, 3, 64, 2.0 / 64))  # slot 3 again
+    A = torch.zeros(len(ranks), 64, hidden)
+    B = torch.zeros(len(ranks), out_features, 64)
+    for slot, rank in enumerate(ranks):
+        A[slot, :rank] = torch.randn(rank, hidden, generator=generator) / hidden**0.5
+        B[slot, :, :rank] = torch.randn(out_features, rank, generator=generator) / rank**0.5
+    case = Case(ops.build_table(segments, CUDA, rows), torch.randn(rows, hidden, generator=generator).to(CUDA), A.to(CUDA),
+                B.to(CUDA), None, torch.randn(rows, out_features, generator=generator).to(CUDA)).to(dtype)
+    got = autograd_grads(ops.segmented_lora, case, dtype)
+    expected = autograd_grads(ops.reference_segmented_lora, case, torch.float32)
+    for name, g, e in zip(("delta", "grad_x", "grad_A", "grad_B"), got, expected):
+        assert_close(g, e, dtype, name)
