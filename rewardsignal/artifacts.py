@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import tarfile
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, Any, Protocol
 from urllib.parse import urljoin, urlsplit, urlunsplit
 
 import httpx
@@ -14,18 +14,21 @@ import httpx
 from rewardsignal.errors import AuthenticationError, NotFoundError, ServerError, error_for_code
 from rewardsignal.results import CheckpointResult, Result
 
-if TYPE_CHECKING:
-    from rewardsignal.client_base import ClientBase
-
 # Checkpoint downloads ask for the plain tar: model weights barely compress, and the server can then say its length.
 ARCHIVE_ACCEPT = {"Accept": "application/x-tar"}
+
+
+class Downloads(Protocol):
+    """What an Artifact needs of its client (ClientBase has it): the download itself, blocking or awaitable."""
+
+    def _download(self, url: str, directory: str | os.PathLike[str]) -> Any: ...
 
 
 class Artifact(CheckpointResult):
     """A checkpoint (what save_state and checkpoints() return): its fields, and `download(dir)`, which fetches
     its files from the server as an archive and unpacks them into `dir` (awaitable on the async client)."""
 
-    def __init__(self, info: Result, client: ClientBase) -> None:
+    def __init__(self, info: Result, client: Downloads) -> None:
         super().__init__(info)
         self._client = client
 

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Literal, overload
 
 import httpx
 
+from rewardsignal.answer_types import Awaiting
 from rewardsignal.artifacts import ARCHIVE_ACCEPT, check_download, unpack
 from rewardsignal.calls import Call
 from rewardsignal.client_base import ClientBase
@@ -37,7 +38,7 @@ if TYPE_CHECKING:
 RUN_OPERATIONS = {"CreateRun", "GetRun", "ListRuns"}
 
 
-class AsyncSignalClient(ClientBase):
+class AsyncSignalClient(ClientBase, Awaiting):
     _run_type = AsyncRun
 
     def __init__(self, api_key: str | None = None, base_url: str | None = None, timeout: float = DEFAULT_TIMEOUT,

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
-from rewardsignal.answer_types import answers, answers_run, answers_runs
+from rewardsignal.answer_types import Owner, answers
 from rewardsignal.artifacts import Artifact, on_own_server
 from rewardsignal.calls import BatchItem, Call, LossFnConfig, drop_none, graphql_batch, primitive
 from rewardsignal.pipelining import Item, Sequencer, split
@@ -22,13 +22,11 @@ from rewardsignal.results import (
     UsageResult,
     UserResult,
 )
+from rewardsignal.runs import RunBase, answers_run, answers_runs
 from rewardsignal.transport import DEFAULT_BASE_URL, auth_headers
 
-if TYPE_CHECKING:
-    from rewardsignal.runs import RunBase
 
-
-class ClientBase:
+class ClientBase(Owner):
     """Everything but the transport."""
 
     _run_type: ClassVar[type[RunBase]]  # what a run's answer becomes on this client: Run or AsyncRun

@@ -1,17 +1,19 @@
 """A training run's handle: RunBase's methods written once, Run (blocking, with pipelined `*_async` futures) and
-AsyncRun (awaitable) on top."""
+AsyncRun (awaitable) on top. A run reaches its client only through `RunClient`, so the clients import this module
+and never the other way round."""
 
 from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from rewardsignal.answer_types import answers, answers_run
+from rewardsignal.answer_types import Awaiting, Blocking, Owner, answers
 from rewardsignal.artifacts import Artifact
 from rewardsignal.calls import BatchItem, Call, LossFnConfig, drop_none, graphql_batch, primitive
+from rewardsignal.pipelining import Item
 from rewardsignal.results import (
     Datum,
     ForwardBackwardResult,
@@ -26,14 +28,40 @@ from rewardsignal.results import (
 )
 
 if TYPE_CHECKING:
-    from rewardsignal.client_base import ClientBase
-    from rewardsignal.sync_client import SignalClient
+    from typing import Concatenate
+
+    from rewardsignal.answer_types import Answers, P
+
+    # A method answering a run: Run on the blocking owners, AsyncRun on the awaiting ones (answer_types.py).
+    def answers_run(method: Callable[Concatenate[Any, P], Any]) -> Answers[P, Run, AsyncRun]: ...
+    def answers_runs(method: Callable[Concatenate[Any, P], Any]) -> Answers[P, list[Run], list[AsyncRun]]: ...
+else:
+    def answers_run(method):
+        return method
+
+    answers_runs = answers_run
 
 
-class RunBase:
+class RunClient(Protocol):
+    """What a run needs of its client (ClientBase has it): a call run, consecutive calls run together, a batch
+    split to the server's size, and a checkpoint's answer wrapped."""
+
+    def _run(self, call: Call) -> Any: ...
+    def _run_all(self, calls: list[Call], combine: Callable[[list[Any]], Any]) -> Any: ...
+    def _split(self, batch: Sequence[Item]) -> list[Sequence[Item]]: ...
+    def _wrap_artifact(self, info: Result) -> Artifact: ...
+
+
+class PipelinedClient(RunClient, Protocol):
+    """The sync client as Run sees it: also a Run method made now and answered as a future."""
+
+    def _pipelined(self, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Future[Any]: ...
+
+
+class RunBase(Owner):
     """A training run. `info` holds its fields as last fetched (`refresh()` fetches them again)."""
 
-    def __init__(self, client: ClientBase, info: Result) -> None:
+    def __init__(self, client: RunClient, info: Result) -> None:
         self._client = client
         self.info = info
         self.id: str = info["id"]
@@ -139,7 +167,7 @@ class RunBase:
     def tokenizer(self) -> Any:
         """The tokenizer of this run's base: name, vocab_size, eos_token_ids, bos_token_id, pad_token_id,
         chat_template."""
-        return self._client.tokenizer(run_id=self.id)
+        return self._client._run(Call("Tokenizer", {"runId": self.id}, "tokenizer"))
 
     @answers(SamplerSnapshotResult)
     def save_weights_for_sampler(self, name: str | None = None) -> Any:
@@ -211,8 +239,8 @@ class RunBase:
         return self
 
 
-class Run(RunBase):
-    _client: SignalClient
+class Run(RunBase, Blocking):
+    _client: PipelinedClient
 
     def refresh(self) -> Any:
         refreshed: Run = self._client._run(Call("GetRun", {"id": self.id}, "run", self._store))
@@ -236,7 +264,7 @@ class Run(RunBase):
         return self._client._pipelined(self.save_state, *args, **kwargs)
 
 
-class AsyncRun(RunBase):
+class AsyncRun(RunBase, Awaiting):
     async def refresh(self) -> AsyncRun:
         refreshed: AsyncRun = await self._client._run(Call("GetRun", {"id": self.id}, "run", self._store))
         return refreshed

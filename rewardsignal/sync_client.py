@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Literal, overload
 
 import httpx
 
+from rewardsignal.answer_types import Blocking
 from rewardsignal.artifacts import ARCHIVE_ACCEPT, check_download, unpack
 from rewardsignal.calls import Call
 from rewardsignal.client_base import ClientBase
@@ -37,7 +38,7 @@ if TYPE_CHECKING:
 DEFAULT_MAX_IN_FLIGHT = 32  # the sync client's threads for pipelined calls (its futures); more queue, in order
 
 
-class SignalClient(ClientBase):
+class SignalClient(ClientBase, Blocking):
     _run_type = Run
 
     def __init__(self, api_key: str | None = None, base_url: str | None = None, timeout: float = DEFAULT_TIMEOUT,
