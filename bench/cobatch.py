@@ -80,7 +80,7 @@ def top_ops(side: Any, count: int = 12) -> dict[str, Any]:
 
 def submit(engine: Any, method: str, **params: Any) -> Future:
     future: Future = Future()
-    engine.submit(method, params, future.set_result)
+    engine.submit_message(method, params, future.set_result)
     return future
 
 

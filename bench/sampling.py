@@ -39,7 +39,7 @@ def parse_args() -> argparse.Namespace:
 
 def submit(engine: Any, method: str, **params: Any) -> Future:
     future: Future = Future()
-    engine.submit(method, params, future.set_result)
+    engine.submit_message(method, params, future.set_result)
     return future
 
 

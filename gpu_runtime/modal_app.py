@@ -31,6 +31,8 @@ from typing import Any
 import modal
 
 from gpu_runtime.client.modal_names import APP_NAME, HF_SECRET_NAME, VOLUME_NAME
+from gpu_runtime.client.protocol import answer_message, read_call
+from gpu_runtime.errors import SignalError
 
 VOLUME_PATH = "/data"  # runs/, models/ (safetensors cache) and hf-cache/: the data directory
 
@@ -177,9 +179,13 @@ class Pool:
             print(f"pool {self.pool}: base {base!r} did not load at start: {type(exc).__name__}: {exc}", file=sys.stderr)
 
     def _submit(self, method: str, params: dict[str, Any]) -> dict[str, Any]:
-        answered: Future[dict[str, Any]] = Future()
-        self.engine.submit(method, params, answered.set_result)
-        return _plain(answered.result())
+        try:
+            call, ticket = read_call(method, params)
+        except SignalError as exc:
+            return answer_message(exc)
+        answered: Future[Any] = Future()  # the call's result or its SignalError
+        self.engine.submit(call, answered.set_result, ticket=ticket)
+        return _plain(answer_message(answered.result()))
 
 
 def _plain(answer: dict[str, Any]) -> dict[str, Any]:

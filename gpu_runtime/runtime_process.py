@@ -35,7 +35,19 @@ import threading
 from pathlib import Path
 from typing import IO, Any
 
-from gpu_runtime.client.protocol import HEARTBEAT, LOCK_HELD, LineWriter, decode, encode, greeting, runtime_lock, runtime_socket
+from gpu_runtime.client.protocol import (
+    HEARTBEAT,
+    LOCK_HELD,
+    LineWriter,
+    answer_message,
+    decode,
+    encode,
+    greeting,
+    read_call,
+    runtime_lock,
+    runtime_socket,
+)
+from gpu_runtime.contract import Result
 from gpu_runtime.errors import BadInput, FailedPrecondition, SignalError
 
 
@@ -97,14 +109,14 @@ class Channel:
                 self.unanswered -= 1
                 self.answered.notify_all()
 
-        def reply(message: dict[str, Any]) -> None:
-            self.send({"id": request_id, **message}, written)
+        def reply(answer: Result | SignalError) -> None:
+            self.send({"id": request_id, **answer_message(answer)}, written)
 
         return reply
 
     def progress(self, request_id: Any) -> Any:
         """A streamed call's chunks, each a line {"id", "chunk"} before its answer."""
-        return lambda chunk: self.send({"id": request_id, "chunk": chunk})
+        return lambda chunk: self.send({"id": request_id, "chunk": chunk.to_dict()})
 
     def wait_answered(self) -> None:
         with self.answered:
@@ -129,8 +141,13 @@ def read_requests(engine: Any, channel: Channel, stream: IO[bytes]) -> None:
         if request.get("method") == HEARTBEAT:  # on this thread: it must answer while a tick runs
             channel.send({"id": request.get("id"), "result": engine.heartbeat()}, urgent=True)
             continue
-        engine.submit(request.get("method"), request.get("params") or {}, channel.replier(request.get("id")),
-                      channel.progress(request.get("id")))
+        reply = channel.replier(request.get("id"))
+        try:
+            call, ticket = read_call(request.get("method"), request.get("params") or {})
+        except SignalError as exc:
+            reply(exc)
+            continue
+        engine.submit(call, reply, channel.progress(request.get("id")), ticket)
 
 
 def read_stdin(engine: Any, channel: Channel) -> None:

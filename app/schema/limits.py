@@ -11,6 +11,7 @@ from strawberry.extensions import SchemaExtension
 from app.errors import BadInput
 from app.schema.selections import fragments_of, selected_fields
 from app.settings import Settings
+from gpu_runtime.contract import CALLS
 from graphql import (
     FieldNode,
     GraphQLError,
@@ -20,9 +21,15 @@ from graphql import (
     ValidationRule,
 )
 
-# Mutations that reach the runtime: each can hold it for seconds (tests/faults/test_bounds.py checks each is a field).
-PRIMITIVES = frozenset({"createRun", "forwardBackward", "forward", "optimStep", "sample", "saveWeightsForSampler",
-                        "saveState", "loadState"})
+
+def _camel(method: str) -> str:
+    head, *rest = method.split("_")
+    return head + "".join(word.title() for word in rest)
+
+
+# Mutations that reach the runtime: each can hold it for seconds (the contract's `Kind.primitive`, by its GraphQL
+# name; tests/faults/test_bounds.py checks each is a field).
+PRIMITIVES = frozenset(_camel(method) for method, call in CALLS.items() if call.kind.primitive)
 DEFAULT_MOST: int = Settings.model_fields["max_primitives_per_request"].default  # for schemas run without a Context
 
 

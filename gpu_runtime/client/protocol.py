@@ -16,8 +16,8 @@ from collections import deque
 from pathlib import Path
 from typing import Any, TypedDict
 
-from gpu_runtime.contract import CONTRACT_VERSION
-from gpu_runtime.errors import FailedPrecondition
+from gpu_runtime.contract import CONTRACT_VERSION, Call, Result, parse_call
+from gpu_runtime.errors import BadInput, FailedPrecondition, SignalError
 
 RUNTIME_SOCKET = "runtime.sock"  # in the data directory: one runtime per data directory
 RUNTIME_LOCK = "runtime.lock"  # flock'd by the runtime serving the socket, so a second one refuses
@@ -41,6 +41,30 @@ def decode(line: bytes) -> dict[str, Any]:
     if not isinstance(message, dict):
         raise ValueError("a protocol message must be a JSON object")
     return message
+
+
+def split_ticket(params: dict[str, Any]) -> tuple[dict[str, Any], int | None]:
+    """The call's arguments without its `ticket`, and the ticket (a positive integer, or None)."""
+    ticket = params.get("ticket")
+    if ticket is not None and (type(ticket) is not int or ticket < 1):
+        raise BadInput(f"ticket must be a positive integer, got {ticket!r}", field="ticket")
+    return {k: v for k, v in params.items() if k != "ticket"}, ticket
+
+
+def read_call(method: Any, params: Any) -> tuple[Call, int | None]:
+    """A request's call, typed and validated, and its ticket (the call's place in its run's order across servers):
+    what the runtime's edges (runtime_process, modal_app) hand the engine."""
+    if not isinstance(params, dict):
+        raise BadInput("params must be an object of the method's arguments", field="params")
+    args, ticket = split_ticket(params)
+    return parse_call(method, args), ticket
+
+
+def answer_message(answer: Result | SignalError) -> dict[str, Any]:
+    """An engine's answer as the wire carries it: {"result": …} or {"error": …}."""
+    if isinstance(answer, SignalError):
+        return {"error": answer.to_dict()}
+    return {"result": answer.to_dict()}
 
 
 def runtime_socket(data_dir: str | Path) -> Path:

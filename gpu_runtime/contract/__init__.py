@@ -5,7 +5,8 @@ these before a call leaves it, and the runtime validates again with the same fun
 skips the server is held to the same rules. Errors are `BadInput` naming the field in the contract's own
 (snake_case) names; the server renames them to GraphQL's camelCase.
 
-- `calls`: the `Method` enum, the `Call` base and CONTRACT_VERSION; the requests by family in `training_calls`,
+- `calls`: the `Method` enum, the `Call` base, each call's `Kind` (its lane, whether it writes, needs its run
+  resident, is a user's primitive) and CONTRACT_VERSION; the requests by family in `training_calls`,
   `sampling_calls` and `control_calls`; `registry` maps a method name to its type (`parse_call` for what arrives).
 - `results`: one frozen result type per call.
 - `checks`: ids, request ids, text and seeds, which every call shares.
@@ -15,8 +16,11 @@ skips the server is held to the same rules. Errors are `BadInput` naming the fie
 """
 
 from gpu_runtime.contract.calls import (
+    CALLS,
     CONTRACT_VERSION,
     Call,
+    Kind,
+    Lane,
     Method,
     RunCall,
 )
@@ -57,7 +61,6 @@ from gpu_runtime.contract.control_calls import (
     SaveWeightsForSampler,
 )
 from gpu_runtime.contract.registry import (
-    CALLS,
     SYSTEM_CALLS,
     parse_call,
 )
@@ -170,5 +173,5 @@ __all__ = [
     "MAX_STOP_CHARS", "MAX_TEMPERATURE", "MAX_TOP_K", "MAX_TOP_P", "check_batch_size", "check_sample_size", "check_seed",
     "known_batch_tokens", "Cancel", "CancelResult", "SampleChunk", "CloseRunResult", "DeleteRunResult",
     "DeleteCheckpointResult", "ExportCheckpointResult", "PingResult", "RuntimeStateResult",
-    "BaseDescription", "RenderedDatum", "SequenceChunk", "SampleDefaults",
+    "BaseDescription", "RenderedDatum", "SequenceChunk", "SampleDefaults", "Kind", "Lane",
 ]

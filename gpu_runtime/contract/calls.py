@@ -58,17 +58,43 @@ class Method(enum.StrEnum):
     CANCEL = "cancel"
 
 
+class Lane(enum.StrEnum):
+    """Where a call waits in the runtime's scheduler (gpu_runtime/engine/scheduler.py)."""
+
+    # on no run's state (ping, a tokenizer, a cancel): answered first, at the next tick; one that names a run only
+    # to find its base waits in that run's queue
+    SYSTEM = "system"
+    RUN = "run"  # its run's queue, in ticket order
+    FREE = "free"  # its run's queue, or off every queue when it reads frozen weights (`Call.frozen`)
+
+
+@dataclass(frozen=True)
+class Kind:
+    """What the runtime must know of a call before it reads it: one per contract type (`Call.kind`)."""
+
+    lane: Lane
+    writes: bool = False  # journal, snapshot or checkpoint: refused while the disk is below its margin
+    on_run: bool = False  # its run (when it names one) is restored into memory before it is priced and picked
+    primitive: bool = False  # a user's primitive, seconds of device time: GraphQL bounds how many a request carries
+
+
 R = TypeVar("R", bound="Call")
 A = TypeVar("A", bound=Result, default=Result, covariant=True)  # what a call is answered with
 
 
 @dataclass(frozen=True, kw_only=True)
 class Call(Generic[A]):
-    """A request to the runtime, answered with an `A`. Subclasses name their `method` and their `answer` type (the
-    same A); runs' calls carry `run_id`."""
+    """A request to the runtime, answered with an `A`. Subclasses name their `method`, their `answer` type (the
+    same A) and their `kind`; runs' calls carry `run_id`. Each concrete type registers itself in `CALLS`."""
 
     method: ClassVar[Method]
     answer: ClassVar[type[Result]]
+    kind: ClassVar[Kind]
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "method" in cls.__dict__:  # a concrete call (bases such as RunCall name no method)
+            CALLS[cls.method] = cls
 
     def to_dict(self) -> dict[str, Any]:
         # Shallow: the fields are plain data already, and a deep copy of a large batch costs milliseconds per call.
@@ -109,6 +135,19 @@ class Call(Generic[A]):
     @property
     def run(self) -> str | None:
         return getattr(self, "run_id", None)
+
+    @property
+    def frozen(self) -> bool:
+        """Whether it reads frozen weights (a snapshot, a checkpoint, a base): only `Lane.FREE` calls may."""
+        return False
+
+    def caller(self) -> str | None:
+        """Whose call it is when no run says so: a new run's owner, a base-model sample's or forward's user; None:
+        the runtime's own (or its run's owner's)."""
+        return None
+
+
+CALLS: dict[Method, type[Call]] = {}  # every concrete call type by its method, filled as each is defined
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from gpu_runtime.contract.calls import Call, Method, RunCall
+from gpu_runtime.contract.calls import Call, Kind, Lane, Method, RunCall
 from gpu_runtime.contract.checkpoints import CHECKPOINT_KINDS, SAVE_MODES, check_checkpoint_name, check_snapshot_name, checkpoint_ref
 from gpu_runtime.contract.checks import MAX_RUN_SEED, check_id, check_request_id, check_seed
 from gpu_runtime.contract.results import (
@@ -30,6 +30,7 @@ from gpu_runtime.errors import BadInput
 class CreateRun(RunCall[RunDescription]):
     method = Method.CREATE_RUN
     answer = RunDescription
+    kind = Kind(Lane.RUN, writes=True, primitive=True)
     user_id: str
     base_model: str
     lora: dict[str, Any] | None = None
@@ -56,6 +57,9 @@ class CreateRun(RunCall[RunDescription]):
             if self.lora is not None and not isinstance(self.lora, dict):
                 raise BadInput("lora must be an object", field="lora")
 
+    def caller(self) -> str | None:
+        return self.user_id
+
 
 @dataclass(frozen=True, kw_only=True)
 class SaveWeightsForSampler(RunCall[SaveWeightsForSamplerResult]):
@@ -64,6 +68,7 @@ class SaveWeightsForSampler(RunCall[SaveWeightsForSamplerResult]):
 
     method = Method.SAVE_WEIGHTS_FOR_SAMPLER
     answer = SaveWeightsForSamplerResult
+    kind = Kind(Lane.RUN, writes=True, on_run=True, primitive=True)
     name: str | None = None
     request_id: str | None = None
 
@@ -78,6 +83,7 @@ class SaveWeightsForSampler(RunCall[SaveWeightsForSamplerResult]):
 class SaveState(RunCall[SaveStateResult]):
     method = Method.SAVE_STATE
     answer = SaveStateResult
+    kind = Kind(Lane.RUN, writes=True, on_run=True, primitive=True)
     mode: str = SAVE_MODES[0]
     name: str | None = None  # None: step-N; unique per run and mode (docs/CHECKPOINTS.md)
     with_optimizer: bool | None = None  # None: the mode's own (state: with AdamW; adapter: without; merged: never)
@@ -114,6 +120,7 @@ class LoadState(RunCall[LoadStateResult]):
 
     method = Method.LOAD_STATE
     answer = LoadStateResult
+    kind = Kind(Lane.RUN, on_run=True, primitive=True)
     checkpoint: str  # signal://<run_id>/<kind>/<name>, or a name: this run's state checkpoint
     with_optimizer: bool = True
     request_id: str | None = None
@@ -132,6 +139,7 @@ class DeleteCheckpoint(RunCall[DeleteCheckpointResult]):
 
     method = Method.DELETE_CHECKPOINT
     answer = DeleteCheckpointResult
+    kind = Kind(Lane.RUN)
     mode: str
     name: str
 
@@ -146,30 +154,35 @@ class DeleteCheckpoint(RunCall[DeleteCheckpointResult]):
 class LoadRun(RunCall[RunDescription]):
     method = Method.LOAD_RUN
     answer = RunDescription
+    kind = Kind(Lane.RUN, on_run=True)
 
 
 @dataclass(frozen=True, kw_only=True)
 class RunInfo(RunCall[RunDescription]):
     method = Method.RUN_INFO
     answer = RunDescription
+    kind = Kind(Lane.RUN, on_run=True)
 
 
 @dataclass(frozen=True, kw_only=True)
 class CloseRun(RunCall[CloseRunResult]):
     method = Method.CLOSE_RUN
     answer = CloseRunResult
+    kind = Kind(Lane.RUN)
 
 
 @dataclass(frozen=True, kw_only=True)
 class DeleteRun(RunCall[DeleteRunResult]):
     method = Method.DELETE_RUN
     answer = DeleteRunResult
+    kind = Kind(Lane.RUN)
 
 
 @dataclass(frozen=True, kw_only=True)
 class ExportCheckpoint(RunCall[ExportCheckpointResult]):
     method = Method.EXPORT_CHECKPOINT
     answer = ExportCheckpointResult
+    kind = Kind(Lane.RUN)
     mode: str
     step: int
     name: str | None = None  # None: step-N (what checkpoints saved before names are called)
@@ -199,6 +212,7 @@ class Cancel(Call[CancelResult]):
 
     method = Method.CANCEL
     answer = CancelResult
+    kind = Kind(Lane.SYSTEM)
     request_id: str
     user_id: str
     deadline: bool = False  # the server's deadline for the call passed (else its client went away)
@@ -219,9 +233,11 @@ class Cancel(Call[CancelResult]):
 class Ping(Call[PingResult]):
     method = Method.PING
     answer = PingResult
+    kind = Kind(Lane.SYSTEM)
 
 
 @dataclass(frozen=True, kw_only=True)
 class RuntimeState(Call[RuntimeStateResult]):
     method = Method.RUNTIME_STATE
     answer = RuntimeStateResult
+    kind = Kind(Lane.SYSTEM)

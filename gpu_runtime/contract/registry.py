@@ -1,34 +1,16 @@
-"""Which call type each method name is: the registry the runtime dispatches on, and `parse_call` for what arrives."""
+"""Which call type each method name is: `CALLS` (each type registers itself as it is defined: importing the three
+families here fills it) and `parse_call` for what arrives."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from gpu_runtime.contract.calls import Call, Method
-from gpu_runtime.contract.control_calls import (
-    Cancel,
-    CloseRun,
-    CreateRun,
-    DeleteCheckpoint,
-    DeleteRun,
-    ExportCheckpoint,
-    LoadRun,
-    LoadState,
-    Ping,
-    RunInfo,
-    RuntimeState,
-    SaveState,
-    SaveWeightsForSampler,
-)
-from gpu_runtime.contract.sampling_calls import RenderChat, Sample, Tokenizer
-from gpu_runtime.contract.training_calls import Forward, ForwardBackward, OptimStep, RenderDatums
+from gpu_runtime.contract import control_calls, sampling_calls, training_calls
+from gpu_runtime.contract.calls import CALLS, Call, Lane, Method
 from gpu_runtime.errors import BadInput
 
-CALLS: dict[Method, type[Call]] = {cls.method: cls for cls in (
-    CreateRun, ForwardBackward, Forward, RenderDatums, OptimStep, Sample, SaveState, LoadRun, RunInfo, CloseRun,
-    DeleteRun, ExportCheckpoint, LoadState, DeleteCheckpoint, SaveWeightsForSampler, Ping, RuntimeState, Tokenizer,
-    RenderChat, Cancel)}
-SYSTEM_CALLS = (Ping, RuntimeState, Tokenizer, RenderChat, Cancel)  # calls on no run: answered first, at the next tick
+FAMILIES = (control_calls, sampling_calls, training_calls)  # where the calls are defined (and so registered)
+SYSTEM_CALLS = tuple(kind for kind in CALLS.values() if kind.kind.lane is Lane.SYSTEM)
 
 
 def parse_call(method: Any, params: Any) -> Call:

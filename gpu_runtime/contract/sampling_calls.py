@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from gpu_runtime.contract.calls import Call, Method
+from gpu_runtime.contract.calls import Call, Kind, Lane, Method
 from gpu_runtime.contract.checkpoints import check_snapshot_name
 from gpu_runtime.contract.checks import check_id, check_request_id
 from gpu_runtime.contract.results import RenderChatResult, SampleResult, TokenizerResult
@@ -24,6 +24,7 @@ class Sample(Call[SampleResult]):
 
     method = Method.SAMPLE
     answer = SampleResult
+    kind = Kind(Lane.FREE, on_run=True, primitive=True)
     prompts: list[str] | None = None  # exactly one of prompts (text) and prompt_tokens (token ids)
     prompt_tokens: list[list[int]] | None = None
     run_id: str | None = None
@@ -74,6 +75,9 @@ class Sample(Call[SampleResult]):
         is off the run's queue."""
         return self.run_id is None or self.snapshot is not None or self.checkpoint is not None or self.latest
 
+    def caller(self) -> str | None:
+        return self.user_id
+
     def settings(self) -> tuple[list[str] | list[list[int]], SamplingSettings]:
         """The prompts (text, or token ids when prompt_tokens is set) and the checked settings."""
         prompts = sampling_prompts(self.prompts, self.prompt_tokens)
@@ -89,6 +93,7 @@ class Tokenizer(Call[TokenizerResult]):
 
     method = Method.TOKENIZER
     answer = TokenizerResult
+    kind = Kind(Lane.SYSTEM)
     base_model: str | None = None
     quantization: str | None = None
     run_id: str | None = None
@@ -120,6 +125,7 @@ class RenderChat(Call[RenderChatResult]):
 
     method = Method.RENDER_CHAT
     answer = RenderChatResult
+    kind = Kind(Lane.SYSTEM)
     base_model: str | None = None
     run_id: str | None = None
     messages: list[dict[str, str]] | None = None  # [{role, content}], content already text

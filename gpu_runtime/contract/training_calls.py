@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from gpu_runtime.contract.calls import Call, Method, RunCall
+from gpu_runtime.contract.calls import Call, Kind, Lane, Method, RunCall
 from gpu_runtime.contract.checks import check_batch_text, check_request_id
 from gpu_runtime.contract.results import ForwardBackwardResult, ForwardResult, OptimStepResult, RenderDatumsResult
 from gpu_runtime.contract.runtime_options import RuntimeOptions, check_batch_size, known_batch_tokens
@@ -34,6 +34,7 @@ class _Batched:
 class ForwardBackward(_Batched, RunCall[ForwardBackwardResult]):
     method = Method.FORWARD_BACKWARD
     answer = ForwardBackwardResult
+    kind = Kind(Lane.RUN, writes=True, on_run=True, primitive=True)
     batch: list[dict[str, Any]]
     loss_fn: str = DEFAULT_LOSS_FN
     loss_fn_config: dict[str, float] | None = None
@@ -58,6 +59,7 @@ class Forward(_Batched, Call[ForwardResult]):
 
     method = Method.FORWARD
     answer = ForwardResult
+    kind = Kind(Lane.FREE, on_run=True, primitive=True)
     batch: list[dict[str, Any]]
     run_id: str | None = None
     snapshot: str | None = None  # a sampler snapshot's name on the run (save_weights_for_sampler)
@@ -79,6 +81,9 @@ class Forward(_Batched, Call[ForwardResult]):
         """On a snapshot or checkpoint: off the run's queue, like such a sample (a base alone rides the system lane)."""
         return self.run_id is not None and (self.snapshot is not None or self.checkpoint is not None)
 
+    def caller(self) -> str | None:
+        return self.user_id
+
 
 @dataclass(frozen=True, kw_only=True)
 class RenderDatums(_Batched, RunCall[RenderDatumsResult]):
@@ -86,6 +91,7 @@ class RenderDatums(_Batched, RunCall[RenderDatumsResult]):
 
     method = Method.RENDER_DATUMS
     answer = RenderDatumsResult
+    kind = Kind(Lane.RUN, on_run=True)
     batch: list[dict[str, Any]]
     loss_fn: str = DEFAULT_LOSS_FN
 
@@ -99,6 +105,7 @@ class RenderDatums(_Batched, RunCall[RenderDatumsResult]):
 class OptimStep(RunCall[OptimStepResult]):
     method = Method.OPTIM_STEP
     answer = OptimStepResult
+    kind = Kind(Lane.RUN, writes=True, on_run=True, primitive=True)
     adam: dict[str, float | None] | None = None  # None (or a setting None): the default
     request_id: str | None = None
 

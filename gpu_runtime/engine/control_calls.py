@@ -10,6 +10,7 @@ so the run never needs the checkpoint again (it may be deleted).
 from __future__ import annotations
 
 import base64
+import dataclasses
 import functools
 import io
 import os
@@ -55,7 +56,7 @@ from gpu_runtime.contract import (
 )
 from gpu_runtime.contract.checkpoints import DEFAULT_NAME, CheckpointRef
 from gpu_runtime.engine.recovery import Recovery
-from gpu_runtime.engine.request import Request
+from gpu_runtime.engine.request import Answer, Request
 from gpu_runtime.engine.run_state import (
     ADAPTER_WEIGHTS,
     CHECKPOINT_FILE,
@@ -343,7 +344,7 @@ class Control:
         return DeleteCheckpointResult(run_id=call.run_id, mode=call.mode, name=call.name, deleted=True)
 
     def save_then_upload(self, request: Request, state: RunState, call: SaveState,
-                         answer: Callable[[dict[str, Any]], None]) -> None:
+                         answer: Callable[[Answer], None]) -> None:
         """save_state(push_to_hub=True): the checkpoint is written in this tick, then uploaded on a thread of its own,
         so other runs' calls go on meanwhile; this run's next call waits, as its head is answered only after."""
         from gpu_runtime.engine import hub  # huggingface_hub, only for runs that upload
@@ -356,20 +357,20 @@ class Control:
                 base_model=self.shared.entry(state).base.name, manifest=state.paths.manifest, mode=result.mode,
                 step=result.step, run_id=state.run_id)
         except SignalError as exc:
-            answer({"error": exc.to_dict()})
+            answer(exc)
             return
         except Exception as exc:  # noqa: BLE001 - one bad call must not take the runtime down
-            answer({"error": internal(exc, request)})
+            answer(internal(exc, request))
             return
 
         def run() -> None:
             try:  # upload time is not compute time
-                message: dict[str, Any] = {"result": {**result.to_dict(), "hub": upload()}}
+                uploaded: Answer = dataclasses.replace(result, hub=upload())
             except SignalError as exc:
-                message = {"error": exc.to_dict()}
+                uploaded = exc
             except Exception as exc:  # noqa: BLE001
-                message = {"error": internal(exc, request)}
-            self.shared.scheduler.finish(request, message)
+                uploaded = internal(exc, request)
+            self.shared.scheduler.finish(request, uploaded)
             self.uploads.discard(threading.current_thread())
 
         thread = threading.Thread(target=run, name=f"hub-upload-{state.run_id[:8]}", daemon=True)

@@ -30,7 +30,7 @@ import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from gpu_runtime.client.protocol import Heartbeat
 from gpu_runtime.compute.decoding import SampleJob
@@ -47,6 +47,7 @@ from gpu_runtime.contract import (
     ExportCheckpoint,
     Forward,
     ForwardBackward,
+    Lane,
     LoadRun,
     LoadState,
     OptimStep,
@@ -54,41 +55,34 @@ from gpu_runtime.contract import (
     Ping,
     RenderChat,
     RenderDatums,
-    Result,
     RunInfo,
     RuntimeOptions,
     RuntimeState,
     RuntimeStateResult,
     Sample,
+    SampleChunk,
     SaveState,
     SaveWeightsForSampler,
     Tokenizer,
-    parse_call,
 )
+from gpu_runtime.contract.calls import A
 from gpu_runtime.engine import weights_sources
 from gpu_runtime.engine.control_calls import Control
 from gpu_runtime.engine.disk import disk_full_error, free_bytes
+from gpu_runtime.engine.handlers import Handlers
 from gpu_runtime.engine.in_flight import InFlight
 from gpu_runtime.engine.inprocess import InProcess
 from gpu_runtime.engine.off_tick import OffTick
 from gpu_runtime.engine.recovery import RESTORES_PER_TICK, Recovery
-from gpu_runtime.engine.request import SYSTEM, Request
+from gpu_runtime.engine.request import SYSTEM, Answer, Reply, Request
 from gpu_runtime.engine.residency import open_hardware
 from gpu_runtime.engine.run_state import RunState
 from gpu_runtime.engine.sampling_calls import Sampling
 from gpu_runtime.engine.scheduler import Scheduler, TickPlan
-from gpu_runtime.engine.shared import Answer, Shared, TickStats, isolated
+from gpu_runtime.engine.shared import Answered, Shared, TickStats, isolated
 from gpu_runtime.engine.snapshots import Snapshots
-from gpu_runtime.engine.tickets import split_ticket
 from gpu_runtime.engine.training_calls import FbPart, FbProgress, Training
-from gpu_runtime.errors import BadInput, SignalError, WorkerFailed
-
-# Calls that write (journal, snapshot, checkpoint): refused at submit while the disk is below its margin.
-WRITING_CALLS = (CreateRun, ForwardBackward, OptimStep, SaveState, SaveWeightsForSampler)
-# Calls that need their run in memory before they can be priced and picked.
-# A forward on a base model alone (run_id None) rides the system lane and needs no run.
-ON_RESIDENT_RUN = (ForwardBackward, Forward, RenderDatums, OptimStep, Sample, SaveState, RunInfo, LoadRun, LoadState,
-                   SaveWeightsForSampler)
+from gpu_runtime.errors import SignalError, WorkerFailed
 
 
 class Engine(InProcess):
@@ -120,27 +114,7 @@ class Engine(InProcess):
         self.last_tick = TickStats()
         self.ticking_since: float | None = None  # monotonic start of the tick running now (the heartbeat reads it)
         self.in_flight = InFlight(self.shared, self.sampling)  # begun, not yet answered: withdrawn or failed early
-        state = self.recovery.state
-        self._handlers: dict[type[Call], Callable[[Any], Result]] = {  # a call answered now: which room answers it
-            CreateRun: self.control.create_run,
-            OptimStep: self._optim_step,
-            Forward: lambda c: self.training.forward(c, self._source(c)),  # a run's current weights, or a base alone
-            RenderDatums: lambda c: self.training.render_datums(state(c.run_id), c),
-            SaveState: lambda c: self.control.save_state(state(c.run_id), c),
-            RunInfo: lambda c: self.control.describe(state(c.run_id)),
-            LoadRun: lambda c: self.control.describe(state(c.run_id)),
-            CloseRun: lambda c: self.control.close_run(c.run_id),
-            DeleteRun: lambda c: self.control.delete_run(c.run_id),
-            ExportCheckpoint: self.control.export_checkpoint,
-            SaveWeightsForSampler: lambda c: self.control.save_weights_for_sampler(state(c.run_id), c),
-            LoadState: lambda c: self.control.load_state(state(c.run_id), c),
-            DeleteCheckpoint: self.control.delete_checkpoint,
-            Ping: lambda c: self.control.ping(),
-            RuntimeState: lambda c: RuntimeStateResult(state=self.control.runtime_state()),
-            Tokenizer: lambda c: self.sampling.tokenizer(c, state(c.run_id) if c.run_id is not None else None),
-            RenderChat: lambda c: self.sampling.render_chat(c, state(c.run_id) if c.run_id is not None else None),
-            Cancel: self.in_flight.cancel,
-        }
+        self.handlers = self._handlers()
 
     # What the rooms share, read by transports, tests and benchmarks.
     options = property(lambda self: self.shared.options)
@@ -163,37 +137,35 @@ class Engine(InProcess):
 
     # ---- calls ----------------------------------------------------------------------------
 
-    def submit(self, method: str, params: dict[str, Any], reply: Callable[[dict[str, Any]], None],
-               progress: Callable[[dict[str, Any]], None] | None = None) -> None:
-        """Queue one call (thread-safe); `reply` gets {"result": …} or {"error": …} exactly once, and before it a
-        streamed sample's `progress` gets each SampleChunk (a transport without progress passes None)."""
+    def submit(self, call: Call[A], reply: Callable[[A | SignalError], None],
+               progress: Callable[[SampleChunk], None] | None = None, ticket: int | None = None) -> None:
+        """Queue one typed, validated call (thread-safe; gpu_runtime/client/protocol.py:read_call builds it from the
+        wire); `reply` gets its result or its error exactly once, and before it a streamed sample's `progress` gets
+        each SampleChunk (a transport without progress passes None). `ticket`: its place in its run's order across
+        servers."""
+        # The engine answers a call only with its own answer type (Handlers.answer checks it) or an error.
+        answer = cast(Reply, reply)
         try:
-            if not isinstance(params, dict):
-                raise BadInput("params must be an object of the method's arguments", field="params")
-            args, ticket = split_ticket(params)  # the call's place in its run's order across servers
-            call = parse_call(method, args)
             call.check_size(self.options)  # the server checked its own bounds; these are the runtime's
-            if isinstance(call, WRITING_CALLS):
+            if call.kind.writes:
                 self._check_disk()
             run_id = call.run
             # off its run's queue (gpu_runtime/engine/weights_sources.py)
-            frozen = isinstance(call, (Sample, Forward)) and call.frozen and self._copies_latest(call)
-            if isinstance(call, CreateRun) or (frozen and run_id is None):
-                user = call.user_id  # type: ignore[attr-defined]  # both carry user_id: a new run's, a base sample's
-            elif isinstance(call, Forward) and run_id is None:
-                user = call.user_id or SYSTEM
+            frozen = call.kind.lane is Lane.FREE and call.frozen and self._copies_latest(call)
+            if run_id is None or isinstance(call, CreateRun):
+                user = call.caller() or SYSTEM  # a new run's owner, a base-model call's user, or the runtime's own
             else:
-                user = self.recovery.owner(run_id) if run_id else SYSTEM
+                user = self.recovery.owner(run_id)
         except SignalError as exc:
-            reply({"error": exc.to_dict()})
+            answer(exc)
             return
         rendered = self.off_tick.render_chat(call) if isinstance(call, RenderChat) else None
         if rendered is not None:  # its base resident: no tick to wait for (gpu_runtime/engine/off_tick.py)
-            reply({"result": rendered.to_dict()})
+            answer(rendered)
             return
         streamed = progress if isinstance(call, Sample) and call.stream else None
-        self.scheduler.submit(Request(call.method.value, args, reply, user_id=user, run_id=None if frozen else run_id,
-                                      ticket=None if frozen else ticket, call=call, frozen=frozen, progress=streamed))
+        self.scheduler.submit(Request(call, answer, user_id=user, run_id=None if frozen else run_id,
+                                      ticket=None if frozen else ticket, frozen=frozen, progress=streamed))
 
     def _check_disk(self) -> None:
         """Refuse a writing call before any state changes while free space is under the margin (sampling goes on)."""
@@ -234,22 +206,22 @@ class Engine(InProcess):
             self.in_flight.finish(request, isolated(request, functools.partial(self._answer_now, request)))
         fb_parts: dict[str, list[FbPart]] = {}
         samples: dict[str, list[SampleJob]] = {}
-        answers: list[Answer] = []  # answered once the journals are synced
+        answers: list[Answered] = []  # answered once the journals are synced
         for pick in plan.picks:
             request = pick.request
             if request.answered:
                 continue  # withdrawn by a cancel earlier in this tick
-            message = isolated(request, functools.partial(self._begin, request, pick.allowance, fb_parts, samples,
-                                                          answers))
-            if message is not None:
-                answers.append((request, message))
+            answer = isolated(request, functools.partial(self._begin, request, pick.allowance, fb_parts, samples,
+                                                         answers))
+            if answer is not None:
+                answers.append((request, answer))
         self.in_flight.planned = []
         for request in plan.free:  # frozen samples: every pending one, into this tick's decode groups
             if request.answered:
                 continue
-            message = isolated(request, functools.partial(self._begin_frozen, request, samples))
-            if message is not None:
-                answers.append((request, message))
+            answer = isolated(request, functools.partial(self._begin_frozen, request, samples))
+            if answer is not None:
+                answers.append((request, answer))
         trained_from = time.monotonic()
         for key, parts in fb_parts.items():
             answers += self.training.run_live_pass(self.residency.bases[key], parts, stats)
@@ -261,8 +233,8 @@ class Engine(InProcess):
             self.in_flight.discard(answers)
         if "after_journal" in self.shared.faults and answers:
             os.kill(os.getpid(), signal.SIGKILL)  # failpoint: journaled, not yet answered
-        for request, message in answers:
-            self.in_flight.finish(request, message)
+        for request, answer in answers:
+            self.in_flight.finish(request, answer)
         for key, jobs in samples.items():
             self.sampling.start(self.residency.bases[key], jobs)
         self.sampling.advance(stats, trained)
@@ -279,27 +251,27 @@ class Engine(InProcess):
         """Give every eligible head a price: its run in memory, a forward_backward's rows rendered. Calls found bad
         here are answered here, before the planner runs; a run past this tick's restores waits for the next."""
         for request in self.scheduler.heads():
-            call = request.call
-            if request in self.in_flight.prepared or not isinstance(call, ON_RESIDENT_RUN) or call.run is None:
+            call, run_id = request.call, request.call.run
+            if request in self.in_flight.prepared or not call.kind.on_run or run_id is None:
                 continue
-            if call.run_id not in self.runs:
+            if run_id not in self.runs:
                 if stats.restores >= RESTORES_PER_TICK:
                     continue  # not priced, so not picked: it keeps its place for the next tick
                 stats.restores += 1
-            message = isolated(request, functools.partial(self._resolve, request, call))
-            if message is not None:
-                self.in_flight.finish(request, message)
+            answer = isolated(request, functools.partial(self._resolve, request, call, run_id))
+            if answer is not None:
+                self.in_flight.finish(request, answer)
 
-    def _resolve(self, request: Request, call: Call) -> dict[str, Any] | None:
+    def _resolve(self, request: Request, call: Call, run_id: str) -> Answer | None:
         if "raise_in_prepare" in self.shared.faults and (request.request_id or "").startswith("raise"):
             raise RuntimeError("failpoint raise_in_prepare")  # what a library bug in one call's preparation does
         if "die_in_prepare" in self.shared.faults and (request.request_id or "").startswith("poison"):
             os.kill(os.getpid(), signal.SIGKILL)  # failpoint: a call that kills the process, each time it is sent
-        state = self.recovery.state(call.run_id)  # type: ignore[attr-defined]  # ON_RESIDENT_RUN calls carry run_id
+        state = self.recovery.state(run_id)
         if isinstance(call, ForwardBackward):
             prepared = self.training.prepare(state, call)
             if not isinstance(prepared, FbProgress):  # a retry of a call already journaled: its first answer, again
-                return {"result": prepared.to_dict()}
+                return prepared
             self.in_flight.prepared[request] = prepared
             request.started = True
         return None
@@ -309,12 +281,12 @@ class Engine(InProcess):
         if isinstance(request.call, ForwardBackward):
             progress = self.in_flight.prepared.get(request)
             return None if progress is None else max(progress.remaining_tokens, 1)
-        if isinstance(request.call, ON_RESIDENT_RUN) and request.run_id is not None and request.run_id not in self.runs:
+        if request.call.kind.on_run and request.run_id is not None and request.run_id not in self.runs:
             return None
         return 0
 
     def _begin(self, request: Request, allowance: int, fb_parts: dict[str, list[FbPart]],
-               samples: dict[str, list[SampleJob]], answers: list[Answer]) -> dict[str, Any] | None:
+               samples: dict[str, list[SampleJob]], answers: list[Answered]) -> Answer | None:
         """Start a picked call: rows into this tick's passes, a sample into a decode group, or a control call
         done now. Returns its answer when it has one already."""
         call = request.call
@@ -328,11 +300,11 @@ class Engine(InProcess):
         if isinstance(call, SaveState) and call.push_to_hub:
             request.started = True  # uploading past this tick: a cancel no longer withdraws it
             state = self.recovery.state(call.run_id)
-            self.control.save_then_upload(request, state, call, lambda message: answers.append((request, message)))
+            self.control.save_then_upload(request, state, call, lambda answer: answers.append((request, answer)))
             return None
-        return {"result": self._handle(call)}
+        return self.handlers.answer(call)
 
-    def _begin_frozen(self, request: Request, samples: dict[str, list[SampleJob]]) -> dict[str, Any] | None:
+    def _begin_frozen(self, request: Request, samples: dict[str, list[SampleJob]]) -> Answer | None:
         """A sample into this tick's decode group on its base, from the weights its call names (on frozen weights
         or a run's current ones), or a forward on a snapshot, answered now; one whose snapshot a queued call still
         makes waits for that call."""
@@ -340,7 +312,7 @@ class Engine(InProcess):
         if isinstance(call, Sample):
             replayed = self.sampling.replayed(call)
             if replayed is not None:
-                return {"result": replayed.to_dict()}
+                return replayed
         assert isinstance(call, (Sample, Forward))
         try:
             source = self._source(call)
@@ -348,7 +320,7 @@ class Engine(InProcess):
             self.scheduler.park(request)
             return None
         if isinstance(call, Forward):
-            return {"result": self.training.forward(call, source).to_dict()}
+            return self.training.forward(call, source)
         job = self.sampling.prepare(request, source, call)
         samples.setdefault(source.base_key, []).append(job)
         return None
@@ -358,7 +330,7 @@ class Engine(InProcess):
         return weights_sources.resolve(call, self.residency, self.snapshots, self.recovery.state, self._save_pending,
                                        copy_latest=self.ranks is None)
 
-    def _copies_latest(self, call: Sample | Forward) -> bool:
+    def _copies_latest(self, call: Call) -> bool:
         """False for a sample on the latest weights in a multi-GPU pool, which keeps no copies (its ranks hold their
         own adapters): it queues on its run with no ticket, and decodes the run's weights holding the run."""
         return not (isinstance(call, Sample) and call.latest and self.ranks is not None)
@@ -367,12 +339,32 @@ class Engine(InProcess):
         return any(isinstance(r.call, SaveWeightsForSampler) and r.call.name == name
                    for r in self.scheduler.queued_on(run_id))
 
-    def _answer_now(self, request: Request) -> dict[str, Any]:
-        return {"result": self._handle(request.call)}
+    def _answer_now(self, request: Request) -> Answer:
+        return self.handlers.answer(request.call)
 
-    def _handle(self, call: Call | None) -> dict[str, Any]:
-        assert call is not None, "every queued request carries its typed call"
-        return self._handlers[type(call)](call).to_dict()
+    def _handlers(self) -> Handlers:
+        """A call answered now: which room answers it (forward_backward and sample are the tick's passes)."""
+        state = self.recovery.state
+        return (Handlers()
+                .add(CreateRun, self.control.create_run)
+                .add(OptimStep, self._optim_step)
+                .add(Forward, lambda c: self.training.forward(c, self._source(c)))  # a run's weights, or a base alone
+                .add(RenderDatums, lambda c: self.training.render_datums(state(c.run_id), c))
+                .add(SaveState, lambda c: self.control.save_state(state(c.run_id), c))
+                .add(RunInfo, lambda c: self.control.describe(state(c.run_id)))
+                .add(LoadRun, lambda c: self.control.describe(state(c.run_id)))
+                .add(CloseRun, lambda c: self.control.close_run(c.run_id))
+                .add(DeleteRun, lambda c: self.control.delete_run(c.run_id))
+                .add(ExportCheckpoint, self.control.export_checkpoint)
+                .add(SaveWeightsForSampler, lambda c: self.control.save_weights_for_sampler(state(c.run_id), c))
+                .add(LoadState, lambda c: self.control.load_state(state(c.run_id), c))
+                .add(DeleteCheckpoint, self.control.delete_checkpoint)
+                .add(Ping, lambda c: self.control.ping())
+                .add(RuntimeState, lambda c: RuntimeStateResult(state=self.control.runtime_state()))
+                .add(Tokenizer, lambda c: self.sampling.tokenizer(c, state(c.run_id) if c.run_id is not None else None))
+                .add(RenderChat, lambda c: self.sampling.render_chat(c, state(c.run_id) if c.run_id is not None
+                                                                     else None))
+                .add(Cancel, self.in_flight.cancel))
 
     def _optim_step(self, call: OptimStep) -> OptimStepResult:
         state = self.recovery.state(call.run_id)
@@ -404,6 +396,6 @@ class Engine(InProcess):
         is dropped unsaved: every acknowledged call is in a journal. What was mid-flight fails; calls still queued
         start afresh; runs come back from snapshot + journal on their next call, through a fresh group."""
         error = WorkerFailed(f"a rank of this pool failed ({self.compute.failed}); the pool restarted: retry the call")
-        self.in_flight.fail_all(error.to_dict())
+        self.in_flight.fail_all(error)
         self.residency.forget()
         self.compute.restart()

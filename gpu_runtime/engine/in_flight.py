@@ -13,14 +13,13 @@ ends early in two ways:
 
 from __future__ import annotations
 
-from typing import Any
-
 from gpu_runtime.contract import Cancel, CancelResult
-from gpu_runtime.engine.request import Request
+from gpu_runtime.engine.request import Answer, Request
 from gpu_runtime.engine.sampling_calls import Sampling
 from gpu_runtime.engine.scheduler import cancel_error
-from gpu_runtime.engine.shared import Answer, Shared
+from gpu_runtime.engine.shared import Answered, Shared
 from gpu_runtime.engine.training_calls import FbProgress
+from gpu_runtime.errors import SignalError
 
 
 class InFlight:
@@ -30,10 +29,10 @@ class InFlight:
         self.prepared: dict[Request, FbProgress] = {}  # forward_backward heads, rendered before they are priced
         self.planned: list[Request] = []  # this tick's frozen samples, off the scheduler's lanes until they begin
 
-    def finish(self, request: Request, message: dict[str, Any] | None) -> None:
-        assert message is not None
+    def finish(self, request: Request, answer: Answer | None) -> None:
+        assert answer is not None
         self.prepared.pop(request, None)
-        self.shared.scheduler.finish(request, message)
+        self.shared.scheduler.finish(request, answer)
 
     # ---- withdrawn ----------------------------------------------------------------------------
 
@@ -59,7 +58,7 @@ class InFlight:
             del self.prepared[request]
         if request in self.planned:
             self.planned.remove(request)
-        scheduler.withdraw(request, {"error": cancel_error(call.deadline, seconds).to_dict()})
+        scheduler.withdraw(request, cancel_error(call.deadline, seconds))
         return CancelResult(found=True)
 
     def _answered(self, call: Cancel) -> bool:
@@ -72,14 +71,14 @@ class InFlight:
 
     # ---- failed with their runs ---------------------------------------------------------------
 
-    def forget_unwritten(self, errors: dict[str, dict[str, Any]], answers: list[Answer]) -> list[Answer]:
+    def forget_unwritten(self, errors: dict[str, SignalError], answers: list[Answered]) -> list[Answered]:
         """Runs whose journal write failed this tick (recovery's `drop_unwritten` gave their errors): each of their
         calls in it fails, none is answered as applied."""
         self._fail_runs(errors, answers)
-        return [(request, {"error": errors[request.run_id]}) if request.run_id in errors else (request, message)
-                for request, message in answers]
+        return [(request, errors[request.run_id]) if request.run_id in errors else (request, answer)
+                for request, answer in answers]
 
-    def discard(self, answers: list[Answer]) -> None:
+    def discard(self, answers: list[Answered]) -> None:
         """Runs a call of which failed after its pass: their memory holds its gradients, their journals do not. Each
         leaves memory unsaved (the tick's other calls are synced) and comes back from snapshot + journal on its next
         call."""
@@ -88,26 +87,26 @@ class InFlight:
         for run_id in discarded:
             self.shared.residency.detach(run_id)
 
-    def _fail_runs(self, errors: dict[str, dict[str, Any]], answers: list[Answer]) -> None:
+    def _fail_runs(self, errors: dict[str, SignalError], answers: list[Answered]) -> None:
         """Runs about to leave memory unsaved: their split forward_backwards part-done fail (a part not yet begun
         starts again on the restored run), and so do their decode groups, which lose the adapters they read."""
         answering = {request for request, _ in answers}
         for request in self.shared.scheduler.queued():
             if request.run_id in errors and request in self.prepared and request not in answering:
                 if self.prepared.pop(request).done > 0:
-                    self.shared.scheduler.finish(request, {"error": errors[request.run_id]})
+                    self.shared.scheduler.finish(request, errors[request.run_id])
                 else:
                     request.started = False
         self.sampling.fail_all(next(iter(errors.values())), [g for g in self.sampling.groups
                                                             if any(r in errors for r in g.run_ids)])
 
-    def fail_all(self, error: dict[str, Any]) -> None:
+    def fail_all(self, error: SignalError) -> None:
         """Every run leaves memory unsaved (a rank failed): what was mid-flight fails; calls still queued start
         afresh, resolved again against the restored runs."""
         self.sampling.fail_all(error)
         for request in self.shared.scheduler.queued():
             progress = self.prepared.pop(request, None)
             if progress is not None and progress.done > 0:
-                self.shared.scheduler.finish(request, {"error": error})  # part of it went with the dropped state
+                self.shared.scheduler.finish(request, error)  # part of it went with the dropped state
             else:
                 request.started = False

@@ -1,5 +1,8 @@
 """The engine's calls in process, for tests and benchmarks: submit one call, pump ticks in this thread until it
-is answered, and return its result (or raise its typed error). The runtime process never uses these."""
+is answered, and return its result (or raise its typed error). The runtime process never uses these.
+
+`call` and `submit_message` take a method name and its arguments and give what the wire would (plain data), read and
+written as the runtime's edges do (gpu_runtime/client/protocol.py), so tests hold the engine to the wire's shapes."""
 
 from __future__ import annotations
 
@@ -7,6 +10,9 @@ from collections.abc import Callable
 from concurrent.futures import Future, wait
 from typing import Any
 
+from gpu_runtime.client.protocol import answer_message, read_call
+from gpu_runtime.contract import Call, SampleChunk
+from gpu_runtime.contract.calls import A
 from gpu_runtime.engine.sampling_calls import Sampling
 from gpu_runtime.engine.scheduler import Scheduler
 from gpu_runtime.engine.shared import TickStats
@@ -19,27 +25,41 @@ class InProcess:
     scheduler: Scheduler
     sampling: Sampling
 
-    def submit(self, method: str, params: dict[str, Any], reply: Callable[[dict[str, Any]], None],
-               progress: Callable[[dict[str, Any]], None] | None = None) -> None:
+    def submit(self, call: Call[A], reply: Callable[[A | SignalError], None],
+               progress: Callable[[SampleChunk], None] | None = None, ticket: int | None = None) -> None:
         raise NotImplementedError
 
     def tick(self) -> TickStats:
         raise NotImplementedError
 
+    def submit_message(self, method: str, params: dict[str, Any], reply: Callable[[dict[str, Any]], None],
+                       progress: Callable[[dict[str, Any]], None] | None = None) -> None:
+        """`submit` as the wire speaks it: `reply` gets {"result": …} or {"error": …}, `progress` each chunk's dict."""
+        try:
+            call, ticket = read_call(method, params)
+        except SignalError as exc:
+            reply(answer_message(exc))
+            return
+        chunks = None if progress is None else (lambda chunk: progress(chunk.to_dict()))
+        self.submit(call, lambda answer: reply(answer_message(answer)), chunks, ticket)
+
     def call(self, method: str, **params: Any) -> dict[str, Any]:
         """Submit and pump ticks in this thread until answered (in-process use: tests, benchmarks)."""
-        future: Future[dict[str, Any]] = Future()
-        self.submit(method, params, future.set_result)
+        call, ticket = read_call(method, params)
+        return self.answer(call, ticket).to_dict()
+
+    def answer(self, call: Call[A], ticket: int | None = None) -> A:
+        """The typed call's result, ticks pumped in this thread until it comes (its error raised)."""
+        future: Future[A | SignalError] = Future()
+        self.submit(call, future.set_result, ticket=ticket)
         while not future.done():
             self.tick()
             if not future.done() and not self.scheduler.has_work() and not self.sampling.groups:
                 wait([future], timeout=0.5)  # answered off the tick (a Hub upload): nothing to pump meanwhile
-        message = future.result()
-        if "error" in message:
-            raise SignalError.from_dict(message["error"])
-        result: dict[str, Any] = message["result"]
-        return result
-
+        answer = future.result()
+        if isinstance(answer, SignalError):
+            raise answer
+        return answer
     # The primitives, with the contract's arguments.
     def create_run(self, run_id: str, user_id: str, base_model: str, lora: dict[str, Any] | None = None,
                    seed: int = 0, quantization: str | None = None) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from gpu_runtime.client.persistence import check_id, find_run_dir, read_json
 from gpu_runtime.engine.disk import disk_full_error, is_disk_full
 from gpu_runtime.engine.run_state import RunConfig, RunState
 from gpu_runtime.engine.shared import Shared
-from gpu_runtime.errors import InternalError, RunNotFound
+from gpu_runtime.errors import InternalError, RunNotFound, SignalError
 
 RESTORES_PER_TICK = 1  # one restore's replay per tick, so one evicted run coming back does not stall every tenant
 
@@ -142,18 +142,18 @@ class Recovery:
                 self.snapshot(state, required=False)
             state.journal.close()
 
-    def drop_unwritten(self, failed: dict[str, OSError]) -> dict[str, dict[str, Any]]:
+    def drop_unwritten(self, failed: dict[str, OSError]) -> dict[str, SignalError]:
         """Runs whose journal could not be written this tick: the journal is cut back to what is durable, snapshots
         past it are removed, and the run leaves memory unsaved (memory holds calls the disk does not), so its next
         call restores it from snapshot + journal as if those calls never came, their request ids forgotten.
         Returns each run's error, for every call of it in the tick."""
-        errors: dict[str, dict[str, Any]] = {}
+        errors: dict[str, SignalError] = {}
         options = self.shared.options
         for run_id, exc in failed.items():
             full = is_disk_full(exc, self.shared.data_dir, options.min_free_disk_bytes)
             error = disk_full_error(self.shared.data_dir, exc) if full else InternalError(
                 f"the run's journal could not be written ({type(exc).__name__}); nothing of this call was applied")
-            errors[run_id] = error.to_dict()
+            errors[run_id] = error
             state = self.shared.residency.runs.get(run_id)
             if state is None:
                 continue

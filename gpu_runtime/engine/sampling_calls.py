@@ -146,14 +146,13 @@ class Sampling:
                 if not job.done and request.request_id == call.request_id and request.user_id == call.user_id:
                     job.done = True
                     self._release(job)
+                    answer: SampleResult | SignalError
                     if call.deadline or call.withdraw:  # withdrawn: never applied, not kept for a retry
-                        message = {"error": cancel_error(call.deadline, job.compute_seconds).to_dict()}
+                        answer = cancel_error(call.deadline, job.compute_seconds)
                     else:
                         job.reasons = [reason or "cancelled" for reason in job.reasons]
-                        result = {**group.result(job), "compute_seconds": job.compute_seconds}
-                        self._remember(job, result)
-                        message = {"result": result}
-                    self.shared.scheduler.finish(request, message)
+                        answer = self._finished(group, job)
+                    self.shared.scheduler.finish(request, answer)
                     if group.done:
                         self.groups.remove(group)
                     return True
@@ -196,17 +195,16 @@ class Sampling:
             try:
                 finished = group.advance(deadline)
             except Exception as exc:  # noqa: BLE001 - fail its calls, keep the runtime
-                error = exc.to_dict() if isinstance(exc, SignalError) else internal(exc, active[0].request if active else None)
+                error = exc if isinstance(exc, SignalError) else internal(exc, active[0].request if active else None)
                 self.fail_all(error, [group])
                 return False
             seconds, rows = self.shared.compute.seconds_since(started), sum(job.end - job.start for job in active)
             for job in active:  # the seconds, shared by the rows of the calls still decoding
                 job.compute_seconds += seconds * (job.end - job.start) / max(rows, 1)
             for job in finished:
-                result = {**group.result(job), "compute_seconds": job.compute_seconds}
-                self._remember(job, result)
+                result = self._finished(group, job)
                 self._release(job)
-                self.shared.scheduler.finish(job.request, {"result": result})
+                self.shared.scheduler.finish(job.request, result)
             if group.done or time.monotonic() >= deadline:
                 return True
 
@@ -283,17 +281,23 @@ class Sampling:
             n = job.settings.num_samples
             chunk = SampleChunk(sequences=[rows[p * n:(p + 1) * n] for p in range(len(job.prompt_ids))])
             assert job.request.progress is not None
-            job.request.progress(chunk.to_dict())
+            job.request.progress(chunk)
 
-    def fail_all(self, error: dict[str, object], groups: list[DecodeGroup] | None = None) -> None:
+    def fail_all(self, error: SignalError, groups: list[DecodeGroup] | None = None) -> None:
         """Fail every call still decoding in `groups` (all groups: a rank failed) and drop those groups."""
         for group in list(self.groups if groups is None else groups):
             for job in group.jobs:
                 if not job.done:
                     job.done = True
                     self._release(job)
-                    self.shared.scheduler.finish(job.request, {"error": error})
+                    self.shared.scheduler.finish(job.request, error)
             self.groups.remove(group)
+
+    def _finished(self, group: DecodeGroup, job: SampleJob) -> SampleResult:
+        """A job's answer, remembered for a retry."""
+        result = {**group.result(job), "compute_seconds": job.compute_seconds}
+        self._remember(job, result)
+        return SampleResult.from_dict(result)
 
     def _remember(self, job: SampleJob, result: dict[str, object]) -> None:
         body = job.request.call.body_sha256()

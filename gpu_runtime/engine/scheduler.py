@@ -45,9 +45,9 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
-from gpu_runtime.engine.request import _DONE, SYSTEM, Request
+from gpu_runtime.contract import CreateRun
+from gpu_runtime.engine.request import _DONE, SYSTEM, Answer, Request
 from gpu_runtime.engine.tickets import TICKET_WAIT_SECONDS, Tickets
 from gpu_runtime.errors import Cancelled, DeadlineExceeded, ResourceExhausted, SignalError
 
@@ -115,10 +115,10 @@ class Scheduler:
             if refusal is None:
                 return
         request.reply, reply = _DONE, request.reply
-        reply({"error": refusal.to_dict()})
+        reply(refusal)
 
     def _cancelled_before(self, request: Request) -> SignalError | None:
-        key = request.request_id or (request.run_id if request.method == "create_run" else None)
+        key = request.request_id or (request.run_id if isinstance(request.call, CreateRun) else None)
         deadline = self._cancels.pop((request.user_id, key), None) if key else None
         if deadline is None:
             return None
@@ -281,11 +281,11 @@ class Scheduler:
         _water_fill(wanted, self.tick_tokens)
         return plan
 
-    def finish(self, request: Request, message: dict[str, Any]) -> None:
+    def finish(self, request: Request, answer: Answer) -> None:
         """Answer a head and take it off its run's queue (the next call on the run becomes eligible)."""
         reply, request.reply = request.reply, _DONE
         with self.condition:
-            self.tickets.done(request, created=request.method == "create_run" and "result" in message)
+            self.tickets.done(request, created=isinstance(request.call, CreateRun) and not isinstance(answer, SignalError))
             if request.run_id is not None:
                 queue = self._runs.get(request.run_id)
                 if queue and queue[0] is request:
@@ -299,7 +299,7 @@ class Scheduler:
                 request.counted = False
                 self._release(request)
             self.condition.notify_all()
-        reply(message)
+        reply(answer)
 
     def find(self, user_id: str, request_id: str) -> Request | None:
         """The user's call `request_id` wherever it waits here (queued, parked, past the bound), else None."""
@@ -314,8 +314,8 @@ class Scheduler:
             while len(self._cancels) > REMEMBERED_CANCELS:
                 self._cancels.popitem(last=False)
 
-    def withdraw(self, request: Request, message: dict[str, Any]) -> None:
-        """Take a call not yet applied off whichever lane holds it, count its ticket done, and answer `message`."""
+    def withdraw(self, request: Request, error: SignalError) -> None:
+        """Take a call not yet applied off whichever lane holds it, count its ticket done, and answer `error`."""
         reply, request.reply = request.reply, _DONE
         with self.condition:
             for lane in [self._system, self._free, self._parked, *self._runs.values(), *self._waiting.values()]:
@@ -331,8 +331,8 @@ class Scheduler:
                 self._release(request)
             self.condition.notify_all()
         log.info("withdrew %s %s of user %s (ticket %s): %s", request.method, request.request_id, request.user_id,
-                 request.ticket, message.get("error", {}).get("code"))
-        reply(message)
+                 request.ticket, error.code)
+        reply(error)
 
     def hold(self, run_id: str) -> None:
         """The run's head is in progress outside the picks (a decode group): not eligible until finished."""

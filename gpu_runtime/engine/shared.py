@@ -22,11 +22,11 @@ from gpu_runtime.compute.models import ModelRegistry
 from gpu_runtime.compute.pool import BaseEntry
 from gpu_runtime.contract import RuntimeOptions
 from gpu_runtime.engine.journal import sync_all
-from gpu_runtime.engine.request import Request
+from gpu_runtime.engine.request import Answer, Request
 from gpu_runtime.engine.residency import Residency
 from gpu_runtime.engine.run_state import RunState
 from gpu_runtime.engine.scheduler import Scheduler
-from gpu_runtime.errors import SignalError
+from gpu_runtime.errors import InternalError, SignalError
 
 RECENT_TICKS = 60  # ticks that did work, kept for runtime_state (the admin page's chart)
 
@@ -65,7 +65,7 @@ class Totals:
             self.last_ticks = (self.last_ticks + [stats.__dict__.copy()])[-RECENT_TICKS:]
 
 
-Answer = tuple[Request, dict[str, Any]]  # a request and its {"result": …} or {"error": …}
+Answered = tuple[Request, Answer]  # a request and its result or error, sent once the tick's journals are synced
 
 
 @dataclass
@@ -89,7 +89,7 @@ class Shared:
     armed: set[str] = field(default_factory=set)  # failpoint enospc_journal: runs whose next sync fails
     # Runs whose memory holds a call that failed after its pass (gradients summed, never journaled): each leaves
     # memory unsaved once the tick's journals are synced, and comes back from snapshot + journal without it.
-    discarded: dict[str, dict[str, Any]] = field(default_factory=dict)
+    discarded: dict[str, SignalError] = field(default_factory=dict)
     snapshotted: bool = False  # a snapshot was written since the last after_sync (Modal commits it then)
 
     def entry(self, state: RunState) -> BaseEntry:
@@ -131,19 +131,19 @@ class Shared:
         return failed
 
 
-def internal(exc: BaseException, request: Request | None = None) -> dict[str, Any]:
+def internal(exc: BaseException, request: Request | None = None) -> InternalError:
     """An unexpected exception as an INTERNAL error for its call alone; logged with the call's request id."""
     where = "" if request is None else f" in {request.method} (request {request.request_id or '-'}, run {request.run_id})"
     print(f"error{where}: {type(exc).__name__}: {exc}", file=sys.stderr)
     traceback.print_exception(exc, file=sys.stderr)
-    return {"type": "InternalError", "code": "INTERNAL", "message": f"{type(exc).__name__}: {exc}", "field": None}
+    return InternalError(f"{type(exc).__name__}: {exc}")
 
 
-def isolated(request: Request, work: Callable[[], dict[str, Any] | None]) -> dict[str, Any] | None:
+def isolated(request: Request, work: Callable[[], Answer | None]) -> Answer | None:
     """Run one call's step; its exception becomes its own typed answer (INTERNAL, logged with its id)."""
     try:
         return work()
     except SignalError as exc:
-        return {"error": exc.to_dict()}
+        return exc
     except Exception as exc:  # noqa: BLE001 - one bad call must not take the runtime down
-        return {"error": internal(exc, request)}
+        return internal(exc, request)

@@ -9,22 +9,12 @@ scheduler calls it under its condition.
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 from gpu_runtime.engine.request import Request
-from gpu_runtime.errors import BadInput
 
 log = logging.getLogger("gpu_runtime.engine.scheduler")  # the scheduler's log: tickets are its bookkeeping
 
 TICKET_WAIT_SECONDS = 30.0  # how long a call waits for an earlier ticket of its run before going on without it
-
-
-def split_ticket(params: dict[str, Any]) -> tuple[dict[str, Any], int | None]:
-    """The call's arguments without its `ticket`, and the ticket (a positive integer, or None)."""
-    ticket = params.get("ticket")
-    if ticket is not None and (type(ticket) is not int or ticket < 1):
-        raise BadInput(f"ticket must be a positive integer, got {ticket!r}", field="ticket")
-    return {k: v for k, v in params.items() if k != "ticket"}, ticket
 
 
 class Tickets:

@@ -41,7 +41,7 @@ from gpu_runtime.contract import (
 )
 from gpu_runtime.engine.request import Request
 from gpu_runtime.engine.run_state import LOADS_DIR, RunState, append_manifest, last_manifest_step
-from gpu_runtime.engine.shared import Answer, Shared, TickStats, internal
+from gpu_runtime.engine.shared import Answered, Shared, TickStats, internal
 from gpu_runtime.engine.weights_sources import WeightsSource
 from gpu_runtime.errors import FailedPrecondition, SignalError
 
@@ -139,7 +139,7 @@ class Training:
             progress.backup = [None if p.grad is None else p.grad.clone() for p in progress.state.parameters()]
         return taken
 
-    def run_pass(self, entry: BaseEntry, parts: list[FbPart], stats: TickStats) -> list[Answer]:
+    def run_pass(self, entry: BaseEntry, parts: list[FbPart], stats: TickStats) -> list[Answered]:
         """One forward and backward pass of the base for every part; journal the calls that completed.
         The pass's seconds are shared among its parts by their tokens (a call's compute_seconds)."""
         started = time.perf_counter()
@@ -150,12 +150,12 @@ class Training:
         stats.base_passes += 1
         stats.fb_rows += sum(len(p.examples) for p in parts)
         stats.fb_runs += len(parts)
-        answers: list[Answer] = []
+        answers: list[Answered] = []
         for part, outcome, part_tokens in zip(parts, outcomes, tokens):
             assert part.request is not None
             if isinstance(outcome, SignalError):
                 part.progress.restore_grads()
-                answers.append((part.request, {"error": outcome.to_dict()}))
+                answers.append((part.request, outcome))
                 continue
             try:
                 result = self._count(part, outcome, seconds * part_tokens / max(sum(tokens), 1))
@@ -164,24 +164,24 @@ class Training:
                     raise  # replaying: the restore fails, as a broken journal would
                 error = internal(exc, part.request)
                 self.shared.discarded.setdefault(part.progress.state.run_id, error)
-                answers.append((part.request, {"error": error}))
+                answers.append((part.request, error))
                 continue
             if result is not None:
-                answers.append((part.request, {"result": result.to_dict()}))
+                answers.append((part.request, result))
         return answers
 
-    def run_live_pass(self, entry: BaseEntry, parts: list[FbPart], stats: TickStats) -> list[Answer]:
+    def run_live_pass(self, entry: BaseEntry, parts: list[FbPart], stats: TickStats) -> list[Answered]:
         """`run_pass` in a tick: if the pass fails as a whole, its calls fail (gradients put back), no others."""
         try:
             return self.run_pass(entry, parts, stats)
         except RanksFailed as exc:  # every rank stopped: these calls fail; the pool restarts after this tick
-            return [(part.request, {"error": exc.to_dict()}) for part in parts if part.request is not None]
+            return [(part.request, exc) for part in parts if part.request is not None]
         except Exception as exc:  # noqa: BLE001 - one failing pass must not take the runtime down
-            answers: list[Answer] = []
+            answers: list[Answered] = []
             for part in parts:
                 part.progress.restore_grads()
                 if part.request is not None:
-                    answers.append((part.request, {"error": internal(exc, part.request)}))
+                    answers.append((part.request, internal(exc, part.request)))
             return answers
 
     def _pass(self, entry: BaseEntry, parts: list[FbPart]) -> list[PartOutcome | SignalError]:

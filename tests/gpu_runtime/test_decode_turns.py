@@ -17,7 +17,7 @@ SETTINGS = {"max_tokens": 6, "temperature": 0.0, "num_samples": 2, "prompt_logpr
 def ticked(engine: Engine, params: dict[str, Any]) -> tuple[dict[str, Any], int]:
     """A sample submitted alone and ticked until answered: its result and the ticks it took."""
     answer: list[Any] = []
-    engine.submit("sample", params, answer.append)
+    engine.submit_message("sample", params, answer.append)
     for ticks in range(1, 200):  # bounded: each tick prefills a piece or decodes a token
         engine.tick()
         if answer:
@@ -63,7 +63,7 @@ def test_a_users_many_rows_decode_apart_from_anothers_few(tmp_path: Path, tiny_m
     answers: list[Any] = []
 
     def sample(user: str, rows: int, max_tokens: int) -> None:
-        engine.submit("sample", {"base_model": tiny_model_dir, "user_id": user, "prompts": ["hello there"],
+        engine.submit_message("sample", {"base_model": tiny_model_dir, "user_id": user, "prompts": ["hello there"],
                                  "num_samples": rows, "max_tokens": max_tokens, "temperature": 1.0}, answers.append)
 
     sample("flood", 16, 40)

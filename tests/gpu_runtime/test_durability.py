@@ -387,7 +387,7 @@ def test_a_duplicate_queued_behind_its_first_attempt_is_answered_from_it(
     for index in (0, 0, 1, 1):
         method, params = CALLS[index]
         future: Future[dict[str, Any]] = Future()
-        engine.submit(method, {"run_id": "r", **params}, future.set_result)
+        engine.submit_message(method, {"run_id": "r", **params}, future.set_result)
         futures.append(future)
     while not all(f.done() for f in futures):
         engine.tick()

@@ -21,8 +21,8 @@ def test_an_exception_in_one_calls_preparation_fails_it_alone(
     for run in ("a", "b"):
         engine.create_run(run, f"user-{run}", tiny_model_dir, lora={"r": 4})
     answers: dict[str, Future[dict[str, Any]]] = {run: Future() for run in ("a", "b")}
-    engine.submit("forward_backward", {"run_id": "a", "batch": BATCH, "request_id": "raise-me"}, answers["a"].set_result)
-    engine.submit("forward_backward", {"run_id": "b", "batch": BATCH, "request_id": "fine"}, answers["b"].set_result)
+    engine.submit_message("forward_backward", {"run_id": "a", "batch": BATCH, "request_id": "raise-me"}, answers["a"].set_result)
+    engine.submit_message("forward_backward", {"run_id": "b", "batch": BATCH, "request_id": "fine"}, answers["b"].set_result)
     stats = engine.tick()  # both heads in one tick
     assert stats.requests == 1 and stats.base_passes == 1  # b's call ran; a's was answered before planning
     failed, answered = answers["a"].result(timeout=0), answers["b"].result(timeout=0)
@@ -43,9 +43,9 @@ def test_an_exception_in_one_calls_completion_fails_it_alone_and_leaves_no_gradi
         for run in ("a", "b"):
             runtime.create_run(run, f"user-{run}", tiny_model_dir, lora={"r": 4}, seed=3)
     answers: dict[str, Future[dict[str, Any]]] = {run: Future() for run in ("a", "b")}
-    engine.submit("forward_backward", {"run_id": "a", "batch": BATCH * 2, "request_id": "raise-me"},
+    engine.submit_message("forward_backward", {"run_id": "a", "batch": BATCH * 2, "request_id": "raise-me"},
                   answers["a"].set_result)
-    engine.submit("forward_backward", {"run_id": "b", "batch": BATCH, "request_id": "fine"}, answers["b"].set_result)
+    engine.submit_message("forward_backward", {"run_id": "b", "batch": BATCH, "request_id": "fine"}, answers["b"].set_result)
     stats = engine.tick()
     assert stats.base_passes == 1 and stats.fb_runs == 2  # one pass for both: the failure came after it
     failed, answered = answers["a"].result(timeout=0), answers["b"].result(timeout=0)

@@ -16,20 +16,20 @@ def test_render_chat_is_answered_without_a_tick_once_its_base_is_resident(tmp_pa
     engine = Engine(tmp_path / "data", device="cpu", decode_chunk_seconds=1e-6)
     params = {"base_model": tiny_model_dir, "messages": MESSAGES, "prompts": ["héllo 🌊"], "decode": [1, 2, 300]}
     cold: list[dict[str, Any]] = []
-    engine.submit("render_chat", params, cold.append)
+    engine.submit_message("render_chat", params, cold.append)
     assert cold == []  # no base loaded: the tick loads it
     engine.tick()
     assert "result" in cold[0]
 
     engine.create_run("r1", "u1", tiny_model_dir, {"r": 4})
     sampled: list[dict[str, Any]] = []
-    engine.submit("sample", {"run_id": "r1", "prompts": ["hello"], "max_tokens": 50, "temperature": 0.0,
+    engine.submit_message("sample", {"run_id": "r1", "prompts": ["hello"], "max_tokens": 50, "temperature": 0.0,
                              "latest": True, "stream": True}, sampled.append, lambda chunk: None)
     engine.tick()
     assert engine.sampling.groups and not sampled  # a group is mid-generation
 
     for where in ({"base_model": tiny_model_dir}, {"run_id": "r1"}):
         warm: list[dict[str, Any]] = []
-        engine.submit("render_chat", {**params, "base_model": None, **where}, warm.append)
+        engine.submit_message("render_chat", {**params, "base_model": None, **where}, warm.append)
         assert warm == [cold[0]]  # answered at submit, with no tick in between: the same ids and pieces
     assert cold[0]["result"]["prompt_tokens"] and cold[0]["result"]["pieces"][2]

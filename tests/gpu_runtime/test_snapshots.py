@@ -59,7 +59,7 @@ def test_a_snapshot_sample_finishes_before_a_queued_forward_backward(tmp_path: P
     def tracked(name: str, method: str, **params: Any) -> Future[dict[str, Any]]:
         future: Future[dict[str, Any]] = Future()
         future.add_done_callback(lambda _: order.append(name))
-        engine.submit(method, params, future.set_result)
+        engine.submit_message(method, params, future.set_result)
         return future
 
     long = tracked("long", "sample", run_id="run-a", prompts=["hello"], max_tokens=40, temperature=1.0, seed=3)

@@ -26,7 +26,7 @@ def streamed(engine: Engine, params: dict[str, Any], until: Any = None) -> tuple
     """Submit a streamed sample and tick until it is answered (or `until(chunks)` holds): its chunks and answer."""
     chunks: list[dict[str, Any]] = []
     answer: list[Any] = []
-    engine.submit("sample", {**params, "stream": True}, answer.append, chunks.append)
+    engine.submit_message("sample", {**params, "stream": True}, answer.append, chunks.append)
     for _ in range(500):  # bounded: a tick decodes at least one token of at most max_tokens
         if answer or (until is not None and until(chunks)):
             break
@@ -64,7 +64,7 @@ def test_a_stop_string_never_reaches_a_chunk(chunky: tuple[Engine, str]) -> None
 def answered(engine: Engine, params: dict[str, Any]) -> dict[str, Any]:
     """A sample submitted alone, ticked until it is answered: its first sequence."""
     answer: list[Any] = []
-    engine.submit("sample", params, answer.append)
+    engine.submit_message("sample", params, answer.append)
     for _ in range(500):  # bounded: a tick decodes at least one token of at most max_tokens
         if answer:
             break
@@ -82,7 +82,7 @@ def test_a_late_sample_joins_the_decoding_group(chunky: tuple[Engine, str], tiny
               "temperature": 0.0}
     chunks, first_answer = streamed(engine, first, until=lambda chunks: len(chunks) >= 3)
     second_answer: list[Any] = []
-    engine.submit("sample", second, second_answer.append)
+    engine.submit_message("sample", second, second_answer.append)
     engine.tick()  # its own group: prefill and one token, then it joins the first's
     assert [group["calls"] for group in engine.call("runtime_state")["decode_groups"]] == [2]
     for _ in range(100):  # bounded: each tick decodes a token of both

@@ -3,27 +3,40 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 
-from gpu_runtime.engine.request import Request
+from gpu_runtime.client.protocol import answer_message, split_ticket
+from gpu_runtime.contract import Call, CancelResult, CreateRun, OptimStep
+from gpu_runtime.engine.request import Answer, Request
 from gpu_runtime.engine.scheduler import Scheduler, cancel_error
-from gpu_runtime.engine.tickets import split_ticket
 from gpu_runtime.errors import BadInput
 
 RUN = "run-1"
 
 
+def typed(method: str, run_id: str, request_id: str | None = None) -> Call:
+    if method == "create_run":
+        return CreateRun(run_id=run_id, user_id="user", base_model="base")
+    return OptimStep(run_id=run_id, request_id=request_id)
+
+
+def wire(answers: list[dict[str, Any]]) -> Callable[[Answer], None]:
+    """Keep each answer as the wire carries it."""
+    return lambda answer: answers.append(answer_message(answer))
+
+
 def call(ticket: int | None, method: str = "optim_step", run_id: str = RUN) -> Request:
-    return Request(method, {"run_id": run_id}, lambda message: None, user_id="user", run_id=run_id, ticket=ticket)
+    return Request(typed(method, run_id), lambda answer: None, user_id="user", run_id=run_id, ticket=ticket)
 
 
 def tick(scheduler: Scheduler) -> list[int | None]:
     """One tick's picks, answered: their tickets."""
     picks = [pick.request for pick in scheduler.next_tick(lambda request: 0).picks]
     for request in picks:
-        scheduler.finish(request, {"result": {}})
+        scheduler.finish(request, CancelResult(found=True))
     return [request.ticket for request in picks]
 
 
@@ -87,7 +100,7 @@ def test_a_refused_calls_ticket_is_not_waited_for() -> None:
     scheduler = created(Scheduler(tick_tokens=1024, user_calls=1, user_queue=0))
     answers: list[dict[str, Any]] = []
     scheduler.submit(call(None, run_id="run-2"))  # the user's one place
-    scheduler.submit(Request("optim_step", {"run_id": RUN}, answers.append, user_id="user", run_id=RUN, ticket=1))
+    scheduler.submit(Request(typed("optim_step", RUN), wire(answers), user_id="user", run_id=RUN, ticket=1))
     assert [answer["error"]["details"]["resource"] for answer in answers] == ["calls"]
     assert tick(scheduler) == [None]  # the place is free again
     scheduler.submit(call(2))
@@ -100,12 +113,12 @@ def test_a_refused_calls_ticket_is_not_waited_for() -> None:
 def test_a_withdrawn_ticket_is_not_waited_for(cancelled: str) -> None:
     scheduler = created(Scheduler(tick_tokens=1024))  # ticket_wait is 30 s: a tick that waited would pick nothing
     answers: list[dict[str, Any]] = []
-    late = Request("optim_step", {"run_id": RUN, "request_id": "late"}, answers.append, user_id="user", run_id=RUN,
+    late = Request(typed("optim_step", RUN, "late"), wire(answers), user_id="user", run_id=RUN,
                    ticket=2)
     if cancelled == "while queued":
         scheduler.submit(late)
         assert scheduler.find("someone-else", "late") is None and scheduler.find("user", "late") is late
-        scheduler.withdraw(late, {"error": cancel_error(True, 0.25).to_dict()})
+        scheduler.withdraw(late, cancel_error(True, 0.25))
     else:
         scheduler.refuse_on_arrival("user", "late", True)
         scheduler.submit(late)

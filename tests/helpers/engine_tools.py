@@ -72,7 +72,7 @@ def train(engine: Engine, run_id: str, steps: int, batch: list[dict[str, Any]] |
 def submit(engine: Engine, method: str, **params: Any) -> Future[dict[str, Any]]:
     """Queue a call without running a tick; the future holds the runtime's message."""
     future: Future[dict[str, Any]] = Future()
-    engine.submit(method, params, future.set_result)
+    engine.submit_message(method, params, future.set_result)
     return future
 
 
