@@ -85,6 +85,7 @@ class SaveState(RunCall[SaveStateResult]):
     push_to_hub: bool = False
     hub_model_id: str | None = None
     hf_token: str | None = None  # the user's: it reaches gpu_runtime.engine.hub and nothing else (no journal, manifest, log)
+    overwrite: bool = False  # replace a checkpoint of this kind and name (Tinker's save_weights); else it is refused
 
     def validate(self) -> None:
         super().validate()
@@ -95,6 +96,8 @@ class SaveState(RunCall[SaveStateResult]):
             check_checkpoint_name(self.name)
         if self.with_optimizer is not None and not isinstance(self.with_optimizer, bool):
             raise BadInput("with_optimizer must be true, false or null", field="with_optimizer")
+        if not isinstance(self.overwrite, bool):
+            raise BadInput("overwrite must be true or false", field="overwrite")
         if self.with_optimizer and self.mode == "merged":
             raise BadInput("a merged checkpoint holds no optimizer state: save mode state for that",
                            field="with_optimizer")
@@ -105,7 +108,7 @@ class SaveState(RunCall[SaveStateResult]):
 
     def __repr__(self) -> str:  # never print the token
         return (f"SaveState(run_id={self.run_id!r}, mode={self.mode!r}, name={self.name!r}, "
-                f"push_to_hub={self.push_to_hub!r})")
+                f"push_to_hub={self.push_to_hub!r}, overwrite={self.overwrite!r})")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -328,7 +328,7 @@ class Engine(InProcess):
         if isinstance(call, SaveState) and call.push_to_hub:
             request.started = True  # uploading past this tick: a cancel no longer withdraws it
             state = self.recovery.state(call.run_id)
-            self.control.save_then_upload(request, state, call, lambda message: answers.append((request, message)))
+            self.control.uploads.save_then_upload(request, state, call, lambda message: answers.append((request, message)))
             return None
         return {"result": self._handle(call)}
 
@@ -395,7 +395,7 @@ class Engine(InProcess):
 
     def shutdown(self) -> None:
         """Let Hub uploads in flight answer; snapshot every resident run that changed, and close its journal."""
-        self.control.wait_for_uploads()
+        self.control.uploads.wait()
         self.recovery.shutdown()
         self.compute.stop()
 
