@@ -185,6 +185,7 @@ class Engine(InProcess):
             else:
                 user = self.recovery.owner(run_id) if run_id else SYSTEM
         except SignalError as exc:
+            self.scheduler.release_ticket(params)  # never queued: its ticket is released, not waited for
             reply({"error": exc.to_dict()})
             return
         rendered = self.off_tick.render_chat(call) if isinstance(call, RenderChat) else None

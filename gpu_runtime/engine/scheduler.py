@@ -334,6 +334,17 @@ class Scheduler:
                  request.ticket, message.get("error", {}).get("code"))
         reply(message)
 
+    def release_ticket(self, params: Any) -> None:
+        """A call refused before it was queued (a bad argument, a full disk): its ticket counts as done, so the run's
+        later calls do not wait ticket_wait for a call that will never come."""
+        if not isinstance(params, dict) or not isinstance(params.get("run_id"), str):
+            return
+        ticket = params.get("ticket")
+        if type(ticket) is int and ticket >= 1:
+            with self.condition:
+                self.tickets.skip_ticket(params["run_id"], ticket)
+                self.condition.notify_all()
+
     def hold(self, run_id: str) -> None:
         """The run's head is in progress outside the picks (a decode group): not eligible until finished."""
         with self.condition:
