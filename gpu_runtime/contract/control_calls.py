@@ -206,6 +206,9 @@ class Cancel(Call[CancelResult]):
     user_id: str
     deadline: bool = False  # the server's deadline for the call passed (else its client went away)
     withdraw: bool = False  # a decoding sample too is withdrawn, not answered with what it has (nobody saw it)
+    # With `deadline`: its length. It counts from when the call could run (its run's calls before it answered), not
+    # from its arrival: a call able to run for less than that is withdrawn only once it has been (CancelResult.deferred).
+    deadline_s: float | None = None
 
     def validate(self) -> None:
         if self.request_id is None:
@@ -216,6 +219,9 @@ class Cancel(Call[CancelResult]):
             raise BadInput(f"deadline must be true or false, got {self.deadline!r}", field="deadline")
         if not isinstance(self.withdraw, bool):
             raise BadInput(f"withdraw must be true or false, got {self.withdraw!r}", field="withdraw")
+        if self.deadline_s is not None and (isinstance(self.deadline_s, bool) or not isinstance(self.deadline_s, (int, float))
+                                            or not self.deadline_s >= 0):
+            raise BadInput(f"deadline_s must be a number of seconds >= 0, got {self.deadline_s!r}", field="deadline_s")
 
 
 @dataclass(frozen=True, kw_only=True)

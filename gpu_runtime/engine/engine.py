@@ -226,6 +226,7 @@ class Engine(InProcess):
         if self.compute.failed:
             self._restart_ranks()  # a rank failed between ticks
         stats = TickStats()
+        self.in_flight.expire_deadlines()  # deferred deadlines run out (in_flight.py), before the heads are priced
         self._resolve_heads(stats)
         plan: TickPlan = self.scheduler.next_tick(self._cost)
         stats.number, stats.requests = plan.number, len(plan.system) + len(plan.picks) + len(plan.free)
