@@ -12,8 +12,8 @@ import asyncio
 import json
 import socket
 from collections.abc import Iterator
-from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import httpx

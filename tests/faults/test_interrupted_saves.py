@@ -22,7 +22,7 @@ from gpu_runtime.errors import WorkerFailed
 from tests.helpers.engine_tools import BATCH
 
 USER = "u1"
-PROMPT = {"prompts": ["The quick brown"], "max_tokens": 2, "temperature": 0.0}
+PROMPT: dict[str, Any] = {"prompts": ["The quick brown"], "max_tokens": 2, "temperature": 0.0}
 
 
 @dataclass
@@ -73,7 +73,7 @@ def step(runtime: Runtime, run_id: str) -> int:
 def test_a_save_killed_half_way_leaves_nothing_once_its_run_comes_back(runtime: Runtime, mode: str) -> None:
     run_id = f"leak-{mode}"
     runtime.trained_run(run_id)
-    save = {"run_id": run_id, "mode": mode, "name": "m1", "request_id": f"save-{mode}"}
+    save: dict[str, Any] = {"run_id": run_id, "mode": mode, "name": "m1", "request_id": f"save-{mode}"}
     assert "exited with code -9" in runtime.crash("during_save", "save_state", **save)
     leaked = runtime.temporaries(run_id)
     assert [p.name.startswith(".m1.tmp-") for p in leaked] == [True]  # what the kill left: the half-written save
