@@ -91,7 +91,7 @@ def fsync_dir(path: Path) -> None:
 
 # What atomic_dir, atomic_file and write_json leave when a crash interrupts them: `.{name}.tmp-{hex}` (being
 # written) and `.{name}.old-{hex}` (a replaced directory moved aside, not yet removed).
-TEMPORARY = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|old)-[0-9a-f]{32}$")
+TEMPORARY = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|old)-[0-9a-f]+$")
 
 
 @dataclass
