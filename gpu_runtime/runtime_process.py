@@ -20,6 +20,9 @@ whose request id starts with "poison" (a call that crashes the runtime each time
 enospc_snapshot raise ENOSPC at that write instead (tests/faults/test_disk_full.py). hold_decode stops a decode group
 with a sample whose request id starts with "hold" after its first chunk, until a cancel (tests/faults/test_deadlines.py);
 hold_streams does so with every streamed sample, once it has sent its first chunk, and hold_v1 with every /v1 sample.
+during_save kills it once a checkpoint's or a named snapshot's files are written, before they are renamed in place;
+during_swap once an existing one of that name is moved aside, before its replacement is renamed in
+(tests/faults/test_interrupted_saves.py).
 """
 
 from __future__ import annotations
@@ -142,9 +145,12 @@ def read_requests(engine: Any, channel: Channel, stream: IO[bytes]) -> None:
             channel.send({"id": request.get("id"), "result": engine.heartbeat()}, urgent=True)
             continue
         reply = channel.replier(request.get("id"))
+        params = request.get("params") or {}
         try:
-            call, ticket = read_call(request.get("method"), request.get("params") or {})
+            call, ticket = read_call(request.get("method"), params)
         except SignalError as exc:
+            if isinstance(params, dict):  # never queued: its ticket is released, not waited for
+                engine.scheduler.release_ticket(params.get("run_id"), params.get("ticket"))
             reply(exc)
             continue
         engine.submit(call, reply, channel.progress(request.get("id")), ticket)

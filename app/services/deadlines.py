@@ -1,4 +1,7 @@
-"""Each method's deadline (issue 19 §3, SIGNAL_DEADLINES_S): counted from the call's arrival, queue time included.
+"""Each method's deadline (issue 19 §3, SIGNAL_DEADLINES_S). This server's timer runs from the call's arrival; the
+runtime's clock for it starts when the call can run (its run's calls before it answered, issue 34 #11): a cancel at
+this server's deadline carries the length (`Cancel.deadline_s`), and a call able to run for less than that is
+withdrawn only once it has been, so a pipelined optim_step is not failed for its forward_backward's time.
 
 A call still waiting in this server (for its session's previous number, or its run's turn to take a ticket) at its
 deadline stops waiting: it has no ticket yet, so nothing else waits for it. A call sent to the runtime is not abandoned: the runtime

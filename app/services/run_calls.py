@@ -47,7 +47,7 @@ class RunCalls:
                  default_model: str, ledger: Ledger, bounds: RuntimeOptions | None = None,
                  record_retry_s: float = RECORD_RETRY_S, deadlines: dict[str, float] | None = None) -> None:
         self.db = db
-        self.deadlines = deadlines or DEADLINES_S  # each method's, from arrival (SIGNAL_DEADLINES_S; deadlines.py)
+        self.deadlines = deadlines or DEADLINES_S  # each method's (SIGNAL_DEADLINES_S; deadlines.py)
         self.recorder = CallRecorder(db, ledger, record_retry_s)  # each applied call recorded once (issue 19 §5)
         # The per-call size bounds (SIGNAL_MAX_SAMPLE_ROWS…): checked here before a call leaves, by the runtime again.
         self.bounds = bounds or RuntimeOptions()
@@ -85,7 +85,7 @@ class RunCalls:
         what it records in that transaction (`fresh`: its first recording; call_records.py). A call without a
         request id gets one here, so its retries and its record have a key. `allowed` adds arguments that only a call allowed to run may fetch.
         `order`: the SDK's number for the call, which puts it in the run's order after its session's previous one.
-        Its deadline counts from here, its arrival, through the run's queue (deadlines.py)."""
+        Its deadline: this server waits from here; the runtime counts from when the call can run (deadlines.py)."""
         deadline = Deadline.start(self.deadlines, operation)
         run = await self.get(user, run_id)
         if operation != "save_state":  # an archived run's weights can still be exported
@@ -135,7 +135,8 @@ class RunCalls:
         """The runtime's answer to `call`; at its deadline the runtime is asked to withdraw it, or, for a stream whose
         client has read text, to stop it and answer with what it has (deadlines.py)."""
         return await answered(deadline, call, lambda: self._engine(
-            Cancel(request_id=request_id, user_id=user.id, deadline=streamed is None or not streamed.sent), pool=pool),
+            Cancel(request_id=request_id, user_id=user.id, deadline=streamed is None or not streamed.sent,
+                   deadline_s=deadline.seconds), pool=pool),
                               f"{deadline.operation} {request_id} of user {user.id}")
 
     # ---- bookkeeping ---------------------------------------------------------------------

@@ -54,16 +54,18 @@ class RunCheckpoints(RunCalls):
     async def save_state(self, user: User, run_id: str, mode: str = "adapter", push_to_hub: bool = False,
                          hub_model_id: str | None = None, request_id: str | None = None,
                          hf_token: str | None = None, name: str | None = None,
-                         with_optimizer: bool | None = None, order: Numbered | None = None) -> Checkpoint:
+                         with_optimizer: bool | None = None, order: Numbered | None = None,
+                         overwrite: bool = False) -> Checkpoint:
         """Export the run; with push_to_hub, the runtime also uploads it (private) with the user's `hf_token`,
         which travels as this one call's argument and is stored nowhere. With billing on and no `hf_token`, the
-        token is the user's Hugging Face integration, fetched from the billing service now (docs/BILLING.md)."""
+        token is the user's Hugging Face integration, fetched from the billing service now (docs/BILLING.md). An existing
+        name is refused unless `overwrite` (Tinker's save_weights), which replaces it atomically."""
         billing = self.ledger.billing
 
         def arguments(run: Run) -> SaveState:
             if push_to_hub and not (hub_model_id or "").strip():
                 raise BadInput("pushToHub needs hubModelId (e.g. 'your-name/my-adapter')", field="hubModelId")
-            return SaveState(run_id=run.id, mode=mode, name=name, with_optimizer=with_optimizer)
+            return SaveState(run_id=run.id, mode=mode, name=name, with_optimizer=with_optimizer, overwrite=overwrite)
 
         async def hub() -> dict[str, object]:
             """The push's arguments, once the call is allowed: the user's token is fetched only for a call that runs."""

@@ -143,7 +143,8 @@ async def save(request: Request, user: User, kind: str) -> UntypedAPIFuture:
                 user, run.id, name=target.name, request_id=rid, order=order), request_id)
             return json_answer(SaveWeightsForSamplerResponseInternal(path=target.path, type="save_weights_for_sampler"))
         await ordered(svc, model, seq, lambda order, rid: svc.runs.save_state(
-            user, run.id, mode=target.mode, name=target.name, with_optimizer=True, request_id=rid, order=order),
+            user, run.id, mode=target.mode, name=target.name, with_optimizer=True, request_id=rid, order=order,
+            overwrite=overwrite),
             request_id)
         return json_answer(SaveWeightsResponse(path=target.path, type="save_weights"))
 

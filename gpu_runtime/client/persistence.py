@@ -9,7 +9,8 @@ import os
 import re
 import shutil
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -46,22 +47,85 @@ def atomic_file(path: Path) -> Iterator[Path]:
 
 
 @contextlib.contextmanager
-def atomic_dir(path: Path) -> Iterator[Path]:
-    """Yield a temporary directory beside `path`; on success it becomes `path` (replacing an old one)."""
+def atomic_dir(path: Path, before_swap: Callable[[], None] | None = None) -> Iterator[Path]:
+    """Yield a temporary directory beside `path`; on success it becomes `path` (replacing an old one), its files and
+    its name fsync'd first, so `path` is whole or absent, never half-written. A crash between moving the old one aside
+    and renaming the new one in leaves `.{name}.old-…`: `sweep_temporaries` puts it back at the next start.
+    `before_swap` is a failpoint's hook (tests/faults/test_interrupted_saves.py)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex}")
     tmp.mkdir()
     try:
         yield tmp
+        fsync_tree(tmp)
         # rename() cannot replace a non-empty directory: move the old one aside first.
         old = path.with_name(f".{path.name}.old-{uuid.uuid4().hex}")
         if path.exists():
             os.rename(path, old)
+            if before_swap is not None:
+                before_swap()
         os.rename(tmp, path)
+        fsync_dir(path.parent)  # the new name survives a power cut too
         shutil.rmtree(old, ignore_errors=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def fsync_tree(directory: Path) -> None:
+    """fsync every file under `directory`, then each directory, deepest first."""
+    for root, _, files in os.walk(directory, topdown=False):
+        for name in files:
+            with open(os.path.join(root, name), "rb") as fh:
+                os.fsync(fh.fileno())
+        fsync_dir(Path(root))
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# What atomic_dir, atomic_file and write_json leave when a crash interrupts them: `.{name}.tmp-{hex}` (being
+# written) and `.{name}.old-{hex}` (a replaced directory moved aside, not yet removed).
+TEMPORARY = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|old)-[0-9a-f]+$")
+
+
+@dataclass
+class Swept:
+    removed: int = 0  # temporaries deleted
+    removed_bytes: int = 0
+    restored: int = 0  # replaced directories put back, their replacement never having been renamed in
+
+
+def sweep_temporaries(root: Path) -> Swept:
+    """Remove what interrupted atomic writes left under `root`. A `.{name}.old-…` whose `name` is missing was moved
+    aside by a save that died before renaming its replacement in: it is whole, so it goes back. Call only while no
+    write is under way (at a runtime's start: one runtime holds a data directory)."""
+    swept = Swept()
+    for directory, subdirs, files in os.walk(root):
+        for name in [*subdirs, *files]:
+            match = TEMPORARY.match(name)
+            if match is None:
+                continue
+            path, target = Path(directory) / name, Path(directory) / match["name"]
+            if name in subdirs:
+                subdirs.remove(name)  # not walked into
+            if match["kind"] == "old" and not target.exists():
+                os.rename(path, target)
+                swept.restored += 1
+                continue
+            swept.removed += 1
+            if path.is_dir():
+                swept.removed_bytes += dir_size(path)
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                swept.removed_bytes += path.stat().st_size
+                path.unlink(missing_ok=True)
+    return swept
 
 
 def dir_size(path: Path) -> int:

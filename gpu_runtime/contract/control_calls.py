@@ -91,6 +91,7 @@ class SaveState(RunCall[SaveStateResult]):
     push_to_hub: bool = False
     hub_model_id: str | None = None
     hf_token: str | None = None  # the user's: it reaches gpu_runtime.engine.hub and nothing else (no journal, manifest, log)
+    overwrite: bool = False  # replace a checkpoint of this kind and name (Tinker's save_weights); else it is refused
 
     def validate(self) -> None:
         super().validate()
@@ -101,6 +102,8 @@ class SaveState(RunCall[SaveStateResult]):
             check_checkpoint_name(self.name)
         if self.with_optimizer is not None and not isinstance(self.with_optimizer, bool):
             raise BadInput("with_optimizer must be true, false or null", field="with_optimizer")
+        if not isinstance(self.overwrite, bool):
+            raise BadInput("overwrite must be true or false", field="overwrite")
         if self.with_optimizer and self.mode == "merged":
             raise BadInput("a merged checkpoint holds no optimizer state: save mode state for that",
                            field="with_optimizer")
@@ -111,7 +114,7 @@ class SaveState(RunCall[SaveStateResult]):
 
     def __repr__(self) -> str:  # never print the token
         return (f"SaveState(run_id={self.run_id!r}, mode={self.mode!r}, name={self.name!r}, "
-                f"push_to_hub={self.push_to_hub!r})")
+                f"push_to_hub={self.push_to_hub!r}, overwrite={self.overwrite!r})")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -217,6 +220,9 @@ class Cancel(Call[CancelResult]):
     user_id: str
     deadline: bool = False  # the server's deadline for the call passed (else its client went away)
     withdraw: bool = False  # a decoding sample too is withdrawn, not answered with what it has (nobody saw it)
+    # With `deadline`: its length. It counts from when the call could run (its run's calls before it answered), not
+    # from its arrival: a call able to run for less than that is withdrawn only once it has been (CancelResult.deferred).
+    deadline_s: float | None = None
 
     def validate(self) -> None:
         if self.request_id is None:
@@ -227,6 +233,9 @@ class Cancel(Call[CancelResult]):
             raise BadInput(f"deadline must be true or false, got {self.deadline!r}", field="deadline")
         if not isinstance(self.withdraw, bool):
             raise BadInput(f"withdraw must be true or false, got {self.withdraw!r}", field="withdraw")
+        if self.deadline_s is not None and (isinstance(self.deadline_s, bool) or not isinstance(self.deadline_s, (int, float))
+                                            or not self.deadline_s >= 0):
+            raise BadInput(f"deadline_s must be a number of seconds >= 0, got {self.deadline_s!r}", field="deadline_s")
 
 
 @dataclass(frozen=True, kw_only=True)

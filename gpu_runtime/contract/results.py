@@ -139,6 +139,7 @@ class SampleChunk(Result):
 @dataclass(frozen=True, kw_only=True)
 class CancelResult(Result):
     found: bool  # the call is here: withdrawn or stopped now, or in a pass (it completes); False: answered on arrival
+    deferred: bool = False  # a deadline cancel of a call not yet able to run that long: withdrawn when it has been
 
 
 @dataclass(frozen=True, kw_only=True)

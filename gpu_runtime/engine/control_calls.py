@@ -10,15 +10,11 @@ so the run never needs the checkpoint again (it may be deleted).
 from __future__ import annotations
 
 import base64
-import dataclasses
-import functools
 import io
 import os
 import shutil
 import tarfile
-import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +52,6 @@ from gpu_runtime.contract import (
 )
 from gpu_runtime.contract.checkpoints import DEFAULT_NAME, CheckpointRef
 from gpu_runtime.engine.recovery import Recovery
-from gpu_runtime.engine.request import Answer, Request
 from gpu_runtime.engine.run_state import (
     ADAPTER_WEIGHTS,
     CHECKPOINT_FILE,
@@ -70,13 +65,13 @@ from gpu_runtime.engine.run_state import (
     checkpoint_dir,
 )
 from gpu_runtime.engine.sampling_calls import Sampling
-from gpu_runtime.engine.shared import Shared, internal
+from gpu_runtime.engine.shared import Shared
 from gpu_runtime.engine.snapshots import READABLE_KINDS, SAMPLER_MODE, Snapshots
 from gpu_runtime.engine.training_calls import LOAD_STATE  # the journal record type, replayed from the run's own copy
-from gpu_runtime.errors import BadInput, FailedPrecondition, NotFound, RunNotFound, SignalError
+from gpu_runtime.engine.uploads import Uploads
+from gpu_runtime.errors import BadInput, FailedPrecondition, NotFound, RunNotFound
 
 LORA_SHAPE = ("r", "alpha", "target_modules")  # a checkpoint loads into a run only where these agree
-UPLOAD_GRACE_SECONDS = 300  # at shutdown, Hub uploads in flight get this long to finish and answer
 
 
 class Control:
@@ -85,7 +80,7 @@ class Control:
         self.recovery = recovery
         self.sampling = sampling
         self.snapshots = snapshots
-        self.uploads: set[threading.Thread] = set()  # Hub uploads in flight, each answering its save_state
+        self.uploads = Uploads(shared, self.save_state)  # save_state(push_to_hub=True): gpu_runtime/engine/uploads.py
 
     # ---- runs ------------------------------------------------------------------------------
 
@@ -192,7 +187,7 @@ class Control:
             raise FailedPrecondition("a multi-GPU pool keeps no sampler snapshots yet: sample the run's current "
                                      "weights", field="name")
         started = time.perf_counter()
-        snapshot = self.snapshots.save(state, self.shared.entry(state), call.name)
+        snapshot = self.snapshots.save(state, self.shared.entry(state), call.name, self.shared.crash_at)
         expires = None if snapshot.named else self.shared.options.unnamed_snapshot_seconds
         result = SaveWeightsForSamplerResult(
             run_id=state.run_id, name=snapshot.name, step=snapshot.step, named=snapshot.named,
@@ -205,7 +200,7 @@ class Control:
     # ---- checkpoints -----------------------------------------------------------------------
 
     def save_state(self, state: RunState, call: SaveState) -> SaveStateResult:
-        """Write a checkpoint of the run (an upload, if asked, goes through `save_then_upload`)."""
+        """Write a checkpoint of the run (an upload, if asked, goes through uploads.py)."""
         entry = self.shared.entry(state)
         if call.mode == "merged" and not self.shared.compute.can_merge:
             # Folding needs whole base weights, which no rank holds (docs/MULTIGPU.md: merge the adapter elsewhere).
@@ -219,18 +214,23 @@ class Control:
         path = checkpoint_dir(state.paths, call.mode, name)
         meta = read_json(path / CHECKPOINT_FILE) if (path / CHECKPOINT_FILE).exists() else {}
         if path.is_dir() and not (call.name is None and meta.get("step") == state.step):
-            # A name is kept once per kind: saving over "final" (or over step-0 at step 1) would lose it. Only a save
-            # without a name at the same step writes its step-N again. A retry of the save that wrote it (same
-            # request id, after a restart forgot the answer) gets that save's answer.
+            # A name is kept once per kind: saving over "final" (or over step-0 at step 1) would lose it, unless the
+            # call says `overwrite` (Tinker's save_weights). Only a save without a name at the same step writes its
+            # step-N again. A retry of the save that wrote it (same request id, after a restart forgot the answer)
+            # gets that save's answer.
             if call.request_id and meta.get("request_id") == call.request_id:
                 check_same_body(call.request_id, meta.get("body_sha256"), body)
                 return SaveStateResult.from_dict(meta["result"]).replay()
-            raise FailedPrecondition(f"run {state.run_id} already has a {call.mode} checkpoint named {name!r}: pick "
-                                     "another name, or delete that one first", field="name")
+            if not call.overwrite:
+                raise FailedPrecondition(f"run {state.run_id} already has a {call.mode} checkpoint named {name!r}: "
+                                         "pick another name, or delete that one first", field="name")
+        if call.mode in READABLE_KINDS:
+            self.snapshots.forget_checkpoint(state.run_id, name)  # a sample reading the old files refuses (in use)
         started = time.perf_counter()
         self.recovery.snapshot(state)
         with_optimizer = call.optimizer_saved
-        with atomic_dir(path) as tmp:
+        crash = self.shared.crash_at
+        with atomic_dir(path, before_swap=lambda: crash("during_swap")) as tmp:  # whole, or the old one, after a crash
             if call.mode in ("adapter", "state"):
                 state.save_adapter(tmp, entry.base.name)
             if with_optimizer:
@@ -239,6 +239,7 @@ class Control:
                 write_json(tmp / "config.json", state.config)
             if call.mode == "merged":
                 save_merged(entry, state, tmp)
+            crash("during_save")
             meta = self._checkpoint_meta(state, call.mode, name, with_optimizer)
             result = SaveStateResult(checkpoint_path=str(path.resolve()), mode=call.mode, step=state.step,
                                      size_bytes=dir_size(tmp), name=name, with_optimizer=with_optimizer,
@@ -343,41 +344,6 @@ class Control:
             shutil.rmtree(directory)
         return DeleteCheckpointResult(run_id=call.run_id, mode=call.mode, name=call.name, deleted=True)
 
-    def save_then_upload(self, request: Request, state: RunState, call: SaveState,
-                         answer: Callable[[Answer], None]) -> None:
-        """save_state(push_to_hub=True): the checkpoint is written in this tick, then uploaded on a thread of its own,
-        so other runs' calls go on meanwhile; this run's next call waits, as its head is answered only after."""
-        from gpu_runtime.engine import hub  # huggingface_hub, only for runs that upload
-
-        try:
-            hub_model_id, hf_token = hub.check_push(call.hub_model_id, call.hf_token)
-            result = self.save_state(state, call)
-            upload = functools.partial(
-                hub.push_checkpoint, Path(result.checkpoint_path), hub_model_id=hub_model_id, hf_token=hf_token,
-                base_model=self.shared.entry(state).base.name, manifest=state.paths.manifest, mode=result.mode,
-                step=result.step, run_id=state.run_id)
-        except SignalError as exc:
-            answer(exc)
-            return
-        except Exception as exc:  # noqa: BLE001 - one bad call must not take the runtime down
-            answer(internal(exc, request))
-            return
-
-        def run() -> None:
-            try:  # upload time is not compute time
-                uploaded: Answer = dataclasses.replace(result, hub=upload())
-            except SignalError as exc:
-                uploaded = exc
-            except Exception as exc:  # noqa: BLE001
-                uploaded = internal(exc, request)
-            self.shared.scheduler.finish(request, uploaded)
-            self.uploads.discard(threading.current_thread())
-
-        thread = threading.Thread(target=run, name=f"hub-upload-{state.run_id[:8]}", daemon=True)
-        self.shared.scheduler.hold(state.run_id)  # in progress outside the picks: not picked again until answered
-        self.uploads.add(thread)
-        thread.start()
-
     def export_checkpoint(self, call: ExportCheckpoint) -> ExportCheckpointResult:
         """A saved checkpoint's directory as a base64 .tar.gz, for a server whose disk is not the runtime's (Modal)."""
         root = find_run_dir(self.shared.data_dir, call.run_id)
@@ -396,10 +362,6 @@ class Control:
             label = f"step{call.step}" if call.name is None else name  # the name archives had before names
             archive.add(source, arcname=f"{call.run_id[:8]}-{label}-{call.mode}")
         return ExportCheckpointResult(archive_b64=base64.b64encode(buffer.getvalue()).decode())
-
-    def wait_for_uploads(self) -> None:
-        for thread in list(self.uploads):
-            thread.join(timeout=UPLOAD_GRACE_SECONDS)
 
     # ---- the runtime -----------------------------------------------------------------------
 

@@ -157,6 +157,7 @@ class Engine(InProcess):
             else:
                 user = self.recovery.owner(run_id)
         except SignalError as exc:
+            self.scheduler.release_ticket(call.run, ticket)  # never queued: its ticket is released, not waited for
             answer(exc)
             return
         rendered = self.off_tick.render_chat(call) if isinstance(call, RenderChat) else None
@@ -197,6 +198,7 @@ class Engine(InProcess):
         if self.compute.failed:
             self._restart_ranks()  # a rank failed between ticks
         stats = TickStats()
+        self.in_flight.expire_deadlines()  # deferred deadlines run out (in_flight.py), before the heads are priced
         self._resolve_heads(stats)
         plan: TickPlan = self.scheduler.next_tick(self._cost)
         stats.number, stats.requests = plan.number, len(plan.system) + len(plan.picks) + len(plan.free)
@@ -300,7 +302,7 @@ class Engine(InProcess):
         if isinstance(call, SaveState) and call.push_to_hub:
             request.started = True  # uploading past this tick: a cancel no longer withdraws it
             state = self.recovery.state(call.run_id)
-            self.control.save_then_upload(request, state, call, lambda answer: answers.append((request, answer)))
+            self.control.uploads.save_then_upload(request, state, call, lambda answer: answers.append((request, answer)))
             return None
         return self.handlers.answer(call)
 
@@ -387,7 +389,7 @@ class Engine(InProcess):
 
     def shutdown(self) -> None:
         """Let Hub uploads in flight answer; snapshot every resident run that changed, and close its journal."""
-        self.control.wait_for_uploads()
+        self.control.uploads.wait()
         self.recovery.shutdown()
         self.compute.stop()
 

@@ -13,6 +13,8 @@ ends early in two ways:
 
 from __future__ import annotations
 
+import time
+
 from gpu_runtime.contract import Cancel, CancelResult
 from gpu_runtime.engine.request import Answer, Request
 from gpu_runtime.engine.sampling_calls import Sampling
@@ -51,6 +53,21 @@ class InFlight:
         progress = self.prepared.get(request)
         if request.started and progress is None:
             return CancelResult(found=True)  # under way outside the passes (a Hub upload): it completes
+        since = request.runnable_since
+        if call.deadline and call.deadline_s is not None and progress is None and (
+                since is None or time.monotonic() - since < call.deadline_s):
+            request.deadline_s = call.deadline_s  # its time counts from when it could run: withdrawn then, if unbegun
+            return CancelResult(found=True, deferred=True)
+        self.withdraw(request, call.deadline)
+        return CancelResult(found=True)
+
+    def expire_deadlines(self) -> None:
+        """Withdraw the calls whose deferred deadline ran out before they began (each tick, before its picks)."""
+        for request in self.shared.scheduler.past_deadline():
+            self.withdraw(request, deadline=True)
+
+    def withdraw(self, request: Request, deadline: bool) -> None:
+        progress = self.prepared.get(request)
         seconds = 0.0
         if progress is not None:
             self.shared.compute.restore_grads(progress)  # between parts of a split call, on every rank: undone
@@ -58,8 +75,7 @@ class InFlight:
             del self.prepared[request]
         if request in self.planned:
             self.planned.remove(request)
-        scheduler.withdraw(request, cancel_error(call.deadline, seconds))
-        return CancelResult(found=True)
+        self.shared.scheduler.withdraw(request, cancel_error(deadline, seconds))
 
     def _answered(self, call: Cancel) -> bool:
         """Whether a resident run of the caller's remembers an answer to the call `call` names (or is the run it

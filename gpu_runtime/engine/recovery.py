@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from gpu_runtime.client.persistence import check_id, find_run_dir, read_json
+from gpu_runtime.client.persistence import check_id, find_run_dir, read_json, sweep_temporaries
 from gpu_runtime.engine.disk import disk_full_error, is_disk_full
 from gpu_runtime.engine.run_state import RunConfig, RunState
 from gpu_runtime.engine.shared import Shared
@@ -69,6 +69,7 @@ class Recovery:
         residency = self.shared.residency
         state = residency.attach(config, self.shared.data_dir)
         try:
+            self.sweep(state)
             state.load_latest_snapshot(self.shared.device)
             records = state.journal.read()
             for record in records[state.seq:]:
@@ -80,6 +81,15 @@ class Recovery:
         if residency.bases[state.base_key].base.revision != config.get("base_revision"):
             print(f"warning: run {state.run_id}: base model revision changed since the run was created", file=sys.stderr)
         return state
+
+    def sweep(self, state: RunState) -> None:
+        """What saves, snapshots and loads of this run left when a crash cut them short, swept as the run comes back
+        (one pool holds a run at a time, so no write of it is under way; a whole-directory sweep at start could take a
+        file another pool on the same Volume is writing): temporaries go, a replaced directory moved aside returns."""
+        swept = sweep_temporaries(state.paths.root)
+        if swept.removed or swept.restored:
+            print(f"run {state.run_id}: swept {swept.removed} temporaries of interrupted saves "
+                  f"({swept.removed_bytes} bytes), restored {swept.restored} replaced directories", file=sys.stderr)
 
     # ---- snapshots -------------------------------------------------------------------------
 

@@ -28,6 +28,8 @@ class Request:
     frozen: bool = False  # a sample on frozen weights: in the free lane, outside every run's queue
     progress: Callable[[SampleChunk], None] | None = None  # a streamed sample's chunks, before its one reply
     counted: bool = False  # taken in under its user's bound on calls in flight (released when answered)
+    runnable_since: float | None = None  # time.monotonic() once it could run: its run's calls before it answered
+    deadline_s: float | None = None  # a deadline cancel came early: withdrawn once runnable this long (deadlines.py)
 
     @property
     def method(self) -> str:

@@ -279,15 +279,11 @@ class RunState:
                 "answered": kept, "bodies": {k: self.bodies[k] for k, _ in kept if k in self.bodies},
                 "created_at": time.time(),
             })
-            fsync_tree(tmp)
         self.snapshot_step, self.snapshot_seq, self.snapshot_time = self.step, self.seq, time.monotonic()
         return target
 
     def load_latest_snapshot(self, device: torch.device) -> None:
         """Load the newest whole snapshot, if any; a fresh run (none yet) keeps its seeded initial weights."""
-        # A snapshot killed part-way leaves its temporary folder (never a step_N): it holds nothing to keep.
-        for debris in self.paths.adapters.glob(".step_*.*-*"):
-            shutil.rmtree(debris, ignore_errors=True)
         for directory in self.snapshots_newest_first():
             if (directory / SNAPSHOT_FILE).exists():
                 self._load_snapshot(directory, device)
@@ -373,18 +369,6 @@ def checkpoint_dir(paths: RunPaths, mode: str, name: str) -> Path:
     if match:
         return paths.checkpoint(mode, int(match.group(1)))
     return paths.root / "checkpoints" / mode / name
-
-
-def fsync_tree(directory: Path) -> None:
-    for path in directory.iterdir():
-        if path.is_file():
-            with open(path, "rb") as fh:
-                os.fsync(fh.fileno())
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def last_manifest_step(path: Path) -> int:

@@ -156,10 +156,13 @@ class Scheduler:
             self._in_flight[request.user_id] = self._in_flight.get(request.user_id, 0) + 1
         if request.frozen:
             self._free.append(request)
+            request.runnable_since = request.since
         elif request.run_id is None:
             self._system.append(request)
+            request.runnable_since = request.since
         else:
             self._place(self._runs.setdefault(request.run_id, deque()), request)
+            self._runnable(request.run_id)
 
     def _release(self, request: Request) -> None:
         """A counted call was answered: its user's next waiting call, if any, is taken in."""
@@ -209,9 +212,10 @@ class Scheduler:
     def wait_for_work(self, timeout: float | None, also_busy: bool = False) -> bool:
         """Block until something can be picked (or `also_busy`: some work is in flight); False on timeout/close."""
         with self.condition:
-            held = self._next_turn_in(time.monotonic())
-            if held is not None:
-                timeout = held if timeout is None else min(timeout, held)  # a held call's wait ends: work then
+            now = time.monotonic()
+            for held in (self._next_turn_in(now), self._next_deadline_in(now)):
+                if held is not None:  # a held call's wait ends, or a deferred deadline: work then
+                    timeout = held if timeout is None else min(timeout, held)
             return self.condition.wait_for(lambda: self.has_work() or also_busy or self.closed, timeout)
 
     # ---- the consumer (the engine's thread) ----------------------------------------------
@@ -293,6 +297,7 @@ class Scheduler:
                 if not queue:
                     self._runs.pop(request.run_id, None)
                 self._busy.discard(request.run_id)
+                self._runnable(request.run_id)
                 self._free += self._parked  # the call a parked sample waits for may be this one: look again
                 self._parked = []
             if request.counted:  # after it left its run's queue, so a call taken in now queues behind no ghost
@@ -324,6 +329,8 @@ class Scheduler:
             for lanes in (self._runs, self._waiting):
                 for key in [key for key, queue in lanes.items() if not queue]:
                     del lanes[key]
+            if request.run_id is not None:
+                self._runnable(request.run_id)
             self.tickets.skip(request)
             self.withdrawn[request.user_id] = self.withdrawn.get(request.user_id, 0) + 1
             if request.counted:
@@ -333,6 +340,34 @@ class Scheduler:
         log.info("withdrew %s %s of user %s (ticket %s): %s", request.method, request.request_id, request.user_id,
                  request.ticket, error.code)
         reply(error)
+
+    def release_ticket(self, run_id: object, ticket: object) -> None:
+        """A call refused before it was queued (a bad argument, a full disk): its ticket counts as done, so the run's
+        later calls do not wait ticket_wait for a call that will never come. Takes what the refused call carried,
+        checked here: a call refused while it was parsed has no typed form."""
+        if isinstance(run_id, str) and type(ticket) is int and ticket >= 1:
+            with self.condition:
+                self.tickets.skip_ticket(run_id, ticket)
+                self.condition.notify_all()
+
+    def _runnable(self, run_id: str) -> None:
+        """The run's head can run from now, if it could not before: its deadline counts from here (deadlines.py)."""
+        queue = self._runs.get(run_id)
+        if queue and run_id not in self._busy and queue[0].runnable_since is None:
+            queue[0].runnable_since = time.monotonic()
+
+    def past_deadline(self) -> list[Request]:
+        """Calls whose deferred deadline (Cancel.deadline_s) has run out since they could run, not yet begun."""
+        with self.condition:
+            now = time.monotonic()
+            lanes = [self._free, *(queue for run, queue in self._runs.items() if run not in self._busy)]
+            return [r for lane in lanes for r in lane if r.deadline_s is not None and not r.started
+                    and r.runnable_since is not None and now - r.runnable_since >= r.deadline_s]
+
+    def _next_deadline_in(self, now: float) -> float | None:
+        due = [r.runnable_since + r.deadline_s - now for q in self._runs.values() for r in q
+               if r.deadline_s is not None and r.runnable_since is not None]
+        return max(min(due), 0.0) if due else None
 
     def hold(self, run_id: str) -> None:
         """The run's head is in progress outside the picks (a decode group): not eligible until finished."""

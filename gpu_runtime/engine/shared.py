@@ -8,6 +8,8 @@ internals.
 from __future__ import annotations
 
 import errno
+import os
+import signal
 import sys
 import traceback
 from collections.abc import Callable
@@ -91,6 +93,11 @@ class Shared:
     # memory unsaved once the tick's journals are synced, and comes back from snapshot + journal without it.
     discarded: dict[str, SignalError] = field(default_factory=dict)
     snapshotted: bool = False  # a snapshot was written since the last after_sync (Modal commits it then)
+
+    def crash_at(self, failpoint: str) -> None:
+        """A crash test's failpoint (runtime_process.py's docstring lists them): SIGKILL here, as a power cut would."""
+        if failpoint in self.faults:
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def entry(self, state: RunState) -> BaseEntry:
         return self.residency.bases[state.base_key]

@@ -26,6 +26,7 @@ from __future__ import annotations
 import shutil
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,7 +40,7 @@ from gpu_runtime.compute.lora.wrap import wrap_targets
 from gpu_runtime.compute.pool import BaseEntry
 from gpu_runtime.compute.quantization import base_key
 from gpu_runtime.engine.residency import Residency
-from gpu_runtime.engine.run_state import ADAPTER_WEIGHTS, CHECKPOINT_FILE, RunConfig, RunState, checkpoint_dir, fsync_tree, peft_name
+from gpu_runtime.engine.run_state import ADAPTER_WEIGHTS, CHECKPOINT_FILE, RunConfig, RunState, checkpoint_dir, peft_name
 from gpu_runtime.errors import FailedPrecondition, NotFound
 
 SAMPLER_MODE = "sampler"  # the checkpoints table's `mode` of a named snapshot
@@ -103,7 +104,8 @@ class Snapshots:
 
     # ---- making one ------------------------------------------------------------------------
 
-    def save(self, state: RunState, entry: BaseEntry, name: str | None) -> Snapshot:
+    def save(self, state: RunState, entry: BaseEntry, name: str | None,
+             crash: Callable[[str], None] = lambda failpoint: None) -> Snapshot:
         key = routing_key(state.run_id, name) if name else None
         old = self.entries.get(key) if key else None
         if old is not None and old.in_use:
@@ -115,10 +117,11 @@ class Snapshots:
                             weights=weights)
         if name is not None:
             snapshot.path = snapshot_dir(state.paths.root, name)
-            with atomic_dir(snapshot.path) as tmp:  # whole once renamed in place: the named snapshot's record
+            # Whole once renamed in place (the named snapshot's record); after a crash, the old one or none.
+            with atomic_dir(snapshot.path, before_swap=lambda: crash("during_swap")) as tmp:
                 state.save_adapter(tmp, entry.base.name)
                 write_json(tmp / SAMPLER_FILE, {"name": name, "run_id": state.run_id, "step": state.step})
-                fsync_tree(tmp)
+                crash("during_save")
         else:
             snapshot.expires_at = time.monotonic() + self.expiry_seconds
         if old is not None:

@@ -47,10 +47,12 @@ class Tickets:
 
     def skip(self, request: Request) -> None:
         """A withdrawn call's ticket counts as done: the run's next one need not wait for it."""
-        if request.run_id is None or request.ticket is None:
-            return
-        self._skipped.setdefault(request.run_id, set()).add(request.ticket)
-        self._settle(request.run_id)
+        if request.run_id is not None and request.ticket is not None:
+            self.skip_ticket(request.run_id, request.ticket)
+
+    def skip_ticket(self, run_id: str, ticket: int) -> None:
+        self._skipped.setdefault(run_id, set()).add(ticket)
+        self._settle(run_id)
 
     def _settle(self, run_id: str) -> None:
         """Move the run's turn past the withdrawn tickets it has reached."""

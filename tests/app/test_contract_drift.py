@@ -24,6 +24,7 @@ NOT_ARGUMENTS: dict[str, str] = {
     "return_outputs": "the resolver sets it when the client selects forwardBackward's `outputs`",
     "stream": "the OpenAI endpoint's streams (app/openai): GraphQL's sample answers once",
     "latest": "the OpenAI endpoint's run-id requests (off the run's queue); GraphQL's sample on a run keeps its order",
+    "overwrite": "Tinker's save_weights(overwrite=True); GraphQL's saveState refuses a name in use (delete it first)",
 }
 # Arguments of every primitive that the runtime never sees: the server orders calls by them (docs/ORDERING.md).
 ORDERING_ARGUMENTS = ("seq", "session")

@@ -13,6 +13,7 @@ import json
 import socket
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -150,3 +151,29 @@ def test_a_stream_that_has_sent_text_ends_at_its_deadline_with_that_text(server:
     (stored,) = server.graphql(RUN, {"r": run_id}, key=key)["data"]["run"]["samples"]  # recorded as any answer
     assert stored["output"] == text
     assert runtime_state(server)["decode_groups"] == []
+
+
+def test_a_deadline_counts_from_when_the_call_could_run(tmp_path: Path, tiny_model_dir: str) -> None:
+    """Issue 34 #11: an optim_step pipelined behind a call that holds its run is not failed for that call's time; one
+    able to run for its whole deadline, never begun, is withdrawn."""
+    from gpu_runtime.engine.engine import Engine
+    from tests.helpers.engine_tools import BATCH, submit
+
+    engine = Engine(tmp_path / "data", device="cpu", faults={"hold_decode"}, decode_chunk_seconds=0.001)
+    engine.create_run("r", "u", tiny_model_dir, lora={"r": 2})
+    engine.forward_backward("r", BATCH)
+    held = submit(engine, "sample", run_id="r", prompts=["hi"], max_tokens=50, request_id="hold-1")
+    behind = submit(engine, "optim_step", run_id="r", request_id="opt-1")
+    engine.tick()  # the sample decodes its first chunk and holds the run
+    cancel = {"user_id": "u", "deadline": True, "deadline_s": 3600.0}
+    assert engine.call("cancel", request_id="opt-1", **cancel) == {"found": True, "deferred": True}
+    engine.call("cancel", request_id="hold-1", user_id="u")  # the sample ends: the optim_step can run
+    assert "result" in held.result(timeout=60)
+    while not behind.done():
+        engine.tick()
+    assert behind.result().get("result", {}).get("step") == 1, behind.result()  # applied, though its server's deadline had passed
+
+    late = submit(engine, "optim_step", run_id="r", request_id="opt-2")  # able to run since it came
+    assert engine.call("cancel", request_id="opt-2", **{**cancel, "deadline_s": 0.0}) == {"found": True,
+                                                                                          "deferred": False}
+    assert late.result(timeout=60)["error"]["code"] == "DEADLINE_EXCEEDED"

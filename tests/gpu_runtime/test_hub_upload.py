@@ -56,8 +56,11 @@ def test_a_refused_upload_answers_its_call_with_the_hubs_error(engine: Engine, t
     hub.release.set()  # type: ignore[union-attr]
     engine.create_run("r", "u1", tiny_model_dir, {"r": 4, "alpha": 8})
     saved = submit(engine, "save_state", run_id="r", mode="adapter", push_to_hub=True,
-                   hub_model_id="alice/refused", hf_token="hf_wrong")
+                   hub_model_id="alice/refused", hf_token="hf_wrong", name="pushed")
     engine.tick()
     message = saved.result(timeout=60)
     assert message["error"]["code"] == "HUB_ERROR" and "hf_wrong" not in message["error"]["message"], message
     assert engine.forward_backward("r", BATCH)["step"] == 0  # the run goes on
+    # The failed push took back the checkpoint it wrote: nothing unlisted keeps the name, so saving it works.
+    assert not (engine.data_dir / "runs" / "u1" / "r" / "checkpoints" / "adapter" / "pushed").exists()
+    assert engine.call("save_state", run_id="r", mode="adapter", name="pushed")["name"] == "pushed"

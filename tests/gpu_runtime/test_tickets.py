@@ -128,3 +128,23 @@ def test_a_withdrawn_ticket_is_not_waited_for(cancelled: str) -> None:
     scheduler.submit(call(3))
     scheduler.submit(call(1))
     assert tick(scheduler) == [1] and tick(scheduler) == [3]
+
+
+def test_calls_refused_at_submit_release_their_tickets(tmp_path: Any, tiny_model_dir: str) -> None:
+    """Three writing calls refused for low disk (issue 34 #12): the run's next call goes at once, not after waiting
+    ticket_wait for tickets that will never come."""
+    import dataclasses
+
+    from gpu_runtime.engine.engine import Engine
+    from gpu_runtime.errors import ResourceExhausted
+
+    engine = Engine(tmp_path / "data", device="cpu")
+    engine.create_run(RUN, "user", tiny_model_dir, lora={"r": 4})
+    roomy = engine.shared.options
+    engine.shared.options = dataclasses.replace(roomy, min_free_disk_bytes=2**62)  # more than any disk has free
+    for ticket in (1, 2, 3):
+        with pytest.raises(ResourceExhausted):
+            engine.call("optim_step", run_id=RUN, ticket=ticket)
+    engine.shared.options = roomy
+    engine.submit_message("optim_step", {"run_id": RUN, "ticket": 4}, lambda message: None)
+    assert engine.scheduler.has_work()  # its turn now: tickets 1..3 were released when refused

@@ -149,6 +149,23 @@ def test_save_state_and_resume(service_client: Any, training: Any) -> None:
     assert resumed.optim_step(types.AdamParams(learning_rate=1e-3)).result().metrics["optim/step"] >= 1.0
 
 
+def test_save_state_with_overwrite_replaces_the_checkpoint(service_client: Any) -> None:
+    """An existing name is refused unless overwrite=True, which replaces it: resuming it gives the later weights."""
+    from tinker import types
+
+    training = service_client.create_lora_training_client(base_model=TINY_MODEL, rank=8, seed=4).result()
+    probe = [datum(TOKENS, weights=[1.0] * 9)]
+    path = training.save_state("again").result().path
+    training.forward_backward(probe, "cross_entropy").result()
+    assert training.optim_step(types.AdamParams(learning_rate=1e-2)).result().metrics["optim/step"] == 1.0
+    with pytest.raises(Exception, match="exists"):
+        training.save_state("again").result()
+    assert training.save_state("again", overwrite=True).result().path == path
+    resumed = service_client.create_training_client_from_state_with_optimizer(path).result()
+    now = training.forward(probe, "cross_entropy").result().metrics["loss:sum"]
+    assert resumed.forward(probe, "cross_entropy").result().metrics["loss:sum"] == pytest.approx(now, rel=1e-5)
+
+
 def test_bad_key_is_refused(live_server: LiveServer) -> None:
     import tinker
 
