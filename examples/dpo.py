@@ -36,11 +36,11 @@ def answer_logprob(output: dict, mask: list[float]) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--beta", type=float, default=0.1)
-    parser.add_argument("--learning-rate", type=float, default=5e-4)
+    parser.add_argument("--steps", type=int, default=10, help="training steps")
+    parser.add_argument("--beta", type=float, default=0.1, help="DPO's beta: how far from the reference")
+    parser.add_argument("--learning-rate", type=float, default=5e-4, help="AdamW's learning rate")
     parser.add_argument("--base-model", default=os.environ.get("SIGNAL_EXAMPLE_MODEL"),
-                        help="a catalogue name; unset: the server's default model")
+                        help="a catalogue name (default: $SIGNAL_EXAMPLE_MODEL if set, else the server's default model)%(default).0s")
     parser.add_argument("--name", default="dpo example", help="the run's name on the dashboard")
     args = parser.parse_args()
 

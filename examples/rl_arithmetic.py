@@ -45,13 +45,13 @@ def datum(prompt_tokens: list[int], sampled: dict, advantage: float) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=30, help="training steps")
     parser.add_argument("--prompts", type=int, default=8, help="questions per step")
     parser.add_argument("--group", type=int, default=4, help="answers sampled per question")
-    parser.add_argument("--learning-rate", type=float, default=1e-4)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--learning-rate", type=float, default=1e-4, help="AdamW's learning rate")
+    parser.add_argument("--seed", type=int, default=0, help="the run's seed and the questions'")
     parser.add_argument("--base-model", default=os.environ.get("SIGNAL_EXAMPLE_MODEL"),
-                        help="a catalogue name; unset: the server's default model")
+                        help="a catalogue name (default: $SIGNAL_EXAMPLE_MODEL if set, else the server's default model)%(default).0s")
     parser.add_argument("--name", default="rl arithmetic example", help="the run's name on the dashboard")
     args = parser.parse_args()
 

@@ -28,10 +28,10 @@ CONVERSATIONS = [
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--learning-rate", type=float, default=3e-4)
+    parser.add_argument("--steps", type=int, default=20, help="training steps")
+    parser.add_argument("--learning-rate", type=float, default=3e-4, help="AdamW's learning rate")
     parser.add_argument("--base-model", default=os.environ.get("SIGNAL_EXAMPLE_MODEL"),
-                        help="a catalogue name; unset: the server's default model")
+                        help="a catalogue name (default: $SIGNAL_EXAMPLE_MODEL if set, else the server's default model)%(default).0s")
     parser.add_argument("--name", default="sft chat example", help="the run's name on the dashboard")
     args = parser.parse_args()
 
