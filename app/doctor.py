@@ -54,11 +54,11 @@ class Report:
 def diagnose(settings: Settings) -> Report:
     modal = settings.backend == "modal"
     credentials = modal_credentials()
-    checks = [credentials_check(credentials, required=modal)]
-    checks += modal_checks(credentials is not None, required=modal)
-    checks += [supabase_check(settings), database_check(settings), disk_check(settings.data_dir)]
-    checks += runtime_checks(settings, required=not modal)
-    return Report(settings.backend, checks)
+    remote = [credentials_check(credentials, required=modal), *modal_checks(credentials is not None, required=modal)]
+    local = runtime_checks(settings, required=not modal)
+    shared = [database_check(settings), disk_check(settings.data_dir), supabase_check(settings)]
+    # The configured backend's own pieces first; a local setup's report opens on what it uses, not on Modal's.
+    return Report(settings.backend, [*remote, *shared, *local] if modal else [*local, *shared, *remote])
 
 
 def render(report: Report) -> str:
@@ -94,10 +94,12 @@ def modal_credentials() -> str | None:
 
 
 def credentials_check(source: str | None, required: bool) -> Check:
+    fix = "modal token new   (or set MODAL_TOKEN_ID and MODAL_TOKEN_SECRET; `modal token info` prints them)"
     if source:
         return Check("modal_credentials", OK, required, f"from {source}")
-    return Check("modal_credentials", MISSING, required, "no ~/.modal.toml and no MODAL_TOKEN_ID/MODAL_TOKEN_SECRET",
-                 "modal token new   (or set MODAL_TOKEN_ID and MODAL_TOKEN_SECRET; `modal token info` prints them)")
+    if not required:  # a local setup lacks nothing here: said as a note, not as MISSING
+        return Check("modal_credentials", UNKNOWN, False, "not set up (only SIGNAL_BACKEND=modal needs them)", fix)
+    return Check("modal_credentials", MISSING, required, "no ~/.modal.toml and no MODAL_TOKEN_ID/MODAL_TOKEN_SECRET", fix)
 
 
 def modal_checks(has_credentials: bool, required: bool) -> list[Check]:

@@ -6,6 +6,7 @@ Every field here is documented in `.env.example` and the README (a test checks b
 
 from __future__ import annotations
 
+import sys
 from dataclasses import fields
 from pathlib import Path
 
@@ -51,6 +52,8 @@ class Settings(BaseSettings):
                          "(a warm Modal container per pool; needs Modal credentials and `modal deploy -m gpu_runtime.modal_app`).")
     device: str = Field("auto", description="Worker device: auto, cpu, cuda, cuda:N.")
     models_file: Path = Field(resource_dir("config") / "models.yaml", description="The model catalogue.")
+    sdk_dir: Path = Field(Path(sys.prefix) / "share" / "signal" / "sdk", description="Where `make install` builds "
+                          "the SDK's wheel; the server serves it at /sdk/ and Getting started prints its URL.")
     default_model: str = Field("HuggingFaceTB/SmolLM2-135M-Instruct", description="Base model when none is given.")
     max_request_bytes: int = Field(16 * 1024 * 1024, description="Largest request body; bigger ones get 413.")
     max_primitives_per_request: int = Field(4, ge=1, description="Most primitive calls (forwardBackward, optimStep, "
@@ -61,9 +64,10 @@ class Settings(BaseSettings):
                                  "long, then answers try_again (the SDK times a poll out at 45 s).")
     tinker_result_ttl_s: float = Field(3600.0, gt=0, description="A finished Tinker future stays retrievable this "
                                        "long; then its row is deleted (and a resubmission of it runs again).")
-    tinker_tokenizer_dir: bool = Field(False, description="Local backend only: Tinker's get_info answers a "
+    tinker_tokenizer_dir: bool = Field(True, description="Local backend only: Tinker's get_info answers a "
                                        "directory the runtime wrote the base's tokenizer to (save_pretrained) as "
-                                       "tokenizer_id, so TrainingClient.get_tokenizer() needs no Hub on this machine.")
+                                       "tokenizer_id, so TrainingClient.get_tokenizer() works offline on this "
+                                       "machine; false where Tinker clients run elsewhere (the catalogue's tokenizer).")
     max_batch_size: int = Field(RuntimeOptions.max_batch_size, description="Most items one forward_backward may carry.")
     # Per-call sizes: the server refuses an over-bound call before it leaves, the runtime again once it has tokenized.
     max_batch_tokens: int = Field(RuntimeOptions.max_batch_tokens, description="Most tokens one forward_backward "

@@ -34,15 +34,19 @@ def answer_logprob(output: dict, mask: list[float]) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--beta", type=float, default=0.1)
-    parser.add_argument("--learning-rate", type=float, default=5e-4)
-    parser.add_argument("--base-model", default=os.environ.get("SIGNAL_EXAMPLE_MODEL"))
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--steps", type=int, default=10, help="training steps")
+    parser.add_argument("--beta", type=float, default=0.1, help="DPO's beta: how far from the reference")
+    parser.add_argument("--learning-rate", type=float, default=5e-4, help="AdamW's learning rate")
+    parser.add_argument("--base-model", default=os.environ.get("SIGNAL_EXAMPLE_MODEL"),
+                        help="a catalogue name (default: $SIGNAL_EXAMPLE_MODEL if set, else the server's default model)%(default).0s")
+    parser.add_argument("--name", default="dpo example", help="the run's name on the dashboard")
     args = parser.parse_args()
 
-    client = SignalClient(api_key=os.environ.get("SIGNAL_API_KEY"), base_url=os.environ.get("SIGNAL_BASE_URL"))
-    run = client.create_run(base_model=args.base_model, lora_r=8, learning_rate=args.learning_rate, seed=0)
+    client = SignalClient()  # reads SIGNAL_API_KEY and SIGNAL_BASE_URL
+    run = client.create_run(base_model=args.base_model, name=args.name, lora_r=8, learning_rate=args.learning_rate, seed=0)
+    print(f"run {run.id}: {client.base_url}/runs/{run.id}", flush=True)
     items = [{"input": prompt, "output": answer} for prompt, chosen, rejected in PAIRS for answer in (chosen, rejected)]
     datums = run.render_datums(items)  # chosen, rejected, chosen, …: the exact token positions of each answer
     masks = [list(d["loss_fn_inputs"]["weights"]) for d in datums]

@@ -1,20 +1,18 @@
 """The product README's "Train Your First Model", runnable against your own Signal server.
 
     make serve                      # prints SIGNAL_API_KEY=sk-... on first start
-    SIGNAL_API_KEY=sk-... .venv/bin/python examples/first_model.py
+    export SIGNAL_API_KEY=sk-...    # the line it printed
+    .venv/bin/python examples/first_model.py
 
-Only the import and `base_url` differ from the README; the default model is the offline SmolLM2-135M.
+The README's snippet, with SIGNAL_EXAMPLE_MODEL to pick another base; the default model is the offline SmolLM2-135M.
 """
 
 import os
 
 from rewardsignal import SignalClient
 
-# Initialize client
-client = SignalClient(
-    api_key=os.environ.get("SIGNAL_API_KEY", "sk-..."),  # Your API key
-    base_url=os.environ.get("SIGNAL_BASE_URL", "http://localhost:8000"),
-)
+# Reads SIGNAL_API_KEY, and SIGNAL_BASE_URL (default http://localhost:8000): no placeholder to override them.
+client = SignalClient()
 
 # List available models
 models = client.list_models()
@@ -23,10 +21,12 @@ print(f"Available models: {models}")
 # Create a training run
 run = client.create_run(
     base_model=os.environ.get("SIGNAL_EXAMPLE_MODEL", "HuggingFaceTB/SmolLM2-135M-Instruct"),
+    name="first model",
     lora_r=32,
     lora_alpha=64,
     learning_rate=3e-4,
 )
+print(f"Run {run.id}: {client.base_url}/runs/{run.id}")
 
 # Prepare training data
 batch = [

@@ -43,17 +43,21 @@ def datum(prompt_tokens: list[int], sampled: dict, advantage: float) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=30)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--steps", type=int, default=30, help="training steps")
     parser.add_argument("--prompts", type=int, default=8, help="questions per step")
     parser.add_argument("--group", type=int, default=4, help="answers sampled per question")
-    parser.add_argument("--learning-rate", type=float, default=1e-4)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--base-model", default=os.environ.get("SIGNAL_EXAMPLE_MODEL"))
+    parser.add_argument("--learning-rate", type=float, default=1e-4, help="AdamW's learning rate")
+    parser.add_argument("--seed", type=int, default=0, help="the run's seed and the questions'")
+    parser.add_argument("--base-model", default=os.environ.get("SIGNAL_EXAMPLE_MODEL"),
+                        help="a catalogue name (default: $SIGNAL_EXAMPLE_MODEL if set, else the server's default model)%(default).0s")
+    parser.add_argument("--name", default="rl arithmetic example", help="the run's name on the dashboard")
     args = parser.parse_args()
 
-    client = SignalClient(api_key=os.environ.get("SIGNAL_API_KEY"), base_url=os.environ.get("SIGNAL_BASE_URL"))
-    run = client.create_run(base_model=args.base_model, lora_r=16, seed=args.seed, learning_rate=args.learning_rate)
+    client = SignalClient()  # reads SIGNAL_API_KEY and SIGNAL_BASE_URL
+    run = client.create_run(base_model=args.base_model, name=args.name, lora_r=16, seed=args.seed, learning_rate=args.learning_rate)
+    print(f"run {run.id}: {client.base_url}/runs/{run.id}", flush=True)
     rng = random.Random(args.seed)
     rewards_per_step = []
     for step in range(args.steps):
@@ -74,9 +78,11 @@ def main() -> None:
         rewards_per_step.append(sum(rewards) / len(rewards))
         print(f"step {step + 1}: mean reward {rewards_per_step[-1]:.3f}, groups with non-zero advantages {moving}",
               flush=True)
-    first, last = rewards_per_step[:5], rewards_per_step[-5:]
+    edge = min(5, len(rewards_per_step))  # --steps 2 has no five steps to average
+    first, last = rewards_per_step[:edge], rewards_per_step[-edge:]
     print(f"reward curve: {[round(r, 3) for r in rewards_per_step]}")
-    print(f"mean reward, first 5 steps: {sum(first) / len(first):.3f}; last 5 steps: {sum(last) / len(last):.3f}")
+    if edge:
+        print(f"mean reward, first {edge} steps: {sum(first) / edge:.3f}; last {edge} steps: {sum(last) / edge:.3f}")
 
 
 if __name__ == "__main__":

@@ -26,14 +26,18 @@ CONVERSATIONS = [
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--learning-rate", type=float, default=3e-4)
-    parser.add_argument("--base-model", default=os.environ.get("SIGNAL_EXAMPLE_MODEL"))
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--steps", type=int, default=20, help="training steps")
+    parser.add_argument("--learning-rate", type=float, default=3e-4, help="AdamW's learning rate")
+    parser.add_argument("--base-model", default=os.environ.get("SIGNAL_EXAMPLE_MODEL"),
+                        help="a catalogue name (default: $SIGNAL_EXAMPLE_MODEL if set, else the server's default model)%(default).0s")
+    parser.add_argument("--name", default="sft chat example", help="the run's name on the dashboard")
     args = parser.parse_args()
 
-    client = SignalClient(api_key=os.environ.get("SIGNAL_API_KEY"), base_url=os.environ.get("SIGNAL_BASE_URL"))
-    run = client.create_run(base_model=args.base_model, lora_r=16, learning_rate=args.learning_rate, seed=0)
+    client = SignalClient()  # reads SIGNAL_API_KEY and SIGNAL_BASE_URL
+    run = client.create_run(base_model=args.base_model, name=args.name, lora_r=16, learning_rate=args.learning_rate, seed=0)
+    print(f"run {run.id}: {client.base_url}/runs/{run.id}", flush=True)
     batch = [{"messages": conversation} for conversation in CONVERSATIONS]
     trained = run.render_datums(batch)
     print(f"assistant tokens trained on: {[int(sum(d['loss_fn_inputs']['weights'])) for d in trained]}")
@@ -41,7 +45,9 @@ def main() -> None:
         result = run.forward_backward(batch)
         run.optim_step()
         print(f"step {step + 1}: loss {result['loss']:.4f} over {result['num_tokens']} tokens", flush=True)
-    answer = run.sample("User: What does Signal train?\nAssistant:", max_tokens=24, temperature=0.0)
+    # The same chat form it trained on: the server renders it with the base's chat template, as /v1 does.
+    answer = run.sample(messages=[{"role": "user", "content": "What does Signal train?"}], max_tokens=24,
+                        temperature=0.0)
     print(f"sample: {answer['outputs'][0]!r}")
 
 

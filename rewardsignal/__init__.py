@@ -1,7 +1,7 @@
 """rewardsignal: the Python SDK for Signal's training API (httpx only).
 
     from rewardsignal import SignalClient
-    client = SignalClient(api_key="sk-...", base_url="http://localhost:8000")
+    client = SignalClient()  # reads SIGNAL_API_KEY and SIGNAL_BASE_URL (default http://localhost:8000)
     run = client.create_run(lora_r=32)
     run.forward_backward(batch=[{"text": "hello"}]); run.optim_step()
 """

@@ -6,7 +6,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 # A batch item in one of GraphQL BatchItem's shapes (text; input and output; messages; tokens and weights; a Tinker
 # datum {model_input, loss_fn_inputs}; pack_datum's {packed}), or a Datum that render_datums answered. A Mapping:
@@ -47,6 +47,18 @@ def graphql_batch(batch: Sequence[BatchItem]) -> list[object]:
         return out
 
     return [item(value) if isinstance(value, dict) else value for value in batch]
+
+
+Message = dict[str, str]  # {"role": …, "content": …}
+
+
+def conversations(messages: Sequence[Message] | Sequence[Sequence[Message]] | None) -> list[list[Message]] | None:
+    """`sample`'s chat prompts: one conversation (a list of messages) or several, as the server takes them."""
+    if messages is None:
+        return None
+    if messages and isinstance(messages[0], Mapping):
+        return [[dict(cast(Message, m)) for m in messages]]  # one conversation: its items are messages
+    return [[dict(m) for m in conversation] for conversation in cast(Sequence[Sequence[Message]], messages)]
 
 
 def drop_none(values: dict[str, Any]) -> dict[str, Any]:

@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 
 from rewardsignal.answer_types import Owner, answers
 from rewardsignal.artifacts import Artifact, on_own_server
-from rewardsignal.calls import BatchItem, Call, LossFnConfig, drop_none, graphql_batch, primitive
+from rewardsignal.calls import BatchItem, Call, LossFnConfig, Message, conversations, drop_none, graphql_batch, primitive
 from rewardsignal.pipelining import Item, Sequencer, split
 from rewardsignal.results import (
     ApiKeyResult,
@@ -72,11 +72,14 @@ class ClientBase(Owner):
     def sample_base(self, prompts: str | list[str] | None = None, base_model: str | None = None,
                     max_tokens: int | None = None, temperature: float | None = None, seed: int | None = None,
                     num_samples: int | None = None, prompt_tokens: list[list[int]] | None = None,
-                    store: bool | None = None) -> Any:
-        """Generate from a base model alone (no run; the server's default model when None), billed to you."""
+                    store: bool | None = None,
+                    messages: Sequence[Message] | Sequence[Sequence[Message]] | None = None) -> Any:
+        """Generate from a base model alone (no run; the server's default model when None), billed to you; `messages`
+        as Run.sample takes them (a chat or a list of chats, through the base's chat template)."""
         if isinstance(prompts, str):
             prompts = [prompts]
-        variables = drop_none({"prompts": prompts, "promptTokens": prompt_tokens, "baseModel": base_model,
+        variables = drop_none({"prompts": prompts, "promptTokens": prompt_tokens, "messages": conversations(messages),
+                                "baseModel": base_model,
                                 "maxTokens": max_tokens, "temperature": temperature, "seed": seed,
                                 "numSamples": num_samples, "store": store})
         return self._run(primitive("Sample", variables, "sample"))

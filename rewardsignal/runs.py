@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from rewardsignal.answer_types import Awaiting, Blocking, Owner, answers
 from rewardsignal.artifacts import Artifact
-from rewardsignal.calls import BatchItem, Call, LossFnConfig, drop_none, graphql_batch, primitive
+from rewardsignal.calls import BatchItem, Call, LossFnConfig, Message, conversations, drop_none, graphql_batch, primitive
 from rewardsignal.pipelining import Item
 from rewardsignal.results import (
     Datum,
@@ -140,12 +140,15 @@ class RunBase(Owner):
                seed: int | None = None, prompt_tokens: list[list[int]] | None = None,
                prompt_logprobs: bool | None = None, topk_prompt_logprobs: int | None = None,
                topk_sample_logprobs: int | None = None, store: bool | None = None,
-               snapshot: str | None = None) -> Any:
+               snapshot: str | None = None,
+               messages: Sequence[Message] | Sequence[Sequence[Message]] | None = None) -> Any:
         """Generate from the run's current weights, or with `snapshot` from a snapshot of it (save_weights_for_sampler:
         it waits for none of the run's training); settings left unset take the server's defaults (the engine
         contract's: 64 tokens, temperature 1, top_p 1, no top_k, one sample).
 
-        Give `prompts` (text) or `prompt_tokens` (token ids). `stop`: strings or token ids; omitted, EOS stops;
+        Give `prompts` (text), `prompt_tokens` (token ids) or `messages`: a chat, `[{"role": "user", "content":
+        …}]`, or a list of chats, each rendered with the base's chat template and the assistant's turn opened (as
+        /v1's chat completions are). `stop`: strings or token ids; omitted, EOS stops;
         `[]`, nothing but max_tokens stops; a non-empty list stops there and at EOS. Each sequence's `logprobs`
         are the unmodified model's (temperature 1), what a teacher-forced forward returns. `store` keeps the
         samples in the run's history (default: yes for current weights, no for a snapshot)."""
@@ -155,6 +158,7 @@ class RunBase(Owner):
             stop = [stop]
         tokens = isinstance(stop, list) and bool(stop) and all(isinstance(s, int) for s in stop)
         variables = drop_none({"runId": self.id, "prompts": prompts, "promptTokens": prompt_tokens,
+                                "messages": conversations(messages),
                                 "maxTokens": max_tokens, "temperature": temperature, "topP": top_p, "topK": top_k,
                                 "stop": None if tokens else stop, "stopTokens": stop if tokens else None,
                                 "numSamples": num_samples, "seed": seed, "promptLogprobs": prompt_logprobs,

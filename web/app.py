@@ -7,7 +7,7 @@ from starlette.routing import BaseRoute, Mount
 from starlette.staticfiles import StaticFiles
 
 from app.settings import Settings
-from web import account, admin, auth, compare, keys, pages, playground, playground_stream, runs, usage
+from web import account, admin, auth, compare, keys, pages, playground, playground_stream, runs, sdk, usage
 from web.csrf import CSRFMiddleware
 from web.paths import STATIC
 from web.security_headers import SecurityHeaders
@@ -17,7 +17,7 @@ from web.session import session_middleware
 def routes() -> list[BaseRoute]:
     # compare before runs: /runs/compare is not a run id.
     return [*pages.routes, *auth.routes, *keys.routes, *compare.routes, *runs.routes, *playground.routes,
-            *playground_stream.routes, *account.routes, *usage.routes, *admin.routes,
+            *playground_stream.routes, *account.routes, *usage.routes, *admin.routes, *sdk.routes,
             Mount("/static", StaticFiles(directory=str(STATIC)), name="static")]
 
 

@@ -7,9 +7,10 @@ from typing import Annotated, Any, cast
 import strawberry
 from strawberry.scalars import JSON
 
+from app.errors import BadInput
 from app.schema.account import ApiKey, CreatedApiKey
 from app.schema.context import Info, selects
-from app.schema.inputs import AdamInput, BatchItem, CreateRunInput
+from app.schema.inputs import AdamInput, BatchItem, CreateRunInput, MessageInput
 from app.schema.results import (
     ForwardBackwardResult,
     ForwardResult,
@@ -99,6 +100,9 @@ class Mutation:
             description="Text prompts; or give promptTokens")] = None,
         prompt_tokens: Annotated[list[list[int]] | None, strawberry.argument(
             description="Token-id prompts, as the model sees them (no BOS added)")] = None,
+        messages: Annotated[list[list[MessageInput]] | None, strawberry.argument(
+            description="Chat prompts, one conversation each, rendered with the base's chat template and the "
+                        "assistant's turn opened, as /v1 does; instead of prompts and promptTokens")] = None,
         snapshot: Annotated[str | None, strawberry.argument(
             description="A sampler snapshot of the run (saveWeightsForSampler), by name")] = None,
         checkpoint: str | None = None,
@@ -128,6 +132,13 @@ class Mutation:
         request_id: RequestId = None, seq: Seq = None, session: Session = None,
     ) -> SampleResult:
         user = await info.context.user()
+        if messages is not None:
+            if prompts is not None or prompt_tokens is not None:
+                raise BadInput("give messages, prompts or promptTokens, one of them", field="messages")
+            prompt_tokens = await info.context.services.runs.chat_prompts(
+                user, None if run_id is None else str(run_id),
+                [[{"role": m.role, "content": m.content} for m in conversation] for conversation in messages],
+                base_model=base_model)
         params = SampleParams(prompts=prompts, prompt_tokens=prompt_tokens, max_tokens=max_tokens,
                               temperature=temperature, top_p=top_p, top_k=top_k, stop=stop, stop_tokens=stop_tokens,
                               num_samples=num_samples, seed=seed, prompt_logprobs=prompt_logprobs,

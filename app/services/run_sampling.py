@@ -203,6 +203,16 @@ class RunSampling(RunCalls):
         pool = PoolKey.of(model.name, self.catalog.resolve_gpu(model, None, None), None)
         return await self._engine(Tokenizer(base_model=model.source, save=save), pool=pool)
 
+    async def chat_prompts(self, user: User, run_id: str | None, conversations: builtins.list[builtins.list[dict[str, str]]],
+                           base_model: str | None = None) -> builtins.list[builtins.list[int]]:
+        """`sample`'s chat prompts as token ids: each conversation through the base's chat template, the assistant's
+        turn opened, as /v1's chat completions render it (the run's base, or `base_model`'s with no run)."""
+        if not conversations or not all(conversations):
+            raise BadInput("messages needs at least one conversation, each of at least one message", field="messages")
+        run = await self.get(user, run_id) if run_id is not None else None
+        rendered = [await self.render_chat(run, messages=messages, base_model=base_model) for messages in conversations]
+        return [list(r.prompt_tokens or []) for r in rendered]
+
     async def render_chat(self, run: Run | None, messages: builtins.list[dict[str, str]] | None = None,
                           prompts: builtins.list[str] | None = None, decode: builtins.list[int] | None = None,
                           base_model: str | None = None) -> RenderChatResult:

@@ -42,6 +42,7 @@ GRAPHQL_ONLY: dict[str, str] = {
     "hfToken": "fetched by the server and passed to that one upload",
     "stopTokens": "GraphQL lists are typed: stop token ids arrive apart from stop strings, and join `stop`",
     "store": "whether the server writes sample rows; the runtime keeps none",
+    "messages": "chat prompts, rendered by render_chat (as /v1's are) into the prompt token ids the runtime takes",
 }
 # Result fields GraphQL does not show, and why.
 NOT_SHOWN: dict[str, str] = {

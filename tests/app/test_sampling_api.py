@@ -125,3 +125,34 @@ def test_the_sdk_samples_token_ids_with_token_stops_and_reads_the_tokenizer(live
             return await aclient.tokenizer(base_model=TINY_MODEL)
 
     assert asyncio.run(described()).eos_token_ids == [2]
+
+
+CHAT = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "What does Signal train?"}]
+
+
+def test_the_sdk_samples_chat_messages_through_the_bases_template(live_server: LiveServer, run_id: tuple[str, str],
+                                                                   tiny_model_dir: str) -> None:
+    """`sample(messages=…)` renders each chat with the base's chat template and the assistant's turn opened, as /v1
+    does: its prompt is the template's ids, and it answers as the same ids sent as tokens."""
+    from transformers import AutoTokenizer
+
+    expected = list(AutoTokenizer.from_pretrained(tiny_model_dir).apply_chat_template(
+        CHAT, tokenize=True, add_generation_prompt=True, return_dict=False))
+    client = SignalClient(api_key=run_id[1], base_url=live_server.url)
+    run = client.get_run(run_id[0])
+    chat = run.sample(messages=CHAT, max_tokens=4, temperature=0, store=False)
+    assert chat.prompt_tokens == [expected]
+    tokens = run.sample(prompt_tokens=[expected], max_tokens=4, temperature=0, store=False)
+    assert chat.outputs == tokens.outputs
+    two = client.sample_base(messages=[CHAT, CHAT[1:]], base_model=TINY_MODEL, max_tokens=2, temperature=0)
+    assert two.prompt_tokens[0] == expected and len(two.prompt_tokens) == 2
+
+
+@pytest.mark.parametrize("variables", [{"prompts": ["hi"]}, {"messages": []}, {"messages": [[]]}],
+                         ids=["with-prompts", "no-chats", "an-empty-chat"])
+def test_bad_chat_prompts_name_messages(live_server: LiveServer, run_id: tuple[str, str],
+                                        variables: dict[str, Any]) -> None:
+    query = ("mutation($id: ID!, $prompts: [String!], $messages: [[MessageInput!]!]) { sample(runId: $id, "
+             "prompts: $prompts, messages: $messages) { outputs } }")
+    body = live_server.graphql(query, {"id": run_id[0], "messages": [CHAT], **variables}, key=run_id[1])
+    assert error_code(body) == "BAD_INPUT" and body["errors"][0]["extensions"]["field"] == "messages", body

@@ -20,11 +20,31 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 def run_example(server: LiveServer, name: str, *args: str) -> str:
-    env = {**os.environ, "SIGNAL_API_KEY": server.new_user(), "SIGNAL_BASE_URL": server.url}
+    """Its output, once it has said which run it trained, at which page URL, under the name it gave that run."""
+    key = server.new_user()
+    # PYTHONPATH: this checkout's SDK, whichever checkout the test venv's editable install points at.
+    env = {**os.environ, "SIGNAL_API_KEY": key, "SIGNAL_BASE_URL": server.url, "PYTHONPATH": str(EXAMPLES.parent)}
     result = subprocess.run([sys.executable, str(EXAMPLES / name), *args], env=env, capture_output=True, text=True,
                             timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
+    page = re.search(rf"run (\S+): {re.escape(server.url)}/runs/(\S+)", result.stdout)
+    assert page is not None and page.group(1) == page.group(2), result.stdout
+    named = server.graphql("query($id: ID!) { run(id: $id) { name } }", {"id": page.group(1)}, key=key)
+    assert named["data"]["run"]["name"] == name.removesuffix(".py").replace("_", " ") + " example", named
     return result.stdout
+
+
+@pytest.mark.parametrize(("name", "defaults"), [
+    ("rl_arithmetic.py", ["--steps STEPS", "(default: 30)", "(default: 0.0001)", "(default: rl arithmetic example)"]),
+    ("dpo.py", ["(default: 10)", "(default: 0.1)", "(default: 0.0005)", "(default: dpo example)"]),
+    ("sft_chat.py", ["(default: 20)", "(default: 0.0003)", "(default: sft chat example)"]),
+])
+def test_examples_show_their_defaults_in_help(name: str, defaults: list[str]) -> None:
+    shown = subprocess.run([sys.executable, str(EXAMPLES / name), "--help"], capture_output=True, text=True,
+                           timeout=120)
+    assert shown.returncode == 0, shown.stderr
+    text = " ".join(shown.stdout.split())
+    assert [d for d in defaults if d not in text] == [], text
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +62,7 @@ def test_rl_arithmetic_short_run_has_groups_to_learn_from(default_server: LiveSe
     assert [int(s) for s, _, _ in steps] == [1, 2]
     assert all(0.0 <= float(r) <= 1.0 for _, r, _ in steps)
     assert sum(int(g) for _, _, g in steps) > 0, out  # some group's answers differed: a gradient to follow
-    assert "mean reward, first 5 steps:" in out
+    assert "mean reward, first 2 steps:" in out and "5 steps" not in out
 
 
 def test_dpo_short_run_moves_the_margin(live_server: LiveServer) -> None:

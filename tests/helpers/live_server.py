@@ -135,6 +135,7 @@ def settings_for(data_dir: Path, tiny_model_dir: str, **overrides: Any) -> Setti
         "max_batch_size": 16,
         "max_request_bytes": 1024 * 1024,
         "bootstrap_admin": False,
+        "sdk_dir": data_dir / "sdk",  # none built: a test that serves the SDK's wheel builds it there
     }
     values.update(overrides)
     return Settings(_env_file=None, **values)

@@ -36,12 +36,10 @@ def batch(n: int) -> list[Any]:
 @pytest.fixture(scope="module")
 def wide_server(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory,
                 live_server: LiveServer) -> Iterator[LiveServer]:
-    """A second server whose max_batch_size holds the whole max_batch_size + 1 batch: the single-batch side. It also
-    answers get_info with the runtime's tokenizer directory (SIGNAL_TINKER_TOKENIZER_DIR), a setting no other check
-    here depends on, so one server start serves both."""
+    """A second server whose max_batch_size holds the whole max_batch_size + 1 batch: the single-batch side. Its
+    catalogue names no `tokenizer`, so get_info answers the runtime's tokenizer directory, the local default."""
     server = LiveServer.start(settings_for(Path(tmp_path_factory.mktemp("tinker-wide")), tiny_model_dir,
-                                           max_batch_size=live_server.settings.max_batch_size + 1,
-                                           tinker_tokenizer_dir=True))
+                                           max_batch_size=live_server.settings.max_batch_size + 1))
     yield server
     server.stop()
 
@@ -63,7 +61,7 @@ def test_a_split_batch_trains_as_one_batch(live_server: LiveServer, service_clie
 
 
 def test_get_info_names_the_tokenizer_directory_the_runtime_wrote(wide_server: LiveServer, tiny_model_dir: str) -> None:
-    """With SIGNAL_TINKER_TOKENIZER_DIR (local backend), tokenizer_id is a directory under the runtime's data
+    """By default on the local backend (no setting), tokenizer_id is a directory under the runtime's data
     directory, not the catalogue's: get_tokenizer() loads it offline and encodes as the base's own tokenizer does."""
     import tinker
     from transformers import AutoTokenizer

@@ -75,6 +75,9 @@ def test_revoking_the_key_on_screen_takes_its_secret_away(page: Page, live_serve
     expect(page.locator(".secret-box")).to_have_count(0)
 
 
+CHECKOUT_INSTALL = "pip install ./rewardsignal  # from a checkout of this repository"
+
+
 def test_getting_started_copies_a_whole_key_or_none(page: Page, live_server: LiveServer) -> None:
     email = "start-copy@example.com"
     old = api_key_for(live_server, email)
@@ -82,12 +85,13 @@ def test_getting_started_copies_a_whole_key_or_none(page: Page, live_server: Liv
     page.goto(f"{live_server.url}/start")
     expect(page.locator("#env-card")).to_contain_text(f"your key starting with {old[:10]}")
     text = copied(page, "#env-snippet")
-    assert text == f"pip install signal-lora\nexport SIGNAL_BASE_URL={live_server.url}"
+    # This server has built no SDK wheel: the checkout's folder (tests/examples/test_snippets.py serves one).
+    assert text == f"{CHECKOUT_INSTALL}\nexport SIGNAL_BASE_URL={live_server.url}"
     assert "sk-" not in copied(page, "#openai-snippet")
 
     page.get_by_role("button", name="Create a key for this snippet").click()
     expect(page.get_by_role("alert")).to_contain_text("Key “getting-started” created.")
-    match = re.fullmatch(rf"pip install signal-lora\nexport SIGNAL_BASE_URL={re.escape(live_server.url)}\n"
+    match = re.fullmatch(rf"{re.escape(CHECKOUT_INSTALL)}\nexport SIGNAL_BASE_URL={re.escape(live_server.url)}\n"
                          r"export SIGNAL_API_KEY=(sk-\S+)", copied(page, "#env-snippet"))
     assert match, "the snippet holds the new key's whole secret"
     client = SignalClient(api_key=match.group(1), base_url=live_server.url)

@@ -6,6 +6,7 @@ One admin user with two trained runs (one for the compare page), a checkpoint, a
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from playwright.sync_api import Browser, BrowserContext, Page, ViewportSize, expect
 
@@ -22,6 +23,9 @@ PAGES = ["runs", "run", "keys", "start", "models", "admin", "account", "playgrou
 SIGNED_OUT = {"login", "link", "link-used"}
 STATUS = {"link-used": 401, "not-found": 404}  # the pages not answered 200
 PHONE: ViewportSize = {"width": 390, "height": 844}
+# A phone, not a narrow desktop window: a mobile viewport lays a page out 980 px wide unless its viewport tag says
+# otherwise, as a real phone does, and taps instead of clicking.
+PHONE_DEVICE: dict[str, Any] = {"is_mobile": True, "has_touch": True, "device_scale_factor": 3}
 DESKTOP: ViewportSize = {"width": 1280, "height": 860}
 
 
@@ -42,7 +46,8 @@ class Tour:
     def context(self, browser: Browser, viewport: ViewportSize, signed_in: bool = True,
                 bypass_csp: bool = False) -> BrowserContext:
         """A browser context, signed in as the tour's admin unless `signed_in` is false."""
-        context = browser.new_context(viewport=viewport, bypass_csp=bypass_csp)
+        device = PHONE_DEVICE if viewport == PHONE else {}
+        context = browser.new_context(viewport=viewport, bypass_csp=bypass_csp, **device)
         if committing_screenshots():
             context.clock.set_fixed_time(SCREENSHOT_CLOCK)  # pictures that do not change with the time of day
         if not signed_in:
