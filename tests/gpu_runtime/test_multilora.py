@@ -26,21 +26,21 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
 
 
-def matrices(r: int, seed: int) -> tuple[nn.Parameter, nn.Parameter]:
+def matrices(r: int, seed: int, device: str = "cpu") -> tuple[nn.Parameter, nn.Parameter]:
     generator = torch.Generator().manual_seed(seed)
-    A = nn.Parameter(torch.randn(r, 16, generator=generator) * 0.3)
-    B = nn.Parameter(torch.randn(12, r, generator=generator) * 0.3)  # non-zero B: the delta matters
+    A = nn.Parameter((torch.randn(r, 16, generator=generator) * 0.3).to(device))
+    B = nn.Parameter((torch.randn(12, r, generator=generator) * 0.3).to(device))  # non-zero B: the delta matters
     return A, B
 
 
-def layer_with(runs: dict[str, tuple[int, float, float]], dtype: torch.dtype = torch.float32
+def layer_with(runs: dict[str, tuple[int, float, float]], dtype: torch.dtype = torch.float32, device: str = "cpu"
                ) -> tuple[MultiLoraLinear, dict[str, tuple[nn.Parameter, nn.Parameter]]]:
     """A layer with runs attached: key → (rank, scaling, dropout); their (A, B), now views of their slots."""
     torch.manual_seed(0)
-    layer = MultiLoraLinear(nn.Linear(16, 12).to(dtype), PATH, Routing())
+    layer = MultiLoraLinear(nn.Linear(16, 12).to(device, dtype), PATH, Routing())
     weights = {}
     for i, (key, (r, scaling, dropout)) in enumerate(runs.items()):
-        A, B = matrices(r, seed=i)
+        A, B = matrices(r, seed=i, device=device)
         layer.routing.slots.attach(key, {PATH: layer}, {PATH: (A, B)}, r, scaling, dropout, trainable=True)
         weights[key] = (A, B)
     return layer, weights
@@ -78,7 +78,7 @@ def test_one_run_through_the_layer_gives_pefts_logits_and_gradients(tiny_model_d
     routing = Routing()
     layers = wrap_targets(ours_model, targets, routing)
     weights = init_lora(layers, targets, 4, 8, seed=3, device=torch.device("cpu"))
-    for A, B in weights.values():
+    for _, B in weights.values():
         torch.nn.init.normal_(B, std=0.2)  # PEFT starts B at zero; a trained B is what the check needs
     routing.slots.attach("run", layers, weights, 4, 8 / 4, 0.0, trainable=True)
     peft_params = dict(peft.named_parameters())
@@ -111,9 +111,9 @@ FIVE_SEGMENTS = [Segment("run-0", 0, 2), Segment("run-1", 2, 4, 11, 2, 7, 0), Se
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(16,), (7, 16)], ids=["rows", "rows-by-tokens"])
-def test_five_mixed_runs_co_batched_equal_each_alone(shape: tuple[int, ...], dtype: torch.dtype) -> None:
-    layer, weights = layer_with(FIVE, dtype)
-    x = torch.randn(13, *shape, generator=torch.Generator().manual_seed(5)).to(dtype)
+def test_five_mixed_runs_co_batched_equal_each_alone(shape: tuple[int, ...], dtype: torch.dtype, device: str = "cpu") -> None:
+    layer, weights = layer_with(FIVE, dtype, device)
+    x = torch.randn(13, *shape, generator=torch.Generator().manual_seed(5)).to(device, dtype)
     mixed, mixed_x_grad, mixed_grads = run_layer(layer, x, FIVE_SEGMENTS, weights)
     assert mixed.dtype == dtype and mixed_grads.keys() == FIVE.keys()
     expected_grads: dict[str, list[torch.Tensor]] = {}
