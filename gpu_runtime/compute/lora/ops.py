@@ -22,7 +22,8 @@ What each computes (the `reference_*` function beside each is its spec, and the 
 - `lora_expand`: `out[t] += scaling(t) * h[t, :r] @ B[slot(t), :, :r]ᵀ`, in place: the delta added to the base output.
 - `SegmentedLora` / `segmented_lora`: the delta `[T, out]` with autograd; its backward is a shrink with Bᵀ (grad_h),
   an expand with Aᵀ (grad_x) and two segmented row reductions (grad_A, grad_B) written into one buffer of each slot
-  buffer's shape, so each run's `.grad` can be a view of its slot.
+  buffer's shape, so each run's `.grad` can be a view of its slot; with `grad_into` they are added into persistent
+  (fp32) buffers instead, only the pass's slots touched (the layer's path: compute/lora/slots.py).
 - `lora_shrink_rows` / `lora_expand_rows` / `rows_lora` (BGMV, decoding): one adapter per row given by a per-row slot
   index, -1 for base-only rows, ranks and scalings per slot: the table a decode step changes is one int per row.
 - `grouped_expert_lora`: mixture-of-experts layers, slot buffers `[slots, experts, R, in]` / `[slots, experts, out, R]`
