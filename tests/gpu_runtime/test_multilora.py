@@ -4,7 +4,8 @@ were cut into passes.
 
 Tolerances: fp32 1e-5 of the tensor's scale (the same matmuls on other row counts); bf16 (the base and LoRA both
 computing in bf16, fp32 masters and gradient buffers) 2e-2 of the scale: a few of bf16's 2^-8 steps, since a
-co-batched pass rounds h and the delta at other row counts than a pass alone."""
+co-batched pass may round h and the delta at other row counts than a pass alone. Measured on the CPU (the torch
+reference, segment by segment): 0 in bf16, 1.8e-7 in fp32."""
 
 from __future__ import annotations
 
