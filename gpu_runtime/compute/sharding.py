@@ -130,9 +130,10 @@ class RankShard:
         offset = 0
         for group, saved in stash:
             for param, before in zip(group, saved):
-                grad = flat[offset:offset + param.numel()].view_as(param).clone()
+                grad = flat[offset:offset + param.numel()].view(param.shape)
                 offset += param.numel()
-                param.grad = grad if before is None else before + grad
+                # its own memory, in the parameter's layout (a slot's B is a transposed view): fused AdamW reads raw memory
+                param.grad = torch.empty_like(param).copy_(grad if before is None else before + grad)
 
 
 # ---- loading a base, sharded ------------------------------------------------------------------------

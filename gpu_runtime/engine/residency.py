@@ -67,7 +67,7 @@ class Residency:
             base_model=config["base_model"], weights=weights,
             optimizer=new_adamw(params), journal=Journal(paths.journal),
         )
-        state.attach(entry.layers)
+        state.attach(entry.layers, entry.routing.slots)
         self.runs[state.run_id] = state
         self.evicted.discard(state.run_id)
         return state
@@ -78,7 +78,7 @@ class Residency:
             return
         entry = self.bases.get(state.base_key)
         if entry is not None:
-            state.detach(entry.layers)
+            state.detach(entry.routing.slots)
             if not any(r.base_key == state.base_key for r in self.runs.values()):
                 entry.idle_since = time.monotonic()
         state.journal.close()

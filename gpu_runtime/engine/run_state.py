@@ -29,7 +29,8 @@ from peft import LoraConfig
 from safetensors.torch import load_file, save_file
 
 from gpu_runtime.client.persistence import RunPaths, atomic_dir, read_json, write_json
-from gpu_runtime.compute.lora.layer import LoraWeights, MultiLoraLinear
+from gpu_runtime.compute.lora.layer import MultiLoraLinear
+from gpu_runtime.compute.lora.slots import BaseSlots, in_layout_of
 from gpu_runtime.compute.optimizer import restore_fused
 from gpu_runtime.compute.plan import RunConfig as RunConfig  # the contract of config.json lives with the plain data
 from gpu_runtime.compute.quantization import base_key
@@ -204,14 +205,13 @@ class RunState:
 
     # ---- attaching to a base ----------------------------------------------------------------
 
-    def attach(self, layers: dict[str, MultiLoraLinear]) -> None:
-        scaling = self.lora["alpha"] / self.lora["r"]
-        for path, (A, B) in self.weights.items():
-            layers[path].adapters[self.run_id] = LoraWeights(A, B, scaling, self.lora["dropout"])
+    def attach(self, layers: dict[str, MultiLoraLinear], slots: BaseSlots) -> None:
+        """Take a slot of the base: from here on the run's A and B are views of its rows (compute/lora/slots.py)."""
+        slots.attach(self.run_id, layers, self.weights, self.lora["r"], self.lora["alpha"] / self.lora["r"],
+                     self.lora["dropout"], trainable=True)
 
-    def detach(self, layers: dict[str, MultiLoraLinear]) -> None:
-        for path in self.weights:
-            layers[path].adapters.pop(self.run_id, None)
+    def detach(self, slots: BaseSlots) -> None:
+        slots.detach(self.run_id)
 
     # ---- adapter files ------------------------------------------------------------------------
 
@@ -300,7 +300,7 @@ class RunState:
         if meta["pending_included"]:
             grads = load_file(str(directory / PENDING_FILE), device=str(device))
             for name, param in self.named_parameters().items():
-                param.grad = grads[name].clone()
+                param.grad = in_layout_of(param, grads[name]).clone()  # in the parameter's layout: fused AdamW reads raw memory
         self.pending = PendingGrads.from_dict(meta["pending"])
         self.answered = OrderedDict((k, v) for k, v in meta.get("answered", []))
         bodies = meta.get("bodies", {})  # snapshots written before bodies hold none: those ids take any body
@@ -328,6 +328,10 @@ class RunState:
             state["state"] = {names.index(n): state["state"][index[n]] for n in names if index[n] in state["state"]}
         self.optimizer.load_state_dict(state)
         restore_fused(self.optimizer)  # load_state_dict puts back the saved groups' `fused`
+        for param, moments in self.optimizer.state.items():  # saved from contiguous B's (before slots): B's layout now
+            for name, value in moments.items():
+                if torch.is_tensor(value) and value.shape == param.shape:
+                    moments[name] = in_layout_of(param, value)
 
     def snapshots_newest_first(self) -> list[Path]:
         """Snapshot directories, newest (highest journal position) first. Not by step: load_state can move a run's

@@ -35,7 +35,6 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from gpu_runtime.client.persistence import RunPaths, atomic_dir, dir_size, find_run_dir, read_json, write_json
-from gpu_runtime.compute.lora.layer import LoraWeights
 from gpu_runtime.compute.lora.wrap import wrap_targets
 from gpu_runtime.compute.pool import BaseEntry
 from gpu_runtime.compute.quantization import base_key
@@ -312,17 +311,14 @@ class Snapshots:
     def _register(self, snapshot: Snapshot, entry: BaseEntry) -> None:
         assert snapshot.weights is not None
         lora = snapshot.config["lora"]
-        for path, (A, B) in snapshot.weights.items():
-            # Read-only: no dropout (sampling draws none) and no gradient.
-            entry.layers[path].adapters[snapshot.key] = LoraWeights(torch.nn.Parameter(A, requires_grad=False),
-                                                                    torch.nn.Parameter(B, requires_grad=False),
-                                                                    lora["alpha"] / lora["r"], 0.0)
+        # Read-only: no dropout (sampling draws none) and no gradient; its matrices become views of its slot.
+        entry.routing.slots.attach(snapshot.key, entry.layers, snapshot.weights, lora["r"], lora["alpha"] / lora["r"],
+                                   0.0, trainable=False)
 
     def _unregister(self, snapshot: Snapshot) -> None:
         entry = self.residency.bases.get(snapshot.base_key)
         if entry is not None:
-            for layer in entry.layers.values():
-                layer.adapters.pop(snapshot.key, None)
+            entry.routing.slots.detach(snapshot.key)
 
     def _drop(self, snapshot: Snapshot) -> None:
         self._unregister(snapshot)

@@ -223,6 +223,28 @@ def test_segmented_lora_and_its_gradients(interpreter: ProcessPoolExecutor, layo
         assert_close(g, e, dtype, name)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_grad_into_adds_the_weight_gradients_into_fp32_buffers(interpreter: ProcessPoolExecutor, impl: str,
+                                                               dtype: torch.dtype) -> None:
+    # The layer's path (compute/lora/slots.py): bf16 (or fp32) compute, the weight gradients added into the fp32
+    # masters' persistent gradient buffers, only the pass's slots touched, autograd handed nothing for A and B.
+    layout = "slot-twice"
+    case = make_case(layout, True, dtype)
+    if impl == "torch":
+        delta, grad_x, into_A, into_B, autograd_none = job_grad_into(layout, dtype, "torch")
+    else:
+        delta, grad_x, into_A, into_B, autograd_none = interpreted(interpreter, job_grad_into, layout, dtype, "triton")
+    expected = autograd_grads(ops.reference_segmented_lora, case, torch.float32)
+    assert autograd_none and into_A.dtype == into_B.dtype == torch.float32
+    start_A, start_B = grad_into_start()
+    for name, g, e in (("delta", delta, expected[0]), ("grad_x", grad_x, expected[1]),
+                       ("grad_A", into_A - start_A, expected[2]), ("grad_B", into_B - start_B, expected[3])):
+        assert_close(g, e, dtype, name)
+    untouched = [slot for slot in range(SLOTS) if slot not in {s.slot for s in case.table.segments}]
+    assert torch.equal(into_A[untouched], start_A[untouched]) and torch.equal(into_B[untouched], start_B[untouched])
+
+
 def test_an_empty_table_gives_zero(interpreter: ProcessPoolExecutor) -> None:
     delta, grad_x = interpreted(interpreter, job_empty)
     assert torch.equal(delta, torch.zeros(4, OUT)) and torch.equal(grad_x, torch.zeros(4, IN))
@@ -433,6 +455,22 @@ def job_expand(layout: str, dtype: torch.dtype) -> torch.Tensor:
 
 def job_segmented(layout: str, dtype: torch.dtype, with_dropout: bool) -> tuple[torch.Tensor, ...]:
     return autograd_grads(ops.segmented_lora, make_case(layout, with_dropout, dtype), dtype)
+
+
+def grad_into_start() -> tuple[torch.Tensor, torch.Tensor]:
+    """What the persistent gradient buffers held before the pass (an earlier call's gradients)."""
+    generator = torch.Generator().manual_seed(17)
+    return torch.randn(SLOTS, MAX_RANK, IN, generator=generator), torch.randn(SLOTS, OUT, MAX_RANK, generator=generator)
+
+
+def job_grad_into(layout: str, dtype: torch.dtype, impl: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, bool]:
+    case = make_case(layout, True, dtype)
+    x, A, B = (t.detach().requires_grad_() for t in (case.x, case.A, case.B))
+    into = grad_into_start()
+    delta = ops.segmented_lora(x, A, B, case.table, case.mask, impl="torch" if impl == "torch" else "triton", grad_into=into)
+    delta.backward(case.grad)
+    assert x.grad is not None
+    return delta.detach(), x.grad, into[0], into[1], A.grad is None and B.grad is None
 
 
 def job_empty() -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,7 +15,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
-from gpu_runtime.compute.lora.layer import LoraWeights, Routing, Segment, routed
+from gpu_runtime.compute.lora.layer import Routing, Segment, routed
 from gpu_runtime.compute.lora.wrap import init_lora, wrap_targets
 from gpu_runtime.compute.merging import MERGE_INFO, save_merged
 from gpu_runtime.compute.quantization import count_quantized, dequantized_weight, quantize_model
@@ -66,11 +66,11 @@ def test_layer_over_a_quantized_base_matches_pefts_bitsandbytes_lora(tiny_model_
     peft_params = dict(peft.named_parameters())
     for path, (A, B) in weights.items():
         torch.nn.init.normal_(B, std=0.2)  # a non-zero B, so the delta counts
-        layers[path].adapters["run"] = LoraWeights(A, B, 8 / 4, 0.0)
         with torch.no_grad():
             peft_params[peft_name(path, "A").replace(".weight", ".default.weight")].copy_(A)
             peft_params[peft_name(path, "B").replace(".weight", ".default.weight")].copy_(B)
 
+    routing.slots.attach("run", layers, weights, 4, 8 / 4, 0.0, trainable=True)
     input_ids = torch.tensor([PROBE, PROBE[::-1]])
     expected = peft(input_ids=input_ids, labels=input_ids)
     expected.loss.backward()

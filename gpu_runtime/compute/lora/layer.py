@@ -1,10 +1,16 @@
 """The multi-LoRA layer: one frozen base Linear, many runs' A/B matrices, each batch row routed to its run's.
 
 PEFT's mixed-batch `adapter_names` is inference-only, so this is our own (prior art: SkyRL's
-`tx/layers/lora.py`, prime-rl's `multi_linear.py`, vLLM's torch reference ops). A forward pass
-carries a `Routing`: contiguous row segments, each naming a run. Every row gets its own run's
-`B(A(dropout(x))) * scaling` added to the shared base output, so gradients reach only that run's
-matrices and each run's loss stays its own, as if it had trained alone.
+`tx/layers/lora.py`, prime-rl's `multi_linear.py`, punica's and vLLM's segmented ops). A forward pass
+carries a `Routing`: contiguous row segments, each naming a run (training, prefill), or one slot per row
+(`row_slots`, decoding). Every row gets its own run's `B(A(dropout(x))) * scaling` added to the shared base
+output, so gradients reach only that run's matrices and each run's loss stays its own, as if it had trained alone.
+
+The runs' matrices live in the base's slot buffers (compute/lora/slots.py). A pass builds one table of
+(rows, slot, rank, scaling) the first time a layer asks, and every layer reads it (one more per distinct set of
+targeted layers); the layer hands its buffers to `ops.segmented_lora` or `ops.rows_lora`: nothing is stacked per
+layer. Where the base computes in bf16 (CUDA) so does LoRA, from bf16 copies of the buffers made once a pass; the
+weight gradients are added into the fp32 masters' gradient buffers, whose rows are the runs' `.grad`.
 
 Dropout masks come from a generator seeded by (run seed, step, call, module) and are drawn at the
 shape of the run's whole call, then sliced to the rows in this pass, so co-batching, splitting a
@@ -13,17 +19,21 @@ call across passes, replay and recompute all draw the same mask.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from gpu_runtime.compute.lora import ops
+from gpu_runtime.compute.lora.slots import BaseSlots, LayerSlots, Occupant
+
+LOW_PRECISION = (torch.bfloat16, torch.float16)  # base dtypes LoRA computes in too; anything else computes in fp32
 
 
 @dataclass
@@ -39,18 +49,93 @@ class Segment:
     row_offset: int = 0  # where this pass's rows start within the call
 
 
-@dataclass
 class Routing:
-    segments: list[Segment] = field(default_factory=list)
-    grouped: bool | None = None  # False: the per-segment loop (the reference); else grouped matmuls where torch has them
+    """Where a pass's rows go, the base's slots, and what the pass builds once for all its layers."""
+
+    def __init__(self, slots: BaseSlots | None = None) -> None:
+        self.slots = slots if slots is not None else BaseSlots()
+        self._segments: list[Segment] = []
+        # Decoding: one slot per batch row (`slot_of(key)`, -1: the base alone); no autograd.
+        self.row_slots: list[int] | None = None
+        self.tables: dict[Any, Any] = {}  # this routing's tables, dropped when its rows change
+        self.copies: dict[Any, tuple[torch.Tensor, torch.Tensor]] = {}  # this pass's compute copies
+
+    @property
+    def segments(self) -> list[Segment]:
+        return self._segments
+
+    @segments.setter
+    def segments(self, segments: list[Segment]) -> None:
+        self._segments = segments
+        self.tables.clear()
+
+    def clear(self) -> None:
+        """After a pass: a stray pass computes the plain base, and nothing of this one is kept."""
+        self._segments, self.row_slots = [], None
+        self.tables.clear()
+        self.copies.clear()
+
+    def slot_of(self, key: str | None) -> int:
+        """A key's slot for `row_slots`: -1 for none (the base alone) or a key not attached to this base."""
+        slot = None if key is None else self.slots.slot_of(key)
+        return -1 if slot is None else slot
+
+    def placed(self) -> list[tuple[Segment, Occupant]]:
+        """This pass's segments whose keys hold a slot here (others' rows are the base alone)."""
+        if "placed" not in self.tables:
+            occupants = self.slots.occupants
+            self.tables["placed"] = [(s, occupants[s.key]) for s in self.segments if s.key in occupants and s.end > s.start]
+        placed: list[tuple[Segment, Occupant]] = self.tables["placed"]
+        return placed
+
+    def table(self, lora: LayerSlots, rows: int, per_row: int
+              ) -> tuple[ops.LoraTable, list[tuple[Segment, Occupant]]] | None:
+        """The pass's table for a layer of `rows` rows (counted in tokens), with the segments it covers; None: no row
+        here. Built once per pass and set of slots the layer holds (every layer, where runs target the same)."""
+        placed = [(s, o) for s, o in self.placed() if lora.holds(o.slot)]
+        if not placed:
+            return None
+        key = ("table", rows, per_row, tuple(o.slot for _, o in placed))
+        if key not in self.tables:
+            self.tables[key] = ops.build_table([(s.start * per_row, s.end * per_row, o.slot, o.rank, o.scaling)
+                                                for s, o in placed], lora.device, total_rows=rows * per_row)
+        table: ops.LoraTable = self.tables[key]
+        return table, placed
+
+    def rows_table(self, lora: LayerSlots, per_row: int) -> ops.RowsTable | None:
+        """The per-row table for a layer: each row's slot repeated over its tokens, -1 where this layer has none."""
+        assert self.row_slots is not None
+        held = tuple(slot for slot in sorted(set(self.row_slots)) if slot >= 0 and lora.holds(slot))
+        if not held:
+            return None
+        key = ("rows", per_row, tuple(self.row_slots))
+        if key not in self.tables:
+            ranks, scalings = [0] * lora.capacity, [0.0] * lora.capacity
+            for occupant in self.slots.occupants.values():
+                if occupant.slot in held:
+                    ranks[occupant.slot], scalings[occupant.slot] = occupant.rank, occupant.scaling
+            rows = [slot if slot in held else -1 for slot in self.row_slots for _ in range(per_row)]
+            self.tables[key] = ops.build_rows_table(rows, ranks, scalings, lora.device)
+        table: ops.RowsTable = self.tables[key]
+        return table
+
+    def weights(self, lora: LayerSlots, dtype: torch.dtype, grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """A layer's A and B slot buffers in the pass's compute dtype: the fp32 masters themselves, or bf16 copies
+        made once a pass. Leaves: their gradients go to the masters' buffers (`grad_into`), never to them."""
+        key = ("weights", id(lora), dtype, grad)
+        if key not in self.copies:
+            with torch.no_grad():
+                A, Bt = lora.A.detach(), lora.Bt.detach()
+                if dtype != A.dtype:
+                    A, Bt = A.to(dtype), Bt.to(dtype)
+            self.copies[key] = A.requires_grad_(grad), Bt.transpose(1, 2).requires_grad_(grad)
+        weights = self.copies[key]
+        return weights
 
 
-@dataclass
-class LoraWeights:
-    A: torch.nn.Parameter  # [r, in]
-    B: torch.nn.Parameter  # [out, r]
-    scaling: float
-    dropout: float
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """LoRA computes in the base's dtype where that is bf16 or fp16, else in fp32 (the masters' own)."""
+    return x.dtype if x.dtype in LOW_PRECISION else torch.float32
 
 
 class MultiLoraLinear(nn.Module):
@@ -60,8 +145,8 @@ class MultiLoraLinear(nn.Module):
         self.name = name
         self.routing = routing
         self.name_seed = int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little") >> 1
-        # Plain dict, not a ModuleDict: the runs' matrices are owned by their RunState, not the base model.
-        self.adapters: dict[str, LoraWeights] = {}
+        # A plain attribute, not a module or buffer: the runs' matrices are the base's slots, not the model's state.
+        self.lora: LayerSlots | None = None
 
     @property
     def in_features(self) -> int:
@@ -77,236 +162,83 @@ class MultiLoraLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = self.base_layer(x)
-        segments = [s for s in self.routing.segments if s.key in self.adapters]
-        if not segments:
+        if self.lora is None or not (self.routing.segments or self.routing.row_slots):
             return out
-        if len(self.routing.segments) == 1:  # the whole pass is one run: no slicing
-            return self._add(out, x, segments[0])
-        if self.routing.grouped is not False:
-            return self._grouped(out, x, segments)
-        pieces = []
-        for segment in self.routing.segments:
-            piece = out[segment.start : segment.end]
-            if segment.key in self.adapters:
-                piece = self._add(piece, x[segment.start : segment.end], segment)
-            pieces.append(piece)
-        return torch.cat(pieces)
+        if self.routing.row_slots is not None:
+            return self._rows(out, x, self.lora)
+        return self._segments(out, x, self.lora)
 
-    def _input(self, x: torch.Tensor, segment: Segment) -> torch.Tensor:
-        """The rows' input to their run's A: in the adapter's dtype, with the run's own dropout mask."""
-        lora = self.adapters[segment.key]
-        x = x.to(lora.A.dtype)  # fp32 adapters on a bf16 base, as PEFT does
-        if lora.dropout > 0 and segment.dropout_seed is not None:
-            x = x * self._dropout_mask(x, segment, lora.dropout)
-        return x
+    def _segments(self, out: torch.Tensor, x: torch.Tensor, lora: LayerSlots) -> torch.Tensor:
+        per_row = math.prod(x.shape[1:-1])  # tokens per row: the kernels see [rows × tokens, features]
+        found = self.routing.table(lora, x.shape[0], per_row)
+        if found is None:
+            return out
+        table, placed = found
+        dtype, grad = compute_dtype(x), torch.is_grad_enabled()
+        A, B = self.routing.weights(lora, dtype, grad)
+        mask = self._mask(x, placed, dtype)
+        flat = x.reshape(-1, x.shape[-1]).to(dtype)
+        delta = ops.segmented_lora(flat, A, B, table, mask, grad_into=lora.grads() if grad else None)
+        if delta.requires_grad:  # the runs' .grad become their rows of the gradient buffers as gradients arrive
+            slots = [o.slot for _, o in placed if o.trainable]
+            delta.register_hook(lambda _: lora.link_grads(slots))
+        return (out + delta.view(*out.shape)).to(out.dtype)
 
-    def _add(self, out: torch.Tensor, x: torch.Tensor, segment: Segment) -> torch.Tensor:
-        lora = self.adapters[segment.key]
-        delta = F.linear(F.linear(self._input(x, segment), lora.A), lora.B) * lora.scaling
-        return (out + delta).to(out.dtype)
+    def _rows(self, out: torch.Tensor, x: torch.Tensor, lora: LayerSlots) -> torch.Tensor:
+        if torch.is_grad_enabled() and (x.requires_grad or out.requires_grad):
+            raise RuntimeError("per-row routing (row_slots) serves decoding, without autograd")
+        table = self.routing.rows_table(lora, math.prod(x.shape[1:-1]))
+        if table is None:
+            return out
+        dtype = compute_dtype(x)
+        A, B = self.routing.weights(lora, dtype, False)
+        flat = x.reshape(-1, x.shape[-1]).to(dtype)
+        if out.dtype == dtype and out.is_contiguous():  # added in place into the base's output
+            ops.rows_lora(flat, A, B, table, out.view(-1, out.shape[-1]))
+            return out
+        return (out + ops.rows_lora(flat, A, B, table).view(*out.shape)).to(out.dtype)
 
-    def _dropout_mask(self, x: torch.Tensor, segment: Segment, p: float) -> torch.Tensor:
+    def _mask(self, x: torch.Tensor, placed: list[tuple[Segment, Occupant]], dtype: torch.dtype) -> torch.Tensor | None:
+        """The pass's dropout mask [rows × tokens, in] (1 on rows without dropout), or None when no row drops out."""
+        drops = [(s, o.dropout) for s, o in placed if o.dropout > 0 and s.dropout_seed is not None]
+        if not drops:
+            return None
+        mask = torch.ones(x.shape, dtype=dtype, device=x.device)
+        for segment, p in drops:
+            mask[segment.start : segment.end] = self._dropout_mask(x[segment.start : segment.end], segment, p, dtype)
+        return mask.view(-1, x.shape[-1])
+
+    def _dropout_mask(self, x: torch.Tensor, segment: Segment, p: float, dtype: torch.dtype) -> torch.Tensor:
         assert segment.dropout_seed is not None
         generator = torch.Generator(device=x.device).manual_seed((segment.dropout_seed ^ self.name_seed) & (2**63 - 1))
         rows = max(segment.call_rows, segment.row_offset + x.shape[0])
         width = max(segment.call_width, 1) if x.dim() == 3 else 1
         shape = (rows, width, x.shape[-1]) if x.dim() == 3 else (rows, x.shape[-1])
         keep = torch.rand(shape, generator=generator, device=x.device, dtype=torch.float32) >= p
-        mask = keep[segment.row_offset : segment.row_offset + x.shape[0]].to(x.dtype) / (1 - p)
+        mask = keep[segment.row_offset : segment.row_offset + x.shape[0]].to(dtype) / (1 - p)
         if x.dim() == 3:  # this pass may be wider (padding, whose values never reach a real token) or narrower
             t = x.shape[1]
             mask = mask[:, :t] if mask.shape[1] >= t else F.pad(mask, (0, 0, 0, t - mask.shape[1]), value=1.0)
         return mask
 
-    def _grouped(self, out: torch.Tensor, x: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
-        """Every run's rows in two grouped matmuls per width: runs whose ranks pad to one width share them."""
-        per_row = math.prod(x.shape[1:-1])  # tokens per row: the matmuls see [rows × tokens, features]
-        groups: dict[tuple[int, torch.dtype], list[Segment]] = {}
-        for segment in segments:
-            A = self.adapters[segment.key].A
-            groups.setdefault((group_width(A.shape[0]), A.dtype), []).append(segment)
-        ordered = all(a.end == b.start for a, b in zip(segments, segments[1:]))
-        if len(groups) == 1 and ordered and segments[0].start == 0 and segments[-1].end == x.shape[0]:
-            (width, _), = groups
-            delta = self._group_delta(x, segments, width, per_row)  # already in row order: no scatter
-            return (out + delta.view(*out.shape[:-1], -1)).to(out.dtype)
-        pieces: dict[int, torch.Tensor] = {}
-        for (width, _), group in groups.items():
-            delta = self._group_delta(x, group, width, per_row)
-            for segment, piece in zip(group, delta.split([(s.end - s.start) * per_row for s in group])):
-                pieces[segment.start] = piece
-        rows, cursor = [], 0  # the deltas back in row order; rows of no run here get zero
-        for segment in sorted(segments, key=lambda s: s.start):
-            if segment.start > cursor:
-                rows.append(out.new_zeros(((segment.start - cursor) * per_row, out.shape[-1]), dtype=pieces[segment.start].dtype))
-            rows.append(pieces[segment.start])
-            cursor = segment.end
-        if cursor < x.shape[0]:
-            rows.append(out.new_zeros(((x.shape[0] - cursor) * per_row, out.shape[-1]), dtype=rows[-1].dtype))
-        return (out + torch.cat(rows).view(*out.shape[:-1], -1)).to(out.dtype)
-
-    def _group_input(self, x: torch.Tensor, group: list[Segment], dtype: torch.dtype) -> torch.Tensor:
-        """The group's rows, in its order, as [rows × tokens, in], each run's dropout mask applied. One gather (none
-        when the group is every row in order), not a slice per run: each slice's backward would fill a whole-x
-        gradient."""
-        whole = group[0].start == 0 and group[-1].end == x.shape[0] and all(
-            a.end == b.start for a, b in zip(group, group[1:]))
-        if whole:
-            xs = x.to(dtype)
-        else:
-            index = torch.cat([torch.arange(s.start, s.end) for s in group]).to(x.device)
-            xs = x.to(dtype).index_select(0, index)
-        masks = [self._mask_or_none(x[s.start : s.end], s, dtype) for s in group]
-        if any(mask is not None for mask in masks):  # ×1 where a run has no dropout: the bits of no mask
-            xs = xs * torch.cat([torch.ones(x[s.start : s.end].shape, dtype=dtype, device=x.device) if mask is None
-                                 else mask for s, mask in zip(group, masks)])
-        return xs.reshape(-1, x.shape[-1])
-
-    def _mask_or_none(self, x: torch.Tensor, segment: Segment, dtype: torch.dtype) -> torch.Tensor | None:
-        p = self.adapters[segment.key].dropout
-        if p > 0 and segment.dropout_seed is not None:
-            return self._dropout_mask(x.detach().to(dtype), segment, p)
-        return None
-
-    def _group_delta(self, x: torch.Tensor, group: list[Segment], width: int, per_row: int) -> torch.Tensor:
-        """`B(A(x)) * scaling` for the rows of runs of one padded width, as [rows × tokens, out]."""
-        loras = [self.adapters[s.key] for s in group]
-        xs = self._group_input(x, group, loras[0].A.dtype)
-        counts = tuple((s.end - s.start) * per_row for s in group)
-        # Zero rows of A and columns of B up to the run's own width: its numbers never depend on who else is here.
-        A = torch.stack([_pad_to(lora.A, width, dim=0) for lora in loras])  # [runs, width, in]
-        B = torch.stack([_pad_to(lora.B, width, dim=1) for lora in loras])  # [runs, out, width]
-        if len(set(counts)) == 1:  # equal rows: one batched matmul each way, the gradients in A's and B's layout
-            rows = xs.view(len(counts), counts[0], xs.shape[-1])
-            delta: torch.Tensor = equal_rows_lora(rows, A, B).reshape(xs.shape[0], -1)
-        else:
-            # No dense-gradient guard: `delta` is scaled next, and a multiply's gradient is always dense.
-            delta = grouped_matmul(grouped_matmul(xs, A.transpose(1, 2), counts, guard=False), B.transpose(1, 2),
-                                   counts, guard=False)
-        scalings = [lora.scaling for lora in loras]
-        if len(set(scalings)) == 1:
-            return delta * scalings[0]
-        scaling = torch.tensor(scalings, dtype=delta.dtype).repeat_interleave(torch.tensor(counts)).to(x.device)
-        return delta * scaling.unsqueeze(1)
-
-
-WIDTH_STEP = 16  # ranks pad up to a multiple of this: _grouped_mm's alignment, and fewer widths to group by
-
-
-def group_width(rank: int) -> int:
-    return -(-rank // WIDTH_STEP) * WIDTH_STEP
-
-
-def _pad_to(matrix: torch.Tensor, width: int, dim: int) -> torch.Tensor:
-    """`matrix` with zeros appended along `dim` (the rank's) up to `width`; itself when it is that wide already."""
-    missing = width - matrix.shape[dim]
-    if not missing:
-        return matrix
-    return F.pad(matrix, (0, 0, 0, missing) if dim == 0 else (0, missing))
-
-
-class EqualRowsLora(torch.autograd.Function):
-    """`(x @ Aᵀ) @ Bᵀ` for groups of equal rows (x [groups, rows, in], A [groups, width, in], B [groups, out, width]),
-    whose gradients come out contiguous in A's and B's own layout. The stack's backward then hands each run a
-    contiguous slice, which becomes its .grad as it is. Autograd's own gradients here are transposed views: each
-    slice was copied into a fresh .grad (1920 copies a pass for 8 runs of r=32 on SmolLM2, 33 of its 190 ms of
-    co-batching overhead in bench/cobatch.py --profile). bmm, not `_grouped_mm`: its per-group loop runs inside one
-    kernel, at SmolLM2's widths, 8 runs of 21 tokens, forward and backward, one thread: 372 against 420 µs for
-    x @ A, 161 against 212 µs for k/v's h @ B."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
-        h = torch.bmm(x, A.transpose(1, 2))
-        ctx.save_for_backward(x, A, B, h)
-        return torch.bmm(h, B.transpose(1, 2))
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x, A, B, h = ctx.saved_tensors
-        grad_h = torch.bmm(grad, B)
-        grad_x = torch.bmm(grad_h, A) if ctx.needs_input_grad[0] else None
-        grad_A = torch.bmm(grad_h.transpose(1, 2), x) if ctx.needs_input_grad[1] else None
-        grad_B = torch.bmm(grad.transpose(1, 2), h) if ctx.needs_input_grad[2] else None
-        return grad_x, grad_A, grad_B
-
-
-def equal_rows_lora(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
-    out: torch.Tensor = EqualRowsLora.apply(x, A, B)  # type: ignore[no-untyped-call]  # torch leaves Function.apply untyped
-    return out
-
-
-def _contiguous_grad(t: torch.Tensor) -> torch.Tensor:
-    """_grouped_mm's backward fails on a zero-stride gradient (what a `.sum()` sends back): make it dense first."""
-    if t.requires_grad:
-        t.register_hook(lambda grad: grad.contiguous())
-    return t
-
-
-def grouped_matmul(x: torch.Tensor, w: torch.Tensor, counts: tuple[int, ...], guard: bool = True) -> torch.Tensor:
-    """`x[rows of group g] @ w[g]` for consecutive groups of `counts` rows: x [Σcounts, k], w [groups, k, n]. Torch's
-    `_grouped_mm` where it has a kernel of its own for this device and dtype, else one batched matmul over the groups
-    padded to the longest (equal rows take `EqualRowsLora` instead). On CUDA,
-    `_grouped_mm` on fp32 (our adapters' dtype) runs a matmul per group inside: the H200 profile of 8 co-batched
-    runs showed 3271 mm launches, device busy 52 ms of a 894 ms round. `guard`: make the output's gradient dense
-    first, which `_grouped_mm`'s backward needs (a caller whose next op is a multiply needs no guard)."""
-    if (x.device.type == "cpu" or x.dtype == torch.bfloat16) and grouped_mm_works(x.device, x.dtype):
-        # On CPU its per-group loop is C++: 1.2 ms against padded bmm's 1.7 ms for 8 runs of 20 tokens (and 1.4
-        # against 4.0 ms for uneven ones), forward and backward at SmolLM2's width, one thread.
-        # Only the output gets the dense-gradient hook: a second call's input is the first's output, hooked already.
-        out = torch._grouped_mm(x, w, offs=_offsets(counts, x.device))
-        return _contiguous_grad(out) if guard else out
-    return padded_bmm(x, w, counts)
-
-
-def padded_bmm(x: torch.Tensor, w: torch.Tensor, counts: tuple[int, ...]) -> torch.Tensor:
-    """`grouped_matmul` by `torch.bmm`: the rows scattered into [groups, longest, k] with zero rows after each
-    group's own (rows, not the reduction dimension: a row's sums never see the padding), then gathered back."""
-    longest = max(counts)
-    index = _padded_rows(counts, x.device)
-    padded = x.new_zeros(len(counts) * longest, x.shape[-1]).index_copy(0, index, x)
-    out = torch.bmm(padded.view(len(counts), longest, -1), w)
-    return out.view(len(counts) * longest, -1).index_select(0, index)
-
-
-@functools.lru_cache(maxsize=256)
-def _offsets(counts: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """_grouped_mm's int32 end offsets, made once per shape of a pass (a host-to-device copy each time otherwise)."""
-    return torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(device)
-
-
-@functools.lru_cache(maxsize=256)
-def _padded_rows(counts: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """Where each of x's rows sits in the padded [groups × longest] layout, made once per shape of a pass."""
-    longest = max(counts)
-    return torch.cat([torch.arange(count) + g * longest for g, count in enumerate(counts)]).to(device)
-
-
-@functools.cache
-def grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether torch's private `_grouped_mm` runs here, forward and backward, and agrees with plain matmuls;
-    where it does not (an older torch, a GPU or dtype it lacks a kernel for), the per-segment loop serves."""
-    if not hasattr(torch, "_grouped_mm"):
-        return False
-    try:
-        generator = torch.Generator().manual_seed(0)
-        x = torch.randn(24, 32, generator=generator).to(device, dtype).requires_grad_()
-        w = torch.randn(2, 32, 16, generator=generator).to(device, dtype).requires_grad_()
-        offsets = torch.tensor([8, 24], dtype=torch.int32, device=device)
-        got = _contiguous_grad(torch._grouped_mm(x, w, offs=offsets))
-        got.sum().backward()
-        expected = torch.cat([x[:8] @ w[0], x[8:] @ w[1]])
-        tolerance = 1e-4 if dtype == torch.float32 else 5e-2
-        return (torch.allclose(got.detach().float(), expected.detach().float(), rtol=tolerance, atol=tolerance)
-                and x.grad is not None and w.grad is not None)
-    except (RuntimeError, NotImplementedError, TypeError):
-        return False
-
 
 @contextmanager
-def routed(routing: Routing, segments: list[Segment], grouped: bool | None = None) -> Iterator[None]:
-    """Route one forward pass; the routing is cleared after, so a stray pass computes the plain base."""
-    routing.segments, routing.grouped = segments, grouped
+def routed(routing: Routing, segments: list[Segment]) -> Iterator[None]:
+    """Route one forward pass by segments; the routing is cleared after, so a stray pass computes the plain base."""
+    routing.clear()
+    routing.segments = segments
     try:
         yield
     finally:
-        routing.segments, routing.grouped = [], None
+        routing.clear()
+
+
+@contextmanager
+def routed_rows(routing: Routing, row_slots: list[int]) -> Iterator[None]:
+    """Route one decode step: batch row i takes slot `row_slots[i]` (`routing.slot_of(key)`; -1: the base alone)."""
+    routing.clear()
+    routing.row_slots = list(row_slots)
+    try:
+        yield
+    finally:
+        routing.clear()

@@ -22,7 +22,8 @@ What each computes (the `reference_*` function beside each is its spec, and the 
 - `lora_expand`: `out[t] += scaling(t) * h[t, :r] @ B[slot(t), :, :r]ᵀ`, in place: the delta added to the base output.
 - `SegmentedLora` / `segmented_lora`: the delta `[T, out]` with autograd; its backward is a shrink with Bᵀ (grad_h),
   an expand with Aᵀ (grad_x) and two segmented row reductions (grad_A, grad_B) written into one buffer of each slot
-  buffer's shape, so each run's `.grad` can be a view of its slot.
+  buffer's shape, so each run's `.grad` can be a view of its slot; with `grad_into` they are added into persistent
+  (fp32) buffers instead, only the pass's slots touched (the layer's path: compute/lora/slots.py).
 - `lora_shrink_rows` / `lora_expand_rows` / `rows_lora` (BGMV, decoding): one adapter per row given by a per-row slot
   index, -1 for base-only rows, ranks and scalings per slot: the table a decode step changes is one int per row.
 - `grouped_expert_lora`: mixture-of-experts layers, slot buffers `[slots, experts, R, in]` / `[slots, experts, out, R]`
@@ -242,19 +243,20 @@ def reference_segmented_lora(x: torch.Tensor, A_slots: torch.Tensor, B_slots: to
 
 
 def reference_backward(grad: torch.Tensor, x: torch.Tensor, h: torch.Tensor, A_slots: torch.Tensor, B_slots: torch.Tensor,
-                       table: LoraTable, dropout_mask: torch.Tensor | None
+                       table: LoraTable, dropout_mask: torch.Tensor | None,
+                       grad_into: tuple[torch.Tensor, torch.Tensor] | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """grad_x, grad_A_slots, grad_B_slots of the delta, written segment by segment (a slot seen twice sums)."""
+    """grad_x, grad_A_slots, grad_B_slots of the delta, written segment by segment (a slot seen twice sums). With
+    `grad_into` the weight gradients are added into those buffers (in their dtype) and returned."""
     xm = x if dropout_mask is None else x * dropout_mask
     grad_x = torch.zeros_like(x)
-    grad_A = torch.zeros_like(A_slots)
-    grad_B = torch.zeros_like(B_slots)
+    grad_A, grad_B = grad_into if grad_into is not None else (torch.zeros_like(A_slots), torch.zeros_like(B_slots))
     for seg in table.segments:
         rows, r = slice(seg.row_start, seg.row_end), seg.rank
         grad_h = grad[rows] @ B_slots[seg.slot, :, :r] * seg.scaling  # [rows, r]
         grad_x[rows] = grad_h @ A_slots[seg.slot, :r]
-        grad_A[seg.slot, :r] += grad_h.t() @ xm[rows]
-        grad_B[seg.slot, :, :r] += grad[rows].t() @ h[rows, :r] * seg.scaling
+        grad_A[seg.slot, :r] += (grad_h.t() @ xm[rows]).to(grad_A.dtype)
+        grad_B[seg.slot, :, :r] += (grad[rows].t() @ h[rows, :r] * seg.scaling).to(grad_B.dtype)
     if dropout_mask is not None:
         grad_x = grad_x * dropout_mask
     return grad_x, grad_A, grad_B
@@ -375,13 +377,14 @@ def _segmented_outer_kernel(
     S: tl.tensor, M: tl.tensor, N: tl.tensor,
     sp_t: tl.tensor, sp_m: tl.tensor, sq_t: tl.tensor, sq_n: tl.tensor, sm_t: tl.tensor, sm_n: tl.tensor,
     sg_s: tl.tensor, sg_m: tl.tensor, sg_n: tl.tensor,
-    RANK_ON_M: tl.constexpr, HAS_MASK: tl.constexpr, SCALE: tl.constexpr, DOT_F32: tl.constexpr,
+    RANK_ON_M: tl.constexpr, HAS_MASK: tl.constexpr, SCALE: tl.constexpr, DOT_F32: tl.constexpr, ACCUMULATE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
 ) -> None:
     """G[slot, m, n] = Σ_{segments of slot} (scaling ×) Σ_{t in segment} P[t, m] Q[t, n] (× mask[t, n]): the weight
     gradients, a segmented reduction over rows. One program owns a (m block, n block) tile of one distinct slot and
     walks every segment of that slot, so a run twice in the pass sums without atomics and in a fixed order.
-    grad_A: P = grad_h, Q = x (masked), rank on m. grad_B: P = grad, Q = h, rank on n, scaled."""
+    grad_A: P = grad_h, Q = x (masked), rank on m. grad_B: P = grad, Q = h, rank on n, scaled. ACCUMULATE: G +=
+    instead of G = (a persistent gradient buffer; each tile has one program, so no atomics)."""
     pid_m, pid_n, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     slot = tl.load(slot_ids_ptr + pid_s)
     rank = tl.load(slot_ranks_ptr + pid_s)
@@ -418,8 +421,10 @@ def _segmented_outer_kernel(
             if SCALE:
                 part = part * tl.load(scalings_ptr + s)
             acc += part
-    tl.store(g_ptr + slot.to(tl.int64) * sg_s + ms[:, None] * sg_m + ns[None, :] * sg_n, acc.to(g_ptr.dtype.element_ty),
-             mask=m_ok[:, None] & n_ok[None, :])
+    g_ptrs = g_ptr + slot.to(tl.int64) * sg_s + ms[:, None] * sg_m + ns[None, :] * sg_n
+    if ACCUMULATE:
+        acc += tl.load(g_ptrs, mask=m_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
+    tl.store(g_ptrs, acc.to(g_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
 def _bgmv_shrink_kernel(
@@ -569,7 +574,7 @@ def _expand_launch(h: torch.Tensor, W: torch.Tensor, w_strides: tuple[int, int, 
 
 
 def _outer_launch(P: torch.Tensor, Q: torch.Tensor, mask: torch.Tensor | None, G: torch.Tensor, g_strides: tuple[int, int, int],
-                  M: int, N: int, table: LoraTable, rank_on_m: bool, scale: bool) -> None:
+                  M: int, N: int, table: LoraTable, rank_on_m: bool, scale: bool, accumulate: bool = False) -> None:
     """G[slot] (addressed [slot, m, n] by g_strides) = Σ over the slot's segments of (scaling ×) Pᵀ Q on their rows."""
     if table.num_segments == 0:
         return
@@ -581,7 +586,7 @@ def _outer_launch(P: torch.Tensor, Q: torch.Tensor, mask: torch.Tensor | None, G
     kernels.outer[grid](
         P, Q, m, G, table.seg_starts, table.seg_ends, table.seg_slots, table.seg_scalings, table.slot_ids, table.slot_ranks,
         table.num_segments, M, N, P.stride(0), P.stride(1), Q.stride(0), Q.stride(1), m.stride(0), m.stride(1), *g_strides,
-        RANK_ON_M=rank_on_m, HAS_MASK=mask is not None, SCALE=scale, DOT_F32=_dot_f32(kernels, P.dtype),
+        RANK_ON_M=rank_on_m, HAS_MASK=mask is not None, SCALE=scale, DOT_F32=_dot_f32(kernels, P.dtype), ACCUMULATE=accumulate,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_T=block_t, **LAUNCH)
 
 
@@ -616,41 +621,51 @@ def lora_expand(h: torch.Tensor, B_slots: torch.Tensor, table: LoraTable, out: t
 class SegmentedLora(torch.autograd.Function):
     """delta = segmented `B(A(x × mask)) × scaling` [T, out]; gradients for x, A_slots and B_slots.
 
-    `apply(x, A_slots, B_slots, table, dropout_mask_or_None, impl_or_None)`. The weight gradients come back as one
-    tensor of each slot buffer's shape (zero for slots not in the pass), in the slots' dtype: each run's `.grad` can
-    be a view of its slot. h is kept from the forward (x.dtype, [T, max_rank]): cheaper than recomputing it."""
+    `apply(x, A_slots, B_slots, table, dropout_mask_or_None, impl_or_None, grad_into_or_None)`. The weight gradients
+    come back as one tensor of each slot buffer's shape (zero for slots not in the pass), in the slots' dtype: each
+    run's `.grad` can be a view of its slot. With `grad_into` (persistent buffers of the slot buffers' shapes, fp32
+    masters' gradients under bf16 compute) they are added there instead, only the pass's slots' rows touched, and
+    autograd gets None for A and B: no whole-buffer gradient per layer and pass. h is kept from the forward
+    (x.dtype, [T, max_rank]): cheaper than recomputing it."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, A_slots: torch.Tensor, B_slots: torch.Tensor, table: LoraTable,
-                dropout_mask: torch.Tensor | None = None, impl: Impl | None = None) -> torch.Tensor:
+                dropout_mask: torch.Tensor | None = None, impl: Impl | None = None,
+                grad_into: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         impl = impl or choose(x.device, x.dtype)
         mask = None if dropout_mask is None else dropout_mask.to(x.dtype)
         h = lora_shrink(x, A_slots, table, mask, impl)
         delta = lora_expand(h, B_slots, table, None, impl)
         ctx.save_for_backward(x, A_slots, B_slots, h, mask)
-        ctx.table, ctx.impl = table, impl
+        ctx.table, ctx.impl, ctx.grad_into = table, impl, grad_into
         return delta
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, A_slots, B_slots, h, mask = ctx.saved_tensors
         table: LoraTable = ctx.table
+        grad_into = ctx.grad_into
         grad = grad.contiguous().to(x.dtype)
         grad_x: torch.Tensor | None
         grad_A: torch.Tensor | None
         grad_B: torch.Tensor | None
-        if ctx.impl == "torch":
-            grad_x, grad_A, grad_B = reference_backward(grad, x, h, A_slots, B_slots, table, mask)
-        else:
-            grad_x, grad_A, grad_B = _triton_backward(grad, x, h, A_slots, B_slots, table, mask, ctx.needs_input_grad)
         needs = ctx.needs_input_grad
-        return (grad_x if needs[0] else None, grad_A if needs[1] else None, grad_B if needs[2] else None, None, None, None)
+        if ctx.impl == "torch":
+            grad_x, grad_A, grad_B = reference_backward(grad, x, h, A_slots, B_slots, table, mask, grad_into)
+        else:
+            grad_x, grad_A, grad_B = _triton_backward(grad, x, h, A_slots, B_slots, table, mask, needs, grad_into)
+        if grad_into is not None:  # already added where they belong
+            grad_A = grad_B = None
+        return (grad_x if needs[0] else None, grad_A if needs[1] else None, grad_B if needs[2] else None, None, None, None,
+                None)
 
 
 def _triton_backward(grad: torch.Tensor, x: torch.Tensor, h: torch.Tensor, A_slots: torch.Tensor, B_slots: torch.Tensor,
-                     table: LoraTable, mask: torch.Tensor | None, needs: tuple[bool, ...]
+                     table: LoraTable, mask: torch.Tensor | None, needs: tuple[bool, ...],
+                     grad_into: tuple[torch.Tensor, torch.Tensor] | None = None
                      ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     grad_x = grad_A = grad_B = None
+    accumulate = grad_into is not None
     if needs[0] or needs[1]:  # grad_h = scaling × grad @ B[slot][:, :r]: a shrink with Bᵀ as its weight
         grad_h = _shrink_launch(grad, B_slots, (B_slots.stride(0), B_slots.stride(2), B_slots.stride(1)), B_slots.shape[2],
                                 None, table, scale=True)
@@ -660,22 +675,26 @@ def _triton_backward(grad: torch.Tensor, x: torch.Tensor, h: torch.Tensor, A_slo
             if mask is not None:
                 grad_x = grad_x * mask
         if needs[1]:  # grad_A[slot][:r] = Σ grad_hᵀ (x × mask)
-            grad_A = torch.zeros_like(A_slots)
+            grad_A = grad_into[0] if grad_into is not None else torch.zeros_like(A_slots)
             _outer_launch(grad_h, x, mask, grad_A, (grad_A.stride(0), grad_A.stride(1), grad_A.stride(2)),
-                          table.max_rank, x.shape[1], table, rank_on_m=True, scale=False)
+                          table.max_rank, x.shape[1], table, rank_on_m=True, scale=False, accumulate=accumulate)
     if needs[2]:  # grad_B[slot][:, :r] = Σ scaling × gradᵀ h
-        grad_B = torch.zeros_like(B_slots)
+        grad_B = grad_into[1] if grad_into is not None else torch.zeros_like(B_slots)
         _outer_launch(grad, h, None, grad_B, (grad_B.stride(0), grad_B.stride(1), grad_B.stride(2)),
-                      grad.shape[1], table.max_rank, table, rank_on_m=False, scale=True)
+                      grad.shape[1], table.max_rank, table, rank_on_m=False, scale=True, accumulate=accumulate)
     return grad_x, grad_A, grad_B
 
 
 def segmented_lora(x: torch.Tensor, A_slots: torch.Tensor, B_slots: torch.Tensor, table: LoraTable,
-                   dropout_mask: torch.Tensor | None = None, impl: Impl | None = None) -> torch.Tensor:
-    """The co-batched LoRA delta [T, out] with autograd: Triton on CUDA, the torch reference elsewhere (`choose`)."""
+                   dropout_mask: torch.Tensor | None = None, impl: Impl | None = None,
+                   grad_into: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """The co-batched LoRA delta [T, out] with autograd: Triton on CUDA, the torch reference elsewhere (`choose`).
+    `grad_into`: add the weight gradients into these buffers (see SegmentedLora) rather than return them."""
     _check(x, A_slots, table)
+    if grad_into is not None and (grad_into[0].shape != A_slots.shape or grad_into[1].shape != B_slots.shape):
+        raise ValueError("grad_into must be two buffers of the slot buffers' shapes")
     # torch leaves Function.apply untyped
-    result: torch.Tensor = SegmentedLora.apply(x, A_slots, B_slots, table, dropout_mask, impl)  # type: ignore[no-untyped-call]
+    result: torch.Tensor = SegmentedLora.apply(x, A_slots, B_slots, table, dropout_mask, impl, grad_into)  # type: ignore[no-untyped-call]
     return result
 
 

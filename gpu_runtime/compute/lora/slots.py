@@ -1,0 +1,246 @@
+"""Per-base slot buffers: where every resident run's (and sampler snapshot's) LoRA matrices live.
+
+Each wrapped layer of a base keeps A [slots, R, in] and B [slots, out, R] fp32 masters (`LayerSlots`); an adapter
+attached to the base takes one slot index, the same in every layer (`BaseSlots`), so one per-pass table serves every
+layer (compute/lora/layer.py). The adapter's own A and B tensors become views of its slot's rows (A[s, :r],
+B[s, :, :r]): the optimizer, snapshots, checkpoints and PEFT exports keep seeing per-run parameters, and the kernels
+(compute/lora/ops.py) read every run from one buffer, nothing stacked. Rows and columns past a slot's rank are zero,
+so runs of different ranks share a buffer.
+
+B is stored as Bᵀ rows ([slots, R, out], B its transposed view): a run's B [out, r] is then a dense (transposed)
+view whose strides depend on neither R nor the slot count, so growing the buffers never changes a parameter's
+layout, and its AdamW moments (`zeros_like`, layout preserved) keep matching it (the fused kernel walks raw memory).
+
+Gradients: one fp32 buffer per master (allocated at the first backward); the kernels add each pass's weight
+gradients there (`ops.segmented_lora(grad_into=…)`), and `link_grads` makes a run's `.grad` the view of its rows as
+the gradient arrives, so it accumulates in place across calls until the optimizer clears it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+GROWTH_MIN = 4  # slots added at least when a buffer is full; else half again its size (not doubling: 8B-sized slots)
+
+
+class Wrappable(Protocol):
+    """What BaseSlots needs of a wrapped layer (MultiLoraLinear): its sizes and where its buffers hang."""
+
+    name: str
+    lora: LayerSlots | None
+
+    @property
+    def in_features(self) -> int: ...
+
+    @property
+    def out_features(self) -> int: ...
+
+
+@dataclass
+class Occupant:
+    """An adapter in a slot: its rank, scaling and dropout, and its per-layer (A, B) tensors (views of the slot)."""
+
+    key: str
+    slot: int
+    rank: int
+    scaling: float
+    dropout: float
+    weights: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    trainable: bool
+
+
+def adopt(tensor: torch.Tensor, view: torch.Tensor) -> None:
+    """`tensor` becomes `view` (same values), keeping its identity: the optimizer's state stays keyed by it."""
+    with torch.no_grad():
+        view.copy_(tensor)
+    tensor.data = view
+
+
+def release(tensor: torch.Tensor) -> None:
+    """Give a tensor that was a view of a slot its own storage (same layout), so the slot can be reused."""
+    tensor.data = tensor.data.clone()
+    if tensor.grad is not None:
+        tensor.grad = tensor.grad.clone()
+
+
+def in_layout_of(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """`value` in `param`'s memory layout: what may be its `.grad` or AdamW moment (fused AdamW walks raw memory, so
+    a tensor laid out otherwise than its parameter would be misread)."""
+    if value.stride() == param.stride():
+        return value
+    return torch.empty_like(param).copy_(value)
+
+
+class LayerSlots:
+    """One wrapped layer's buffers: fp32 masters, their gradients, and which slot holds whose tensors."""
+
+    def __init__(self, in_features: int, out_features: int, capacity: int, rank: int, device: torch.device) -> None:
+        self.in_features, self.out_features, self.device = in_features, out_features, device
+        self.A = torch.zeros(capacity, rank, in_features, device=device)
+        self.Bt = torch.zeros(capacity, rank, out_features, device=device)
+        self.grad_A: torch.Tensor | None = None
+        self.grad_Bt: torch.Tensor | None = None
+        self.owners: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}  # slot → (A, B, rank)
+
+    @property
+    def B(self) -> torch.Tensor:
+        """[slots, out, R], a transposed view of the Bᵀ rows: what the kernels take as B."""
+        return self.Bt.transpose(1, 2)
+
+    @property
+    def capacity(self) -> int:
+        return self.A.shape[0]
+
+    def holds(self, slot: int) -> bool:
+        return slot in self.owners
+
+    def grads(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The gradient buffers, (grad_A, grad_B) in A's and B's shapes; made at the first backward."""
+        if self.grad_A is None or self.grad_Bt is None:
+            self.grad_A, self.grad_Bt = torch.zeros_like(self.A), torch.zeros_like(self.Bt)
+        return self.grad_A, self.grad_Bt.transpose(1, 2)
+
+    def views(self, slot: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.A[slot, :rank], self.Bt[slot, :rank].t()
+
+    def put(self, slot: int, A: torch.Tensor, B: torch.Tensor) -> None:
+        """The adapter's A [r, in] and B [out, r] become views of `slot`; a gradient they carry moves in too."""
+        rank = A.shape[0]
+        if A.shape != (rank, self.in_features) or B.shape != (self.out_features, rank):
+            raise ValueError(f"A {list(A.shape)} and B {list(B.shape)} do not fit a [{self.out_features} x {self.in_features}] layer")
+        self.clear(slot)
+        grads = (A.grad, B.grad)
+        A_view, B_view = self.views(slot, rank)
+        adopt(A, A_view)
+        adopt(B, B_view)
+        self.owners[slot] = (A, B, rank)
+        if any(g is not None for g in grads):
+            gA, gB = self.grads()
+            for tensor, grad, view in ((A, grads[0], gA[slot, :rank]), (B, grads[1], gB[slot, :, :rank])):
+                if grad is not None:
+                    view.copy_(grad)
+                    tensor.grad = view
+
+    def clear(self, slot: int) -> None:
+        """Free `slot`: its tensors get storage of their own again, and its rows are zero for the next adapter."""
+        owner = self.owners.pop(slot, None)
+        if owner is not None:
+            release(owner[0])
+            release(owner[1])
+        with torch.no_grad():
+            for buffer in (self.A, self.Bt, self.grad_A, self.grad_Bt):
+                if buffer is not None:
+                    buffer[slot].zero_()
+
+    def link_grads(self, slots: Iterable[int]) -> None:
+        """Before a backward adds into these slots' gradient rows: each trainable owner's `.grad` becomes the view of
+        its rows, holding what it held (nothing: zero, after the optimizer cleared it; a tensor put there by a
+        restore or a rank's all-reduce: its values)."""
+        gA, gB = self.grads()
+        with torch.no_grad():
+            for slot in slots:
+                owner = self.owners.get(slot)
+                if owner is None:
+                    continue
+                A, B, rank = owner
+                for tensor, view in ((A, gA[slot, :rank]), (B, gB[slot, :, :rank])):
+                    if not tensor.requires_grad:
+                        continue
+                    grad = tensor.grad
+                    if grad is not None and grad.data_ptr() == view.data_ptr() and grad.stride() == view.stride():
+                        continue  # linked already: the kernel adds in place
+                    if grad is None:
+                        view.zero_()
+                    else:
+                        view.copy_(grad)
+                    tensor.grad = view
+
+    def resize(self, capacity: int, rank: int) -> None:
+        """Grow to `capacity` slots of rank `rank`, the owners' tensors (and linked gradients) moved along."""
+        old_A, old_Bt, old_gA, old_gBt = self.A, self.Bt, self.grad_A, self.grad_Bt
+        slots, ranks = old_A.shape[0], old_A.shape[1]
+        self.A = torch.zeros(capacity, rank, self.in_features, device=self.device)
+        self.Bt = torch.zeros(capacity, rank, self.out_features, device=self.device)
+        self.A[:slots, :ranks] = old_A
+        self.Bt[:slots, :ranks] = old_Bt
+        self.grad_A = self.grad_Bt = None
+        if old_gA is not None and old_gBt is not None:
+            gA, gBt = torch.zeros_like(self.A), torch.zeros_like(self.Bt)
+            gA[:slots, :ranks] = old_gA
+            gBt[:slots, :ranks] = old_gBt
+            self.grad_A, self.grad_Bt = gA, gBt
+        for slot, (A, B, r) in self.owners.items():
+            A_view, B_view = self.views(slot, r)
+            for tensor, view, grad_view in ((A, A_view, None if self.grad_A is None else self.grad_A[slot, :r]),
+                                            (B, B_view, None if self.grad_Bt is None else self.grad_Bt[slot, :r].t())):
+                old_grad = tensor.grad
+                tensor.data = view
+                if old_grad is not None and grad_view is not None and _shares(old_grad, old_gA, old_gBt):
+                    tensor.grad = grad_view  # its values came with the rows
+
+
+def _shares(grad: torch.Tensor, *buffers: torch.Tensor | None) -> bool:
+    """Whether `grad` is a view into one of these buffers."""
+    return any(b is not None and grad.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() for b in buffers)
+
+
+@dataclass
+class BaseSlots:
+    """The slot indices of one base: which adapter holds which slot, shared by every wrapped layer."""
+
+    capacity: int = 0
+    rank: int = 0  # R: the largest rank any buffer holds
+    occupants: dict[str, Occupant] = field(default_factory=dict)
+    layers: dict[str, LayerSlots] = field(default_factory=dict)
+    free: list[int] = field(default_factory=list)
+
+    def slot_of(self, key: str) -> int | None:
+        occupant = self.occupants.get(key)
+        return None if occupant is None else occupant.slot
+
+    def attach(self, key: str, layers: Mapping[str, Wrappable], weights: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
+               rank: int, scaling: float, dropout: float, trainable: bool) -> Occupant:
+        """Give `key` a slot and make its tensors views of it (its values kept). Again for a key attached already:
+        its new tensors take its slot."""
+        if key in self.occupants:
+            self.detach(key)
+        if not weights:
+            raise ValueError(f"{key}: no LoRA matrices to attach")
+        device = next(iter(weights.values()))[0].device
+        slot = self._take(rank)
+        for path, (A, B) in weights.items():
+            layer = layers[path]
+            if layer.lora is None:
+                layer.lora = LayerSlots(layer.in_features, layer.out_features, self.capacity, self.rank, device)
+                self.layers[path] = layer.lora
+            layer.lora.put(slot, A, B)
+        occupant = Occupant(key, slot, rank, scaling, dropout, dict(weights), trainable)
+        self.occupants[key] = occupant
+        return occupant
+
+    def detach(self, key: str) -> None:
+        """Free `key`'s slot; its tensors keep their values in storage of their own."""
+        occupant = self.occupants.pop(key, None)
+        if occupant is None:
+            return
+        for path in occupant.weights:
+            layer = self.layers.get(path)
+            if layer is not None:
+                layer.clear(occupant.slot)
+        self.free.append(occupant.slot)
+
+    def _take(self, rank: int) -> int:
+        """A free slot, the buffers grown first when none is free or `rank` is past R."""
+        if not self.free or rank > self.rank:
+            capacity = self.capacity if self.free else self.capacity + max(GROWTH_MIN, self.capacity // 2)
+            new_rank = max(self.rank, rank)
+            for layer in self.layers.values():
+                layer.resize(capacity, new_rank)
+            self.free.extend(range(self.capacity, capacity))
+            self.capacity, self.rank = capacity, new_rank
+        self.free.sort()
+        return self.free.pop(0)
