@@ -224,8 +224,9 @@ class Control:
             if call.request_id and meta.get("request_id") == call.request_id:
                 check_same_body(call.request_id, meta.get("body_sha256"), body)
                 return SaveStateResult.from_dict(meta["result"]).replay()
-            raise FailedPrecondition(f"run {state.run_id} already has a {call.mode} checkpoint named {name!r}: pick "
-                                     "another name, or delete that one first", field="name")
+            article = "an" if call.mode[0] in "aeiou" else "a"  # an adapter, a state
+            raise FailedPrecondition(f"run {state.run_id} already has {article} {call.mode} checkpoint named "
+                                     f"{name!r}: pick another name, or delete that one first", field="name")
         started = time.perf_counter()
         self.recovery.snapshot(state)
         with_optimizer = call.optimizer_saved
