@@ -49,6 +49,12 @@ def graphql_batch(batch: Sequence[BatchItem]) -> list[object]:
     return [item(value) if isinstance(value, dict) else value for value in batch]
 
 
+def enum_value(value: str | None) -> str | None:
+    """The SDK's spelling of a loss or a reduction (`cross_entropy`, `sum`, as Tinker's) as GraphQL's enum value
+    (`CROSS_ENTROPY`, `SUM`)."""
+    return value.upper() if isinstance(value, str) else value
+
+
 def drop_none(values: dict[str, Any]) -> dict[str, Any]:
     """GraphQL variables without the settings left unset, so that the server's defaults apply."""
     return {key: value for key, value in values.items() if value is not None}

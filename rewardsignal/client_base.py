@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from rewardsignal.answer_types import answers, answers_run, answers_runs
 from rewardsignal.artifacts import Artifact, on_own_server
-from rewardsignal.calls import BatchItem, Call, LossFnConfig, drop_none, graphql_batch, primitive
+from rewardsignal.calls import BatchItem, Call, LossFnConfig, drop_none, enum_value, graphql_batch, primitive
 from rewardsignal.pipelining import Item, Sequencer, split
 from rewardsignal.results import (
     ApiKeyResult,
@@ -88,7 +88,7 @@ class ClientBase:
                 loss_fn_config: LossFnConfig | None = None) -> Any:
         """The loss and per-position `logprobs` of `batch` on a base model alone (no run, no adapter): the
         reference a DPO or KL term needs. `run.forward(...)` runs on a run's weights."""
-        variables = drop_none({"batch": graphql_batch(batch), "baseModel": base_model, "lossFn": loss_fn,
+        variables = drop_none({"batch": graphql_batch(batch), "baseModel": base_model, "lossFn": enum_value(loss_fn),
                                 "lossFnConfig": loss_fn_config})
         return self._run(primitive("Forward", variables, "forward"))
 

@@ -7,9 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from app.errors import BadInput
-
-# The largest integer a database column holds (SQLite's and PostgreSQL's BIGINT): a larger id is the caller's error.
-MAX_INTEGER = 2**63 - 1
+from app.tables import MAX_INTEGER
 
 
 def integer(value: object, field: str, low: int = 0, high: int = MAX_INTEGER) -> int:
