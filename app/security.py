@@ -1,9 +1,11 @@
-"""API keys: random secrets shown once; only a SHA-256 hash and a display prefix are stored."""
+"""API keys: random secrets shown once; only a SHA-256 hash and a display prefix are stored. And how a caller presents
+one: the bearer token of an `Authorization` header or a websocket's connection parameters (GraphQL, /v1, downloads)."""
 
 from __future__ import annotations
 
 import hashlib
 import secrets
+from typing import Any
 
 KEY_PREFIX = "sk-"
 
@@ -19,3 +21,21 @@ def hash_api_key(secret: str) -> str:
 
 def display_prefix(secret: str) -> str:
     return secret[:10]
+
+
+def bearer_from_header(value: str | None) -> str | None:
+    if not value:
+        return None
+    scheme, _, token = value.partition(" ")
+    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+
+
+def bearer_from_connection_params(params: dict[str, Any] | None) -> str | None:
+    """graphql-transport-ws clients send the key as `Authorization`, `authorization` or `apiKey`."""
+    if not isinstance(params, dict):
+        return None
+    for key in ("Authorization", "authorization"):
+        if isinstance(params.get(key), str):
+            return bearer_from_header(params[key])
+    value = params.get("apiKey") or params.get("api_key")
+    return value if isinstance(value, str) and value else None

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from datetime import timedelta
+from typing import Any
 
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import TimeoutError as SQLAlchemyTimeout
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -16,18 +19,22 @@ from starlette.routing import Mount, Route, WebSocketRoute
 from starlette.types import ASGIApp
 
 from app.backends import Backend, check_backend
+from app.body_limit import BodyLimit
 from app.errors import NotFound, PayloadTooLarge
-from app.openai import OpenAIBodyLimit, openai_app
+from app.openai import openai_app
+from app.openai.errors import too_large as openai_too_large
 from app.schema import schema
 from app.server_url import forget, record
-from app.services import Services
+from app.services import Services, services_of
 from app.settings import Settings
 from app.startup import ADMIN_EMAIL, admin_key_notice, first_start, login_url
 from app.tinker import routes as tinker_routes
+from app.tinker.endpoint import PREFIX as TINKER_PREFIX
+from app.tinker.endpoint import too_large as tinker_too_large
 from web import middleware as dashboard_middleware
 from web import routes as dashboard_routes
 from web.graphiql import DashboardGraphQL
-from web.render import not_found_page
+from web.render import failure_page, not_found_page
 
 log = logging.getLogger("signal.server")
 
@@ -88,17 +95,35 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None,
     ]
     # Starlette refuses bodies over max_body_size with 413 before anything parses them.
     app = SignalApp(routes=routes, lifespan=lifespan, max_body_size=settings.max_request_bytes,
-                    exception_handlers={404: not_found, 413: payload_too_large}, middleware=dashboard_middleware(settings))
+                    exception_handlers={404: not_found, 413: payload_too_large, **DATABASE_FAILURES}, middleware=dashboard_middleware(settings))
     app.state.settings = settings
     return app
 
 
+# The database's failures that reach the app (the wires and GraphQL map their own): the dashboard's page or toast.
+DATABASE_FAILURES: dict[Any, Callable[[Request, Exception], Awaitable[Response]]] = {
+    DBAPIError: failure_page, SQLAlchemyTimeout: failure_page}
+
+# Each wire's 413, by path: OpenAI's shape on /v1, Tinker's on /api/v1, GraphQL's elsewhere.
+TOO_LARGE: list[tuple[str, Callable[[int], Response]]] = [
+    ("/v1/", lambda limit: openai_too_large(limit).response()), (TINKER_PREFIX + "/", tinker_too_large)]
+
+
+def graphql_too_large(limit: int, detail: str = "Content Too Large") -> Response:
+    # A GraphQL-shaped answer, so clients read the code as they read any other error.
+    return JSONResponse({"errors": [{"message": f"{detail}: the request body is over {limit} bytes",
+                                     "extensions": {"code": PayloadTooLarge.code}}]},
+                        status_code=PayloadTooLarge.status)
+
+
 class SignalApp(Starlette):
-    """Starlette with /v1's declared-too-large bodies answered in OpenAI's shape, outside Starlette's body limit."""
+    """Starlette with declared-too-large bodies answered in each wire's shape, outside Starlette's body limit."""
 
     def build_middleware_stack(self) -> ASGIApp:
         stack = super().build_middleware_stack()
-        return OpenAIBodyLimit(stack, self.max_body_size) if self.max_body_size is not None else stack
+        if self.max_body_size is None:
+            return stack
+        return BodyLimit(stack, self.max_body_size, TOO_LARGE, graphql_too_large)
 
 
 async def _announce(services: Services) -> None:
@@ -116,7 +141,7 @@ UNHEALTHY = {"unresponsive", "down"}  # 503: a load balancer should route elsewh
 
 async def healthz(request: Request) -> JSONResponse:
     # Answers from memory only: it must stay prompt while a run trains, and while the runtime starts or hangs.
-    status = request.app.state.services.backend.health
+    status = services_of(request).backend.health
     return JSONResponse({"status": status, "uptime_s": round(time.time() - request.app.state.started_at, 3)},
                         status_code=503 if status in UNHEALTHY else 200)
 
@@ -134,15 +159,11 @@ async def not_found(request: Request, exc: Exception) -> Response:
     return await not_found_page(request, exc)
 
 
-async def payload_too_large(request: Request, exc: Exception) -> JSONResponse:
-    # A GraphQL-shaped answer, so clients read the code as they read any other error. (A body whose declared
-    # Content-Length is over the limit gets Starlette's own text 413 instead: it answers those itself.)
-    limit = request.app.state.settings.max_request_bytes
-    detail = exc.detail if isinstance(exc, HTTPException) else "Content Too Large"
-    if request.url.path.startswith("/v1/"):  # OpenAI's clients read OpenAI's error shape
-        return JSONResponse({"error": {"message": f"{detail}: the request body is over {limit} bytes",
-                                       "type": "invalid_request_error", "param": None, "code": "request_too_large"}},
-                            status_code=PayloadTooLarge.status)
-    return JSONResponse({"errors": [{"message": f"{detail}: the request body is over {limit} bytes",
-                                     "extensions": {"code": PayloadTooLarge.code}}]},
-                        status_code=PayloadTooLarge.status)
+async def payload_too_large(request: Request, exc: Exception) -> Response:
+    """A body that grew past the limit while it streamed in (no Content-Length), in its wire's shape."""
+    limit = services_of(request).settings.max_request_bytes
+    path = request.url.path
+    shape = next((shape for prefix, shape in TOO_LARGE if path.startswith(prefix)), None)
+    if shape is not None:
+        return shape(limit)
+    return graphql_too_large(limit, exc.detail if isinstance(exc, HTTPException) else "Content Too Large")

@@ -37,6 +37,15 @@ def new_id() -> str:
     return str(uuid.uuid4())
 
 
+# The largest integer a database column holds (SQLite's and PostgreSQL's BIGINT): a larger id is the caller's error.
+MAX_INTEGER = 2**63 - 1
+
+
+def row_number(value: str) -> int | None:
+    """An integer row id as a caller sends it (decimal ASCII digits within BIGINT), else None: no row, never a query."""
+    return int(value) if value.isascii() and value.isdigit() and int(value) <= MAX_INTEGER else None
+
+
 def could_be_id(value: str) -> bool:
     # What a caller sends as an id: anything else is no row, never a query (PostgreSQL refuses NUL in a parameter).
     return 0 < len(value) <= ID_LENGTH and value.isprintable()

@@ -61,6 +61,12 @@ def conversations(messages: Sequence[Message] | Sequence[Sequence[Message]] | No
     return [[dict(m) for m in conversation] for conversation in cast(Sequence[Sequence[Message]], messages)]
 
 
+def enum_value(value: str | None) -> str | None:
+    """The SDK's spelling of a loss or a reduction (`cross_entropy`, `sum`, as Tinker's) as GraphQL's enum value
+    (`CROSS_ENTROPY`, `SUM`)."""
+    return value.upper() if isinstance(value, str) else value
+
+
 def drop_none(values: dict[str, Any]) -> dict[str, Any]:
     """GraphQL variables without the settings left unset, so that the server's defaults apply."""
     return {key: value for key, value in values.items() if value is not None}

@@ -9,7 +9,17 @@ from typing import Any, ClassVar
 
 from rewardsignal.answer_types import Owner, answers
 from rewardsignal.artifacts import Artifact, on_own_server
-from rewardsignal.calls import BatchItem, Call, LossFnConfig, Message, conversations, drop_none, graphql_batch, primitive
+from rewardsignal.calls import (
+    BatchItem,
+    Call,
+    LossFnConfig,
+    Message,
+    conversations,
+    drop_none,
+    enum_value,
+    graphql_batch,
+    primitive,
+)
 from rewardsignal.pipelining import Item, Sequencer, split
 from rewardsignal.results import (
     ApiKeyResult,
@@ -89,7 +99,7 @@ class ClientBase(Owner):
                 loss_fn_config: LossFnConfig | None = None) -> Any:
         """The loss and per-position `logprobs` of `batch` on a base model alone (no run, no adapter): the
         reference a DPO or KL term needs. `run.forward(...)` runs on a run's weights."""
-        variables = drop_none({"batch": graphql_batch(batch), "baseModel": base_model, "lossFn": loss_fn,
+        variables = drop_none({"batch": graphql_batch(batch), "baseModel": base_model, "lossFn": enum_value(loss_fn),
                                 "lossFnConfig": loss_fn_config})
         return self._run(primitive("Forward", variables, "forward"))
 

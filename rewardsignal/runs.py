@@ -12,7 +12,17 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from rewardsignal.answer_types import Awaiting, Blocking, Owner, answers
 from rewardsignal.artifacts import Artifact
-from rewardsignal.calls import BatchItem, Call, LossFnConfig, Message, conversations, drop_none, graphql_batch, primitive
+from rewardsignal.calls import (
+    BatchItem,
+    Call,
+    LossFnConfig,
+    Message,
+    conversations,
+    drop_none,
+    enum_value,
+    graphql_batch,
+    primitive,
+)
 from rewardsignal.pipelining import Item
 from rewardsignal.results import (
     Datum,
@@ -102,8 +112,8 @@ class RunBase(Owner):
         `return_outputs`, the result's `outputs` holds each datum's per-position `logprobs` and
         `elementwise_loss` (a retried call's answer has none). A batch over the server's max_batch_size goes as
         consecutive calls with one answer (`mean` normalises across them)."""
-        variables = drop_none({"runId": self.id, "lossFn": loss_fn, "lossFnConfig": loss_fn_config,
-                                "reduction": reduction, "withOutputs": return_outputs or None})
+        variables = drop_none({"runId": self.id, "lossFn": enum_value(loss_fn), "lossFnConfig": loss_fn_config,
+                                "reduction": enum_value(reduction), "withOutputs": return_outputs or None})
         calls = [primitive("ForwardBackward", {**variables, "batch": graphql_batch(part)}, "forwardBackward")
                  for part in self._client._split(batch)]
         return self._client._run_all(calls, functools.partial(combine_forward_backward, reduction=reduction or "mean"))
@@ -114,14 +124,14 @@ class RunBase(Owner):
         """The loss and each datum's per-position `logprobs` on the run's current weights (or with `snapshot`, on
         a snapshot of it: it waits for none of the run's training), with no backward: no gradient, step or
         dropout counter changes."""
-        variables = drop_none({"runId": self.id, "batch": graphql_batch(batch), "lossFn": loss_fn,
+        variables = drop_none({"runId": self.id, "batch": graphql_batch(batch), "lossFn": enum_value(loss_fn),
                                 "lossFnConfig": loss_fn_config, "snapshot": snapshot})
         return self._client._run(primitive("Forward", variables, "forward"))
 
     @answers(list[Datum])
     def render_datums(self, batch: Sequence[BatchItem], loss_fn: str | None = None) -> Any:
         """The token-level datums ({model_input, loss_fn_inputs}) the server builds for `batch` on this run's model."""
-        variables = drop_none({"runId": self.id, "batch": graphql_batch(batch), "lossFn": loss_fn})
+        variables = drop_none({"runId": self.id, "batch": graphql_batch(batch), "lossFn": enum_value(loss_fn)})
         return self._client._run(Call("RenderDatums", variables, "renderDatums"))
 
     @answers(OptimStepResult)

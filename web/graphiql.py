@@ -14,8 +14,9 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, Response
 from starlette.websockets import WebSocket
 
-from app.schema.context import Context, Credential, bearer_from_connection_params
+from app.schema.context import Context, Credential
 from app.schema.view import SignalGraphQL
+from app.security import bearer_from_connection_params
 from web.render import services, templates
 from web.session import CSRF_HEADER, csrf_matches, csrf_ok, csrf_token, session_id
 

@@ -13,8 +13,9 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, RedirectResponse, Response
 from starlette.templating import Jinja2Templates
 
-from app.errors import INTERNAL_STATUS, NotFound, SignalError, http_status, retry_after_headers
-from app.services import Services
+from app.errors import INTERNAL_STATUS, InternalError, NotFound, SignalError, http_status, retry_after_headers
+from app.failures import known_failure
+from app.services import Services, services_of
 from web.paths import TEMPLATES
 from web.session import csrf_token, current
 from web.session_streams import signed_out_stream, wants_stream
@@ -62,7 +63,7 @@ templates.env.filters["params"] = lambda n: f"{n / 1e9:.2f}B" if n >= 1e9 else f
 
 
 def services(request: Request) -> Services:
-    return request.app.state.services  # type: ignore[no-any-return]  # Starlette's state is untyped
+    return services_of(request)
 
 
 def is_htmx(request: Request) -> bool:
@@ -89,6 +90,16 @@ def error_response(request: Request, error: SignalError, user: User | None = Non
     response = page(request, "error.html", status_code=status, user=user, status=status, message=message)
     response.headers.update(headers)
     return response
+
+
+async def failure_page(request: Request, exc: Exception) -> Response:
+    """The dashboard's one mapping of what its handlers do not catch themselves: the database's failures (disk full,
+    locked, read-only: app/failures.py) as the error page or toast with their status, never a plain 500."""
+    error = known_failure(exc)
+    if error is None:
+        log.error("dashboard request failed", exc_info=exc)
+        error = InternalError("internal error")
+    return error_response(request, error)  # no sidebar: reading the session would ask the failing database again
 
 
 async def not_found_page(request: Request, exc: Exception) -> Response:

@@ -14,6 +14,7 @@ from starlette.middleware import Middleware
 from starlette.middleware.sessions import SessionMiddleware
 from starlette.requests import HTTPConnection
 
+from app.services import services_of
 from app.settings import Settings
 
 if TYPE_CHECKING:  # rows are only ever received from app.services, never queried here
@@ -73,13 +74,13 @@ def session_id(conn: HTTPConnection) -> str | None:
 async def current(conn: HTTPConnection, touch: bool = True) -> LiveSession | None:
     """The signed-in session of this request, or None (no cookie, or its row is revoked, expired or unknown)."""
     sid = session_id(conn)
-    return await conn.app.state.services.sessions.live(sid, touch=touch) if sid else None
+    return await services_of(conn).sessions.live(sid, touch=touch) if sid else None
 
 
 async def sign_in(conn: HTTPConnection, user: User) -> None:
     # A fresh session on sign-in: nothing an attacker planted before (a CSRF token, a session id) survives it,
     # and a session this browser held before ends rather than living on unseen.
-    services = conn.app.state.services
+    services = services_of(conn)
     await services.sessions.revoke(session_id(conn))
     conn.session.clear()
     agent = conn.headers.get("user-agent", "")
@@ -88,5 +89,5 @@ async def sign_in(conn: HTTPConnection, user: User) -> None:
 
 
 async def sign_out(conn: HTTPConnection) -> None:
-    await conn.app.state.services.sessions.revoke(session_id(conn))
+    await services_of(conn).sessions.revoke(session_id(conn))
     conn.session.clear()

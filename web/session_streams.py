@@ -15,6 +15,7 @@ from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.requests import Request
 
 from app.rechecked import rechecked
+from app.services import services_of
 from web.session import session_id
 
 SIGNED_OUT = "signed-out"
@@ -40,7 +41,7 @@ def signed_out_stream() -> EventSourceResponse:
 
 async def until_signed_out(request: Request, events: AsyncIterator[ServerSentEvent]) -> AsyncIterator[ServerSentEvent]:
     """`events`, until the request's session ends; then one `signed-out` event."""
-    services = request.app.state.services
+    services = services_of(request)
     sid = session_id(request)
 
     async def check() -> None:

@@ -1,11 +1,15 @@
-"""An OpenAI-compatible endpoint under /v1: thin handlers over app/services (docs/OPENAI.md).
+"""An OpenAI-compatible endpoint under /v1: thin handlers over app/services (docs/OPENAI.md). It imports no other
+wire (app.schema, app.tinker); tests/gpu_runtime/test_rooms.py checks.
 
-- `errors`: OpenAI's error shape, and Signal's typed errors in it.
-- `params`: a request body checked and turned into one `sample` (every parameter error names its `param`).
+- `errors`: OpenAI's error shape, the wire's one exception mapping, and its 413.
+- `params`: a request body checked into a `CompletionRequest` (every parameter error names its `param`).
+- `targets`: what `model` names (a run, a snapshot, a `tinker://` sampler path, a base model) and the models list.
+- `generation`: the request's one sample: its prompts as token ids, the sample, the answer.
 - `answers`: a sample's result in OpenAI's completion and chat shapes, stop strings and EOS left out.
-- `routes`: the Starlette routes and the server-sent events.
+- `streaming`: the server-sent events.
+- `routes`: the Starlette routes.
 """
 
-from app.openai.routes import OpenAIBodyLimit, openai_app
+from app.openai.routes import openai_app
 
-__all__ = ["OpenAIBodyLimit", "openai_app"]
+__all__ = ["openai_app"]

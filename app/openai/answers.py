@@ -5,10 +5,12 @@ token, the stop token included, and `prompt_tokens` the rendered prompts' ids.""
 from __future__ import annotations
 
 import math
+import time
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from app.openai.params import Request
+from app.openai.params import CompletionRequest
 from gpu_runtime.contract import SampleResult
 
 FLOOR = -9999.0  # a logprob of -inf (a token top_p ruled out) as a finite number: JSON has no infinity
@@ -77,7 +79,7 @@ def _entry(token: int, logprob: float, pieces: dict[int, str]) -> dict[str, Any]
     return {"token": piece, "logprob": finite(logprob), "bytes": list(piece.encode("utf-8"))}
 
 
-def chat_logprobs(choice: Choice, request: Request, pieces: dict[int, str]) -> dict[str, Any] | None:
+def chat_logprobs(choice: Choice, request: CompletionRequest, pieces: dict[int, str]) -> dict[str, Any] | None:
     """Chat's shape: content: [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]."""
     if request.logprobs is None:
         return None
@@ -89,7 +91,7 @@ def chat_logprobs(choice: Choice, request: Request, pieces: dict[int, str]) -> d
     return {"content": content, "refusal": None}
 
 
-def completion_logprobs(choice: Choice, request: Request, pieces: dict[int, str], prompt_ids: list[int],
+def completion_logprobs(choice: Choice, request: CompletionRequest, pieces: dict[int, str], prompt_ids: list[int],
                         prompt_text: str, result: SampleResult) -> dict[str, Any] | None:
     """The legacy shape {tokens, token_logprobs, top_logprobs, text_offset}; with echo the prompt's positions
     first (null at 0). Offsets count characters in prompt + completion, as OpenAI's do."""
@@ -116,3 +118,43 @@ def completion_logprobs(choice: Choice, request: Request, pieces: dict[int, str]
             "top_logprobs": [None if top is None or not k else {pieces.get(int(t), ""): finite(lp) for t, lp in top[:k]}
                              for top in tops],
             "text_offset": offsets}
+
+
+def body(result: SampleResult, params: CompletionRequest, prompt_ids: list[list[int]], picked: list[Choice],
+         pieces: dict[int, str]) -> dict[str, Any]:
+    """The whole answer: a chat.completion or a text_completion, with usage."""
+    prompt_texts = [p if isinstance(p, str) else "".join(pieces.get(t, "") for t in p) for p in
+                    (params.prompts or prompt_ids)]
+    usage_ = usage(prompt_ids, picked)
+    head = {"id": f"{'chatcmpl' if params.chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
+            "model": params.model}
+    if params.chat:
+        answer = {**head, "object": "chat.completion", "choices": [chat_choice(c, params, pieces) for c in picked],
+                  "usage": usage_}
+        if params.return_token_ids:
+            answer["prompt_token_ids"] = prompt_ids[0]
+        return answer
+    items = [completion_choice(c, params, pieces, prompt_ids, prompt_texts, result) for c in picked]
+    return {**head, "object": "text_completion", "choices": items, "usage": usage_}
+
+
+def chat_choice(choice: Choice, params: CompletionRequest, pieces: dict[int, str]) -> dict[str, Any]:
+    item: dict[str, Any] = {"index": choice.index, "message": {"role": "assistant", "content": choice.text,
+                                                               "refusal": None},
+                            "logprobs": chat_logprobs(choice, params, pieces), "finish_reason": choice.finish_reason}
+    if params.return_token_ids:
+        item["token_ids"] = choice.ids
+    return item
+
+
+def completion_choice(choice: Choice, params: CompletionRequest, pieces: dict[int, str], prompt_ids: list[list[int]],
+                      prompt_texts: list[str], result: SampleResult) -> dict[str, Any]:
+    prompt_text = prompt_texts[choice.prompt]
+    item: dict[str, Any] = {
+        "index": choice.index, "text": (prompt_text if params.echo else "") + choice.text,
+        "logprobs": completion_logprobs(choice, params, pieces, prompt_ids[choice.prompt], prompt_text, result),
+        "finish_reason": choice.finish_reason}
+    if params.return_token_ids:
+        item["prompt_token_ids"] = prompt_ids[choice.prompt]
+        item["token_ids"] = choice.ids
+    return item

@@ -6,13 +6,20 @@ UnprocessableEntityError), a bad key 401, an unknown or foreign model 404 `model
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
 import re
+from collections.abc import Awaitable, Callable
 from typing import Any
 
-from starlette.responses import JSONResponse
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
 
 from app.errors import BadInput, NotFound, RunNotFound, SignalError, Unauthenticated, http_status, retry_after_s
+from app.failures import known_failure
+
+log = logging.getLogger("signal.openai")
 
 # The service layer names fields as GraphQL does; an OpenAI client sent these.
 FIELD_PARAMS = {"maxTokens": "max_tokens", "numSamples": "n", "topP": "top_p", "topK": "top_k", "runId": "model",
@@ -68,3 +75,32 @@ def from_signal(error: SignalError, prompt_param: str = "prompt") -> OpenAIError
         return OpenAIError(400, error.message, param=openai_param(error.field, prompt_param), code="invalid_value")
     return OpenAIError(http_status(error), error.message, param=openai_param(error.field, prompt_param),
                        code=error.code.lower(), retry_after_s=retry_after_s(error))
+
+
+def too_large(limit: int) -> OpenAIError:
+    """The wire's 413, for a declared length (app/body_limit.py, before any parsing) or a body met streaming in."""
+    return OpenAIError(413, f"the request body is over {limit} bytes", code="request_too_large")
+
+
+def as_openai(exc: Exception, prompt_param: str = "prompt") -> OpenAIError:
+    """The wire's one exception mapping: its own errors as they are, typed Signal errors, the database's failures,
+    recursion, overflow and decoding errors (app/failures.py); anything else, a bug, is logged and a 500 in OpenAI's
+    shape."""
+    if isinstance(exc, OpenAIError):
+        return exc
+    known = known_failure(exc)
+    if known is not None:
+        return from_signal(known, prompt_param)
+    log.error("/v1 request failed", exc_info=exc)
+    return OpenAIError(500, "internal server error", kind="api_error")
+
+
+def answering_errors(handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
+    """Every failure as OpenAI's error response (a Router has no exception handlers)."""
+    @functools.wraps(handler)
+    async def handle(request: Request) -> Response:
+        try:
+            return await handler(request)
+        except Exception as exc:  # noqa: BLE001 - every failure in the wire's shape
+            return as_openai(exc).response()
+    return handle

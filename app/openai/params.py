@@ -26,7 +26,7 @@ ROLES = {"system": "system", "developer": "system", "user": "user", "assistant":
 
 
 @dataclass
-class Request:
+class CompletionRequest:
     """One /v1 completion or chat request, checked. `prompts` or `messages` is set (not both)."""
 
     model: str
@@ -166,14 +166,14 @@ def _messages(messages: Any) -> list[dict[str, str]]:
     return rendered
 
 
-def parse(body: Any, chat: bool) -> Request:
+def parse(body: Any, chat: bool) -> CompletionRequest:
     if not isinstance(body, dict):
         raise bad("body", "the request body must be a JSON object")
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad("model", "model is required: a run id, a snapshot or a base model (see GET /v1/models)")
     _refusals(body)
-    request = Request(model=model, chat=chat)
+    request = CompletionRequest(model=model, chat=chat)
     if chat:
         request.messages = _messages(body.get("messages"))
         if body.get("prompt") is not None:

@@ -83,21 +83,3 @@ def selects(info: Info, name: str) -> bool:
         return False
 
     return any(walk(field.selections) for field in info.selected_fields)
-
-
-def bearer_from_header(value: str | None) -> str | None:
-    if not value:
-        return None
-    scheme, _, token = value.partition(" ")
-    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
-
-
-def bearer_from_connection_params(params: dict[str, Any] | None) -> str | None:
-    """graphql-transport-ws clients send the key as `Authorization`, `authorization` or `apiKey`."""
-    if not isinstance(params, dict):
-        return None
-    for key in ("Authorization", "authorization"):
-        if isinstance(params.get(key), str):
-            return bearer_from_header(params[key])
-    value = params.get("apiKey") or params.get("api_key")
-    return value if isinstance(value, str) and value else None

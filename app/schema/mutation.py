@@ -10,6 +10,7 @@ from strawberry.scalars import JSON
 from app.errors import BadInput
 from app.schema.account import ApiKey, CreatedApiKey
 from app.schema.context import Info, selects
+from app.schema.enums import DEFAULT_LOSS, DEFAULT_REDUCTION_ENUM, LossFn, Reduction
 from app.schema.inputs import AdamInput, BatchItem, CreateRunInput, MessageInput
 from app.schema.results import (
     ForwardBackwardResult,
@@ -23,7 +24,7 @@ from app.schema.results import (
 from app.schema.runs import Checkpoint, Run, SaveMode
 from app.services.call_order import Numbered
 from app.services.runs import RunLabels, SampleParams
-from gpu_runtime.contract import DEFAULT_LOSS_FN, DEFAULT_REDUCTION, SAMPLE_DEFAULTS
+from gpu_runtime.contract import SAMPLE_DEFAULTS
 
 # An idempotency key: a retry that carries the id of a call already applied gets that call's answer again.
 RequestId = Annotated[str | None, strawberry.argument(
@@ -35,6 +36,12 @@ Session = Annotated[str | None, strawberry.argument(
     description="The client session that numbers its calls with seq (the SDK sends one id per client)")]
 
 
+CheckpointArgument = Annotated[str | None, strawberry.argument(
+    description="A training checkpoint to read the weights of, off the run's queue: its name on runId, or its path "
+                "signal://<run_id>/<kind>/<name> (kind state, adapter or sampler; runId may then be left out) "
+                "(docs/CHECKPOINTS.md)")]
+
+
 @strawberry.type
 class Mutation:
     @strawberry.mutation
@@ -44,19 +51,19 @@ class Mutation:
 
     @strawberry.mutation(description="Compute the loss and accumulate gradients for a batch")
     async def forward_backward(
-        self, info: Info, run_id: strawberry.ID, batch: list[BatchItem], loss_fn: str = DEFAULT_LOSS_FN,
+        self, info: Info, run_id: strawberry.ID, batch: list[BatchItem], loss_fn: LossFn = DEFAULT_LOSS,
         loss_fn_config: JSON | None = None, request_id: RequestId = None,
-        reduction: Annotated[str, strawberry.argument(
-            description='"mean" (normalised over every call before optimStep) or "sum" (raw, as Tinker); one per '
-                        'step')] = DEFAULT_REDUCTION,
+        reduction: Annotated[Reduction, strawberry.argument(
+            description="MEAN (normalised over every call before optimStep) or SUM (raw, as Tinker); one per "
+                        "step")] = DEFAULT_REDUCTION_ENUM,
         seq: Seq = None, session: Session = None,
     ) -> ForwardBackwardResult:
         user = await info.context.user()
         # JSON is NewType("JSON", object); the runtime checks the value is an object (contract.loss_settings).
         config = cast("dict[str, Any] | None", loss_fn_config)
         result = await info.context.services.runs.forward_backward(
-            user, str(run_id), [item.to_dict() for item in batch], loss_fn=loss_fn, loss_fn_config=config,
-            request_id=request_id, reduction=reduction, return_outputs=selects(info, "outputs"),
+            user, str(run_id), [item.to_dict() for item in batch], loss_fn=loss_fn.value,
+            loss_fn_config=config, request_id=request_id, reduction=reduction.value, return_outputs=selects(info, "outputs"),
             order=Numbered.of(seq, session),
         )
         return ForwardBackwardResult(loss=result.loss, num_tokens=result.num_tokens,
@@ -68,17 +75,17 @@ class Mutation:
                          "model alone (baseModel)")
     async def forward(
         self, info: Info, batch: list[BatchItem], run_id: strawberry.ID | None = None, base_model: str | None = None,
-        loss_fn: str = DEFAULT_LOSS_FN, loss_fn_config: JSON | None = None, request_id: RequestId = None,
+        loss_fn: LossFn = DEFAULT_LOSS, loss_fn_config: JSON | None = None, request_id: RequestId = None,
         seq: Seq = None, session: Session = None,
         snapshot: Annotated[str | None, strawberry.argument(
             description="A sampler snapshot of the run (saveWeightsForSampler), by name")] = None,
-        checkpoint: str | None = None,
+        checkpoint: CheckpointArgument = None,
     ) -> ForwardResult:
         user = await info.context.user()
         config = cast("dict[str, Any] | None", loss_fn_config)
         result = await info.context.services.runs.forward(
             user, [item.to_dict() for item in batch], run_id=str(run_id) if run_id is not None else None,
-            base_model=base_model, loss_fn=loss_fn, loss_fn_config=config, request_id=request_id,
+            base_model=base_model, loss_fn=loss_fn.value, loss_fn_config=config, request_id=request_id,
             order=Numbered.of(seq, session), snapshot=snapshot, checkpoint=checkpoint)
         return ForwardResult(loss=result.loss, loss_sum=result.loss_sum, num_tokens=result.num_tokens,
                              num_examples=result.num_examples, step=result.step,
@@ -105,7 +112,7 @@ class Mutation:
                         "assistant's turn opened, as /v1 does; instead of prompts and promptTokens")] = None,
         snapshot: Annotated[str | None, strawberry.argument(
             description="A sampler snapshot of the run (saveWeightsForSampler), by name")] = None,
-        checkpoint: str | None = None,
+        checkpoint: CheckpointArgument = None,
         base_model: Annotated[str | None, strawberry.argument(
             description="With no runId: sample this base model alone, billed to you")] = None,
         max_tokens: int = SAMPLE_DEFAULTS["max_tokens"],

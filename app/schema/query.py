@@ -8,11 +8,11 @@ from strawberry.scalars import JSON
 from app.schema.account import ApiKey, UsageReport, User
 from app.schema.catalog import Limits, ModelInfo, TokenizerInfo
 from app.schema.context import Info
+from app.schema.enums import DEFAULT_LOSS, LossFn
 from app.schema.inputs import BatchItem
 from app.schema.results import Datum
 from app.schema.runs import BaseSample, Run, RunSort
 from app.services.usage import DEFAULT_DAYS
-from gpu_runtime.contract import DEFAULT_LOSS_FN
 
 
 @strawberry.type
@@ -66,10 +66,10 @@ class Query:
 
     @strawberry.field(description="The datums (token level) the server builds for a batch of items on a run's model")
     async def render_datums(self, info: Info, run_id: strawberry.ID, batch: list[BatchItem],
-                            loss_fn: str = DEFAULT_LOSS_FN) -> list[Datum]:
+                            loss_fn: LossFn = DEFAULT_LOSS) -> list[Datum]:
         user = await info.context.user()
         result = await info.context.services.runs.render_datums(user, str(run_id), [item.to_dict() for item in batch],
-                                                                loss_fn=loss_fn)
+                                                                loss_fn=loss_fn.value)
         return [Datum.from_dict(datum) for datum in result.datums]
 
     @strawberry.field

@@ -16,7 +16,9 @@ from strawberry.asgi import GraphQL
 from strawberry.exceptions import ConnectionRejectionError
 
 from app.errors import BadInput, InvalidDocument, Unauthenticated
-from app.schema.context import Context, Credential, bearer_from_connection_params, bearer_from_header
+from app.schema.context import Context, Credential
+from app.security import bearer_from_connection_params, bearer_from_header
+from app.services import services_of
 
 # What strawberry's own HTTP refusals (plain text) become: a code a client can branch on.
 HTTP_CODES = {400: BadInput.code, 404: "NOT_FOUND", 405: "METHOD_NOT_ALLOWED"}
@@ -56,7 +58,7 @@ class SignalGraphQL(GraphQL[Context, None]):
         return body
 
     async def get_context(self, request: Request | WebSocket, response: Response | WebSocket) -> Context:
-        services = request.app.state.services
+        services = services_of(request)
         return Context(services=services, credential=Credential(bearer_from_header(request.headers.get("authorization"))),
                        request=request, response=response)
 

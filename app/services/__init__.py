@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import httpx
+from starlette.requests import HTTPConnection
 
 from app.backends import Backend, make_backend
 from app.catalog import Catalog
@@ -115,3 +116,12 @@ class Services:
             await self.http.aclose()
         await self.backend.close()
         await self.db.dispose()
+
+
+def services_of(connection: HTTPConnection) -> Services:
+    """The server's services from a request or websocket (set by app/server.py's lifespan): Starlette's state is
+    untyped, so it is checked here once, for every wire and the dashboard."""
+    found = connection.app.state.services
+    if not isinstance(found, Services):
+        raise RuntimeError("the server's services are not started (app.state.services is set by the lifespan)")
+    return found

@@ -13,7 +13,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from app.errors import BadInput, NotFound, RunNotFound
 from app.services.call_order import Numbered
 from app.services.run_calls import RunCalls, pool_of
-from app.tables import Checkpoint, Run, User, could_be_id, utcnow
+from app.tables import Checkpoint, Run, User, could_be_id, row_number, utcnow
 from gpu_runtime.contract import (
     CheckpointRef,
     DeleteCheckpoint,
@@ -121,7 +121,8 @@ class RunCheckpoints(RunCalls):
         """A checkpoint's (or a sampler snapshot's) files in the runtime, then its row."""
         run = await self.get(user, run_id)
         async with self.db.session() as session:
-            row = await session.get(Checkpoint, int(checkpoint_id)) if str(checkpoint_id).isdigit() else None
+            number = row_number(str(checkpoint_id))  # 99999999999999999999999 overflows BIGINT: not found, not a 500
+            row = await session.get(Checkpoint, number) if number is not None else None
         if row is None or row.run_id != run.id:
             raise NotFound(f"checkpoint {checkpoint_id} of run {run_id!r} not found", field="checkpointId")
 

@@ -22,6 +22,8 @@ from app.services.streams import unless_gone
 from app.tables import BaseSample, Run, Sample, User, new_id
 from gpu_runtime.client.allocation import PoolKey
 from gpu_runtime.contract import (
+    CHECKPOINT_SCHEME,
+    LOADABLE_KINDS,
     Call,
     Cancel,
     Ping,
@@ -30,6 +32,7 @@ from gpu_runtime.contract import (
     SampleResult,
     Tokenizer,
     TokenizerResult,
+    checkpoint_ref,
 )
 from gpu_runtime.contract import Sample as SampleCall  # app.tables.Sample is a sample's row
 
@@ -48,6 +51,7 @@ class RunSampling(RunCalls):
         (`base_samples`). A frozen source is named in the row's params."""
         # The contract takes stop strings and ids as one `stop`; GraphQL has two arguments: name the one sent.
         stop_field = "stop_tokens" if params.stop_tokens is not None and params.stop is None else "stop"
+        run_id, snapshot, checkpoint = checkpoint_source(run_id, snapshot, checkpoint)
         with _fields_renamed(lambda field: stop_field if field == "stop" else field):
             return await self._sample(user, run_id, params, request_id, snapshot, checkpoint, base_model, order,
                                       progress, latest)
@@ -110,6 +114,7 @@ class RunSampling(RunCalls):
         withdrawn wherever it is, queued or decoding (CANCELLED: never applied, not billed, not recorded; its compute
         seconds logged). A training call has no such path: it completes whatever its client does."""
         request_id = request_id or new_id()  # the name its cancel needs
+        run_id, snapshot, checkpoint = checkpoint_source(run_id, snapshot, checkpoint)
 
         async def cancel() -> None:
             run = await self.get(user, run_id) if run_id is not None else None
@@ -232,3 +237,21 @@ class RunSampling(RunCalls):
 def cancelled(params: dict[str, object], sequence: Mapping[str, object]) -> dict[str, object]:
     """A sample row's params; a sequence cut short by its client going away says so (finish_reason "cancelled")."""
     return {**params, "finish_reason": "cancelled"} if sequence.get("stop_reason") == "cancelled" else params
+
+
+def checkpoint_source(run_id: str | None, snapshot: str | None,
+                      checkpoint: str | None) -> tuple[str | None, str | None, str | None]:
+    """`checkpoint` as a name on `run_id`, or as the `signal://<run_id>/<kind>/<name>` path docs/CHECKPOINTS.md gives
+    (and load_state takes): a state or adapter checkpoint by its name, a sampler one as the snapshot it is. The path's
+    run is the call's (a `runId` given must be the same). Returns (run_id, snapshot, checkpoint)."""
+    if checkpoint is None or not checkpoint.startswith(CHECKPOINT_SCHEME):
+        return run_id, snapshot, checkpoint
+    ref = checkpoint_ref(checkpoint, "checkpoint", kinds=(*LOADABLE_KINDS, "sampler"))
+    if run_id is not None and ref.run_id != run_id:
+        raise BadInput(f"checkpoint: {checkpoint!r} is a checkpoint of run {ref.run_id!r}, not of runId {run_id!r}",
+                       field="checkpoint")
+    if snapshot is not None:
+        raise BadInput("give one of snapshot and checkpoint, not both", field="checkpoint")
+    if ref.kind == "sampler":
+        return ref.run_id, ref.name, None
+    return ref.run_id, None, ref.name

@@ -31,7 +31,7 @@ from app.services.deadlines import Deadline
 from app.services.run_calls import FAILED, RunCalls, pool_of
 from app.services.run_checkpoints import RunCheckpoints
 from app.services.run_reads import MAX_METRICS_LIMIT, RunReads
-from app.services.run_sampling import RunSampling, cancelled
+from app.services.run_sampling import RunSampling, cancelled, checkpoint_source
 from app.services.run_specs import (
     RUN_SORTS,
     SAMPLE_LIMITS,
@@ -157,6 +157,8 @@ class RunService(RunReads, RunSampling, RunCheckpoints):
         """Losses and per-position logprobs with no backward, changing nothing, on a weights source as sample's:
         the caller's run's current weights (`run_id`, in the run's order), a snapshot of it (`snapshot`: off the
         run's queue), or a catalogue base model alone (`base_model`, no run: only its call record is written)."""
+        run_id, snapshot, checkpoint = checkpoint_source(run_id, snapshot, checkpoint)
+
         def on(run: Run) -> Forward:
             return Forward(run_id=run.id, batch=batch, loss_fn=loss_fn, loss_fn_config=loss_fn_config,
                            snapshot=snapshot, checkpoint=checkpoint)

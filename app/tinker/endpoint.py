@@ -7,19 +7,23 @@ Every 4xx is a plain JSON response with a Content-Length: a 400 without a body s
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from app.errors import BadInput, SignalError, Unauthenticated, http_status, retry_after_headers
-from app.services import Services
+from app.errors import BadInput, Unauthenticated, http_status, retry_after_headers
+from app.failures import known_failure
+from app.services import Services, services_of
 from app.services.tinker_sessions import SessionFinished
 from app.tables import TinkerFuture, User
 from app.tinker.messages import UntypedAPIFuture
 from gpu_runtime.errors import FailedPrecondition
 
+log = logging.getLogger("signal.tinker")
 PREFIX = "/api/v1"
 KEY_PREFIX = "tml-"  # the SDK refuses keys without it: users send tml- + their whole Signal key (tml-sk-…)
 Handler = Callable[[Request], Awaitable[Response]]
@@ -32,8 +36,13 @@ def error(status: int, message: str, category: str = "user", headers: dict[str, 
     return JSONResponse({"detail": message, "category": category}, status_code=status, headers=headers)
 
 
+def too_large(limit: int) -> JSONResponse:
+    """The wire's 413, for a declared length (app/body_limit.py, before any parsing) or a body met streaming in."""
+    return error(413, f"the request body is over {limit} bytes", "user")
+
+
 def services(request: Request) -> Services:
-    return request.app.state.services  # type: ignore[no-any-return]  # Starlette's state is untyped
+    return services_of(request)
 
 
 async def authenticate(request: Request) -> User:
@@ -53,7 +62,9 @@ async def body(request: Request) -> dict[str, Any]:
         raise BadInput("Content-Encoding is not supported (the server sets proto_compress_fwdbwd false)", field="body")
     try:
         value = json.loads(raw or b"{}")
-    except ValueError:
+    except RecursionError:
+        raise BadInput("the body is nested too deeply", field="body") from None
+    except ValueError:  # UnicodeDecodeError included
         raise BadInput("the body is not JSON", field="body") from None
     if not isinstance(value, dict):
         raise BadInput("the body must be a JSON object", field="body")
@@ -68,27 +79,24 @@ def endpoint(handler: UserHandler, auth: bool = True) -> Handler:
             answer = await handler(request, user)  # type: ignore[arg-type]  # auth=False handlers take no user
         except SessionFinished as exc:
             return error(410, f"session {exc} has finished")
-        except SignalError as exc:
-            status = http_status(exc)
-            if isinstance(exc, (BadInput, FailedPrecondition)):
+        except HTTPException as caught:  # the body limit, met while the body streamed in
+            if caught.status_code != 413:
+                raise
+            return too_large(services(request).settings.max_request_bytes)
+        except Exception as caught:  # noqa: BLE001 - every failure in the wire's shape
+            failure = known_failure(caught)
+            if failure is None:  # a bug: logged with its trace, answered in the wire's shape (never a reset connection)
+                log.exception("Tinker %s %s failed", request.method, request.url.path)
+                return error(500, "internal server error", "server")
+            status = http_status(failure)
+            if isinstance(failure, (BadInput, FailedPrecondition)):
                 status = 400  # the SDK's user error at submit (422 is fatal too; 400 is what the issue names)
             # A 429 (too many calls in flight) carries Retry-After, which the SDK's HTTP layer honours.
-            return error(status if status < 500 else 503, exc.message, "user" if status < 500 else "server",
-                         retry_after_headers(exc))
+            return error(status if status < 500 else 503, failure.message, "user" if status < 500 else "server",
+                         retry_after_headers(failure))
         return answer if isinstance(answer, Response) else JSONResponse(answer)
 
     return wrapped
-
-
-# The largest integer a database column holds (SQLite's and PostgreSQL's BIGINT): a larger id is the caller's error.
-MAX_INTEGER = 2**63 - 1
-
-
-def integer(value: object, field: str, low: int = 0, high: int = MAX_INTEGER) -> int:
-    """A JSON integer in low..high, checked before anything proportional to it is built."""
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise BadInput(f"{field} must be an integer in {low}..{high}, got {value!r}", field=field)
-    return value
 
 
 def future_answer(row: TinkerFuture, model_id: str | None = None) -> UntypedAPIFuture:

@@ -9,12 +9,13 @@ from starlette.requests import Request
 
 from app.errors import BadInput
 from app.services import Services
+from app.services import tinker_paths as paths
 from app.services.runs import RunSpec
 from app.services.tinker_futures import json_answer
 from app.services.tinker_sessions import model_id
 from app.tables import Run, User
-from app.tinker import paths
-from app.tinker.endpoint import body, future_answer, integer, services
+from app.tinker.endpoint import body, future_answer, services
+from app.tinker.fields import boolean, integer, obj, optional_integer, string
 from app.tinker.messages import CreateModelResponse, GetInfoResponse, LoadWeightsResponse, UntypedAPIFuture
 from app.tinker.training import ordered, submit_training
 
@@ -25,25 +26,25 @@ TINKER_LORA_ALPHA = 32.0
 async def create_model(request: Request, user: User) -> UntypedAPIFuture:
     data = await body(request)
     svc = services(request)
-    session_id = str(data.get("session_id", ""))
-    await svc.tinker_sessions.open(user, session_id)
+    session_id = string(data, "session_id", "") or ""
     seq = integer(data.get("model_seq_id"), "model_seq_id")
-    base_model = data.get("base_model")
-    if not isinstance(base_model, str) or not base_model:
+    base_model = string(data, "base_model")
+    if not base_model:
         raise BadInput("base_model is required", field="base_model")
-    lora = data.get("lora_config") or {}
-    optimizer = (data.get("optimizer_config") or {}).get("type", "adamw")
+    lora = obj(data, "lora_config")
+    optimizer = string(obj(data, "optimizer_config"), "type", "adamw", field="optimizer_config.type")
+    if optimizer != "adamw":
+        raise BadInput(f"optimizer {optimizer!r} is not supported: Signal trains with AdamW", field="optimizer_config")
+    seed = optional_integer(lora, "seed", None, field="lora_config.seed")
+    spec = RunSpec(base_model=base_model, lora_r=optional_integer(lora, "rank", 32, field="lora_config.rank"),
+                   lora_alpha=TINKER_LORA_ALPHA, seed=seed if seed is not None else secrets.randbelow(2**31),
+                   train_attn=boolean(lora, "train_attn", True, field="lora_config.train_attn"),
+                   train_mlp=boolean(lora, "train_mlp", True, field="lora_config.train_mlp"),
+                   train_unembed=boolean(lora, "train_unembed", True, field="lora_config.train_unembed"))
+    await svc.tinker_sessions.open(user, session_id)
     the_id = model_id(session_id, seq)
 
     async def work(request_id: str) -> tuple[str, bytes]:
-        if optimizer != "adamw":
-            raise BadInput(f"optimizer {optimizer!r} is not supported: Signal trains with AdamW",
-                           field="optimizer_config")
-        seed = lora.get("seed")
-        spec = RunSpec(base_model=base_model, lora_r=lora.get("rank", 32), lora_alpha=TINKER_LORA_ALPHA,
-                       seed=seed if seed is not None else secrets.randbelow(2**31),
-                       train_attn=bool(lora.get("train_attn", True)), train_mlp=bool(lora.get("train_mlp", True)),
-                       train_unembed=bool(lora.get("train_unembed", True)))
         run = await svc.runs.create(user, spec)
         await svc.tinker_sessions.map(user, the_id, session_id, "train", run.id, base_model)
         return json_answer(CreateModelResponse(model_id=the_id, type="create_model"))
@@ -58,9 +59,9 @@ async def load_weights(request: Request, user: User) -> UntypedAPIFuture:
     data = await body(request)
     svc = services(request)
     source = paths.parse(data.get("path"))
-    optimizer = bool(data.get("optimizer", False))
+    optimizer = boolean(data, "optimizer", False)
     if "model_id" in data:  # the deprecated TrainingClient.load_state
-        model = await svc.tinker_sessions.model(user, str(data["model_id"]), live=True)
+        model = await svc.tinker_sessions.model(user, string(data, "model_id", "") or "", live=True)
         seq = integer(data.get("seq_id"), "seq_id", 1)
 
         async def load(request_id: str) -> tuple[str, bytes]:
@@ -70,9 +71,9 @@ async def load_weights(request: Request, user: User) -> UntypedAPIFuture:
             return json_answer(LoadWeightsResponse(path=source.path, type="load_weights"))
 
         return future_answer(await submit_training(svc, user, model, seq, "LoadWeights", load))
-    session_id = str(data.get("session_id", ""))
-    await svc.tinker_sessions.open(user, session_id)
+    session_id = string(data, "session_id", "") or ""
     model_seq = integer(data.get("model_seq_id"), "model_seq_id")
+    await svc.tinker_sessions.open(user, session_id)
     the_id = model_id(session_id, model_seq)
 
     async def create(request_id: str) -> tuple[str, bytes]:
@@ -95,7 +96,7 @@ async def signal_checkpoint(svc: Services, user: User, source: paths.TinkerPath)
 async def get_info(request: Request, user: User) -> GetInfoResponse:
     data = await body(request)
     svc = services(request)
-    model = await svc.tinker_sessions.model(user, str(data.get("model_id", "")))
+    model = await svc.tinker_sessions.model(user, string(data, "model_id", "") or "")
     run = await svc.runs.get(user, model.run_id or "")
     return {"model_id": model.id, "type": "get_info", "model_name": model.base_model, "is_lora": True,
             "lora_rank": int(run.lora_config.get("r", 0)),

@@ -10,8 +10,8 @@ from starlette.requests import Request
 from app import tables
 from app.errors import BadInput, NotFound
 from app.services import Services
+from app.services import tinker_paths as paths
 from app.tables import TinkerModel, User
-from app.tinker import paths
 from app.tinker.endpoint import services
 from app.tinker.messages import (
     Checkpoint,

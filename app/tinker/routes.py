@@ -15,12 +15,13 @@ from starlette.routing import Route
 from app.tables import User
 from app.tinker import models, rest, sampling, sessions, training
 from app.tinker.endpoint import PREFIX, UserHandler, body, endpoint, error, services
+from app.tinker.fields import string
 from app.tinker.messages import TryAgainResponse, WeightsInfoResponse
 
 
 async def retrieve_future(request: Request, user: User) -> Response:
     data = await body(request)
-    request_id = str(data.get("request_id", ""))
+    request_id = string(data, "request_id", "") or ""
     answer = await services(request).tinker.retrieve(user, request_id)
     if answer is None:
         return JSONResponse(TryAgainResponse(type="try_again", request_id=request_id, queue_state="active"))

@@ -8,12 +8,14 @@ from typing import Any
 from starlette.requests import Request
 
 from app.errors import BadInput
+from app.services import tinker_paths as paths
 from app.services.runs import SampleParams
 from app.services.tinker_futures import PROTO_TYPE
 from app.services.tinker_sessions import sampling_session_id
 from app.tables import User
-from app.tinker import paths, proto
-from app.tinker.endpoint import body, future_answer, integer, services
+from app.tinker import proto
+from app.tinker.endpoint import body, future_answer, services
+from app.tinker.fields import boolean, integer, number, obj, optional_integer, string, token_ids
 from app.tinker.messages import CreateSamplingSessionResponse, GetSamplerResponse, UntypedAPIFuture
 from gpu_runtime.contract.sampling_settings import MAX_SAMPLES, MAX_TOKENS_LIMIT
 
@@ -21,13 +23,13 @@ from gpu_runtime.contract.sampling_settings import MAX_SAMPLES, MAX_TOKENS_LIMIT
 async def create_sampling_session(request: Request, user: User) -> CreateSamplingSessionResponse:
     data = await body(request)
     svc = services(request)
-    session_id = str(data.get("session_id", ""))
-    await svc.tinker_sessions.open(user, session_id)
+    session_id = string(data, "session_id", "") or ""
     seq = integer(data.get("sampling_session_seq_id"), "sampling_session_seq_id")
+    await svc.tinker_sessions.open(user, session_id)
     the_id = sampling_session_id(session_id, seq)
     if data.get("model_path") is None:  # the base alone
-        base_model = data.get("base_model")
-        if not isinstance(base_model, str) or not base_model:
+        base_model = string(data, "base_model")
+        if not base_model:
             raise BadInput("create_sampling_session needs model_path or base_model", field="base_model")
         svc.catalog.get(base_model)  # an unknown name is the caller's error now, not at the first sample
         await svc.tinker_sessions.map(user, the_id, session_id, "sample", None, base_model)
@@ -49,29 +51,54 @@ async def get_sampler(request: Request, user: User) -> GetSamplerResponse:
     return answer
 
 
-def sample_params(data: dict[str, Any], context_length: int | None) -> SampleParams:
-    """A SampleRequest's JSON body (as sent) as Signal's sampling parameters."""
-    params = data.get("sampling_params") or {}
-    chunks = (data.get("prompt") or {}).get("chunks") or []
+def prompt_tokens(data: dict[str, Any]) -> list[int]:
+    """A ModelInput's token ids: `{"chunks": [{"type": "encoded_text", "tokens": [...]}, ...]}`."""
+    chunks = obj(data, "prompt").get("chunks") or []
+    if not isinstance(chunks, list):
+        raise BadInput(f"prompt.chunks must be a list, got {type(chunks).__name__}", field="prompt.chunks")
     tokens: list[int] = []
     for i, chunk in enumerate(chunks):
+        field = f"prompt.chunks[{i}]"
+        if not isinstance(chunk, dict):
+            raise BadInput(f"{field} must be an object with type and tokens", field=field)
         if chunk.get("type", "encoded_text") != "encoded_text":
-            raise BadInput(f"prompt.chunks[{i}]: only encoded_text chunks are supported", field=f"prompt.chunks[{i}]")
-        tokens += list(chunk.get("tokens") or [])
+            raise BadInput(f"{field}: only encoded_text chunks are supported", field=field)
+        tokens += token_ids(chunk.get("tokens") or [], f"{field}.tokens")
+    return tokens
+
+
+def stops(params: dict[str, Any]) -> tuple[list[str] | None, list[int] | None]:
+    """`stop` as strings or as token ids (a string alone is one stop string)."""
     stop = params.get("stop")
-    if isinstance(stop, str):
-        stop = [stop]
-    is_ids = isinstance(stop, list) and bool(stop) and all(isinstance(s, int) for s in stop)
-    max_tokens = params.get("max_tokens")
-    top_k = params.get("top_k", -1)
+    if stop is None:
+        return None, None
+    stop = [stop] if isinstance(stop, str) else stop
+    if isinstance(stop, list) and stop and all(isinstance(s, int) and not isinstance(s, bool) for s in stop):
+        return None, token_ids(stop, "sampling_params.stop")
+    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        return stop or None, None
+    raise BadInput("sampling_params.stop must be a string, a list of strings or a list of token ids",
+                   field="sampling_params.stop")
+
+
+def sample_params(data: dict[str, Any], context_length: int | None) -> SampleParams:
+    """A SampleRequest's JSON body (as sent) as Signal's sampling parameters, each field's type checked here (its
+    range by the contract's validators, with the rest of the call)."""
+    params = obj(data, "sampling_params")
+    tokens = prompt_tokens(data)
+    stop, stop_tokens = stops(params)
+    max_tokens = optional_integer(params, "max_tokens", None, field="sampling_params.max_tokens")
+    top_k = optional_integer(params, "top_k", -1, low=-1, field="sampling_params.top_k") or 0
     return SampleParams(
         prompt_tokens=[tokens],
         max_tokens=room(len(tokens), context_length) if max_tokens is None else max_tokens,
-        temperature=params.get("temperature", 1.0), top_p=params.get("top_p", 1.0),
-        top_k=0 if top_k == -1 else top_k,  # Tinker's -1 is Signal's 0: off
-        stop=None if is_ids else stop, stop_tokens=stop if is_ids else None,
-        num_samples=integer(data.get("num_samples", 1), "num_samples", 1, MAX_SAMPLES), seed=params.get("seed"),
-        prompt_logprobs=bool(data.get("prompt_logprobs", False)), store=False)
+        temperature=number(params, "temperature", 1.0, "sampling_params.temperature"),
+        top_p=number(params, "top_p", 1.0, "sampling_params.top_p"),
+        top_k=max(top_k, 0),  # Tinker's -1 is Signal's 0: off
+        stop=stop, stop_tokens=stop_tokens,
+        num_samples=integer(data.get("num_samples", 1), "num_samples", 1, MAX_SAMPLES),
+        seed=optional_integer(params, "seed", None, field="sampling_params.seed"),
+        prompt_logprobs=boolean(data, "prompt_logprobs", False), store=False)
 
 
 def room(prompt_length: int, context_length: int | None) -> int:
@@ -84,12 +111,14 @@ def room(prompt_length: int, context_length: int | None) -> int:
 async def asample(request: Request, user: User) -> UntypedAPIFuture:
     data = await body(request)
     svc = services(request)
-    sampler = await svc.tinker_sessions.model(user, str(data.get("sampling_session_id", "")), "sample", live=True)
     seq = integer(data.get("seq_id", 0), "seq_id")
     # Bounded before the future's row lists one sequence id per sample (a billion of them took the server down).
     num_samples = integer(data.get("num_samples", 1), "num_samples", 1, MAX_SAMPLES)
+    sample_params(data, None)  # every field's type, before the sampler is looked up or a future made
+    sampler = await svc.tinker_sessions.model(user, string(data, "sampling_session_id", "") or "", "sample",
+                                              live=True)
     context_length = None
-    if (data.get("sampling_params") or {}).get("max_tokens") is None:
+    if obj(data, "sampling_params").get("max_tokens") is None:
         base = sampler.base_model if sampler.run_id is None else (await svc.runs.get(user, sampler.run_id)).base_model
         context_length = svc.catalog.get(base).context_length
     params = sample_params(data, context_length)

@@ -6,6 +6,7 @@ from starlette.requests import Request
 
 from app.tables import User
 from app.tinker.endpoint import body, services
+from app.tinker.fields import obj, string
 from app.tinker.messages import (
     ClientConfigResponse,
     CreateSessionResponse,
@@ -27,14 +28,14 @@ async def client_config(request: Request, user: User) -> ClientConfigResponse:
 
 async def create_session(request: Request, user: User) -> CreateSessionResponse:
     data = await body(request)
-    session_id = await services(request).tinker_sessions.create(user, data.get("display_name"),
-                                                                data.get("user_metadata"))
+    session_id = await services(request).tinker_sessions.create(user, string(data, "display_name"),
+                                                                obj(data, "user_metadata"))
     return {"session_id": session_id, "type": "create_session"}
 
 
 async def session_heartbeat(request: Request, user: User) -> SessionHeartbeatResponse:
     data = await body(request)
-    await services(request).tinker_sessions.heartbeat(user, str(data.get("session_id", "")))
+    await services(request).tinker_sessions.heartbeat(user, string(data, "session_id", "") or "")
     return {"type": "session_heartbeat"}
 
 

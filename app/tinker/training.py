@@ -11,12 +11,14 @@ from starlette.requests import Request
 
 from app.errors import BadInput
 from app.services import Services
+from app.services import tinker_paths as paths
 from app.services.call_order import Numbered
 from app.services.tinker_futures import PROTO_TYPE, json_answer
 from app.services.tinker_sessions import sampling_session_id, session_of
 from app.tables import TinkerFuture, TinkerModel, User
-from app.tinker import paths, proto
-from app.tinker.endpoint import body, future_answer, integer, services
+from app.tinker import proto
+from app.tinker.endpoint import body, future_answer, services
+from app.tinker.fields import boolean, integer, number, obj, string
 from app.tinker.messages import (
     OptimStepResponse,
     SaveWeightsForSamplerResponseInternal,
@@ -92,14 +94,15 @@ async def forward_backward(request: Request, user: User) -> UntypedAPIFuture:
 async def optim_step(request: Request, user: User) -> UntypedAPIFuture:
     data = await body(request)
     svc = services(request)
-    model = await svc.tinker_sessions.model(user, str(data.get("model_id", "")), live=True)
     seq = integer(data.get("seq_id"), "seq_id", 1)
-    adam = data.get("adam_params") or {}
-    if "optimizer_params" in data and (data["optimizer_params"] or {}).get("type", "adamw") != "adamw":
+    adam = obj(data, "adam_params")
+    # As sent (Tinker's eps 1e-12, clip 0: off), each a number; the contract's validators check their ranges.
+    params = {key: number(adam, key, 0.0, field=f"adam_params.{key}") for key in ADAM_KEYS if adam.get(key) is not None}
+    if string(obj(data, "optimizer_params"), "type", "adamw", field="optimizer_params.type") != "adamw":
         raise BadInput("only AdamW is supported", field="optimizer_params")
+    model = await svc.tinker_sessions.model(user, string(data, "model_id", "") or "", live=True)
 
     async def work(request_id: str) -> tuple[str, bytes]:
-        params = {key: adam[key] for key in ADAM_KEYS if key in adam}  # as sent: Tinker's eps 1e-12, clip 0 (off)
         result = await ordered(svc, model, seq, lambda order, rid: svc.runs.optim_step(
             user, model.run_id or "", params, request_id=rid, order=order), request_id)
         # Namespaced: the cookbook merges these into its own metrics rows, whose `step` is its batch index.
@@ -116,17 +119,17 @@ async def save(request: Request, user: User, kind: str) -> UntypedAPIFuture:
     unnamed behind a new sampling session)."""
     data = await body(request)
     svc = services(request)
-    model = await svc.tinker_sessions.model(user, str(data.get("model_id", "")), live=True)
     seq = integer(data.get("seq_id"), "seq_id", 1)
     ephemeral = kind == "sampler_weights" and data.get("path") is None
     name = None if ephemeral else paths.check_name(data.get("path"))
-    overwrite = bool(data.get("overwrite", False))
+    overwrite = boolean(data, "overwrite", False)
+    sampling_seq = integer(data.get("sampling_session_seq_id"), "sampling_session_seq_id") if ephemeral else 0
+    model = await svc.tinker_sessions.model(user, string(data, "model_id", "") or "", live=True)
     request_type = "SaveWeights" if kind == "weights" else "SaveWeightsForSampler"
 
     async def work(request_id: str) -> tuple[str, bytes]:
         run = await svc.runs.get(user, model.run_id or "")
         if ephemeral:  # an unnamed snapshot (memory only, expiring), sampled through a sampling session
-            sampling_seq = integer(data.get("sampling_session_seq_id"), "sampling_session_seq_id")
             the_id = sampling_session_id(session_of(model.id), sampling_seq)
             saved = await ordered(svc, model, seq, lambda order, rid: svc.runs.save_weights_for_sampler(
                 user, run.id, name=None, request_id=rid, order=order), request_id)

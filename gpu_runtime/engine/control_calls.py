@@ -222,8 +222,9 @@ class Control:
                 check_same_body(call.request_id, meta.get("body_sha256"), body)
                 return SaveStateResult.from_dict(meta["result"]).replay()
             if not call.overwrite:
-                raise FailedPrecondition(f"run {state.run_id} already has a {call.mode} checkpoint named {name!r}: "
-                                         "pick another name, or delete that one first", field="name")
+                article = "an" if call.mode[0] in "aeiou" else "a"  # an adapter, a state
+                raise FailedPrecondition(f"run {state.run_id} already has {article} {call.mode} checkpoint named "
+                                         f"{name!r}: pick another name, or delete that one first", field="name")
         if call.mode in READABLE_KINDS:
             self.snapshots.forget_checkpoint(state.run_id, name)  # a sample reading the old files refuses (in use)
         started = time.perf_counter()

@@ -259,3 +259,15 @@ def test_every_contract_type_is_mirrored_or_listed() -> None:
     every = {cls.__name__ for cls in contract.CALLS.values()} | results
     assert sorted(every - mirrored - set(NOT_IN_GRAPHQL)) == []
     assert sorted(set(NOT_IN_GRAPHQL) & mirrored) == [], "listed as unmirrored, yet mirrored"
+
+
+@pytest.mark.parametrize(("enum_name", "values"), [("LossFn", set(contract.LOSS_CONFIG_DEFAULTS)),
+                                                   ("Reduction", set(contract.REDUCTIONS))])
+def test_graphql_enums_name_every_loss_and_reduction_the_contract_has(enum_name: str, values: set[str]) -> None:
+    """lossFn and reduction are enums (CROSS_ENTROPY, SUM): their values are the contract's spellings, every one."""
+    from graphql import GraphQLEnumType
+
+    enum = SDL.get_type(enum_name)
+    assert isinstance(enum, GraphQLEnumType)
+    assert {value.value for value in enum.values.values()} == values
+    assert set(enum.values) == {value.upper() for value in values}

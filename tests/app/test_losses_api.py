@@ -18,8 +18,8 @@ DATUMS: list[dict[str, Any]] = [
     {"model_input": [260, 3575], "loss_fn_inputs": {"target_tokens": [282, 905], "advantages": [0.0, 0.0],
                                                     "logprobs": [-9.0, -9.0]}},  # a group with equal rewards
 ]
-FB = """mutation($id: ID!, $batch: [BatchItem!]!, $reduction: String! = "mean") {
-  forwardBackward(runId: $id, batch: $batch, lossFn: "ppo", reduction: $reduction) { loss numTokens reduction %s }
+FB = """mutation($id: ID!, $batch: [BatchItem!]!, $reduction: Reduction! = MEAN) {
+  forwardBackward(runId: $id, batch: $batch, lossFn: PPO, reduction: $reduction) { loss numTokens reduction %s }
 }"""
 
 
@@ -55,7 +55,7 @@ def test_another_reduction_before_the_step_is_failed_precondition_naming_it(live
     run = client.create_run(lora_r=4)
     summed = run.forward_backward(DATUMS, loss_fn="importance_sampling", reduction="sum")
     assert summed["reduction"] == "sum"
-    body = live_server.graphql(FB % "", {"id": run.id, "batch": graphql_batch(DATUMS), "reduction": "mean"}, key=key)
+    body = live_server.graphql(FB % "", {"id": run.id, "batch": graphql_batch(DATUMS), "reduction": "MEAN"}, key=key)
     assert error_code(body) == "FAILED_PRECONDITION"
     assert body["errors"][0]["extensions"]["field"] == "reduction"
     run.optim_step()

@@ -5,15 +5,23 @@ acknowledged around it survive a restore. Below the free-space margin, writing c
 
 from __future__ import annotations
 
+import sqlite3
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
+import httpx
 import pytest
 import torch
+from sqlalchemy import event
+from sqlalchemy.engine import Engine as SyncEngine
 
 from gpu_runtime.engine.engine import Engine
 from gpu_runtime.errors import ResourceExhausted
+from tests.conftest import ON_POSTGRES
 from tests.helpers.engine_tools import assert_same_weights, lora_weights
+from tests.helpers.live_server import TINY_MODEL, LiveServer
 
 BATCH = [{"text": "The quick brown fox jumps over the lazy dog."}]
 OTHER = [{"input": "Q: What is 2 + 2?\nA:", "output": " 4"}]
@@ -103,3 +111,64 @@ def test_a_snapshot_that_fails_on_a_full_disk(tmp_path: Path, tiny_model_dir: st
 
     restarted = Engine(tmp_path / "data", device="cpu")
     assert_same_weights(lora_weights(restarted, "r"), reference(tmp_path / "again", tiny_model_dir))
+
+
+# ---- The server's database on a full disk (issue 34, #6): every wire answers in its own shape, never a plain 500.
+# The failpoint: SQLite's own "database or disk is full" raised at every write of this process's engines (the live
+# server runs in this process), as SQLite raises it when its file cannot grow; reads go on, as they do on a full disk.
+
+
+@contextmanager
+def database_disk_full() -> Iterator[None]:
+    def full(conn: Any, cursor: Any, statement: str, *_: Any) -> None:
+        if statement.lstrip().upper().startswith(("INSERT", "UPDATE", "DELETE")):
+            raise sqlite3.OperationalError("database or disk is full")
+
+    event.listen(SyncEngine, "before_cursor_execute", full)
+    try:
+        yield
+    finally:
+        event.remove(SyncEngine, "before_cursor_execute", full)
+
+
+sqlite_only = pytest.mark.skipif(ON_POSTGRES, reason="raises SQLite's own disk-full error")
+
+
+@sqlite_only
+@pytest.mark.parametrize("store", [True, False])
+def test_v1_on_a_full_database_disk_is_openais_507(live_server: LiveServer, store: bool) -> None:
+    key = live_server.new_user()
+    body = {"model": TINY_MODEL, "prompt": "Hello", "max_tokens": 1, "store": store}
+    with database_disk_full():
+        answer = httpx.post(f"{live_server.url}/v1/completions", json=body, timeout=120,
+                            headers={"Authorization": f"Bearer {key}"})
+    assert answer.status_code == 507, answer.text
+    error = answer.json()["error"]
+    assert error["code"] == "resource_exhausted" and "disk is full" in error["message"]
+    again = httpx.post(f"{live_server.url}/v1/completions", json=body, timeout=120,
+                       headers={"Authorization": f"Bearer {key}"})
+    assert again.status_code == 200, again.text  # space back: served again
+
+
+@sqlite_only
+@pytest.mark.parametrize("path", ["create_session", "session_heartbeat"])
+def test_tinker_on_a_full_database_disk_is_its_json_error(live_server: LiveServer, path: str) -> None:
+    headers = {"X-API-Key": "tml-" + live_server.new_user()}
+    with httpx.Client(base_url=f"{live_server.url}/api/v1", headers=headers, timeout=60) as client:
+        session = client.post("create_session", json={"tags": []}).json()["session_id"]
+        with database_disk_full():
+            answer = client.post(path, json={"tags": [], "session_id": session})
+        assert answer.status_code == 503, answer.text
+        assert answer.json()["category"] == "server" and "disk is full" in answer.json()["detail"]
+        assert client.post("session_heartbeat", json={"session_id": session}).status_code == 200
+
+
+@sqlite_only
+def test_the_dashboard_on_a_full_database_disk_shows_its_error(live_server: LiveServer) -> None:
+    from tests.web.conftest import sign_in
+
+    visitor = sign_in(live_server)
+    with database_disk_full():
+        answer = visitor.post("/keys", data={"name": "full"})
+    assert answer.status_code == 507 and "disk is full" in answer.text  # the toast's text
+    assert visitor.post("/keys", data={"name": "after"}).status_code == 200

@@ -138,3 +138,16 @@ def test_the_server_side_of_the_runtime_imports_no_torch() -> None:
             "heavy = sorted(m for m in ('torch', 'transformers', 'peft') if m in sys.modules)\nassert not heavy, heavy\n")
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+WIRES = ("app.openai", "app.tinker", "app.schema")
+
+
+@pytest.mark.parametrize("wire", WIRES)
+def test_no_wire_imports_another(wire: str) -> None:
+    """Each wire (/v1, /api/v1, GraphQL) stands on app/services alone: what two wires share (bearer parsing, tinker://
+    paths) lives below them, in app/security.py and app/services/."""
+    others = [other for other in WIRES if other != wire]
+    offenders = {name: sorted(t for t in targets if any(in_room(t, other) for other in others))
+                 for name, targets in GRAPH.items() if in_room(name, wire)}
+    assert {k: v for k, v in offenders.items() if v} == {}

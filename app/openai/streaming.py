@@ -1,0 +1,136 @@
+"""/v1's server-sent events: a stream fed by the runtime's decode chunks, or (logprobs or echo asked) the whole
+answer as events. Once a stream has started, an error goes in it as `data: {"error": …}`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from app.errors import SignalError
+from app.openai.errors import as_openai, from_signal
+from app.openai.generation import Sampling
+from app.services.runs import SampleParams
+from app.services.streams import first_or_gone, hold, next_chunk
+from gpu_runtime.contract import SampleChunk
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def event_stream(events: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+async def whole(body: dict[str, Any], chat: bool, include_usage: bool) -> AsyncIterator[str]:
+    """The whole answer as events (a stream asking for logprobs or echo): per choice its content in one chunk, then its
+    finish; usage last when asked."""
+    head = {key: body[key] for key in ("id", "created", "model")}
+    kind = "chat.completion.chunk" if chat else "text_completion"
+    extra = {"usage": None} if include_usage else {}
+    try:
+        for choice in body["choices"]:
+            index = choice["index"]
+            if chat:
+                parts: list[dict[str, Any]] = [
+                    {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                     "finish_reason": None},
+                    {"index": index, "delta": {"content": choice["message"]["content"]},
+                     "logprobs": choice["logprobs"], "finish_reason": None},
+                    {"index": index, "delta": {}, "logprobs": None, "finish_reason": choice["finish_reason"]}]
+                if "token_ids" in choice:
+                    parts[1]["token_ids"] = choice["token_ids"]
+            else:
+                parts = [{**choice, "finish_reason": None},
+                         {"index": index, "text": "", "logprobs": None, "finish_reason": choice["finish_reason"]}]
+            for part in parts:
+                chunk: dict[str, Any] = {**head, "object": kind, "choices": [part], **extra}
+                if chat and "prompt_token_ids" in body and part is parts[0]:
+                    chunk["prompt_token_ids"] = body["prompt_token_ids"]
+                yield f"data: {json.dumps(chunk)}\n\n"
+        if include_usage:
+            yield f"data: {json.dumps({**head, 'object': kind, 'choices': [], 'usage': body['usage']})}\n\n"
+    except Exception as exc:  # noqa: BLE001 - the stream has started: the error goes in it
+        yield f"data: {json.dumps(as_openai(exc).body())}\n\n"
+    yield "data: [DONE]\n\n"
+
+
+async def streamed(call: Sampling, sample: SampleParams, request: Request) -> Response:
+    """A stream fed by the runtime's decode chunks. Errors met before its first chunk are answered as errors; the
+    sample is recorded whatever the client does, and cancelled in the runtime when the client goes away, before its
+    first chunk too (then, not begun, it is withdrawn: never applied, not billed, not recorded)."""
+    chunks: asyncio.Queue[SampleChunk] = asyncio.Queue()
+    request_id = f"v1-{uuid.uuid4().hex}"
+    task = hold(call.sample(sample, request_id, chunks.put_nowait))
+    try:
+        came, first = await first_or_gone(task, chunks, request.receive)
+    except SignalError as error:
+        raise from_signal(error, call.prompt_param) from None
+    if not came:
+        hold(call.cancel(request_id))
+        return Response(status_code=499)  # nginx's "client closed request": no one reads it
+    return event_stream(_chunk_events(call, task, chunks, request_id, first))
+
+
+async def _chunk_events(call: Sampling, task: asyncio.Future[Any], chunks: asyncio.Queue[SampleChunk],
+                        request_id: str, first: SampleChunk | None) -> AsyncIterator[str]:
+    """Each decode chunk's settled text (and ids, with return_token_ids) as it comes; then per choice the rest of its
+    answer and its finish, usage when asked, [DONE]. A client gone mid-stream cancels the sample within one chunk."""
+    params, chat = call.params, call.chat
+    ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    head = {"id": ident, "created": int(time.time()), "model": params.model,
+            "object": "chat.completion.chunk" if chat else "text_completion"}
+    extra = {"usage": None} if params.include_usage else {}
+    count = len(call.prompt_ids) * params.n
+    sent_text, sent_ids = [0] * count, [0] * count
+
+    def event(index: int, text: str, ids: list[int] | None, finish: str | None = None, opening: bool = False) -> str:
+        part: dict[str, Any] = {"index": index, "logprobs": None, "finish_reason": finish}
+        if chat:
+            part["delta"] = ({"role": "assistant", "content": ""} if opening else {"content": text} if text or ids
+                             else {})
+        else:
+            part["text"] = text
+        if params.return_token_ids and ids is not None:
+            part["token_ids"] = ids
+            if opening and not chat:
+                part["prompt_token_ids"] = call.prompt_ids[index // params.n]
+        chunk = {**head, "choices": [part], **extra}
+        if opening and chat and params.return_token_ids:
+            chunk["prompt_token_ids"] = call.prompt_ids[0]
+        return f"data: {json.dumps(chunk)}\n\n"
+
+    try:
+        if chat or params.return_token_ids:
+            for index in range(count):
+                yield event(index, "", [], opening=True)
+        chunk = first
+        while chunk is not None:
+            for p, sequences in enumerate(chunk.sequences):
+                for j, sequence in enumerate(sequences):
+                    index = p * params.n + j
+                    if sequence["text"] or sequence["tokens"]:
+                        sent_text[index] += len(sequence["text"])
+                        sent_ids[index] += len(sequence["tokens"])
+                        yield event(index, sequence["text"], sequence["tokens"])
+            chunk = await next_chunk(task, chunks)
+        body, picked = await call.answer(task.result())
+        for choice in picked:  # what no chunk sent: the end held back, a finished sequence's last tokens
+            text, ids = choice.text[sent_text[choice.index]:], choice.ids[sent_ids[choice.index]:]
+            if text or ids:
+                yield event(choice.index, text, ids)
+            yield event(choice.index, "", None, finish=choice.finish_reason)
+        if params.include_usage:
+            yield f"data: {json.dumps({**head, 'choices': [], 'usage': body['usage']})}\n\n"
+        yield "data: [DONE]\n\n"
+    except Exception as exc:  # noqa: BLE001 - the stream has started: the error goes in it
+        yield f"data: {json.dumps(as_openai(exc, call.prompt_param).body())}\n\n"
+        yield "data: [DONE]\n\n"
+    finally:
+        if not task.done():  # the client went away (or the stream failed): stop the generation, keep what it made
+            hold(call.cancel(request_id))
