@@ -77,10 +77,10 @@ from gpu_runtime.engine.residency import open_hardware
 from gpu_runtime.engine.run_state import RunState
 from gpu_runtime.engine.sampling_calls import Sampling
 from gpu_runtime.engine.scheduler import Scheduler, TickPlan
-from gpu_runtime.engine.shared import Answer, Shared, TickStats, isolated
+from gpu_runtime.engine.shared import Answer, Shared, TickStats, internal, isolated
 from gpu_runtime.engine.snapshots import Snapshots
 from gpu_runtime.engine.tickets import split_ticket
-from gpu_runtime.engine.training_calls import FbPart, FbProgress, Training
+from gpu_runtime.engine.training_calls import FbPart, FbProgress, StepCall, Training
 from gpu_runtime.errors import BadInput, SignalError, WorkerFailed
 
 # Calls that write (journal, snapshot, checkpoint): refused at submit while the disk is below its margin.
@@ -119,6 +119,7 @@ class Engine(InProcess):
         self.control = Control(self.shared, self.recovery, self.sampling, self.snapshots)
         self.last_tick = TickStats()
         self.ticking_since: float | None = None  # monotonic start of the tick running now (the heartbeat reads it)
+        self._stepping: list[tuple[Request, StepCall]] = []  # this tick's optim_steps, for its one optimizer tick
         self.in_flight = InFlight(self.shared, self.sampling)  # begun, not yet answered: withdrawn or failed early
         state = self.recovery.state
         self._handlers: dict[type[Call], Callable[[Any], Result]] = {  # a call answered now: which room answers it
@@ -243,6 +244,7 @@ class Engine(InProcess):
                                                           answers))
             if message is not None:
                 answers.append((request, message))
+        answers += self._optim_tick()
         self.in_flight.planned = []
         for request in plan.free:  # frozen samples: every pending one, into this tick's decode groups
             if request.answered:
@@ -325,6 +327,12 @@ class Engine(InProcess):
             return None
         if isinstance(call, Sample):
             return self._begin_frozen(request, samples)
+        if isinstance(call, OptimStep):  # into this tick's one optimizer tick (_optim_tick)
+            begun = self.training.begin_optim(self.recovery.state(call.run_id), call)
+            if isinstance(begun, StepCall):
+                self._stepping.append((request, begun))
+                return None
+            return {"result": begun.to_dict()}
         if isinstance(call, SaveState) and call.push_to_hub:
             request.started = True  # uploading past this tick: a cancel no longer withdraws it
             state = self.recovery.state(call.run_id)
@@ -373,6 +381,24 @@ class Engine(InProcess):
     def _handle(self, call: Call | None) -> dict[str, Any]:
         assert call is not None, "every queued request carries its typed call"
         return self._handlers[type(call)](call).to_dict()
+
+    def _optim_tick(self) -> list[Answer]:
+        """The tick's optim_steps, every run's in one optimizer tick; a run whose step is due gets its snapshot."""
+        stepping, self._stepping = self._stepping, []
+        if not stepping:
+            return []
+        try:
+            outcomes = self.training.optim_tick([step for _, step in stepping])
+        except Exception as exc:  # noqa: BLE001 - a failing tick fails its calls, not the runtime
+            return [(request, {"error": internal(exc, request)}) for request, _ in stepping]
+        answers: list[Answer] = []
+        for (request, step), outcome in zip(stepping, outcomes):
+            if isinstance(outcome, SignalError):
+                answers.append((request, {"error": outcome.to_dict()}))
+                continue
+            message = isolated(request, functools.partial(self.recovery.snapshot_if_due, step.state))
+            answers.append((request, message or {"result": outcome.to_dict()}))
+        return answers
 
     def _optim_step(self, call: OptimStep) -> OptimStepResult:
         state = self.recovery.state(call.run_id)
