@@ -47,12 +47,32 @@ def plain_head(model: nn.Module, segments: list[Segment]) -> tuple[torch.Tensor,
 def pass_logprobs(model: nn.Module, data: Collated, segments: list[Segment], sharded: bool = False) -> torch.Tensor:
     """log p(targets[b, t]) [B, T] fp32 for the collated rows, under the routing already set for `segments`."""
     head = None if sharded else plain_head(model, segments)
+    mask = attention_mask(model, data)
     if head is None:
-        logits = model(input_ids=data.input_ids, attention_mask=data.attention_mask).logits
+        logits = model(input_ids=data.input_ids, attention_mask=mask).logits
         return target_logprobs(logits, data.targets)
     weight, bias, softcap = head
-    hidden = decoder_hidden(model, data.input_ids, data.attention_mask)
+    hidden = decoder_hidden(model, data.input_ids, mask)
     return token_logprobs(hidden, weight, data.targets, bias, softcap=softcap).logprobs
+
+
+def attention_mask(model: nn.Module, data: Collated) -> torch.Tensor | None:
+    """The mask the model's attention needs, built from the host's row lengths so that transformers never reads one
+    back to decide whether it may skip it (a sync per pass): None without padding (SDPA's causal kernel), else the
+    4D causal-and-padding mask transformers would build (bool for SDPA, additive for eager), passed as it is."""
+    width = data.input_ids.shape[1]
+    if all(n == width for n in data.lengths):
+        return None
+    config = getattr(model, "config", None)
+    implementation = getattr(config, "_attn_implementation", None)
+    if implementation not in ("sdpa", "eager"):
+        return data.attention_mask  # flash and flex read the 2D mask themselves
+    positions = torch.arange(width, device=data.input_ids.device)
+    allowed = (positions[None, :] <= positions[:, None])[None, None] & data.attention_mask.bool()[:, None, None, :]
+    if implementation == "sdpa":
+        return allowed
+    dtype = next(model.parameters()).dtype
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, torch.finfo(dtype).min)
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
