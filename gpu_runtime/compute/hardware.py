@@ -14,7 +14,9 @@ from typing import Any
 
 import torch
 
+from gpu_runtime.compute.memory_fit import activation_bytes_per_token, free_device_bytes, layers_to_checkpoint
 from gpu_runtime.compute.optim_tick import StepOrder, optimizer_tick
+from gpu_runtime.compute.pass_logprobs import decoder_layers
 from gpu_runtime.compute.plan import Outcome, PassPart, RunWeights, SplitCall
 from gpu_runtime.compute.pool import BaseEntry
 from gpu_runtime.compute.ranks import RankGroup
@@ -40,6 +42,7 @@ class LocalCompute:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self.force_checkpoint_layers: int | None = None  # None: from the device's free memory
 
     @property
     def failed(self) -> str | None:
@@ -47,7 +50,20 @@ class LocalCompute:
         return None
 
     def forward_backward(self, entry: BaseEntry, runs: Mapping[str, RunWeights], plan: list[PassPart]) -> list[Outcome]:
-        return forward_backward_pass(entry, runs, plan, self.device)
+        return forward_backward_pass(entry, runs, plan, self.device, checkpoint_layers=self.checkpoint_layers(entry, plan))
+
+    def checkpoint_layers(self, entry: BaseEntry, plan: list[PassPart]) -> int:
+        """Decoder layers to recompute in backward: `force_checkpoint_layers` where set (a test on the CPU), else as
+        many as the pass's padded tokens need to fit the device's free memory (memory_fit.py; none on a CPU)."""
+        if self.force_checkpoint_layers is not None:
+            return self.force_checkpoint_layers
+        free = free_device_bytes(self.device)
+        if free is None or all(part.forward_only for part in plan):
+            return 0
+        rows = sum(len(part.examples) for part in plan)
+        width = max((d.length for part in plan for d in part.examples), default=0)
+        layers = len(decoder_layers(entry.model))
+        return layers_to_checkpoint(layers, rows * width, activation_bytes_per_token(entry.model), free)
 
     def optim(self, state: RunWeights, normaliser: float, settings: dict[str, float], kernel: str | None = None) -> float:
         """AdamW on the run's summed gradients over `normaliser`; returns the gradient norm. `kernel`: the one a

@@ -12,8 +12,11 @@ from typing import Any
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils.checkpoint import checkpoint
 
+from gpu_runtime.compute import pass_logprobs
 from gpu_runtime.compute.batches import Datum
+from gpu_runtime.compute.memory_fit import layers_to_checkpoint
 from gpu_runtime.compute.optim_tick import StepOrder, optimizer_tick
 from gpu_runtime.compute.plan import PartOutcome, PassPart
 from gpu_runtime.compute.training import forward_backward_pass
@@ -104,3 +107,40 @@ def test_a_part_whose_loss_is_not_finite_adds_nothing_to_any_gradient_without_a_
     for run_id in ("run-0", "run-2"):
         grads = [p.grad for p in runs[run_id].parameters() if p.grad is not None]
         assert grads and all(torch.isfinite(g).all() for g in grads) and any(g.abs().sum() > 0 for g in grads)
+
+
+def test_recomputing_layers_in_backward_gives_the_same_losses_and_gradients(engine_with_runs: Engine,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Selective activation checkpointing (what a pass that would not fit the GPU turns on): the same loss sums and
+    the same gradients, dropout included (its masks are seeded), bit for bit on the CPU."""
+    engine = engine_with_runs
+    checkpointed: list[int] = []
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        checkpointed.append(1)
+        return checkpoint(*args, **kwargs)
+
+    monkeypatch.setattr(pass_logprobs, "checkpoint", counted)
+    entry, runs = engine.residency.bases[engine.runs["run-0"].base_key], engine.residency.runs
+    results = []
+    for layers in (0, 1, 2):
+        for run in runs.values():
+            run.optimizer.zero_grad(set_to_none=True)
+        checkpointed.clear()
+        outcomes = forward_backward_pass(entry, runs, parts(), torch.device("cpu"), checkpoint_layers=layers)
+        assert len(checkpointed) == layers  # the tiny model has 2 decoder layers: each chosen one recomputed
+        grads = {f"{run_id}.{i}": p.grad.clone() for run_id, run in runs.items()
+                 for i, p in enumerate(run.parameters()) if p.grad is not None}
+        results.append(([o.loss_sum for o in outcomes if isinstance(o, PartOutcome)], grads))
+    for sums, grads in results[1:]:
+        assert sums == results[0][0]
+        assert grads.keys() == results[0][1].keys() and all(torch.equal(g, results[0][1][k]) for k, g in grads.items())
+    assert not any(getattr(layer, "gradient_checkpointing", False) for layer in entry.model.get_decoder().layers)
+
+
+@pytest.mark.parametrize(("tokens", "free_gib", "expected"), [(1024, 80, 0), (8192, 80, 1), (8192, 8, 30), (8192, 0, 32)])
+def test_an_8b_shaped_pass_checkpoints_the_fewest_layers_that_fit(tokens: int, free_gib: int, expected: int) -> None:
+    """Llama-3.1-8B's shape in bf16: 8 x 1024 tokens keep ~55 GB of activations, past 0.8 of an 80 GB GPU's free
+    memory less its 16 GB of weights: one of its 32 layers is recomputed, nearly all where 8 GB are free."""
+    per_token = ((12 * 4096 + 4 * 14336) * 2, 4096 * 2)
+    assert layers_to_checkpoint(32, tokens, per_token, free_gib * 1024**3 - 16 * 1024**3 * (free_gib > 16)) == expected
