@@ -319,8 +319,16 @@ def collate(datums: list[Datum], device: torch.device) -> Collated:
     extra_names = sorted({k for d in datums for k in d.inputs})
     ids = np.zeros((3, rows, width), dtype=np.int64)  # input_ids, attention_mask, targets
     values = np.zeros((2 + len(extra_names), rows, width), dtype=np.float32)  # weights, counted, extras…
-    weights, counted = values[0], values[1]
     values[2:] = math.nan  # NaN where a datum lacks the input (a clip threshold: the config's value)
+    with np.errstate(over="ignore"):  # a finite float64 past fp32's range becomes inf, as torch's cast does
+        _fill(datums, extra_names, ids, values)
+    ids_d, values_d = _to_device(torch.from_numpy(ids), device), _to_device(torch.from_numpy(values), device)
+    return Collated(ids_d[0], ids_d[1], ids_d[2], values_d[0], values_d[1],
+                    {k: values_d[2 + j] for j, k in enumerate(extra_names)}, [d.length for d in datums])
+
+
+def _fill(datums: list[Datum], extra_names: list[str], ids: np.ndarray, values: np.ndarray) -> None:
+    weights, counted = values[0], values[1]
     for i, datum in enumerate(datums):
         n = datum.length
         ids[0, i, :n] = datum.model_input
@@ -339,9 +347,6 @@ def collate(datums: list[Datum], device: torch.device) -> Collated:
                 counted[i, :n] = values[2 + extra_names.index("advantages"), i, :n] != 0
             else:
                 counted[i, :n] = 1.0
-    ids_d, values_d = _to_device(torch.from_numpy(ids), device), _to_device(torch.from_numpy(values), device)
-    return Collated(ids_d[0], ids_d[1], ids_d[2], values_d[0], values_d[1],
-                    {k: values_d[2 + j] for j, k in enumerate(extra_names)}, [d.length for d in datums])
 
 
 def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -90,5 +90,6 @@ def normaliser(loss_fn: str, datums: list[Datum]) -> float:
     them (fp32), summed exactly."""
     if loss_fn in RL_LOSSES:
         return float(sum(d.num_targets for d in datums))
-    return math.fsum(float(np.abs(np.asarray(d.weights, dtype=np.float32)).sum(dtype=np.float64))
-                     if d.weights is not None else float(d.length) for d in datums)
+    with np.errstate(over="ignore"):  # a weight past fp32's range is inf, as in the pass (whose loss is then refused)
+        return math.fsum(float(np.abs(np.asarray(d.weights, dtype=np.float32)).sum(dtype=np.float64))
+                         if d.weights is not None else float(d.length) for d in datums)
