@@ -17,7 +17,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gpu_runtime.compute.optimizer import kernel as optimizer_kernel
 from gpu_runtime.compute.plan import RunConfig
 from gpu_runtime.compute.ranks import OPS_TIMEOUT, START_TIMEOUT_S, Op, describe_rank
 from gpu_runtime.compute.sharding import PassPlan, RankShard, ShardedRegistry
@@ -104,8 +103,7 @@ class Follower:
 
     def optim(self, run_id: str, normaliser: float, settings: dict[str, float], kernel: str | None = None) -> None:
         state = self.pool.runs[run_id]
-        with optimizer_kernel(state.optimizer, kernel):
-            adamw_step(state.parameters(), state.optimizer, normaliser, settings)
+        adamw_step(state.parameters(), state.optimizer, normaliser, settings, kernel)  # as rank 0's tick steps it
 
     def drop_grads(self, run_id: str) -> None:
         self.pool.runs[run_id].optimizer.zero_grad(set_to_none=True)

@@ -312,36 +312,48 @@ class Renderer:
 
 
 def collate(datums: list[Datum], device: torch.device) -> Collated:
-    """Right-pad every datum to the longest; padding weighs 0 and counts for nothing."""
+    """Right-pad every datum to the longest; padding weighs 0 and counts for nothing. Built in two host buffers (ids,
+    values), each copied to the device once, from pinned memory and without blocking where the device is a GPU."""
     width = max(d.length for d in datums)
     rows = len(datums)
-    input_ids = torch.zeros(rows, width, dtype=torch.long)
-    attention_mask = torch.zeros(rows, width, dtype=torch.long)
-    targets = torch.zeros(rows, width, dtype=torch.long)
-    weights = torch.zeros(rows, width, dtype=torch.float32)
-    counted = torch.zeros(rows, width, dtype=torch.float32)
     extra_names = sorted({k for d in datums for k in d.inputs})
-    extras = {k: torch.full((rows, width), math.nan, dtype=torch.float32) for k in extra_names}
+    ids = np.zeros((3, rows, width), dtype=np.int64)  # input_ids, attention_mask, targets
+    values = np.zeros((2 + len(extra_names), rows, width), dtype=np.float32)  # weights, counted, extras…
+    values[2:] = math.nan  # NaN where a datum lacks the input (a clip threshold: the config's value)
+    with np.errstate(over="ignore"):  # a finite float64 past fp32's range becomes inf, as torch's cast does
+        _fill(datums, extra_names, ids, values)
+    ids_d, values_d = _to_device(torch.from_numpy(ids), device), _to_device(torch.from_numpy(values), device)
+    return Collated(ids_d[0], ids_d[1], ids_d[2], values_d[0], values_d[1],
+                    {k: values_d[2 + j] for j, k in enumerate(extra_names)}, [d.length for d in datums])
+
+
+def _fill(datums: list[Datum], extra_names: list[str], ids: np.ndarray, values: np.ndarray) -> None:
+    weights, counted = values[0], values[1]
     for i, datum in enumerate(datums):
         n = datum.length
-        input_ids[i, :n] = torch.tensor(datum.model_input)
-        attention_mask[i, :n] = 1
-        targets[i, :n] = torch.tensor(datum.targets)
-        for k in extra_names:
+        ids[0, i, :n] = datum.model_input
+        ids[1, i, :n] = 1
+        ids[2, i, :n] = datum.targets
+        for j, k in enumerate(extra_names):
             if k in datum.inputs:
-                extras[k][i, :n] = torch.tensor(datum.inputs[k])
-            extras[k][i, n:] = 0.0  # padding: finite, weight 0
+                values[2 + j, i, :n] = datum.inputs[k]
+            values[2 + j, i, n:] = 0.0  # padding: finite, weight 0
         if datum.weights is not None:
-            weights[i, :n] = torch.tensor(datum.weights)
-            counted[i, :n] = (weights[i, :n] != 0).float()
+            weights[i, :n] = datum.weights
+            counted[i, :n] = weights[i, :n] != 0
         else:
             weights[i, :n] = 1.0
             if "advantages" in datum.inputs:
-                counted[i, :n] = (extras["advantages"][i, :n] != 0).float()
+                counted[i, :n] = values[2 + extra_names.index("advantages"), i, :n] != 0
             else:
                 counted[i, :n] = 1.0
-    return Collated(input_ids.to(device), attention_mask.to(device), targets.to(device), weights.to(device),
-                    counted.to(device), {k: v.to(device) for k, v in extras.items()}, [d.length for d in datums])
+
+
+def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host buffer on the device: pinned and asynchronous to a GPU (the copy queues behind the work before it)."""
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def rows(data: Collated, span: slice) -> Collated:

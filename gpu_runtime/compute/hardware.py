@@ -9,15 +9,29 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from gpu_runtime.compute.optimizer import kernel as optimizer_kernel
+from gpu_runtime.compute.memory_fit import activation_bytes_per_token, free_device_bytes, layers_to_checkpoint
+from gpu_runtime.compute.optim_tick import StepOrder, optimizer_tick
+from gpu_runtime.compute.pass_logprobs import decoder_layers
 from gpu_runtime.compute.plan import Outcome, PassPart, RunWeights, SplitCall
 from gpu_runtime.compute.pool import BaseEntry
 from gpu_runtime.compute.ranks import RankGroup
-from gpu_runtime.compute.training import adamw_step, forward_backward_pass
+from gpu_runtime.compute.training import forward_backward_pass
+
+
+@dataclass
+class Stepping:
+    """One run's optim_step in an optimizer tick: the run, its gradients' normaliser, the call's AdamW settings and
+    the kernel a replayed journal record names (None: the run's own)."""
+
+    state: RunWeights
+    normaliser: float
+    settings: dict[str, float]
+    kernel: str | None = None
 
 
 class LocalCompute:
@@ -28,6 +42,7 @@ class LocalCompute:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self.force_checkpoint_layers: int | None = None  # None: from the device's free memory
 
     @property
     def failed(self) -> str | None:
@@ -35,13 +50,31 @@ class LocalCompute:
         return None
 
     def forward_backward(self, entry: BaseEntry, runs: Mapping[str, RunWeights], plan: list[PassPart]) -> list[Outcome]:
-        return forward_backward_pass(entry, runs, plan, self.device)
+        return forward_backward_pass(entry, runs, plan, self.device, checkpoint_layers=self.checkpoint_layers(entry, plan))
+
+    def checkpoint_layers(self, entry: BaseEntry, plan: list[PassPart]) -> int:
+        """Decoder layers to recompute in backward: `force_checkpoint_layers` where set (a test on the CPU), else as
+        many as the pass's padded tokens need to fit the device's free memory (memory_fit.py; none on a CPU)."""
+        if self.force_checkpoint_layers is not None:
+            return self.force_checkpoint_layers
+        free = free_device_bytes(self.device)
+        if free is None or all(part.forward_only for part in plan):
+            return 0
+        rows = sum(len(part.examples) for part in plan)
+        width = max((d.length for part in plan for d in part.examples), default=0)
+        layers = len(decoder_layers(entry.model))
+        return layers_to_checkpoint(layers, rows * width, activation_bytes_per_token(entry.model), free)
 
     def optim(self, state: RunWeights, normaliser: float, settings: dict[str, float], kernel: str | None = None) -> float:
         """AdamW on the run's summed gradients over `normaliser`; returns the gradient norm. `kernel`: the one a
         replayed journal record names (None: the run's own)."""
-        with optimizer_kernel(state.optimizer, kernel):
-            return adamw_step(state.parameters(), state.optimizer, normaliser, settings)
+        (grad_norm,) = self.optim_tick([Stepping(state, normaliser, settings, kernel)])
+        return grad_norm
+
+    def optim_tick(self, steps: list[Stepping]) -> list[float]:
+        """Every stepping run's AdamW in one optimizer tick (compute/optim_tick.py); their gradient norms, in order."""
+        return optimizer_tick([StepOrder(s.state.parameters(), s.state.optimizer, s.normaliser, s.settings, s.kernel)
+                               for s in steps])
 
     def drop_grads(self, state: RunWeights) -> None:
         state.optimizer.zero_grad(set_to_none=True)
@@ -51,9 +84,9 @@ class LocalCompute:
         progress.restore_grads()
 
     def seconds_since(self, started: float) -> float:
-        """Seconds since `started` (time.perf_counter), once the device's queued work is done."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        """Seconds since `started` (time.perf_counter), with no device sync of its own: a pass and an optimizer tick
+        end in their one device-to-host copy, which waits for the work queued before it; what an optimizer tick
+        queues after its copy (the AdamW kernels) is counted by whatever waits next."""
         return time.perf_counter() - started
 
     def keepalive(self) -> None:
@@ -86,9 +119,10 @@ class RankCompute(LocalCompute):
     def forward_backward(self, entry: BaseEntry, runs: Mapping[str, RunWeights], plan: list[PassPart]) -> list[Outcome]:
         return self.ranks.forward_backward(entry, runs, plan)
 
-    def optim(self, state: RunWeights, normaliser: float, settings: dict[str, float], kernel: str | None = None) -> float:
-        self.ranks.send("optim", run_id=state.run_id, normaliser=normaliser, settings=settings, kernel=kernel)
-        return super().optim(state, normaliser, settings, kernel)
+    def optim_tick(self, steps: list[Stepping]) -> list[float]:
+        for s in steps:  # each follower steps each run alone: the same bits as a tick (optim_tick.py)
+            self.ranks.send("optim", run_id=s.state.run_id, normaliser=s.normaliser, settings=s.settings, kernel=s.kernel)
+        return super().optim_tick(steps)
 
     def drop_grads(self, state: RunWeights) -> None:
         self.ranks.send("drop_grads", run_id=state.run_id)

@@ -283,6 +283,11 @@ def output_head(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, fl
     if type(head) is not nn.Linear:  # exact type: a subclass (a LoRA wrapper) may change what it computes
         raise TypeError(f"the output projection is a {type(head).__name__}, not an nn.Linear: pass its weight, bias and "
                         "any LoRA pair to token_logprobs yourself")
+    return head.weight, head.bias, logit_softcap(model)
+
+
+def logit_softcap(model: nn.Module) -> float | None:
+    """Gemma 2's final_logit_softcapping, or None; a model that scales its logits after the head otherwise is refused."""
     config = _text_config(model)
     for name, neutral in (("logit_scale", 1.0), ("logits_scaling", 1.0)):  # Cohere multiplies, Granite divides
         value = getattr(config, name, None)
@@ -290,7 +295,7 @@ def output_head(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, fl
             raise NotImplementedError(f"the model scales its logits after the head ({name}={value}); the chunked head "
                                       "does not apply it")
     softcap = getattr(config, "final_logit_softcapping", None)
-    return head.weight, head.bias, float(softcap) if softcap else None
+    return float(softcap) if softcap else None
 
 
 def decoder_hidden(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,

@@ -9,11 +9,13 @@ full batch. A "sum" reduction divides by nothing. Every function works in the dt
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
-from gpu_runtime.compute.batches import Collated
+from gpu_runtime.compute.batches import Collated, Datum
 from gpu_runtime.contract.training_settings import LOSS_CONFIG_DEFAULTS, RL_LOSSES
 
 LossFn = Callable[[torch.Tensor, Collated, dict[str, float]], torch.Tensor]
@@ -81,9 +83,13 @@ LOSSES: dict[str, LossFn] = {"cross_entropy": cross_entropy, "importance_samplin
 assert set(LOSSES) == set(LOSS_CONFIG_DEFAULTS), "every loss the contract names has a function here"
 
 
-def normaliser(loss_fn: str, batch: Collated) -> float:
-    """What a "mean" reduction divides this batch's loss sum by: the sum of |weights| over the target positions
-    (cross_entropy), or the positions that count (RL losses: non-zero weight, or non-zero advantage without weights)."""
+def normaliser(loss_fn: str, datums: list[Datum]) -> float:
+    """What a "mean" reduction divides these datums' loss sum by: the sum of |weights| over the target positions
+    (cross_entropy), or the positions that count (RL losses: non-zero weight, or non-zero advantage without weights).
+    From the host's own lists, so a pass needs no device-to-host copy for it: the weights as the pass multiplies by
+    them (fp32), summed exactly."""
     if loss_fn in RL_LOSSES:
-        return float(batch.counted.sum())
-    return float(batch.weights.abs().sum())
+        return float(sum(d.num_targets for d in datums))
+    with np.errstate(over="ignore"):  # a weight past fp32's range is inf, as in the pass (whose loss is then refused)
+        return math.fsum(float(np.abs(np.asarray(d.weights, dtype=np.float32)).sum(dtype=np.float64))
+                         if d.weights is not None else float(d.length) for d in datums)

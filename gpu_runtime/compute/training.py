@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
-from gpu_runtime.compute.batches import Datum, collate, rows
+from gpu_runtime.compute.batches import Collated, Datum, collate, rows
 from gpu_runtime.compute.lora.layer import Segment, routed
-from gpu_runtime.compute.losses import LOSSES, normaliser, target_logprobs
+from gpu_runtime.compute.losses import LOSSES, normaliser
+from gpu_runtime.compute.optim_tick import StepOrder, optimizer_tick
+from gpu_runtime.compute.pass_logprobs import checkpointed, pass_logprobs
 from gpu_runtime.compute.plan import Outcome, PartOutcome, PassPart, RunWeights
 from gpu_runtime.compute.pool import BaseEntry
 from gpu_runtime.errors import BadInput
@@ -27,10 +30,14 @@ if TYPE_CHECKING:
 
 
 def forward_backward_pass(entry: BaseEntry, runs: Mapping[str, RunWeights], parts: list[PassPart], device: torch.device,
-                          shard: RankShard | None = None) -> list[Outcome]:
+                          shard: RankShard | None = None, checkpoint_layers: int = 0) -> list[Outcome]:
     """One forward and backward pass of the base; each run's loss sum is backpropagated into its own LoRA's .grad
     (a sum: optim_step divides by the normaliser accumulated over the calls). A pass of forward parts only runs
-    without autograd and touches no gradient."""
+    without autograd and touches no gradient. `checkpoint_layers`: decoder layers recomputed in backward.
+
+    No host sync inside: normalisers come from the host's own lists, a part whose loss is not finite is kept out of
+    every gradient on the device (its rows' gradient zeroed before it reaches the model), and the pass's loss sums and
+    outputs come back in one device-to-host copy at its end (a sharded pass also sums its losses over the ranks)."""
     forward_only = all(part.forward_only for part in parts)
     local = parts if shard is None else shard.rows_of_this_rank(parts)
     # this pass's gradients alone are all-reduced
@@ -45,82 +52,122 @@ def forward_backward_pass(entry: BaseEntry, runs: Mapping[str, RunWeights], part
             segments.append(Segment(part.run_id, start, end, dropout_seed=part.dropout_seed, call_rows=part.call_rows,
                                     call_width=part.call_width, row_offset=part.row_offset))
         start = end
-    with torch.set_grad_enabled(not forward_only), routed(entry.routing, segments):
-        logits = entry.model(input_ids=data.input_ids, attention_mask=data.attention_mask).logits
-        logprobs = target_logprobs(logits, data.targets)
-        sums: list[tuple[torch.Tensor | None, float]] = []
-        outputs: list[list[dict[str, list[float]]] | None] = []
-        for part, span in zip(local, spans):
+    checkpoint_layers = 0 if forward_only else checkpoint_layers
+    with torch.set_grad_enabled(not forward_only), routed(entry.routing, segments), \
+            checkpointed(entry.model, checkpoint_layers):
+        logprobs = pass_logprobs(entry.model, data, segments, sharded=shard is not None)
+        sums: list[torch.Tensor | None] = []
+        norms: list[float] = []
+        shipped: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (part, logprobs, elementwise) to copy back
+        for i, (part, span) in enumerate(zip(local, spans)):
             if not part.examples:
-                sums.append((None, 0.0))  # none of this call's rows are on this rank
-                outputs.append([] if part.return_outputs else None)
+                sums.append(None)  # none of this call's rows are on this rank
+                norms.append(0.0)
                 continue
-            part_rows = rows(data, span)
-            elementwise = LOSSES[part.loss_fn](logprobs[span], part_rows, part.loss_config)
-            sums.append((elementwise.sum(), normaliser(part.loss_fn, part_rows)))
-            outputs.append(_outputs(logprobs[span], elementwise, part_rows.lengths) if part.return_outputs else None)
-    if shard is None:
-        totals = [(float(s.item()) if s is not None else 0.0, n) for s, n in sums]
-        total: torch.Tensor | None = None
-    else:
-        totals = shard.all_reduce_sums(sums)  # every rank decides alike which parts count
-        if any(part.return_outputs for part in parts):
-            outputs = shard.gather_outputs(outputs)
-        # Every rank runs backward through every layer, rows or not: FSDP's gathers must match across ranks.
-        total = None if forward_only else logprobs.nan_to_num().sum() * 0.0
+            elementwise = LOSSES[part.loss_fn](logprobs[span], rows(data, span), part.loss_config)
+            sums.append(elementwise.sum())
+            norms.append(normaliser(part.loss_fn, part.examples))
+            if part.return_outputs:
+                shipped.append((i, logprobs[span].detach(), elementwise.detach()))
+        if shard is None:
+            if not forward_only:
+                _backward([s for s in sums if s is not None], logprobs, _finite_rows(sums, spans, data))
+            host = _to_host(sums, shipped)  # the pass's one device-to-host copy
+            totals = list(zip(host.sums, norms))
+            outputs = _outputs(local, host.outputs, data.lengths, spans)
+        else:
+            totals = shard.all_reduce_sums(list(zip(sums, norms)))  # every rank decides alike which parts count
+            outputs = _outputs(local, _to_host([], shipped).outputs, data.lengths, spans)
+            if any(part.return_outputs for part in parts):
+                outputs = shard.gather_outputs(outputs)
+            if not forward_only:
+                # Every rank runs backward through every layer, rows or not: FSDP's gathers must match across ranks.
+                ok = torch.tensor([math.isfinite(t) for t, _ in totals], device=logprobs.device)
+                rows_ok = _rows_of(ok, spans, data)
+                _backward([s for s in sums if s is not None] + [logprobs.nan_to_num().sum() * 0.0], logprobs, rows_ok)
     outcomes: list[Outcome] = []
-    for part, (loss_sum, _), (global_sum, norm), part_outputs in zip(parts, sums, totals, outputs):
+    for (global_sum, norm), part_outputs in zip(totals, outputs):
         if not math.isfinite(global_sum):
-            # Left out of backward: a NaN/inf would poison every gradient this run accumulated so far.
+            # Its rows' gradients were zeroed: a NaN/inf would poison every gradient this run accumulated so far.
             outcomes.append(BadInput(f"the batch's loss is {global_sum}; check its weights and tokens", field="batch"))
             continue
-        if loss_sum is not None and not part.forward_only:
-            total = loss_sum if total is None else total + loss_sum
         outcomes.append(PartOutcome(global_sum, norm, part_outputs))
-    if total is not None:
-        total.backward()  # sums, accumulated in .grad; optim_step divides by each run's own normaliser
     if shard is not None and stash is not None:
         shard.reduce_grads(stash)
     return outcomes
 
 
-def _outputs(logprobs: torch.Tensor, elementwise: torch.Tensor, lengths: list[int]) -> list[dict[str, list[float]]]:
-    """Each datum's per-position logprobs and losses, cut to its own length (one transfer for the whole part)."""
-    lp, el = logprobs.detach().float().cpu(), elementwise.detach().float().cpu()
-    return [{"logprobs": lp[i, :n].tolist(), "elementwise_loss": el[i, :n].tolist()} for i, n in enumerate(lengths)]
+def _finite_rows(sums: list[torch.Tensor | None], spans: list[slice], data: Collated) -> torch.Tensor:
+    """[rows] bool on the device: whether each row's part has a finite loss sum (no host sync to know)."""
+    ok = torch.stack([torch.isfinite(s) if s is not None else torch.ones((), dtype=torch.bool, device=data.weights.device)
+                      for s in sums]) if sums else torch.ones(0, dtype=torch.bool, device=data.weights.device)
+    return _rows_of(ok, spans, data)
+
+
+def _rows_of(per_part: torch.Tensor, spans: list[slice], data: Collated) -> torch.Tensor:
+    """A per-part flag spread over each part's rows (rows past the parts, e.g. a padding row, are False)."""
+    index = [i for i, span in enumerate(spans) for _ in range(span.stop - span.start)]
+    index += [len(spans)] * (data.input_ids.shape[0] - len(index))
+    padded = torch.cat([per_part.to(torch.bool), torch.zeros(1, dtype=torch.bool, device=per_part.device)])
+    return padded[torch.tensor(index, dtype=torch.long).to(per_part.device, non_blocking=True)]
+
+
+def _backward(losses: list[torch.Tensor], logprobs: torch.Tensor, rows_ok: torch.Tensor) -> None:
+    """Backpropagate the sum of `losses` (each run's, into its own .grad); rows whose part is not finite get a zero
+    gradient at the logprobs, so nothing of them reaches the model. Values are torch.where's: bitwise those of
+    backpropagating the finite parts alone."""
+    if not losses or not logprobs.requires_grad:
+        return
+    logprobs.register_hook(lambda grad: torch.where(rows_ok[:, None], grad, 0.0))
+    total = losses[0]
+    for loss in losses[1:]:
+        total = total + loss
+    total.backward()  # sums, accumulated in .grad; optim_step divides by each run's own normaliser
+
+
+@dataclass
+class _Host:
+    sums: list[float]
+    outputs: dict[int, tuple[list[float], list[float]]]  # part → its logprobs and elementwise losses, flattened
+
+
+def _to_host(sums: list[torch.Tensor | None], shipped: list[tuple[int, torch.Tensor, torch.Tensor]]) -> _Host:
+    """Every loss sum and every shipped output in one device-to-host copy (`tolist` of one flat fp32 tensor)."""
+    pieces = [torch.stack([s.detach().float() for s in sums if s is not None])] if any(s is not None for s in sums) else []
+    for _, lp, el in shipped:
+        pieces += [lp.float().reshape(-1), el.float().reshape(-1)]
+    flat: list[float] = torch.cat(pieces).tolist() if pieces else []
+    present = iter(flat[:sum(s is not None for s in sums)])
+    host = _Host([next(present) if s is not None else 0.0 for s in sums], {})
+    at = sum(s is not None for s in sums)
+    for i, lp, _ in shipped:
+        n = lp.numel()
+        host.outputs[i] = (flat[at:at + n], flat[at + n:at + 2 * n])
+        at += 2 * n
+    return host
+
+
+def _outputs(local: list[PassPart], shipped: dict[int, tuple[list[float], list[float]]], lengths: list[int],
+             spans: list[slice]) -> list[list[dict[str, list[float]]] | None]:
+    """Each datum's per-position logprobs and losses, cut to its own length, per part that asked for them."""
+    width = max(lengths) if lengths else 0
+    outputs: list[list[dict[str, list[float]]] | None] = []
+    for i, (part, span) in enumerate(zip(local, spans)):
+        if not part.return_outputs:
+            outputs.append(None)
+            continue
+        lp, el = shipped.get(i, ([], []))
+        outputs.append([{"logprobs": lp[r * width:r * width + n], "elementwise_loss": el[r * width:r * width + n]}
+                        for r, n in enumerate(lengths[span])])
+    return outputs
 
 
 def adamw_step(params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer, normaliser: float,
-               settings: dict[str, float]) -> float:
-    """AdamW on the summed gradients divided by their normaliser; clears them. Returns the gradient norm; a
-    non-finite one skips the step (the gradients are dropped all the same)."""
-    grads = [param.grad for param in params if param.grad is not None]
-    if grads:  # summed token losses → their mean over all calls; one foreach call, the bits of a div_ each
-        torch._foreach_div_(grads, normaliser)
-    grad_norm = clip_grad_norm(grads, settings["grad_clip_norm"] or math.inf)
-    if not math.isfinite(grad_norm):
-        optimizer.zero_grad(set_to_none=True)
-        return grad_norm
-    for group in optimizer.param_groups:  # settings may change per call: schedules live in the user's loop
-        group["lr"] = settings["learning_rate"]
-        group["betas"] = (settings["beta1"], settings["beta2"])
-        group["eps"] = settings["eps"]
-        group["weight_decay"] = settings["weight_decay"]
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+               settings: dict[str, float], kernel: str | None = None) -> float:
+    """One run's AdamW on its summed gradients over their normaliser (an optimizer tick of one: optim_tick.py);
+    clears them. Returns the gradient norm; a non-finite one skips the step (the gradients are dropped all the same)."""
+    (grad_norm,) = optimizer_tick([StepOrder(params, optimizer, normaliser, settings, kernel)])
     return grad_norm
-
-
-def clip_grad_norm(grads: list[torch.Tensor], max_norm: float) -> float:
-    """torch's `clip_grad_norm_`, bit for bit (the same ops in the same order), less its multiply by a coefficient
-    of exactly 1 when the norm is within bounds: a pass over every gradient that changes no bit of them."""
-    if not grads:
-        return 0.0
-    total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0)), 2.0)
-    coefficient = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)  # float / tensor: torch's own expression
-    if not coefficient.item() == 1.0:  # NaN too: torch multiplies then, and the caller drops these gradients anyway
-        torch._foreach_mul_(grads, coefficient)
-    return float(total)
 
 
 def _padding_row(entry: BaseEntry) -> Datum:

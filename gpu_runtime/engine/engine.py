@@ -79,9 +79,9 @@ from gpu_runtime.engine.residency import open_hardware
 from gpu_runtime.engine.run_state import RunState
 from gpu_runtime.engine.sampling_calls import Sampling
 from gpu_runtime.engine.scheduler import Scheduler, TickPlan
-from gpu_runtime.engine.shared import Answered, Shared, TickStats, isolated
+from gpu_runtime.engine.shared import Answered, Shared, TickStats, internal, isolated
 from gpu_runtime.engine.snapshots import Snapshots
-from gpu_runtime.engine.training_calls import FbPart, FbProgress, Training
+from gpu_runtime.engine.training_calls import FbPart, FbProgress, StepCall, Training
 from gpu_runtime.errors import SignalError, WorkerFailed
 
 
@@ -113,6 +113,7 @@ class Engine(InProcess):
         self.control = Control(self.shared, self.recovery, self.sampling, self.snapshots)
         self.last_tick = TickStats()
         self.ticking_since: float | None = None  # monotonic start of the tick running now (the heartbeat reads it)
+        self._stepping: list[tuple[Request, StepCall]] = []  # this tick's optim_steps, for its one optimizer tick
         self.in_flight = InFlight(self.shared, self.sampling)  # begun, not yet answered: withdrawn or failed early
         self.handlers = self._handlers()
 
@@ -217,6 +218,7 @@ class Engine(InProcess):
                                                          answers))
             if answer is not None:
                 answers.append((request, answer))
+        answers += self._optim_tick()
         self.in_flight.planned = []
         for request in plan.free:  # frozen samples: every pending one, into this tick's decode groups
             if request.answered:
@@ -299,6 +301,12 @@ class Engine(InProcess):
             return None
         if isinstance(call, Sample):
             return self._begin_frozen(request, samples)
+        if isinstance(call, OptimStep):  # into this tick's one optimizer tick (_optim_tick)
+            begun = self.training.begin_optim(self.recovery.state(call.run_id), call)
+            if isinstance(begun, StepCall):
+                self._stepping.append((request, begun))
+                return None
+            return begun
         if isinstance(call, SaveState) and call.push_to_hub:
             request.started = True  # uploading past this tick: a cancel no longer withdraws it
             state = self.recovery.state(call.run_id)
@@ -367,6 +375,24 @@ class Engine(InProcess):
                 .add(RenderChat, lambda c: self.sampling.render_chat(c, state(c.run_id) if c.run_id is not None
                                                                      else None))
                 .add(Cancel, self.in_flight.cancel))
+
+    def _optim_tick(self) -> list[Answered]:
+        """The tick's optim_steps, every run's in one optimizer tick; a run whose step is due gets its snapshot."""
+        stepping, self._stepping = self._stepping, []
+        if not stepping:
+            return []
+        try:
+            outcomes = self.training.optim_tick([step for _, step in stepping])
+        except Exception as exc:  # noqa: BLE001 - a failing tick fails its calls, not the runtime
+            return [(request, internal(exc, request)) for request, _ in stepping]
+        answers: list[Answered] = []
+        for (request, step), outcome in zip(stepping, outcomes):
+            if isinstance(outcome, SignalError):
+                answers.append((request, outcome))
+                continue
+            failed = isolated(request, functools.partial(self.recovery.snapshot_if_due, step.state))
+            answers.append((request, failed if failed is not None else outcome))
+        return answers
 
     def _optim_step(self, call: OptimStep) -> OptimStepResult:
         state = self.recovery.state(call.run_id)

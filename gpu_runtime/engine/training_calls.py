@@ -22,6 +22,7 @@ import torch
 
 from gpu_runtime.client.persistence import sha256_json
 from gpu_runtime.compute.batches import Datum
+from gpu_runtime.compute.hardware import Stepping
 from gpu_runtime.compute.optimizer import PORTABLE, kernel_of
 from gpu_runtime.compute.plan import PartOutcome, PassPart
 from gpu_runtime.compute.pool import BaseEntry
@@ -84,6 +85,16 @@ class FbProgress:
             return  # nothing of this call reached the gradients
         for param, grad in zip(self.state.parameters(), self.backup):
             param.grad = grad
+
+
+@dataclass
+class StepCall:
+    """An optim_step begun in a tick, waiting for the tick's one optimizer tick."""
+
+    state: RunState
+    call: OptimStep
+    body: str
+    settings: dict[str, float]
 
 
 @dataclass
@@ -269,31 +280,51 @@ class Training:
     # ---- optim_step ------------------------------------------------------------------------
 
     def optim_step(self, state: RunState, call: OptimStep) -> OptimStepResult:
+        """One optim_step alone: an optimizer tick of one."""
+        begun = self.begin_optim(state, call)
+        if isinstance(begun, OptimStepResult):
+            return begun
+        (outcome,) = self.optim_tick([begun])
+        if isinstance(outcome, SignalError):
+            raise outcome
+        return outcome
+
+    def begin_optim(self, state: RunState, call: OptimStep) -> OptimStepResult | StepCall:
+        """A retry's first answer (or its failure, raised), or the call ready for this tick's optimizer tick."""
         body = call.body_sha256()
         answered = state.answer_to(call.request_id, body)
         if answered is not None:
             if "error" in answered:  # it failed (and dropped the gradients) the first time: the retry fails alike
                 raise SignalError.from_dict(answered["error"])
             return OptimStepResult.from_dict(answered).replay()
-        settings = call.settings()
         if state.pending.calls == 0:
             raise FailedPrecondition("no gradients to apply: call forward_backward before optim_step")
-        pending = state.pending
+        return StepCall(state, call, body, call.settings())
+
+    def optim_tick(self, steps: list[StepCall]) -> list[OptimStepResult | SignalError]:
+        """Every run's optim_step of this tick in one optimizer tick (gpu_runtime/compute/optim_tick.py); then each
+        is counted, journaled and remembered on its own. The tick's seconds are shared among them evenly."""
         started = time.perf_counter()
+        norms = self.shared.compute.optim_tick([Stepping(s.state, s.state.pending.divisor, s.settings) for s in steps])
+        seconds = self.shared.compute.seconds_since(started) / max(len(steps), 1)
+        return [self._stepped(step, norm, seconds) for step, norm in zip(steps, norms)]
+
+    def _stepped(self, step: StepCall, grad_norm: float, seconds: float) -> OptimStepResult | SignalError:
+        state, pending, settings = step.state, step.state.pending, step.settings
         record: dict[str, Any]
         try:
-            result = self._apply(state, settings)
+            result = self._count_step(state, settings, grad_norm)
             result = OptimStepResult(step=result.step, grad_norm=result.grad_norm, learning_rate=result.learning_rate,
-                                     compute_seconds=self.shared.compute.seconds_since(started))
+                                     compute_seconds=seconds)
             record = result.to_dict()
         except FailedPrecondition as exc:
             record = {"error": exc.to_dict()}  # journaled too: dropping the gradients is a change replay must repeat
-        self.shared.journal(state, {"type": OPTIM_STEP, "request_id": call.request_id, "adam": settings,
-                                    "kernel": kernel_of(state.optimizer), "body_sha256": body, "result": record})
-        state.remember(call.request_id, record, body)
+        self.shared.journal(state, {"type": OPTIM_STEP, "request_id": step.call.request_id, "adam": settings,
+                                    "kernel": kernel_of(state.optimizer), "body_sha256": step.body, "result": record})
+        state.remember(step.call.request_id, record, step.body)
         self.shared.residency.touch(state)
         if "error" in record:
-            raise SignalError.from_dict(record["error"])
+            return SignalError.from_dict(record["error"])
         append_manifest(state.paths.manifest, {"step": state.step, "adam": settings, "grad_norm": result.grad_norm,
                                                "num_tokens": pending.tokens, "batches": pending.batches})
         return result
@@ -303,6 +334,11 @@ class Training:
         if state.pending.calls == 0:
             raise FailedPrecondition("no gradients to apply: call forward_backward before optim_step")
         grad_norm = self.shared.compute.optim(state, state.pending.divisor, settings, kernel)
+        return self._count_step(state, settings, grad_norm)
+
+    @staticmethod
+    def _count_step(state: RunState, settings: dict[str, float], grad_norm: float) -> OptimStepResult:
+        """The step is applied (or skipped for a non-finite norm): the pending gradients are gone either way."""
         state.clear_pending()
         if not math.isfinite(grad_norm):
             raise FailedPrecondition(f"gradient norm is {grad_norm}; the step was skipped and the gradients dropped")

@@ -41,7 +41,8 @@ def engine_with_runs(path: Path, model: str, runs: list[str], **options: Any) ->
 
 def count_base_passes(engine: Engine, model: str) -> list[int]:
     passes: list[int] = []
-    engine.residency.bases[model].model.register_forward_hook(lambda *_: passes.append(1))
+    # the decoder: a pass through the chunked loss head runs it alone, without the model's own logits
+    engine.residency.bases[model].model.get_decoder().register_forward_hook(lambda *_: passes.append(1))
     return passes
 
 

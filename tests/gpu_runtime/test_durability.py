@@ -29,7 +29,7 @@ from safetensors.torch import load_file, save_file
 
 from gpu_runtime.client.persistence import write_json
 from gpu_runtime.client.runtime_client import RuntimeClient
-from gpu_runtime.compute import training
+from gpu_runtime.compute import optim_tick
 from gpu_runtime.contract import CONTRACT_VERSION, RuntimeOptions
 from gpu_runtime.engine.engine import Engine
 from gpu_runtime.engine.journal import HEADER, JOURNAL_FILE
@@ -413,7 +413,8 @@ def test_a_retried_optim_step_that_failed_fails_again_and_is_never_applied(
     create(engine, "r", tiny_model_dir)
     do(engine, "r", 0)
     with monkeypatch.context() as patch:
-        patch.setattr(training, "clip_grad_norm", lambda grads, max_norm: math.inf)  # what AdamW's step measures
+        # what the optimizer tick measures
+        patch.setattr(optim_tick, "grad_norms", lambda grads: [torch.tensor(math.inf) for _ in grads])
         with pytest.raises(FailedPrecondition) as first:
             do(engine, "r", 1)
     assert "gradient norm is inf" in first.value.message

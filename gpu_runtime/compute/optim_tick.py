@@ -1,0 +1,131 @@
+"""One optimizer tick for every run stepping: their gradients divided, measured and clipped together, one host copy
+of their norms, then one multi-tensor fused AdamW per distinct setting over all their parameters.
+
+A run's step here is bit for bit the step its own `optimizer.step()` takes with torch's fused kernel: every op is
+per tensor (a division by the run's normaliser, a norm, a multiply by the run's clip coefficient, the fused
+kernel's update), so grouping runs changes no bit of any one run, and a journal's "fused" records replay alike
+whether they stepped alone or beside others. Records naming another kernel ("portable": written before fused
+AdamW) step through `optimizer.step()` under that kernel (`optimizer.kernel`).
+
+torch's fused kernel takes one learning rate, one pair of betas and one found-inf flag per call, so the runs are
+grouped by their settings (a shared default: one call), and a run whose norm is not finite is left out of the
+call on the host, after the tick's one device-to-host copy (its gradients are dropped, as before).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch.optim.adamw import adamw
+
+from gpu_runtime.compute.optimizer import FUSED, kernel, kernel_of
+
+SETTING_KEYS = ("learning_rate", "beta1", "beta2", "eps", "weight_decay")
+
+
+@dataclass
+class StepOrder:
+    """One run's optim_step in a tick: its parameters and AdamW, its gradients' normaliser and the call's settings."""
+
+    params: list[torch.nn.Parameter]
+    optimizer: torch.optim.Optimizer
+    normaliser: float
+    settings: dict[str, float]
+    kernel: str | None = None  # what a replayed journal record names; None: the optimizer's own
+
+    @property
+    def grads(self) -> list[torch.Tensor]:
+        return [param.grad for param in self.params if param.grad is not None]
+
+
+def grad_norms(grads: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+    """Each group's 2-norm over its tensors, on the device: one `_foreach_norm` over every tensor of every group,
+    then torch's `clip_grad_norm_` reduction per group (its stack and vector_norm, so the bits are torch's)."""
+    flat = [g for group in grads for g in group]
+    per_tensor = list(torch._foreach_norm(flat, 2.0)) if flat else []
+    totals, at = [], 0
+    for group in grads:
+        own = per_tensor[at:at + len(group)]
+        at += len(group)
+        totals.append(torch.linalg.vector_norm(torch.stack(own), 2.0) if own else torch.zeros(()))
+    return totals
+
+
+def clip_(grads: list[torch.Tensor], total: torch.Tensor, max_norm: float) -> None:
+    """torch's clip coefficient, applied on the device whatever it is: a multiply by exactly 1.0 changes no bit, and
+    deciding to skip it would cost a host sync."""
+    if grads:
+        coefficient = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)  # float / tensor: torch's own expression
+        torch._foreach_mul_(grads, coefficient)
+
+
+def clip_grad_norm(grads: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """torch's `clip_grad_norm_` bit for bit, with no host sync: the norm stays a device tensor."""
+    (total,) = grad_norms([grads])
+    clip_(grads, total, max_norm)
+    return total
+
+
+def optimizer_tick(orders: list[StepOrder]) -> list[float]:
+    """AdamW for every order on its summed gradients over its normaliser, clipped; clears their gradients. Returns
+    each order's gradient norm; a non-finite one skips that run's step (its gradients are dropped all the same)."""
+    grads = [order.grads for order in orders]
+    flat = [g for group in grads for g in group]
+    if flat:  # summed token losses → their mean over all calls: one foreach over every run, a scalar each
+        torch._foreach_div_(flat, [order.normaliser for order, group in zip(orders, grads) for _ in group])
+    totals = grad_norms(grads)
+    for order, group, total in zip(orders, grads, totals):
+        clip_(group, total, order.settings["grad_clip_norm"] or math.inf)
+    norms: list[float] = torch.stack(totals).tolist() if totals else []  # the tick's one device-to-host copy
+    fused: dict[tuple[float, ...], list[StepOrder]] = {}
+    for order, norm in zip(orders, norms):
+        if not math.isfinite(norm):
+            continue
+        _set_settings(order.optimizer, order.settings)
+        if (order.kernel or kernel_of(order.optimizer)) == FUSED:
+            fused.setdefault(tuple(order.settings[k] for k in SETTING_KEYS), []).append(order)
+        else:
+            with kernel(order.optimizer, order.kernel):
+                order.optimizer.step()
+    for together in fused.values():
+        _fused_adamw(together)
+    for order in orders:
+        order.optimizer.zero_grad(set_to_none=True)
+    return norms
+
+
+def _set_settings(optimizer: torch.optim.Optimizer, settings: dict[str, float]) -> None:
+    for group in optimizer.param_groups:  # settings may change per call: schedules live in the user's loop
+        group["lr"] = settings["learning_rate"]
+        group["betas"] = (settings["beta1"], settings["beta2"])
+        group["eps"] = settings["eps"]
+        group["weight_decay"] = settings["weight_decay"]
+
+
+@torch.no_grad()
+def _fused_adamw(orders: list[StepOrder]) -> None:
+    """torch's functional AdamW with the fused kernel over every order's parameters (their groups share settings):
+    what each optimizer's `step()` does, state initialised the same way (`_init_group`), in one call."""
+    params: list[torch.Tensor] = []
+    grads: list[torch.Tensor] = []
+    exp_avgs: list[torch.Tensor] = []
+    exp_avg_sqs: list[torch.Tensor] = []
+    max_exp_avg_sqs: list[torch.Tensor] = []
+    steps: list[torch.Tensor] = []
+    first = orders[0].optimizer.param_groups[0]
+    for order in orders:
+        for group in order.optimizer.param_groups:
+            fused, group["fused"], group["foreach"] = group.get("fused"), True, None  # _init_group's state for fused
+            try:
+                order.optimizer._init_group(group, params, grads, exp_avgs, exp_avg_sqs,  # type: ignore[attr-defined]  # torch's private helper: the state step() would make
+                                            max_exp_avg_sqs, steps)
+            finally:
+                group["fused"] = fused
+    if not params:
+        return
+    beta1, beta2 = first["betas"]
+    adamw(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, foreach=None, capturable=first["capturable"],
+          differentiable=False, fused=True, amsgrad=first["amsgrad"], beta1=beta1, beta2=beta2, lr=first["lr"],
+          weight_decay=first["weight_decay"], eps=first["eps"], maximize=first["maximize"])

@@ -1,0 +1,112 @@
+"""A pass's per-position target logprobs: through the chunked loss head (loss_head.py), so the model's full
+[tokens, vocabulary] logits are never built, wherever the model's head allows; else through the model's own logits.
+
+The head is taken when the output projection is a plain Linear, or a multi-LoRA wrapper none of this pass's runs has
+an adapter on (its base Linear then computes the same). The model's own logits are kept (the fallback) for a pass
+where a run trains the unembedding (`train_unembed`: its rows' deltas are the wrapper's), for a head that is not a
+Linear (quantized), for logit scalings the chunked head does not apply, and in a sharded pool (FSDP gathers the
+head's weight around the model's own forward).
+
+Selective activation checkpointing is here too: `checkpointed(model, layers)` recomputes the given decoder layers in
+backward instead of keeping their activations (memory_fit.py says how many a pass needs).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from gpu_runtime.compute.batches import Collated
+from gpu_runtime.compute.lora.layer import MultiLoraLinear, Segment
+from gpu_runtime.compute.loss_head import decoder_hidden, logit_softcap, token_logprobs
+from gpu_runtime.compute.losses import target_logprobs
+
+
+def plain_head(model: nn.Module, segments: list[Segment]) -> tuple[torch.Tensor, torch.Tensor | None, float | None] | None:
+    """(weight, bias, softcap) of the output projection when the chunked head computes what the model would; else None."""
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    if isinstance(head, MultiLoraLinear):
+        lora = head.lora
+        if lora is not None and any(lora.holds(head.routing.slot_of(segment.key)) for segment in segments):
+            return None  # a run's unembedding delta: the wrapper adds it per row (a LowRank per run is not wired yet)
+        head = head.base_layer
+    if type(head) is not nn.Linear:  # exact type: a quantized or otherwise altered projection computes differently
+        return None
+    try:
+        softcap = logit_softcap(model)
+    except NotImplementedError:
+        return None
+    return head.weight, head.bias, softcap
+
+
+def pass_logprobs(model: nn.Module, data: Collated, segments: list[Segment], sharded: bool = False) -> torch.Tensor:
+    """log p(targets[b, t]) [B, T] fp32 for the collated rows, under the routing already set for `segments`."""
+    head = None if sharded else plain_head(model, segments)
+    mask = attention_mask(model, data)
+    if head is None:
+        logits = model(input_ids=data.input_ids, attention_mask=mask).logits
+        return target_logprobs(logits, data.targets)
+    weight, bias, softcap = head
+    hidden = decoder_hidden(model, data.input_ids, mask)
+    return token_logprobs(hidden, weight, data.targets, bias, softcap=softcap).logprobs
+
+
+def attention_mask(model: nn.Module, data: Collated) -> torch.Tensor | None:
+    """The mask the model's attention needs, built from the host's row lengths so that transformers never reads one
+    back to decide whether it may skip it (a sync per pass): None without padding (SDPA's causal kernel), else the
+    4D causal-and-padding mask transformers would build (bool for SDPA, additive for eager), passed as it is."""
+    width = data.input_ids.shape[1]
+    if all(n == width for n in data.lengths):
+        return None
+    config = getattr(model, "config", None)
+    implementation = getattr(config, "_attn_implementation", None)
+    if implementation not in ("sdpa", "eager"):
+        return data.attention_mask  # flash and flex read the 2D mask themselves
+    positions = torch.arange(width, device=data.input_ids.device)
+    allowed = (positions[None, :] <= positions[:, None])[None, None] & data.attention_mask.bool()[:, None, None, :]
+    if implementation == "sdpa":
+        return allowed
+    dtype = next(model.parameters()).dtype
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, torch.finfo(dtype).min)
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The decoder's layers in order (a transformers causal LM's `model.layers`); [] where there is no such list."""
+    get_decoder = getattr(model, "get_decoder", None)
+    decoder = get_decoder() if callable(get_decoder) else None
+    layers = getattr(decoder, "layers", None)
+    return list(layers) if isinstance(layers, nn.ModuleList) else []
+
+
+@contextmanager
+def checkpointed(model: nn.Module, count: int) -> Iterator[int]:
+    """Recompute `count` of the decoder's layers in backward, spread evenly across them; yields how many were.
+
+    Through transformers' own per-layer hook (GradientCheckpointingLayer): its flag and function are set on the
+    chosen layers alone, and the layer's own `training` flag (not its children's: no dropout is switched on), which
+    the hook reads. Non-reentrant checkpointing restores the RNG state, and the LoRA dropout masks are seeded, so the
+    recompute draws what the forward drew; the routing must stay set until backward ends."""
+    layers = [layer for layer in decoder_layers(model) if hasattr(layer, "gradient_checkpointing")]
+    chosen = [layers[(i * len(layers)) // count] for i in range(min(count, len(layers)))] if count > 0 else []
+    saved = [(layer.gradient_checkpointing, layer.training, getattr(layer, "_gradient_checkpointing_func", None))
+             for layer in chosen]
+    for layer in chosen:  # setattr: nn.Module's stub types every attribute as a tensor or a module
+        setattr(layer, "gradient_checkpointing", True)  # noqa: B010
+        layer.training = True
+        setattr(layer, "_gradient_checkpointing_func", functools.partial(checkpoint, use_reentrant=False))  # noqa: B010
+    try:
+        yield len(chosen)
+    finally:
+        for layer, (flag, training, func) in zip(chosen, saved):
+            setattr(layer, "gradient_checkpointing", flag)  # noqa: B010
+            layer.training = training
+            if func is None:
+                delattr(layer, "_gradient_checkpointing_func")
+            else:
+                setattr(layer, "_gradient_checkpointing_func", func)  # noqa: B010
