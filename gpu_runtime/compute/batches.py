@@ -6,7 +6,7 @@ shifts them again or assumes targets[i] == model_input[i + 1] (an RL datum pads 
 target 0). Signal's own items (text, input/output, messages, tokens + weights) render into this
 form: tokens t with weights w become model_input = t[:-1], targets = t[1:], weights = w[1:] (w[0]
 weighs nothing: nothing predicts the first token). Journals written before datums (records of
-{tokens, weights, extras}) render the same way, so they replay bitwise.
+{tokens, weights, extras}) render the same way (`shifted`), so they replay bitwise.
 """
 
 from __future__ import annotations
@@ -62,16 +62,15 @@ class Datum:
         return {"model_input": list(self.model_input), "loss_fn_inputs": inputs}
 
     @classmethod
-    def from_record(cls, data: dict[str, Any]) -> Datum:
-        """A journal record's datum: the datum form, or the {tokens, weights, extras} form of older journals."""
-        if "model_input" in data:
-            inputs = dict(data["loss_fn_inputs"])
-            targets, weights = inputs.pop("target_tokens"), inputs.pop("weights", None)
-            return cls(list(data["model_input"]), list(targets), weights, inputs)
-        return _shifted(data["tokens"], data["weights"], data.get("extras") or {})
+    def from_dict(cls, data: dict[str, Any]) -> Datum:
+        """A datum as `to_dict` wrote it (a journal record's; engine/journal_records.py upgrades older forms)."""
+        inputs = dict(data["loss_fn_inputs"])
+        targets, weights = inputs.pop("target_tokens"), inputs.pop("weights", None)
+        return cls(list(data["model_input"]), list(targets), weights, inputs)
 
 
-def _shifted(tokens: list[int], weights: list[float], extras: dict[str, list[float]]) -> Datum:
+def shifted(tokens: list[int], weights: list[float], extras: dict[str, list[float]]) -> Datum:
+    """Tokens with weights aligned to them as a datum: position i predicts tokens[i + 1], weighted by weights[i + 1]."""
     return Datum(list(tokens[:-1]), list(tokens[1:]), list(weights[1:]), {k: list(v[1:]) for k, v in extras.items()})
 
 
@@ -158,7 +157,7 @@ class Renderer:
             completion_ids.append(self.eos_id)
         tokens = prompt_ids + completion_ids
         weights = [0.0] * len(prompt_ids) + [1.0] * len(completion_ids)
-        return _shifted(tokens, weights, {})
+        return shifted(tokens, weights, {})
 
     def _messages_item(self, messages: Any, where: str) -> Datum:
         if not isinstance(messages, list) or not messages:
@@ -190,7 +189,7 @@ class Renderer:
         encoded = self.tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
         tokens = list(encoded["input_ids"])
         weights = [1.0 if any(s <= a < e for s, e in spans) else 0.0 for a, _ in encoded["offset_mapping"]]
-        return _shifted(tokens, weights, {})
+        return shifted(tokens, weights, {})
 
     def _template(self, messages: list[dict[str, str]], generation_prompt: bool) -> str:
         if not messages and not generation_prompt:
@@ -219,7 +218,7 @@ class Renderer:
             if "weights" not in item:
                 # Without a mask, the tokens that carry an advantage are the ones trained on.
                 weights = [1.0 if a != 0 else 0.0 for a in extras["advantages"]]
-        return _shifted(tokens, weights, extras)
+        return shifted(tokens, weights, extras)
 
     def _packed_item(self, packed: Any, where: str, loss_fn: str) -> Datum:
         """A datum whose lists came as base64 (int32 token ids, float32 values, little-endian); checked as a datum,

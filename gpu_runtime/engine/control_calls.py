@@ -55,6 +55,7 @@ from gpu_runtime.contract import (
     lora_settings,
 )
 from gpu_runtime.contract.checkpoints import DEFAULT_NAME, CheckpointRef
+from gpu_runtime.engine.journal_records import LOAD_STATE, LoadStateRecord  # replayed from the run's own copy
 from gpu_runtime.engine.recovery import Recovery
 from gpu_runtime.engine.request import Answer, Request
 from gpu_runtime.engine.run_state import (
@@ -72,7 +73,6 @@ from gpu_runtime.engine.run_state import (
 from gpu_runtime.engine.sampling_calls import Sampling
 from gpu_runtime.engine.shared import Shared, internal
 from gpu_runtime.engine.snapshots import READABLE_KINDS, SAMPLER_MODE, Snapshots
-from gpu_runtime.engine.training_calls import LOAD_STATE  # the journal record type, replayed from the run's own copy
 from gpu_runtime.errors import BadInput, FailedPrecondition, NotFound, RunNotFound, SignalError
 
 LORA_SHAPE = ("r", "alpha", "target_modules")  # a checkpoint loads into a run only where these agree
@@ -314,9 +314,9 @@ class Control:
                                     self.shared.device)
         result = LoadStateResult(checkpoint=ref.path, step=state.step, with_optimizer=call.with_optimizer,
                                  pending_dropped=dropped, compute_seconds=self.shared.compute.seconds_since(started))
-        self.shared.journal(state, {"type": LOAD_STATE, "request_id": call.request_id, "staged": staged,
-                                    "with_optimizer": call.with_optimizer, "step": state.step, "body_sha256": body,
-                                    "result": result.to_dict()})
+        self.shared.journal(state, LoadStateRecord(request_id=call.request_id, staged=staged,
+                                                   with_optimizer=call.with_optimizer, step=state.step,
+                                                   body_sha256=body, result=result.to_dict()))
         state.remember(call.request_id, result.to_dict(), body)
         append_manifest(state.paths.manifest, {"event": LOAD_STATE, "checkpoint": ref.path, "step": state.step,
                                                "with_optimizer": call.with_optimizer})

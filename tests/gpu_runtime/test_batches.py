@@ -8,7 +8,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from gpu_runtime.compute.batches import Datum, Renderer, collate
+from gpu_runtime.compute.batches import Renderer, collate
+from gpu_runtime.engine.journal_records import FbRecord
 from gpu_runtime.errors import BadInput
 from rewardsignal import pack_datum
 
@@ -177,7 +178,8 @@ def test_rl_losses_need_advantages_and_logprobs(renderer: Renderer, loss_fn: str
 
 
 def test_an_old_journal_example_renders_shifted() -> None:
-    datum = Datum.from_record({"tokens": [5, 6, 7], "weights": [9.0, 1.0, 0.5], "extras": {"advantages": [1, 2, 3]}})
+    (datum,) = FbRecord.from_dict({"type": "forward_backward", "loss_fn": "cross_entropy", "call": 0, "result": {}, "examples": [
+        {"tokens": [5, 6, 7], "weights": [9.0, 1.0, 0.5], "extras": {"advantages": [1, 2, 3]}}]}).datums
     assert (datum.model_input, datum.targets, datum.weights) == ([5, 6], [6, 7], [1.0, 0.5])
     assert datum.inputs == {"advantages": [2, 3]}
 
