@@ -28,6 +28,7 @@ from gpu_runtime.compute.pool import BaseEntry
 from gpu_runtime.compute.ranks import RanksFailed
 from gpu_runtime.contract import (
     DEFAULT_REDUCTION,
+    BatchItem,
     Forward,
     ForwardBackward,
     ForwardBackwardResult,
@@ -36,6 +37,7 @@ from gpu_runtime.contract import (
     OptimStepResult,
     RenderDatums,
     RenderDatumsResult,
+    batch_to_dicts,
     check_batch_size,
     loss_settings,
 )
@@ -111,12 +113,12 @@ class Training:
                 "forward_backward call(s) since the last optim_step: every call between two steps uses one reduction",
                 field="reduction")
         examples = self.rendered(self.shared.entry(state), call.batch, call.loss_fn)
-        batch_hash = sha256_json({"loss_fn": call.loss_fn, "batch": call.batch})
+        batch_hash = sha256_json({"loss_fn": call.loss_fn, "batch": batch_to_dicts(call.batch)})
         return FbProgress(state, examples, call.loss_fn, config, batch_hash, call=state.pending.calls,
                           width=max(e.length for e in examples), reduction=call.reduction,
                           return_outputs=call.return_outputs, body=body)
 
-    def rendered(self, entry: BaseEntry, batch: list[dict[str, Any]], loss_fn: str) -> list[Datum]:
+    def rendered(self, entry: BaseEntry, batch: list[BatchItem], loss_fn: str) -> list[Datum]:
         """A batch's rows, bounded in items and (now that text is tokenized) in tokens by the runtime's options."""
         examples = entry.renderer.render_batch(batch, self.shared.options.max_batch_size, loss_fn)
         check_batch_size(len(examples), sum(e.cost for e in examples), self.shared.options)
