@@ -33,6 +33,7 @@ def main() -> None:
     apply_threads(args.threads)
     from app.schema import schema
     from gpu_runtime.compute.batches import Renderer
+    from gpu_runtime.contract import batch_from_dicts
     from graphql import GraphQLList, GraphQLNonNull, coerce_input_value
     from rewardsignal import pack_datum
     from rewardsignal.client import _batch as graphql_batch
@@ -58,7 +59,7 @@ def main() -> None:
             coerce_input_value(sides[side], item_type)
             seconds[side].append(time.perf_counter() - started)
             started = time.perf_counter()
-            renderer.render_batch(runtime_items[side], args.rows, "importance_sampling")
+            renderer.render_batch(batch_from_dicts(runtime_items[side]), args.rows, "importance_sampling")
             render_seconds[side].append(time.perf_counter() - started)
         log(f"round {round_ + 1}: typed {seconds['typed'][-1]:.3f}s, packed {seconds['packed'][-1]:.4f}s")
     typed, packed = median(seconds["typed"]), median(seconds["packed"])

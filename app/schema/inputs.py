@@ -8,6 +8,7 @@ import strawberry
 
 from app.services.runs import RunSpec
 from app.tables import RUN_NAME_LENGTH, RUN_NOTE_LENGTH, RUN_TAG_LENGTH, RUN_TAGS_MOST
+from gpu_runtime import contract
 from gpu_runtime.contract import ADAM_DEFAULTS, DATUM_INPUTS, LORA_DEFAULTS
 
 
@@ -110,7 +111,31 @@ class BatchItem:
     loss_fn_inputs: LossFnInputs | None = None
     packed: PackedDatum | None = strawberry.field(default=None, description="A datum in base64 (rewardsignal.pack_datum)")
 
+    def to_item(self, where: str) -> contract.BatchItem:
+        """The contract's item, built directly from the one format set; several formats at once (or half of one)
+        go through the contract's reader of JSON items, so the error names the field as on every wire."""
+        given = {key for key in ("text", "input", "output", "messages", "tokens", "weights", "logprobs", "advantages",
+                                 "model_input", "loss_fn_inputs", "packed") if getattr(self, key) is not None}
+        item: contract.BatchItem
+        if given == {"text"}:
+            item = contract.TextItem(str(self.text))
+        elif given and given <= {"input", "output"}:
+            item = contract.PromptCompletion(self.input, self.output)
+        elif given == {"messages"} and self.messages is not None:
+            item = contract.ChatItem([contract.Message(m.role, m.content) for m in self.messages])
+        elif "tokens" in given and given <= contract.TOKEN_KEYS and self.tokens is not None:
+            item = contract.TokensItem(self.tokens, self.weights, self.logprobs, self.advantages)
+        elif given == {"model_input", "loss_fn_inputs"} and self.model_input is not None and self.loss_fn_inputs:
+            item = contract.DatumItem(self.model_input, self.loss_fn_inputs.to_dict())
+        elif given == {"packed"} and self.packed is not None:
+            item = contract.PackedItem(self.packed.to_dict())
+        else:
+            return contract.item_from_dict(self.to_dict(), where)
+        item.check(where)
+        return item
+
     def to_dict(self) -> dict[str, Any]:
+        """The item as JSON carries it (what the contract's reader takes)."""
         item: dict[str, Any] = {}
         for key in ("text", "input", "output", "tokens", "weights", "logprobs", "advantages"):
             value = getattr(self, key)
@@ -125,6 +150,11 @@ class BatchItem:
         if self.packed is not None:
             item["packed"] = self.packed.to_dict()
         return item
+
+
+def batch_items(batch: list[BatchItem]) -> list[contract.BatchItem]:
+    """A GraphQL batch as the contract's items; an error names its item (`batch[3].messages[0].role`)."""
+    return [item.to_item(f"batch[{i}]") for i, item in enumerate(batch)]
 
 
 @strawberry.input(description="AdamW settings for this step; unset fields use the run's defaults")

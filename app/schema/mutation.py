@@ -11,7 +11,7 @@ from app.errors import BadInput
 from app.schema.account import ApiKey, CreatedApiKey
 from app.schema.context import Info, selects
 from app.schema.enums import DEFAULT_LOSS, DEFAULT_REDUCTION_ENUM, LossFn, Reduction
-from app.schema.inputs import AdamInput, BatchItem, CreateRunInput, MessageInput
+from app.schema.inputs import AdamInput, BatchItem, CreateRunInput, MessageInput, batch_items
 from app.schema.results import (
     ForwardBackwardResult,
     ForwardResult,
@@ -62,8 +62,8 @@ class Mutation:
         # JSON is NewType("JSON", object); the runtime checks the value is an object (contract.loss_settings).
         config = cast("dict[str, Any] | None", loss_fn_config)
         result = await info.context.services.runs.forward_backward(
-            user, str(run_id), [item.to_dict() for item in batch], loss_fn=loss_fn.value,
-            loss_fn_config=config, request_id=request_id, reduction=reduction.value, return_outputs=selects(info, "outputs"),
+            user, str(run_id), batch_items(batch), loss_fn=loss_fn.value, loss_fn_config=config,
+            request_id=request_id, reduction=reduction.value, return_outputs=selects(info, "outputs"),
             order=Numbered.of(seq, session),
         )
         return ForwardBackwardResult(loss=result.loss, num_tokens=result.num_tokens,
@@ -84,7 +84,7 @@ class Mutation:
         user = await info.context.user()
         config = cast("dict[str, Any] | None", loss_fn_config)
         result = await info.context.services.runs.forward(
-            user, [item.to_dict() for item in batch], run_id=str(run_id) if run_id is not None else None,
+            user, batch_items(batch), run_id=str(run_id) if run_id is not None else None,
             base_model=base_model, loss_fn=loss_fn.value, loss_fn_config=config, request_id=request_id,
             order=Numbered.of(seq, session), snapshot=snapshot, checkpoint=checkpoint)
         return ForwardResult(loss=result.loss, loss_sum=result.loss_sum, num_tokens=result.num_tokens,

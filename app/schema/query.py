@@ -9,7 +9,7 @@ from app.schema.account import ApiKey, UsageReport, User
 from app.schema.catalog import Limits, ModelInfo, TokenizerInfo
 from app.schema.context import Info
 from app.schema.enums import DEFAULT_LOSS, LossFn
-from app.schema.inputs import BatchItem
+from app.schema.inputs import BatchItem, batch_items
 from app.schema.results import Datum
 from app.schema.runs import BaseSample, Run, RunSort
 from app.services.usage import DEFAULT_DAYS
@@ -68,7 +68,7 @@ class Query:
     async def render_datums(self, info: Info, run_id: strawberry.ID, batch: list[BatchItem],
                             loss_fn: LossFn = DEFAULT_LOSS) -> list[Datum]:
         user = await info.context.user()
-        result = await info.context.services.runs.render_datums(user, str(run_id), [item.to_dict() for item in batch],
+        result = await info.context.services.runs.render_datums(user, str(run_id), batch_items(batch),
                                                                 loss_fn=loss_fn.value)
         return [Datum.from_dict(datum) for datum in result.datums]
 

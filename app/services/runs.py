@@ -48,6 +48,7 @@ from gpu_runtime.client.allocation import PoolKey
 from gpu_runtime.contract import (
     ADAM_DEFAULTS,
     LORA_SWITCHES,
+    BatchItem,
     CreateRun,
     DeleteRun,
     Forward,
@@ -124,7 +125,7 @@ class RunService(RunReads, RunSampling, RunCheckpoints):
         return run
 
     async def forward_backward(
-        self, user: User, run_id: str, batch: builtins.list[dict[str, Any]], loss_fn: str = "cross_entropy",
+        self, user: User, run_id: str, batch: builtins.list[BatchItem], loss_fn: str = "cross_entropy",
         loss_fn_config: dict[str, Any] | None = None, request_id: str | None = None, reduction: str = "mean",
         return_outputs: bool = False, order: Numbered | None = None,
     ) -> ForwardBackwardResult:
@@ -149,7 +150,7 @@ class RunService(RunReads, RunSampling, RunCheckpoints):
 
         return await self._apply(user, run_id, "forward_backward", request_id, arguments, record, order=order)
 
-    async def forward(self, user: User, batch: builtins.list[dict[str, Any]], run_id: str | None = None,
+    async def forward(self, user: User, batch: builtins.list[BatchItem], run_id: str | None = None,
                       base_model: str | None = None, loss_fn: str = "cross_entropy",
                       loss_fn_config: dict[str, Any] | None = None, request_id: str | None = None,
                       order: Numbered | None = None, snapshot: str | None = None,
@@ -193,7 +194,7 @@ class RunService(RunReads, RunSampling, RunCheckpoints):
 
         return await self.recorder.record(caller, "forward", request_id, result, answer)
 
-    async def render_datums(self, user: User, run_id: str, batch: builtins.list[dict[str, Any]],
+    async def render_datums(self, user: User, run_id: str, batch: builtins.list[BatchItem],
                             loss_fn: str = "cross_entropy") -> RenderDatumsResult:
         """The datums the runtime would build for `batch` on the run's model; nothing is applied or billed."""
         run = await self.get(user, run_id)

@@ -25,6 +25,7 @@ from app.tinker.messages import (
     SaveWeightsResponse,
     UntypedAPIFuture,
 )
+from gpu_runtime.contract import batch_from_dicts
 from gpu_runtime.errors import FailedPrecondition
 
 T = TypeVar("T")
@@ -74,14 +75,15 @@ async def forward_backward(request: Request, user: User) -> UntypedAPIFuture:
     forward_only = message["forward_only"]
 
     async def work(request_id: str) -> tuple[str, bytes]:
+        batch = batch_from_dicts(message["data"])  # Tinker's datums as the contract's items; an error answers the future
         if forward_only:
             ahead = await ordered(svc, model, seq, lambda order, rid: svc.runs.forward(
-                user, message["data"], run_id=model.run_id, loss_fn=message["loss_fn"],
+                user, batch, run_id=model.run_id, loss_fn=message["loss_fn"],
                 loss_fn_config=message["loss_fn_config"], request_id=rid, order=order), request_id)
             loss, outputs = ahead.loss_sum, ahead.outputs
         else:
             trained = await ordered(svc, model, seq, lambda order, rid: svc.runs.forward_backward(
-                user, model.run_id or "", message["data"], loss_fn=message["loss_fn"],
+                user, model.run_id or "", batch, loss_fn=message["loss_fn"],
                 loss_fn_config=message["loss_fn_config"], request_id=rid, reduction="sum", return_outputs=True,
                 order=order), request_id)
             loss, outputs = trained.loss, trained.outputs or []

@@ -6,7 +6,7 @@ shifts them again or assumes targets[i] == model_input[i + 1] (an RL datum pads 
 target 0). Signal's own items (text, input/output, messages, tokens + weights) render into this
 form: tokens t with weights w become model_input = t[:-1], targets = t[1:], weights = w[1:] (w[0]
 weighs nothing: nothing predicts the first token). Journals written before datums (records of
-{tokens, weights, extras}) render the same way, so they replay bitwise.
+{tokens, weights, extras}) render the same way (`shifted`), so they replay bitwise.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 import base64
 import binascii
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -21,11 +22,19 @@ import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from gpu_runtime.contract.batch_items import (
+    BatchItem,
+    ChatItem,
+    DatumItem,
+    Message,
+    PackedItem,
+    PromptCompletion,
+    TextItem,
+    TokensItem,
+)
 from gpu_runtime.contract.results import RenderedDatum
-from gpu_runtime.contract.training_settings import DATUM_INPUTS, PACKED_KEY, PACKED_TOKENS, RL_LOSSES, TEXT_KEYS, TOKEN_KEYS
+from gpu_runtime.contract.training_settings import DATUM_INPUTS, PACKED_KEY, PACKED_TOKENS, RL_LOSSES
 from gpu_runtime.errors import BadInput
-
-ROLES = {"system", "user", "assistant", "tool"}
 
 
 @dataclass
@@ -62,16 +71,15 @@ class Datum:
         return {"model_input": list(self.model_input), "loss_fn_inputs": inputs}
 
     @classmethod
-    def from_record(cls, data: dict[str, Any]) -> Datum:
-        """A journal record's datum: the datum form, or the {tokens, weights, extras} form of older journals."""
-        if "model_input" in data:
-            inputs = dict(data["loss_fn_inputs"])
-            targets, weights = inputs.pop("target_tokens"), inputs.pop("weights", None)
-            return cls(list(data["model_input"]), list(targets), weights, inputs)
-        return _shifted(data["tokens"], data["weights"], data.get("extras") or {})
+    def from_dict(cls, data: dict[str, Any]) -> Datum:
+        """A datum as `to_dict` wrote it (a journal record's; engine/journal_records.py upgrades older forms)."""
+        inputs = dict(data["loss_fn_inputs"])
+        targets, weights = inputs.pop("target_tokens"), inputs.pop("weights", None)
+        return cls(list(data["model_input"]), list(targets), weights, inputs)
 
 
-def _shifted(tokens: list[int], weights: list[float], extras: dict[str, list[float]]) -> Datum:
+def shifted(tokens: list[int], weights: list[float], extras: dict[str, list[float]]) -> Datum:
+    """Tokens with weights aligned to them as a datum: position i predicts tokens[i + 1], weighted by weights[i + 1]."""
     return Datum(list(tokens[:-1]), list(tokens[1:]), list(weights[1:]), {k: list(v[1:]) for k, v in extras.items()})
 
 
@@ -95,8 +103,8 @@ class Renderer:
         self.max_length = max_length
         self.eos_id = tokenizer.eos_token_id
 
-    def render_batch(self, batch: Any, max_batch_size: int, loss_fn: str) -> list[Datum]:
-        if not isinstance(batch, list) or not batch:
+    def render_batch(self, batch: Sequence[BatchItem], max_batch_size: int, loss_fn: str) -> list[Datum]:
+        if not batch:
             raise BadInput("batch must be a non-empty list of items", field="batch")
         if len(batch) > max_batch_size:
             raise BadInput(f"batch has {len(batch)} items; this worker takes at most {max_batch_size}", field="batch")
@@ -112,40 +120,29 @@ class Renderer:
         # equal rewards has every advantage 0.
         return datums
 
-    def render_item(self, item: Any, where: str, loss_fn: str) -> Datum:
-        if not isinstance(item, dict) or not item:
-            raise BadInput(f"{where} must be a non-empty object", field=where)
-        keys = set(item)
-        if keys == {PACKED_KEY}:
-            return self._packed_item(item[PACKED_KEY], f"{where}.{PACKED_KEY}", loss_fn)
-        if "model_input" in keys or "loss_fn_inputs" in keys:
-            return self._datum_item(item, where, loss_fn)
-        if "tokens" in keys:
-            return self._tokens_item(item, where, loss_fn)
+    def render_item(self, item: BatchItem, where: str, loss_fn: str) -> Datum:
+        """One item (the contract parsed and checked its shape) as a datum, its values checked against the model."""
+        match item:
+            case PackedItem(packed=packed):
+                return self._packed_item(packed, f"{where}.{PACKED_KEY}", loss_fn)
+            case DatumItem(model_input=model_input, loss_fn_inputs=inputs):
+                return self._datum(model_input, inputs, where, f"{where}.loss_fn_inputs", loss_fn)
+            case TokensItem():
+                return self._tokens_item(item, where, loss_fn)
         if loss_fn in RL_LOSSES:
             raise BadInput(f"loss_fn {loss_fn!r} takes token items only ({{model_input, loss_fn_inputs}} or "
                            "{tokens, logprobs, advantages})", field=where)
-        if keys not in TEXT_KEYS:
-            unknown = sorted(keys - {"text", "input", "output", "messages"})
-            key = unknown[0] if unknown else sorted(keys)[0]
-            raise BadInput(
-                f"{where} has keys {sorted(keys)}; an item is one of {{text}}, {{input, output}}, {{messages}}, "
-                "{tokens, weights}, {model_input, loss_fn_inputs}",
-                field=f"{where}.{key}",
-            )
-        for key in keys - {"messages"}:
-            if not isinstance(item[key], str):
-                raise BadInput(f"{where}.{key} must be a string", field=f"{where}.{key}")
-        if keys == {"messages"}:
-            return self._messages_item(item["messages"], f"{where}.messages")
-        if keys == {"input", "output"}:
-            if not item["output"]:
-                raise BadInput(f"{where}.output is empty", field=f"{where}.output")
-            return self._prompt_completion(item["input"], item["output"])
-        (key,) = keys
-        if not item[key]:
-            raise BadInput(f"{where}.{key} is empty", field=f"{where}.{key}")
-        return self._prompt_completion("", item[key])
+        match item:
+            case ChatItem(messages=messages):
+                return self._messages_item(messages, f"{where}.messages")
+            case TextItem(text=text):
+                return self._prompt_completion("", text)
+            case PromptCompletion(input=str(prompt), output=str(completion)):
+                return self._prompt_completion(prompt, completion)
+            case PromptCompletion(input=prompt, output=completion):  # either alone is text
+                return self._prompt_completion("", prompt or completion or "")
+        raise BadInput(f"{where} is not a batch item", field=where)
+
     def _encode(self, text: str, first: bool) -> list[int]:
         # Only the first segment gets the tokenizer's own specials (BOS where the model uses one).
         return list(self.tokenizer(text, add_special_tokens=first)["input_ids"])
@@ -158,22 +155,12 @@ class Renderer:
             completion_ids.append(self.eos_id)
         tokens = prompt_ids + completion_ids
         weights = [0.0] * len(prompt_ids) + [1.0] * len(completion_ids)
-        return _shifted(tokens, weights, {})
+        return shifted(tokens, weights, {})
 
-    def _messages_item(self, messages: Any, where: str) -> Datum:
-        if not isinstance(messages, list) or not messages:
-            raise BadInput(f"{where} must be a non-empty list of {{role, content}}", field=where)
-        for j, message in enumerate(messages):
-            if not isinstance(message, dict) or set(message) != {"role", "content"}:
-                raise BadInput(f"{where}[{j}] must be exactly {{role, content}}", field=f"{where}[{j}]")
-            if message["role"] not in ROLES:
-                raise BadInput(f"{where}[{j}].role must be one of {sorted(ROLES)}", field=f"{where}[{j}].role")
-            if not isinstance(message["content"], str):
-                raise BadInput(f"{where}[{j}].content must be a string", field=f"{where}[{j}].content")
-        if not any(m["role"] == "assistant" for m in messages):
-            raise BadInput(f"{where} has no assistant turn to train on", field=where)
+    def _messages_item(self, items: list[Message], where: str) -> Datum:
         if not getattr(self.tokenizer, "chat_template", None) or not self.tokenizer.is_fast:
             raise BadInput("this model's tokenizer has no chat template; send tokens or input/output items", field=where)
+        messages = [{"role": m.role, "content": m.content} for m in items]
         full = self._template(messages, generation_prompt=False)
         spans = []
         for j, message in enumerate(messages):
@@ -190,7 +177,7 @@ class Renderer:
         encoded = self.tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
         tokens = list(encoded["input_ids"])
         weights = [1.0 if any(s <= a < e for s, e in spans) else 0.0 for a, _ in encoded["offset_mapping"]]
-        return _shifted(tokens, weights, {})
+        return shifted(tokens, weights, {})
 
     def _template(self, messages: list[dict[str, str]], generation_prompt: bool) -> str:
         if not messages and not generation_prompt:
@@ -198,38 +185,33 @@ class Renderer:
         # tokenize=False returns the rendered text; the stub's return type covers every mode.
         return cast(str, self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt))
 
-    def _tokens_item(self, item: dict[str, Any], where: str, loss_fn: str) -> Datum:
+    def _tokens_item(self, item: TokensItem, where: str, loss_fn: str) -> Datum:
         """Signal's token item: tokens with weights aligned to them (weights[i] weighs predicting tokens[i])."""
-        allowed = {"tokens", "weights"} if loss_fn not in RL_LOSSES else TOKEN_KEYS
-        for key in item:
-            if key not in allowed:
-                raise BadInput(f"{where}.{key} is not a field of a token item for {loss_fn} (takes {sorted(allowed)})",
-                               field=f"{where}.{key}")
-        tokens = item["tokens"]
-        if not isinstance(tokens, list) or len(tokens) < 2:
-            raise BadInput(f"{where}.tokens must be a list of at least 2 token ids", field=f"{where}.tokens")
+        given = item.to_dict()
+        if loss_fn not in RL_LOSSES:
+            for key in ("logprobs", "advantages"):
+                if key in given:
+                    raise BadInput(f"{where}.{key} is not a field of a token item for {loss_fn} (takes "
+                                   f"{sorted({'tokens', 'weights'})})", field=f"{where}.{key}")
+        tokens = item.tokens
         self._token_ids(tokens, f"{where}.tokens")
-        weights = self._floats(item, "weights", where, len(tokens), "tokens", default=1.0)
+        weights = self._floats(given, "weights", where, len(tokens), "tokens", default=1.0)
         extras = {}
         if loss_fn in RL_LOSSES:
             for key in ("logprobs", "advantages"):
-                if key not in item:
+                if key not in given:
                     raise BadInput(f"{where}.{key} is required for {loss_fn}", field=f"{where}.{key}")
-                extras[key] = self._floats(item, key, where, len(tokens), "tokens", default=0.0)
-            if "weights" not in item:
+                extras[key] = self._floats(given, key, where, len(tokens), "tokens", default=0.0)
+            if "weights" not in given:
                 # Without a mask, the tokens that carry an advantage are the ones trained on.
                 weights = [1.0 if a != 0 else 0.0 for a in extras["advantages"]]
-        return _shifted(tokens, weights, extras)
+        return shifted(tokens, weights, extras)
 
-    def _packed_item(self, packed: Any, where: str, loss_fn: str) -> Datum:
+    def _packed_item(self, packed: dict[str, str | None], where: str, loss_fn: str) -> Datum:
         """A datum whose lists came as base64 (int32 token ids, float32 values, little-endian); checked as a datum,
         its errors naming the packed field."""
-        if not isinstance(packed, dict):
-            raise BadInput(f"{where} must be an object of base64 lists", field=where)
         lists: dict[str, Any] = {}
         for key, value in packed.items():
-            if key not in ("model_input", *DATUM_INPUTS):
-                raise BadInput(f"{where}.{key} is not a field of a packed datum", field=f"{where}.{key}")
             if value is None:
                 continue
             try:
@@ -240,16 +222,12 @@ class Renderer:
                 raise BadInput(f"{where}.{key} must be base64 of little-endian 4-byte values", field=f"{where}.{key}")
             lists[key] = np.frombuffer(raw, dtype="<i4" if key in PACKED_TOKENS else "<f4").tolist()
         inputs = {k: v for k, v in lists.items() if k != "model_input"}
-        return self._datum_item({"model_input": lists.get("model_input"), "loss_fn_inputs": inputs}, where, loss_fn,
-                                inputs_at=where)
+        if "target_tokens" not in inputs:
+            raise BadInput(f"{where}.target_tokens is required", field=f"{where}.target_tokens")
+        return self._datum(lists.get("model_input"), inputs, where, where, loss_fn)
 
-    def _datum_item(self, item: dict[str, Any], where: str, loss_fn: str, inputs_at: str | None = None) -> Datum:
-        """Tinker's datum: model_input and loss_fn_inputs of the same length N, targets already shifted."""
-        for key in item:
-            if key not in ("model_input", "loss_fn_inputs"):
-                raise BadInput(f"{where}.{key} is not a field of a datum (takes model_input, loss_fn_inputs)",
-                               field=f"{where}.{key}")
-        model_input = item.get("model_input")
+    def _datum(self, model_input: Any, inputs: dict[str, Any], where: str, at: str, loss_fn: str) -> Datum:
+        """Tinker's datum: model_input and loss_fn_inputs (`at`) of the same length N, targets already shifted."""
         if not isinstance(model_input, list) or not model_input:
             raise BadInput(f"{where}.model_input must be a non-empty list of token ids", field=f"{where}.model_input")
         for j, t in enumerate(model_input):
@@ -259,16 +237,6 @@ class Renderer:
                 raise BadInput(f"{where}.model_input[{j}] is {what}; only token ids are taken (no image chunks)",
                                field=f"{where}.model_input[{j}]")
         self._token_ids(model_input, f"{where}.model_input")
-        inputs = item.get("loss_fn_inputs")
-        at = inputs_at or f"{where}.loss_fn_inputs"
-        if not isinstance(inputs, dict):
-            raise BadInput(f"{at} must be an object with target_tokens", field=at)
-        unknown = sorted(set(inputs) - set(DATUM_INPUTS))
-        if unknown:
-            raise BadInput(f"{at}.{unknown[0]} is not a loss input (takes {list(DATUM_INPUTS)})",
-                           field=f"{at}.{unknown[0]}")
-        if "target_tokens" not in inputs:
-            raise BadInput(f"{at}.target_tokens is required", field=f"{at}.target_tokens")
         targets = inputs["target_tokens"]
         if isinstance(targets, list) and any(isinstance(t, list) for t in targets):
             raise BadInput(f"{at}.target_tokens must be 1-D (one target per position), not 2-D",

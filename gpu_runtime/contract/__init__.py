@@ -10,11 +10,25 @@ skips the server is held to the same rules. Errors are `BadInput` naming the fie
   `sampling_calls` and `control_calls`; `registry` maps a method name to its type (`parse_call` for what arrives).
 - `results`: one frozen result type per call.
 - `checks`: ids, request ids, text and seeds, which every call shares.
-- `training_settings`: AdamW, LoRA, batch items and losses; `sampling_settings`: sampling's knobs, prompts, stops.
+- `batch_items`: a batch's items as types (`BatchItem`) and the one reader of their JSON (`item_from_dict`).
+- `training_settings`: AdamW, LoRA, batch items' keys and losses; `sampling_settings`: sampling's knobs, prompts, stops.
 - `checkpoints`: checkpoint kinds, names and `signal://` references.
 - `runtime_options`: the runtime's own options and the per-call size bounds they set.
 """
 
+from gpu_runtime.contract.batch_items import (
+    BatchItem,
+    ChatItem,
+    DatumItem,
+    Message,
+    PackedItem,
+    PromptCompletion,
+    TextItem,
+    TokensItem,
+    batch_from_dicts,
+    batch_to_dicts,
+    item_from_dict,
+)
 from gpu_runtime.contract.calls import (
     CALLS,
     CONTRACT_VERSION,
@@ -39,7 +53,6 @@ from gpu_runtime.contract.checks import (
     MAX_REQUEST_ID_LENGTH,
     MAX_RUN_SEED,
     MAX_SEED,
-    check_batch_text,
     check_id,
     check_request_id,
     check_seed,
@@ -93,7 +106,6 @@ from gpu_runtime.contract.runtime_options import (
     RuntimeOptions,
     check_batch_size,
     check_sample_size,
-    known_batch_tokens,
 )
 from gpu_runtime.contract.sampling_calls import (
     RenderChat,
@@ -161,7 +173,7 @@ __all__ = [
     "MAX_REQUEST_ID_LENGTH", "MAX_SAMPLES", "MAX_TOKENS_LIMIT", "Method", "OptimStep", "OptimStepResult", "Ping",
     "Result", "RunCall", "RunDescription", "RunInfo", "RuntimeOptions", "RuntimeState", "SAMPLE_DEFAULTS",
     "SAVE_MODES", "SYSTEM_CALLS", "Sample", "SampleResult", "SamplingSettings", "SaveState", "SaveStateResult",
-    "TEXT_KEYS", "TOKEN_KEYS", "UNEMBEDDING", "adam_settings", "check_adam_value", "check_batch_text", "check_id",
+    "TEXT_KEYS", "TOKEN_KEYS", "UNEMBEDDING", "adam_settings", "check_adam_value", "check_id",
     "check_request_id", "check_text", "default_target_modules", "lora_settings", "parse_call", "sampling_settings",
     "CHECKPOINT_KINDS", "CHECKPOINT_SCHEME", "LOADABLE_KINDS", "CheckpointRef", "DeleteCheckpoint", "LoadState",
     "LoadStateResult", "check_checkpoint_name", "checkpoint_ref", "default_checkpoint_name",
@@ -171,7 +183,9 @@ __all__ = [
     "RenderDatumsResult", "loss_settings", "RenderChat", "RenderChatResult", "SaveWeightsForSampler",
     "SaveWeightsForSamplerResult", "check_snapshot_name", "LORA_ALPHA_PER_R", "MAX_RUN_SEED", "MAX_SEED", "MAX_STOP",
     "MAX_STOP_CHARS", "MAX_TEMPERATURE", "MAX_TOP_K", "MAX_TOP_P", "check_batch_size", "check_sample_size", "check_seed",
-    "known_batch_tokens", "Cancel", "CancelResult", "SampleChunk", "CloseRunResult", "DeleteRunResult",
+    "Cancel", "CancelResult", "SampleChunk", "CloseRunResult", "DeleteRunResult",
     "DeleteCheckpointResult", "ExportCheckpointResult", "PingResult", "RuntimeStateResult",
     "BaseDescription", "RenderedDatum", "SequenceChunk", "SampleDefaults", "Kind", "Lane",
+    "BatchItem", "ChatItem", "DatumItem", "Message", "PackedItem", "PromptCompletion", "TextItem", "TokensItem",
+    "batch_from_dicts", "batch_to_dicts", "item_from_dict",
 ]

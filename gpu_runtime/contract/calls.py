@@ -123,7 +123,12 @@ class Call(Generic[A]):
         missing = [f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING and f.name not in params]
         if missing:
             raise BadInput(f"{cls.method}: missing argument {missing[0]!r}", field="params")
-        return cls(**params)
+        return cls(**cls._parsed(params))
+
+    @classmethod
+    def _parsed(cls, params: dict[str, Any]) -> dict[str, Any]:
+        """The arguments as the type's fields hold them (a batch's JSON items become typed ones)."""
+        return params
 
     def validate(self) -> None:
         """Every check that needs no model (run again by the runtime)."""

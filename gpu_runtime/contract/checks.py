@@ -40,21 +40,6 @@ def check_text(value: Any, field: str) -> None:
             raise BadInput(f"{field} has a character that is not valid Unicode text at {exc.start}", field=field) from None
 
 
-def check_batch_text(batch: list[Any]) -> None:
-    """`check_text` on every string of a batch: its items' values and their messages' fields. Token lists are
-    skipped whole: a 64 x 2048 batch is 131k ints the walk need not visit on every call."""
-    for i, item in enumerate(batch):
-        if not isinstance(item, dict):
-            continue  # the renderer names a non-object item
-        for key, value in item.items():
-            check_text(value, f"batch[{i}].{key}")
-            if key == "messages" and isinstance(value, list):
-                for j, message in enumerate(value):
-                    if isinstance(message, dict):
-                        for name, text in message.items():
-                            check_text(text, f"batch[{i}].{key}[{j}].{name}")
-
-
 # ---- seeds -------------------------------------------------------------------------------------
 
 MAX_SEED = 2**63 - 1  # a sampling seed: int64, what torch's generator and JSON's readers hold

@@ -8,7 +8,6 @@ from typing import Any
 
 from gpu_runtime.contract.checks import is_int, is_number
 from gpu_runtime.contract.sampling_settings import SamplingSettings
-from gpu_runtime.contract.training_settings import PACKED_KEY
 from gpu_runtime.errors import BadInput
 
 
@@ -91,19 +90,3 @@ def check_batch_size(items: int, tokens: int, options: RuntimeOptions) -> None:
         raise BadInput(f"batch has {items} items; a call takes at most {options.max_batch_size}", field="batch")
     if tokens > options.max_batch_tokens:
         raise BadInput(f"batch has {tokens} tokens; a call takes at most {options.max_batch_tokens}", field="batch")
-
-
-def known_batch_tokens(batch: list[Any]) -> int:
-    """The tokens of a batch's token items (tokens, model_input, packed), counted without a tokenizer: text items
-    count 0, so this is a lower bound of what the runtime renders."""
-    total = 0
-    for item in batch:
-        if not isinstance(item, dict):
-            continue
-        ids = item.get("tokens", item.get("model_input"))
-        if isinstance(ids, list):
-            total += len(ids)
-        packed = item.get(PACKED_KEY)
-        if isinstance(packed, dict) and isinstance(packed.get("model_input"), str):
-            total += len(packed["model_input"].rstrip("=")) * 3 // 4 // 4  # base64 of int32s
-    return total

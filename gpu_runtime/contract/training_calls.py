@@ -6,10 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from gpu_runtime.contract.batch_items import BATCH_ITEMS, BatchItem, batch_from_dicts, batch_to_dicts, known_tokens
 from gpu_runtime.contract.calls import Call, Kind, Lane, Method, RunCall
-from gpu_runtime.contract.checks import check_batch_text, check_request_id
+from gpu_runtime.contract.checks import check_request_id
 from gpu_runtime.contract.results import ForwardBackwardResult, ForwardResult, OptimStepResult, RenderDatumsResult
-from gpu_runtime.contract.runtime_options import RuntimeOptions, check_batch_size, known_batch_tokens
+from gpu_runtime.contract.runtime_options import RuntimeOptions, check_batch_size
 from gpu_runtime.contract.sampling_calls import check_weights_source
 from gpu_runtime.contract.training_settings import DEFAULT_LOSS_FN, DEFAULT_REDUCTION, adam_settings, loss_settings
 from gpu_runtime.errors import BadInput
@@ -18,16 +19,29 @@ from gpu_runtime.errors import BadInput
 def _check_batch(batch: Any) -> None:
     if not isinstance(batch, list) or not batch:
         raise BadInput("batch must be a non-empty list of examples", field="batch")
-    check_batch_text(batch)
+    for i, item in enumerate(batch):
+        if not isinstance(item, BATCH_ITEMS):
+            raise BadInput(f"batch[{i}] must be a batch item", field=f"batch[{i}]")
+        item.check(f"batch[{i}]")
 
 
 class _Batched:
-    """A call carrying a batch: bounded in items and in the tokens countable before rendering."""
+    """A call carrying a batch of typed items (JSON's are parsed as the call is: `batch_from_dicts`), bounded in
+    items and in the tokens countable before rendering."""
 
-    batch: list[dict[str, Any]]
+    batch: list[BatchItem]
+
+    @classmethod
+    def _parsed(cls, params: dict[str, Any]) -> dict[str, Any]:
+        return {**params, "batch": batch_from_dicts(params["batch"])} if "batch" in params else params
+
+    def to_dict(self) -> dict[str, Any]:
+        data: dict[str, Any] = super().to_dict()  # type: ignore[misc]  # a mixin of Call: Call.to_dict is next in the MRO
+        data["batch"] = batch_to_dicts(self.batch)
+        return data
 
     def check_size(self, options: RuntimeOptions) -> None:
-        check_batch_size(len(self.batch), known_batch_tokens(self.batch), options)
+        check_batch_size(len(self.batch), sum(known_tokens(item) for item in self.batch), options)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -35,7 +49,7 @@ class ForwardBackward(_Batched, RunCall[ForwardBackwardResult]):
     method = Method.FORWARD_BACKWARD
     answer = ForwardBackwardResult
     kind = Kind(Lane.RUN, writes=True, on_run=True, primitive=True)
-    batch: list[dict[str, Any]]
+    batch: list[BatchItem]
     loss_fn: str = DEFAULT_LOSS_FN
     loss_fn_config: dict[str, float] | None = None
     reduction: str = DEFAULT_REDUCTION  # every call between two optim_steps uses the same one
@@ -60,7 +74,7 @@ class Forward(_Batched, Call[ForwardResult]):
     method = Method.FORWARD
     answer = ForwardResult
     kind = Kind(Lane.FREE, on_run=True, primitive=True)
-    batch: list[dict[str, Any]]
+    batch: list[BatchItem]
     run_id: str | None = None
     snapshot: str | None = None  # a sampler snapshot's name on the run (save_weights_for_sampler)
     checkpoint: str | None = None  # a training checkpoint's name on the run (not readable yet: refused)
@@ -92,7 +106,7 @@ class RenderDatums(_Batched, RunCall[RenderDatumsResult]):
     method = Method.RENDER_DATUMS
     answer = RenderDatumsResult
     kind = Kind(Lane.RUN, on_run=True)
-    batch: list[dict[str, Any]]
+    batch: list[BatchItem]
     loss_fn: str = DEFAULT_LOSS_FN
 
     def validate(self) -> None:

@@ -51,6 +51,7 @@ from gpu_runtime.contract import (
     lora_settings,
 )
 from gpu_runtime.contract.checkpoints import DEFAULT_NAME, CheckpointRef
+from gpu_runtime.engine.journal_records import LOAD_STATE, LoadStateRecord  # replayed from the run's own copy
 from gpu_runtime.engine.recovery import Recovery
 from gpu_runtime.engine.run_state import (
     ADAPTER_WEIGHTS,
@@ -67,7 +68,6 @@ from gpu_runtime.engine.run_state import (
 from gpu_runtime.engine.sampling_calls import Sampling
 from gpu_runtime.engine.shared import Shared
 from gpu_runtime.engine.snapshots import READABLE_KINDS, SAMPLER_MODE, Snapshots
-from gpu_runtime.engine.training_calls import LOAD_STATE  # the journal record type, replayed from the run's own copy
 from gpu_runtime.engine.uploads import Uploads
 from gpu_runtime.errors import BadInput, FailedPrecondition, NotFound, RunNotFound
 
@@ -316,9 +316,9 @@ class Control:
                                     self.shared.device)
         result = LoadStateResult(checkpoint=ref.path, step=state.step, with_optimizer=call.with_optimizer,
                                  pending_dropped=dropped, compute_seconds=self.shared.compute.seconds_since(started))
-        self.shared.journal(state, {"type": LOAD_STATE, "request_id": call.request_id, "staged": staged,
-                                    "with_optimizer": call.with_optimizer, "step": state.step, "body_sha256": body,
-                                    "result": result.to_dict()})
+        self.shared.journal(state, LoadStateRecord(request_id=call.request_id, staged=staged,
+                                                   with_optimizer=call.with_optimizer, step=state.step,
+                                                   body_sha256=body, result=result.to_dict()))
         state.remember(call.request_id, result.to_dict(), body)
         append_manifest(state.paths.manifest, {"event": LOAD_STATE, "checkpoint": ref.path, "step": state.step,
                                                "with_optimizer": call.with_optimizer})

@@ -15,10 +15,10 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
 
 from gpu_runtime.client.persistence import check_id, find_run_dir, read_json, sweep_temporaries
 from gpu_runtime.engine.disk import disk_full_error, is_disk_full
+from gpu_runtime.engine.journal_records import Record, record_from_dict
 from gpu_runtime.engine.run_state import RunConfig, RunState
 from gpu_runtime.engine.shared import Shared
 from gpu_runtime.errors import InternalError, RunNotFound, SignalError
@@ -27,7 +27,7 @@ RESTORES_PER_TICK = 1  # one restore's replay per tick, so one evicted run comin
 
 
 class Recovery:
-    def __init__(self, shared: Shared, replay: Callable[[RunState, dict[str, Any]], None]) -> None:
+    def __init__(self, shared: Shared, replay: Callable[[RunState, Record], None]) -> None:
         self.shared = shared
         self.replay = replay  # applies one journal record (Training.replay)
 
@@ -73,7 +73,7 @@ class Recovery:
             state.load_latest_snapshot(self.shared.device)
             records = state.journal.read()
             for record in records[state.seq:]:
-                self.replay(state, record)
+                self.replay(state, record_from_dict(record))
             state.seq = len(records)
         except BaseException:
             residency.detach(state.run_id)  # never leave a half-restored run in memory

@@ -22,7 +22,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import Any
 
 import torch
 from peft import LoraConfig
@@ -37,6 +37,7 @@ from gpu_runtime.compute.quantization import base_key
 from gpu_runtime.contract.checkpoints import DEFAULT_NAME
 from gpu_runtime.contract.training_settings import DEFAULT_REDUCTION
 from gpu_runtime.engine.journal import Journal
+from gpu_runtime.engine.journal_records import BatchRecord, PendingRecord
 from gpu_runtime.errors import BadInput
 
 SNAPSHOT_FORMAT = 2
@@ -55,24 +56,6 @@ REMEMBERED_SAMPLES = 64  # sample answers kept in memory only: a sample changes 
 def peft_name(path: str, matrix: str) -> str:
     """The key PEFT's adapter files use for a layer's A or B."""
     return f"base_model.model.{path}.lora_{matrix}.weight"
-
-
-class BatchRecord(TypedDict):
-    """One forward_backward's batch as the manifest's step line lists it."""
-
-    sha256: str
-    num_examples: int
-    num_tokens: int
-
-
-class PendingRecord(TypedDict):
-    """`PendingGrads` as snapshot.json holds it."""
-
-    normaliser: float
-    calls: int
-    tokens: int
-    batches: list[BatchRecord]
-    reduction: str | None
 
 
 @dataclass
@@ -100,15 +83,12 @@ class PendingGrads:
             return 1.0
         return self.normaliser
 
-    def to_dict(self) -> PendingRecord:
-        return {"normaliser": self.normaliser, "calls": self.calls, "tokens": self.tokens, "batches": self.batches,
-                "reduction": self.reduction}
+    def to_record(self) -> PendingRecord:
+        return PendingRecord(self.normaliser, self.calls, self.tokens, list(self.batches), self.reduction)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> PendingGrads:
-        # Snapshots from before reductions hold none: their calls were all "mean".
-        reduction = data.get("reduction", DEFAULT_REDUCTION if data["calls"] else None)
-        return cls(data["normaliser"], data["calls"], data["tokens"], data["batches"], reduction)
+    def from_record(cls, record: PendingRecord) -> PendingGrads:
+        return cls(record.normaliser, record.calls, record.tokens, list(record.batches), record.reduction)
 
 
 @dataclass
@@ -275,7 +255,7 @@ class RunState:
                 save_file(grads, str(tmp / PENDING_FILE))
             write_json(tmp / SNAPSHOT_FILE, {
                 "format": SNAPSHOT_FORMAT, "step": self.step, "seq": self.seq, "pending_included": pending,
-                "pending": self.pending.to_dict(),
+                "pending": self.pending.to_record().to_dict(),
                 "answered": kept, "bodies": {k: self.bodies[k] for k, _ in kept if k in self.bodies},
                 "created_at": time.time(),
             })
@@ -301,7 +281,7 @@ class RunState:
             grads = load_file(str(directory / PENDING_FILE), device=str(device))
             for name, param in self.named_parameters().items():
                 param.grad = in_layout_of(param, grads[name]).clone()  # in the parameter's layout: fused AdamW reads raw memory
-        self.pending = PendingGrads.from_dict(meta["pending"])
+        self.pending = PendingGrads.from_record(PendingRecord.from_dict(meta["pending"]))
         self.answered = OrderedDict((k, v) for k, v in meta.get("answered", []))
         bodies = meta.get("bodies", {})  # snapshots written before bodies hold none: those ids take any body
         self.bodies = OrderedDict((k, bodies[k]) for k in self.answered if k in bodies)

@@ -24,6 +24,7 @@ from gpu_runtime.compute.models import ModelRegistry
 from gpu_runtime.compute.pool import BaseEntry
 from gpu_runtime.contract import RuntimeOptions
 from gpu_runtime.engine.journal import sync_all
+from gpu_runtime.engine.journal_records import Record
 from gpu_runtime.engine.request import Answer, Request
 from gpu_runtime.engine.residency import Residency
 from gpu_runtime.engine.run_state import RunState
@@ -102,13 +103,13 @@ class Shared:
     def entry(self, state: RunState) -> BaseEntry:
         return self.residency.bases[state.base_key]
 
-    def journal(self, state: RunState, record: dict[str, Any]) -> None:
+    def journal(self, state: RunState, record: Record) -> None:
         """Append an acknowledged call to its run's journal; it is fsync'd before the tick answers. A failed write
         is kept for `sync_journals` to report: every call of that run in this tick then fails."""
-        if "enospc_journal" in self.faults and str(record.get("request_id") or "").startswith("enospc"):
+        if "enospc_journal" in self.faults and str(record.request_id or "").startswith("enospc"):
             self.armed.add(state.run_id)  # failpoint: this run's journal sync fails as on a full disk
         try:
-            state.journal.append(record)
+            state.journal.append(record.to_dict())
         except OSError as exc:
             self.unwritten.setdefault(state.run_id, exc)
         state.seq += 1

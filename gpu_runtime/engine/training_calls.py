@@ -23,12 +23,13 @@ import torch
 from gpu_runtime.client.persistence import sha256_json
 from gpu_runtime.compute.batches import Datum
 from gpu_runtime.compute.hardware import Stepping
-from gpu_runtime.compute.optimizer import PORTABLE, kernel_of
+from gpu_runtime.compute.optimizer import kernel_of
 from gpu_runtime.compute.plan import PartOutcome, PassPart
 from gpu_runtime.compute.pool import BaseEntry
 from gpu_runtime.compute.ranks import RanksFailed
 from gpu_runtime.contract import (
     DEFAULT_REDUCTION,
+    BatchItem,
     Forward,
     ForwardBackward,
     ForwardBackwardResult,
@@ -37,17 +38,16 @@ from gpu_runtime.contract import (
     OptimStepResult,
     RenderDatums,
     RenderDatumsResult,
+    batch_to_dicts,
     check_batch_size,
     loss_settings,
 )
+from gpu_runtime.engine.journal_records import BatchRecord, FbRecord, LoadStateRecord, OptimRecord, Record
 from gpu_runtime.engine.request import Request
 from gpu_runtime.engine.run_state import LOADS_DIR, RunState, append_manifest, last_manifest_step
 from gpu_runtime.engine.shared import Answered, Shared, TickStats, internal
 from gpu_runtime.engine.weights_sources import WeightsSource
 from gpu_runtime.errors import FailedPrecondition, SignalError
-
-FORWARD_BACKWARD, OPTIM_STEP = "forward_backward", "optim_step"  # journal record types
-LOAD_STATE = "load_state"  # written by control_calls.py's load_state
 
 
 @dataclass(eq=False)
@@ -124,12 +124,12 @@ class Training:
                 "forward_backward call(s) since the last optim_step: every call between two steps uses one reduction",
                 field="reduction")
         examples = self.rendered(self.shared.entry(state), call.batch, call.loss_fn)
-        batch_hash = sha256_json({"loss_fn": call.loss_fn, "batch": call.batch})
+        batch_hash = sha256_json({"loss_fn": call.loss_fn, "batch": batch_to_dicts(call.batch)})
         return FbProgress(state, examples, call.loss_fn, config, batch_hash, call=state.pending.calls,
                           width=max(e.length for e in examples), reduction=call.reduction,
                           return_outputs=call.return_outputs, body=body)
 
-    def rendered(self, entry: BaseEntry, batch: list[dict[str, Any]], loss_fn: str) -> list[Datum]:
+    def rendered(self, entry: BaseEntry, batch: list[BatchItem], loss_fn: str) -> list[Datum]:
         """A batch's rows, bounded in items and (now that text is tokenized) in tokens by the runtime's options."""
         examples = entry.renderer.render_batch(batch, self.shared.options.max_batch_size, loss_fn)
         check_batch_size(len(examples), sum(e.cost for e in examples), self.shared.options)
@@ -222,9 +222,8 @@ class Training:
         if progress.done < len(progress.examples):
             return None
         num_tokens = sum(e.num_targets for e in progress.examples)
-        state.pending.add(progress.normaliser, num_tokens, {"sha256": progress.batch_hash,
-                                                             "num_examples": len(progress.examples),
-                                                             "num_tokens": num_tokens}, progress.reduction)
+        state.pending.add(progress.normaliser, num_tokens,
+                          BatchRecord(progress.batch_hash, len(progress.examples), num_tokens), progress.reduction)
         if progress.reduction == "sum":
             loss = progress.loss_sum
         else:
@@ -238,13 +237,10 @@ class Training:
             os.kill(os.getpid(), signal.SIGKILL)  # failpoint: computed, not journaled
         request_id = part.request.request_id
         kept = result.kept().to_dict()  # nothing per-position in the journal or the retry cache
-        self.shared.journal(state, {
-            "type": FORWARD_BACKWARD, "request_id": request_id, "loss_fn": progress.loss_fn,
-            "loss_fn_config": progress.loss_config, "reduction": progress.reduction, "call": progress.call,
-            "step": state.step, "batch_sha256": progress.batch_hash, "body_sha256": progress.body,
-            "datums": [e.to_dict() for e in progress.examples],
-            "result": kept,
-        })
+        self.shared.journal(state, FbRecord(
+            request_id=request_id, loss_fn=progress.loss_fn, loss_fn_config=progress.loss_config,
+            reduction=progress.reduction, call=progress.call, step=state.step, batch_sha256=progress.batch_hash,
+            body_sha256=progress.body, datums=progress.examples, result=kept))
         state.remember(request_id, kept, progress.body)
         self.shared.residency.touch(state)
         return result
@@ -319,14 +315,14 @@ class Training:
             record = result.to_dict()
         except FailedPrecondition as exc:
             record = {"error": exc.to_dict()}  # journaled too: dropping the gradients is a change replay must repeat
-        self.shared.journal(state, {"type": OPTIM_STEP, "request_id": step.call.request_id, "adam": settings,
-                                    "kernel": kernel_of(state.optimizer), "body_sha256": step.body, "result": record})
+        self.shared.journal(state, OptimRecord(request_id=step.call.request_id, adam=settings,
+                                               kernel=kernel_of(state.optimizer), body_sha256=step.body, result=record))
         state.remember(step.call.request_id, record, step.body)
         self.shared.residency.touch(state)
         if "error" in record:
             return SignalError.from_dict(record["error"])
         append_manifest(state.paths.manifest, {"step": state.step, "adam": settings, "grad_norm": result.grad_norm,
-                                               "num_tokens": pending.tokens, "batches": pending.batches})
+                                               "num_tokens": pending.tokens, "batches": [b.to_dict() for b in pending.batches]})
         return result
 
     def _apply(self, state: RunState, settings: dict[str, float], kernel: str | None = None) -> OptimStepResult:
@@ -347,42 +343,40 @@ class Training:
 
     # ---- replay (restore = snapshot + these) -----------------------------------------------
 
-    def replay(self, state: RunState, record: dict[str, Any]) -> None:
-        """Apply one journal record again, as it was applied live."""
-        request_id = record.get("request_id")
+    def replay(self, state: RunState, record: Record) -> None:
+        """Apply one journal record again, as it was applied live (journal_records.py read it, whatever its format)."""
+        request_id = record.request_id
         if request_id and request_id in state.answered:
             return  # a duplicate cannot be applied twice
-        if record["type"] == FORWARD_BACKWARD:
+        if isinstance(record, FbRecord):
             self._replay_fb(state, record)
-        elif record["type"] == LOAD_STATE:
+        elif isinstance(record, LoadStateRecord):
             # Only a crash between the load's journal record and its snapshot gets here: the run's own copy of the
             # checkpoint's files (never the checkpoint, which may be gone) is still there until a snapshot covers it.
-            staged = state.paths.root / LOADS_DIR / record["staged"]
-            state.load_checkpoint_files(staged, record["with_optimizer"], record["step"], self.shared.device)
-        elif "error" in record["result"]:
+            staged = state.paths.root / LOADS_DIR / record.staged
+            state.load_checkpoint_files(staged, record.with_optimizer, record.step, self.shared.device)
+        elif record.error is not None:
             # It failed live and dropped the gradients: the journal's outcome holds, whatever a recompute says.
             self.shared.compute.drop_grads(state)
             state.clear_pending()
         else:
             pending = state.pending
             try:
-                self._apply(state, record["adam"], record.get("kernel", PORTABLE))  # unnamed: written before fused
+                self._apply(state, record.adam, record.kernel)
             except FailedPrecondition:
                 pass  # it failed the first time too, and dropped the gradients as it does now
             else:
                 if last_manifest_step(state.paths.manifest) < state.step:  # the crash came before its manifest line
                     append_manifest(state.paths.manifest, {
-                        "step": state.step, "adam": record["adam"], "grad_norm": record["result"]["grad_norm"],
-                        "num_tokens": pending.tokens, "batches": pending.batches})
-        state.remember(request_id, record["result"], record.get("body_sha256"))  # none in journals from before
+                        "step": state.step, "adam": record.adam, "grad_norm": record.result["grad_norm"],
+                        "num_tokens": pending.tokens, "batches": [b.to_dict() for b in pending.batches]})
+        state.remember(request_id, record.result, record.body_sha256)
 
-    def _replay_fb(self, state: RunState, record: dict[str, Any]) -> None:
-        # Journals written before datums hold {tokens, weights, extras} per example: rendered as they were then.
-        examples = [Datum.from_record(e) for e in record.get("datums") or record["examples"]]
-        reduction = record.get("reduction", DEFAULT_REDUCTION)
-        config = loss_settings(record["loss_fn"], record.get("loss_fn_config") or None, reduction)
-        progress = FbProgress(state, examples, record["loss_fn"], config, record.get("batch_sha256", ""),
-                              call=record["call"], width=max(e.length for e in examples), reduction=reduction)
+    def _replay_fb(self, state: RunState, record: FbRecord) -> None:
+        examples = record.datums
+        config = loss_settings(record.loss_fn, record.loss_fn_config or None, record.reduction)
+        progress = FbProgress(state, examples, record.loss_fn, config, record.batch_sha256,
+                              call=record.call, width=max(e.length for e in examples), reduction=record.reduction)
         entry = self.shared.entry(state)
         while progress.done < len(examples):  # split as the budget splits live calls
             part = FbPart(None, progress, self.take_rows(progress, self.shared.options.tick_tokens), progress.done)

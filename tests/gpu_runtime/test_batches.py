@@ -9,6 +9,8 @@ import torch
 from transformers import AutoTokenizer
 
 from gpu_runtime.compute.batches import Datum, Renderer, collate
+from gpu_runtime.contract import batch_from_dicts
+from gpu_runtime.engine.journal_records import FbRecord
 from gpu_runtime.errors import BadInput
 from rewardsignal import pack_datum
 
@@ -19,9 +21,14 @@ def renderer(tiny_model_dir: str) -> Renderer:
     return Renderer(tokenizer, vocab_size=len(tokenizer), max_length=256)
 
 
+def render_json(renderer: Renderer, batch: Any, max_batch_size: int, loss_fn: str) -> list[Datum]:
+    """A batch as the wire carries it: parsed into items by the contract, then rendered against the model."""
+    return renderer.render_batch(batch_from_dicts(batch), max_batch_size, loss_fn)
+
+
 def render(renderer: Renderer, item: dict[str, Any]) -> tuple[list[int], list[float]]:
     """The item as Signal's tokens + weights (weights[0] weighs nothing), from its datum."""
-    (datum,) = renderer.render_batch([item], max_batch_size=8, loss_fn="cross_entropy")
+    (datum,) = render_json(renderer, [item], max_batch_size=8, loss_fn="cross_entropy")
     assert datum.weights is not None and datum.model_input[1:] == datum.targets[:-1]  # Signal's items: next token
     return datum.model_input + datum.targets[-1:], [0.0] + datum.weights
 
@@ -33,7 +40,7 @@ def test_token_items_keep_tokens_and_weights_as_given(renderer: Renderer) -> Non
 
 
 def test_collate_shifts_targets_so_weights_i_scores_token_i(renderer: Renderer) -> None:
-    examples = renderer.render_batch(
+    examples = render_json(renderer,
         [{"tokens": [5, 6, 7], "weights": [9, 1, 0.5]}, {"tokens": [8, 9], "weights": [0, 2]}], 8, "cross_entropy"
     )
     data = collate(examples, torch.device("cpu"))
@@ -120,26 +127,26 @@ BAD_ITEMS: list[tuple[Any, str]] = [
 @pytest.mark.parametrize(("item", "field"), BAD_ITEMS, ids=[f for _, f in BAD_ITEMS])
 def test_bad_items_name_their_field(renderer: Renderer, item: Any, field: str) -> None:
     with pytest.raises(BadInput) as caught:
-        renderer.render_batch([item], max_batch_size=8, loss_fn="cross_entropy")
+        render_json(renderer, [item], max_batch_size=8, loss_fn="cross_entropy")
     assert caught.value.field == field
 
 
 def test_bad_item_index_is_its_position(renderer: Renderer) -> None:
     with pytest.raises(BadInput) as caught:
-        renderer.render_batch([{"text": "ok"}, {"text": "ok"}, {"output": ""}], 8, "cross_entropy")
+        render_json(renderer, [{"text": "ok"}, {"text": "ok"}, {"output": ""}], 8, "cross_entropy")
     assert caught.value.field == "batch[2].output"
 
 
 @pytest.mark.parametrize("batch", [[], None, {"text": "a"}])
 def test_batch_must_be_a_non_empty_list(renderer: Renderer, batch: Any) -> None:
     with pytest.raises(BadInput) as caught:
-        renderer.render_batch(batch, 8, "cross_entropy")
+        render_json(renderer, batch, 8, "cross_entropy")
     assert caught.value.field == "batch"
 
 
 def test_batch_larger_than_max_batch_size(renderer: Renderer) -> None:
     with pytest.raises(BadInput) as caught:
-        renderer.render_batch([{"text": "a"}] * 3, max_batch_size=2, loss_fn="cross_entropy")
+        render_json(renderer, [{"text": "a"}] * 3, max_batch_size=2, loss_fn="cross_entropy")
     assert caught.value.field == "batch"
     assert "at most 2" in caught.value.message
 
@@ -151,7 +158,7 @@ def test_batch_larger_than_max_batch_size(renderer: Renderer) -> None:
 ], ids=["all-zero", "first-only", "datum"])
 def test_a_datum_that_weighs_nothing_is_accepted_and_counts_no_target(renderer: Renderer, item: dict[str, Any]) -> None:
     # Refused before issue 15 (a GRPO group with equal rewards has every advantage 0): now it contributes nothing.
-    (datum,) = renderer.render_batch([item], 8, "cross_entropy")
+    (datum,) = render_json(renderer, [item], 8, "cross_entropy")
     assert datum.num_targets == 0
 
 
@@ -159,7 +166,7 @@ def test_a_datum_keeps_its_targets_as_given_unshifted(renderer: Renderer) -> Non
     # rl_loop's shape: the prompt's targets are 0, not the next input token.
     item: dict[str, Any] = {"model_input": [5, 6, 7], "loss_fn_inputs": {"target_tokens": [0, 0, 9], "weights": [0, -0.5, 2.5],
                                                          "clip_low_threshold": [0.5, 0.5, 0.5]}}
-    (datum,) = renderer.render_batch([item], 8, "cross_entropy")
+    (datum,) = render_json(renderer, [item], 8, "cross_entropy")
     assert (datum.model_input, datum.targets, datum.weights) == ([5, 6, 7], [0, 0, 9], [0.0, -0.5, 2.5])
     assert datum.to_dict() == item | {"loss_fn_inputs": {**item["loss_fn_inputs"], "weights": [0.0, -0.5, 2.5]}}
     data = collate([datum], torch.device("cpu"))
@@ -172,12 +179,13 @@ def test_rl_losses_need_advantages_and_logprobs(renderer: Renderer, loss_fn: str
     inputs = {"target_tokens": [2, 3], "advantages": [0.0, 1.0], "logprobs": [-1.0, -2.0]}
     del inputs[missing]
     with pytest.raises(BadInput) as caught:
-        renderer.render_batch([{"model_input": [1, 2], "loss_fn_inputs": inputs}], 8, loss_fn)
+        render_json(renderer, [{"model_input": [1, 2], "loss_fn_inputs": inputs}], 8, loss_fn)
     assert caught.value.field == f"batch[0].loss_fn_inputs.{missing}"
 
 
 def test_an_old_journal_example_renders_shifted() -> None:
-    datum = Datum.from_record({"tokens": [5, 6, 7], "weights": [9.0, 1.0, 0.5], "extras": {"advantages": [1, 2, 3]}})
+    (datum,) = FbRecord.from_dict({"type": "forward_backward", "loss_fn": "cross_entropy", "call": 0, "result": {}, "examples": [
+        {"tokens": [5, 6, 7], "weights": [9.0, 1.0, 0.5], "extras": {"advantages": [1, 2, 3]}}]}).datums
     assert (datum.model_input, datum.targets, datum.weights) == ([5, 6], [6, 7], [1.0, 0.5])
     assert datum.inputs == {"advantages": [2, 3]}
 
@@ -190,8 +198,8 @@ def test_a_packed_datum_renders_as_the_datum_itself(renderer: Renderer) -> None:
     packed = pack_datum(PACKABLE)
     assert set(packed["packed"]) == {"model_input", "target_tokens", "weights", "advantages", "logprobs"}
     assert all(isinstance(v, str) for v in packed["packed"].values())
-    (got,) = renderer.render_batch([packed], 8, "importance_sampling")
-    (expected,) = renderer.render_batch([PACKABLE], 8, "importance_sampling")
+    (got,) = render_json(renderer, [packed], 8, "importance_sampling")
+    (expected,) = render_json(renderer, [PACKABLE], 8, "importance_sampling")
     assert got == expected  # these floats are exact in float32
 
 
@@ -204,5 +212,5 @@ def test_a_packed_datum_renders_as_the_datum_itself(renderer: Renderer) -> None:
 ], ids=["base64", "width", "lengths", "unknown", "vocabulary"])
 def test_bad_packed_datums_name_their_field(renderer: Renderer, packed: dict[str, str], field: str) -> None:
     with pytest.raises(BadInput) as caught:
-        renderer.render_batch([{"packed": packed}], 8, "cross_entropy")
+        render_json(renderer, [{"packed": packed}], 8, "cross_entropy")
     assert caught.value.field == field

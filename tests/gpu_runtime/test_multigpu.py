@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 
+from gpu_runtime.contract import batch_from_dicts
 from gpu_runtime.engine.engine import Engine
 from gpu_runtime.errors import WorkerFailed
 from tests.helpers.engine_tools import BATCH, assert_same_grads, assert_same_weights, lora_weights, result_of, submit
@@ -63,7 +64,7 @@ def test_each_rank_holds_half_the_base_and_processes_its_own_rows(sharded: Engin
     assert [r["base_bytes"][tiny_model_dir] for r in ranks] == [params * 4 // 2] * 2
     assert ranks[0]["lora_bytes"] == ranks[1]["lora_bytes"] > 0  # LoRA replicated on both
     # Each rank's (first row, end row, tokens), as each rank reported them: rows 0-1 on rank 0, 2-3 on rank 1.
-    tokens = [e.cost for e in sharded.residency.bases[tiny_model_dir].renderer.render_batch(BATCH, 64, "cross_entropy")]
+    tokens = [e.cost for e in sharded.residency.bases[tiny_model_dir].renderer.render_batch(batch_from_dicts(BATCH), 64, "cross_entropy")]
     assert sharded.ranks.last_pass == [(0, 2, sum(tokens[:2])), (2, 4, sum(tokens[2:]))]
 
 
