@@ -29,7 +29,9 @@ from peft import LoraConfig
 from safetensors.torch import load_file, save_file
 
 from gpu_runtime.client.persistence import RunPaths, atomic_dir, read_json, write_json
-from gpu_runtime.compute.lora.layer import LoraWeights, MultiLoraLinear
+from gpu_runtime.compute.lora.experts import is_expert_path, peft_names, target_parameters
+from gpu_runtime.compute.lora.layer import LoraWeights
+from gpu_runtime.compute.lora.wrap import LoraTarget
 from gpu_runtime.compute.optimizer import restore_fused
 from gpu_runtime.compute.plan import RunConfig as RunConfig  # the contract of config.json lives with the plain data
 from gpu_runtime.compute.quantization import base_key
@@ -148,10 +150,11 @@ class RunState:
     def named_parameters(self) -> dict[str, torch.nn.Parameter]:
         """PEFT-named parameters in a fixed order (the optimizer's order)."""
         named = {}
+        names = peft_names(self.weights)  # expert parameters nest in PEFT's files (compute/lora/experts.py)
         for path in sorted(self.weights):
             A, B = self.weights[path]
-            named[peft_name(path, "A")] = A
-            named[peft_name(path, "B")] = B
+            named[names[path][0]] = A
+            named[names[path][1]] = B
         return named
 
     def parameters(self) -> list[torch.nn.Parameter]:
@@ -204,12 +207,12 @@ class RunState:
 
     # ---- attaching to a base ----------------------------------------------------------------
 
-    def attach(self, layers: dict[str, MultiLoraLinear]) -> None:
+    def attach(self, layers: dict[str, LoraTarget]) -> None:
         scaling = self.lora["alpha"] / self.lora["r"]
         for path, (A, B) in self.weights.items():
             layers[path].adapters[self.run_id] = LoraWeights(A, B, scaling, self.lora["dropout"])
 
-    def detach(self, layers: dict[str, MultiLoraLinear]) -> None:
+    def detach(self, layers: dict[str, LoraTarget]) -> None:
         for path in self.weights:
             layers[path].adapters.pop(self.run_id, None)
 
@@ -219,8 +222,13 @@ class RunState:
         """A directory `PeftModel.from_pretrained(base, directory)` loads."""
         tensors = {name: p.detach().to("cpu").contiguous() for name, p in self.named_parameters().items()}
         save_file(tensors, str(Path(directory) / ADAPTER_WEIGHTS))
-        config = LoraConfig(r=self.lora["r"], lora_alpha=self.lora["alpha"], lora_dropout=self.lora["dropout"],
-                            target_modules=self.lora["target_modules"], bias="none", task_type="CAUSAL_LM",
+        experts = target_parameters(self.weights)
+        # PEFT's parameter targets refuse dropout (a weight delta has no input to drop): inference has none anyway.
+        linear = sorted({path.rsplit(".", 1)[-1] for path in self.weights if not is_expert_path(path)})
+        config = LoraConfig(r=self.lora["r"], lora_alpha=self.lora["alpha"],
+                            lora_dropout=0.0 if experts else self.lora["dropout"],
+                            target_modules=(linear or None) if experts else self.lora["target_modules"],
+                            target_parameters=experts or None, bias="none", task_type="CAUSAL_LM",
                             base_model_name_or_path=base_name, inference_mode=True)
         config.save_pretrained(str(directory))
 
