@@ -197,8 +197,9 @@ def _spans(counts: list[int], num_experts: int, groups: int) -> list[list[tuple[
 def wrap_experts(model: nn.Module, targets: Iterable[str], routing: Routing) -> dict[str, ExpertTarget]:
     """Wrap every experts module with a targeted parameter (idempotent); every wrapped one's targets, by path."""
     wanted = set(targets)
+    inside = {id(m.base_layer) for m in model.modules() if isinstance(m, MultiLoraExperts)}  # wrapped already
     for path, module in list(model.named_modules()):
-        if isinstance(module, MultiLoraExperts) or not is_experts_module(module) or "." not in path:
+        if id(module) in inside or not is_experts_module(module) or "." not in path:
             continue
         if not wanted & {n for n in EXPERT_PARAMETERS if hasattr(module, n)}:
             continue
