@@ -91,7 +91,8 @@ def test_a_family_trains_samples_and_exports(server: LiveServer, family_dirs: di
     base = AutoModelForCausalLM.from_pretrained(family_dirs[family], dtype=torch.float32).eval()
     peft = PeftModel.from_pretrained(base, str(adapter)).eval()
     assert logprobs(peft, tokens) == pytest.approx(forward, abs=1e-4)
-    plain, info = AutoModelForCausalLM.from_pretrained(str(merged), dtype=torch.float32, output_loading_info=True)
+    loaded: Any = AutoModelForCausalLM.from_pretrained(str(merged), dtype=torch.float32, output_loading_info=True)
+    plain, info = loaded
     assert not info["missing_keys"] and not info["unexpected_keys"]
     assert logprobs(plain.eval(), tokens) == pytest.approx(forward, abs=1e-4)
 
@@ -118,6 +119,7 @@ def test_merged_qwen3_moe_writes_one_tensor_per_expert(server: LiveServer, tmp_p
 @pytest.mark.parametrize("family", MOE_FAMILIES)
 def test_expert_runs_cobatched_equal_each_alone(family: str, family_dirs: dict[str, str], tmp_path: Path) -> None:
     # Dropout on the experts too: the masks are keyed by run and call, so sharing a pass draws the same ones.
+    runs: dict[str, tuple[dict[str, Any], list[dict[str, Any]], int]]
     runs = {"a": ({"r": 4, "alpha": 8, "dropout": 0.1, "train_mlp": True}, BATCH[:1], 1),
             "b": ({"r": 8, "alpha": 8, "target_modules": ["gate_up_proj", "q_proj"]}, BATCH[1:], 2)}
 

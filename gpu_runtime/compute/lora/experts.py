@@ -94,6 +94,19 @@ class MultiLoraExperts(nn.Module):
         hidden = args[0] if args else next(iter(kwargs.values()))
         self.rows = int(hidden.shape[0]) if hidden.dim() == 3 else 0
 
+    # A shared expert sees the block's flattened [tokens, hidden]; its Linear layers route by batch row, so it gets
+    # [rows, tokens, hidden] back (and its output flattened again), exactly as a dense MLP's layers see it.
+    def unflatten(self, module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+        hidden = args[0] if args else None
+        if hidden is None or hidden.dim() != 2 or not self.rows or hidden.shape[0] % self.rows:
+            return None
+        return (hidden.view(self.rows, -1, hidden.shape[-1]), *args[1:])
+
+    def flatten(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+        if isinstance(output, torch.Tensor) and output.dim() == 3 and args and args[0].dim() == 3:
+            return output.reshape(-1, output.shape[-1])
+        return None
+
     def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         runs = [s for s in self.routing.segments if any(s.key in t.adapters for t in self.targets.values())]
         if not runs:  # the plain base, exactly as transformers computes it
@@ -103,7 +116,7 @@ class MultiLoraExperts(nn.Module):
 
     def _forward(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                  runs: list[Segment]) -> torch.Tensor:
-        base = self.base_layer
+        base: Any = self.base_layer  # transformers' experts module: has_gate, _apply_gate, act_fn are its own
         tokens, k = top_k_index.shape
         num_experts = next(iter(self.targets.values())).num_experts
         per_row = tokens // self.rows if self.rows and tokens % self.rows == 0 else 1
@@ -133,7 +146,7 @@ class MultiLoraExperts(nn.Module):
     def _project(self, name: str, xs: torch.Tensor, spans: list[list[tuple[int, int]]], runs: list[Segment],
                  sorted_tokens: torch.Tensor, per_row: int) -> torch.Tensor:
         """The base projection of every expert's rows, plus the delta of each run that targets `name`."""
-        base = self.base_layer
+        base: Any = self.base_layer
         weight: torch.Tensor = getattr(base, name)
         bias: torch.Tensor | None = getattr(base, f"{name}_bias", None) if base.has_bias else None
         pieces = []
@@ -181,6 +194,12 @@ class MultiLoraExperts(nn.Module):
         return token_mask.view(-1, xs.shape[-1]).index_select(0, sorted_tokens.clamp(max=rows * per_row - 1))
 
 
+def _is_shared_expert(module: nn.Module) -> bool:
+    """A dense MLP beside the experts (Qwen3.5-MoE's `shared_expert`): Linear projections, which the router is not."""
+    return any(isinstance(m, (nn.Linear, MultiLoraLinear)) and name.rsplit(".", 1)[-1] in ("gate_proj", "up_proj", "down_proj")
+               for name, m in module.named_modules())
+
+
 def _spans(counts: list[int], num_experts: int, groups: int) -> list[list[tuple[int, int]]]:
     """Per expert, the rows [start, end) of each run group (the last: rows of no run) in the sorted pairs."""
     spans, cursor = [], 0
@@ -195,19 +214,21 @@ def _spans(counts: list[int], num_experts: int, groups: int) -> list[list[tuple[
 
 
 def wrap_experts(model: nn.Module, targets: Iterable[str], routing: Routing) -> dict[str, ExpertTarget]:
-    """Wrap every experts module with a targeted parameter (idempotent); every wrapped one's targets, by path."""
-    wanted = set(targets)
+    """Wrap every experts module (idempotent), whatever `targets` names: its block's shared expert needs the wrapper's
+    row count even when only the shared expert is targeted. Every wrapped one's targets, by path."""
     inside = {id(m.base_layer) for m in model.modules() if isinstance(m, MultiLoraExperts)}  # wrapped already
     for path, module in list(model.named_modules()):
         if id(module) in inside or not is_experts_module(module) or "." not in path:
-            continue
-        if not wanted & {n for n in EXPERT_PARAMETERS if hasattr(module, n)}:
             continue
         parent_path, leaf = path.rsplit(".", 1)
         parent = model.get_submodule(parent_path)
         wrapper = MultiLoraExperts(module, path, routing)
         setattr(parent, leaf, wrapper)
         parent.register_forward_pre_hook(wrapper.remember_rows, with_kwargs=True)
+        for child in parent.children():
+            if child is not wrapper and _is_shared_expert(child):
+                child.register_forward_pre_hook(wrapper.unflatten)
+                child.register_forward_hook(wrapper.flatten)
     return {f"{path}.{name}": target for path, module in model.named_modules()
             if isinstance(module, MultiLoraExperts) for name, target in module.targets.items()}
 
