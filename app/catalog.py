@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -106,6 +107,8 @@ class Catalog:
         """
         if model.unavailable is not None:
             raise BadInput(f"{model.name} cannot be used here: {model.unavailable}", field="baseModel")
+        if targets.experts is None and model.experts is not None:  # a MoE model's fit counts its experts
+            targets = dataclasses.replace(targets, experts=model.experts)
         quantization = self.resolve_quantization(model, quantization)
         allocation = parse_gpu_config(gpu_config or model.gpu, field="gpuConfig")
         if quantization is not None and allocation.count > 1:
@@ -176,7 +179,7 @@ def _parse_entry(entry: Any, source: Path, frameworks: Collection[str]) -> Catal
     if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size <= 0):
         raise bad(f"vocab_size must be a positive integer, got {vocab_size!r}")
     family = str(entry.get("family", ""))
-    problem = family_problem(family)
+    problem = family_problem(family) if family else None  # an entry naming no family claims none to check
     if problem is not None:
         raise bad(problem)
     active_parameters = entry.get("active_parameters")
