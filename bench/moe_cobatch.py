@@ -3,7 +3,7 @@ the same 4 one after another and against one run of the same rows.
 
     .venv/bin/python bench/moe_cobatch.py [--rounds 5] [--quick] [--rank 16] [--threads 1]
 
-A tiny random Qwen3-MoE (transformers' own classes, 8 experts, 2 routed per token, SmolLM2's tokenizer; issue 32) is
+A tiny random Qwen3-MoE (transformers' own classes, 4 experts, 2 routed per token, SmolLM2's tokenizer; issue 32) is
 written to a scratch directory and loaded once by an in-process Engine. Three sides, each the same 4 examples of ~20
 tokens and their optim_steps, with `train_mlp` (every expert's gate_up and down, and attention):
 
@@ -114,7 +114,7 @@ def main() -> None:
         print(f"{name:<12}{med[name]:>10.3f} s {throughput[name]:>8.2f} examples/s")
     print(f"cobatch / sequential {vs_sequential:.3f}   cobatch / ceiling {vs_ceiling:.3f}")
     emit({
-        "bench": "moe_cobatch", "model": "tiny-qwen3-moe (8 experts, top-2)", "device": str(engine.device),
+        "bench": "moe_cobatch", "model": "tiny-qwen3-moe (4 experts, top-2)", "device": str(engine.device),
         "runs": RUNS, "example_tokens": lengths, "lora": created["lora"], "rounds": rounds,
         "median_seconds": {name: round(s, 4) for name, s in med.items()},
         "examples_per_second": {name: round(t, 3) for name, t in throughput.items()},
