@@ -20,7 +20,7 @@ from gpu_runtime.engine.engine import Engine
 from rewardsignal import SignalClient
 from tests.helpers.engine_tools import assert_same_grads, result_of, submit
 from tests.helpers.live_server import LiveServer, settings_for
-from tests.helpers.tiny_families import FAMILIES, MOE_FAMILIES, WINDOW, build_family
+from tests.helpers.tiny_families import FAMILIES, MOE_FAMILIES, WINDOW, build_family, catalog_entry
 
 PROMPT = [28120, 905, 314, 260, 3575, 282, 11, 99, 1116, 4722]  # longer than the sliding window
 BATCH = [{"input": "The quick brown fox jumps over the lazy dog.", "output": " It runs and runs."},
@@ -42,12 +42,17 @@ def family_dirs(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: str) -
 def server(family_dirs: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     data_dir = tmp_path_factory.mktemp("families-data")
     catalog = data_dir / "families.yaml"  # not models.yaml: settings_for writes its own there
-    catalog.write_text(yaml.safe_dump({"models": [
-        {"name": f"tiny-{family}", "path": path, "family": family, "parameters": 3_000_000, "offline": True}
-        for family, path in family_dirs.items()]}))
+    catalog.write_text(yaml.safe_dump({"models": [catalog_entry(family, path) for family, path in family_dirs.items()]}))
     live = LiveServer.start(settings_for(data_dir, family_dirs["llama"], models_file=catalog, default_model="tiny-llama"))
     yield live
     live.stop()
+
+
+def test_every_family_the_runtime_serves_is_tested_here() -> None:
+    from gpu_runtime.contract.families import MOE_FAMILIES as MOE_IN_CONTRACT
+    from gpu_runtime.contract.families import SERVED_FAMILIES
+
+    assert set(FAMILIES) == set(SERVED_FAMILIES) and set(MOE_FAMILIES) == MOE_IN_CONTRACT
 
 
 def datum(tokens: list[int]) -> dict[str, Any]:

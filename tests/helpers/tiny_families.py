@@ -4,6 +4,7 @@ family has one) shorter than the tests' sequences. A new family is one line of F
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -19,11 +20,11 @@ SHAPE = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "n
 SLIDING = ["sliding_attention", "full_attention"]  # one layer of each
 MOE = {"num_experts_per_tok": 2, "moe_intermediate_size": 32}
 
-# family → (config class, model class, the family's own settings over SHAPE)
+# catalogue family (gpu_runtime/contract/families.py) → (config class, model class, its own settings over SHAPE)
 FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": WINDOW}),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen": ("Qwen2Config", "Qwen2ForCausalLM", {}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {"head_dim": 16, "num_experts": 4, **MOE}),
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", {"head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2,
@@ -34,11 +35,11 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
         "head_dim": 16, "num_experts": 4, **MOE, "shared_expert_intermediate_size": 32, "linear_num_key_heads": 2,
         "linear_num_value_heads": 2, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
         "layer_types": ["linear_attention", "full_attention"]}),
-    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"head_dim": 16, "sliding_window": WINDOW,
+    "gemma": ("Gemma2Config", "Gemma2ForCausalLM", {"head_dim": 16, "sliding_window": WINDOW,
                                                     "final_logit_softcapping": 3.0, "attn_logit_softcapping": 5.0}),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"head_dim": 16, "sliding_window": WINDOW, "layer_types": SLIDING,
                                                         "final_logit_softcapping": 3.0}),
-    "olmo3": ("Olmo3Config", "Olmo3ForCausalLM", {"sliding_window": WINDOW, "layer_types": SLIDING}),
+    "olmo": ("Olmo3Config", "Olmo3ForCausalLM", {"sliding_window": WINDOW, "layer_types": SLIDING}),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", {}),
 }
 MOE_FAMILIES = ("qwen3_moe", "gpt_oss", "qwen3_5_moe")
@@ -64,3 +65,17 @@ def build_family(family: str, path: str | Path, tokenizer_cache: str | Path, see
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return str(path)
+
+
+def catalog_entry(family: str, path: str) -> dict[str, Any]:
+    """The tiny model's catalogue entry (served from `path:`); a MoE family's with its expert shape and active share."""
+    entry: dict[str, Any] = {"name": f"tiny-{family}", "path": path, "family": family, "parameters": 3_000_000,
+                             "offline": True}
+    if family in MOE_FAMILIES:
+        config = json.loads((Path(path) / "config.json").read_text())
+        entry["active_parameters"] = 2_000_000
+        entry["experts"] = {"experts": config.get("num_experts") or config["num_local_experts"],
+                            "active_experts": config["num_experts_per_tok"], "hidden": config["hidden_size"],
+                            "intermediate": config.get("moe_intermediate_size") or config["intermediate_size"],
+                            "layers": config["num_hidden_layers"]}
+    return entry
