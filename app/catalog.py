@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -14,19 +15,23 @@ from app.errors import BadInput
 from gpu_runtime.client.allocation import (
     ATTENTION_ONLY,
     GB,
+    ExpertShape,
     LoraTargets,
     allocate,
     check_fit,
     estimate_bytes,
     parse_gpu_config,
     parse_quantization,
+    smallest_fit,
     smallest_single_gpu,
 )
 from gpu_runtime.contract import LORA_DEFAULTS
+from gpu_runtime.contract.families import MOE_FAMILIES, family_problem
 
 FRAMEWORKS = ("transformers", "unsloth")
 _FIELDS = {"name", "family", "parameters", "offline", "description", "path", "gpu", "context_length", "framework",
-           "quantization_allowed", "quantized", "vocab_size", "tokenizer"}
+           "quantization_allowed", "quantized", "vocab_size", "tokenizer", "active_parameters", "experts"}
+_EXPERT_FIELDS = ("experts", "active_experts", "hidden", "intermediate", "layers")
 
 
 @dataclass(frozen=True)
@@ -45,6 +50,8 @@ class CatalogModel:
     unavailable: str | None = None  # why runs cannot use it here (a framework missing), or None
     vocab_size: int | None = None  # the unembedding's rows, for the fit of LoRA on lm_head (None: an estimate)
     tokenizer: str | None = None  # the tokenizer's Hub id, where it is not the name (Tinker's get_info tokenizer_id)
+    active_parameters: int | None = None  # a mixture-of-experts model's parameters per token (None: all of them)
+    experts: ExpertShape | None = None  # a mixture-of-experts model's expert layers (the fit counts every expert)
 
     @property
     def source(self) -> str:
@@ -59,11 +66,12 @@ class CatalogModel:
     def estimated_memory_gb(self) -> float:
         """GPU memory a run at the default LoRA settings needs (rank 32, attention only), bf16 weights
         (gpu_runtime.client.allocation's estimate). A run on the MLP or the unembedding needs more: resolve_gpu counts it."""
-        return round(estimate_bytes(self.parameters) / GB, 1)
+        return round(estimate_bytes(self.parameters, targets=self.lora_targets({})) / GB, 1)
 
     def lora_targets(self, switches: dict[str, bool]) -> LoraTargets:
-        """The fit estimate's view of a run's targets on this model (its vocabulary, when the catalogue says)."""
-        return LoraTargets.of(switches, self.vocab_size)
+        """The fit estimate's view of a run's targets on this model (its vocabulary and experts, when the catalogue
+        says)."""
+        return LoraTargets.of(switches, self.vocab_size, self.experts)
 
 
 class Catalog:
@@ -99,6 +107,8 @@ class Catalog:
         """
         if model.unavailable is not None:
             raise BadInput(f"{model.name} cannot be used here: {model.unavailable}", field="baseModel")
+        if targets.experts is None and model.experts is not None:  # a MoE model's fit counts its experts
+            targets = dataclasses.replace(targets, experts=model.experts)
         quantization = self.resolve_quantization(model, quantization)
         allocation = parse_gpu_config(gpu_config or model.gpu, field="gpuConfig")
         if quantization is not None and allocation.count > 1:
@@ -168,9 +178,23 @@ def _parse_entry(entry: Any, source: Path, frameworks: Collection[str]) -> Catal
     vocab_size = entry.get("vocab_size")
     if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size <= 0):
         raise bad(f"vocab_size must be a positive integer, got {vocab_size!r}")
+    family = str(entry.get("family", ""))
+    problem = family_problem(family) if family else None  # an entry naming no family claims none to check
+    if problem is not None:
+        raise bad(problem)
+    active_parameters = entry.get("active_parameters")
+    if active_parameters is not None and (isinstance(active_parameters, bool) or not isinstance(active_parameters, int)
+                                          or not 0 < active_parameters <= parameters):
+        raise bad(f"active_parameters must be a positive integer at most parameters ({parameters}), got {active_parameters!r}")
+    experts = _expert_shape(entry.get("experts"), active_parameters or parameters, bad)
+    if family in MOE_FAMILIES and (experts is None or active_parameters is None):
+        raise bad(f"family {family!r} is mixture-of-experts: the fit needs `active_parameters` and `experts: "
+                  f"{{{', '.join(_EXPERT_FIELDS)}}}` (from its config.json)")
+    targets = LoraTargets(experts=experts)
     try:
-        allocation = parse_gpu_config(entry["gpu"], field="gpu") if entry.get("gpu") else allocate(parameters)
-        check_fit(name, parameters, allocation, quantized, field="gpu")
+        allocation = (parse_gpu_config(entry["gpu"], field="gpu") if entry.get("gpu")
+                      else allocate(parameters) if experts is None else _smallest(parameters, targets))
+        check_fit(name, parameters, allocation, quantized, field="gpu", targets=targets)
     except BadInput as error:
         raise bad(f"gpu: {error.message}") from None
     unavailable = None
@@ -179,7 +203,7 @@ def _parse_entry(entry: Any, source: Path, frameworks: Collection[str]) -> Catal
                        + (" (unsloth must be importable and CUDA present)" if framework == "unsloth" else ""))
     return CatalogModel(
         name=name,
-        family=str(entry.get("family", "")),
+        family=family,
         parameters=parameters,
         offline=bool(entry.get("offline", False)),
         description=str(entry.get("description", "")),
@@ -192,4 +216,22 @@ def _parse_entry(entry: Any, source: Path, frameworks: Collection[str]) -> Catal
         unavailable=unavailable,
         vocab_size=vocab_size,
         tokenizer=tokenizer,
+        active_parameters=active_parameters,
+        experts=experts,
     )
+
+
+def _smallest(parameters: int, targets: LoraTargets) -> Any:
+    """A MoE model's default allocation: the smallest that holds every expert (the README's rules go by dense size)."""
+    return smallest_fit(parameters, targets=targets) or allocate(parameters)
+
+
+def _expert_shape(value: Any, active_parameters: int, bad: Any) -> ExpertShape | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict) or set(value) != set(_EXPERT_FIELDS) or not all(
+            isinstance(value[k], int) and not isinstance(value[k], bool) and value[k] > 0 for k in _EXPERT_FIELDS):
+        raise bad(f"experts must give positive integers {', '.join(_EXPERT_FIELDS)}, got {value!r}")
+    if value["active_experts"] > value["experts"]:
+        raise bad(f"experts.active_experts ({value['active_experts']}) exceeds experts.experts ({value['experts']})")
+    return ExpertShape(**value, active_parameters=active_parameters)

@@ -60,6 +60,25 @@ _BILLION = 1_000_000_000
 
 
 @dataclass(frozen=True)
+class ExpertShape:
+    """A mixture-of-experts model's expert layers, as the catalogue gives them: every expert's weights count in
+    memory (they are all resident), compute goes by the active parameters (the experts a token is routed to)."""
+
+    experts: int  # per MoE layer
+    active_experts: int  # routed per token
+    hidden: int
+    intermediate: int  # one expert's
+    layers: int  # MoE layers
+    active_parameters: int
+
+    def lora_parameters(self, lora_r: int) -> int:
+        """LoRA on every expert's gate_up (hidden → 2·intermediate) and down (intermediate → hidden): r × (in + out)
+        per expert per target."""
+        per_expert = lora_r * ((self.hidden + 2 * self.intermediate) + (self.intermediate + self.hidden))
+        return per_expert * self.experts * self.layers
+
+
+@dataclass(frozen=True)
 class LoraTargets:
     """Which layer families a run's LoRA targets (the contract's three switches), and the vocabulary its
     unembedding would have, for the estimate."""
@@ -68,16 +87,18 @@ class LoraTargets:
     mlp: bool = False
     unembed: bool = False
     vocab: int | None = None  # None: VOCAB_ESTIMATE
+    experts: ExpertShape | None = None  # a mixture-of-experts model: train_mlp trains every expert
 
     @classmethod
-    def of(cls, switches: dict[str, bool], vocab: int | None = None) -> LoraTargets:
+    def of(cls, switches: dict[str, bool], vocab: int | None = None, experts: ExpertShape | None = None) -> LoraTargets:
         """From `target_families(...)` or the settings' switches: {"train_attn": …, "train_mlp": …, "train_unembed": …}."""
         return cls(bool(switches.get("train_attn", True)), bool(switches.get("train_mlp")),
-                   bool(switches.get("train_unembed")), vocab)
+                   bool(switches.get("train_unembed")), vocab, experts)
 
     @property
     def fraction(self) -> float:
-        return DEFAULT_TARGET_FRACTION * self.attention + MLP_TARGET_FRACTION * self.mlp
+        """The share of the parameters in targeted dense matrices (a MoE model's MLP is its experts: counted apart)."""
+        return DEFAULT_TARGET_FRACTION * self.attention + MLP_TARGET_FRACTION * (self.mlp and self.experts is None)
 
 
 ATTENTION_ONLY = LoraTargets()  # Signal's default
@@ -148,22 +169,27 @@ def lora_parameters(parameters: int, lora_r: int = LORA_DEFAULTS["r"], target_fr
     with AdamW's state), with the catalogue's vocab_size or VOCAB_ESTIMATE."""
     if parameters <= 0:
         return 0
-    hidden = math.sqrt(parameters / PARAMS_PER_HIDDEN_SQUARED)
-    targeted = parameters * (targets.fraction if target_fraction is None else target_fraction)
+    dense = targets.experts.active_parameters if targets.experts else parameters  # attention is in the active share
+    hidden = targets.experts.hidden if targets.experts else math.sqrt(parameters / PARAMS_PER_HIDDEN_SQUARED)
+    targeted = dense * (targets.fraction if target_fraction is None else target_fraction)
     layers = int(min(targeted, targeted * 2 * lora_r / hidden))
     unembedding = lora_r * (hidden + (targets.vocab or VOCAB_ESTIMATE)) if targets.unembed else 0
-    return layers + int(unembedding)
+    experts = targets.experts.lora_parameters(lora_r) if targets.experts and targets.mlp else 0
+    return layers + int(unembedding) + experts
 
 
 def estimate_bytes(parameters: int, quantization: str | None = None, lora_r: int = LORA_DEFAULTS["r"],
                    target_fraction: float | None = None, gpus: int = 1, runs: int = 1,
                    targets: LoraTargets = ATTENTION_ONLY) -> int:
     """GPU memory each of `gpus` GPUs needs for a pool of `runs` LoRA runs: its shard of the base weights (FSDP
-    splits them evenly) + every run's LoRA with its AdamW state (replicated on each GPU; the unembedding's
-    [vocab, r] B included when targeted) + an activation margin."""
-    weights = parameters * BYTES_PER_WEIGHT[parse_quantization(quantization)] / gpus
+    splits them evenly; a MoE model's every expert) + every run's LoRA with its AdamW state (replicated on each GPU;
+    the unembedding's [vocab, r] B included when targeted, and on a MoE model every expert's A and B under
+    train_mlp) + an activation margin (by the active parameters)."""
+    per_weight = BYTES_PER_WEIGHT[parse_quantization(quantization)]
+    weights = parameters * per_weight / gpus  # every expert's weights: all resident
     lora_state = lora_parameters(parameters, lora_r, target_fraction, targets) * LORA_STATE_BYTES * runs
-    activations = weights * ACTIVATION_FRACTION + ACTIVATION_FIXED_BYTES
+    active = targets.experts.active_parameters if targets.experts else parameters  # what a token computes through
+    activations = active * per_weight / gpus * ACTIVATION_FRACTION + ACTIVATION_FIXED_BYTES
     return int(weights + lora_state + activations)
 
 

@@ -4,7 +4,10 @@ Layer by layer, each weight is read (de-quantized first when the base is 4- or 8
 `scaling · B·A` added when the run targets it, and goes into the current shard; a shard is written
 once it reaches `shard_bytes`. So at most one shard of full-precision tensors is held at a time, never
 the whole model de-quantized. The shared base is read, never modified. The result loads with
-`AutoModelForCausalLM.from_pretrained` like any Hugging Face checkpoint.
+`AutoModelForCausalLM.from_pretrained` like any Hugging Face checkpoint, in the family's Hub layout: transformers'
+own `revert_weight_conversion` (what `save_pretrained` does) turns the fused in-memory expert weights of a
+mixture-of-experts base back into the Hub's names (Qwen3-MoE: one `mlp.experts.N.{gate,up,down}_proj.weight` per
+expert), with each expert's `scaling · B_e·A_e` folded in first.
 
 Tied embeddings (SmolLM2 ties lm_head to embed_tokens): a run whose LoRA targets the unembedding changed the output
 projection only, so the merged model is untied: lm_head is written as base + delta, embed_tokens as the base's, and
@@ -22,8 +25,10 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 from torch import nn
+from transformers.core_model_loading import revert_weight_conversion
 
 from gpu_runtime.client.persistence import write_json
+from gpu_runtime.compute.lora.experts import MultiLoraExperts
 from gpu_runtime.compute.lora.layer import MultiLoraLinear
 from gpu_runtime.compute.plan import RunWeights
 from gpu_runtime.compute.pool import BaseEntry
@@ -44,16 +49,17 @@ def save_merged(entry: BaseEntry, state: RunWeights, directory: Path, shard_byte
     tied = _tied_names(model)
     untie = any(f"{path}.weight" in tied for path in state.weights)  # a delta on a tied weight: the copies differ
     with torch.no_grad():
-        for name, tensor in _merged_tensors(model, state.weights, scaling):
-            if name in tied and not untie:  # lm_head = embeddings: saved once, tied again on load
+        for merged_name, merged in _merged_tensors(model, state.weights, scaling):
+            if merged_name in tied and not untie:  # lm_head = embeddings: saved once, tied again on load
                 continue
-            tensor = tensor.to(dtype if tensor.is_floating_point() else tensor.dtype).to("cpu").contiguous()
-            if size and size + tensor.numel() * tensor.element_size() > shard_bytes:
-                written.append(_write_shard(directory, shard, len(written)))
-                size = 0
-            shard[name] = tensor
-            size += tensor.numel() * tensor.element_size()
-            del tensor
+            for name, tensor in _hub_layout(model, merged_name, merged):
+                tensor = tensor.to(dtype if tensor.is_floating_point() else tensor.dtype).to("cpu").contiguous()
+                if size and size + tensor.numel() * tensor.element_size() > shard_bytes:
+                    written.append(_write_shard(directory, shard, len(written)))
+                    size = 0
+                shard[name] = tensor
+                size += tensor.numel() * tensor.element_size()
+                del tensor
         if shard:
             written.append(_write_shard(directory, shard, len(written)))
     _name_shards(directory, written)
@@ -102,6 +108,10 @@ def _merged_tensors(model: nn.Module, weights: Mapping[str, tuple[torch.Tensor, 
     for path, module in model.named_modules():
         if any(path == s or path.startswith(s + ".") for s in skip):
             continue
+        if isinstance(module, MultiLoraExperts):
+            skip.add(path)
+            yield from _merged_experts(path, module, weights, scaling)
+            continue
         base: Any = module.base_layer if isinstance(module, MultiLoraLinear) else module
         if isinstance(module, MultiLoraLinear) or quantization_of(module):
             skip.add(path)
@@ -119,6 +129,24 @@ def _merged_tensors(model: nn.Module, weights: Mapping[str, tuple[torch.Tensor, 
         for name, buffer in module.named_buffers(recurse=False):
             if name not in module._non_persistent_buffers_set:
                 yield prefix + name, buffer
+
+
+def _merged_experts(path: str, module: MultiLoraExperts, weights: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
+                    scaling: float) -> Iterator[tuple[str, torch.Tensor]]:
+    """An experts module's tensors under their plain names, each expert's delta folded into a targeted parameter."""
+    for name, param in module.base_layer.named_parameters(recurse=False):
+        target = module.targets.get(name)
+        if target is not None and f"{path}.{name}" in weights:
+            A, B = weights[f"{path}.{name}"]
+            yield f"{path}.{name}", param.float() + target.delta_weight(A, B, scaling).to(param.device)
+        else:
+            yield f"{path}.{name}", param
+
+
+def _hub_layout(model: Any, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensor under the names the family's Hub checkpoints use (one fused expert weight may be many there), as
+    `save_pretrained` writes them."""
+    yield from revert_weight_conversion(model, {name: tensor}).items()
 
 
 def _write_shard(directory: Path, tensors: dict[str, torch.Tensor], index: int) -> str:

@@ -20,8 +20,8 @@ from typing import cast
 import torch
 
 from gpu_runtime.compute.batches import Renderer
-from gpu_runtime.compute.lora.layer import MultiLoraLinear, Routing
-from gpu_runtime.compute.lora.wrap import linear_module_names
+from gpu_runtime.compute.lora.layer import Routing
+from gpu_runtime.compute.lora.wrap import LoraTarget, linear_module_names
 from gpu_runtime.compute.models import LoadedBase, ModelRegistry
 
 
@@ -33,7 +33,7 @@ class BaseEntry:
     renderer: Renderer
     available: set[str]  # linear layer names LoRA may target, the unembedding (lm_head) included
     params: int
-    layers: dict[str, MultiLoraLinear] = field(default_factory=dict)
+    layers: dict[str, LoraTarget] = field(default_factory=dict)
     idle_since: float = field(default_factory=time.monotonic)
 
     @property

@@ -78,7 +78,7 @@ class Residency:
             return
         entry = self.bases.get(state.base_key)
         if entry is not None:
-            state.detach(entry.routing.slots)
+            state.detach(entry.routing.slots, entry.layers)
             if not any(r.base_key == state.base_key for r in self.runs.values()):
                 entry.idle_since = time.monotonic()
         state.journal.close()

@@ -20,17 +20,19 @@ import shutil
 import signal
 import time
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from peft import LoraConfig
 from safetensors.torch import load_file, save_file
 
 from gpu_runtime.client.persistence import RunPaths, atomic_dir, read_json, write_json
-from gpu_runtime.compute.lora.layer import MultiLoraLinear
+from gpu_runtime.compute.lora.experts import attach_experts, detach_experts, is_expert_path, peft_names, target_parameters
 from gpu_runtime.compute.lora.slots import BaseSlots, in_layout_of
+from gpu_runtime.compute.lora.wrap import LoraTarget
 from gpu_runtime.compute.optimizer import restore_fused
 from gpu_runtime.compute.plan import RunConfig as RunConfig  # the contract of config.json lives with the plain data
 from gpu_runtime.compute.quantization import base_key
@@ -91,6 +93,9 @@ class PendingGrads:
         return cls(record.normaliser, record.calls, record.tokens, list(record.batches), record.reduction)
 
 
+T = TypeVar("T", bound=torch.Tensor)  # a run's parameters, or a snapshot's plain tensors
+
+
 @dataclass
 class RunState:
     run_id: str
@@ -129,10 +134,11 @@ class RunState:
     def named_parameters(self) -> dict[str, torch.nn.Parameter]:
         """PEFT-named parameters in a fixed order (the optimizer's order)."""
         named = {}
+        names = peft_names(self.weights)  # expert parameters nest in PEFT's files (compute/lora/experts.py)
         for path in sorted(self.weights):
             A, B = self.weights[path]
-            named[peft_name(path, "A")] = A
-            named[peft_name(path, "B")] = B
+            named[names[path][0]] = A
+            named[names[path][1]] = B
         return named
 
     def parameters(self) -> list[torch.nn.Parameter]:
@@ -185,13 +191,18 @@ class RunState:
 
     # ---- attaching to a base ----------------------------------------------------------------
 
-    def attach(self, layers: dict[str, MultiLoraLinear], slots: BaseSlots) -> None:
-        """Take a slot of the base: from here on the run's A and B are views of its rows (compute/lora/slots.py)."""
-        slots.attach(self.run_id, layers, self.weights, self.lora["r"], self.lora["alpha"] / self.lora["r"],
-                     self.lora["dropout"], trainable=True)
+    def attach(self, layers: dict[str, LoraTarget], slots: BaseSlots) -> None:
+        """Take a slot of the base: from here on the run's A and B are views of its rows (compute/lora/slots.py);
+        expert parameters' matrices hang off their targets (compute/lora/experts.py)."""
+        linear, experts = split_expert_weights(self.weights)
+        scaling = self.lora["alpha"] / self.lora["r"]
+        if linear:
+            slots.attach(self.run_id, layers, linear, self.lora["r"], scaling, self.lora["dropout"], trainable=True)
+        attach_experts(self.run_id, layers, experts, scaling, self.lora["dropout"])
 
-    def detach(self, slots: BaseSlots) -> None:
+    def detach(self, slots: BaseSlots, layers: dict[str, LoraTarget]) -> None:
         slots.detach(self.run_id)
+        detach_experts(self.run_id, layers, [path for path in self.weights if is_expert_path(path)])
 
     # ---- adapter files ------------------------------------------------------------------------
 
@@ -199,8 +210,13 @@ class RunState:
         """A directory `PeftModel.from_pretrained(base, directory)` loads."""
         tensors = {name: p.detach().to("cpu").contiguous() for name, p in self.named_parameters().items()}
         save_file(tensors, str(Path(directory) / ADAPTER_WEIGHTS))
-        config = LoraConfig(r=self.lora["r"], lora_alpha=self.lora["alpha"], lora_dropout=self.lora["dropout"],
-                            target_modules=self.lora["target_modules"], bias="none", task_type="CAUSAL_LM",
+        experts = target_parameters(self.weights)
+        # PEFT's parameter targets refuse dropout (a weight delta has no input to drop): inference has none anyway.
+        linear = sorted({path.rsplit(".", 1)[-1] for path in self.weights if not is_expert_path(path)})
+        config = LoraConfig(r=self.lora["r"], lora_alpha=self.lora["alpha"],
+                            lora_dropout=0.0 if experts else self.lora["dropout"],
+                            target_modules=(linear or None) if experts else self.lora["target_modules"],
+                            target_parameters=experts or None, bias="none", task_type="CAUSAL_LM",
                             base_model_name_or_path=base_name, inference_mode=True)
         config.save_pretrained(str(directory))
 
@@ -378,3 +394,9 @@ def append_manifest(path: Path, entry: dict[str, Any]) -> None:
     """manifest.jsonl is append-only: one line per event, never rewritten."""
     with open(path, "a") as fh:
         fh.write(json.dumps(entry, sort_keys=True, separators=(",", ":")) + "\n")
+
+
+def split_expert_weights(weights: Mapping[str, tuple[T, T]]) -> tuple[dict[str, tuple[T, T]], dict[str, tuple[T, T]]]:
+    """A run's matrices on Linear layers (the base's slots hold them) and on expert parameters (their targets do)."""
+    linear = {path: pair for path, pair in weights.items() if not is_expert_path(path)}
+    return linear, {path: pair for path, pair in weights.items() if is_expert_path(path)}

@@ -35,11 +35,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from gpu_runtime.client.persistence import RunPaths, atomic_dir, dir_size, find_run_dir, read_json, write_json
+from gpu_runtime.compute.lora.experts import attach_experts, detach_experts, is_expert_path, peft_names, targeted_paths
 from gpu_runtime.compute.lora.wrap import wrap_targets
 from gpu_runtime.compute.pool import BaseEntry
 from gpu_runtime.compute.quantization import base_key
 from gpu_runtime.engine.residency import Residency
-from gpu_runtime.engine.run_state import ADAPTER_WEIGHTS, CHECKPOINT_FILE, RunConfig, RunState, checkpoint_dir, peft_name
+from gpu_runtime.engine.run_state import ADAPTER_WEIGHTS, CHECKPOINT_FILE, RunConfig, RunState, checkpoint_dir, split_expert_weights
 from gpu_runtime.errors import FailedPrecondition, NotFound
 
 SAMPLER_MODE = "sampler"  # the checkpoints table's `mode` of a named snapshot
@@ -164,14 +165,16 @@ class Snapshots:
             if snapshot is None:
                 return None
             self.entries[snapshot.key] = snapshot
+        entry = self._entry(snapshot)
         if snapshot.weights is None:
             assert snapshot.path is not None
+            paths = targeted_paths(entry.layers, snapshot.config["lora"]["target_modules"])
             snapshot.weights = _read(snapshot.path / ADAPTER_WEIGHTS if snapshot.named else snapshot.path,
-                                     self.residency.models.device)
+                                     self.residency.models.device, paths)
             if not snapshot.named:  # back in memory: the spill is no longer needed
                 snapshot.path.unlink(missing_ok=True)
                 snapshot.path = None
-        self._register(snapshot, self._entry(snapshot))
+        self._register(snapshot, entry)
         snapshot.last_used = time.monotonic()
         return snapshot
 
@@ -241,8 +244,9 @@ class Snapshots:
         if not snapshot.named:
             self.scratch.mkdir(parents=True, exist_ok=True)
             snapshot.path = self.scratch / f"{snapshot.key}.safetensors"
-            tensors = {peft_name(path, m): t.cpu().contiguous()
-                       for path, (A, B) in snapshot.weights.items() for m, t in (("A", A), ("B", B))}
+            names = peft_names(snapshot.weights)
+            tensors = {names[path][m]: t.cpu().contiguous()
+                       for path, (A, B) in snapshot.weights.items() for m, t in ((0, A), (1, B))}
             save_file(tensors, str(snapshot.path))
         self._unregister(snapshot)
         snapshot.weights = None
@@ -312,13 +316,17 @@ class Snapshots:
         assert snapshot.weights is not None
         lora = snapshot.config["lora"]
         # Read-only: no dropout (sampling draws none) and no gradient; its matrices become views of its slot.
-        entry.routing.slots.attach(snapshot.key, entry.layers, snapshot.weights, lora["r"], lora["alpha"] / lora["r"],
-                                   0.0, trainable=False)
+        linear, experts = split_expert_weights(snapshot.weights)
+        scaling = lora["alpha"] / lora["r"]
+        if linear:
+            entry.routing.slots.attach(snapshot.key, entry.layers, linear, lora["r"], scaling, 0.0, trainable=False)
+        attach_experts(snapshot.key, entry.layers, experts, scaling, 0.0)
 
     def _unregister(self, snapshot: Snapshot) -> None:
         entry = self.residency.bases.get(snapshot.base_key)
         if entry is not None:
             entry.routing.slots.detach(snapshot.key)
+            detach_experts(snapshot.key, entry.layers, [p for p in snapshot.weights or {} if is_expert_path(p)])
 
     def _drop(self, snapshot: Snapshot) -> None:
         self._unregister(snapshot)
@@ -330,9 +338,9 @@ class Snapshots:
             del self._latest[snapshot.run_id]
 
 
-def _read(path: Path, device: torch.device) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """A snapshot's A/B matrices from a PEFT adapter file (or a spill in the same naming), by layer path."""
+def _read(path: Path, device: torch.device, paths: list[str]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """A snapshot's A/B matrices from a PEFT adapter file (or a spill in the same naming), by layer path: `paths`,
+    the run's targets on its base, name them (an expert parameter's key says its module, not the parameter)."""
     tensors = load_file(str(path), device=str(device))
-    prefix, suffix_a = "base_model.model.", ".lora_A.weight"
-    paths = [k[len(prefix):-len(suffix_a)] for k in tensors if k.endswith(suffix_a)]
-    return {p: (tensors[peft_name(p, "A")], tensors[peft_name(p, "B")]) for p in paths}
+    names = peft_names(paths)
+    return {p: (tensors[a], tensors[b]) for p, (a, b) in names.items() if a in tensors}

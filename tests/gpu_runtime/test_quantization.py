@@ -15,7 +15,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
-from gpu_runtime.compute.lora.layer import Routing, Segment, routed
+from gpu_runtime.compute.lora.layer import MultiLoraLinear, Routing, Segment, routed
 from gpu_runtime.compute.lora.wrap import init_lora, wrap_targets
 from gpu_runtime.compute.merging import MERGE_INFO, save_merged
 from gpu_runtime.compute.quantization import count_quantized, dequantized_weight, quantize_model
@@ -61,7 +61,7 @@ def test_layer_over_a_quantized_base_matches_pefts_bitsandbytes_lora(tiny_model_
 
     routing = Routing()
     layers = wrap_targets(ours_model, TARGETS, routing)
-    assert type(layers["model.layers.0.mlp.down_proj"].base_layer).__name__ == MODULE_TYPES[kind]
+    assert type(cast(MultiLoraLinear, layers["model.layers.0.mlp.down_proj"]).base_layer).__name__ == MODULE_TYPES[kind]
     weights = init_lora(layers, TARGETS, 4, 8, seed=3, device=torch.device("cpu"))
     peft_params = dict(peft.named_parameters())
     for path, (A, B) in weights.items():

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
 
@@ -202,7 +202,7 @@ class BaseSlots:
         occupant = self.occupants.get(key)
         return None if occupant is None else occupant.slot
 
-    def attach(self, key: str, layers: Mapping[str, Wrappable], weights: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
+    def attach(self, key: str, layers: Mapping[str, object], weights: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
                rank: int, scaling: float, dropout: float, trainable: bool) -> Occupant:
         """Give `key` a slot and make its tensors views of it (its values kept). Again for a key attached already:
         its new tensors take its slot."""
@@ -213,7 +213,7 @@ class BaseSlots:
         device = next(iter(weights.values()))[0].device
         slot = self._take(rank)
         for path, (A, B) in weights.items():
-            layer = layers[path]
+            layer = cast(Wrappable, layers[path])  # a Linear target's wrapper (expert targets never come here)
             if layer.lora is None:
                 layer.lora = LayerSlots(layer.in_features, layer.out_features, self.capacity, self.rank, device)
                 self.layers[path] = layer.lora
