@@ -23,7 +23,9 @@ def live_server(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -
     """The live server, its catalogue's tiny model naming its own directory as its tokenizer (get_info's
     tokenizer_id), so TrainingClient.get_tokenizer() loads it offline (research note §10), and a small context
     window. Test configuration: the product's catalogue says what each model really has."""
-    settings = settings_for(tmp_path_factory.mktemp("tinker-data"), tiny_model_dir)
+    # The catalogue's own tokenizer (a local directory) as get_info's tokenizer_id, not the runtime's copy that a
+    # default local server serves (tinker_tokenizer_dir): these tests check the catalogue's entry reaches the SDK.
+    settings = settings_for(tmp_path_factory.mktemp("tinker-data"), tiny_model_dir, tinker_tokenizer_dir=False)
     catalog = yaml.safe_load(settings.models_file.read_text())
     for model in catalog["models"]:
         if model["name"] == TINY_MODEL:
