@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from gpu_runtime.compute.lora import ops
+from gpu_runtime.compute.lora.ops import triton_kernels
 
 T = TypeVar("T")
 
@@ -363,7 +364,7 @@ def test_the_kernels_compile_for_an_h100(kernel: str, dtype: str) -> None:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    fn = getattr(ops._kernels(), kernel)
+    fn = getattr(triton_kernels._kernels(), kernel)
     pointers, constexprs = COMPILED[kernel]
     if "DOT_F32" in fn.arg_names:
         constexprs = {**constexprs, "DOT_F32": dtype == "fp32"}
