@@ -15,6 +15,8 @@ from __future__ import annotations
 import inspect
 import random
 import time
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from benchlib import log, target
@@ -104,6 +106,13 @@ def graphed_loop(plain: Any, device: Any, rows: int, tokens: int) -> tuple[float
     return seconds / tokens, graphed, why
 
 
+def per_second(device: Any, fn: Callable[[], int]) -> float:
+    """Tokens a second of `fn`, which returns the tokens it generated."""
+    made: list[int] = []
+    seconds = timed(device, lambda: made.append(fn()))
+    return round(made[0] / seconds, 1)
+
+
 def decode(engine: Any, model: str, path: str, rows_list: tuple[int, ...], tokens: int) -> dict[str, Any]:
     runs = [f"dec-{i}" for i in range(8)]
     for i, run in enumerate(runs):
@@ -117,13 +126,10 @@ def decode(engine: Any, model: str, path: str, rows_list: tuple[int, ...], token
             if adapters == "eight" and rows < len(runs):
                 continue
             signal_sample(engine, model, runs, rows, 4, adapters)  # warm-up: captures this bucket's graphs
-            made: list[int] = []
-            seconds = timed(engine.device, lambda: made.append(signal_sample(engine, model, runs, rows, tokens, adapters)))
-            line[f"signal_{adapters}"] = round(made[0] / seconds, 1)
+            line[f"signal_{adapters}"] = per_second(engine.device, partial(signal_sample, engine, model, runs, rows,
+                                                                           tokens, adapters))
         hf_generate(plain, engine.device, rows, 4)
-        made = []
-        seconds = timed(engine.device, lambda: made.append(hf_generate(plain, engine.device, rows, tokens)))
-        line["hf_generate"] = round(made[0] / seconds, 1)
+        line["hf_generate"] = per_second(engine.device, partial(hf_generate, plain, engine.device, rows, tokens))
         per_step, graphed, why = graphed_loop(plain, engine.device, rows, tokens)
         line["static_loop"] = round(rows / per_step, 1)
         line["static_loop_graphed"] = graphed
@@ -142,7 +148,6 @@ def decode(engine: Any, model: str, path: str, rows_list: tuple[int, ...], token
                 checks["eight_vs_one"] = target(line["eight_vs_one"], ">=", 0.8)
     for run in runs:
         engine.delete_run(run)
-    del plain
     out["unit"] = "generated tokens per second, all rows together"
     out["targets"] = checks
     return out
@@ -151,11 +156,11 @@ def decode(engine: Any, model: str, path: str, rows_list: tuple[int, ...], token
 def rl_step(engine: Any, model: str, path: str, count: int, samples: int, tokens: int, steps: int) -> dict[str, Any]:
     import torch
     from peft import LoraConfig, get_peft_model
+    from rl_step import reward
+    from sampling import pump, submit
 
     from gpu_runtime.compute.lora.wrap import linear_module_names
     from gpu_runtime.contract import default_target_modules
-    from rl_step import reward
-    from sampling import pump, submit
 
     run, r = "rl", 16
     engine.create_run(run, "u-rl", model, {"r": r, "alpha": 2 * r}, seed=0)
@@ -222,12 +227,11 @@ def rl_step(engine: Any, model: str, path: str, count: int, samples: int, tokens
                 split[name].append(took)
             log(f"rl step {step}: {name} sampling {took[0]:.2f} s, training {took[1]:.2f} s")
     engine.delete_run(run)
-    del peft, base, optimizer
     mean = {name: (sum(s for s, _ in v) / len(v), sum(t for _, t in v) / len(v)) for name, v in split.items()}
     total = {name: s + t for name, (s, t) in mean.items()}
     ratio = total["by_hand"] / total["signal"]
     return {"prompts": count, "samples": samples, "new_tokens": tokens, "lora_r": r, "steps": steps,
-            "seconds": {name: {"sampling": round(s, 3), "training": round(t, 3), "total": round(s + t, 3)}
+            "split_seconds": {name: {"sampling": round(s, 3), "training": round(t, 3), "total": round(s + t, 3)}
                         for name, (s, t) in mean.items()},
             "sampling_speedup": round(mean["by_hand"][0] / mean["signal"][0], 3),
             "training_speedup": round(mean["by_hand"][1] / mean["signal"][1], 3),

@@ -31,9 +31,8 @@ def parse_args() -> argparse.Namespace:
 
 
 def kernels(box: Box, tiny: bool, device_name: str) -> None:
-    import torch
-
     import gpu_kernels as k
+    import torch
 
     device = torch.device("cuda" if device_name in ("auto", "cuda") and torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -49,6 +48,7 @@ def kernels(box: Box, tiny: bool, device_name: str) -> None:
 def engine_part(box: Box, args: argparse.Namespace) -> None:
     import gpu_decode as d
     import gpu_train as t
+
     from gpu_runtime.engine.engine import Engine
 
     tiny, m = args.tiny, args.model

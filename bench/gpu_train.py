@@ -110,7 +110,6 @@ def one_run(engine: Any, model: str, path: str, rows: int, length: int, steps: i
     if "mfu" in targets:
         checks["mfu"] = target(out["sides"]["signal"]["mfu"], ">=", targets["mfu"])
     out["targets"] = checks
-    del loop
     engine.delete_run(run)
     return out
 
