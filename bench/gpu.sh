@@ -34,10 +34,12 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 TOKENI
 export SIGNAL_GPU_ASSETS=$PWD/$ASSETS
 export PYTHONPATH=$WORK/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
 THREADS=() ; [ "$DEVICE" = cpu ] && THREADS=(--threads 1)  # a shared CPU: one thread steadies the figures
+[ "$DEVICE" = cpu ] && [ "$BUDGET" = 300 ] && BUDGET=600  # the CPU check: slower imports, every code path still runs
 declare -A RC
 
-# part NAME SECONDS COMMAND...: run it under the smaller of its limit and what is left of the budget; print the last
-# JSON line of its stdout, or a line saying how it failed.
+# part NAME SECONDS COMMAND...: run it under the smaller of its limit and what is left of the budget (an argument
+# @SECONDS@ becomes that limit less 10 s for the process's start: the part's sections box themselves in it); print
+# every JSON line of its stdout, and a line saying how it failed when it did.
 part() {
   local name=$1 limit=$2; shift 2
   local left=$((BUDGET - SECONDS - 5))
@@ -45,15 +47,15 @@ part() {
     echo "{\"part\": \"$name\", \"skipped\": \"the ${BUDGET}s budget is spent\"}" | tee -a "$RESULTS"; RC[$name]=skipped; return
   fi
   [ "$limit" -gt "$left" ] && limit=$left
-  local started=$SECONDS
-  timeout --kill-after=10 "$limit" "$@" >"$LOGS/$name.out" 2>"$LOGS/$name.err"
+  local started=$SECONDS args=()
+  for a in "$@"; do [ "$a" = @SECONDS@ ] && args+=("$((limit - 10))") || args+=("$a"); done
+  timeout --kill-after=10 "$limit" "${args[@]}" >"$LOGS/$name.out" 2>"$LOGS/$name.err"
   local rc=$?
   RC[$name]=$rc
-  local line
-  line=$(grep '^{' "$LOGS/$name.out" | tail -n 1)
-  if [ "$rc" -eq 0 ] && [ -n "$line" ]; then
-    echo "$line" | tee -a "$RESULTS"
-  else
+  local lines
+  lines=$(grep '^{' "$LOGS/$name.out")
+  [ -n "$lines" ] && echo "$lines" | tee -a "$RESULTS"
+  if [ "$rc" -ne 0 ] || [ -z "$lines" ]; then
     "$PY" - "$name" "$rc" "$limit" "$((SECONDS - started))" "$LOGS/$name.err" <<'EOF' | tee -a "$RESULTS"
 import json, sys
 name, rc, limit, took, err = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
@@ -82,18 +84,22 @@ cuda_tests() {
 export -f install_wheels cuda_tests
 export PY ASSETS WORK
 
-MODEL=$WORK/model
-part install 60 bash -c install_wheels
+# The most important measurements first (docs/GPU_CHECKS.md): what the budget cannot reach prints a skip line.
+MODEL=$WORK/model MODEL8=$WORK/model-8b
+SECTIONS=("$PY" bench/gpu_sections.py --device "$DEVICE" --data-dir "$WORK/data" --seconds @SECONDS@ $TINY "${THREADS[@]}")
+part install 40 bash -c install_wheels
 part env 30 "$PY" bench/gpu_bench.py env
-part cuda_tests 110 bash -c cuda_tests
 part model 60 "$PY" bench/gpu_bench.py model --assets "$ASSETS" --out "$MODEL" --device "$DEVICE" $TINY
-part cobatch 60 "$PY" bench/cobatch.py --model "$MODEL" --device "$DEVICE" --data-dir "$WORK/data" --quick --profile "${THREADS[@]}"
-part mfu 50 "$PY" bench/gpu_bench.py mfu --model "$MODEL" --device "$DEVICE" --data-dir "$WORK/data" $TINY "${THREADS[@]}"
-if [ -n "$TINY" ]; then SIZE=(--quick); else SIZE=(--steps 4 --batch-size 8 --seq-len 1024); fi
-part engine_throughput 80 "$PY" bench/engine_throughput.py --model "$MODEL" --device "$DEVICE" --data-dir "$WORK/data" "${SIZE[@]}" "${THREADS[@]}"
+part train_1b 90 "${SECTIONS[@]}" train_1b --model "$MODEL"
+part decode_1b 60 "${SECTIONS[@]}" decode_1b --model "$MODEL"
+part kernels 25 "${SECTIONS[@]}" kernels
+part cuda_tests 60 bash -c cuda_tests
+rm -rf "$MODEL"  # the 8B shape's 15 GB need the disk more
+part model_8b 45 "$PY" bench/gpu_bench.py model --assets "$ASSETS" --out "$MODEL8" --device "$DEVICE" --shape 8b $TINY
+part eight_b 75 "${SECTIONS[@]}" eight_b --model "$MODEL8"
 
 summary=""
-for name in install env cuda_tests model cobatch mfu engine_throughput; do summary+="\"$name\": \"${RC[$name]:-none}\", "; done
+for name in install env model train_1b decode_1b kernels cuda_tests model_8b eight_b; do summary+="\"$name\": \"${RC[$name]:-none}\", "; done
 echo "{\"gpu_sh\": \"done\", \"device\": \"$DEVICE\", \"seconds\": $SECONDS, \"exit_codes\": {${summary%, }}}" | tee -a "$RESULTS"
 if [ -n "${OUT:-}" ]; then
   cp "$RESULTS" "$OUT/gpu-results.jsonl"

@@ -31,6 +31,11 @@ H200_BF16_DENSE_TFLOPS = 989.0  # NVIDIA's datasheet figure for dense bf16 (no s
 # Llama-3.2-1B's shape on SmolLM2's 49k vocabulary: ~1.07B parameters, 0.97B of them in the 16 layers.
 ONE_B: dict[str, Any] = {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
          "num_key_value_heads": 8, "max_position_embeddings": 4096, "rope_theta": 500000.0}
+# Llama-3.1-8B's dimensions on the same vocabulary: ~7.5B parameters (untied head), random bf16 built on the device.
+EIGHT_B: dict[str, Any] = {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+                           "num_attention_heads": 32, "num_key_value_heads": 8, "max_position_embeddings": 8192,
+                           "rope_theta": 500000.0}
+SHAPES = {"1b": (ONE_B, True), "8b": (EIGHT_B, False)}  # shape → (dimensions, tied embeddings)
 
 
 def emit_json(result: dict[str, Any]) -> None:
@@ -94,9 +99,10 @@ def model(args: argparse.Namespace) -> None:
         from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+        dims, tied = SHAPES[args.shape]
         config = LlamaConfig(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                             pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=True,
-                             **{**ONE_B, "num_hidden_layers": args.layers})
+                             pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=tied,
+                             **{**dims, "num_hidden_layers": args.layers or dims["num_hidden_layers"]})
         torch.manual_seed(0)
         device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
         with device:  # random init on the GPU: seconds, not the CPU's minute
@@ -241,7 +247,8 @@ def main() -> None:
     p.add_argument("--assets", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--tiny", action="store_true")
-    p.add_argument("--layers", type=int, default=ONE_B["num_hidden_layers"], help="fewer: a smaller model of the same width")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="1b", help="1b: Llama-3.2-1B's dimensions; 8b: Llama-3.1-8B's")
+    p.add_argument("--layers", type=int, default=0, help="fewer: a smaller model of the same width (0: the shape's)")
     p.add_argument("--device", default="auto")
     p = parts.add_parser("mfu")
     p.add_argument("--model", required=True)

@@ -1,0 +1,164 @@
+"""bench/gpu.sh's training sections, on one in-process Engine (gpu_runtime/engine): the runtime's own code path.
+
+- `one_run`: one run, rows × length tokens a step, r=32: tokens/s, MFU (4N FLOPs a token) and peak memory, against a
+  plain PEFT loop on the same weights in fp32 and in bf16 autocast (torch's AdamW, fused on CUDA). Steps alternate.
+- `eight_runs`: 8 runs of ranks {8, 16, 32, 64} × 2, one row each, co-batched in one tick; against the one-run ceiling
+  (one rank-32 run of the same 8 rows) and the 8 runs one after another; kernel launches and device-busy time of one
+  co-batched and one ceiling round under the profiler.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from benchlib import log, median, target
+from gpu_box import launches, peak_memory, sync, timed
+
+PEAK_BF16_TFLOPS = 989.0  # H100 SXM and H200 dense bf16 (NVIDIA's datasheets): the same figure for both
+RANKS = (8, 16, 32, 64, 8, 16, 32, 64)
+ADAM = {"learning_rate": 1e-4}
+
+
+def batch(rows: int, length: int, seed: int = 0) -> list[dict[str, Any]]:
+    rng = random.Random(seed)  # ids below 10k exist in every tokenizer shipped or tested with
+    return [{"tokens": [rng.randrange(10_000) for _ in range(length)], "weights": [1.0] * length} for _ in range(rows)]
+
+
+def linear_params(engine: Any, model: str) -> int:
+    from torch import nn
+
+    base = engine.residency.bases[model].model
+    return sum(m.weight.numel() for m in base.modules() if isinstance(m, nn.Linear))
+
+
+def rate(tokens: int, seconds: float, n: int) -> dict[str, Any]:
+    tflops = tokens / seconds * 4 * n / 1e12
+    return {"median_seconds": round(seconds, 4), "tokens_per_s": round(tokens / seconds, 1), "tflops": round(tflops, 2),
+            "mfu": round(tflops / PEAK_BF16_TFLOPS, 4)}
+
+
+def alternate(sides: dict[str, Any], steps: int, device: Any) -> dict[str, float]:
+    """Median seconds of each side over `steps` timed steps after one warm-up; sides alternate their order."""
+    seconds: dict[str, list[float]] = {name: [] for name in sides}
+    for step in range(steps + 1):
+        for name in (list(sides) if step % 2 == 0 else list(reversed(sides))):
+            took = timed(device, sides[name])
+            if step:
+                seconds[name].append(took)
+        log("step " + str(step) + ": " + "  ".join(f"{n} {s[-1]:.3f} s" for n, s in seconds.items() if s))
+    return {name: median(values) for name, values in seconds.items()}
+
+
+class PeftLoop:
+    """The plain loop a user would write: transformers + PEFT LoRA on the same targets, torch's AdamW, clipping."""
+
+    def __init__(self, path: str, device: Any, targets: list[str], batch_rows: list[dict[str, Any]], rank: int) -> None:
+        import torch
+        from peft import LoraConfig, get_peft_model
+        from transformers import AutoModelForCausalLM
+
+        self.torch, self.device = torch, device
+        base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
+        self.model = get_peft_model(base, LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0,
+                                                     target_modules=targets, task_type="CAUSAL_LM"))
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=1e-4, fused=device.type == "cuda")
+        self.ids = torch.tensor([row["tokens"] for row in batch_rows], device=device)
+
+    def step(self, autocast: bool) -> None:
+        torch = self.torch
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=autocast):
+            loss = self.model(input_ids=self.ids, labels=self.ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.params, 1.0)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+def one_run(engine: Any, model: str, path: str, rows: int, length: int, steps: int, baselines: bool,
+            targets: dict[str, float]) -> dict[str, Any]:
+    from gpu_runtime.compute.lora.wrap import linear_module_names
+    from gpu_runtime.contract import default_target_modules
+
+    rows_batch = batch(rows, length)
+    run = f"one-{rows}x{length}"
+    created = engine.create_run(run, "u-one", model, {"r": 32, "alpha": 64}, seed=0)
+    device, n = engine.device, linear_params(engine, model)
+
+    def signal() -> None:
+        engine.forward_backward(run, rows_batch)
+        engine.optim_step(run, ADAM)
+
+    sides: dict[str, Any] = {"signal": signal}
+    loop = None
+    if baselines:
+        base = engine.residency.bases[model].model
+        loop = PeftLoop(path, device, default_target_modules(linear_module_names(base)), rows_batch, 32)
+        sides.update(peft_fp32=lambda: loop.step(False), peft_bf16_autocast=lambda: loop.step(True))
+    med = alternate(sides, steps, device)
+    peaks = {name: peak_memory(device, fn) for name, fn in sides.items()}
+    out: dict[str, Any] = {"rows": rows, "length": length, "lora": created["lora"], "linear_params": n,
+                           "flops_per_token": 4 * n, "peak_tflops": PEAK_BF16_TFLOPS, "steps": steps,
+                           "sides": {name: {**rate(rows * length, s, n), "peak_memory_gib": peaks[name]}
+                                     for name, s in med.items()}}
+    checks = {}
+    if baselines:
+        out["signal_vs_peft_bf16"] = round(med["peft_bf16_autocast"] / med["signal"], 3)
+        out["signal_vs_peft_fp32"] = round(med["peft_fp32"] / med["signal"], 3)
+        checks["signal_vs_peft_bf16"] = target(out["signal_vs_peft_bf16"], ">=", targets.get("vs_peft", 1.3))
+    if "mfu" in targets:
+        checks["mfu"] = target(out["sides"]["signal"]["mfu"], ">=", targets["mfu"])
+    out["targets"] = checks
+    engine.delete_run(run)
+    return out
+
+
+def eight_runs(engine: Any, model: str, length: int, steps: int, targets: dict[str, float]) -> dict[str, Any]:
+    rows = batch(len(RANKS), length, seed=length)
+    co = [f"co{length}-{i}" for i in range(len(RANKS))]
+    seq = [f"seq{length}-{i}" for i in range(len(RANKS))]
+    for i, rank in enumerate(RANKS):
+        engine.create_run(co[i], f"u{i}", model, {"r": rank, "alpha": 2 * rank}, seed=i)
+        engine.create_run(seq[i], f"u{i}", model, {"r": rank, "alpha": 2 * rank}, seed=i)
+    ceiling_run = f"ceil{length}"
+    engine.create_run(ceiling_run, "u-ceil", model, {"r": 32, "alpha": 64}, seed=0)
+    from cobatch import pump, submit
+
+    def cobatch() -> None:
+        futures = [submit(engine, "forward_backward", run_id=run, batch=[row]) for run, row in zip(co, rows)]
+        pump(engine, futures + [submit(engine, "optim_step", run_id=run, adam=ADAM) for run in co])
+
+    def ceiling() -> None:
+        pump(engine, [submit(engine, "forward_backward", run_id=ceiling_run, batch=rows),
+                      submit(engine, "optim_step", run_id=ceiling_run, adam=ADAM)])
+
+    def sequential() -> None:
+        for run, row in zip(seq, rows):
+            pump(engine, [submit(engine, "forward_backward", run_id=run, batch=[row])])
+            pump(engine, [submit(engine, "optim_step", run_id=run, adam=ADAM)])
+
+    sides = {"cobatch": cobatch, "ceiling": ceiling, "sequential": sequential}
+    passes = engine.totals.base_passes
+    cobatch()
+    one_pass = engine.totals.base_passes - passes  # the co-batched round's forward passes: 1 when they share one
+    med = alternate(sides, steps, engine.device)
+    profile = {name: launches(sides[name]) for name in ("cobatch", "ceiling")}
+    n, tokens = linear_params(engine, model), len(RANKS) * length
+    vs_ceiling, vs_seq = med["ceiling"] / med["cobatch"], med["sequential"] / med["cobatch"]
+    for run in co + seq + [ceiling_run]:
+        engine.delete_run(run)
+    checks = {"cobatch_vs_ceiling": target(vs_ceiling, ">=", targets["ceiling"]),
+              "cobatch_vs_sequential": target(vs_seq, ">=", targets["sequential"]),
+              "cobatched_in_one_pass": target(one_pass, "<=", 1)}
+    if "tokens_per_s" in targets:
+        checks["cobatch_tokens_per_s"] = target(tokens / med["cobatch"], ">=", targets["tokens_per_s"])
+    return {"runs": len(RANKS), "ranks": list(RANKS), "length": length, "steps": steps, "base_passes": one_pass,
+            "sides": {name: rate(tokens, s, n) for name, s in med.items()},
+            "cobatch_vs_ceiling": round(vs_ceiling, 4), "cobatch_vs_sequential": round(vs_seq, 4),
+            "profile": profile, "targets": checks}
+
+
+def device_note(engine: Any) -> dict[str, Any]:
+    sync(engine.device)
+    return {"device": str(engine.device), "dtype": str(engine.dtype).removeprefix("torch.")}
