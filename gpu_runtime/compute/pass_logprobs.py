@@ -66,14 +66,23 @@ def attention_mask(model: nn.Module, data: Collated) -> torch.Tensor | None:
         return None
     config = getattr(model, "config", None)
     implementation = getattr(config, "_attn_implementation", None)
-    if implementation not in ("sdpa", "eager"):
-        return data.attention_mask  # flash and flex read the 2D mask themselves
+    if implementation not in ("sdpa", "eager") or windowed(config):
+        # flash and flex read the 2D mask themselves; a model with sliding-window layers builds one mask per layer
+        # kind from it (one causal 4D mask would give its windowed layers full attention)
+        return data.attention_mask
     positions = torch.arange(width, device=data.input_ids.device)
     allowed = (positions[None, :] <= positions[:, None])[None, None] & data.attention_mask.bool()[:, None, None, :]
     if implementation == "sdpa":
         return allowed
     dtype = next(model.parameters()).dtype
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, torch.finfo(dtype).min)
+
+
+def windowed(config: object) -> bool:
+    """Whether some attention layer of this model sees a sliding window (Gemma 2/3, GPT-OSS, Mistral, …)."""
+    layer_types = getattr(config, "layer_types", None) or []
+    return getattr(config, "sliding_window", None) is not None and (
+        not layer_types or any("sliding" in str(kind) for kind in layer_types))
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
