@@ -25,7 +25,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from app.backends import Progress
 from app.errors import SignalError
-from app.openai import answers
+from app.openai import answers, tool_answers
 from app.openai.errors import OpenAIError, bad, from_signal, model_not_found
 from app.openai.params import parse
 from app.schema.context import bearer_from_header
@@ -152,7 +152,7 @@ async def _generate(request: Request, chat: bool) -> Response:
     target = await _run(services, user, params.model)
     prompt_ids, sample, eos = await _prepared(services.runs, target, params, chat)
     call = Sampling(services.runs, user, target, params, chat, prompt_ids, eos)
-    if params.stream and params.logprobs is None and not params.echo:
+    if params.stream and params.logprobs is None and not params.echo and not params.tools.parsing:
         return await _streamed(call, sample, request)
     leaving = hold(gone(request.receive))
     try:
@@ -176,7 +176,7 @@ async def _prepared(runs: RunService, target: Target, params: Any, chat: bool) -
     prompt_param = "messages" if chat else "prompt"
     try:
         if chat:
-            rendered = await runs.render_chat(run, messages=params.messages, base_model=base)
+            rendered = await tool_answers.render(runs, run, params, base)
             prompt_ids = [rendered.prompt_tokens or []]  # messages given: never None
         elif isinstance(params.prompts[0], str):
             rendered = await runs.render_chat(run, prompts=params.prompts, base_model=base)
@@ -269,10 +269,11 @@ class Sampling:
 
 
 def _chat_choice(choice: answers.Choice, params: Any, pieces: dict[int, str]) -> dict[str, Any]:
-    item: dict[str, Any] = {"index": choice.index, "message": {"role": "assistant", "content": choice.text,
-                                                               "refusal": None},
-                            "logprobs": answers.chat_logprobs(choice, params, pieces),
-                            "finish_reason": choice.finish_reason}
+    message, finish, malformed = tool_answers.message(choice.text, choice.finish_reason, params.tools)
+    item: dict[str, Any] = {"index": choice.index, "message": message,
+                            "logprobs": answers.chat_logprobs(choice, params, pieces), "finish_reason": finish}
+    if malformed is not None:
+        item["tool_parse_error"] = malformed  # text that looked like a tool call and is not one stays text
     if params.return_token_ids:
         item["token_ids"] = choice.ids
     return item
@@ -305,7 +306,7 @@ async def _events(body: dict[str, Any], chat: bool, include_usage: bool) -> Asyn
                 parts: list[dict[str, Any]] = [
                     {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                      "finish_reason": None},
-                    {"index": index, "delta": {"content": choice["message"]["content"]},
+                    {"index": index, "delta": tool_answers.delta(choice["message"]),
                      "logprobs": choice["logprobs"], "finish_reason": None},
                     {"index": index, "delta": {}, "logprobs": None, "finish_reason": choice["finish_reason"]}]
                 if "token_ids" in choice:
