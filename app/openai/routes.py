@@ -269,11 +269,9 @@ class Sampling:
 
 
 def _chat_choice(choice: answers.Choice, params: Any, pieces: dict[int, str]) -> dict[str, Any]:
-    message, finish, malformed = tool_answers.message(choice.text, choice.finish_reason, params.tools)
+    message, finish, said = tool_answers.message(choice.text, choice.finish_reason, params.tools)
     item: dict[str, Any] = {"index": choice.index, "message": message,
-                            "logprobs": answers.chat_logprobs(choice, params, pieces), "finish_reason": finish}
-    if malformed is not None:
-        item["tool_parse_error"] = malformed  # text that looked like a tool call and is not one stays text
+                            "logprobs": answers.chat_logprobs(choice, params, pieces), "finish_reason": finish, **said}
     if params.return_token_ids:
         item["token_ids"] = choice.ids
     return item
@@ -407,7 +405,7 @@ async def _chunk_events(call: Sampling, task: asyncio.Future[Any], chunks: async
 
 async def not_found(request: Request) -> Response:
     return OpenAIError(404, f"Unknown request URL: {request.method} {request.url.path}. Signal serves /v1/models, "
-                            "/v1/completions and /v1/chat/completions.", code="unknown_url").response()
+                            "/v1/completions, /v1/chat/completions and /v1/responses.", code="unknown_url").response()
 
 
 class OpenAIBodyLimit:
@@ -443,7 +441,9 @@ def _answering_errors(handler: Callable[[Request], Awaitable[Response]]) -> Call
 def openai_app() -> ASGIApp:
     """The /v1 application, mounted by app/server.py. A Router, not a Starlette app, so `request.app` stays the
     server's (its services)."""
+    from app.openai.response_route import create_response  # it builds on this module's chat pipeline
     routes = [("/models", list_models, ["GET"]), ("/models/{model:path}", get_model, ["GET"]),
               ("/completions", completions, ["POST"]), ("/chat/completions", chat_completions, ["POST"]),
+              ("/responses", create_response, ["POST"]),
               ("/{path:path}", not_found, ["GET", "POST", "PUT", "PATCH", "DELETE"])]
     return Router(routes=[Route(path, _answering_errors(handler), methods=methods) for path, handler, methods in routes])

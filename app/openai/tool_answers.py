@@ -12,21 +12,22 @@ from app.tables import Run
 from gpu_runtime.contract import RenderChatResult
 
 
-def message(text: str, finish_reason: str, tools: Tools) -> tuple[dict[str, Any], str, str | None]:
-    """The assistant message, the finish reason ("tool_calls" when it calls), and why text that looked like a call
-    stayed text (None when nothing did)."""
+def message(text: str, finish_reason: str, tools: Tools) -> tuple[dict[str, Any], str, dict[str, str]]:
+    """The assistant message, the finish reason ("tool_calls" when it calls), and the choice's `tool_parse_error`
+    when text that looked like a call stayed text (it is said, never a 5xx)."""
     if not tools.parsing:
-        return {"role": "assistant", "content": text, "refusal": None}, finish_reason, None
+        return {"role": "assistant", "content": text, "refusal": None}, finish_reason, {}
     family = tools.family or tool_parsers.DEFAULT_FAMILY
     if tools.forced is not None:
         parsed = tool_parsers.forced(family, tools.forced, text, tools.names, tools.named)
     else:
         parsed = tool_parsers.parse(family, text, tools.names, tools.parallel)
     body: dict[str, Any] = {"role": "assistant", "content": parsed.content, "refusal": None}
+    said = {"tool_parse_error": parsed.malformed} if parsed.malformed else {}
     if not parsed.calls:
-        return body, finish_reason, parsed.malformed
+        return body, finish_reason, said
     body["tool_calls"] = [call.wire() for call in parsed.calls[:None if tools.parallel else 1]]
-    return body, "tool_calls", parsed.malformed
+    return body, "tool_calls", said
 
 
 def delta(body: dict[str, Any]) -> dict[str, Any]:

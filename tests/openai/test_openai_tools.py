@@ -6,7 +6,6 @@ GPT-OSS harmony). The tiny model's text is random, so the round trips force the 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any, cast
 
 import openai
@@ -14,34 +13,16 @@ import pytest
 from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolParam
 
 from app.openai.tools import MAX_MESSAGES, MAX_TOOL_BYTES, MAX_TOOLS
-from tests.helpers.live_server import TINY_MODEL, LiveServer, settings_for, write_catalog
-from tests.helpers.tiny_model import with_chat_template
+from tests.helpers.live_server import TINY_MODEL, LiveServer
 
 pytestmark = pytest.mark.timeout(600)
 
-FAMILIES = ("hermes", "llama3_json", "gpt_oss")
+FAMILIES = ("hermes", "llama3_json", "gpt_oss")  # tests/openai/conftest.py: tiny-{family}
 ADD: ChatCompletionToolParam = {"type": "function", "function": {
     "name": "add", "description": "Add two integers",
     "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
                    "required": ["a", "b"]}}}
 QUESTION: list[ChatCompletionMessageParam] = [{"role": "user", "content": "What is 2+3?"}]
-
-
-@pytest.fixture(scope="module")
-def tool_server(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    import yaml
-
-    data_dir = tmp_path_factory.mktemp("signal-tools")
-    catalog = write_catalog(data_dir / "models-tools.yaml", tiny_model_dir)  # settings_for writes models.yaml
-    models = yaml.safe_load(catalog.read_text())
-    for family in FAMILIES:
-        path = with_chat_template(tiny_model_dir, tmp_path_factory.mktemp(f"tiny-{family}") / "tiny-llama", family)
-        models["models"].append({"name": f"tiny-{family}", "path": path, "family": "llama", "parameters": 1_000_000,
-                                 "offline": True, "description": f"the tiny Llama with a {family} tool template"})
-    catalog.write_text(yaml.safe_dump(models))
-    server = LiveServer.start(settings_for(data_dir, tiny_model_dir, models_file=catalog))
-    yield server
-    server.stop()
 
 
 @pytest.fixture(scope="module")
