@@ -1,39 +1,55 @@
-"""The /v1/responses route: the Responses API (app/openai/responses.py) on the chat pipeline of app/openai/routes.py,
-its stored responses one store per server."""
+"""The /v1/responses route: the Responses API (app/openai/responses.py) answered by the chat completions handler it
+is given (a sub-request with the translated body: one pipeline for rendering, sampling, billing and records), its
+stored responses one store per server."""
 
 from __future__ import annotations
 
+import json
+from collections.abc import Awaitable, Callable
 from typing import Any
 
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
+from starlette.types import Message
 
-from app.errors import SignalError
 from app.openai import responses
-from app.openai.errors import from_signal
-from app.openai.routes import Sampling, _body, _prepared, _run, _services, _user
-from app.services.streams import gone, hold
-from app.tables import User
+from app.openai.errors import OpenAIError, bad
+from app.schema.context import bearer_from_header
+
+Handler = Callable[[Request], Awaitable[Response]]
 
 
-async def chat_answer(request: Request, user: User, params: Any) -> dict[str, Any]:
-    """A checked chat request answered whole, as /v1/chat/completions answers it (the Responses API's core)."""
-    services = _services(request)
-    target = await _run(services, user, params.model)
-    prompt_ids, sample, eos = await _prepared(services.runs, target, params, True)
-    call = Sampling(services.runs, user, target, params, True, prompt_ids, eos)
-    leaving = hold(gone(request.receive))
-    try:
-        return (await call.answer(await call.sample_unless_gone(sample, leaving)))[0]
-    except SignalError as error:
-        raise from_signal(error, call.prompt_param) from None
-    finally:
-        leaving.cancel()
+def _sub_request(request: Request, body: dict[str, Any]) -> Request:
+    """`request` carrying `body` instead: its own receive after that, so the client leaving still withdraws."""
+    data, sent = json.dumps(body).encode(), False
+
+    async def receive() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": data, "more_body": False}
+        return await request.receive()
+    return Request(request.scope, receive)
 
 
-async def create_response(request: Request) -> Response:
-    state = request.app.state
-    if getattr(state, "openai_responses", None) is None:  # one store per server, made on first use
-        state.openai_responses = responses.ResponseStore(state.settings.openai_responses_ttl_s)
-    return await responses.create(request, await _user(request), await _body(request), state.openai_responses,
-                                  chat_answer)
+def handler(chat_completions: Handler) -> Handler:
+    async def create_response(request: Request) -> Response:
+        state = request.app.state
+        user = await state.services.keys.authenticate(bearer_from_header(request.headers.get("authorization")))
+        try:
+            raw = json.loads(await request.body())
+        except HTTPException as exc:  # the body limit, met while streaming it in
+            raise OpenAIError(413, f"the request body is over {state.settings.max_request_bytes} bytes",
+                              code="request_too_large") from exc
+        except ValueError:
+            raise bad("body", "the request body is not valid JSON") from None
+        if getattr(state, "openai_responses", None) is None:  # one store per server, made on first use
+            state.openai_responses = responses.ResponseStore(state.settings.openai_responses_ttl_s)
+
+        async def chat_answer(body: dict[str, Any]) -> dict[str, Any]:
+            answer = await chat_completions(_sub_request(request, body))
+            return json.loads(bytes(answer.body))  # type: ignore[no-any-return]  # the chat handler's JSON object
+
+        return await responses.create(user, raw, state.openai_responses, chat_answer)
+    return create_response

@@ -19,11 +19,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from app.openai.errors import OpenAIError, bad
-from app.openai.params import parse
 from app.tables import User
 
 RESPONSES_PER_USER = 256  # stored conversations a user keeps; the oldest goes first
@@ -32,7 +30,7 @@ IGNORED = {"include", "truncation", "reasoning", "metadata", "user", "store", "b
            "prompt_cache_key", "prompt_cache_retention", "prompt_cache_options", "safety_identifier", "context_management"}
 PASSED = {"model", "temperature", "top_p", "parallel_tool_calls", "seed", "stop", "top_logprobs"}
 
-ChatAnswer = Callable[[Request, User, Any], Awaitable[dict[str, Any]]]
+ChatAnswer = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]  # a chat completion's body in, its answer out
 
 
 @dataclass
@@ -202,7 +200,7 @@ def response_of(body: dict[str, Any], chat: dict[str, Any], answer: dict[str, An
     }
 
 
-async def create(request: Request, user: User, raw: Any, store: ResponseStore, chat_answer: ChatAnswer) -> Response:
+async def create(user: User, raw: Any, store: ResponseStore, chat_answer: ChatAnswer) -> Response:
     history: list[dict[str, Any]] = []
     previous = raw.get("previous_response_id") if isinstance(raw, dict) else None
     if previous is not None:
@@ -213,13 +211,7 @@ async def create(request: Request, user: User, raw: Any, store: ResponseStore, c
         history = stored.messages
     chat = chat_body(raw, history)
     try:
-        params = parse(chat, chat=True)
-    except OpenAIError as error:
-        raise _renamed(error) from None
-    stream = bool(raw.get("stream"))
-    params.stream = False
-    try:
-        answer = await chat_answer(request, user, params)
+        answer = await chat_answer(chat)
     except OpenAIError as error:
         raise _renamed(error) from None
     response = response_of(raw, chat, answer)
@@ -228,8 +220,8 @@ async def create(request: Request, user: User, raw: Any, store: ResponseStore, c
     if message.get("tool_calls"):
         turn["tool_calls"] = message["tool_calls"]
     kept = [m for m in chat["messages"] if not (m is chat["messages"][0] and raw.get("instructions") is not None)]
-    store.put(response["id"], Stored(user.id, params.model, kept + [turn], time.time()))
-    if not stream:
+    store.put(response["id"], Stored(user.id, str(chat.get("model")), kept + [turn], time.time()))
+    if not raw.get("stream"):
         return JSONResponse(response)
     return StreamingResponse(events(response), media_type="text/event-stream", headers=SSE_HEADERS)
 

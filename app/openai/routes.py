@@ -25,7 +25,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from app.backends import Progress
 from app.errors import SignalError
-from app.openai import answers, tool_answers
+from app.openai import answers, response_route, tool_answers
 from app.openai.errors import OpenAIError, bad, from_signal, model_not_found
 from app.openai.params import parse
 from app.schema.context import bearer_from_header
@@ -441,9 +441,8 @@ def _answering_errors(handler: Callable[[Request], Awaitable[Response]]) -> Call
 def openai_app() -> ASGIApp:
     """The /v1 application, mounted by app/server.py. A Router, not a Starlette app, so `request.app` stays the
     server's (its services)."""
-    from app.openai.response_route import create_response  # it builds on this module's chat pipeline
     routes = [("/models", list_models, ["GET"]), ("/models/{model:path}", get_model, ["GET"]),
               ("/completions", completions, ["POST"]), ("/chat/completions", chat_completions, ["POST"]),
-              ("/responses", create_response, ["POST"]),
+              ("/responses", response_route.handler(chat_completions), ["POST"]),
               ("/{path:path}", not_found, ["GET", "POST", "PUT", "PATCH", "DELETE"])]
     return Router(routes=[Route(path, _answering_errors(handler), methods=methods) for path, handler, methods in routes])

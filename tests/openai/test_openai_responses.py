@@ -17,9 +17,9 @@ from tests.helpers.live_server import LiveServer
 
 pytestmark = pytest.mark.timeout(600)
 
+SCHEMA: dict[str, Any] = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}
 ADD: FunctionToolParam = {"type": "function", "name": "add", "description": "Add two integers", "strict": False,
-                          "parameters": {"type": "object", "properties": {"a": {"type": "integer"},
-                                                                          "b": {"type": "integer"}}}}
+                          "parameters": SCHEMA}
 FORCE_ADD: Any = {"type": "function", "name": "add"}
 
 
@@ -104,7 +104,7 @@ def test_the_agents_sdk_runs_an_agent_with_a_function_tool(tool_server: LiveServ
     set_tracing_disabled(True)
     set_default_openai_client(openai.AsyncOpenAI(api_key=key, base_url=f"{tool_server.url}/v1", max_retries=0),
                               use_for_tracing=False)
-    tool = FunctionTool(name="add", description="Add two integers", params_json_schema=ADD["parameters"],
+    tool = FunctionTool(name="add", description="Add two integers", params_json_schema=SCHEMA,
                         on_invoke_tool=add, strict_json_schema=False)
     agent = Agent(name="calculator", instructions="Use the add tool.", tools=[tool], model="tiny-hermes",
                   model_settings=ModelSettings(tool_choice="add", max_tokens=24, temperature=0,
