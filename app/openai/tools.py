@@ -107,7 +107,7 @@ def from_body(body: dict[str, Any], defs: list[dict[str, Any]]) -> Tools:
     elif choice is not None:
         raise bad("tool_choice", "tool_choice must be 'auto', 'none', 'required' or {type: 'function', function: "
                                  "{name}}")
-    if tools.choice in ("required", "named") and not defs:
+    if tools.choice != "none" and choice is not None and not defs:  # as OpenAI: only with tools
         raise bad("tool_choice", f"tool_choice {choice!r} needs tools")
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
