@@ -1,16 +1,13 @@
-"""The Responses API (`POST /v1/responses`) with the official `openai` package, whole and streamed, and the OpenAI
-Agents SDK's default path (Runner over the Responses API) running one agent with one function tool, on the tiny model
-under a Hermes tool template (tests/openai/conftest.py). The call is forced with a named `tool_choice`."""
+"""The Responses API (`POST /v1/responses`) with the official `openai` package, whole and streamed, on the tiny model
+under a Hermes tool template (tests/conftest.py's tool_server). The call is forced with a named `tool_choice`."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 from typing import Any
 
 import openai
 import pytest
-from agents import Agent, FunctionTool, ModelSettings, RunContextWrapper, Runner, set_default_openai_client, set_tracing_disabled
 from openai.types.responses import FunctionToolParam
 
 from tests.helpers.live_server import LiveServer
@@ -87,37 +84,3 @@ def test_bad_responses_requests_are_400s_naming_the_parameter(client: openai.Ope
     with pytest.raises(openai.BadRequestError) as caught:
         client.post("/responses", cast_to=object, body={"model": "tiny-hermes", "input": "Hi", **body})
     assert json.loads(caught.value.response.text)["error"]["param"] == param
-
-
-@pytest.mark.parametrize("streamed", [False, True])
-def test_the_agents_sdk_runs_an_agent_with_a_function_tool(tool_server: LiveServer, key: str, streamed: bool) -> None:
-    """Runner over the Responses API (the SDK's default), the call forced by name; the tool takes the model's
-    arguments as it wrote them (a random model's may not be JSON), then the SDK resets tool_choice to answer. The SDK
-    fails a run whose answer is cut at max_output_tokens (status incomplete), so the random model is stopped early by
-    a stop string (Signal's extra: greedy, it writes newlines)."""
-    seen: list[str] = []
-
-    async def add(context: RunContextWrapper[Any], arguments: str) -> str:
-        seen.append(arguments)
-        return "5"
-
-    set_tracing_disabled(True)
-    set_default_openai_client(openai.AsyncOpenAI(api_key=key, base_url=f"{tool_server.url}/v1", max_retries=0),
-                              use_for_tracing=False)
-    tool = FunctionTool(name="add", description="Add two integers", params_json_schema=SCHEMA,
-                        on_invoke_tool=add, strict_json_schema=False)
-    agent = Agent(name="calculator", instructions="Use the add tool.", tools=[tool], model="tiny-hermes",
-                  model_settings=ModelSettings(tool_choice="add", max_tokens=24, temperature=0,
-                                               extra_body={"stop": ["\n"]}))
-    if streamed:
-        async def run() -> list[str]:
-            running = Runner.run_streamed(agent, "What is 2+3?", max_turns=3)
-            async for _ in running.stream_events():
-                pass
-            return [item.type for item in running.new_items] if isinstance(running.final_output, str) else []
-        kinds = asyncio.run(run())
-    else:
-        result = Runner.run_sync(agent, "What is 2+3?", max_turns=3)
-        kinds = [item.type for item in result.new_items] if isinstance(result.final_output, str) else []
-    assert len(seen) == 1
-    assert kinds[:2] == ["tool_call_item", "tool_call_output_item"]
