@@ -4,6 +4,8 @@
 - `params`: a request body checked and turned into one `sample` (every parameter error names its `param`).
 - `answers`: a sample's result in OpenAI's completion and chat shapes, stop strings and EOS left out.
 - `routes`: the Starlette routes and the server-sent events.
+- `tools`, `tool_parsers`, `tool_answers`: tool calling on chat (the request, the per-family parsers, the answer).
+- `responses`, `response_route`: the Responses API over the chat handler, and its stored conversations.
 """
 
 from app.openai.routes import OpenAIBodyLimit, openai_app
