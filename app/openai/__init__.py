@@ -8,6 +8,8 @@ wire (app.schema, app.tinker); tests/gpu_runtime/test_rooms.py checks.
 - `answers`: a sample's result in OpenAI's completion and chat shapes, stop strings and EOS left out.
 - `streaming`: the server-sent events.
 - `routes`: the Starlette routes.
+- `tools`, `tool_parsers`, `tool_answers`: tool calling on chat (the request, the per-family parsers, the answer).
+- `responses`, `response_route`: the Responses API over the chat handler, and its stored conversations.
 """
 
 from app.openai.routes import openai_app

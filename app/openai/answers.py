@@ -10,6 +10,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from app.openai import tool_answers
 from app.openai.params import CompletionRequest
 from gpu_runtime.contract import SampleResult
 
@@ -139,9 +140,9 @@ def body(result: SampleResult, params: CompletionRequest, prompt_ids: list[list[
 
 
 def chat_choice(choice: Choice, params: CompletionRequest, pieces: dict[int, str]) -> dict[str, Any]:
-    item: dict[str, Any] = {"index": choice.index, "message": {"role": "assistant", "content": choice.text,
-                                                               "refusal": None},
-                            "logprobs": chat_logprobs(choice, params, pieces), "finish_reason": choice.finish_reason}
+    message, finish, said = tool_answers.message(choice.text, choice.finish_reason, params.tools)
+    item: dict[str, Any] = {"index": choice.index, "message": message,
+                            "logprobs": chat_logprobs(choice, params, pieces), "finish_reason": finish, **said}
     if params.return_token_ids:
         item["token_ids"] = choice.ids
     return item

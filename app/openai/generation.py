@@ -11,7 +11,7 @@ from typing import Any
 
 from app.backends import Progress
 from app.errors import SignalError
-from app.openai import answers
+from app.openai import answers, tool_answers
 from app.openai.errors import bad, from_signal
 from app.openai.params import CompletionRequest
 from app.openai.targets import Target
@@ -27,7 +27,7 @@ async def prepared(runs: RunService, target: Target, params: CompletionRequest) 
     prompt_param = "messages" if params.chat else "prompt"
     try:
         if params.chat:
-            rendered = await runs.render_chat(run, messages=params.messages, base_model=base)
+            rendered = await tool_answers.render(runs, run, params, base)
             prompt_ids = [rendered.prompt_tokens or []]  # messages given: never None
         elif params.prompts and isinstance(params.prompts[0], str):
             rendered = await runs.render_chat(run, prompts=[str(p) for p in params.prompts], base_model=base)

@@ -1,7 +1,7 @@
 """A /v1 request body checked into what one `sample` needs. Every refusal is a 400 naming the parameter.
 
-Parameters are refused only when their value asks for something Signal does not do (tools, a response format,
-penalties, logit bias); null values, `user` and `metadata` are accepted and change nothing. `store` says whether the
+Parameters are refused only when their value asks for something Signal does not do (a response format, penalties,
+logit bias; tools are chat's, app/openai/tools.py); null values, `user` and `metadata` are accepted and change nothing. `store` says whether the
 request is kept in the sample history (omitted or true: kept; false: not, for rollouts nobody will read).
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from app.openai import tools as tooling
 from app.openai.errors import bad
 from gpu_runtime.contract import (
     MAX_SAMPLES,
@@ -32,7 +33,8 @@ class CompletionRequest:
     model: str
     chat: bool
     prompts: list[str] | list[list[int]] | None = None
-    messages: list[dict[str, str]] | None = None
+    messages: list[dict[str, Any]] | None = None
+    tools: tooling.Tools = field(default_factory=tooling.Tools)  # chat's tools, tool_choice, parallel_tool_calls
     max_tokens: int | None = None  # None: the room left in the context, up to MAX_TOKENS_LIMIT
     temperature: float = 1.0
     top_p: float = 1.0
@@ -79,14 +81,11 @@ def _bool(body: dict[str, Any], name: str) -> bool:
     return value
 
 
-def _refusals(body: dict[str, Any]) -> None:
+def _refusals(body: dict[str, Any], chat: bool) -> None:
     """What Signal does not do, refused by name; the same parameters at their neutral values pass."""
-    for name in ("tools", "functions"):
-        if body.get(name):
-            raise bad(name, f"{name} are not supported: Signal's /v1 serves plain text generation (docs/OPENAI.md)")
-    for name in ("tool_choice", "function_call"):
-        if body.get(name) not in (None, "none"):
-            raise bad(name, f"{name} must be 'none' or omitted: tools are not supported")
+    for name in ("tools", "functions", "tool_choice", "function_call"):
+        if not chat and body.get(name) not in (None, "none", []):
+            raise bad(name, f"{name} is for chat completions (/v1/chat/completions)")
     response_format = body.get("response_format")
     if response_format is not None and (not isinstance(response_format, dict) or response_format.get("type") != "text"):
         raise bad("response_format", "response_format must be {'type': 'text'} or omitted: structured output is "
@@ -148,21 +147,29 @@ def _content(content: Any, i: int) -> str:
     return "".join(texts)
 
 
-def _messages(messages: Any) -> list[dict[str, str]]:
+def _messages(messages: Any) -> list[dict[str, Any]]:
     if not isinstance(messages, list) or not messages:
         raise bad("messages", "messages must be a non-empty list")
-    rendered = []
+    tooling.check_history(messages)
+    rendered: list[dict[str, Any]] = []
+    call_names: dict[str, str] = {}  # a tool call's id: its function, for the tool message answering it
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
             raise bad(f"messages[{i}]", f"messages[{i}] must be an object with role and content")
         role = message.get("role")
-        if role in ("tool", "function"):
-            raise bad(f"messages[{i}].role", f"messages[{i}]: {role} messages are not supported (no tools)")
+        if role == "tool":
+            rendered.append(tooling.tool_message(message, _content(message.get("content"), i), i, call_names))
+            continue
         if role not in ROLES:
-            raise bad(f"messages[{i}].role", f"messages[{i}].role must be one of {sorted(ROLES)}, got {role!r}")
-        if message.get("tool_calls") or message.get("function_call"):
-            raise bad(f"messages[{i}].tool_calls", f"messages[{i}]: tool calls are not supported")
-        rendered.append({"role": ROLES[role], "content": _content(message.get("content"), i)})
+            raise bad(f"messages[{i}].role", f"messages[{i}].role must be one of {sorted(ROLES)} or 'tool', "
+                                             f"got {role!r}")
+        if message.get("function_call"):
+            raise bad(f"messages[{i}].function_call", f"messages[{i}]: function_call is deprecated: use tool_calls")
+        item: dict[str, Any] = {"role": ROLES[role], "content": _content(message.get("content"), i)}
+        if role == "assistant" and message.get("tool_calls"):
+            item["tool_calls"] = tooling.assistant_calls(message["tool_calls"], i)
+            call_names.update({c["id"]: c["function"]["name"] for c in item["tool_calls"]})
+        rendered.append(item)
     return rendered
 
 
@@ -172,10 +179,11 @@ def parse(body: Any, chat: bool) -> CompletionRequest:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad("model", "model is required: a run id, a snapshot or a base model (see GET /v1/models)")
-    _refusals(body)
+    _refusals(body, chat)
     request = CompletionRequest(model=model, chat=chat)
     if chat:
         request.messages = _messages(body.get("messages"))
+        request.tools = tooling.from_body(body, tooling.definitions(body.get("tools")))
         if body.get("prompt") is not None:
             raise bad("prompt", "chat completions take messages, not prompt")
     else:

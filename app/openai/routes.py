@@ -17,7 +17,7 @@ from starlette.routing import Route, Router
 from starlette.types import ASGIApp
 
 from app.errors import SignalError
-from app.openai import streaming, targets
+from app.openai import response_route, streaming, targets
 from app.openai.errors import OpenAIError, answering_errors, bad, from_signal, too_large
 from app.openai.generation import Sampling, prepared
 from app.openai.params import parse
@@ -70,7 +70,7 @@ async def _generate(request: Request, chat: bool) -> Response:
     target = await targets.resolve(services, user, params.model)
     prompt_ids, sample, eos = await prepared(services.runs, target, params)
     call = Sampling(services.runs, user, target, params, prompt_ids, eos)
-    if params.stream and params.logprobs is None and not params.echo:
+    if params.stream and params.logprobs is None and not params.echo and not params.tools.parsing:
         return await streaming.streamed(call, sample, request)
     leaving = hold(gone(request.receive))
     try:
@@ -88,7 +88,7 @@ async def _generate(request: Request, chat: bool) -> Response:
 
 async def not_found(request: Request) -> Response:
     return OpenAIError(404, f"Unknown request URL: {request.method} {request.url.path}. Signal serves /v1/models, "
-                            "/v1/completions and /v1/chat/completions.", code="unknown_url").response()
+                            "/v1/completions, /v1/chat/completions and /v1/responses.", code="unknown_url").response()
 
 
 def openai_app() -> ASGIApp:
@@ -96,5 +96,6 @@ def openai_app() -> ASGIApp:
     server's (its services)."""
     routes = [("/models", list_models, ["GET"]), ("/models/{model:path}", get_model, ["GET"]),
               ("/completions", completions, ["POST"]), ("/chat/completions", chat_completions, ["POST"]),
+              ("/responses", response_route.handler(chat_completions), ["POST"]),
               ("/{path:path}", not_found, ["GET", "POST", "PUT", "PATCH", "DELETE"])]
     return Router(routes=[Route(path, answering_errors(handler), methods=methods) for path, handler, methods in routes])

@@ -14,6 +14,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from app.errors import SignalError
+from app.openai import tool_answers
 from app.openai.errors import as_openai, from_signal
 from app.openai.generation import Sampling
 from app.services.runs import SampleParams
@@ -40,7 +41,7 @@ async def whole(body: dict[str, Any], chat: bool, include_usage: bool) -> AsyncI
                 parts: list[dict[str, Any]] = [
                     {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                      "finish_reason": None},
-                    {"index": index, "delta": {"content": choice["message"]["content"]},
+                    {"index": index, "delta": tool_answers.delta(choice["message"]),
                      "logprobs": choice["logprobs"], "finish_reason": None},
                     {"index": index, "delta": {}, "logprobs": None, "finish_reason": choice["finish_reason"]}]
                 if "token_ids" in choice:

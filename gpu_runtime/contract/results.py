@@ -164,6 +164,7 @@ class RenderChatResult(Result):
     pieces: list[str]
     context_length: int  # prompt + generated tokens fit in this many
     eos_token_ids: list[int]
+    tool_format: str | None = None  # the call format the chat template teaches (hermes, llama3_json, gpt_oss)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -116,6 +116,9 @@ class Tokenizer(Call[TokenizerResult]):
         return None  # reads the run's base, never its state: it waits on no run's calls
 
 
+MESSAGE_KEYS = {"role", "content", "tool_calls", "tool_call_id", "name"}
+
+
 @dataclass(frozen=True, kw_only=True)
 class RenderChat(Call[RenderChatResult]):
     """The tokenizer's text work for a client that has none (the OpenAI endpoint): `messages` rendered with the
@@ -128,7 +131,10 @@ class RenderChat(Call[RenderChatResult]):
     kind = Kind(Lane.SYSTEM)
     base_model: str | None = None
     run_id: str | None = None
-    messages: list[dict[str, str]] | None = None  # [{role, content}], content already text
+    # [{role, content}], content already text; an assistant's may carry tool_calls, a tool's its tool_call_id and name
+    messages: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None  # JSON-schema function definitions, given to the template
+    prefill: str | None = None  # text after the generation prompt: the opening of a forced tool call
     prompts: list[str] | None = None  # plain text, tokenised as sample tokenises a text prompt (with BOS)
     decode: list[int] | None = None
 
@@ -143,9 +149,16 @@ class RenderChat(Call[RenderChatResult]):
             if not isinstance(self.messages, list) or not self.messages:
                 raise BadInput("messages must be a non-empty list", field="messages")
             for i, message in enumerate(self.messages):
-                if (not isinstance(message, dict) or set(message) != {"role", "content"}
-                        or not all(isinstance(v, str) for v in message.values())):
-                    raise BadInput(f"messages[{i}] must be {{role, content}} with text values", field=f"messages[{i}]")
+                if (not isinstance(message, dict) or not {"role", "content"} <= set(message) <= MESSAGE_KEYS
+                        or not isinstance(message["role"], str) or not isinstance(message["content"], str)
+                        or not isinstance(message.get("tool_calls", []), list)):
+                    raise BadInput(f"messages[{i}] must be {{role, content}} with text values (and tool_calls, "
+                                   "tool_call_id, name)", field=f"messages[{i}]")
+        if self.tools is not None and (not isinstance(self.tools, list) or not all(isinstance(t, dict)
+                                                                                   for t in self.tools)):
+            raise BadInput("tools must be a list of function definitions", field="tools")
+        if self.prefill is not None and (not isinstance(self.prefill, str) or self.messages is None):
+            raise BadInput("prefill is text after rendered messages", field="prefill")
         if self.prompts is not None:
             sampling_prompts(self.prompts, None)
         if self.decode is not None and (not isinstance(self.decode, list) or any(

@@ -34,6 +34,7 @@ from gpu_runtime.contract import (
     TokenizerResult,
     check_sample_size,
 )
+from gpu_runtime.engine.chat_tools import render_messages, template_of, tool_format
 from gpu_runtime.engine.detokenize import IncrementalText
 from gpu_runtime.engine.request import Request
 from gpu_runtime.engine.run_state import REMEMBERED_SAMPLES, RunState, check_same_body
@@ -349,18 +350,15 @@ def render_chat(call: RenderChat, entry: BaseEntry, tokenizer: Any) -> RenderCha
     ids = None
     check_text_fits(call, tokenizer, entry.renderer.max_length)
     if call.messages is not None:
-        if not isinstance(getattr(tokenizer, "chat_template", None), str):
-            raise BadInput("this model has no chat template: use /v1/completions with a prompt", field="messages")
-        rendered = tokenizer.apply_chat_template(call.messages, tokenize=True, add_generation_prompt=True,
-                                                 return_dict=False)
-        ids = [int(t) for t in cast(list[int], rendered)]  # tokenize=True, one conversation: its ids
+        ids = render_messages(tokenizer, call.messages, call.tools, call.prefill)
     texts = None if call.prompts is None else [list(tokenizer(p, add_special_tokens=True)["input_ids"])
                                                 for p in call.prompts]  # as prepare() tokenises a text prompt
     vocab = entry.renderer.vocab_size
     pieces = [cast(str, tokenizer.decode([t], skip_special_tokens=True)) if t < vocab else ""  # one id in, one str
               for t in call.decode or []]
     return RenderChatResult(prompt_tokens=ids, prompts_tokens=texts, pieces=pieces, context_length=entry.renderer.max_length,
-                            eos_token_ids=sorted(eos_ids(entry)))
+                            eos_token_ids=sorted(eos_ids(entry)),
+                            tool_format=tool_format(template_of(tokenizer, bool(call.tools))))
 
 
 def eos_ids(entry: BaseEntry) -> set[int]:

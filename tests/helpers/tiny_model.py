@@ -67,3 +67,14 @@ def with_context(tiny_model_dir: str | Path, path: str | Path, tokens: int) -> s
     config["max_position_embeddings"] = tokens
     (path / "config.json").write_text(json.dumps(config, indent=2))
     return str(path)
+
+
+CHAT_TEMPLATES = Path(__file__).parent.parent / "fixtures" / "chat_templates"
+
+
+def with_chat_template(tiny_model_dir: str | Path, path: str | Path, family: str, tokens: int = 1024) -> str:
+    """A copy of the tiny model whose tokenizer's chat template is the tool template tests/fixtures/chat_templates/
+    {family}.jinja (SmolLM2's own takes no tools), with room for tool definitions in a `tokens` context."""
+    path = Path(with_context(tiny_model_dir, path, tokens))
+    (path / "chat_template.jinja").write_text((CHAT_TEMPLATES / f"{family}.jinja").read_text())
+    return str(path)

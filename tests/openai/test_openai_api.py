@@ -163,7 +163,7 @@ def test_the_async_client_and_the_records(live_server: LiveServer, owner: tuple[
                                                "response_format"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages[0].content[0]"),
-    ({"messages": [{"role": "tool", "content": "x", "tool_call_id": "1"}]}, "messages[0].role"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
 ])
 def test_parameter_errors_are_400_naming_the_param(client: openai.OpenAI, owner: tuple[str, str],
                                                    arguments: dict, param: str) -> None:

@@ -1,0 +1,55 @@
+"""The /v1/responses route: the Responses API (app/openai/responses.py) answered by the chat completions handler it
+is given (a sub-request with the translated body: one pipeline for rendering, sampling, billing and records), its
+stored responses one store per server."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.types import Message
+
+from app.openai import responses
+from app.openai.errors import OpenAIError, bad
+from app.security import bearer_from_header
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+def _sub_request(request: Request, body: dict[str, Any]) -> Request:
+    """`request` carrying `body` instead: its own receive after that, so the client leaving still withdraws."""
+    data, sent = json.dumps(body).encode(), False
+
+    async def receive() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": data, "more_body": False}
+        return await request.receive()
+    return Request(request.scope, receive)
+
+
+def handler(chat_completions: Handler) -> Handler:
+    async def create_response(request: Request) -> Response:
+        state = request.app.state
+        user = await state.services.keys.authenticate(bearer_from_header(request.headers.get("authorization")))
+        try:
+            raw = json.loads(await request.body())
+        except HTTPException as exc:  # the body limit, met while streaming it in
+            raise OpenAIError(413, f"the request body is over {state.settings.max_request_bytes} bytes",
+                              code="request_too_large") from exc
+        except ValueError:
+            raise bad("body", "the request body is not valid JSON") from None
+        if getattr(state, "openai_responses", None) is None:  # one store per server, made on first use
+            state.openai_responses = responses.ResponseStore(state.settings.openai_responses_ttl_s)
+
+        async def chat_answer(body: dict[str, Any]) -> dict[str, Any]:
+            answer = await chat_completions(_sub_request(request, body))
+            return json.loads(bytes(answer.body))  # type: ignore[no-any-return]  # the chat handler's JSON object
+
+        return await responses.create(user, raw, state.openai_responses, chat_answer)
+    return create_response

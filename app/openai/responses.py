@@ -1,0 +1,264 @@
+"""`POST /v1/responses`: OpenAI's Responses API over the chat pipeline, enough for the OpenAI Agents SDK's default
+path. Input items (messages, function calls, their outputs), `instructions`, function `tools` and `tool_choice`
+become one chat request (rendered by the base's template, calls parsed as on chat: app/openai/tool_answers.py); its
+answer becomes output items (`message`, `function_call`), whole or as the Responses stream's events.
+
+`previous_response_id` continues a stored conversation: each answered response is kept for its user (in this
+server's memory: ResponseStore, at most RESPONSES_PER_USER each, for the setting `openai_responses_ttl_s`; one on a
+deleted run cannot be continued, its model not found); instructions are not carried over, as on OpenAI. Signal's extras: `prompt_token_ids` (the whole
+rendered history the model saw) and `output_token_ids` on the response, for training on exactly what was sampled.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from app.openai.errors import OpenAIError, bad
+from app.tables import User
+
+RESPONSES_PER_USER = 256  # stored conversations a user keeps; the oldest goes first
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+IGNORED = {"include", "truncation", "reasoning", "metadata", "user", "store", "background", "service_tier",
+           "prompt_cache_key", "prompt_cache_retention", "prompt_cache_options", "safety_identifier", "context_management"}
+PASSED = {"model", "temperature", "top_p", "parallel_tool_calls", "seed", "stop", "top_logprobs"}
+
+ChatAnswer = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]  # a chat completion's body in, its answer out
+
+
+@dataclass
+class Stored:
+    user_id: str
+    model: str
+    messages: list[dict[str, Any]]  # the conversation, its answer included, instructions not
+    at: float
+
+
+class ResponseStore:
+    """Answered responses by id, per user, bounded and expiring (in memory: a restart forgets them)."""
+
+    def __init__(self, ttl_s: float) -> None:
+        self.ttl_s = ttl_s
+        self.items: OrderedDict[str, Stored] = OrderedDict()
+
+    def put(self, ident: str, stored: Stored) -> None:
+        self.items[ident] = stored
+        mine = [k for k, v in self.items.items() if v.user_id == stored.user_id]
+        for old in mine[:max(0, len(mine) - RESPONSES_PER_USER)]:
+            del self.items[old]
+
+    def get(self, user_id: str, ident: str) -> Stored | None:
+        stored = self.items.get(ident)
+        if stored is None or stored.user_id != user_id:  # another user's: not found, like an unknown one
+            return None
+        if time.time() - stored.at > self.ttl_s:
+            del self.items[ident]
+            return None
+        return stored
+
+
+def _text(content: Any, param: str) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    if not isinstance(content, list):
+        raise bad(param, f"{param} must be a string or a list of text parts")
+    texts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text") \
+                or not isinstance(part.get("text"), str):
+            raise bad(f"{param}[{j}]", f"{param}[{j}]: only text parts are supported")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def messages_of(items: Any) -> list[dict[str, Any]]:
+    """Input items as chat messages: consecutive function calls join the assistant turn before them."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    if not isinstance(items, list):
+        raise bad("input", "input must be a string or a list of items")
+    out: list[dict[str, Any]] = []
+    for i, item in enumerate(items):
+        param = f"input[{i}]"
+        kind = item.get("type", "message") if isinstance(item, dict) else None
+        if kind == "message":
+            if item.get("role") not in ("user", "system", "developer", "assistant"):
+                raise bad(f"{param}.role", f"{param}.role must be user, system, developer or assistant")
+            out.append({"role": item["role"], "content": _text(item.get("content"), f"{param}.content")})
+        elif kind == "function_call":
+            call = {"id": str(item.get("call_id") or ""), "type": "function",
+                    "function": {"name": item.get("name"), "arguments": item.get("arguments") or "{}"}}
+            if out and out[-1]["role"] == "assistant":
+                out[-1].setdefault("tool_calls", []).append(call)
+            else:
+                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output")
+            out.append({"role": "tool", "tool_call_id": item.get("call_id"),
+                        "content": output if isinstance(output, str) else _text(output, f"{param}.output")})
+        elif kind != "reasoning":  # a reasoning item carries nothing a template renders here
+            raise bad(param, f"{param}: items of type {kind!r} are not supported (message, function_call, "
+                             "function_call_output)")
+    return out
+
+
+def _tools(tools: Any) -> list[dict[str, Any]] | None:
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise bad("tools", "tools must be a list")
+    out = []
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            kind = tool.get("type") if isinstance(tool, dict) else None
+            raise bad(f"tools[{i}]", f"tools[{i}]: only function tools are supported, not {kind!r}")
+        out.append({"type": "function", "function": {k: tool[k] for k in ("name", "description", "parameters")
+                                                      if tool.get(k) is not None}})
+    return out
+
+
+def chat_body(body: Any, history: list[dict[str, Any]]) -> dict[str, Any]:
+    """A Responses request as a chat completion's body (with return_token_ids)."""
+    if not isinstance(body, dict):
+        raise bad("body", "the request body must be a JSON object")
+    for name in ("prompt", "conversation"):
+        if body.get(name) is not None:
+            raise bad(name, f"{name} is not supported: give input (and previous_response_id)")
+    text = body.get("text")
+    if text is not None and (not isinstance(text, dict) or (text.get("format") or {"type": "text"}).get("type")
+                             != "text"):
+        raise bad("text", "text.format must be {'type': 'text'}: structured output is not supported")
+    unknown = set(body) - IGNORED - PASSED - {"input", "instructions", "tools", "tool_choice", "max_output_tokens",
+                                              "previous_response_id", "stream", "text"}
+    if unknown:
+        name = sorted(unknown)[0]
+        raise bad(name, f"{name} is not supported on /v1/responses")
+    messages = list(history) + messages_of(body.get("input"))
+    instructions = body.get("instructions")
+    if instructions is not None:
+        if not isinstance(instructions, str):
+            raise bad("instructions", "instructions must be a string")
+        messages.insert(0, {"role": "system", "content": instructions})
+    chat = {k: body[k] for k in PASSED if body.get(k) is not None}
+    chat.update(messages=messages, return_token_ids=True, tools=_tools(body.get("tools")))
+    if body.get("tool_choice") is not None:
+        chat["tool_choice"] = body["tool_choice"]
+    if body.get("max_output_tokens") is not None:
+        chat["max_tokens"] = body["max_output_tokens"]
+    return chat
+
+
+def _renamed(error: OpenAIError) -> OpenAIError:
+    """A chat parameter as the Responses request's: messages → input, max_tokens → max_output_tokens."""
+    if error.param and error.param.startswith("messages"):
+        error.param = "input"
+    elif error.param == "max_tokens":
+        error.param = "max_output_tokens"
+    return error
+
+
+def output_items(message: dict[str, Any]) -> list[dict[str, Any]]:
+    items: list[dict[str, Any]] = []
+    if message.get("content"):
+        items.append({"type": "message", "id": f"msg_{uuid.uuid4().hex}", "status": "completed", "role": "assistant",
+                      "content": [{"type": "output_text", "text": message["content"], "annotations": [],
+                                   "logprobs": []}]})
+    for call in message.get("tool_calls") or []:
+        items.append({"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": call["id"],
+                      "name": call["function"]["name"], "arguments": call["function"]["arguments"],
+                      "status": "completed"})
+    return items
+
+
+def response_of(body: dict[str, Any], chat: dict[str, Any], answer: dict[str, Any]) -> dict[str, Any]:
+    choice = answer["choices"][0]
+    usage = answer["usage"]
+    incomplete = choice["finish_reason"] == "length"
+    return {
+        "id": f"resp_{uuid.uuid4().hex}", "object": "response", "created_at": answer["created"],
+        "status": "incomplete" if incomplete else "completed", "error": None,
+        "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+        "instructions": body.get("instructions"), "max_output_tokens": body.get("max_output_tokens"),
+        "model": answer["model"], "output": output_items(choice["message"]),
+        "parallel_tool_calls": body.get("parallel_tool_calls", True),
+        "previous_response_id": body.get("previous_response_id"), "temperature": chat.get("temperature", 1.0),
+        "tool_choice": body.get("tool_choice", "auto"), "tools": body.get("tools") or [],
+        "top_p": chat.get("top_p", 1.0), "truncation": "disabled", "metadata": body.get("metadata") or {},
+        "text": {"format": {"type": "text"}}, "store": True,
+        "usage": {"input_tokens": usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": 0},
+                  "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+                  "total_tokens": usage["total_tokens"]},
+        "prompt_token_ids": answer.get("prompt_token_ids"), "output_token_ids": choice.get("token_ids"),
+        **({"tool_parse_error": choice["tool_parse_error"]} if "tool_parse_error" in choice else {}),
+    }
+
+
+async def create(user: User, raw: Any, store: ResponseStore, chat_answer: ChatAnswer) -> Response:
+    history: list[dict[str, Any]] = []
+    previous = raw.get("previous_response_id") if isinstance(raw, dict) else None
+    if previous is not None:
+        stored = store.get(user.id, previous) if isinstance(previous, str) else None
+        if stored is None:
+            raise OpenAIError(404, f"no stored response {previous!r} (unknown, expired or another user's)",
+                              param="previous_response_id", code="previous_response_not_found")
+        history = stored.messages
+    chat = chat_body(raw, history)
+    try:
+        answer = await chat_answer(chat)
+    except OpenAIError as error:
+        raise _renamed(error) from None
+    response = response_of(raw, chat, answer)
+    message = answer["choices"][0]["message"]
+    turn = {"role": "assistant", "content": message.get("content")}
+    if message.get("tool_calls"):
+        turn["tool_calls"] = message["tool_calls"]
+    kept = [m for m in chat["messages"] if not (m is chat["messages"][0] and raw.get("instructions") is not None)]
+    store.put(response["id"], Stored(user.id, str(chat.get("model")), kept + [turn], time.time()))
+    if not raw.get("stream"):
+        return JSONResponse(response)
+    return StreamingResponse(events(response), media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+async def events(response: dict[str, Any]) -> AsyncIterator[str]:
+    """The whole response as the Responses stream's events (sampled first: the events follow each other at once)."""
+    sequence = 0
+
+    def event(kind: str, **fields: Any) -> str:
+        nonlocal sequence
+        sequence += 1
+        return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': sequence - 1, **fields})}\n\n"
+
+    opening = {**response, "status": "in_progress", "output": [], "usage": None}
+    yield event("response.created", response=opening)
+    yield event("response.in_progress", response=opening)
+    for index, item in enumerate(response["output"]):
+        ident = item["id"]
+        if item["type"] == "message":
+            text = item["content"][0]["text"]
+            yield event("response.output_item.added", output_index=index,
+                        item={**item, "status": "in_progress", "content": []})
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            yield event("response.content_part.added", item_id=ident, output_index=index, content_index=0, part=part)
+            yield event("response.output_text.delta", item_id=ident, output_index=index, content_index=0, delta=text,
+                        logprobs=[])
+            yield event("response.output_text.done", item_id=ident, output_index=index, content_index=0, text=text,
+                        logprobs=[])
+            yield event("response.content_part.done", item_id=ident, output_index=index, content_index=0,
+                        part={**part, "text": text})
+        else:
+            yield event("response.output_item.added", output_index=index,
+                        item={**item, "status": "in_progress", "arguments": ""})
+            yield event("response.function_call_arguments.delta", item_id=ident, output_index=index,
+                        delta=item["arguments"])
+            yield event("response.function_call_arguments.done", item_id=ident, output_index=index,
+                        arguments=item["arguments"], name=item["name"])
+        yield event("response.output_item.done", output_index=index, item=item)
+    yield event("response.completed" if response["status"] == "completed" else "response.incomplete",
+                response=response)

@@ -1,0 +1,52 @@
+"""A chat choice's message with its tool calls read out of the text (app/openai/tool_parsers.py), in OpenAI's shapes:
+the whole message, and its stream delta (every call in one delta, each with its index, as OpenAI's clients merge)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from app.openai import tool_parsers
+from app.openai.tools import Tools
+from app.services.runs import RunService
+from app.tables import Run
+from gpu_runtime.contract import RenderChatResult
+
+
+def message(text: str, finish_reason: str, tools: Tools) -> tuple[dict[str, Any], str, dict[str, str]]:
+    """The assistant message, the finish reason ("tool_calls" when it calls), and the choice's `tool_parse_error`
+    when text that looked like a call stayed text (it is said, never a 5xx)."""
+    if not tools.parsing:
+        return {"role": "assistant", "content": text, "refusal": None}, finish_reason, {}
+    family = tools.family or tool_parsers.DEFAULT_FAMILY
+    if tools.forced is not None:
+        parsed = tool_parsers.forced(family, tools.forced, text, tools.names, tools.named)
+    else:
+        parsed = tool_parsers.parse(family, text, tools.names, tools.parallel)
+    body: dict[str, Any] = {"role": "assistant", "content": parsed.content, "refusal": None}
+    said = {"tool_parse_error": parsed.malformed} if parsed.malformed else {}
+    if not parsed.calls:
+        return body, finish_reason, said
+    body["tool_calls"] = [call.wire() for call in parsed.calls[:None if tools.parallel else 1]]
+    return body, "tool_calls", said
+
+
+def delta(body: dict[str, Any]) -> dict[str, Any]:
+    """A whole message as one stream delta after the role's."""
+    out: dict[str, Any] = {"content": body.get("content")}
+    if body.get("tool_calls"):
+        out["tool_calls"] = [{"index": k, **call} for k, call in enumerate(body["tool_calls"])]
+    return out
+
+
+async def render(runs: RunService, run: Run | None, params: Any, base_model: str | None) -> RenderChatResult:
+    """The chat prompt rendered with the request's tools; a forced call rendered again, ending with its opening in
+    the format the template turned out to teach (the first render names it)."""
+    tools: Tools = params.tools
+    rendered = await runs.render_chat(run, messages=params.messages, base_model=base_model,
+                                      tools=tools.definitions or None)
+    tools.family = rendered.tool_format
+    if tools.definitions and tools.choice in ("named", "required"):
+        tools.forced = tools.head(tools.family)
+        rendered = await runs.render_chat(run, messages=params.messages, base_model=base_model,
+                                          tools=tools.definitions, prefill=tools.forced)
+    return rendered
