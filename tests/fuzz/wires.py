@@ -149,7 +149,7 @@ def forward_backward(ids: Ids) -> St[bytes]:
                                    "inputs": st.dictionaries(st.sampled_from(["target_tokens", "weights", "advantages",
                                                                               "logprobs", "x"]), tensor, max_size=3)})
     message = st.fixed_dictionaries({"model_id": st.sampled_from([ids.model, "nope:train:0", ""]),
-                                     "seq_id": st.integers(0, 2**64 - 1), "data": st.lists(datum, max_size=3),
+                                     "seq_id": st.integers(-(2**31), 2**31 - 1), "data": st.lists(datum, max_size=3),
                                      "loss_fn": st.sampled_from(["", "cross_entropy", "importance_sampling", "ppo",
                                                                  "nope"]),
                                      "config": st.dictionaries(st.text(max_size=5), st.floats(width=32), max_size=2),
