@@ -148,5 +148,5 @@ def test_dashboard_forms(fuzzed: Fuzzed, name: str, data: st.DataObject) -> None
     visitor = fuzzed.visitor
     headers = {"X-CSRF-Token": visitor.csrf, "HX-Request": "true"}
     answer = wires.check(lambda: visitor.client.request(method, path, data=fields or None, headers=headers),
-                         wires.dashboard_shape, fuzzed.pid, fuzzed.pid_now)
+                         wires.dashboard_shape, fuzzed.pid, fuzzed.pid_now, wires.UPSTREAM.get(name, frozenset()))
     fuzzed.tally.count(f"dashboard {name}", answer.status_code)
