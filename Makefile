@@ -97,8 +97,12 @@ screenshots: install
 
 # Schemathesis's CLI against a live server's /graphql for 120 s (tests/fuzz/long.py); `make test` runs a short form
 # (tests/fuzz/test_graphql_fuzz.py). Fails on HTTP 5xx or INTERNAL only: BAD_INPUT is the right answer to bad input.
+# Then the other wires (Tinker, /v1, the dashboard's forms: tests/fuzz/test_wire_fuzz.py) at FUZZ_EXAMPLES per
+# endpoint, randomised (the short form in `make test` is 15, derandomised); -s prints the cases per endpoint.
+FUZZ_EXAMPLES ?= 300
 fuzz: install
 	$(PY) -m tests.fuzz.long --max-time 120
+	SIGNAL_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q -s -p no:cacheprovider tests/fuzz/test_wire_fuzz.py
 
 # ruff and mypy, both configured in pyproject.toml (mypy covers tests/, bench/ and examples/ too).
 lint: install

@@ -17,6 +17,7 @@ applies a run's calls in ticket order (scheduler.py). docs/ORDERING.md says the 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import defaultdict
@@ -133,11 +134,11 @@ class CallOrder:
         give_up = time.monotonic() + self.wait_seconds
         condition = self._admitted[run_id]
         while (left := give_up - time.monotonic()) > 0:
-            async with condition:
-                try:  # woken by this process's admissions; another process's are seen at the next look
-                    await asyncio.wait_for(condition.wait(), min(SEQ_POLL_SECONDS, left))
-                except TimeoutError:
-                    pass
+            # asyncio.timeout, not wait_for: 3.11's wait_for runs wait() in a task of its own, and a cancel met while
+            # it re-acquires (a server shutting down) left the lock unheld: "Lock is not acquired" at the exit.
+            with contextlib.suppress(TimeoutError):
+                async with condition, asyncio.timeout(min(SEQ_POLL_SECONDS, left)):
+                    await condition.wait()  # woken by this process's admissions; others' are seen at the next look
             last = await self._last(run_id, number.session)
             if last is not None and last >= number.seq - 1:
                 return
