@@ -23,6 +23,8 @@ hold_streams does so with every streamed sample, once it has sent its first chun
 during_save kills it once a checkpoint's or a named snapshot's files are written, before they are renamed in place;
 during_swap once an existing one of that name is moved aside, before its replacement is renamed in
 (tests/faults/test_interrupted_saves.py).
+during_compaction kills it once a snapshot has deleted the first journal segment it made redundant, before the rest
+(tests/gpu_runtime/test_journal_compaction.py).
 """
 
 from __future__ import annotations

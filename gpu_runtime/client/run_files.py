@@ -3,8 +3,8 @@
 What is pulled (the run's directory, docs/CHECKPOINTS.md): `config.json`, `manifest.jsonl`, `journal/`, the newest snapshot
 under `lora_adapters/` (older ones are redundant: the journal covers them), and `checkpoints/`. Half-written
 folders (names starting with '.') are left behind. From these files alone the run is re-derived: put them
-under a data directory's `runs/{user_id}/{run_id}/` and an Engine restores it (snapshot + journal replay,
-or the whole journal from the seed when the snapshot is left out).
+under a data directory's `runs/{user_id}/{run_id}/` and an Engine restores it (snapshot + journal replay; the
+journal reaches back only to the oldest kept snapshot, so the seed alone replays a run only before its first snapshot).
 
 Where the files come from is a `RunFiles`: the local data directory, or a Modal Volume read from outside the
 container (the runtime need not be running to pull, which is what "pull before teardown" wants). No torch here.

@@ -4,59 +4,91 @@ Each record is framed as [length: u32][crc32: u32][JSON payload], so a record to
 short frame, or a checksum that does not match) is detected on open; it and anything after it
 are dropped and the file is truncated to the last whole record. Records are numbered from 0 in
 the order they were appended (their `seq`); snapshots name the seq they cover.
+
+The journal is a run of segment files: `records.log` holds the records from seq 0 (a journal written before segments
+is that one file), `records.{S}.log` those from seq S. `compact`, after a snapshot, starts a new segment at the next
+seq and deletes the segments wholly before the oldest kept snapshot, oldest first: a crash at any point leaves a
+contiguous run of segments that still reaches back to every kept snapshot, so restore replays the same records.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 import sys
 import threading
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 HEADER = struct.Struct("<II")
-JOURNAL_FILE = "records.log"
+JOURNAL_FILE = "records.log"  # the segment from seq 0, and the whole journal before segments
+_SEGMENT = re.compile(r"records\.(\d+)\.log")
+
+
+def segment_name(first_seq: int) -> str:
+    return JOURNAL_FILE if first_seq == 0 else f"records.{first_seq}.log"
+
+
+class JournalGap(RuntimeError):
+    """Segments that do not follow on from each other: records were lost outside any crash the journal survives."""
 
 
 class Journal:
     def __init__(self, directory: Path) -> None:
         self.directory = Path(directory)
-        self.path = self.directory / JOURNAL_FILE
         self._file: Any = None
         self._dirty = False
         self._opened = False
+        self.first_seq = 0  # the oldest record held: those before it went with compaction
+        self.segment_seq = 0  # the first record of the segment appends go to
         self.next_seq = 0
-        self.synced_bytes = 0  # the file's durable length: a failed write is cut back to it (`abandon`)
-        self.synced_seq = 0  # records within it
+        self.synced_bytes = 0  # the active segment's durable length: a failed write is cut back to it (`abandon`)
+        self.synced_seq = 0  # records durable in the whole journal
+
+    @property
+    def path(self) -> Path:
+        """The segment appends go to."""
+        return self.directory / segment_name(self.segment_seq)
+
+    def segments(self) -> list[tuple[int, Path]]:
+        """(first seq, file) of every segment on disk, oldest first."""
+        found = []
+        for path in self.directory.glob("records*.log"):
+            match = _SEGMENT.fullmatch(path.name)
+            if path.name == JOURNAL_FILE or match:
+                found.append((int(match.group(1)) if match else 0, path))
+        return sorted(found)
 
     def read(self) -> list[dict[str, Any]]:
-        """Every whole record, in order; a torn tail is cut off the file. Call before the first append."""
+        """Every whole record held, in order, from seq `first_seq`; a torn tail is cut off the last segment (only the
+        last is ever written to). Call before the first append."""
+        segments = self.segments()
         records: list[dict[str, Any]] = []
+        self.first_seq = segments[0][0] if segments else 0
         good = 0
-        data = self.path.read_bytes() if self.path.exists() else b""
-        while good + HEADER.size <= len(data):
-            length, crc = HEADER.unpack_from(data, good)
-            payload = data[good + HEADER.size : good + HEADER.size + length]
-            if len(payload) < length or zlib.crc32(payload) != crc:
-                break
-            try:
-                records.append(json.loads(payload))
-            except ValueError:
-                break
-            good += HEADER.size + length
-        if good < len(data):
-            print(f"journal {self.path}: dropped a torn tail of {len(data) - good} bytes after record {len(records)}",
-                  file=sys.stderr)
-            with open(self.path, "r+b") as fh:
-                fh.truncate(good)
-                os.fsync(fh.fileno())
+        for index, (start, path) in enumerate(segments):
+            if start != self.first_seq + len(records):
+                raise JournalGap(f"journal {self.directory}: {path.name} starts at record {start}, but the segments "
+                                 f"before it end at record {self.first_seq + len(records)}")
+            data = path.read_bytes()
+            good = _read_frames(data, records)
+            if good < len(data):
+                if index < len(segments) - 1:
+                    raise JournalGap(f"journal {self.directory}: {path.name} is torn at byte {good}, and later "
+                                     "segments follow it")
+                print(f"journal {path}: dropped a torn tail of {len(data) - good} bytes after record "
+                      f"{self.first_seq + len(records)}", file=sys.stderr)
+                with open(path, "r+b") as fh:
+                    fh.truncate(good)
+                    os.fsync(fh.fileno())
         self._opened = True
-        self.next_seq = self.synced_seq = len(records)
+        self.segment_seq = segments[-1][0] if segments else 0
+        self.next_seq = self.synced_seq = self.first_seq + len(records)
         self.synced_bytes = good
         return records
 
@@ -100,6 +132,34 @@ class Journal:
         self._dirty = False
         self.next_seq = self.synced_seq
 
+    def compact(self, keep_from: int, removed: Callable[[Path], None] | None = None) -> None:
+        """After a snapshot: later records go to a new segment from `next_seq`, and the segments holding only records
+        before `keep_from` (the oldest kept snapshot's seq) are deleted, oldest first. `removed` is a failpoint's hook,
+        called after each deletion."""
+        if not self._opened:
+            self.read()
+        self.sync()  # the segment left behind is whole and durable: only the newest segment ever has a torn tail
+        if self.next_seq > self.segment_seq:
+            if self._file is not None:
+                self._file.close()
+                self._file = None
+            self.segment_seq, self.synced_bytes = self.next_seq, 0
+            self.directory.mkdir(parents=True, exist_ok=True)
+            with open(self.path, "ab") as fh:  # created now, so the segment before it can go at once
+                os.fsync(fh.fileno())
+            _fsync_dir(self.directory)  # the new segment's name is durable before any older one is deleted
+        segments = self.segments()
+        gone = 0
+        for (_, path), (following, _) in zip(segments, segments[1:], strict=False):
+            if following > keep_from:
+                break
+            path.unlink()
+            self.first_seq, gone = following, gone + 1
+            if removed is not None:
+                removed(path)
+        if gone:
+            _fsync_dir(self.directory)
+
     def close(self) -> None:
         if self._file is not None:
             self.sync()
@@ -108,7 +168,8 @@ class Journal:
 
     @property
     def size_bytes(self) -> int:
-        return self.path.stat().st_size if self.path.exists() else 0
+        """Every segment's bytes: what the journal holds on disk."""
+        return sum(path.stat().st_size for _, path in self.segments()) if self.directory.exists() else 0
 
 
 SYNC_THREADS = 8  # journals fsync'd at once; more wait for a free thread
@@ -149,6 +210,22 @@ def _forget_pool() -> None:
 
 
 os.register_at_fork(after_in_child=_forget_pool)
+
+
+def _read_frames(data: bytes, records: list[dict[str, Any]]) -> int:
+    """Append each whole record framed in `data` to `records`; the length of the whole ones."""
+    good = 0
+    while good + HEADER.size <= len(data):
+        length, crc = HEADER.unpack_from(data, good)
+        payload = data[good + HEADER.size : good + HEADER.size + length]
+        if len(payload) < length or zlib.crc32(payload) != crc:
+            break
+        try:
+            records.append(json.loads(payload))
+        except ValueError:
+            break
+        good += HEADER.size + length
+    return good
 
 
 def _fsync_dir(path: Path) -> None:

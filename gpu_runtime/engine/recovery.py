@@ -12,9 +12,12 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from gpu_runtime.client.persistence import check_id, find_run_dir, read_json, sweep_temporaries
 from gpu_runtime.engine.disk import disk_full_error, is_disk_full
@@ -71,10 +74,13 @@ class Recovery:
         try:
             self.sweep(state)
             state.load_latest_snapshot(self.shared.device)
-            records = state.journal.read()
-            for record in records[state.seq:]:
+            records, first = state.journal.read(), state.journal.first_seq
+            if state.seq < first:  # compaction keeps records back to the oldest snapshot: one went missing
+                raise InternalError(f"run {state.run_id}: its journal starts at record {first}, after the newest "
+                                    f"snapshot's {state.seq}; the records between are gone")
+            for record in records[state.seq - first:]:
                 self.replay(state, record_from_dict(record))
-            state.seq = len(records)
+            state.seq = first + len(records)
         except BaseException:
             residency.detach(state.run_id)  # never leave a half-restored run in memory
             raise
@@ -116,10 +122,16 @@ class Recovery:
             print(f"run {state.run_id}: snapshot skipped, the disk is full; its journal holds every acknowledged call",
                   file=sys.stderr)
             return False
-        state.prune_snapshots(self.shared.options.keep_snapshots)
+        state.prune_snapshots(self.shared.options.keep_snapshots, self._compaction_fault())
         self.shared.totals.snapshots += 1
         self.shared.snapshotted = True
         return True
+
+    def _compaction_fault(self) -> Callable[[Path], None] | None:
+        """The failpoint during_compaction: killed once the first old journal segment is deleted, before the rest."""
+        if "during_compaction" not in self.shared.faults:
+            return None
+        return lambda _: os.kill(os.getpid(), signal.SIGKILL)
 
     def snapshot_if_due(self, state: RunState) -> None:
         options = self.shared.options

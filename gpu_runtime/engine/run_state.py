@@ -20,7 +20,7 @@ import shutil
 import signal
 import time
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -329,21 +329,29 @@ class RunState:
                 if torch.is_tensor(value) and value.shape == param.shape:
                     moments[name] = in_layout_of(param, value)
 
-    def snapshots_newest_first(self) -> list[Path]:
-        """Snapshot directories, newest (highest journal position) first. Not by step: load_state can move a run's
-        step back, and the snapshot after it is then the newest at a lower step."""
+    def snapshot_positions(self) -> list[tuple[int, int]]:
+        """(journal position, step) of each snapshot, newest (highest position) first. Not by step: load_state can
+        move a run's step back, and the snapshot after it is then the newest at a lower step."""
         def position(step: int) -> tuple[int, int]:
             meta = self.paths.adapter_step(step) / SNAPSHOT_FILE
             try:
                 return int(read_json(meta)["seq"]), step
             except (OSError, ValueError, KeyError, TypeError):
                 return -1, step  # format 1 (no snapshot.json) or torn: before every journaled one, by step
-        return [self.paths.adapter_step(step) for step in sorted(self.paths.saved_steps(), key=position, reverse=True)]
+        return sorted((position(step) for step in self.paths.saved_steps()), reverse=True)
 
-    def prune_snapshots(self, keep: int) -> None:
+    def snapshots_newest_first(self) -> list[Path]:
+        return [self.paths.adapter_step(step) for _, step in self.snapshot_positions()]
+
+    def prune_snapshots(self, keep: int, removed: Callable[[Path], None] | None = None) -> None:
+        """Keep the newest `keep` snapshots (all when 0), then drop the journal's segments before the oldest kept one:
+        restore needs records only after a snapshot it can load. `removed`: a failpoint's hook (Journal.compact)."""
         for directory in self.snapshots_newest_first()[keep:] if keep > 0 else []:
             shutil.rmtree(directory, ignore_errors=True)
         shutil.rmtree(self.paths.root / LOADS_DIR, ignore_errors=True)  # a snapshot now covers every load_state
+        kept = self.snapshot_positions()
+        # A format-1 or unreadable snapshot (-1) replays from record 0; no snapshot at all: the journal is the run.
+        self.journal.compact(max(min(seq for seq, _ in kept), 0) if kept else 0, removed)
 
     def drop_snapshots_after(self, seq: int) -> None:
         """Remove snapshots that cover journal records past `seq` (records a failed write cut off): restoring one
