@@ -32,7 +32,7 @@ class InProcess:
         self.submit(method, params, future.set_result)
         while not future.done():
             self.tick()
-            if not future.done() and not self.scheduler.has_work() and not self.sampling.groups:
+            if not future.done() and not self.scheduler.has_work() and not self.sampling.busy:
                 wait([future], timeout=0.5)  # answered off the tick (a Hub upload): nothing to pump meanwhile
         message = future.result()
         if "error" in message:

@@ -18,11 +18,11 @@ is taken again, least recently freed first), indexed by the hash of every 16-tok
 slot sharing the longest prefix with a prompt; a freed slot is taken as it is (by reference, no copy), a live one's
 prefix is copied into the new slot in one on-device copy across all layers (`copy_prefix`).
 
-Families: full attention everywhere, or one sliding window on every layer (Mistral: the window is a mask over the
-full-length slot, so the slot holds the whole sequence). Refused, with a reason from `refusal` so the caller can fall
-back to its generate loop: mixed full and sliding layers (Gemma 2/3, Qwen2 with max_window_layers, Cohere 2),
+Families: full attention everywhere, one sliding window on every layer (Mistral), or both kinds mixed (Gemma 2/3,
+GPT-OSS, Qwen2 with max_window_layers, Cohere 2): a window is a mask over the full-length slot, so the slot holds the
+whole sequence, and the engine hands a mixed model one mask per layer kind. Refused, with a reason from `refusal`:
 linear-attention or recurrent layers, encoder-decoders, and attention implementations other than sdpa and eager
-(flash-attention takes no 4D mask).
+(flash-attention takes no 4D mask); no family of the catalogue is among them.
 """
 
 from __future__ import annotations
@@ -49,9 +49,8 @@ def refusal(config: Any) -> str | None:
     other = kinds - {"full_attention", "sliding_attention"}
     if other:
         return f"layers of kind {sorted(other)} (linear attention or recurrent state) are not a KV cache of slots"
-    if len(kinds) > 1:
-        return ("mixed full-attention and sliding-window layers (Gemma 2/3 and the like) need one mask per layer kind, "
-                "which this engine does not build")
+    if len(kinds) > 1 and not getattr(config, "sliding_window", None):
+        return "sliding-window layers with no sliding_window in the config"
     implementation = getattr(config, "_attn_implementation", None) or "eager"
     if implementation not in ("sdpa", "eager"):
         return f"attention implementation {implementation!r} takes no 4D mask: load the model with sdpa or eager"
@@ -272,6 +271,24 @@ class SlotCache:
             if n > best_n:
                 best, best_n = slot, n
         return best, best_n
+
+    def resize(self, slots: int, max_len: int) -> None:
+        """At least `slots` slots of at least `max_len` columns: a new storage with every slot's KV copied in (the
+        old scratch column left behind), so live sequences and the prefix index stay as they were."""
+        slots, max_len = max(slots, self.count), max(max_len, self.max_len)
+        if slots == self.count and max_len == self.max_len:
+            return
+        storage = torch.zeros(self.layers, 2, slots, self.kv_heads, max_len, self.head_dim, dtype=self.storage.dtype,
+                              device=self.device)
+        storage[:, :, :self.count, :, :self.scratch].copy_(self.storage[:, :, :, :, :self.scratch])
+        self.storage = storage
+        self.slot_bytes = self.slot_bytes // self.max_len * max_len
+        for slot in range(self.count, slots):
+            heapq.heappush(self._clean, slot)
+        self.live += [False] * (slots - self.count)
+        self.tokens += [[] for _ in range(slots - self.count)]
+        self._hashes += [[] for _ in range(slots - self.count)]
+        self.count, self.max_len, self.scratch = slots, max_len, max_len - 1
 
     def copy_prefix(self, source: int, target: int, n: int) -> None:
         """The first n columns of `source`'s KV into `target`, every layer, keys and values: one on-device copy."""

@@ -6,6 +6,10 @@ carries a `Routing`: contiguous row segments, each naming a run. Every row gets 
 `B(A(dropout(x))) * scaling` added to the shared base output, so gradients reach only that run's
 matrices and each run's loss stays its own, as if it had trained alone.
 
+A decode pass's rows are slots, interleaved across runs, so it routes per row instead (`RowRouting`, the BGMV
+form: each row an adapter index, -1 the base alone): the layer stacks the adapters present once (cached until their
+weights change) and computes every row's delta in one call of `per_row_delta`, the seam a kernel replaces.
+
 Dropout masks come from a generator seeded by (run seed, step, call, module) and are drawn at the
 shape of the run's whole call, then sliced to the rows in this pass, so co-batching, splitting a
 call across passes, replay and recompute all draw the same mask.
@@ -40,9 +44,19 @@ class Segment:
 
 
 @dataclass
+class RowRouting:
+    """Per-row routing (inference only): row i reads adapter `index[i]` (-1: the base alone), adapter j being the one
+    registered under `keys[j]` (a key with no adapter in a layer adds nothing there)."""
+
+    index: torch.Tensor  # [rows] int64, on the pass's device
+    keys: tuple[str, ...]
+
+
+@dataclass
 class Routing:
     segments: list[Segment] = field(default_factory=list)
     grouped: bool | None = None  # False: the per-segment loop (the reference); else grouped matmuls where torch has them
+    rows: RowRouting | None = None  # set: a decode pass, routed row by row (segments unused)
 
 
 @dataclass
@@ -62,6 +76,7 @@ class MultiLoraLinear(nn.Module):
         self.name_seed = int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little") >> 1
         # Plain dict, not a ModuleDict: the runs' matrices are owned by their RunState, not the base model.
         self.adapters: dict[str, LoraWeights] = {}
+        self._stacked: tuple[tuple[Any, ...], tuple[torch.Tensor, ...] | None] | None = None  # per-row stacks, by their key
 
     @property
     def in_features(self) -> int:
@@ -77,6 +92,8 @@ class MultiLoraLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = self.base_layer(x)
+        if self.routing.rows is not None:
+            return self._per_row(out, x, self.routing.rows)
         segments = [s for s in self.routing.segments if s.key in self.adapters]
         if not segments:
             return out
@@ -91,6 +108,37 @@ class MultiLoraLinear(nn.Module):
                 piece = self._add(piece, x[segment.start : segment.end], segment)
             pieces.append(piece)
         return torch.cat(pieces)
+
+    def _per_row(self, out: torch.Tensor, x: torch.Tensor, rows: RowRouting) -> torch.Tensor:
+        stacks = self._stacks(rows.keys)
+        if stacks is None:
+            return out  # no row's adapter targets this layer
+        A, B, scaling, lookup = stacks
+        delta = per_row_delta(x, A, B, scaling, lookup[rows.index + 1])
+        return (out + delta).to(out.dtype)
+
+    def _stacks(self, keys: tuple[str, ...]) -> tuple[torch.Tensor, ...] | None:
+        """The adapters `keys` name that this layer holds, as A [n, width, in] and B [n, out, width] (ranks zero-padded
+        to one width), their scalings [n], and `lookup` [len(keys) + 1]: adapter index + 1 -> position in the stack
+        (-1: none). Made once per set of adapters and their weights' versions (a run trains between samples)."""
+        present = [(j, self.adapters[key]) for j, key in enumerate(keys) if key in self.adapters]
+        signature = (keys, tuple((id(w.A), w.A._version, id(w.B), w.B._version) for _, w in present))
+        if self._stacked is not None and self._stacked[0] == signature:
+            return self._stacked[1]
+        stacks: tuple[torch.Tensor, ...] | None = None
+        if present:
+            width = max(w.A.shape[0] for _, w in present)
+            with torch.no_grad():
+                A = torch.stack([_pad_to(w.A.detach(), width, dim=0) for _, w in present])
+                B = torch.stack([_pad_to(w.B.detach(), width, dim=1) for _, w in present])
+            device = A.device
+            scaling = torch.tensor([w.scaling for _, w in present], dtype=A.dtype, device=device)
+            lookup = torch.full((len(keys) + 1,), -1, dtype=torch.int64)
+            for position, (j, _) in enumerate(present):
+                lookup[j + 1] = position
+            stacks = (A, B, scaling, lookup.to(device))
+        self._stacked = (signature, stacks)
+        return stacks
 
     def _input(self, x: torch.Tensor, segment: Segment) -> torch.Tensor:
         """The rows' input to their run's A: in the adapter's dtype, with the run's own dropout mask."""
@@ -188,6 +236,22 @@ class MultiLoraLinear(nn.Module):
             return delta * scalings[0]
         scaling = torch.tensor(scalings, dtype=delta.dtype).repeat_interleave(torch.tensor(counts)).to(x.device)
         return delta * scaling.unsqueeze(1)
+
+
+def per_row_delta(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scaling: torch.Tensor, index: torch.Tensor
+                  ) -> torch.Tensor:
+    """The BGMV form of the multi-LoRA delta, and the seam for its kernels (compute/lora/ops.py): row i of x
+    ([rows, ..., in]) gets `(x_i @ A[index[i]]ᵀ) @ B[index[i]]ᵀ * scaling[index[i]]`, zero where index[i] is -1.
+    A [n, width, in], B [n, out, width]. This torch reference shrinks every row by all n adapters at once and masks
+    the others' columns before one expand: two matmuls, no gather, no host sync (n small, as a decode batch's are)."""
+    n, width, features = A.shape
+    xs = x.to(A.dtype)
+    h = xs @ A.reshape(n * width, features).T  # [rows, ..., n × width]
+    owner = torch.arange(n, device=A.device).repeat_interleave(width)  # the adapter of each of h's columns
+    keep = (index[:, None] == owner[None, :]).to(h.dtype)  # [rows, n × width]
+    h = h * keep.view(keep.shape[0], *([1] * (h.dim() - 2)), keep.shape[1])
+    expand = (B * scaling[:, None, None]).permute(0, 2, 1).reshape(n * width, -1)  # [n × width, out]
+    return h @ expand
 
 
 WIDTH_STEP = 16  # ranks pad up to a multiple of this: _grouped_mm's alignment, and fewer widths to group by
@@ -310,3 +374,13 @@ def routed(routing: Routing, segments: list[Segment], grouped: bool | None = Non
         yield
     finally:
         routing.segments, routing.grouped = [], None
+
+
+@contextmanager
+def routed_rows(routing: Routing, index: torch.Tensor, keys: tuple[str, ...]) -> Iterator[None]:
+    """Route one decode pass row by row (`RowRouting`); cleared after, like `routed`."""
+    routing.rows = RowRouting(index, keys)
+    try:
+        yield
+    finally:
+        routing.rows = None
