@@ -155,10 +155,10 @@ class BaseDecoder:
         if job.routed and self.users_of_key.get(job.key, 0) == 0:
             index = self.keys.index("") if "" in self.keys else len(self.keys)
             self.keys[index:index + 1] = [job.key]
-            if self.engine is not None:
-                self.engine.set_adapters(self.keys)
         if job.routed:
             self.users_of_key[job.key] = self.users_of_key.get(job.key, 0) + 1
+            if self.engine is not None:
+                self.engine.set_adapters(self.keys)  # its run may have trained since its last sample
 
     def _forget(self, job: SampleJob) -> None:
         """`job` leaves: its sequences out of the engine, its adapter index free once no call reads it."""

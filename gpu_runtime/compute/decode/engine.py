@@ -118,6 +118,7 @@ class DecodeEngine:
         self.model, self.cache = model, cache
         self.routing = routing
         self.adapter_keys: tuple[str, ...] = ()  # adapter index j routes to the LoRA registered under adapter_keys[j]
+        self.adapter_epoch = 0  # one per set_adapters: the layers stack the adapters again
         self.device = cache.device
         self.decoder = model.get_decoder()
         self.head = model.get_output_embeddings()
@@ -205,9 +206,10 @@ class DecodeEngine:
                 member.group = None
 
     def set_adapters(self, keys: Sequence[str]) -> None:
-        """The routing keys of adapter indices 0.. from now on. Captured graphs go: the layers' stacked adapters they
-        read are made again when the set changes (or the weights did, between the jobs that change it)."""
+        """The routing keys of adapter indices 0.. from now on; call it again whenever an adapter's weights may have
+        changed (a run trained). The layers stack the adapters again, so captured graphs go."""
         self.adapter_keys = tuple(keys)
+        self.adapter_epoch += 1
         self._graphs.clear()
 
     def resize(self, slots: int, max_len: int) -> None:
@@ -600,7 +602,7 @@ class DecodeEngine:
     def _routed(self, adapters: torch.Tensor) -> Any:
         if self.routing is None or not self.adapter_keys:
             return contextlib.nullcontext()
-        return routed_rows(self.routing, adapters, self.adapter_keys)
+        return routed_rows(self.routing, adapters, self.adapter_keys, self.adapter_epoch)
 
     def _logits(self, hidden: torch.Tensor, adapters: torch.Tensor) -> torch.Tensor:
         with self._routed(adapters):  # the head may carry a run's LoRA (lm_head among its targets)

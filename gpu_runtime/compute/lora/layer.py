@@ -50,6 +50,7 @@ class RowRouting:
 
     index: torch.Tensor  # [rows] int64, on the pass's device
     keys: tuple[str, ...]
+    epoch: int = 0  # changes whenever the adapters' weights may have (the layers stack them again)
 
 
 @dataclass
@@ -110,19 +111,19 @@ class MultiLoraLinear(nn.Module):
         return torch.cat(pieces)
 
     def _per_row(self, out: torch.Tensor, x: torch.Tensor, rows: RowRouting) -> torch.Tensor:
-        stacks = self._stacks(rows.keys)
+        stacks = self._stacks(rows.keys, rows.epoch)
         if stacks is None:
             return out  # no row's adapter targets this layer
         A, B, scaling, lookup = stacks
         delta = per_row_delta(x, A, B, scaling, lookup[rows.index + 1])
         return (out + delta).to(out.dtype)
 
-    def _stacks(self, keys: tuple[str, ...]) -> tuple[torch.Tensor, ...] | None:
+    def _stacks(self, keys: tuple[str, ...], epoch: int) -> tuple[torch.Tensor, ...] | None:
         """The adapters `keys` name that this layer holds, as A [n, width, in] and B [n, out, width] (ranks zero-padded
         to one width), their scalings [n], and `lookup` [len(keys) + 1]: adapter index + 1 -> position in the stack
-        (-1: none). Made once per set of adapters and their weights' versions (a run trains between samples)."""
+        (-1: none). Made once per epoch (the caller's: a run may have trained between two of its samples)."""
         present = [(j, self.adapters[key]) for j, key in enumerate(keys) if key in self.adapters]
-        signature = (keys, tuple((id(w.A), w.A._version, id(w.B), w.B._version) for _, w in present))
+        signature = (keys, epoch, tuple((id(w.A), id(w.B)) for _, w in present))
         if self._stacked is not None and self._stacked[0] == signature:
             return self._stacked[1]
         stacks: tuple[torch.Tensor, ...] | None = None
@@ -377,9 +378,9 @@ def routed(routing: Routing, segments: list[Segment], grouped: bool | None = Non
 
 
 @contextmanager
-def routed_rows(routing: Routing, index: torch.Tensor, keys: tuple[str, ...]) -> Iterator[None]:
+def routed_rows(routing: Routing, index: torch.Tensor, keys: tuple[str, ...], epoch: int) -> Iterator[None]:
     """Route one decode pass row by row (`RowRouting`); cleared after, like `routed`."""
-    routing.rows = RowRouting(index, keys)
+    routing.rows = RowRouting(index, keys, epoch)
     try:
         yield
     finally:
