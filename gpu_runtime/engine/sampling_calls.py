@@ -241,7 +241,9 @@ class Sampling:
                 return cast(str, tokenizer.decode(ids, skip_special_tokens=True))  # one sequence in, one str out
 
             job.streams = [IncrementalText(decode, stops) for _ in range(job.rows)]
-        handles: list[Handle | None] = [h for hs in job.sequences() for h in (hs or [None] * n)]
+        handles: list[Handle | None] = []
+        for prompt_handles in job.sequences():  # a prompt not yet in the engine: nothing of its samples yet
+            handles += prompt_handles or [None] * n
         rows: list[SequenceChunk] = []
         for handle, stream in zip(handles, job.streams):
             if handle is None or handle.done:
