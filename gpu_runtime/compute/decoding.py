@@ -227,7 +227,8 @@ class BaseDecoder:
         n = s.num_samples
         adapter = self.keys.index(job.key) if job.routed else -1
         job.handles.append(engine.add(job.prompt_ids[p], settings, num_samples=n, seq_ids=range(p * n, (p + 1) * n),
-                                      adapter=adapter, key=job.key, stop_token_ids=stops, stop_strings=s.stop, tag=job))
+                                      adapter=adapter, key=job.key, stop_token_ids=stops, stop_strings=s.stop, tag=job,
+                                      weights=hash((job.key, job.step))))  # a run's weights change only by its steps
 
     @property
     def busy(self) -> bool:

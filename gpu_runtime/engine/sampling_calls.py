@@ -278,7 +278,9 @@ class Sampling:
         return [{"runs": d.run_ids, "calls": sum(not j.done for j in d.jobs),
                  "rows": len(d.engine.by_slot) if d.engine is not None else 0,
                  "slots": d.engine.cache.count if d.engine is not None else 0,
-                 "steps": d.engine.steps if d.engine is not None else 0}
+                 "steps": d.engine.steps if d.engine is not None else 0,
+                 "tokens_done": max((len(h.tokens) for h in d.engine.by_slot.values()), default=0)
+                 if d.engine is not None else 0}
                 for d in self.decoders.values() if d.jobs]
 
     def _remember(self, job: SampleJob, result: dict[str, object]) -> None:

@@ -370,3 +370,15 @@ def test_handles_are_handles(llama: Any) -> None:
     assert isinstance(handle, Handle) and not handle.done
     ended = engine.step()
     assert ended == [handle] and handle.reason == "length" and engine.cache.free == engine.cache.count
+
+
+def test_a_prefix_is_reused_only_from_kv_of_the_same_weights(llama: Any) -> None:
+    engine = _engine(llama)
+    prompt = _prompt(5, 40)
+    first = engine.add(prompt, DecodeSettings(max_tokens=2), weights=1)[0]
+    _run(engine)
+    other = engine.add(prompt, DecodeSettings(max_tokens=2), weights=2)[0]  # another adapter: its own KV
+    _run(engine)
+    same = engine.add(prompt, DecodeSettings(max_tokens=2), weights=1)[0]
+    _run(engine)
+    assert (first.prompt_cache_hit_tokens, other.prompt_cache_hit_tokens, same.prompt_cache_hit_tokens) == (0, 0, 39)

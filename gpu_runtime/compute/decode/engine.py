@@ -103,6 +103,7 @@ class _Prefill:
     reserved: list[int] = field(default_factory=list)
     filled: int = 0
     hits: int = 0
+    salt: int = 0  # the weights its KV is computed with: a prefix is reused only from KV of the same weights
     scores: list[float | None] = field(default_factory=list)
     tops: list[list[tuple[int, float]] | None] = field(default_factory=list)
 
@@ -155,10 +156,13 @@ class DecodeEngine:
 
     def add(self, prompt_ids: Sequence[int], settings: DecodeSettings, *, num_samples: int = 1,
             seq_ids: Sequence[int] | None = None, adapter: int = -1, key: str = "",
-            stop_token_ids: Collection[int] = (), stop_strings: Sequence[str] = (), tag: Any = None) -> list[Handle]:
+            stop_token_ids: Collection[int] = (), stop_strings: Sequence[str] = (), tag: Any = None,
+            weights: int = 0) -> list[Handle]:
         """Queue `num_samples` sequences continuing `prompt_ids` (one prefill for all of them). `seq_ids` are their
         sequence indices in the sampler's counter (default 0..num_samples-1), so a request's samples differ from one
-        another and each repeats itself under the same seed. Raises ValueError when it cannot fit a slot."""
+        another and each repeats itself under the same seed. `weights` names the weights the rows read (an adapter and
+        its version): a prompt prefix is reused only from KV those weights computed. Raises ValueError when it cannot
+        fit a slot."""
         prompt = list(prompt_ids)
         if not prompt:
             raise ValueError("an empty prompt")
@@ -176,7 +180,7 @@ class DecodeEngine:
         if stops and self.decode_text is None:
             raise ValueError("stop strings need the engine's `decode`")
         members = [Handle(prompt, settings, i, adapter, key, frozenset(stop_token_ids), stops, tag) for i in ids]
-        group = _Prefill(prompt, members)
+        group = _Prefill(prompt, members, salt=weights)
         for member in members:
             member.group = group
             if stops and self.decode_text is not None:
@@ -407,16 +411,16 @@ class DecodeEngine:
             return False
         source, n = -1, 0
         if not group.members[0].settings.wants_prompt_scores:
-            source, n = self.cache.match(group.prompt, len(group.prompt) - 1)
+            source, n = self.cache.match(group.prompt, len(group.prompt) - 1, group.salt)
         if source >= 0 and not self.cache.live[source]:
             self.cache.take(source)  # by reference: the freed slot as it is
             self.cache.truncate(source, n)
             group.slot = source
         else:
-            group.slot = self.cache.acquire()
+            group.slot = self.cache.acquire(group.salt)
             if source >= 0:
                 self.cache.copy_prefix(source, group.slot, n)
-        group.reserved = [self.cache.acquire() for _ in live[1:]]
+        group.reserved = [self.cache.acquire(group.salt) for _ in live[1:]]
         group.filled = group.hits = n
         for member in group.members:
             member.prompt_cache_hit_tokens = n

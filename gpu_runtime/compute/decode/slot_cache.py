@@ -14,7 +14,8 @@ scratch: rows of a batch that are not decoding (free slots, prompts still prefil
 prefill chunk write there, and no mask reads it, so sequences hold at most max_len - 1 tokens.
 
 Prompt prefixes: the slots remember the tokens whose KV they hold, live or freed (a freed slot keeps its KV until it
-is taken again, least recently freed first), indexed by the hash of every 16-token block prefix. `match` finds the
+is taken again, least recently freed first), indexed by the hash of every 16-token block prefix, a chain seeded by
+the slot's `salt`: the weights that computed its KV (another adapter's KV of the same tokens is not the same). `match` finds the
 slot sharing the longest prefix with a prompt; a freed slot is taken as it is (by reference, no copy), a live one's
 prefix is copied into the new slot in one on-device copy across all layers (`copy_prefix`).
 
@@ -181,6 +182,7 @@ class SlotCache:
         self._cached: OrderedDict[int, None] = OrderedDict()  # free and holding KV: least recently freed first
         self.tokens: list[list[int]] = [[] for _ in range(self.count)]  # whose KV each slot holds, in order
         self._hashes: list[list[int]] = [[] for _ in range(self.count)]  # prefix hash at each full block
+        self.salts: list[int] = [0] * self.count  # the weights each slot's KV was computed with
         self._index: dict[int, set[int]] = {}  # block prefix hash -> slots holding that prefix
 
     @property
@@ -198,8 +200,9 @@ class SlotCache:
                 return slot + 1
         return 0
 
-    def acquire(self) -> int:
-        """A free slot: the lowest one holding nothing, else the least recently freed (its KV forgotten)."""
+    def acquire(self, salt: int = 0) -> int:
+        """A free slot for KV of weights `salt`: the lowest one holding nothing, else the least recently freed (its KV
+        forgotten)."""
         if self._clean:
             slot = heapq.heappop(self._clean)
         elif self._cached:
@@ -208,6 +211,7 @@ class SlotCache:
         else:
             raise RuntimeError("no free slot")
         self.live[slot] = True
+        self.salts[slot] = salt
         return slot
 
     def take(self, slot: int) -> None:
@@ -244,14 +248,14 @@ class SlotCache:
         hashes = self._hashes[slot]
         while (len(hashes) + 1) * BLOCK <= len(held):
             k = len(hashes)
-            h = hash((hashes[-1] if hashes else 0, tuple(held[k * BLOCK:(k + 1) * BLOCK])))
+            h = hash((hashes[-1] if hashes else self.salts[slot], tuple(held[k * BLOCK:(k + 1) * BLOCK])))
             hashes.append(h)
             self._index.setdefault(h, set()).add(slot)
 
-    def match(self, prompt: Sequence[int], most: int) -> tuple[int, int]:
-        """(slot, n): a slot (live or freed) whose first n tokens' KV are the prompt's first n, n <= `most` and as
-        large as any slot offers; (-1, 0) when no slot shares a whole block."""
-        h, found = 0, -1
+    def match(self, prompt: Sequence[int], most: int, salt: int = 0) -> tuple[int, int]:
+        """(slot, n): a slot (live or freed) whose first n tokens' KV, computed by weights `salt`, are the prompt's
+        first n, n <= `most` and as large as any slot offers; (-1, 0) when no slot shares a whole block."""
+        h, found = salt, -1
         candidates: set[int] = set()
         for k in range(min(len(prompt), most) // BLOCK):
             h = hash((h, tuple(prompt[k * BLOCK:(k + 1) * BLOCK])))
@@ -288,12 +292,14 @@ class SlotCache:
         self.live += [False] * (slots - self.count)
         self.tokens += [[] for _ in range(slots - self.count)]
         self._hashes += [[] for _ in range(slots - self.count)]
+        self.salts += [0] * (slots - self.count)
         self.count, self.max_len, self.scratch = slots, max_len, max_len - 1
 
     def copy_prefix(self, source: int, target: int, n: int) -> None:
         """The first n columns of `source`'s KV into `target`, every layer, keys and values: one on-device copy."""
         self.storage[:, :, target, :, :n].copy_(self.storage[:, :, source, :, :n])
         self.truncate(target, 0)
+        self.salts[target] = self.salts[source]
         self.extend(target, self.tokens[source][:n])
 
     def copy_prefix_many(self, source: int, targets: Sequence[int], n: int) -> None:
@@ -310,4 +316,5 @@ class SlotCache:
         held = self.tokens[source][:n]
         for target in targets:
             self.truncate(target, 0)
+            self.salts[target] = self.salts[source]
             self.extend(target, held)
