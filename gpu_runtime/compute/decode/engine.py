@@ -525,7 +525,9 @@ class DecodeEngine:
         slots = [h.slot for h in handles if h.slot >= 0]
         if not slots:
             return
-        self.active.index_fill_(0, self._tensor(slots), False)
+        freed = self._tensor(slots)
+        self.active.index_fill_(0, freed, False)
+        self.adapter.index_fill_(0, freed, -1)  # an idle row below high-water reads no adapter (its index may go)
         for handle in handles:
             if handle.slot >= 0:
                 self.by_slot.pop(handle.slot, None)
