@@ -68,6 +68,7 @@ class SampleResult(Result):
     step: int
     prompt_logprobs: list[list[float | None]] | None
     topk_prompt_logprobs: list[list[list[Result] | None]] | None  # {token, logprob} pairs
+    prompt_cache_hit_tokens: int  # prompt tokens found in the decode cache, not prefilled again
 
 
 class LoadStateResult(Result):

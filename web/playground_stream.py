@@ -123,7 +123,7 @@ async def stream(request: Request, user: User) -> Response:
                     failed = {"pane": pane, "message": error.message, "code": error.code}
                     yield ServerSentEvent(data=json.dumps(failed), event="failed")
                     continue
-                done = [{"text": s["text"], "tokens": len(s["tokens"]), "stop_reason": s["stop_reason"]}
+                done = [{"text": s.text, "tokens": len(s.tokens), "stop_reason": s.stop_reason}
                         for s in result.sequences[0]]
                 yield ServerSentEvent(data=json.dumps({"pane": pane, "sequences": done}), event="done")
         finally:

@@ -12,7 +12,7 @@ from typing import Any
 
 from app.openai import tool_answers
 from app.openai.params import CompletionRequest
-from gpu_runtime.contract import SampleResult
+from gpu_runtime.contract import SampledSequence, SampleResult
 
 FLOOR = -9999.0  # a logprob of -inf (a token top_p ruled out) as a finite number: JSON has no infinity
 
@@ -35,21 +35,21 @@ class Choice:
     generated: int  # every token generated, the stop token included
 
 
-def cut_at_stop(sequence: dict[str, Any], eos: set[int]) -> bool:
+def cut_at_stop(sequence: SampledSequence, eos: set[int]) -> bool:
     """Whether `kept` needs the text of the sequence's tokens: it stopped, and not on an EOS token."""
-    tokens = sequence["tokens"]
-    return sequence["stop_reason"] == "stop" and bool(tokens) and tokens[-1] not in eos
+    tokens = sequence.tokens
+    return sequence.stop_reason == "stop" and bool(tokens) and tokens[-1] not in eos
 
 
-def kept(sequence: dict[str, Any], pieces: dict[int, str], eos: set[int]) -> int:
+def kept(sequence: SampledSequence, pieces: dict[int, str], eos: set[int]) -> int:
     """How many of the sequence's tokens its answer keeps: all but a final EOS, or those before a stop string
     (the runtime cut the text at the match; the token that completed it goes, with any after the cut)."""
-    tokens = sequence["tokens"]
-    if sequence["stop_reason"] != "stop" or not tokens:
+    tokens = sequence.tokens
+    if sequence.stop_reason != "stop" or not tokens:
         return len(tokens)
     if tokens[-1] in eos:
         return len(tokens) - 1
-    length, limit = 0, len(sequence["text"])
+    length, limit = 0, len(sequence.text)
     for k, token in enumerate(tokens):
         length += len(pieces.get(token, ""))
         if length > limit:
@@ -62,11 +62,11 @@ def choices(result: SampleResult, pieces: dict[int, str], eos: set[int]) -> list
     for p, sequences in enumerate(result.sequences):
         for sequence in sequences:
             k = kept(sequence, pieces, eos)
-            topk = sequence.get("topk_logprobs")
-            out.append(Choice(index=len(out), prompt=p, text=sequence["text"], ids=list(sequence["tokens"][:k]),
-                              logprobs=list(sequence["logprobs"][:k]), topk=topk[:k] if topk is not None else None,
-                              finish_reason="stop" if sequence["stop_reason"] == "stop" else "length",
-                              generated=len(sequence["tokens"])))
+            topk = sequence.topk_logprobs
+            out.append(Choice(index=len(out), prompt=p, text=sequence.text, ids=list(sequence.tokens[:k]),
+                              logprobs=list(sequence.logprobs[:k]), topk=topk[:k] if topk is not None else None,
+                              finish_reason="stop" if sequence.stop_reason == "stop" else "length",
+                              generated=len(sequence.tokens)))
     return out
 
 

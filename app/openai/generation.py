@@ -94,13 +94,13 @@ class Sampling:
         params, prompt_ids = self.params, self.prompt_ids
         if params.logprobs is None and not params.echo:  # per-token text only to cut a sequence at its stop string
             wanted = {t for seq in result.sequences for s in seq if answers.cut_at_stop(s, self.eos)
-                      for t in s["tokens"]}
+                      for t in s.tokens}
         else:
-            wanted = {t for seq in result.sequences for s in seq for t in s["tokens"]}
+            wanted = {t for seq in result.sequences for s in seq for t in s.tokens}
             wanted |= {t for ids in prompt_ids for t in ids}
             for seq in result.sequences:
                 for s in seq:
-                    wanted |= {int(pair[0]) for top in s.get("topk_logprobs") or [] for pair in top}
+                    wanted |= {int(pair[0]) for top in s.topk_logprobs or [] for pair in top}
             for tops in result.topk_prompt_logprobs or []:
                 wanted |= {int(pair[0]) for top in tops if top for pair in top}
         order = sorted(wanted)

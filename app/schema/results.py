@@ -127,6 +127,9 @@ class SampleResult:
     topk_prompt_logprobs: list[list[list[TokenLogprob] | None]] | None = strawberry.field(
         default=None, description="With topkPromptLogprobs: per prompt, per position, the most likely tokens, most "
         "likely first (null at position 0)")
+    prompt_cache_hit_tokens: int = strawberry.field(
+        default=0, description="Prompt tokens already in the decode cache (a prefix sent before), not prefilled again: "
+        "summed over prompts, once per prompt whatever its numSamples")
 
     @classmethod
     def from_result(cls, result: contract.SampleResult) -> SampleResult:
@@ -136,14 +139,15 @@ class SampleResult:
             prompt_tokens=[list(ids) for ids in result.prompt_tokens],
             step=result.step,
             sequences=[
-                [SampledSequence(text=s["text"], tokens=list(s["tokens"]), logprobs=[float(x) for x in s["logprobs"]],
-                                 stop_reason=s["stop_reason"],
-                                 topk_logprobs=None if s.get("topk_logprobs") is None else
-                                 [TokenLogprob.pairs(p) or [] for p in s["topk_logprobs"]])
+                [SampledSequence(text=s.text, tokens=list(s.tokens), logprobs=[float(x) for x in s.logprobs],
+                                 stop_reason=s.stop_reason,
+                                 topk_logprobs=None if s.topk_logprobs is None else
+                                 [TokenLogprob.pairs(p) or [] for p in s.topk_logprobs])
                  for s in per_prompt]
                 for per_prompt in result.sequences
             ],
             prompt_logprobs=result.prompt_logprobs,
+            prompt_cache_hit_tokens=result.prompt_cache_hit_tokens,
             topk_prompt_logprobs=None if topk_prompt is None else
             [[TokenLogprob.pairs(p) for p in per_prompt] for per_prompt in topk_prompt],
         )

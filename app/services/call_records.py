@@ -64,7 +64,7 @@ def tokens(result: Result) -> tuple[int, int]:
     if isinstance(result, SampleResult):
         sequences = result.sequences
         tokens_in = sum(len(prompt) * len(made) for prompt, made in zip(result.prompt_tokens, sequences))
-        return tokens_in, sum(len(sequence.get("tokens") or []) for made in sequences for sequence in made)
+        return tokens_in, sum(len(sequence.tokens) for made in sequences for sequence in made)
     return 0, 0
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import builtins
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -29,6 +29,7 @@ from gpu_runtime.contract import (
     Ping,
     RenderChat,
     RenderChatResult,
+    SampledSequence,
     SampleResult,
     Tokenizer,
     TokenizerResult,
@@ -74,7 +75,7 @@ class RunSampling(RunCalls):
             for prompt, sequences in zip(params.stored_prompts(), result.sequences):
                 for sequence in sequences:
                     session.add(Sample(run_id=run.id, step=result.step, prompt=prompt,
-                                       output=sequence["text"], params=cancelled(kept, sequence)))
+                                       output=sequence.text, params=cancelled(kept, sequence)))
             return result
 
         if run_id is None:
@@ -175,7 +176,7 @@ class RunSampling(RunCalls):
                 if fresh and store is not None:
                     for prompt, sequences in zip(params.stored_prompts(), result.sequences):
                         session.add_all(BaseSample(user_id=user.id, base_model=model.name, prompt=prompt,
-                                                   output=sequence["text"], params=cancelled(store, sequence))
+                                                   output=sequence.text, params=cancelled(store, sequence))
                                         for sequence in sequences)
                 return result
 
@@ -237,9 +238,9 @@ class RunSampling(RunCalls):
         return await self._engine(request, pool=pool)
 
 
-def cancelled(params: dict[str, object], sequence: Mapping[str, object]) -> dict[str, object]:
+def cancelled(params: dict[str, object], sequence: SampledSequence) -> dict[str, object]:
     """A sample row's params; a sequence cut short by its client going away says so (finish_reason "cancelled")."""
-    return {**params, "finish_reason": "cancelled"} if sequence.get("stop_reason") == "cancelled" else params
+    return {**params, "finish_reason": "cancelled"} if sequence.stop_reason == "cancelled" else params
 
 
 def checkpoint_source(run_id: str | None, snapshot: str | None,

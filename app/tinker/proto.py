@@ -19,6 +19,7 @@ from types import ModuleType
 from typing import Any
 
 from app.errors import BadInput
+from gpu_runtime.contract import SampledSequence
 
 MODULE_NAME = "signal_tinker_public_pb2"  # not under `tinker`: its parent package would have to be imported
 
@@ -119,14 +120,16 @@ def encode_forward_backward_output(outputs: list[dict[str, list[float]]], metric
     return bytes(message.SerializeToString())
 
 
-def encode_sample_response(sequences: list[dict[str, Any]], prompt_logprobs: list[float | None] | None) -> bytes:
+def encode_sample_response(sequences: list[SampledSequence], prompt_logprobs: list[float | None] | None,
+                           prompt_cache_hit_tokens: int = 0) -> bytes:
     """The sequences in submit order (sample_sequence_ids), each with its tokens, per-token logprobs and stop
-    reason; prompt logprobs with NaN where undefined (position 0)."""
+    reason; prompt logprobs with NaN where undefined (position 0); the prompt's tokens found in the decode cache."""
     message = pb().SampleResponse()
     for sequence in sequences:
-        reason = pb().STOP_REASON_LENGTH if sequence.get("stop_reason") == "length" else pb().STOP_REASON_STOP
-        message.sequences.add(stop_reason=reason, tokens=_bytes("i", sequence["tokens"]),
-                              logprobs=_bytes("f", [float(v) for v in sequence["logprobs"]]))
+        reason = pb().STOP_REASON_LENGTH if sequence.stop_reason == "length" else pb().STOP_REASON_STOP
+        message.sequences.add(stop_reason=reason, tokens=_bytes("i", sequence.tokens),
+                              logprobs=_bytes("f", [float(v) for v in sequence.logprobs]))
+    message.prompt_cache_hit_tokens = prompt_cache_hit_tokens
     if prompt_logprobs is not None:
         message.prompt_logprobs = _bytes("f", [math.nan if v is None else float(v) for v in prompt_logprobs])
     return bytes(message.SerializeToString())

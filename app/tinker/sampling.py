@@ -134,7 +134,8 @@ async def asample(request: Request, user: User) -> UntypedAPIFuture:
         result = await svc.runs.sample(user, sampler.run_id, params, request_id=request_id, snapshot=snapshot,
                                        checkpoint=checkpoint, base_model=base_model)
         prompt_logprobs = result.prompt_logprobs[0] if params.prompt_logprobs and result.prompt_logprobs else None
-        return PROTO_TYPE, proto.encode_sample_response(result.sequences[0], prompt_logprobs)
+        return PROTO_TYPE, proto.encode_sample_response(result.sequences[0], prompt_logprobs,
+                                                        result.prompt_cache_hit_tokens)
 
     row = await svc.tinker.submit(user, ("sample", sampler.id, seq), "Sample", work, samples=num_samples)
     return future_answer(row)

@@ -7,7 +7,7 @@ the fields it knows, so a runtime one field ahead (same contract version) does n
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, TypedDict, TypeVar
 
 R = TypeVar("R", bound="Result")
@@ -112,10 +112,33 @@ class OptimStepResult(Result):
 
 
 @dataclass(frozen=True, kw_only=True)
+class SampledSequence:
+    """One sampled sequence: its tokens, each one's logprob under the unmodified model, its text (a stop string and
+    what follows it left out, the stop token's text too), why it ended ("stop", "length", "cancelled") and, when
+    asked, each token's top-k [token, logprob] pairs, most likely first."""
+
+    text: str
+    tokens: list[int]
+    logprobs: list[float]
+    stop_reason: str
+    topk_logprobs: list[list[list[float]]] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        data: dict[str, Any] = asdict(self)
+        if data["topk_logprobs"] is None:
+            del data["topk_logprobs"]  # asked for none: absent, as it always was on the wire
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SampledSequence:
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+
+@dataclass(frozen=True, kw_only=True)
 class SampleResult(Result):
     outputs: list[str]  # the first sequence's text of each prompt
-    # per prompt, per sample: text, tokens, logprobs, stop_reason (+ topk_logprobs when asked)
-    sequences: list[list[dict[str, Any]]]
+    sequences: list[list[SampledSequence]]  # per prompt, per sample
     prompt_tokens: list[list[int]]
     step: int
     compute_seconds: float = 0.0
@@ -123,7 +146,23 @@ class SampleResult(Result):
     prompt_logprobs: list[list[float | None]] | None = None
     # per prompt, per position: the top-k [token, logprob] pairs, most likely first (None at 0), when asked
     topk_prompt_logprobs: list[list[list[list[float]] | None]] | None = None
+    # prompt tokens whose KV was already in the decode cache (a prefix sent before), not prefilled again: summed over
+    # prompts, once per prompt whatever its num_samples
+    prompt_cache_hit_tokens: int = 0
     replayed: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        data = super().to_dict()
+        data["sequences"] = [[s.to_dict() for s in row] for row in self.sequences]
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SampleResult:
+        names = {f.name for f in fields(cls)}
+        kept = {k: v for k, v in data.items() if k in names}
+        kept["sequences"] = [[s if isinstance(s, SampledSequence) else SampledSequence.from_dict(s) for s in row]
+                             for row in data["sequences"]]
+        return cls(**kept)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -392,8 +392,7 @@ class Control:
             "queue_depth": shared.scheduler.queue_depth_by_user(),
             "calls_refused": dict(shared.scheduler.refused),  # per user, past the bound on calls in flight
             "calls_withdrawn": dict(shared.scheduler.withdrawn),  # per user, by a cancel (deadline, client gone)
-            "decode_groups": [{"runs": g.run_ids, "calls": len(g.jobs), "rows": g.rows, "tokens_done": g.t}
-                              for g in self.sampling.groups],
+            "decode_groups": self.sampling.describe(),  # one per base decoding (its engine), as before
             "sampler_snapshots": self.snapshots.describe(),
             "ticks": {"count": totals.ticks, "base_passes": totals.base_passes, "fb_rows": totals.fb_rows,
                       "decode_passes": totals.decode_passes, "recent": list(totals.last_ticks)},

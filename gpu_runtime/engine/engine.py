@@ -177,9 +177,9 @@ class Engine(InProcess):
     def serve_forever(self) -> None:
         """Run ticks until the scheduler is closed and nothing is left; then snapshot and return."""
         while True:
-            busy = bool(self.sampling.groups)
+            busy = self.sampling.busy
             woken = self.scheduler.wait_for_work(timeout=min(self.options.base_idle_seconds, 60.0), also_busy=busy)
-            if self.scheduler.closed and not self.scheduler.has_work() and not self.sampling.groups:
+            if self.scheduler.closed and not self.scheduler.has_work() and not self.sampling.busy:
                 break
             if not woken:
                 self._housekeeping()

@@ -113,8 +113,7 @@ class InFlight:
                     self.shared.scheduler.finish(request, errors[request.run_id])
                 else:
                     request.started = False
-        self.sampling.fail_all(next(iter(errors.values())), [g for g in self.sampling.groups
-                                                            if any(r in errors for r in g.run_ids)])
+        self.sampling.fail_all(next(iter(errors.values())), self.sampling.failing_runs(set(errors)))
 
     def fail_all(self, error: SignalError) -> None:
         """Every run leaves memory unsaved (a rank failed): what was mid-flight fails; calls still queued start

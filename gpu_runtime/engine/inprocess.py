@@ -54,7 +54,7 @@ class InProcess:
         self.submit(call, future.set_result, ticket=ticket)
         while not future.done():
             self.tick()
-            if not future.done() and not self.scheduler.has_work() and not self.sampling.groups:
+            if not future.done() and not self.scheduler.has_work() and not self.sampling.busy:
                 wait([future], timeout=0.5)  # answered off the tick (a Hub upload): nothing to pump meanwhile
         answer = future.result()
         if isinstance(answer, SignalError):

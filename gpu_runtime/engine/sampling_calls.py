@@ -1,11 +1,12 @@
-"""sample on resident runs: check the prompts against the model, then decode in groups, chunk by chunk.
+"""sample on resident runs: check the prompts against the model, then decode on the base's engine, chunk by chunk.
 
-A picked sample call becomes a `SampleJob`; the calls picked in one tick on one base form decode groups
-(gpu_runtime/compute/decoding.py; users of like size together), each advancing by a time-bounded share of a chunk
-per tick, so other calls interleave with a long generation. Its weights come from gpu_runtime/engine/weights_sources.py:
+A picked sample call becomes a `SampleJob` and joins its base's decoder (gpu_runtime/compute/decoding.py: one decode
+engine per base, continuous batching, whenever the call arrives), which steps by a time-bounded share of a chunk per
+tick, so other calls interleave with a long generation. Its weights come from gpu_runtime/engine/weights_sources.py:
 a sample on a run's current weights holds its run until it finishes; one on a snapshot, a copy of the latest weights
-or a base holds nothing but its snapshot (in use: never evicted). A group that starts while another on its base decodes joins one it may share with
-(`may_share`) after its first chunk (`_merge`); each user decoding has an equal share of a tick's chunk (`_shares`).
+or a base holds nothing but its snapshot (in use: never evicted). Within a base, users share the engine's slots
+(the decoder admits the fewest-rows user first); across bases, each user decoding has an equal share of a tick's
+chunk (`_shares`).
 """
 
 from __future__ import annotations
@@ -18,9 +19,8 @@ import time
 from collections import OrderedDict
 from typing import Any, cast
 
-import torch
-
-from gpu_runtime.compute.decoding import DecodeGroup, PrefillRate, SampleJob, may_share
+from gpu_runtime.compute.decode.engine import Handle
+from gpu_runtime.compute.decoding import BaseDecoder, SampleJob
 from gpu_runtime.compute.pool import BaseEntry
 from gpu_runtime.contract import (
     Cancel,
@@ -51,8 +51,7 @@ class Sampling:
     def __init__(self, shared: Shared, snapshots: Snapshots) -> None:
         self.shared = shared
         self.snapshots = snapshots
-        self.groups: list[DecodeGroup] = []
-        self.prefill_rates: dict[int, PrefillRate] = {}  # each base's (by id of its entry) prefill speed
+        self.decoders: dict[int, BaseDecoder] = {}  # each base's (by id of its entry) decode engine and calls
         # Answers of frozen samples by (run or user, request id), each with its call's body hash: memory only, like
         # a run's `sampled`.
         self.answers: OrderedDict[tuple[str, str], tuple[str, dict[str, object]]] = OrderedDict()
@@ -93,9 +92,20 @@ class Sampling:
         outside = [t for t in settings.stop_tokens if t >= vocab]
         if outside:
             raise BadInput(f"stop token id {outside[0]} is outside the vocabulary (0..{vocab - 1})", field="stop")
-        generator = torch.Generator(device=self.shared.device).manual_seed(settings.seed)
-        return SampleJob(request, source.state, prompt_ids, settings, generator, step=source.step, key=source.key,
-                         snapshot=source.snapshot)
+        job = SampleJob(request, source.state, prompt_ids, settings, step=source.step, key=source.key,
+                        routed=source.routing_key is not None, snapshot=source.snapshot)
+        if not self._decoder(entry).fits(job):
+            raise BadInput(f"num_samples {settings.num_samples} sequences of {max(map(len, prompt_ids))} prompt tokens "
+                           f"+ max_tokens {settings.max_tokens} pass this device's decode cache: ask fewer samples or "
+                           "tokens", field="num_samples")
+        return job
+
+    def _decoder(self, entry: BaseEntry) -> BaseDecoder:
+        decoder = self.decoders.get(id(entry))
+        if decoder is None or decoder.entry is not entry:
+            decoder = BaseDecoder(entry, eos_ids(entry), self.shared.options.tick_tokens)
+            self.decoders[id(entry)] = decoder
+        return decoder
 
     def tokenizer(self, call: Tokenizer, state: RunState | None) -> TokenizerResult:
         """The tokenizer of `state`'s base (a run's), else of `call.base_model` (loaded if it is not)."""
@@ -133,170 +143,148 @@ class Sampling:
                 self.shared.residency.touch(job.state)
             if job.snapshot is not None:
                 self.snapshots.acquire(job.snapshot)
-        for part in _partition(jobs, next(entry.model.parameters()).device):
-            rate = self.prefill_rates.setdefault(id(entry), PrefillRate())
-            self.groups.append(DecodeGroup(entry, part, eos_ids(entry), self.shared.options.tick_tokens, rate))
+        decoder = self._decoder(entry)
+        for job in jobs:
+            decoder.start(job)
 
     def stop(self, call: Cancel) -> bool:
         """Stop the sample `call` names if it is decoding (False: it is not): its client gone, it is answered with
         what it has (stop_reason "cancelled"); withdrawn (`withdraw`, CANCELLED) or its deadline passed
         (DEADLINE_EXCEEDED): never applied, not kept for a retry, with the compute seconds it used."""
-        for group in list(self.groups):
-            for job in group.jobs:
+        for decoder in self.decoders.values():
+            for job in decoder.jobs:
                 request = job.request
                 if not job.done and request.request_id == call.request_id and request.user_id == call.user_id:
-                    job.done = True
+                    decoder.stop(job)
                     self._release(job)
                     answer: SampleResult | SignalError
                     if call.deadline or call.withdraw:  # withdrawn: never applied, not kept for a retry
                         answer = cancel_error(call.deadline, job.compute_seconds)
                     else:
-                        job.reasons = [reason or "cancelled" for reason in job.reasons]
-                        answer = self._finished(group, job)
+                        answer = self._finished(decoder, job)
                     self.shared.scheduler.finish(request, answer)
-                    if group.done:
-                        self.groups.remove(group)
                     return True
         return False
 
     def advance(self, stats: TickStats, trained: float = 0.0) -> None:
-        """Every decode group by one chunk, shared fairly by the users decoding (`_shares`), the fewest rows first
-        (the time a group leaves is the next ones'); finished calls are answered as they finish, a failing group fails
-        its calls alone. A new group decodes its share too, then joins its like (`_merge`).
+        """Every base's decoder by its share of one chunk (`_shares`), the fewest rows first (the time one leaves is
+        the next ones'); finished calls are answered as they finish, a failing engine fails its calls alone.
 
         The chunk lasts `decode_chunk_seconds`, or as long as the tick's training took (`trained`) if that was
         longer: a tick time-shares sampling and training, so neither gets less than half the device while both wait."""
+        for decoder in self.decoders.values():
+            for job in decoder.jobs:
+                if not job.done and not job.parked and job.handles and _held(self.shared.faults, job.request):
+                    decoder.park(job)  # failpoint: a sample that never ends (after its first chunk) until cancelled
+        bases = [id(entry) for entry in self.shared.residency.bases.values()]
+        for key in [key for key, d in self.decoders.items() if not d.jobs and key not in bases]:
+            del self.decoders[key]  # its base was unloaded: its engine and cache go with it
         shares = self._shares()
         end = time.monotonic() + max(self.shared.options.decode_chunk_seconds, trained)
-        order = sorted(self.groups, key=lambda group: group.live_rows)
-        for i, group in enumerate(order):
-            if group.passes and any(_held(self.shared.faults, job.request) for job in group.jobs):
-                continue  # failpoint: a sample that never ends (after its first chunk) until it is cancelled
-            before, now = group.passes, time.monotonic()
+        order = sorted((d for d in self.decoders.values() if d.busy), key=lambda d: sum(j.live for j in d.jobs))
+        for i, decoder in enumerate(order):
+            engine = decoder.engine
+            before, now = engine.passes if engine is not None else 0, time.monotonic()
             left = sum(shares[id(later)] for later in order[i:])
-            deadline = now + max(end - now, 0.0) * shares[id(group)] / left if left > 0 else now
-            if not self._advance(group, deadline):
+            deadline = now + max(end - now, 0.0) * shares[id(decoder)] / left if left > 0 else now
+            if not self._advance(decoder, deadline):
                 continue
-            stats.decode_passes += group.passes - before
-            stats.decode_rows += group.rows
-            group.entry.idle_since = time.monotonic()  # a base being decoded on is not idle
-            for job in group.jobs:
+            engine = decoder.engine
+            if engine is not None:
+                stats.decode_passes += engine.passes - before
+                stats.decode_rows += len(engine.by_slot)
+            decoder.entry.idle_since = time.monotonic()  # a base being decoded on is not idle
+            for job in list(decoder.jobs):
                 if not job.done and job.request.progress is not None:
-                    self._stream(group, job)
-            if group.done:
-                self.groups.remove(group)
-        self._merge()
+                    self._stream(decoder, job)
 
-    def _advance(self, group: DecodeGroup, deadline: float) -> bool:
-        """Decode `group` until `deadline` (one token at least), answering each call as it finishes. False: the group
+    def _advance(self, decoder: BaseDecoder, deadline: float) -> bool:
+        """Decode until `deadline` (one step at least), answering each call as it finishes. False: the engine
         failed, and its calls with it."""
         while True:
-            active = [job for job in group.jobs if not job.done]
-            started = time.perf_counter()
             try:
-                finished = group.advance(deadline)
+                finished = decoder.advance(deadline, self.shared.compute.seconds_since)
             except Exception as exc:  # noqa: BLE001 - fail its calls, keep the runtime
+                active = [job for job in decoder.jobs if not job.done]
                 error = exc if isinstance(exc, SignalError) else internal(exc, active[0].request if active else None)
-                self.fail_all(error, [group])
+                self.fail_all(error, [decoder])
                 return False
-            seconds, rows = self.shared.compute.seconds_since(started), sum(job.end - job.start for job in active)
-            for job in active:  # the seconds, shared by the rows of the calls still decoding
-                job.compute_seconds += seconds * (job.end - job.start) / max(rows, 1)
             for job in finished:
-                result = self._finished(group, job)
+                result = self._finished(decoder, job)
                 self._release(job)
                 self.shared.scheduler.finish(job.request, result)
-            if group.done or time.monotonic() >= deadline:
+            if not decoder.busy or time.monotonic() >= deadline:
                 return True
 
     def _shares(self) -> dict[int, float]:
-        """Each decode group's share of this tick's chunk: every user decoding has an equal share, split over their
-        groups by their rows, so a user with many rows (in a group of their own, `may_share`) takes no more of the
-        chunk than a user with one. A group past its share still decodes a token (none starves)."""
+        """Each base's share of this tick's chunk: every user decoding has an equal share, split over the bases they
+        decode on by their rows there. A base past its share still decodes a step (none starves)."""
         rows: dict[str, int] = {}
-        for group in self.groups:
-            for job in group.jobs:
-                if not job.done:
-                    rows[job.request.user_id] = rows.get(job.request.user_id, 0) + job.end - job.start
+        for decoder in self.decoders.values():
+            for job in decoder.jobs:
+                if not job.done and not job.parked:
+                    rows[job.request.user_id] = rows.get(job.request.user_id, 0) + job.rows
         share = 1 / max(len(rows), 1)
-        return {id(group): sum(share * (job.end - job.start) / rows[job.request.user_id]
-                               for job in group.jobs if not job.done) for group in self.groups}
+        return {id(decoder): sum(share * job.rows / rows[job.request.user_id]
+                                 for job in decoder.jobs if not job.done and not job.parked)
+                for decoder in self.decoders.values()}
 
-    def _merge(self) -> None:
-        """At the chunk boundary, groups on one base become one (decoding.py, `absorb`) where their sizes allow
-        (`may_share`, or one user's alone): the oldest takes in the others' calls still decoding, so samples that
-        arrived apart decode as one batch from the next chunk. A group whose finished calls hold half its rows or
-        more drops them first."""
-        by_base: dict[int, list[DecodeGroup]] = {}
-        for group in self.groups:
-            if not group.mergeable:
-                continue
-            if group.live_rows * 2 <= group.rows:
-                try:
-                    group.absorb([])  # alone: keeps the rows of the calls still decoding
-                except Exception:  # noqa: BLE001 - e.g. out of memory for the copy: it decodes as it was
-                    log.warning("a decode group could not drop its finished rows", exc_info=True)
-            by_base.setdefault(id(group.entry), []).append(group)
-        for groups in by_base.values():
-            clusters: list[tuple[DecodeGroup, list[DecodeGroup]]] = []  # each head and the groups it takes in
-            for group in groups:
-                for head, taken in clusters:
-                    users = group.users.union(*(member.users for member in (head, *taken)))
-                    if len(users) == 1 or may_share(sum(member.live_rows for member in (head, *taken)), group.live_rows,
-                                                    group.device):
-                        taken.append(group)
-                        break
-                else:
-                    clusters.append((group, []))
-            for head, taken in clusters:
-                if not taken:
-                    continue
-                try:
-                    head.absorb(taken)
-                except Exception:  # noqa: BLE001 - e.g. out of memory for the stacked cache: they decode apart, as before
-                    log.warning("decode groups on one base could not merge; they go on apart", exc_info=True)
-                    continue
-                for group in taken:
-                    self.groups.remove(group)
-
-    def _stream(self, group: DecodeGroup, job: SampleJob) -> None:
+    def _stream(self, decoder: BaseDecoder, job: SampleJob) -> None:
         """A streamed job's progress after a chunk: each sequence's newly settled text and ids (none once finished)."""
-        tokenizer = group.entry.base.tokenizer
+        tokenizer = decoder.entry.base.tokenizer
+        n = job.settings.num_samples
         if not job.streams:
             stops = job.settings.stop
 
             def decode(ids: list[int]) -> str:
                 return cast(str, tokenizer.decode(ids, skip_special_tokens=True))  # one sequence in, one str out
 
-            job.streams = [IncrementalText(decode, stops) for _ in job.tokens]
+            job.streams = [IncrementalText(decode, stops) for _ in range(job.rows)]
+        handles: list[Handle | None] = []
+        for prompt_handles in job.sequences():  # a prompt not yet in the engine: nothing of its samples yet
+            handles += prompt_handles or [None] * n
         rows: list[SequenceChunk] = []
-        for i, stream in enumerate(job.streams):
-            if job.reasons[i] is not None:
+        for handle, stream in zip(handles, job.streams):
+            if handle is None or handle.done:
                 rows.append({"text": "", "tokens": [], "logprobs": []})
                 continue
             start = stream.ids
-            text, count = stream.step(job.tokens[i])
-            rows.append({"text": text, "tokens": job.tokens[i][start:start + count],
-                         "logprobs": job.logprobs[i][start:start + count]})
+            text, count = stream.step(handle.tokens)
+            rows.append({"text": text, "tokens": handle.tokens[start:start + count],
+                         "logprobs": handle.logprobs[start:start + count]})
         if any(row["text"] or row["tokens"] for row in rows):
-            n = job.settings.num_samples
             chunk = SampleChunk(sequences=[rows[p * n:(p + 1) * n] for p in range(len(job.prompt_ids))])
             assert job.request.progress is not None
             job.request.progress(chunk)
 
-    def fail_all(self, error: SignalError, groups: list[DecodeGroup] | None = None) -> None:
-        """Fail every call still decoding in `groups` (all groups: a rank failed) and drop those groups."""
-        for group in list(self.groups if groups is None else groups):
-            for job in group.jobs:
-                if not job.done:
-                    job.done = True
-                    self._release(job)
-                    self.shared.scheduler.finish(job.request, error)
-            self.groups.remove(group)
+    def fail_all(self, error: SignalError, decoders: list[BaseDecoder] | None = None) -> None:
+        """Fail every call still decoding on `decoders` (all of them: a rank failed); their engines go."""
+        for decoder in list(self.decoders.values() if decoders is None else decoders):
+            for job in decoder.fail():
+                self._release(job)
+                self.shared.scheduler.finish(job.request, error)
 
-    def _finished(self, group: DecodeGroup, job: SampleJob) -> SampleResult:
+    def failing_runs(self, run_ids: set[str]) -> list[BaseDecoder]:
+        """The decoders with a call reading one of `run_ids`' adapters (which leave memory)."""
+        return [d for d in self.decoders.values() if any(r in run_ids for r in d.run_ids)]
+
+    @property
+    def busy(self) -> bool:
+        return any(decoder.busy or decoder.jobs for decoder in self.decoders.values())
+
+    def describe(self) -> list[dict[str, Any]]:
+        """Each base's decoding, for the operator's view."""
+        return [{"runs": d.run_ids, "calls": sum(not j.done for j in d.jobs),
+                 "rows": len(d.engine.by_slot) if d.engine is not None else 0,
+                 "slots": d.engine.cache.count if d.engine is not None else 0,
+                 "steps": d.engine.steps if d.engine is not None else 0,
+                 "tokens_done": max((len(h.tokens) for h in d.engine.by_slot.values()), default=0)
+                 if d.engine is not None else 0}
+                for d in self.decoders.values() if d.jobs]
+
+    def _finished(self, decoder: BaseDecoder, job: SampleJob) -> SampleResult:
         """A job's answer, remembered for a retry."""
-        result = {**group.result(job), "compute_seconds": job.compute_seconds}
+        result = {**decoder.result(job), "compute_seconds": job.compute_seconds}
         self._remember(job, result)
         return SampleResult.from_dict(result)
 
@@ -316,28 +304,7 @@ class Sampling:
 
     @property
     def decoding_runs(self) -> set[str]:
-        return {run_id for group in self.groups for run_id in group.run_ids}
-
-
-def _partition(jobs: list[SampleJob], device: torch.device) -> list[list[SampleJob]]:
-    """The decode groups a tick's calls on one base start in: each user's calls together, and users together where
-    their rows may share a group (`may_share`); calls in their order of arrival within each."""
-    by_user: dict[str, list[SampleJob]] = {}
-    for job in jobs:
-        by_user.setdefault(job.request.user_id, []).append(job)
-    parts: list[tuple[list[SampleJob], int]] = []
-    for mine in sorted(by_user.values(), key=_rows):
-        index = next((i for i, (part, rows) in enumerate(parts) if may_share(rows, _rows(mine), device)), None)
-        if index is None:
-            parts.append((mine, _rows(mine)))
-        else:
-            parts[index] = (parts[index][0] + mine, parts[index][1] + _rows(mine))
-    order = {id(job): i for i, job in enumerate(jobs)}
-    return sorted((sorted(part, key=lambda job: order[id(job)]) for part, _ in parts), key=lambda p: order[id(p[0])])
-
-
-def _rows(jobs: list[SampleJob]) -> int:
-    return sum(len(job.prompt_ids) * job.settings.num_samples for job in jobs)
+        return {run_id for decoder in self.decoders.values() for run_id in decoder.run_ids}
 
 
 def _answer_key(call: Sample) -> tuple[str, str]:

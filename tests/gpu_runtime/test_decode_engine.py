@@ -10,7 +10,16 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config
+from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
 from gpu_runtime.compute.decode.engine import DecodeEngine, DecodeSettings, Handle
 from gpu_runtime.compute.decode.sampler import RowParams, sample, split_seed, uniform
@@ -300,8 +309,31 @@ def _flash() -> Any:
     return config
 
 
+def _mixed(kind: str) -> Any:
+    """A model mixing full and sliding-window layers (window 8, shorter than the prompts)."""
+    torch.manual_seed(0)
+    if kind == "qwen2":
+        config: Any = Qwen2Config(**SMALL, use_sliding_window=True, sliding_window=8, max_window_layers=1)
+        config._attn_implementation = "sdpa"
+        return Qwen2ForCausalLM(config).eval()
+    config = Gemma2Config(**{**SMALL, "head_dim": 16}, sliding_window=8, query_pre_attn_scalar=16)
+    config._attn_implementation = "eager"
+    return Gemma2ForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "gemma2"])
+def test_mixed_full_and_sliding_layers_decode_what_generate_does(kind: str) -> None:
+    model = _mixed(kind)
+    assert set(model.config.layer_types) == {"full_attention", "sliding_attention"} and refusal(model.config) is None
+    engine = _engine(model, prefill_tokens=7)
+    prompts = [_prompt(i, length) for i, length in enumerate([3, 17, 30])]
+    handles = [engine.add(p, DecodeSettings(max_tokens=12))[0] for p in prompts]
+    _run(engine)
+    for prompt, handle in zip(prompts, handles):
+        assert handle.tokens == _generate(model, prompt, 12)
+
+
 @pytest.mark.parametrize(("make", "reason"), [
-    (lambda: Qwen2Config(**SMALL, use_sliding_window=True, sliding_window=8, max_window_layers=1), "mixed"),
     (_flash, "flash_attention_2"),
 ])
 def test_unsupported_families_are_refused_with_a_reason(make: Callable[[], Any], reason: str) -> None:
@@ -338,3 +370,15 @@ def test_handles_are_handles(llama: Any) -> None:
     assert isinstance(handle, Handle) and not handle.done
     ended = engine.step()
     assert ended == [handle] and handle.reason == "length" and engine.cache.free == engine.cache.count
+
+
+def test_a_prefix_is_reused_only_from_kv_of_the_same_weights(llama: Any) -> None:
+    engine = _engine(llama)
+    prompt = _prompt(5, 40)
+    first = engine.add(prompt, DecodeSettings(max_tokens=2), weights=1)[0]
+    _run(engine)
+    other = engine.add(prompt, DecodeSettings(max_tokens=2), weights=2)[0]  # another adapter: its own KV
+    _run(engine)
+    same = engine.add(prompt, DecodeSettings(max_tokens=2), weights=1)[0]
+    _run(engine)
+    assert (first.prompt_cache_hit_tokens, other.prompt_cache_hit_tokens, same.prompt_cache_hit_tokens) == (0, 0, 39)

@@ -1,5 +1,5 @@
-"""How decode work takes turns (issue 14 §7, issue 19): a long prompt's prefill goes by pieces across ticks and decodes
-what a single pass decodes; one user's many rows decode apart from another user's few, and users of like size share."""
+"""How decode work takes turns (issue 14 §7, issue 31): a long prompt's prefill goes by pieces across ticks and decodes
+what a single pass decodes; every call on a base decodes in its one engine, late ones joining the running batch."""
 
 from __future__ import annotations
 
@@ -28,11 +28,13 @@ def ticked(engine: Engine, params: dict[str, Any]) -> tuple[dict[str, Any], int]
 def test_a_chunked_prefill_decodes_what_one_pass_does(tmp_path: Path, tiny_model_dir: str) -> None:
     params = {"base_model": tiny_model_dir, "user_id": "u1", "prompts": PROMPTS, **SETTINGS}
     whole, _ = ticked(Engine(tmp_path / "whole", device="cpu"), params)
-    # 16 tokens a piece over 2 prompt rows: 8 columns a pass, one pass a tick (chunks of a microsecond).
+    # 16 prompt tokens a step, one step a tick (chunks of a microsecond).
     pieces = Engine(tmp_path / "pieces", device="cpu", tick_tokens=16, decode_chunk_seconds=1e-6)
     chunked, ticks = ticked(pieces, params)
     width = max(len(ids) for ids in whole["prompt_tokens"])
-    assert width > 16 and ticks >= -(-width // 8) + SETTINGS["max_tokens"] - 1  # the prefill took a tick per piece
+    prompt_tokens = sum(len(ids) for ids in whole["prompt_tokens"])
+    # 16 prompt tokens a step (one step a tick): the prefill took a tick per piece
+    assert width > 16 and ticks >= -(-prompt_tokens // 16) + SETTINGS["max_tokens"] - 1
     assert chunked["prompt_tokens"] == whole["prompt_tokens"]
     for got, expected in zip(chunked["sequences"], whole["sequences"]):
         for a, b in zip(got, expected):
@@ -46,19 +48,17 @@ def test_a_chunked_prefill_decodes_what_one_pass_does(tmp_path: Path, tiny_model
             [[pair[0] for pair in position] for position in expected_top[1:]]
 
 
-def groups(engine: Engine) -> list[dict[str, int]]:
-    """Each decode group's rows per user still decoding."""
-    found = []
-    for group in engine.sampling.groups:
-        rows: dict[str, int] = {}
-        for job in group.jobs:
-            if not job.done:
-                rows[job.request.user_id] = rows.get(job.request.user_id, 0) + job.end - job.start
-        found.append(rows)
-    return found
+def decoding(engine: Engine) -> dict[str, int]:
+    """Rows decoding in the engines' batches, per user."""
+    rows: dict[str, int] = {}
+    for decoder in engine.sampling.decoders.values():
+        for handle in decoder.engine.by_slot.values() if decoder.engine is not None else []:
+            user = handle.tag.request.user_id
+            rows[user] = rows.get(user, 0) + 1
+    return rows
 
 
-def test_a_users_many_rows_decode_apart_from_anothers_few(tmp_path: Path, tiny_model_dir: str) -> None:
+def test_calls_on_one_base_decode_in_one_batch_whenever_they_arrive(tmp_path: Path, tiny_model_dir: str) -> None:
     engine = Engine(tmp_path / "data", device="cpu", decode_chunk_seconds=1e-6)
     answers: list[Any] = []
 
@@ -68,10 +68,14 @@ def test_a_users_many_rows_decode_apart_from_anothers_few(tmp_path: Path, tiny_m
 
     sample("flood", 16, 40)
     sample("client-1", 1, 40)
-    engine.tick()  # picked in one tick, they start apart: 16 rows and 1 may not share a CPU pass
-    assert sorted(groups(engine), key=lambda g: sum(g.values())) == [{"client-1": 1}, {"flood": 16}]
+    engine.tick()  # one prefill each, the first tokens drawn: one batch of 17 rows
+    assert decoding(engine) == {"flood": 16, "client-1": 1}
     sample("client-2", 2, 40)
     sample("flood", 16, 40)
-    engine.tick()  # the late ones: their first token alone, then each joins the group of its like
-    assert sorted(groups(engine), key=lambda g: sum(g.values())) == [{"client-1": 1, "client-2": 2}, {"flood": 32}]
-    assert not answers
+    engine.tick()  # the late ones join the running batch at their first step (the cache grew for them)
+    assert decoding(engine) == {"flood": 32, "client-1": 1, "client-2": 2}
+    assert len(engine.sampling.decoders) == 1 and not answers
+    while len(answers) < 4:
+        engine.tick()
+    assert all("result" in answer for answer in answers)
+    assert not decoding(engine)

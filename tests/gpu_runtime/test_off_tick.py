@@ -26,7 +26,7 @@ def test_render_chat_is_answered_without_a_tick_once_its_base_is_resident(tmp_pa
     engine.submit_message("sample", {"run_id": "r1", "prompts": ["hello"], "max_tokens": 50, "temperature": 0.0,
                              "latest": True, "stream": True}, sampled.append, lambda chunk: None)
     engine.tick()
-    assert engine.sampling.groups and not sampled  # a group is mid-generation
+    assert engine.sampling.busy and not sampled  # a group is mid-generation
 
     for where in ({"base_model": tiny_model_dir}, {"run_id": "r1"}):
         warm: list[dict[str, Any]] = []

@@ -35,7 +35,7 @@ def test_prompt_token_ids_give_what_the_same_text_gives(engine: Engine, tiny_run
 def test_each_prompt_is_prefilled_once_and_samples_match_one_row_per_sample(engine: Engine, tiny_run: str) -> None:
     entry = engine.residency.bases[engine.runs[tiny_run].base_key]
     widths: list[int] = []
-    hook = entry.model.register_forward_pre_hook(lambda module, args, kwargs: widths.append(kwargs["input_ids"].shape[0]),
+    hook = entry.model.get_decoder().register_forward_pre_hook(lambda module, args, kwargs: widths.append(kwargs["input_ids"].shape[0]),
                                                  with_kwargs=True)
     try:
         repeated = engine.sample(tiny_run, ["hello"], max_tokens=5, num_samples=3, seed=7)

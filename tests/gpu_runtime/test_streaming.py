@@ -99,13 +99,13 @@ def test_cancel_answers_a_decoding_sample_with_what_it_has(chunky: tuple[Engine,
     engine, run = chunky
     params = {"run_id": run, "prompts": ["hello"], "max_tokens": 200, "request_id": "v1-x"}
     chunks, answer = streamed(engine, params, until=lambda chunks: len(chunks) >= 2)
-    assert not answer and engine.sampling.groups
+    assert not answer and engine.sampling.busy
     assert engine.call("cancel", request_id="v1-x", user_id="somebody-else") == {"found": False}  # not theirs
-    assert engine.sampling.groups
+    assert engine.sampling.busy
     assert engine.call("cancel", request_id="v1-x", user_id="u1") == {"found": True}
     sequence = answer[0]["result"]["sequences"][0][0]
     assert sequence["stop_reason"] == "cancelled" and 2 <= len(sequence["tokens"]) < 200
-    assert not engine.sampling.groups and not engine.call("runtime_state")["decode_groups"]
+    assert not engine.sampling.busy and not engine.call("runtime_state")["decode_groups"]
 
 
 def test_a_cancel_before_the_start_withdraws_it(chunky: tuple[Engine, str]) -> None:

@@ -12,7 +12,8 @@ that computes and is ignored (it writes the scratch column; see slot_cache.py). 
 range stays as tight as the live sequences allow without moving any KV.
 
 Multi-LoRA: `adapter_index` is, during every forward, a [rows] int64 tensor of each row's adapter slot (-1: the base
-alone) and `row_keys` the rows' routing keys; the caller's LoRA layers read them. On CUDA the decode forward and its
+alone) and `row_keys` the rows' routing keys. Given the base's `routing`, every forward and every head call routes
+its rows through it row by row (lora/layer.py's `RowRouting`: adapter j is `adapter_keys[j]`). On CUDA the decode forward and its
 sampling are captured as one CUDA graph per (rows bucket, columns bucket, sampling kernels) and replayed; everything
 they read lives in static per-slot buffers (`next_token`, `length`, `active`, the parameter tables, `adapter`).
 On the CPU the same code runs eagerly.
@@ -23,6 +24,7 @@ asks for them is prefilled in full (no prefix reuse), since reused columns have 
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections import deque
 from collections.abc import Callable, Collection, Sequence
@@ -34,6 +36,7 @@ import torch
 from gpu_runtime.compute.decode.sampler import RowParams, Sampled, sample, split_seed
 from gpu_runtime.compute.decode.slot_cache import Pass, SlotCache, SlotKV
 from gpu_runtime.compute.decode.text import StopText
+from gpu_runtime.compute.lora.layer import Routing, routed_rows
 
 GRAPH_ROWS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)  # rows buckets of the graphed decode step
 GRAPH_COLUMNS = 256  # the columns a graphed step reads, rounded up to a multiple of this
@@ -100,6 +103,7 @@ class _Prefill:
     reserved: list[int] = field(default_factory=list)
     filled: int = 0
     hits: int = 0
+    salt: int = 0  # the weights its KV is computed with: a prefix is reused only from KV of the same weights
     scores: list[float | None] = field(default_factory=list)
     tops: list[list[tuple[int, float]] | None] = field(default_factory=list)
 
@@ -110,8 +114,12 @@ class _Prefill:
 
 class DecodeEngine:
     def __init__(self, model: Any, cache: SlotCache, *, prefill_tokens: int = 512,
-                 decode: Callable[[list[int]], str] | None = None, graphs: bool | None = None) -> None:
+                 decode: Callable[[list[int]], str] | None = None, graphs: bool | None = None,
+                 routing: Routing | None = None) -> None:
         self.model, self.cache = model, cache
+        self.routing = routing
+        self.adapter_keys: tuple[str, ...] = ()  # adapter index j routes to the LoRA registered under adapter_keys[j]
+        self.adapter_epoch = 0  # one per set_adapters: the layers stack the adapters again
         self.device = cache.device
         self.decoder = model.get_decoder()
         self.head = model.get_output_embeddings()
@@ -131,11 +139,13 @@ class DecodeEngine:
         self.floats = torch.zeros(slots, 2, dtype=torch.float32, device=dev)  # temperature, top_p
         self.ints = torch.zeros(slots, 4, dtype=torch.int64, device=dev)  # top_k, seed_lo, seed_hi, seq
         self.columns = torch.arange(cache.max_len, dtype=torch.int64, device=dev)
+        self.layer_kinds = _layer_kinds(model.config)
         self.adapter_index: torch.Tensor = self.adapter[:0]  # the rows' adapter slots during a forward
         self.row_keys: list[str] = []  # the rows' routing keys during a forward
         self.waiting: deque[_Prefill] = deque()
         self.by_slot: dict[int, Handle] = {}  # running sequences by slot
         self.steps = 0
+        self.prefilled = 0  # prompt tokens prefilled so far (the caller measures its prefill speed by them)
         self.passes = 0
         self._kernels: tuple[bool, int, torch.Tensor | None, int] | None = None  # the decode step's sampling choices
         self._graphs: dict[tuple[Any, ...], tuple[Any, tuple[torch.Tensor, ...]]] = {}
@@ -146,10 +156,13 @@ class DecodeEngine:
 
     def add(self, prompt_ids: Sequence[int], settings: DecodeSettings, *, num_samples: int = 1,
             seq_ids: Sequence[int] | None = None, adapter: int = -1, key: str = "",
-            stop_token_ids: Collection[int] = (), stop_strings: Sequence[str] = (), tag: Any = None) -> list[Handle]:
+            stop_token_ids: Collection[int] = (), stop_strings: Sequence[str] = (), tag: Any = None,
+            weights: int = 0) -> list[Handle]:
         """Queue `num_samples` sequences continuing `prompt_ids` (one prefill for all of them). `seq_ids` are their
         sequence indices in the sampler's counter (default 0..num_samples-1), so a request's samples differ from one
-        another and each repeats itself under the same seed. Raises ValueError when it cannot fit a slot."""
+        another and each repeats itself under the same seed. `weights` names the weights the rows read (an adapter and
+        its version): a prompt prefix is reused only from KV those weights computed. Raises ValueError when it cannot
+        fit a slot."""
         prompt = list(prompt_ids)
         if not prompt:
             raise ValueError("an empty prompt")
@@ -167,7 +180,7 @@ class DecodeEngine:
         if stops and self.decode_text is None:
             raise ValueError("stop strings need the engine's `decode`")
         members = [Handle(prompt, settings, i, adapter, key, frozenset(stop_token_ids), stops, tag) for i in ids]
-        group = _Prefill(prompt, members)
+        group = _Prefill(prompt, members, salt=weights)
         for member in members:
             member.group = group
             if stops and self.decode_text is not None:
@@ -196,12 +209,33 @@ class DecodeEngine:
             for member in group.members:
                 member.group = None
 
+    def set_adapters(self, keys: Sequence[str]) -> None:
+        """The routing keys of adapter indices 0.. from now on; call it again whenever an adapter's weights may have
+        changed (a run trained). The layers stack the adapters again, so captured graphs go."""
+        self.adapter_keys = tuple(keys)
+        self.adapter_epoch += 1
+        self._graphs.clear()
+
+    def resize(self, slots: int, max_len: int) -> None:
+        """Grow the cache to at least `slots` slots of `max_len` columns, keeping every slot's KV and bookkeeping (one
+        copy of the storage): sequences in flight go on as they were."""
+        old = self.cache.count
+        self.cache.resize(slots, max_len)
+        grow = self.cache.count - old
+        if grow:
+            def more(t: torch.Tensor, fill: float = 0) -> torch.Tensor:
+                return torch.cat([t, t.new_full((grow, *t.shape[1:]), fill)])
+            self.next_token, self.length, self.active = more(self.next_token), more(self.length), more(self.active)
+            self.adapter, self.floats, self.ints = more(self.adapter, -1), more(self.floats), more(self.ints)
+        self.columns = torch.arange(self.cache.max_len, dtype=torch.int64, device=self.device)
+        self._graphs.clear()
+
     @property
     def busy(self) -> bool:
         return bool(self.waiting or self.by_slot)
 
     def result(self, handle: Handle) -> dict[str, Any]:
-        """A sequence's answer in DecodeGroup's shape (one entry of its `sequences`), plus the prompt's scores and
+        """A sequence's answer (one SampledSequence's fields), plus the prompt's scores and
         its cache hits."""
         text = handle.text
         if text is None and self.decode_text is not None:
@@ -287,7 +321,7 @@ class DecodeEngine:
         plan = Pass(0, rows, None, write, kv_len,
                     scatter_index=write[:, None, :, None].expand(rows, self.cache.kv_heads, 1, self.cache.head_dim))
         hidden = self._forward(self.next_token[:rows, None], positions[:, None], plan, self.adapter[:rows], None)
-        logits = self._logits(hidden[:, -1])
+        logits = self._logits(hidden[:, -1], self.adapter[:rows])
         drawn = sample(logits, self._params(slice(0, rows)), length + 1, any_sampled=any_sampled,
                        top_k_cap=top_k_cap, top_p_rows=top_p_rows, logprobs_k=logprobs_k)
         return _outputs(drawn)
@@ -344,6 +378,7 @@ class DecodeEngine:
         hidden = self._forward(self._tensor(ids), self._tensor(positions), plan, adapters,
                                [group.members[0].key for group, _, _ in chunks])
         self.passes += 1
+        self.prefilled += sum(n for _, _, n in chunks)
         ended: list[int] = []
         for i, (group, f, n) in enumerate(chunks):
             self.cache.extend(group.slot, group.prompt[f:f + n])
@@ -357,7 +392,7 @@ class DecodeEngine:
             last = self._tensor([chunks[i][2] - 1 for i in ended])
             index = self._tensor(ended)
             logits = self._logits(hidden.index_select(0, index).gather(
-                1, last[:, None, None].expand(-1, 1, hidden.shape[-1])).squeeze(1))
+                1, last[:, None, None].expand(-1, 1, hidden.shape[-1])).squeeze(1), adapters.index_select(0, index))
             expand: list[int] = []
             for j, i in enumerate(ended):
                 group = chunks[i][0]
@@ -376,16 +411,16 @@ class DecodeEngine:
             return False
         source, n = -1, 0
         if not group.members[0].settings.wants_prompt_scores:
-            source, n = self.cache.match(group.prompt, len(group.prompt) - 1)
+            source, n = self.cache.match(group.prompt, len(group.prompt) - 1, group.salt)
         if source >= 0 and not self.cache.live[source]:
             self.cache.take(source)  # by reference: the freed slot as it is
             self.cache.truncate(source, n)
             group.slot = source
         else:
-            group.slot = self.cache.acquire()
+            group.slot = self.cache.acquire(group.salt)
             if source >= 0:
                 self.cache.copy_prefix(source, group.slot, n)
-        group.reserved = [self.cache.acquire() for _ in live[1:]]
+        group.reserved = [self.cache.acquire(group.salt) for _ in live[1:]]
         group.filled = group.hits = n
         for member in group.members:
             member.prompt_cache_hit_tokens = n
@@ -444,7 +479,7 @@ class DecodeEngine:
             group.scores, group.tops = [None], [None]
         if m <= 0:
             return
-        logprobs = torch.log_softmax(self._logits(hidden[:m]), dim=-1)
+        logprobs = torch.log_softmax(self._logits(hidden[:m], self.adapter[group.slot:group.slot + 1].expand(m)), dim=-1)
         own = logprobs.gather(1, self._tensor(prompt[first + 1:first + 1 + m])[:, None])
         k = group.members[0].settings.prompt_topk
         parts = [own.to(torch.float64)]
@@ -490,7 +525,9 @@ class DecodeEngine:
         slots = [h.slot for h in handles if h.slot >= 0]
         if not slots:
             return
-        self.active.index_fill_(0, self._tensor(slots), False)
+        freed = self._tensor(slots)
+        self.active.index_fill_(0, freed, False)
+        self.adapter.index_fill_(0, freed, -1)  # an idle row below high-water reads no adapter (its index may go)
         for handle in handles:
             if handle.slot >= 0:
                 self.by_slot.pop(handle.slot, None)
@@ -540,26 +577,48 @@ class DecodeEngine:
         self.row_keys = keys if keys is not None else [
             self.by_slot[r].key if r in self.by_slot else "" for r in range(int(adapters.shape[0]))]
         try:
-            out = self.decoder(input_ids=input_ids, position_ids=positions, attention_mask=self._mask(positions, plan),
-                               use_cache=True, **{self.cache_arg: self.kv})
+            with self._routed(adapters):
+                out = self.decoder(input_ids=input_ids, position_ids=positions, attention_mask=self._mask(positions, plan),
+                                   use_cache=True, **{self.cache_arg: self.kv})
         finally:
             self.kv.plan = None
         hidden: torch.Tensor = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
         return hidden
 
-    def _mask(self, positions: torch.Tensor, plan: Pass) -> torch.Tensor:
+    def _mask(self, positions: torch.Tensor, plan: Pass) -> torch.Tensor | dict[str, torch.Tensor]:
         """[rows, 1, q, kv_len] additive: each query sees the columns at or before its position (and within the
-        window, if any)."""
+        window, if any). A model mixing full and sliding-window layers (Gemma 2/3, GPT-OSS) gets one per layer kind,
+        as the dict its decoder takes instead of building its own: every slot holds the whole sequence, and a sliding
+        layer's mask reads only the window of it."""
         columns = self.columns[:plan.kv_len][None, None, :]
         at = positions[:, :, None]
-        allowed = columns <= at
-        if self.cache.window is not None:
-            allowed = allowed & (columns > at - self.cache.window)
+        causal = columns <= at
         zero = torch.zeros((), dtype=self.dtype, device=self.device)
-        return torch.where(allowed, zero, torch.finfo(self.dtype).min)[:, None]
+        low = torch.finfo(self.dtype).min
+        if self.layer_kinds is not None:
+            window = self.cache.window
+            assert window is not None
+            windowed = causal & (columns > at - window)
+            return {kind: torch.where(windowed if kind == "sliding_attention" else causal, zero, low)[:, None]
+                    for kind in self.layer_kinds}
+        if self.cache.window is not None:
+            causal = causal & (columns > at - self.cache.window)
+        return torch.where(causal, zero, low)[:, None]
 
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits: torch.Tensor = self.head(hidden).float()
+    def _routed(self, adapters: torch.Tensor) -> Any:
+        """Each row through its key's slot of the base (compute/lora/slots.py), -1 for the base alone: read from the
+        host's row keys, so routing a step reads nothing back from the device."""
+        if self.routing is None or not self.adapter_keys:
+            return contextlib.nullcontext()
+        keys = self.row_keys
+        if len(keys) != int(adapters.shape[0]):  # rows other than the forward's: their keys from the indices
+            keys = [self.adapter_keys[i] if 0 <= i < len(self.adapter_keys) else "" for i in adapters.tolist()]
+        routing = self.routing
+        return routed_rows(routing, [routing.slot_of(key) if key else -1 for key in keys])
+
+    def _logits(self, hidden: torch.Tensor, adapters: torch.Tensor) -> torch.Tensor:
+        with self._routed(adapters):  # the head may carry a run's LoRA (lm_head among its targets)
+            logits: torch.Tensor = self.head(hidden).float()
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
@@ -609,6 +668,12 @@ class DecodeEngine:
             outputs = run()  # captured, not run: the eager results above are this step's
         self._graphs[key] = (graph, outputs)
         return eager
+
+
+def _layer_kinds(config: Any) -> tuple[str, ...] | None:
+    """The layer kinds of a model mixing full and sliding-window attention (None: one kind for every layer)."""
+    kinds = tuple(sorted(set(getattr(config, "layer_types", None) or ())))
+    return kinds if len(kinds) > 1 else None
 
 
 def _outputs(drawn: Sampled) -> tuple[torch.Tensor, ...]:

@@ -14,15 +14,16 @@ scratch: rows of a batch that are not decoding (free slots, prompts still prefil
 prefill chunk write there, and no mask reads it, so sequences hold at most max_len - 1 tokens.
 
 Prompt prefixes: the slots remember the tokens whose KV they hold, live or freed (a freed slot keeps its KV until it
-is taken again, least recently freed first), indexed by the hash of every 16-token block prefix. `match` finds the
+is taken again, least recently freed first), indexed by the hash of every 16-token block prefix, a chain seeded by
+the slot's `salt`: the weights that computed its KV (another adapter's KV of the same tokens is not the same). `match` finds the
 slot sharing the longest prefix with a prompt; a freed slot is taken as it is (by reference, no copy), a live one's
 prefix is copied into the new slot in one on-device copy across all layers (`copy_prefix`).
 
-Families: full attention everywhere, or one sliding window on every layer (Mistral: the window is a mask over the
-full-length slot, so the slot holds the whole sequence). Refused, with a reason from `refusal` so the caller can fall
-back to its generate loop: mixed full and sliding layers (Gemma 2/3, Qwen2 with max_window_layers, Cohere 2),
+Families: full attention everywhere, one sliding window on every layer (Mistral), or both kinds mixed (Gemma 2/3,
+GPT-OSS, Qwen2 with max_window_layers, Cohere 2): a window is a mask over the full-length slot, so the slot holds the
+whole sequence, and the engine hands a mixed model one mask per layer kind. Refused, with a reason from `refusal`:
 linear-attention or recurrent layers, encoder-decoders, and attention implementations other than sdpa and eager
-(flash-attention takes no 4D mask).
+(flash-attention takes no 4D mask); no family of the catalogue is among them.
 """
 
 from __future__ import annotations
@@ -49,9 +50,8 @@ def refusal(config: Any) -> str | None:
     other = kinds - {"full_attention", "sliding_attention"}
     if other:
         return f"layers of kind {sorted(other)} (linear attention or recurrent state) are not a KV cache of slots"
-    if len(kinds) > 1:
-        return ("mixed full-attention and sliding-window layers (Gemma 2/3 and the like) need one mask per layer kind, "
-                "which this engine does not build")
+    if len(kinds) > 1 and not getattr(config, "sliding_window", None):
+        return "sliding-window layers with no sliding_window in the config"
     implementation = getattr(config, "_attn_implementation", None) or "eager"
     if implementation not in ("sdpa", "eager"):
         return f"attention implementation {implementation!r} takes no 4D mask: load the model with sdpa or eager"
@@ -182,6 +182,7 @@ class SlotCache:
         self._cached: OrderedDict[int, None] = OrderedDict()  # free and holding KV: least recently freed first
         self.tokens: list[list[int]] = [[] for _ in range(self.count)]  # whose KV each slot holds, in order
         self._hashes: list[list[int]] = [[] for _ in range(self.count)]  # prefix hash at each full block
+        self.salts: list[int] = [0] * self.count  # the weights each slot's KV was computed with
         self._index: dict[int, set[int]] = {}  # block prefix hash -> slots holding that prefix
 
     @property
@@ -199,8 +200,9 @@ class SlotCache:
                 return slot + 1
         return 0
 
-    def acquire(self) -> int:
-        """A free slot: the lowest one holding nothing, else the least recently freed (its KV forgotten)."""
+    def acquire(self, salt: int = 0) -> int:
+        """A free slot for KV of weights `salt`: the lowest one holding nothing, else the least recently freed (its KV
+        forgotten)."""
         if self._clean:
             slot = heapq.heappop(self._clean)
         elif self._cached:
@@ -209,6 +211,7 @@ class SlotCache:
         else:
             raise RuntimeError("no free slot")
         self.live[slot] = True
+        self.salts[slot] = salt
         return slot
 
     def take(self, slot: int) -> None:
@@ -245,14 +248,14 @@ class SlotCache:
         hashes = self._hashes[slot]
         while (len(hashes) + 1) * BLOCK <= len(held):
             k = len(hashes)
-            h = hash((hashes[-1] if hashes else 0, tuple(held[k * BLOCK:(k + 1) * BLOCK])))
+            h = hash((hashes[-1] if hashes else self.salts[slot], tuple(held[k * BLOCK:(k + 1) * BLOCK])))
             hashes.append(h)
             self._index.setdefault(h, set()).add(slot)
 
-    def match(self, prompt: Sequence[int], most: int) -> tuple[int, int]:
-        """(slot, n): a slot (live or freed) whose first n tokens' KV are the prompt's first n, n <= `most` and as
-        large as any slot offers; (-1, 0) when no slot shares a whole block."""
-        h, found = 0, -1
+    def match(self, prompt: Sequence[int], most: int, salt: int = 0) -> tuple[int, int]:
+        """(slot, n): a slot (live or freed) whose first n tokens' KV, computed by weights `salt`, are the prompt's
+        first n, n <= `most` and as large as any slot offers; (-1, 0) when no slot shares a whole block."""
+        h, found = salt, -1
         candidates: set[int] = set()
         for k in range(min(len(prompt), most) // BLOCK):
             h = hash((h, tuple(prompt[k * BLOCK:(k + 1) * BLOCK])))
@@ -273,10 +276,30 @@ class SlotCache:
                 best, best_n = slot, n
         return best, best_n
 
+    def resize(self, slots: int, max_len: int) -> None:
+        """At least `slots` slots of at least `max_len` columns: a new storage with every slot's KV copied in (the
+        old scratch column left behind), so live sequences and the prefix index stay as they were."""
+        slots, max_len = max(slots, self.count), max(max_len, self.max_len)
+        if slots == self.count and max_len == self.max_len:
+            return
+        storage = torch.zeros(self.layers, 2, slots, self.kv_heads, max_len, self.head_dim, dtype=self.storage.dtype,
+                              device=self.device)
+        storage[:, :, :self.count, :, :self.scratch].copy_(self.storage[:, :, :, :, :self.scratch])
+        self.storage = storage
+        self.slot_bytes = self.slot_bytes // self.max_len * max_len
+        for slot in range(self.count, slots):
+            heapq.heappush(self._clean, slot)
+        self.live += [False] * (slots - self.count)
+        self.tokens += [[] for _ in range(slots - self.count)]
+        self._hashes += [[] for _ in range(slots - self.count)]
+        self.salts += [0] * (slots - self.count)
+        self.count, self.max_len, self.scratch = slots, max_len, max_len - 1
+
     def copy_prefix(self, source: int, target: int, n: int) -> None:
         """The first n columns of `source`'s KV into `target`, every layer, keys and values: one on-device copy."""
         self.storage[:, :, target, :, :n].copy_(self.storage[:, :, source, :, :n])
         self.truncate(target, 0)
+        self.salts[target] = self.salts[source]
         self.extend(target, self.tokens[source][:n])
 
     def copy_prefix_many(self, source: int, targets: Sequence[int], n: int) -> None:
@@ -293,4 +316,5 @@ class SlotCache:
         held = self.tokens[source][:n]
         for target in targets:
             self.truncate(target, 0)
+            self.salts[target] = self.salts[source]
             self.extend(target, held)
