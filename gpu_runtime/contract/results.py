@@ -180,6 +180,12 @@ class CancelResult(Result):
     found: bool  # the call is here: withdrawn or stopped now, or in a pass (it completes); False: answered on arrival
     deferred: bool = False  # a deadline cancel of a call not yet able to run that long: withdrawn when it has been
 
+    def to_dict(self) -> dict[str, Any]:
+        data = super().to_dict()
+        if not self.deferred:
+            del data["deferred"]  # only a deferred deadline says so: the answer every client had before stays as it was
+        return data
+
 
 @dataclass(frozen=True, kw_only=True)
 class TokenizerResult(Result):

@@ -614,7 +614,7 @@ class DecodeEngine:
         if len(keys) != int(adapters.shape[0]):  # rows other than the forward's: their keys from the indices
             keys = [self.adapter_keys[i] if 0 <= i < len(self.adapter_keys) else "" for i in adapters.tolist()]
         routing = self.routing
-        return routed_rows(routing, [routing.slot_of(key) if key else -1 for key in keys])
+        return routed_rows(routing, [routing.slot_of(key) if key else -1 for key in keys], keys)
 
     def _logits(self, hidden: torch.Tensor, adapters: torch.Tensor) -> torch.Tensor:
         with self._routed(adapters):  # the head may carry a run's LoRA (lm_head among its targets)

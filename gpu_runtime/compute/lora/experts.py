@@ -132,8 +132,23 @@ class MultiLoraExperts(nn.Module):
             return output.reshape(-1, output.shape[-1])
         return None
 
+
+    def _segments(self) -> list[Segment]:
+        """The pass's segments; in a decode step (per-row routing) each run of rows of one key, read from row_keys."""
+        routing = self.routing
+        if routing.row_slots is None:
+            return routing.segments
+        segments: list[Segment] = []
+        for i, key in enumerate(routing.row_keys or []):
+            if not key:
+                continue
+            if segments and segments[-1].key == key and segments[-1].end == i:
+                segments[-1].end = i + 1
+            else:
+                segments.append(Segment(key, i, i + 1))
+        return segments
     def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-        runs = [s for s in self.routing.segments if any(s.key in t.adapters for t in self.targets.values())]
+        runs = [s for s in self._segments() if any(s.key in t.adapters for t in self.targets.values())]
         if not runs:  # the plain base, exactly as transformers computes it
             out: torch.Tensor = self.base_layer(hidden, top_k_index, top_k_weights)
             return out

@@ -57,6 +57,8 @@ class Routing:
         self._segments: list[Segment] = []
         # Decoding: one slot per batch row (`slot_of(key)`, -1: the base alone); no autograd.
         self.row_slots: list[int] | None = None
+        # …and each row's routing key ("" for none): what reads adapters by key (compute/lora/experts.py) routes by.
+        self.row_keys: list[str] | None = None
         self.tables: dict[Any, Any] = {}  # this routing's tables, dropped when its rows change
         self.copies: dict[Any, tuple[torch.Tensor, torch.Tensor]] = {}  # this pass's compute copies
 
@@ -71,7 +73,7 @@ class Routing:
 
     def clear(self) -> None:
         """After a pass: a stray pass computes the plain base, and nothing of this one is kept."""
-        self._segments, self.row_slots = [], None
+        self._segments, self.row_slots, self.row_keys = [], None, None
         self.tables.clear()
         self.copies.clear()
 
@@ -234,10 +236,12 @@ def routed(routing: Routing, segments: list[Segment]) -> Iterator[None]:
 
 
 @contextmanager
-def routed_rows(routing: Routing, row_slots: list[int]) -> Iterator[None]:
-    """Route one decode step: batch row i takes slot `row_slots[i]` (`routing.slot_of(key)`; -1: the base alone)."""
+def routed_rows(routing: Routing, row_slots: list[int], row_keys: list[str] | None = None) -> Iterator[None]:
+    """Route one decode step: batch row i takes slot `row_slots[i]` (`routing.slot_of(key)`; -1: the base alone), and
+    key `row_keys[i]` where given (an expert-only run holds no slot)."""
     routing.clear()
     routing.row_slots = list(row_slots)
+    routing.row_keys = None if row_keys is None else list(row_keys)
     try:
         yield
     finally:
