@@ -86,7 +86,19 @@ def _datum(datum: Any, index: int) -> dict[str, Any]:
         tokens += _numbers("i", chunk.encoded_text.tokens)
     inputs = {name: _tensor(tensor, f"data[{index}].loss_fn_inputs.{name}")
               for name, tensor in datum.loss_fn_inputs.items()}
-    return {"model_input": tokens, "loss_fn_inputs": inputs}
+    decoded: dict[str, Any] = {"model_input": tokens, "loss_fn_inputs": inputs}
+    if len(datum.loss_fn_input_spans):  # provenance (app/tinker/stability.py resolves it, then drops it)
+        decoded["loss_fn_input_spans"] = [_span(span) for span in datum.loss_fn_input_spans]
+    return decoded
+
+
+def _span(span: Any) -> dict[str, Any]:
+    kind = span.WhichOneof("span")
+    arm = getattr(span, kind) if kind else None
+    if arm is None:
+        return {"kind": "prompt", "sequence_id": "", "offset": 0, "length": 0}
+    return {"kind": "sampled" if kind == "sampled_tokens" else "prompt", "sequence_id": arm.sequence_id,
+            "offset": int(arm.offset), "length": int(arm.length)}
 
 
 def _tensor(tensor: Any, field: str) -> list[Any]:

@@ -15,7 +15,7 @@ from app.services.call_order import Numbered
 from app.services.tinker_futures import PROTO_TYPE, json_answer
 from app.services.tinker_sessions import sampling_session_id, session_of
 from app.tables import TinkerFuture, TinkerModel, User
-from app.tinker import paths, proto
+from app.tinker import paths, proto, stability
 from app.tinker.endpoint import body, future_answer, integer, services
 from app.tinker.messages import (
     OptimStepResponse,
@@ -23,9 +23,11 @@ from app.tinker.messages import (
     SaveWeightsResponse,
     UntypedAPIFuture,
 )
+from gpu_runtime.contract.training_settings import LOSS_CONFIG_DEFAULTS
 from gpu_runtime.errors import FailedPrecondition
 
 T = TypeVar("T")
+STABLE_REINFORCE_CAP = LOSS_CONFIG_DEFAULTS["stable_reinforce"]["clip_high_threshold"]
 ADAM_KEYS = ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")  # AdamParams' fields
 
 
@@ -70,8 +72,11 @@ async def forward_backward(request: Request, user: User) -> UntypedAPIFuture:
     model = await svc.tinker_sessions.model(user, message["model_id"], live=True)
     seq = integer(message["seq_id"], "seq_id", 1)
     forward_only = message["forward_only"]
+    store = stability.store(request)
 
     async def work(request_id: str) -> tuple[str, bytes]:
+        # Provenance names recorded sequences: their sampler logprobs replace the datum's (a user error if unknown).
+        stability.resolve(store, user.id, message["data"])
         if forward_only:
             ahead = await ordered(svc, model, seq, lambda order, rid: svc.runs.forward(
                 user, message["data"], run_id=model.run_id, loss_fn=message["loss_fn"],
@@ -83,7 +88,11 @@ async def forward_backward(request: Request, user: User) -> UntypedAPIFuture:
                 loss_fn_config=message["loss_fn_config"], request_id=rid, reduction="sum", return_outputs=True,
                 order=order), request_id)
             loss, outputs = trained.loss, trained.outputs or []
-        return PROTO_TYPE, proto.encode_forward_backward_output(outputs, {"loss:sum": loss})
+        metrics = {"loss:sum": loss}
+        if message["loss_fn"] == "stable_reinforce":
+            cap = (message["loss_fn_config"] or {}).get("clip_high_threshold", STABLE_REINFORCE_CAP)
+            metrics |= stability.ratio_metrics(message["data"], outputs, float(cap))
+        return PROTO_TYPE, proto.encode_forward_backward_output(outputs, metrics)
 
     row = await submit_training(svc, user, model, seq, "Forward" if forward_only else "ForwardBackward", work)
     return future_answer(row)
