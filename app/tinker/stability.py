@@ -131,5 +131,5 @@ def ratio_metrics(datums: list[dict[str, Any]], outputs: list[dict[str, list[flo
                 ratios.append(math.exp(min(lp - slp, 700.0)))  # exp's overflow bound: a ratio that large is just huge
     if not ratios:
         return {}
-    return {"stability/ratio_mean": sum(ratios) / len(ratios), "stability/ratio_max": max(ratios),
-            "stability/fraction_truncated": sum(r > cap for r in ratios) / len(ratios)}
+    return {"stability/ratio:mean": sum(ratios) / len(ratios), "stability/ratio:max": max(ratios),
+            "stability/truncated:mean": sum(r > cap for r in ratios) / len(ratios)}
