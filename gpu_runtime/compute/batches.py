@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from gpu_runtime.compute import soft_targets
 from gpu_runtime.contract.results import RenderedDatum
 from gpu_runtime.contract.training_settings import DATUM_INPUTS, PACKED_KEY, PACKED_TOKENS, RL_LOSSES, TEXT_KEYS, TOKEN_KEYS
 from gpu_runtime.errors import BadInput
@@ -34,6 +35,7 @@ class Datum:
     targets: list[int]
     weights: list[float] | None  # None: every position weighs 1 (RL losses: their mean counts non-zero advantages)
     inputs: dict[str, list[float]] = field(default_factory=dict)  # advantages, logprobs, clip thresholds
+    soft: soft_targets.SoftLists | None = None  # (N, K) targets and weights; targets/weights then hold their summary
 
     @property
     def length(self) -> int:
@@ -55,6 +57,9 @@ class Datum:
 
     def to_dict(self) -> RenderedDatum:
         """Tinker's datum shape (what renderDatums returns and new journal records hold)."""
+        if self.soft is not None:
+            return {"model_input": list(self.model_input),
+                    "loss_fn_inputs": {"target_tokens": self.soft[0], "weights": self.soft[1]}}
         inputs: dict[str, list[Any]] = {"target_tokens": list(self.targets)}
         if self.weights is not None:
             inputs["weights"] = list(self.weights)
@@ -67,8 +72,15 @@ class Datum:
         if "model_input" in data:
             inputs = dict(data["loss_fn_inputs"])
             targets, weights = inputs.pop("target_tokens"), inputs.pop("weights", None)
+            if soft_targets.is_2d(targets):
+                return _soft(list(data["model_input"]), (targets, weights))
             return cls(list(data["model_input"]), list(targets), weights, inputs)
         return _shifted(data["tokens"], data["weights"], data.get("extras") or {})
+
+
+def _soft(model_input: list[int], soft: soft_targets.SoftLists) -> Datum:
+    targets, weights = soft_targets.summary(soft)
+    return Datum(model_input, targets, weights, {}, soft)
 
 
 def _shifted(tokens: list[int], weights: list[float], extras: dict[str, list[float]]) -> Datum:
@@ -84,6 +96,7 @@ class Collated:
     counted: torch.Tensor  # [B, T] 1 where a position counts toward the mean of an RL loss
     extras: dict[str, torch.Tensor]  # NaN where a datum lacks the input (a clip threshold: the config's value)
     lengths: list[int]
+    soft: soft_targets.SoftBatch | None = None  # (B, T, K) soft targets, when any row has them
 
 
 class Renderer:
@@ -270,10 +283,9 @@ class Renderer:
         if "target_tokens" not in inputs:
             raise BadInput(f"{at}.target_tokens is required", field=f"{at}.target_tokens")
         targets = inputs["target_tokens"]
-        if isinstance(targets, list) and any(isinstance(t, list) for t in targets):
-            raise BadInput(f"{at}.target_tokens must be 1-D (one target per position), not 2-D",
-                           field=f"{at}.target_tokens")
         n = len(model_input)
+        if soft_targets.is_2d(targets):
+            return _soft(list(model_input), soft_targets.check(inputs, at, n, loss_fn, self.vocab_size))
         if not isinstance(targets, list) or len(targets) != n:
             got = len(targets) if isinstance(targets, list) else type(targets).__name__
             raise BadInput(f"{at}.target_tokens must be a list as long as model_input ({n}), got {got}",
@@ -341,10 +353,12 @@ def collate(datums: list[Datum], device: torch.device) -> Collated:
             else:
                 counted[i, :n] = 1.0
     return Collated(input_ids.to(device), attention_mask.to(device), targets.to(device), weights.to(device),
-                    counted.to(device), {k: v.to(device) for k, v in extras.items()}, [d.length for d in datums])
+                    counted.to(device), {k: v.to(device) for k, v in extras.items()}, [d.length for d in datums],
+                    soft_targets.collate([d.soft for d in datums], width, device))
 
 
 def rows(data: Collated, span: slice) -> Collated:
     """The rows `span` of a collated batch."""
     return Collated(data.input_ids[span], data.attention_mask[span], data.targets[span], data.weights[span],
-                    data.counted[span], {k: v[span] for k, v in data.extras.items()}, data.lengths[span])
+                    data.counted[span], {k: v[span] for k, v in data.extras.items()}, data.lengths[span],
+                    None if data.soft is None else data.soft.slice(span))

@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import torch
 
+from gpu_runtime.compute import soft_targets
 from gpu_runtime.compute.batches import Collated
 from gpu_runtime.contract.training_settings import LOSS_CONFIG_DEFAULTS, RL_LOSSES
 
@@ -45,7 +46,10 @@ def _ratio(logprobs: torch.Tensor, batch: Collated) -> torch.Tensor:
 
 def cross_entropy(logprobs: torch.Tensor, batch: Collated, config: dict[str, float]) -> torch.Tensor:
     # Weights are used verbatim: fractional (per-example means) and negative (a custom loss's -dLoss/dlogprob).
-    return -(logprobs * batch.weights.to(logprobs.dtype))
+    hard = -(logprobs * batch.weights.to(logprobs.dtype))
+    if batch.soft is None:
+        return hard
+    return torch.where(batch.soft.rows[:, None], soft_targets.loss(batch.soft, logprobs), hard)
 
 
 def importance_sampling(logprobs: torch.Tensor, batch: Collated, config: dict[str, float]) -> torch.Tensor:

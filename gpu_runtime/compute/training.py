@@ -20,6 +20,7 @@ from gpu_runtime.compute.lora.layer import Segment, routed
 from gpu_runtime.compute.losses import LOSSES, normaliser, target_logprobs
 from gpu_runtime.compute.plan import Outcome, PartOutcome, PassPart, RunWeights
 from gpu_runtime.compute.pool import BaseEntry
+from gpu_runtime.compute.soft_targets import gather_logprobs
 from gpu_runtime.errors import BadInput
 
 if TYPE_CHECKING:
@@ -48,6 +49,8 @@ def forward_backward_pass(entry: BaseEntry, runs: Mapping[str, RunWeights], part
     with torch.set_grad_enabled(not forward_only), routed(entry.routing, segments):
         logits = entry.model(input_ids=data.input_ids, attention_mask=data.attention_mask).logits
         logprobs = target_logprobs(logits, data.targets)
+        if data.soft is not None:  # (B, T, K) soft targets' logprobs from the same logits (compute/soft_targets.py)
+            data.soft.logprobs = gather_logprobs(logits, data.soft.targets)
         sums: list[tuple[torch.Tensor | None, float]] = []
         outputs: list[list[dict[str, list[float]]] | None] = []
         for part, span in zip(local, spans):

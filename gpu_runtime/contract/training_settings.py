@@ -184,6 +184,9 @@ TOKEN_KEYS = {"tokens", "weights", "logprobs", "advantages"}
 DATUM_KEYS = {"model_input", "loss_fn_inputs"}
 DATUM_INPUTS = ("target_tokens", "weights", "advantages", "logprobs", "clip_low_threshold", "clip_high_threshold",
                 "sequence_ratio_mask")
+# Soft targets: cross_entropy's target_tokens and weights may be (N, K), a weighted sum over K targets per position
+# (a teacher's top-K). The pass gathers (N, K) logprobs: memory grows with K, so K is bounded (sdft's default is 20).
+MAX_SOFT_TARGETS = 64
 # The packed datum: {"packed": {"model_input": b64, "target_tokens": b64, "weights": b64, …}}, each list as base64 of
 # little-endian int32 (token ids) or float32 (the rest). One string per list: GraphQL coerces a typed list element by
 # element (about 0.9 µs each), a string at once.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -102,7 +103,18 @@ BAD_ITEMS: list[tuple[Any, str]] = [
     ({"tokens": [1, 2], "weights": [0, 1], "logprobs": [0, 0]}, "batch[0].logprobs"),
     ({"tokens": [1] * 300}, "batch[0]"),  # longer than the context (256)
     # Tinker's datums
-    ({"model_input": [1, 2], "loss_fn_inputs": {"target_tokens": [[2, 3], [3, 4]]}}, "batch[0].loss_fn_inputs.target_tokens"),
+    # soft targets: (N, K) with weights of the same shape, K bounded, cross_entropy only (the RL case below)
+    ({"model_input": [1, 2], "loss_fn_inputs": {"target_tokens": [[2, 3], [3, 4]]}}, "batch[0].loss_fn_inputs.weights"),
+    ({"model_input": [1, 2], "loss_fn_inputs": {"target_tokens": [[2, 3], [3]], "weights": [[1, 1], [1, 1]]}},
+     "batch[0].loss_fn_inputs.target_tokens"),
+    ({"model_input": [1, 2], "loss_fn_inputs": {"target_tokens": [[2, 3], [3, 4]], "weights": [[1, 1, 1], [1, 1, 1]]}},
+     "batch[0].loss_fn_inputs.weights"),
+    ({"model_input": [1], "loss_fn_inputs": {"target_tokens": [[2] * 65], "weights": [[1.0] * 65]}},
+     "batch[0].loss_fn_inputs.target_tokens"),
+    ({"model_input": [1], "loss_fn_inputs": {"target_tokens": [[2, 10**6]], "weights": [[1.0, 1.0]]}},
+     "batch[0].loss_fn_inputs.target_tokens"),
+    ({"model_input": [1], "loss_fn_inputs": {"target_tokens": [[2, 3]], "weights": [[1.0, math.nan]]}},
+     "batch[0].loss_fn_inputs.weights"),
     ({"model_input": [1, {"type": "image", "data": "AA==", "format": "png"}], "loss_fn_inputs": {"target_tokens": [2, 3]}},
      "batch[0].model_input[1]"),
     ({"model_input": [1, 2], "loss_fn_inputs": {"target_tokens": [2]}}, "batch[0].loss_fn_inputs.target_tokens"),

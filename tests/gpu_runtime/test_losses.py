@@ -234,7 +234,8 @@ def test_the_runtimes_lora_gradients_equal_pefts_for_the_same_loss(tmp_path: Pat
 def test_runs_with_different_losses_and_reductions_share_one_pass_as_if_alone(tmp_path: Path,
                                                                             tiny_model_dir: str) -> None:
     plan = {"ce": ("cross_entropy", "sum"), "is": ("importance_sampling", "mean"), "ppo": ("ppo", "sum"),
-            "cispo": ("cispo", "mean"), "dro": ("dro", "sum")}
+            "cispo": ("cispo", "mean"), "dro": ("dro", "sum"), "gspo": ("gspo", "sum"),
+            "sr": ("stable_reinforce", "mean")}
     seeds = {run_id: i + 1 for i, run_id in enumerate(plan)}
     together = make_engine(tmp_path / "together", tiny_model_dir, seeds)
     batches = {run_id: rl_batch(together, run_id, seed=seeds[run_id]) for run_id in plan}
