@@ -1,5 +1,6 @@
-"""stable_reinforce and gspo through the real tinker SDK (docs/LOSSES.md): a sample with record_stability_info keeps
-each sequence's logprobs, a datum's provenance names it, and an unknown or another user's sequence is a user error."""
+"""The cookbook's newer losses through the real tinker SDK (docs/LOSSES.md): stable_reinforce (a sample with
+record_stability_info keeps each sequence's logprobs, a datum's provenance names it, an unknown or another user's
+sequence is a user error), gspo, and cross_entropy with (N, K) soft targets, dense and sparse."""
 
 from __future__ import annotations
 
@@ -110,3 +111,41 @@ def test_the_record_expires_and_stays_within_its_token_bound() -> None:
     bounded.record("u", "r:1", [4, 5, 6], [-1.0] * 3, "v1")  # 6 tokens > 5: the oldest goes
     assert bounded.get("u", "r:0") is None and bounded.get("u", "r:1") is not None
     assert bounded.get("someone-else", "r:1") is None
+
+
+@pytest.mark.parametrize("encoding", ["dense", "sparse"])
+def test_soft_targets_are_the_weighted_sum_over_k(training: Any, encoding: str) -> None:
+    import torch
+    from tinker import types
+
+    tokens = TOKENS[:7]
+    teacher = [[t, (t * 7) % 1000 + 1, 0] for t in tokens[1:]]  # K = 3; the last column padding where its weight is 0
+    weights = [[0.6, 0.4, 0.0], [0.5, 0.25, 0.25], [1.0, 0.0, 0.0], [0.7, 0.2, 0.1], [0.3, 0.3, 0.4], [0.9, 0.1, 0.0]]
+    # torch tensors go as CSR (the SDK's sparse path for 2-D target_tokens/weights), lists as dense (N, K).
+    # 13 empty columns more (K = 16): mostly padding, so the SDK finds CSR smaller and sends it.
+    padded_t, padded_w = [row + [0] * 13 for row in teacher], [row + [0.0] * 13 for row in weights]
+    inputs: dict[str, Any] = ({"target_tokens": torch.tensor(padded_t), "weights": torch.tensor(padded_w)}
+                              if encoding == "sparse" else {"target_tokens": teacher, "weights": weights})
+    soft = types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs=inputs)
+    if encoding == "sparse":
+        assert soft.loss_fn_inputs["target_tokens"].sparse_crow_indices is not None
+    out = training.forward(
+        [soft] + [types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs={
+            "target_tokens": [row[k] for row in teacher], "weights": [row[k] for row in weights]})  # type: ignore[dict-item]  # lists → TensorData
+            for k in range(3)], "cross_entropy").result()
+    per_datum = [sum(as_list(output["elementwise_loss"])) for output in out.loss_fn_outputs]
+    assert per_datum[0] == pytest.approx(sum(per_datum[1:]), rel=1e-5)
+    assert out.metrics["loss:sum"] == pytest.approx(2 * per_datum[0], rel=1e-5)
+
+
+def test_soft_targets_with_an_rl_loss_are_a_user_error(training: Any) -> None:
+    import tinker
+    from tinker import types
+
+    datum = types.Datum(model_input=types.ModelInput.from_ints(TOKENS[:3]), loss_fn_inputs={
+        "target_tokens": [[1, 2], [3, 4], [5, 6]], "weights": [[1.0, 0.0]] * 3,  # type: ignore[dict-item]  # lists → TensorData
+        "advantages": [1.0] * 3, "logprobs": [-1.0] * 3})
+    with pytest.raises(tinker.RequestFailedError) as failed:
+        training.forward_backward([datum], "importance_sampling").result(timeout=60)
+    assert failed.value.category.value == "user"
+    assert "batch[0].loss_fn_inputs.target_tokens" in str(failed.value)
