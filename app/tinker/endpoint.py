@@ -17,6 +17,7 @@ from app.errors import BadInput, SignalError, Unauthenticated, http_status, retr
 from app.services import Services
 from app.services.tinker_sessions import SessionFinished
 from app.tables import TinkerFuture, User
+from app.tinker import compression
 from app.tinker.messages import UntypedAPIFuture
 from gpu_runtime.errors import FailedPrecondition
 
@@ -48,9 +49,7 @@ async def authenticate(request: Request) -> User:
 
 async def body(request: Request) -> dict[str, Any]:
     """The request's JSON object, as sent: each handler checks the fields it reads."""
-    raw = await request.body()
-    if request.headers.get("content-encoding", "identity") not in ("identity", ""):
-        raise BadInput("Content-Encoding is not supported (the server sets proto_compress_fwdbwd false)", field="body")
+    raw = await compression.request_body(request, services(request).settings.max_request_bytes)
     try:
         value = json.loads(raw or b"{}")
     except ValueError:

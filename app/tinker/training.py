@@ -15,7 +15,7 @@ from app.services.call_order import Numbered
 from app.services.tinker_futures import PROTO_TYPE, json_answer
 from app.services.tinker_sessions import sampling_session_id, session_of
 from app.tables import TinkerFuture, TinkerModel, User
-from app.tinker import paths, proto, stability
+from app.tinker import compression, paths, proto, stability
 from app.tinker.endpoint import body, future_answer, integer, services
 from app.tinker.messages import (
     OptimStepResponse,
@@ -65,10 +65,8 @@ async def release(svc: Services, model: TinkerModel, seq: int) -> None:
 async def forward_backward(request: Request, user: User) -> UntypedAPIFuture:
     if "protobuf" not in request.headers.get("content-type", ""):
         raise BadInput("forward_backward takes an application/x-protobuf ForwardBackwardRequest", field="body")
-    if request.headers.get("content-encoding", "identity") not in ("identity", ""):
-        raise BadInput("Content-Encoding is not supported (the server sets proto_compress_fwdbwd false)", field="body")
-    message = proto.decode_forward_backward(await request.body())
     svc = services(request)
+    message = proto.decode_forward_backward(await compression.request_body(request, svc.settings.max_request_bytes))
     model = await svc.tinker_sessions.model(user, message["model_id"], live=True)
     seq = integer(message["seq_id"], "seq_id", 1)
     forward_only = message["forward_only"]
