@@ -117,6 +117,7 @@ class Checkpoint(TypedDict):
     tinker_path: str
     size_bytes: int
     public: bool
+    expires_at: str | None  # ISO 8601: when ttl_seconds deletes it; None: kept until deleted
 
 
 class Cursor(TypedDict):

@@ -3,6 +3,7 @@ deletion, weights_info. Read-mostly views of the caller's models and their Signa
 
 from __future__ import annotations
 
+from datetime import UTC
 from typing import Any
 
 from starlette.requests import Request
@@ -45,7 +46,7 @@ def checkpoint(model: TinkerModel, row: tables.Checkpoint) -> Checkpoint | None:
         return None  # a merged export, or a name Tinker paths cannot carry
     return {"checkpoint_id": f"{kind}/{row.name}", "checkpoint_type": TYPES[kind], "time": row.created_at.isoformat(),
             "tinker_path": f"tinker://{model.id}/{kind}/{row.name}", "size_bytes": int(row.size_bytes),
-            "public": False}
+            "public": False, "expires_at": None if row.expires_at is None else row.expires_at.replace(tzinfo=UTC).isoformat()}
 
 
 async def training_run(svc: Services, user: User, model: TinkerModel) -> TrainingRun:

@@ -28,6 +28,7 @@ from gpu_runtime.errors import FailedPrecondition
 
 T = TypeVar("T")
 STABLE_REINFORCE_CAP = LOSS_CONFIG_DEFAULTS["stable_reinforce"]["clip_high_threshold"]
+MAX_CHECKPOINT_TTL_S = 3653 * 24 * 3600  # Tinker's bound: ten years (None: never expires)
 ADAM_KEYS = ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")  # AdamParams' fields
 
 
@@ -128,6 +129,7 @@ async def save(request: Request, user: User, kind: str) -> UntypedAPIFuture:
     ephemeral = kind == "sampler_weights" and data.get("path") is None
     name = None if ephemeral else paths.check_name(data.get("path"))
     overwrite = bool(data.get("overwrite", False))
+    ttl = checkpoint_ttl(data.get("ttl_seconds"), svc.settings.tinker_min_checkpoint_ttl_s)
     request_type = "SaveWeights" if kind == "weights" else "SaveWeightsForSampler"
 
     async def work(request_id: str) -> tuple[str, bytes]:
@@ -148,15 +150,30 @@ async def save(request: Request, user: User, kind: str) -> UntypedAPIFuture:
         if kind == "sampler_weights":  # a named snapshot: the weights at this seq_id, kept until deleted
             await ordered(svc, model, seq, lambda order, rid: svc.runs.save_weights_for_sampler(
                 user, run.id, name=target.name, request_id=rid, order=order), request_id)
+            if ttl is not None:
+                await svc.runs.set_expiry(user, run.id, target.mode, target.name, ttl)
             return json_answer(SaveWeightsForSamplerResponseInternal(path=target.path, type="save_weights_for_sampler"))
         await ordered(svc, model, seq, lambda order, rid: svc.runs.save_state(
             user, run.id, mode=target.mode, name=target.name, with_optimizer=True, request_id=rid, order=order,
             overwrite=overwrite),
             request_id)
+        if ttl is not None:
+            await svc.runs.set_expiry(user, run.id, target.mode, target.name, ttl)
         return json_answer(SaveWeightsResponse(path=target.path, type="save_weights"))
 
     row = await submit_training(svc, user, model, seq, request_type, work)
     return future_answer(row)
+
+
+def checkpoint_ttl(value: object, shortest: int) -> float | None:
+    """Tinker's ttl_seconds: None keeps the checkpoint until deleted; else whole seconds from the save, an hour
+    (SIGNAL_TINKER_MIN_CHECKPOINT_TTL_S) to ten years, as Tinker bounds it."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not shortest <= value <= MAX_CHECKPOINT_TTL_S:
+        raise BadInput(f"ttl_seconds must be an integer in {shortest}..{MAX_CHECKPOINT_TTL_S}, got {value!r}",
+                       field="ttl_seconds")
+    return float(value)
 
 
 async def save_weights(request: Request, user: User) -> UntypedAPIFuture:

@@ -1,0 +1,73 @@
+"""Tinker's ttl_seconds on save_state and save_weights_for_sampler: the checkpoint lists its expires_at, and once past
+it the housekeeping (the Tinker futures' heartbeat) deletes its files and row. The test's server takes a 2 s TTL
+(SIGNAL_TINKER_MIN_CHECKPOINT_TTL_S) and runs its housekeeping every 2 s (SIGNAL_TINKER_RESULT_TTL_S)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.helpers.live_server import TINY_MODEL, LiveServer, settings_for
+
+TTL_S = 2
+PATIENCE_S = 60.0
+
+
+@pytest.fixture(scope="module")
+def live_server(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    server = LiveServer.start(settings_for(Path(tmp_path_factory.mktemp("tinker-ttl")), tiny_model_dir,
+                                           tinker_min_checkpoint_ttl_s=TTL_S, tinker_result_ttl_s=float(TTL_S)))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def key(live_server: LiveServer) -> str:
+    return "tml-" + live_server.new_user()
+
+
+@pytest.fixture(scope="module")
+def client(live_server: LiveServer, key: str) -> Any:
+    import tinker
+
+    return tinker.ServiceClient(base_url=live_server.url, api_key=key)
+
+
+def checkpoint_files(server: LiveServer, name: str) -> list[Path]:
+    return [p for p in (server.settings.data_dir / "runs").glob(f"**/{name}") if p.is_dir()]
+
+
+def test_an_expired_checkpoint_is_deleted_files_and_row(live_server: LiveServer, client: Any, key: str) -> None:
+    import tinker
+
+    training = client.create_lora_training_client(base_model=TINY_MODEL, rank=4, seed=1).result()
+    before = datetime.now(UTC)
+    training.save_state("short", ttl_seconds=TTL_S).result()
+    training.save_state("kept").result()
+    rest = tinker.RestClient(base_url=live_server.url, api_key=key)
+    listed = {c.checkpoint_id: c for c in rest.list_checkpoints(training.model_id).result().checkpoints}
+    assert listed["weights/kept"].expires_at is None
+    expires_at = listed["weights/short"].expires_at
+    assert expires_at is not None and 0 < (expires_at - before).total_seconds() <= TTL_S + 30
+    assert checkpoint_files(live_server, "short")
+    deadline = time.monotonic() + PATIENCE_S
+    while checkpoint_files(live_server, "short") and time.monotonic() < deadline:
+        time.sleep(0.2)  # a condition polled: the sweep's clock is the server's own
+    assert not checkpoint_files(live_server, "short")
+    ids = [c.checkpoint_id for c in rest.list_checkpoints(training.model_id).result().checkpoints]
+    assert ids == ["weights/kept"] and checkpoint_files(live_server, "kept")
+
+
+@pytest.mark.parametrize("ttl", [TTL_S - 1, 3653 * 24 * 3600 + 1], ids=["too-short", "too-long"])
+def test_a_ttl_out_of_bounds_is_a_user_error_naming_it(client: Any, ttl: Any) -> None:
+    import tinker
+
+    training = client.create_lora_training_client(base_model=TINY_MODEL, rank=4, seed=1).result()
+    with pytest.raises(tinker.BadRequestError) as refused:
+        training.save_state("bad", ttl_seconds=ttl).result()
+    assert "ttl_seconds" in str(refused.value)
