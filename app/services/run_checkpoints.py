@@ -8,7 +8,7 @@ import contextlib
 from collections.abc import Callable
 from datetime import datetime, timedelta
 
-from sqlalchemy import delete, select, update
+from sqlalchemy import delete, func, or_, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from app.errors import BadInput, NotFound, RunNotFound
@@ -146,6 +146,15 @@ class RunCheckpoints(RunCalls):
             await session.execute(update(Checkpoint).where(Checkpoint.run_id == run.id, Checkpoint.mode == mode,
                                                            Checkpoint.name == name).values(expires_at=expires_at))
         return expires_at
+
+    async def storage(self, user: User) -> tuple[int, int]:
+        """The user's stored checkpoints (every run, unexpired): how many, and their bytes."""
+        async with self.db.session() as session:
+            count, total = (await session.execute(
+                select(func.count(Checkpoint.id), func.coalesce(func.sum(Checkpoint.size_bytes), 0))
+                .join(Run, Run.id == Checkpoint.run_id).where(
+                    Run.user_id == user.id, or_(Checkpoint.expires_at.is_(None), Checkpoint.expires_at > utcnow())))).one()
+        return int(count), int(total)
 
     async def delete_expired(self, most: int = 32) -> int:
         """Delete up to `most` checkpoints past their expiry, each as its owner would; returns how many."""

@@ -57,6 +57,7 @@ def routes() -> list[Route]:
         Route(f"{PREFIX}/weights_info", endpoint(weights_info), methods=["POST"]),
         Route(f"{PREFIX}/get_server_capabilities", endpoint(rest.server_capabilities), methods=["GET"]),
         Route(f"{PREFIX}/checkpoints", endpoint(rest.list_user_checkpoints), methods=["GET"]),
+        Route(f"{PREFIX}/billing/usage/checkpoints/current", endpoint(rest.storage_usage), methods=["GET"]),
         Route(f"{PREFIX}/training_runs", endpoint(rest.list_training_runs), methods=["GET"]),
         Route(f"{PREFIX}/training_runs/{{model_id}}", endpoint(rest.get_training_run), methods=["GET"]),
         Route(f"{PREFIX}/training_runs/{{model_id}}/checkpoints", endpoint(rest.list_checkpoints), methods=["GET"]),

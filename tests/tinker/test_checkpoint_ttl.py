@@ -71,3 +71,21 @@ def test_a_ttl_out_of_bounds_is_a_user_error_naming_it(client: Any, ttl: Any) ->
     with pytest.raises(tinker.BadRequestError) as refused:
         training.save_state("bad", ttl_seconds=ttl).result()
     assert "ttl_seconds" in str(refused.value)
+
+
+def test_storage_usage_counts_the_users_checkpoints(live_server: LiveServer) -> None:
+    import tinker
+
+    key = "tml-" + live_server.new_user()  # a user of its own: its usage is this test's checkpoints alone
+    admin = tinker.AdminClient(base_url=live_server.url, api_key=key)
+    (empty,) = admin.get_current_checkpoint_storage_usage().result().data
+    assert (empty.checkpoint_count, empty.size_bytes) == (0, 0)
+    training = tinker.ServiceClient(base_url=live_server.url, api_key=key).create_lora_training_client(
+        base_model=TINY_MODEL, rank=4, seed=1).result()
+    training.save_state("one").result()
+    training.save_weights_for_sampler("two").result()
+    listed = tinker.RestClient(base_url=live_server.url, api_key=key).list_checkpoints(training.model_id).result()
+    (usage,) = admin.get_current_checkpoint_storage_usage().result().data
+    assert usage.checkpoint_count == 2
+    assert usage.size_bytes == sum(c.size_bytes for c in listed.checkpoints) > 0
+    assert usage.size_gigabytes == pytest.approx(usage.size_bytes / 1e9)
