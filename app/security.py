@@ -1,9 +1,14 @@
-"""API keys: random secrets shown once; only a SHA-256 hash and a display prefix are stored."""
+"""API keys: random secrets shown once; only a SHA-256 hash and a display prefix are stored. And the server's
+signing secret (the dashboard's cookie, Tinker's signed download links)."""
 
 from __future__ import annotations
 
 import hashlib
+import os
 import secrets
+from pathlib import Path
+
+from app.settings import Settings
 
 KEY_PREFIX = "sk-"
 
@@ -19,3 +24,19 @@ def hash_api_key(secret: str) -> str:
 
 def display_prefix(secret: str) -> str:
     return secret[:10]
+
+
+def server_secret(settings: Settings) -> str:
+    """SIGNAL_SESSION_SECRET, or one generated once into the data directory (mode 0600) and reused,
+    so signatures survive restarts and every server process on this data directory agrees."""
+    if settings.session_secret:
+        return settings.session_secret
+    path = Path(settings.data_dir) / "session_secret"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return path.read_text().strip()
+    with os.fdopen(fd, "w") as handle:
+        handle.write(secrets.token_urlsafe(48))
+    return path.read_text().strip()

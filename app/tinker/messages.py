@@ -136,6 +136,11 @@ class CurrentCheckpointStorageUsageResponse(TypedDict):
     data: list[CurrentCheckpointStorageUsageItem]
 
 
+class ExternalWeightsUrlsResponse(TypedDict):
+    urls: dict[str, str]  # a checkpoint file's path (relative to its root) → its signed download URL
+    expires: str  # ISO 8601
+
+
 class Cursor(TypedDict):
     offset: int
     limit: int

@@ -1,5 +1,5 @@
-"""Tinker's ttl_seconds on save_state and save_weights_for_sampler: the checkpoint lists its expires_at, and once past
-it the housekeeping (the Tinker futures' heartbeat) deletes its files and row. The test's server takes a 2 s TTL
+"""Checkpoints on Tinker's REST surface: ttl_seconds (the checkpoint lists its expires_at, and once past it the
+housekeeping, the Tinker futures' heartbeat, deletes its files and row), storage usage, and signed download links. The test's server takes a 2 s TTL
 (SIGNAL_TINKER_MIN_CHECKPOINT_TTL_S) and runs its housekeeping every 2 s (SIGNAL_TINKER_RESULT_TTL_S)."""
 
 from __future__ import annotations
@@ -89,3 +89,33 @@ def test_storage_usage_counts_the_users_checkpoints(live_server: LiveServer) -> 
     assert usage.checkpoint_count == 2
     assert usage.size_bytes == sum(c.size_bytes for c in listed.checkpoints) > 0
     assert usage.size_gigabytes == pytest.approx(usage.size_bytes / 1e9)
+
+
+def test_a_checkpoints_files_are_signed_links_that_need_no_key(live_server: LiveServer) -> None:
+    import httpx
+    import tinker
+
+    key = "tml-" + live_server.new_user()
+    training = tinker.ServiceClient(base_url=live_server.url, api_key=key).create_lora_training_client(
+        base_model=TINY_MODEL, rank=4, seed=1).result()
+    path = training.save_state("linked").result().path
+    rest = tinker.RestClient(base_url=live_server.url, api_key=key)
+    # The SDK's get_external_weights_urls takes external_weights paths only (refused client-side), which Signal never
+    # makes: its route, read with the SDK's own response type, serves Signal's weights/ and sampler_weights/ paths.
+    from tinker import types
+
+    listed = httpx.get(f"{live_server.url}/api/v1/training_runs/{training.model_id}/checkpoints/weights/linked/"
+                       "external_weights_urls", headers={"X-API-Key": key}, timeout=60)
+    answer = types.ExternalWeightsUrlsResponse.model_validate(listed.json())
+    assert path.endswith("/weights/linked") and answer.expires > datetime.now(UTC)
+    (root,) = checkpoint_files(live_server, "linked")
+    on_disk = {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+    assert set(answer.urls) == set(on_disk) and on_disk
+    for relative, url in answer.urls.items():
+        fetched = httpx.get(url, timeout=60)  # no key: the signature is the permission
+        assert fetched.status_code == 200 and fetched.content == on_disk[relative]
+    url = next(iter(answer.urls.values()))
+    tampered = url[:-3] + ("AAA" if not url.endswith("AAA") else "BBB")
+    assert httpx.get(tampered, timeout=60).status_code == 404
+    rest.delete_checkpoint_from_tinker_path(path).result()
+    assert httpx.get(url, timeout=60).status_code == 404  # its checkpoint is gone: so is the link
