@@ -87,7 +87,7 @@ def test_storage_usage_counts_the_users_checkpoints(live_server: LiveServer) -> 
     listed = tinker.RestClient(base_url=live_server.url, api_key=key).list_checkpoints(training.model_id).result()
     (usage,) = admin.get_current_checkpoint_storage_usage().result().data
     assert usage.checkpoint_count == 2
-    assert usage.size_bytes == sum(c.size_bytes for c in listed.checkpoints) > 0
+    assert usage.size_bytes == sum(c.size_bytes or 0 for c in listed.checkpoints) > 0
     assert usage.size_gigabytes == pytest.approx(usage.size_bytes / 1e9)
 
 

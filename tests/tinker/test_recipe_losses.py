@@ -38,9 +38,10 @@ def rl_datum(sequence: Any, advantage: float, given_logprobs: float = 0.0, seque
 
     tokens, ob = list(sequence.tokens), len(PROMPT) - 1
     the_id = sequence_id or sequence.sequence_id
-    datum = types.Datum(model_input=types.ModelInput.from_ints(PROMPT + tokens[:-1]), loss_fn_inputs={
+    inputs: dict[str, Any] = {  # lists: Datum converts them to TensorData
         "target_tokens": [0] * ob + tokens, "logprobs": [given_logprobs] * (ob + len(tokens)),
-        "advantages": [0.0] * ob + [advantage] * len(tokens), **extra})  # type: ignore[dict-item]  # lists → TensorData
+        "advantages": [0.0] * ob + [advantage] * len(tokens), **extra}
+    datum = types.Datum(model_input=types.ModelInput.from_ints(PROMPT + tokens[:-1]), loss_fn_inputs=inputs)
     return datum.with_provenance(
         model_input=[types.PromptProvenanceSpan(sequence_id=the_id, length=len(PROMPT)),
                      types.SampledProvenanceSpan(sequence_id=the_id, length=len(tokens) - 1)],
@@ -74,9 +75,10 @@ def test_gspo_clips_the_length_normalised_sequence_ratio(training: Any) -> None:
     shifted = [q - 0.2 for q in sequence.logprobs]  # the sampler 0.2 nats less likely per token: s = e^0.2 = 1.22
     from tinker import types
 
-    datum = types.Datum(model_input=types.ModelInput.from_ints(PROMPT + list(sequence.tokens)[:-1]), loss_fn_inputs={
-        "target_tokens": [0] * ob + list(sequence.tokens), "logprobs": [0.0] * ob + shifted,
-        "advantages": [0.0] * ob + [2.0] * n, "sequence_ratio_mask": [0.0] * ob + [1.0] * n})  # type: ignore[dict-item]
+    inputs: dict[str, Any] = {"target_tokens": [0] * ob + list(sequence.tokens), "logprobs": [0.0] * ob + shifted,
+                              "advantages": [0.0] * ob + [2.0] * n, "sequence_ratio_mask": [0.0] * ob + [1.0] * n}
+    datum = types.Datum(model_input=types.ModelInput.from_ints(PROMPT + list(sequence.tokens)[:-1]),
+                        loss_fn_inputs=inputs)
     out = training.forward_backward([datum], "gspo").result()
     learner = as_list(out.loss_fn_outputs[0]["logprobs"])[ob:]
     s = math.exp(sum(lp - q for lp, q in zip(learner, shifted)) / n)
@@ -142,9 +144,9 @@ def test_soft_targets_with_an_rl_loss_are_a_user_error(training: Any) -> None:
     import tinker
     from tinker import types
 
-    datum = types.Datum(model_input=types.ModelInput.from_ints(TOKENS[:3]), loss_fn_inputs={
-        "target_tokens": [[1, 2], [3, 4], [5, 6]], "weights": [[1.0, 0.0]] * 3,  # type: ignore[dict-item]  # lists → TensorData
-        "advantages": [1.0] * 3, "logprobs": [-1.0] * 3})
+    inputs: dict[str, Any] = {"target_tokens": [[1, 2], [3, 4], [5, 6]], "weights": [[1.0, 0.0]] * 3,
+                              "advantages": [1.0] * 3, "logprobs": [-1.0] * 3}
+    datum = types.Datum(model_input=types.ModelInput.from_ints(TOKENS[:3]), loss_fn_inputs=inputs)
     with pytest.raises(tinker.RequestFailedError) as failed:
         training.forward_backward([datum], "importance_sampling").result(timeout=60)
     assert failed.value.category.value == "user"
