@@ -81,14 +81,16 @@ def store(request: Request) -> StabilityStore:
     return state.tinker_stability  # type: ignore[no-any-return]  # Starlette's state is untyped
 
 
-def resolve(store: StabilityStore, user_id: str, datums: list[dict[str, Any]]) -> list[str]:
-    """Each datum's recorded logprobs in place of its own at the positions its sampled spans claim; returns the
-    weights versions the datums' sequences were sampled from. A datum without spans keeps its own logprobs."""
+def resolve(store: StabilityStore, user_id: str, datums: list[dict[str, Any]], loss_fn: str) -> list[str]:
+    """For stable_reinforce, each datum's recorded logprobs in place of its own at the positions its sampled spans
+    claim; returns the weights versions the datums' sequences were sampled from. A datum without spans keeps its own
+    logprobs. Other losses ignore provenance (the cookbook's rl/train.py sends it with every loss, sampled without
+    record_stability_info): their spans are dropped unread."""
     versions: list[str] = []
     for i, datum in enumerate(datums):
         spans = datum.pop("loss_fn_input_spans", None)
         datum.pop("model_input_spans", None)
-        if not spans:
+        if not spans or loss_fn != "stable_reinforce":
             continue
         at = f"data[{i}].loss_fn_input_spans"
         inputs = datum["loss_fn_inputs"]

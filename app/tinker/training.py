@@ -75,7 +75,7 @@ async def forward_backward(request: Request, user: User) -> UntypedAPIFuture:
 
     async def work(request_id: str) -> tuple[str, bytes]:
         # Provenance names recorded sequences: their sampler logprobs replace the datum's (a user error if unknown).
-        stability.resolve(store, user.id, message["data"])
+        stability.resolve(store, user.id, message["data"], message["loss_fn"])
         if forward_only:
             ahead = await ordered(svc, model, seq, lambda order, rid: svc.runs.forward(
                 user, message["data"], run_id=model.run_id, loss_fn=message["loss_fn"],

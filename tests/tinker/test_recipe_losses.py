@@ -86,6 +86,15 @@ def test_gspo_clips_the_length_normalised_sequence_ratio(training: Any) -> None:
     assert out.metrics["loss:sum"] == pytest.approx(-min(s * 2.0, min(max(s, 1 - 3e-4), 1 + 4e-4) * 2.0), rel=1e-4)
 
 
+def test_other_losses_ignore_provenance_sampled_without_the_record(training: Any) -> None:
+    """The cookbook's rl/train.py attaches provenance to every RL datum, whatever its loss and sampler."""
+    (sequence,) = sampled(training, record=False, num_samples=1)
+    out = training.forward([rl_datum(sequence, 1.0, sequence_id="never-recorded:0")], "importance_sampling").result()
+    learner = as_list(out.loss_fn_outputs[0]["logprobs"])[len(PROMPT) - 1:]
+    # The datum's own logprobs (0.0 everywhere) are the sampler's: nothing replaced them.
+    assert out.metrics["loss:sum"] == pytest.approx(-sum(math.exp(lp) for lp in learner), rel=1e-4)
+
+
 @pytest.mark.parametrize("case", ["unknown", "not_recorded", "another_user"])
 def test_a_sequence_the_user_did_not_record_is_a_user_error_naming_the_field(
         live_server: LiveServer, training: Any, case: str) -> None:
