@@ -1,11 +1,16 @@
-"""API keys: random secrets shown once; only a SHA-256 hash and a display prefix are stored. And how a caller presents
-one: the bearer token of an `Authorization` header or a websocket's connection parameters (GraphQL, /v1, downloads)."""
+"""API keys: random secrets shown once; only a SHA-256 hash and a display prefix are stored. How a caller presents
+one: the bearer token of an `Authorization` header or a websocket's connection parameters (GraphQL, /v1, downloads).
+And the server's signing secret (the dashboard's cookie, Tinker's signed download links)."""
 
 from __future__ import annotations
 
 import hashlib
+import os
 import secrets
+from pathlib import Path
 from typing import Any
+
+from app.settings import Settings
 
 KEY_PREFIX = "sk-"
 
@@ -39,3 +44,19 @@ def bearer_from_connection_params(params: dict[str, Any] | None) -> str | None:
             return bearer_from_header(params[key])
     value = params.get("apiKey") or params.get("api_key")
     return value if isinstance(value, str) and value else None
+
+
+def server_secret(settings: Settings) -> str:
+    """SIGNAL_SESSION_SECRET, or one generated once into the data directory (mode 0600) and reused,
+    so signatures survive restarts and every server process on this data directory agrees."""
+    if settings.session_secret:
+        return settings.session_secret
+    path = Path(settings.data_dir) / "session_secret"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return path.read_text().strip()
+    with os.fdopen(fd, "w") as handle:
+        handle.write(secrets.token_urlsafe(48))
+    return path.read_text().strip()

@@ -66,6 +66,8 @@ class Settings(BaseSettings):
                                  "long, then answers try_again (the SDK times a poll out at 45 s).")
     tinker_result_ttl_s: float = Field(3600.0, gt=0, description="A finished Tinker future stays retrievable this "
                                        "long; then its row is deleted (and a resubmission of it runs again).")
+    tinker_min_checkpoint_ttl_s: int = Field(3600, ge=1, description="The shortest ttl_seconds a Tinker save takes "
+                                             "(Tinker's own bound, an hour); tests shorten it.")
     tinker_tokenizer_dir: bool = Field(True, description="Local backend only: Tinker's get_info answers a "
                                        "directory the runtime wrote the base's tokenizer to (save_pretrained) as "
                                        "tokenizer_id, so TrainingClient.get_tokenizer() works offline on this "

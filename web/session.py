@@ -5,15 +5,14 @@ signed-in state itself is the id's row on the server (app/services/sessions.py),
 from __future__ import annotations
 
 import hmac
-import os
 import secrets
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from starlette.middleware import Middleware
 from starlette.middleware.sessions import SessionMiddleware
 from starlette.requests import HTTPConnection
 
+from app.security import server_secret
 from app.services import services_of
 from app.settings import Settings
 
@@ -27,19 +26,8 @@ SESSION_ID = "sid"  # the cookie's key for the session id (cookies from before s
 
 
 def session_secret(settings: Settings) -> str:
-    """SIGNAL_SESSION_SECRET, or one generated once into the data directory (mode 0600) and reused,
-    so sessions survive restarts and every server process on this data directory agrees."""
-    if settings.session_secret:
-        return settings.session_secret
-    path = Path(settings.data_dir) / "session_secret"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
-        return path.read_text().strip()
-    with os.fdopen(fd, "w") as handle:
-        handle.write(secrets.token_urlsafe(48))
-    return path.read_text().strip()
+    """The server's signing secret (app/security.py): the cookie's, shared with Tinker's download links."""
+    return server_secret(settings)
 
 
 def session_middleware(settings: Settings) -> Middleware:

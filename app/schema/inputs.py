@@ -75,6 +75,8 @@ class LossFnInputs:
     clip_low_threshold: list[float] | None = strawberry.field(
         default=None, description="Per-position clip thresholds (ppo, cispo); win over lossFnConfig")
     clip_high_threshold: list[float] | None = None
+    sequence_ratio_mask: list[float] | None = strawberry.field(
+        default=None, description="The positions gspo's sequence ratio spans (default: those that count)")
 
     def to_dict(self) -> dict[str, Any]:
         return {name: value for name in DATUM_INPUTS if (value := getattr(self, name)) is not None}
@@ -90,6 +92,7 @@ class PackedDatum:
     logprobs: str | None = None
     clip_low_threshold: str | None = None
     clip_high_threshold: str | None = None
+    sequence_ratio_mask: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {name: value for name in ("model_input", *DATUM_INPUTS) if (value := getattr(self, name)) is not None}

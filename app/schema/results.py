@@ -60,6 +60,7 @@ class DatumInputs:
     logprobs: list[float] | None = None
     clip_low_threshold: list[float] | None = None
     clip_high_threshold: list[float] | None = None
+    sequence_ratio_mask: list[float] | None = None
 
 
 @strawberry.type(description="A datum at token level (Tinker's shape): position i predicts targetTokens[i]")

@@ -71,6 +71,8 @@ class Services:
         billing = BillingClient(settings, db) if settings.billing_enabled else None
         runs = RunService(db, backend, catalog, feed, settings.default_model, Ledger(db, Rates.of(settings), billing),
                           settings.runtime_options(), settings.record_retry_s, settings.deadlines_s)
+        tinker = TinkerFutures(db, settings.tinker_poll_s, settings.tinker_result_ttl_s)
+        tinker.chores.append(runs.delete_expired)  # Tinker's ttl_seconds: expired checkpoints, files and rows
         tinker_sessions = TinkerSessions(db)
         runs.claim = tinker_sessions.claim  # Signal's own calls on a run a live Tinker session drives are refused
         http = supabase = None
@@ -96,7 +98,7 @@ class Services:
             sessions=SessionService(db, settings.session_ttl_s),
             live=LiveMetrics(db, broker, runs, settings.live_poll_s),
             dashboard=DashboardService(db, backend, broker, runs, settings.data_dir),
-            tinker=TinkerFutures(db, settings.tinker_poll_s, settings.tinker_result_ttl_s),
+            tinker=tinker,
             tinker_sessions=tinker_sessions,
             usage=UsageService(db),
             run_form=RunForm(settings, catalog, runs),

@@ -4,10 +4,11 @@ exporting one's files (docs/CHECKPOINTS.md)."""
 from __future__ import annotations
 
 import base64
+import contextlib
 from collections.abc import Callable
-from datetime import timedelta
+from datetime import datetime, timedelta
 
-from sqlalchemy import delete, select, update
+from sqlalchemy import delete, func, or_, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from app.errors import BadInput, NotFound, RunNotFound
@@ -136,6 +137,36 @@ class RunCheckpoints(RunCalls):
                 await session.execute(delete(Checkpoint).where(Checkpoint.id == row.id))
 
         await self._in_order(run.id, work)
+
+    async def set_expiry(self, user: User, run_id: str, mode: str, name: str, seconds: float) -> datetime:
+        """A checkpoint's expiry (Tinker's ttl_seconds), from now: once past, it is unlisted, and deleted, files and row,
+        by `delete_expired` (the Tinker futures' housekeeping runs it)."""
+        run = await self.get(user, run_id)
+        expires_at = utcnow() + timedelta(seconds=seconds)
+        async with self.db.session() as session:
+            await session.execute(update(Checkpoint).where(Checkpoint.run_id == run.id, Checkpoint.mode == mode,
+                                                           Checkpoint.name == name).values(expires_at=expires_at))
+        return expires_at
+
+    async def storage(self, user: User) -> tuple[int, int]:
+        """The user's stored checkpoints (every run, unexpired): how many, and their bytes."""
+        async with self.db.session() as session:
+            count, total = (await session.execute(
+                select(func.count(Checkpoint.id), func.coalesce(func.sum(Checkpoint.size_bytes), 0))
+                .join(Run, Run.id == Checkpoint.run_id).where(
+                    Run.user_id == user.id, or_(Checkpoint.expires_at.is_(None), Checkpoint.expires_at > utcnow())))).one()
+        return int(count), int(total)
+
+    async def delete_expired(self, most: int = 32) -> int:
+        """Delete up to `most` checkpoints past their expiry, each as its owner would; returns how many."""
+        async with self.db.session() as session:
+            rows = (await session.execute(select(Checkpoint.id, Run.id, User).join(Run, Run.id == Checkpoint.run_id)
+                                          .join(User, User.id == Run.user_id)
+                                          .where(Checkpoint.expires_at < utcnow()).limit(most))).all()
+        for checkpoint_id, run_id, owner in rows:
+            with contextlib.suppress(NotFound):  # deleted meanwhile (by its owner, or another process's sweep)
+                await self.delete_checkpoint(owner, run_id, str(checkpoint_id))
+        return len(rows)
 
     async def _checkpoint_row(self, user: User, ref: CheckpointRef, field: str) -> tuple[Run, Checkpoint]:
         """The caller's run and checkpoint a reference names; another user's, or none, is NOT_FOUND alike."""

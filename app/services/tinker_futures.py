@@ -78,6 +78,7 @@ class TinkerFutures:
         self._tasks: set[asyncio.Task[None]] = set()
         self._closing = asyncio.Event()
         self._background: list[asyncio.Task[None]] = []
+        self.chores: list[Callable[[], Awaitable[object]]] = []  # run after each heartbeat (Services.build adds them)
 
     def start(self) -> None:
         """The owner heartbeat, and what wakes waits on other processes' futures: LISTEN on PostgreSQL, else the
@@ -229,6 +230,11 @@ class TinkerFutures:
                         TinkerFuture.finished_at < now - self.result_ttl))
             except (SQLAlchemyError, OSError) as exc:  # the next round tries again
                 log.warning("tinker futures: heartbeat failed: %s", exc)
+            for chore in self.chores:  # other housekeeping on the same clock (expired checkpoints)
+                try:
+                    await chore()
+                except (SignalError, SQLAlchemyError, OSError) as exc:  # a runtime away, a locked database: next round
+                    log.warning("tinker futures: housekeeping %s failed: %s", getattr(chore, "__name__", chore), exc)
             # A TTL shorter than the heartbeat (tests) is swept at its own pace, so rows never outlive it by much.
             await asyncio.sleep(min(HEARTBEAT_SECONDS, self.result_ttl.total_seconds()))
 

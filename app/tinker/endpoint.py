@@ -20,6 +20,7 @@ from app.failures import known_failure
 from app.services import Services, services_of
 from app.services.tinker_sessions import SessionFinished
 from app.tables import TinkerFuture, User
+from app.tinker import compression
 from app.tinker.messages import UntypedAPIFuture
 from gpu_runtime.errors import FailedPrecondition
 
@@ -57,9 +58,7 @@ async def authenticate(request: Request) -> User:
 
 async def body(request: Request) -> dict[str, Any]:
     """The request's JSON object, as sent: each handler checks the fields it reads."""
-    raw = await request.body()
-    if request.headers.get("content-encoding", "identity") not in ("identity", ""):
-        raise BadInput("Content-Encoding is not supported (the server sets proto_compress_fwdbwd false)", field="body")
+    raw = await compression.request_body(request, services(request).settings.max_request_bytes)
     try:
         value = json.loads(raw or b"{}")
     except RecursionError:

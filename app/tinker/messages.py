@@ -117,6 +117,28 @@ class Checkpoint(TypedDict):
     tinker_path: str
     size_bytes: int
     public: bool
+    expires_at: str | None  # ISO 8601: when ttl_seconds deletes it; None: kept until deleted
+
+
+class CurrentCheckpointStorageUsageItem(TypedDict):
+    project_id: str | None
+    org_user_urn: str | None
+    user_email: str | None
+    user_name: str | None
+    checkpoint_count: int
+    size_bytes: int
+    size_gigabytes: float  # decimal GB, Tinker's billing unit
+    estimated_monthly_cost_usd: float | None
+
+
+class CurrentCheckpointStorageUsageResponse(TypedDict):
+    effective_rate_usd_per_gigabyte_month: float | None
+    data: list[CurrentCheckpointStorageUsageItem]
+
+
+class ExternalWeightsUrlsResponse(TypedDict):
+    urls: dict[str, str]  # a checkpoint file's path (relative to its root) → its signed download URL
+    expires: str  # ISO 8601
 
 
 class Cursor(TypedDict):

@@ -20,8 +20,11 @@ from typing import Any
 
 from app.errors import BadInput
 from gpu_runtime.contract import SampledSequence
+from gpu_runtime.contract.training_settings import MAX_SOFT_TARGETS
 
-MODULE_NAME = "signal_tinker_public_pb2"  # not under `tinker`: its parent package would have to be imported
+MODULE_NAME = "signal_tinker_public_pb2"
+# A CSR tensor names its shape: a few bytes could claim a billion empty rows. No model Signal serves has a longer context.
+MAX_CSR_ROWS = 1 << 17  # not under `tinker`: its parent package would have to be imported
 
 
 @cache
@@ -87,17 +90,60 @@ def _datum(datum: Any, index: int) -> dict[str, Any]:
         tokens += _numbers("i", chunk.encoded_text.tokens)
     inputs = {name: _tensor(tensor, f"data[{index}].loss_fn_inputs.{name}")
               for name, tensor in datum.loss_fn_inputs.items()}
-    return {"model_input": tokens, "loss_fn_inputs": inputs}
+    decoded: dict[str, Any] = {"model_input": tokens, "loss_fn_inputs": inputs}
+    if len(datum.loss_fn_input_spans):  # provenance (app/tinker/stability.py resolves it, then drops it)
+        decoded["loss_fn_input_spans"] = [_span(span) for span in datum.loss_fn_input_spans]
+    return decoded
+
+
+def _span(span: Any) -> dict[str, Any]:
+    kind = span.WhichOneof("span")
+    arm = getattr(span, kind) if kind else None
+    if arm is None:
+        return {"kind": "prompt", "sequence_id": "", "offset": 0, "length": 0}
+    return {"kind": "sampled" if kind == "sampled_tokens" else "prompt", "sequence_id": arm.sequence_id,
+            "offset": int(arm.offset), "length": int(arm.length)}
 
 
 def _tensor(tensor: Any, field: str) -> list[Any]:
-    if tensor.WhichOneof("encoding") != "dense":
-        raise BadInput(f"{field}: sparse tensors are not supported", field=field)
+    """A dense or CSR tensor as a list (1-D) or a list of rows (2-D: soft targets' (N, K)); CSR's missing cells are
+    0, the SDK's only pad value."""
     dtype = pb().DType.Name(tensor.dtype)
     typecode = {"DTYPE_FLOAT32": "f", "DTYPE_INT64": "q", "DTYPE_INT32": "i"}.get(dtype)
     if typecode is None:
         raise BadInput(f"{field}: dtype {dtype} is not supported", field=field)
-    return _numbers(typecode, tensor.dense)
+    shape = list(tensor.shape)
+    if len(shape) > 2:
+        raise BadInput(f"{field}: a tensor of shape {shape}; 1-D or 2-D (N, K) are taken", field=field)
+    if tensor.WhichOneof("encoding") == "sparse_csr":
+        if len(shape) != 2:
+            raise BadInput(f"{field}: a sparse tensor must be 2-D with its shape", field=field)
+        return _dense_rows(tensor.sparse_csr, typecode, shape, field)
+    flat = _numbers(typecode, tensor.dense)
+    if len(shape) < 2:
+        return flat
+    rows, width = shape
+    if rows * width != len(flat):
+        raise BadInput(f"{field}: shape {shape} does not hold {len(flat)} values", field=field)
+    return [flat[i * width:(i + 1) * width] for i in range(rows)]
+
+
+def _dense_rows(csr: Any, typecode: str, shape: list[int], field: str) -> list[list[Any]]:
+    values, crow, cols = _numbers(typecode, csr.values), _numbers("q", csr.crow_indices), _numbers("q", csr.col_indices)
+    rows, width = shape
+    if width > MAX_SOFT_TARGETS:
+        raise BadInput(f"{field}: {width} targets per position; at most {MAX_SOFT_TARGETS}", field=field)
+    if rows > MAX_CSR_ROWS or len(crow) != rows + 1 or len(cols) != len(values) or crow[-1] != len(values):
+        raise BadInput(f"{field}: the CSR indices do not fit shape {shape}", field=field)
+    dense: list[list[Any]] = [[0] * width for _ in range(rows)]
+    for i in range(rows):
+        if not 0 <= crow[i] <= crow[i + 1] <= len(values):
+            raise BadInput(f"{field}: row {i}'s CSR offsets are out of order", field=field)
+        for k in range(crow[i], crow[i + 1]):
+            if not 0 <= cols[k] < width:
+                raise BadInput(f"{field}: column {cols[k]} outside shape {shape}", field=field)
+            dense[i][cols[k]] = values[k]
+    return dense
 
 
 # ---- results → ForwardBackwardOutput / SampleResponse -------------------------------------------------------

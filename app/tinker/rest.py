@@ -3,6 +3,7 @@ deletion, weights_info. Read-mostly views of the caller's models and their Signa
 
 from __future__ import annotations
 
+from datetime import UTC
 from typing import Any
 
 from starlette.requests import Request
@@ -17,6 +18,7 @@ from app.tinker.messages import (
     Checkpoint,
     CheckpointsListResponse,
     CheckpointType,
+    CurrentCheckpointStorageUsageResponse,
     Empty,
     GetServerCapabilitiesResponse,
     TrainingRun,
@@ -45,7 +47,7 @@ def checkpoint(model: TinkerModel, row: tables.Checkpoint) -> Checkpoint | None:
         return None  # a merged export, or a name Tinker paths cannot carry
     return {"checkpoint_id": f"{kind}/{row.name}", "checkpoint_type": TYPES[kind], "time": row.created_at.isoformat(),
             "tinker_path": f"tinker://{model.id}/{kind}/{row.name}", "size_bytes": int(row.size_bytes),
-            "public": False}
+            "public": False, "expires_at": None if row.expires_at is None else row.expires_at.replace(tzinfo=UTC).isoformat()}
 
 
 async def training_run(svc: Services, user: User, model: TinkerModel) -> TrainingRun:
@@ -109,6 +111,15 @@ async def list_user_checkpoints(request: Request, user: User) -> CheckpointsList
     found.sort(key=lambda c: c["time"], reverse=True)
     return {"checkpoints": found[offset:offset + limit],
             "cursor": {"offset": offset, "limit": limit, "total_count": len(found)}}
+
+
+async def storage_usage(request: Request, user: User) -> CurrentCheckpointStorageUsageResponse:
+    """The caller's checkpoint storage, now (Tinker's AdminClient.get_current_checkpoint_storage_usage): one row, the
+    user's; Signal has no projects and no storage price, so those fields are null."""
+    count, size = await services(request).runs.storage(user)
+    return {"effective_rate_usd_per_gigabyte_month": None, "data": [{
+        "project_id": None, "org_user_urn": None, "user_email": user.email, "user_name": None,
+        "checkpoint_count": count, "size_bytes": size, "size_gigabytes": size / 1e9, "estimated_monthly_cost_usd": None}]}
 
 
 async def delete_checkpoint(request: Request, user: User) -> Empty:

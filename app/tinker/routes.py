@@ -13,7 +13,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from app.tables import User
-from app.tinker import models, rest, sampling, sessions, training
+from app.tinker import downloads, models, rest, sampling, sessions, training
 from app.tinker.endpoint import PREFIX, UserHandler, body, endpoint, error, services
 from app.tinker.fields import string
 from app.tinker.messages import TryAgainResponse, WeightsInfoResponse
@@ -58,11 +58,15 @@ def routes() -> list[Route]:
         Route(f"{PREFIX}/weights_info", endpoint(weights_info), methods=["POST"]),
         Route(f"{PREFIX}/get_server_capabilities", endpoint(rest.server_capabilities), methods=["GET"]),
         Route(f"{PREFIX}/checkpoints", endpoint(rest.list_user_checkpoints), methods=["GET"]),
+        Route(f"{PREFIX}/billing/usage/checkpoints/current", endpoint(rest.storage_usage), methods=["GET"]),
         Route(f"{PREFIX}/training_runs", endpoint(rest.list_training_runs), methods=["GET"]),
         Route(f"{PREFIX}/training_runs/{{model_id}}", endpoint(rest.get_training_run), methods=["GET"]),
         Route(f"{PREFIX}/training_runs/{{model_id}}/checkpoints", endpoint(rest.list_checkpoints), methods=["GET"]),
+        Route(f"{PREFIX}/training_runs/{{model_id}}/checkpoints/{{checkpoint_id:path}}/external_weights_urls",
+              endpoint(downloads.external_weights_urls), methods=["GET"]),
         Route(f"{PREFIX}/training_runs/{{model_id}}/checkpoints/{{checkpoint_id:path}}",
               endpoint(rest.delete_checkpoint), methods=["DELETE"]),
+        Route(f"{PREFIX}/checkpoint_files/{{token}}", endpoint(downloads.checkpoint_file, auth=False), methods=["GET"]),
         # Last: anything else under /api/v1 is 404 JSON naming it (a 404 on client/dynamic_config means defaults).
         Route(PREFIX + "/{rest:path}", endpoint(unsupported, auth=False),
               methods=["GET", "POST", "PUT", "DELETE", "PATCH"]),

@@ -13,7 +13,7 @@ from app.services.runs import SampleParams
 from app.services.tinker_futures import PROTO_TYPE
 from app.services.tinker_sessions import sampling_session_id
 from app.tables import User
-from app.tinker import proto
+from app.tinker import proto, stability
 from app.tinker.endpoint import body, future_answer, services
 from app.tinker.fields import boolean, integer, number, obj, optional_integer, string, token_ids
 from app.tinker.messages import CreateSamplingSessionResponse, GetSamplerResponse, UntypedAPIFuture
@@ -130,9 +130,15 @@ async def asample(request: Request, user: User) -> UntypedAPIFuture:
         kind, name = sampler.model_path.rsplit("/", 2)[-2:]
         snapshot, checkpoint = (name, None) if kind == "sampler_weights" else (None, name)
 
+    store = stability.store(request) if data.get("record_stability_info") else None
+
     async def work(request_id: str) -> tuple[str, bytes]:
         result = await svc.runs.sample(user, sampler.run_id, params, request_id=request_id, snapshot=snapshot,
                                        checkpoint=checkpoint, base_model=base_model)
+        if store is not None:  # stable_reinforce's record, keyed by the sequence ids the submit answered
+            for i, sequence in enumerate(result.sequences[0]):
+                store.record(user.id, f"{request_id}:{i}", sequence.tokens, sequence.logprobs,
+                             sampler.model_path or sampler.base_model)
         prompt_logprobs = result.prompt_logprobs[0] if params.prompt_logprobs and result.prompt_logprobs else None
         return PROTO_TYPE, proto.encode_sample_response(result.sequences[0], prompt_logprobs,
                                                         result.prompt_cache_hit_tokens)

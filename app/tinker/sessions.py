@@ -22,7 +22,7 @@ SAMPLE_MAX_CONCURRENT_REQUESTS = 64  # sampling futures one client keeps in flig
 async def client_config(request: Request, user: User) -> ClientConfigResponse:
     settings = services(request).settings
     return {"pjwt_auth_enabled": False, "fwdbwd_max_chunk_len": settings.max_batch_size,
-            "fwdbwd_max_chunk_bytes_count": settings.max_request_bytes // 2, "proto_compress_fwdbwd": False,
+            "fwdbwd_max_chunk_bytes_count": settings.max_request_bytes // 2, "proto_compress_fwdbwd": True,
             "sample_max_concurrent_requests": SAMPLE_MAX_CONCURRENT_REQUESTS}
 
 

@@ -16,7 +16,7 @@ from app.services.call_order import Numbered
 from app.services.tinker_futures import PROTO_TYPE, json_answer
 from app.services.tinker_sessions import sampling_session_id, session_of
 from app.tables import TinkerFuture, TinkerModel, User
-from app.tinker import proto
+from app.tinker import compression, proto, stability
 from app.tinker.endpoint import body, future_answer, services
 from app.tinker.fields import boolean, integer, number, obj, string
 from app.tinker.messages import (
@@ -26,9 +26,12 @@ from app.tinker.messages import (
     UntypedAPIFuture,
 )
 from gpu_runtime.contract import batch_from_dicts
+from gpu_runtime.contract.training_settings import LOSS_CONFIG_DEFAULTS
 from gpu_runtime.errors import FailedPrecondition
 
 T = TypeVar("T")
+STABLE_REINFORCE_CAP = LOSS_CONFIG_DEFAULTS["stable_reinforce"]["clip_high_threshold"]
+MAX_CHECKPOINT_TTL_S = 3653 * 24 * 3600  # Tinker's bound: ten years (None: never expires)
 ADAM_KEYS = ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")  # AdamParams' fields
 
 
@@ -66,15 +69,16 @@ async def release(svc: Services, model: TinkerModel, seq: int) -> None:
 async def forward_backward(request: Request, user: User) -> UntypedAPIFuture:
     if "protobuf" not in request.headers.get("content-type", ""):
         raise BadInput("forward_backward takes an application/x-protobuf ForwardBackwardRequest", field="body")
-    if request.headers.get("content-encoding", "identity") not in ("identity", ""):
-        raise BadInput("Content-Encoding is not supported (the server sets proto_compress_fwdbwd false)", field="body")
-    message = proto.decode_forward_backward(await request.body())
     svc = services(request)
+    message = proto.decode_forward_backward(await compression.request_body(request, svc.settings.max_request_bytes))
     model = await svc.tinker_sessions.model(user, message["model_id"], live=True)
     seq = integer(message["seq_id"], "seq_id", 1)
     forward_only = message["forward_only"]
+    store = stability.store(request)
 
     async def work(request_id: str) -> tuple[str, bytes]:
+        # Provenance names recorded sequences: their sampler logprobs replace the datum's (a user error if unknown).
+        stability.resolve(store, user.id, message["data"], message["loss_fn"])
         batch = batch_from_dicts(message["data"])  # Tinker's datums as the contract's items; an error answers the future
         if forward_only:
             ahead = await ordered(svc, model, seq, lambda order, rid: svc.runs.forward(
@@ -87,7 +91,11 @@ async def forward_backward(request: Request, user: User) -> UntypedAPIFuture:
                 loss_fn_config=message["loss_fn_config"], request_id=rid, reduction="sum", return_outputs=True,
                 order=order), request_id)
             loss, outputs = trained.loss, trained.outputs or []
-        return PROTO_TYPE, proto.encode_forward_backward_output(outputs, {"loss:sum": loss})
+        metrics = {"loss:sum": loss}
+        if message["loss_fn"] == "stable_reinforce":
+            cap = (message["loss_fn_config"] or {}).get("clip_high_threshold", STABLE_REINFORCE_CAP)
+            metrics |= stability.ratio_metrics(message["data"], outputs, float(cap))
+        return PROTO_TYPE, proto.encode_forward_backward_output(outputs, metrics)
 
     row = await submit_training(svc, user, model, seq, "Forward" if forward_only else "ForwardBackward", work)
     return future_answer(row)
@@ -125,6 +133,7 @@ async def save(request: Request, user: User, kind: str) -> UntypedAPIFuture:
     ephemeral = kind == "sampler_weights" and data.get("path") is None
     name = None if ephemeral else paths.check_name(data.get("path"))
     overwrite = boolean(data, "overwrite", False)
+    ttl = checkpoint_ttl(data.get("ttl_seconds"), svc.settings.tinker_min_checkpoint_ttl_s)
     sampling_seq = integer(data.get("sampling_session_seq_id"), "sampling_session_seq_id") if ephemeral else 0
     model = await svc.tinker_sessions.model(user, string(data, "model_id", "") or "", live=True)
     request_type = "SaveWeights" if kind == "weights" else "SaveWeightsForSampler"
@@ -146,15 +155,30 @@ async def save(request: Request, user: User, kind: str) -> UntypedAPIFuture:
         if kind == "sampler_weights":  # a named snapshot: the weights at this seq_id, kept until deleted
             await ordered(svc, model, seq, lambda order, rid: svc.runs.save_weights_for_sampler(
                 user, run.id, name=target.name, request_id=rid, order=order), request_id)
+            if ttl is not None:
+                await svc.runs.set_expiry(user, run.id, target.mode, target.name, ttl)
             return json_answer(SaveWeightsForSamplerResponseInternal(path=target.path, type="save_weights_for_sampler"))
         await ordered(svc, model, seq, lambda order, rid: svc.runs.save_state(
             user, run.id, mode=target.mode, name=target.name, with_optimizer=True, request_id=rid, order=order,
             overwrite=overwrite),
             request_id)
+        if ttl is not None:
+            await svc.runs.set_expiry(user, run.id, target.mode, target.name, ttl)
         return json_answer(SaveWeightsResponse(path=target.path, type="save_weights"))
 
     row = await submit_training(svc, user, model, seq, request_type, work)
     return future_answer(row)
+
+
+def checkpoint_ttl(value: object, shortest: int) -> float | None:
+    """Tinker's ttl_seconds: None keeps the checkpoint until deleted; else whole seconds from the save, an hour
+    (SIGNAL_TINKER_MIN_CHECKPOINT_TTL_S) to ten years, as Tinker bounds it."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not shortest <= value <= MAX_CHECKPOINT_TTL_S:
+        raise BadInput(f"ttl_seconds must be an integer in {shortest}..{MAX_CHECKPOINT_TTL_S}, got {value!r}",
+                       field="ttl_seconds")
+    return float(value)
 
 
 async def save_weights(request: Request, user: User) -> UntypedAPIFuture:

@@ -78,8 +78,39 @@ def dro(logprobs: torch.Tensor, batch: Collated, config: dict[str, float]) -> to
     return -((logprobs * advantages - 0.5 * config["beta"] * drift * drift) * batch.weights.to(logprobs.dtype))
 
 
+def gspo(logprobs: torch.Tensor, batch: Collated, config: dict[str, float]) -> torch.Tensor:
+    # GSPO-token: each sequence's length-normalised ratio s, clipped as PPO clips r, spread over its masked positions.
+    advantages = _input(batch, "advantages", logprobs)
+    mask = _sequence_mask(batch, logprobs)
+    length = mask.sum(-1, keepdim=True).clamp(min=1.0)
+    log_s = ((logprobs - _input(batch, "logprobs", logprobs)) * mask).sum(-1, keepdim=True) / length
+    # Value s at every position, gradient s * dlp: summed over the sequence / length, GSPO's own gradient.
+    ratio = torch.exp(log_s.detach() + logprobs - logprobs.detach())
+    low, high = _threshold(batch, "clip_low_threshold", config, ratio), _threshold(batch, "clip_high_threshold", config, ratio)
+    clipped = torch.minimum(torch.maximum(ratio, low), high)
+    per_token = torch.minimum(ratio * advantages, clipped * advantages)
+    return -(per_token * mask / length * batch.weights.to(logprobs.dtype))
+
+
+def stable_reinforce(logprobs: torch.Tensor, batch: Collated, config: dict[str, float]) -> torch.Tensor:
+    # REINFORCE with a truncated importance weight sg(min(r, C)): the sampler–trainer mismatch corrected, bounded by C.
+    advantages = _input(batch, "advantages", logprobs)
+    cap = _threshold(batch, "clip_high_threshold", config, logprobs)
+    weight = torch.minimum(_ratio(logprobs, batch), cap).detach()
+    return -(weight * logprobs * advantages * batch.weights.to(logprobs.dtype))
+
+
+def _sequence_mask(batch: Collated, like: torch.Tensor) -> torch.Tensor:
+    """The positions a sequence ratio spans: the datum's sequence_ratio_mask where it gave one, else those that count."""
+    counted = batch.counted.to(like.dtype)
+    if "sequence_ratio_mask" not in batch.extras:
+        return counted
+    given = _input(batch, "sequence_ratio_mask", like)
+    return torch.where(torch.isnan(given), counted, given)
+
+
 LOSSES: dict[str, LossFn] = {"cross_entropy": cross_entropy, "importance_sampling": importance_sampling, "ppo": ppo,
-                             "cispo": cispo, "dro": dro}
+                             "cispo": cispo, "dro": dro, "gspo": gspo, "stable_reinforce": stable_reinforce}
 assert set(LOSSES) == set(LOSS_CONFIG_DEFAULTS), "every loss the contract names has a function here"
 
 

@@ -182,7 +182,11 @@ TEXT_KEYS = ({"text"}, {"input", "output"}, {"input"}, {"output"}, {"messages"})
 TOKEN_KEYS = {"tokens", "weights", "logprobs", "advantages"}
 # Tinker's datum: {model_input: [ids], loss_fn_inputs: {target_tokens, weights, …}}, every list N = len(model_input).
 DATUM_KEYS = {"model_input", "loss_fn_inputs"}
-DATUM_INPUTS = ("target_tokens", "weights", "advantages", "logprobs", "clip_low_threshold", "clip_high_threshold")
+DATUM_INPUTS = ("target_tokens", "weights", "advantages", "logprobs", "clip_low_threshold", "clip_high_threshold",
+                "sequence_ratio_mask")
+# Soft targets: cross_entropy's target_tokens and weights may be (N, K), a weighted sum over K targets per position
+# (a teacher's top-K). The pass gathers (N, K) logprobs: memory grows with K, so K is bounded (sdft's default is 20).
+MAX_SOFT_TARGETS = 64
 # The packed datum: {"packed": {"model_input": b64, "target_tokens": b64, "weights": b64, …}}, each list as base64 of
 # little-endian int32 (token ids) or float32 (the rest). One string per list: GraphQL coerces a typed list element by
 # element (about 0.9 µs each), a string at once.
@@ -200,8 +204,12 @@ LOSS_CONFIG_DEFAULTS: dict[str, dict[str, float]] = {
     "ppo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
     "cispo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
     "dro": {"beta": 0.05},  # the quadratic penalty's weight on (logp - sampling logp)^2
+    # GSPO's sequence ratio bounds: the paper's 1 - 3e-4 and 1 + 4e-4 (a length-normalised ratio moves little).
+    "gspo": {"clip_low_threshold": 1 - 3e-4, "clip_high_threshold": 1 + 4e-4},
+    # The truncated importance weight's cap C: min(r, C), as truncated importance sampling's usual 2.
+    "stable_reinforce": {"clip_high_threshold": 2.0},
 }
-RL_LOSSES = ("importance_sampling", "ppo", "cispo", "dro")  # take the sampler's logprobs and advantages
+RL_LOSSES = ("importance_sampling", "ppo", "cispo", "dro", "gspo", "stable_reinforce")  # take the sampler's logprobs and advantages
 REDUCTIONS = ("mean", "sum")  # mean: normalised over every call before optim_step; sum: raw, as Tinker
 DEFAULT_REDUCTION = "mean"
 
@@ -226,7 +234,7 @@ def loss_settings(loss_fn: Any, config: Any, reduction: Any = DEFAULT_REDUCTION)
         settings[key] = float(value)
     if "beta" in settings and settings["beta"] < 0:
         raise BadInput("loss_fn_config.beta must be >= 0", field="loss_fn_config.beta")
-    if "clip_low_threshold" in settings and not 0 <= settings["clip_low_threshold"] <= settings["clip_high_threshold"]:
+    if "clip_high_threshold" in settings and not 0 <= settings.get("clip_low_threshold", 0.0) <= settings["clip_high_threshold"]:
         raise BadInput("loss_fn_config needs 0 <= clip_low_threshold <= clip_high_threshold",
                        field="loss_fn_config.clip_low_threshold")
     return settings

@@ -111,3 +111,24 @@ def test_a_packed_batch_trains_as_the_same_datums(client: SignalClient) -> None:
     (rendered, _) = run.render_datums([pack_datum(d) for d in DATUMS])
     assert rendered["model_input"] == DATUMS[0]["model_input"]
     assert rendered["loss_fn_inputs"]["target_tokens"] == DATUMS[0]["loss_fn_inputs"]["target_tokens"]
+
+
+@pytest.mark.parametrize("loss_fn", ["gspo", "stable_reinforce"])
+def test_the_cookbooks_newer_losses_train_through_the_sdk(client: SignalClient, loss_fn: str) -> None:
+    """No provenance on GraphQL: stable_reinforce's sampler logprobs are the datum's own (docs/LOSSES.md)."""
+    run = client.create_run(lora_r=4, seed=5)
+    datums = [{**d, "loss_fn_inputs": {**d["loss_fn_inputs"], "sequence_ratio_mask": [0.0, 0.0, 1.0, 1.0]}}
+              for d in DATUMS[:1]]
+    forward = run.forward(datums, loss_fn=loss_fn)
+    learner = forward["outputs"][0]["logprobs"][2:]
+    sampled, advantages = [-9.0, -8.5], [1.0, -0.5]
+    if loss_fn == "stable_reinforce":  # -(min(r, 2) lp A), normalised by the 2 positions that carry an advantage
+        expected = -sum(min(2.718281828 ** (lp - q), 2.0) * lp * a for lp, q, a in zip(learner, sampled, advantages)) / 2
+    else:  # gspo: the sequence ratio over the mask, clipped to [1 - 3e-4, 1 + 4e-4], spread over its 2 positions
+        s = 2.718281828 ** (sum(lp - q for lp, q in zip(learner, sampled)) / 2)
+        expected = -sum(min(s * a, min(max(s, 1 - 3e-4), 1 + 4e-4) * a) / 2 for a in advantages) / 2
+    assert forward["loss"] == pytest.approx(expected, rel=1e-4)
+    trained = run.forward_backward(datums, loss_fn=loss_fn)
+    assert trained["loss"] == pytest.approx(forward["loss"], rel=1e-5)
+    (rendered,) = run.render_datums(datums, loss_fn=loss_fn)
+    assert rendered["loss_fn_inputs"]["sequence_ratio_mask"] == [0.0, 0.0, 1.0, 1.0]

@@ -19,10 +19,12 @@ from gpu_runtime.engine.engine import Engine
 from gpu_runtime.errors import BadInput, FailedPrecondition
 from tests.helpers.engine_tools import assert_relatively_close, result_of, submit
 
-LOSS_NAMES = ["cross_entropy", "importance_sampling", "ppo", "cispo", "dro"]
+LOSS_NAMES = ["cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "stable_reinforce"]
 CONFIGS: dict[str, dict[str, float]] = {"ppo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
                                         "cispo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
-                                        "dro": {"beta": 0.3}}
+                                        "dro": {"beta": 0.3},
+                                        "gspo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
+                                        "stable_reinforce": {"clip_high_threshold": 1.2}}
 # log-ratios whose ratios sit well inside or well outside [0.8, 1.2]: 0.61, 0.95, 1.05, 1.65
 OFFSETS = [0.5, 0.05, -0.05, -0.5]
 TARGETS = ["q_proj", "v_proj"]
@@ -43,6 +45,8 @@ def analytic_gradient(loss_fn: str, logp: torch.Tensor, w: torch.Tensor, adv: to
         return torch.where(unclipped_wins, -ratio * adv, torch.zeros_like(ratio)) * w
     if loss_fn == "cispo":
         return -ratio.clamp(config["clip_low_threshold"], config["clip_high_threshold"]) * adv * w
+    if loss_fn == "stable_reinforce":  # the truncated weight is a constant: REINFORCE's gradient, scaled
+        return -ratio.clamp(max=config["clip_high_threshold"]) * adv * w
     return -(adv - config["beta"] * (logp - slp)) * w  # dro
 
 
@@ -70,6 +74,44 @@ def test_each_losss_gradient_in_fp32_matches_float64_and_the_formula(loss_fn: st
     expected = analytic_gradient(loss_fn, logp, batch.weights.double(), batch.extras["advantages"].double(),
                                  batch.extras["logprobs"].double(), config)
     torch.testing.assert_close(grads[torch.float64], expected, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize(("low", "high"), [(0.8, 1.2), (1 - 3e-4, 1 + 4e-4)], ids=["wide", "gspo-default"])
+def test_gspo_per_token_equals_the_sequence_level_ratio_on_its_mask(low: float, high: float) -> None:
+    """With one advantage per sequence, the loss summed over a row and its gradient are GSPO's sequence form:
+    -min(s A, clip(s) A), s = exp(mean over sequence_ratio_mask of (lp - slp)); unmasked positions add nothing."""
+    generator = torch.Generator().manual_seed(3)
+    rows, width = 4, 6
+    logp = -torch.rand(rows, width, generator=generator, dtype=torch.float64) * 3 - 0.1
+    slp = logp + torch.randn(rows, width, generator=generator, dtype=torch.float64) * 1e-3
+    adv = [1.5, -0.7, 2.0, -1.0]
+    mask = [[0, 0, 1, 1, 1, 1], [0, 1, 1, 1, 1, 0], [1] * 6, [0, 0, 0, 1, 1, 1]]
+    datums = [Datum([1] * width, [2] * width, None, {"advantages": [adv[i]] * width, "logprobs": slp[i].tolist(),
+                                                     "sequence_ratio_mask": [float(m) for m in mask[i]]})
+              for i in range(rows)]
+    batch = collate(datums, torch.device("cpu"))
+    config = {"clip_low_threshold": low, "clip_high_threshold": high}
+    x = logp.clone().requires_grad_(True)
+    loss = LOSSES["gspo"](x, batch, config)
+    loss.sum().backward()
+    y = logp.clone().requires_grad_(True)
+    m = torch.tensor(mask, dtype=torch.float64)
+    s = torch.exp(((y - batch.extras["logprobs"].double()) * m).sum(-1) / m.sum(-1))
+    a = torch.tensor(adv, dtype=torch.float64)
+    expected = -torch.minimum(s * a, s.clamp(low, high) * a)
+    expected.sum().backward()
+    torch.testing.assert_close(loss.sum(-1).detach(), expected.detach(), rtol=1e-6, atol=1e-9)
+    torch.testing.assert_close(x.grad, y.grad, rtol=1e-6, atol=1e-9)
+    assert bool((cast(torch.Tensor, x.grad)[m == 0] == 0).all())
+
+
+def test_stable_reinforce_truncates_the_importance_weight_at_the_cap() -> None:
+    # ratios 0.61, 1.65, 3.0: the weight is the ratio, capped at 2.0 (the default), never clipped from below
+    slp = [-1.0 + 0.5, -1.0 - 0.5, -1.0 - math.log(3.0)]
+    batch = collate([Datum([1] * 3, [2] * 3, None, {"advantages": [1.0] * 3, "logprobs": slp})], torch.device("cpu"))
+    x = torch.full((1, 3), -1.0, dtype=torch.float64, requires_grad=True)
+    LOSSES["stable_reinforce"](x, batch, {"clip_high_threshold": 2.0}).sum().backward()
+    assert cast(torch.Tensor, x.grad)[0].tolist() == pytest.approx([-math.exp(-0.5), -math.exp(0.5), -2.0], rel=1e-6)
 
 
 def test_per_token_clip_thresholds_win_over_the_config() -> None:
@@ -128,6 +170,14 @@ def reference_loss(loss_fn: str, logp: torch.Tensor, inputs: dict[str, Any], con
         per = torch.minimum(ratio * adv, ratio.clamp(config["clip_low_threshold"], config["clip_high_threshold"]) * adv)
     elif loss_fn == "cispo":
         per = ratio.clamp(config["clip_low_threshold"], config["clip_high_threshold"]).detach() * logp * adv
+    elif loss_fn == "stable_reinforce":
+        per = ratio.clamp(max=config["clip_high_threshold"]).detach() * logp * adv
+    elif loss_fn == "gspo":  # GSPO-token: the sequence's ratio s at each masked position, its gradient s * dlogp
+        mask = (w != 0).to(logp.dtype)
+        length = mask.sum().clamp(min=1.0)
+        s = torch.exp(((logp - slp) * mask).sum() / length).detach() * torch.exp(logp - logp.detach())
+        clipped = s.clamp(config["clip_low_threshold"], config["clip_high_threshold"])
+        return -(torch.minimum(s * adv, clipped * adv) * mask / length * w).sum(), float(mask.sum())
     else:
         per = logp * adv - 0.5 * config["beta"] * (logp - slp) ** 2
     return -(per * w).sum(), float((w != 0).sum())
@@ -165,7 +215,7 @@ def applied_grads(engine: Engine, run_id: str) -> dict[str, torch.Tensor]:
 # PEFT 0.21 reads a property transformers 5 deprecated.
 @pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
-@pytest.mark.parametrize("loss_fn", LOSS_NAMES)
+@pytest.mark.parametrize("loss_fn", [*LOSS_NAMES, "gspo"])
 def test_the_runtimes_lora_gradients_equal_pefts_for_the_same_loss(tmp_path: Path, tiny_model_dir: str, loss_fn: str,
                                                                   reduction: str) -> None:
     engine = make_engine(tmp_path, tiny_model_dir, {"r": 3})
@@ -184,7 +234,8 @@ def test_the_runtimes_lora_gradients_equal_pefts_for_the_same_loss(tmp_path: Pat
 def test_runs_with_different_losses_and_reductions_share_one_pass_as_if_alone(tmp_path: Path,
                                                                             tiny_model_dir: str) -> None:
     plan = {"ce": ("cross_entropy", "sum"), "is": ("importance_sampling", "mean"), "ppo": ("ppo", "sum"),
-            "cispo": ("cispo", "mean"), "dro": ("dro", "sum")}
+            "cispo": ("cispo", "mean"), "dro": ("dro", "sum"), "gspo": ("gspo", "sum"),
+            "sr": ("stable_reinforce", "mean")}
     seeds = {run_id: i + 1 for i, run_id in enumerate(plan)}
     together = make_engine(tmp_path / "together", tiny_model_dir, seeds)
     batches = {run_id: rl_batch(together, run_id, seed=seeds[run_id]) for run_id in plan}

@@ -29,7 +29,7 @@ CONTEXT_LENGTH = 256  # the tiny model's max_position_embeddings
 SEED = 11  # the launcher's LoRA seed: both sl_loop runs of the resume test start from the same weights
 RECIPE_TIMEOUT_S = 300
 SL_ARGS = ["batch_size=4", "max_length=48", "learning_rate=1e-2", "lora_rank=4"]
-RL_ARGS = ["loss_fn=importance_sampling", "batch_size=4", "group_size=4", "max_tokens=32", "learning_rate=1e-3",
+RL_ARGS = ["batch_size=4", "group_size=4", "max_tokens=32", "learning_rate=1e-3",
            "lora_rank=4"]
 
 
@@ -108,13 +108,16 @@ def test_sl_loop_trains_and_resumes(cookbook_server: LiveServer, tiny_model_dir:
     assert uninterrupted[3] < uninterrupted[0]  # it did train: the loss fell
 
 
-def test_rl_loop_trains_with_importance_sampling(cookbook_server: LiveServer, tiny_model_dir: str,
-                                                 tmp_path: Path) -> None:
+# None: the recipe's own default, stable_reinforce (sampling with record_stability_info, datums with provenance).
+@pytest.mark.parametrize("loss_fn", [None, "importance_sampling", "gspo"], ids=["default", "importance_sampling", "gspo"])
+def test_rl_loop_trains_every_step(cookbook_server: LiveServer, tiny_model_dir: str, tmp_path: Path,
+                                   loss_fn: str | None) -> None:
     key = cookbook_server.new_user()
-    run_recipe(cookbook_server, key, "rl_loop", tmp_path / "rl", tiny_model_dir, *RL_ARGS, "max_steps=2",
+    chosen = [] if loss_fn is None else [f"loss_fn={loss_fn}"]
+    run_recipe(cookbook_server, key, "rl_loop", tmp_path / "rl", tiny_model_dir, *RL_ARGS, *chosen, "max_steps=2",
                "save_every=0")
     run = only_run(cookbook_server, key)
     assert run["step"] == 2
     calls = [r for r in journal(cookbook_server, run["id"]) if r["type"] == "forward_backward"]
-    assert [c["loss_fn"] for c in calls] == ["importance_sampling"] * 2
+    assert [c["loss_fn"] for c in calls] == [loss_fn or "stable_reinforce"] * 2
     assert all(len(c["datums"]) == 16 for c in calls)  # batch_size 4 × group_size 4

@@ -42,6 +42,11 @@ SDK_TYPES = {
                                              "GetServerCapabilitiesResponse"),
     messages.AdamOptimizerConfig: ("tinker.types.optimizer", "AdamOptimizerConfig"),
     messages.WeightsInfoResponse: ("tinker.types.weights_info_response", "WeightsInfoResponse"),
+    messages.CurrentCheckpointStorageUsageItem: ("tinker.types.current_checkpoint_storage_usage_response",
+                                                 "CurrentCheckpointStorageUsageItem"),
+    messages.CurrentCheckpointStorageUsageResponse: ("tinker.types.current_checkpoint_storage_usage_response",
+                                                     "CurrentCheckpointStorageUsageResponse"),
+    messages.ExternalWeightsUrlsResponse: ("tinker.types.external_weights_urls_response", "ExternalWeightsUrlsResponse"),
 }
 # optim_step's answer carries `type`, which the SDK's future union reads though OptimStepResponse declares none.
 UNDECLARED = {messages.OptimStepResponse: {"type"}}
