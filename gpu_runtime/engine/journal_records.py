@@ -28,13 +28,17 @@ class BatchRecord:
     sha256: str
     num_examples: int
     num_tokens: int
+    loss_fn: str | None = None  # the manifest names each batch's loss (None: written before it did)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"sha256": self.sha256, "num_examples": self.num_examples, "num_tokens": self.num_tokens}
+        data: dict[str, Any] = {"sha256": self.sha256, "num_examples": self.num_examples, "num_tokens": self.num_tokens}
+        if self.loss_fn is not None:
+            data["loss_fn"] = self.loss_fn
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> BatchRecord:
-        return cls(data["sha256"], data["num_examples"], data["num_tokens"])
+        return cls(data["sha256"], data["num_examples"], data["num_tokens"], data.get("loss_fn"))
 
 
 @dataclass(frozen=True)

@@ -223,7 +223,7 @@ class Training:
             return None
         num_tokens = sum(e.num_targets for e in progress.examples)
         state.pending.add(progress.normaliser, num_tokens,
-                          BatchRecord(progress.batch_hash, len(progress.examples), num_tokens), progress.reduction)
+                          BatchRecord(progress.batch_hash, len(progress.examples), num_tokens, progress.loss_fn), progress.reduction)
         if progress.reduction == "sum":
             loss = progress.loss_sum
         else:

@@ -18,7 +18,6 @@ from typing import Any
 import pytest
 import yaml
 
-from gpu_runtime.engine.journal import Journal
 from tests.helpers.live_server import LiveServer, settings_for
 
 # The cookbook refuses model names outside its registry before it calls the server, so this test's catalogue (test
@@ -70,10 +69,11 @@ def only_run(server: LiveServer, key: str) -> dict[str, Any]:
     return run
 
 
-def journal(server: LiveServer, run_id: str) -> list[dict[str, Any]]:
-    """The run's write-ahead journal in the runtime's data directory: every applied call, with its loss function."""
-    (directory,) = (server.settings.data_dir / "runs").glob(f"*/{run_id}/journal")
-    return Journal(directory).read()
+def manifest(server: LiveServer, run_id: str) -> list[dict[str, Any]]:
+    """The run's manifest.jsonl: one line per step (its AdamW settings and its batches) and per other event."""
+    (path,) = (server.settings.data_dir / "runs").glob(f"*/{run_id}/manifest.jsonl")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
 
 
 def test_sl_loop_trains_and_resumes(cookbook_server: LiveServer, tiny_model_dir: str, tmp_path: Path) -> None:
@@ -118,6 +118,8 @@ def test_rl_loop_trains_every_step(cookbook_server: LiveServer, tiny_model_dir: 
                "save_every=0")
     run = only_run(cookbook_server, key)
     assert run["step"] == 2
-    calls = [r for r in journal(cookbook_server, run["id"]) if r["type"] == "forward_backward"]
-    assert [c["loss_fn"] for c in calls] == [loss_fn or "stable_reinforce"] * 2
-    assert all(len(c["datums"]) == 16 for c in calls)  # batch_size 4 × group_size 4
+    # The manifest (append-only: the journal is compacted at each snapshot, the final save_state's included) lists
+    # every step's batches with their loss functions.
+    batches = [b for line in manifest(cookbook_server, run["id"]) if "adam" in line for b in line["batches"]]
+    assert [b["loss_fn"] for b in batches] == [loss_fn or "stable_reinforce"] * 2
+    assert all(b["num_examples"] == 16 for b in batches)  # batch_size 4 × group_size 4
