@@ -19,6 +19,8 @@ class LossFn(Enum):
     PPO = "ppo"
     CISPO = "cispo"
     DRO = "dro"
+    GSPO = "gspo"
+    STABLE_REINFORCE = "stable_reinforce"
 
 
 @strawberry.enum(description="How a step's losses and gradients are reduced: MEAN over every weighted target token "

@@ -29,7 +29,8 @@ from tests.helpers.live_server import LiveServer
 KEYS: dict[str, set[str]] = {
     "forward_backward": {"loss", "num_tokens", "num_examples", "step", "reduction"},
     "optim_step": {"step", "grad_norm", "learning_rate"},
-    "sample": {"outputs", "prompt_tokens", "step", "prompt_logprobs", "topk_prompt_logprobs", "sequences"},
+    "sample": {"outputs", "prompt_tokens", "step", "prompt_logprobs", "topk_prompt_logprobs", "sequences",
+               "prompt_cache_hit_tokens"},
     "save_state": {"id", "step", "mode", "name", "path", "checkpoint_path", "size_bytes", "hub_url", "created_at",
                    "download_url", "with_optimizer", "pending_excluded"},
     "forward": {"loss", "loss_sum", "num_tokens", "num_examples", "step", "outputs"},
