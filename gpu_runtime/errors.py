@@ -7,6 +7,7 @@ No torch here: the server imports this module.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 MAX_MESSAGE_CHARS = 400  # a message that quotes the input quotes a prefix of it: a 10 MB name is no 10 MB error
@@ -44,9 +45,13 @@ class SignalError(Exception):
         return data | ({"details": self.details} if self.details else {})
 
     @staticmethod
-    def from_dict(data: dict[str, Any]) -> SignalError:
-        return _rebuild(data.get("type", "InternalError"), data.get("message", ""), data.get("field"),
-                        data.get("retryable"), data.get("details") or {})
+    def from_dict(data: Mapping[str, object]) -> SignalError:
+        # As to_dict wrote it; a field of another type is read as absent.
+        kind, message, field = data.get("type"), data.get("message"), data.get("field")
+        retryable, details = data.get("retryable"), data.get("details")
+        return _rebuild(kind if isinstance(kind, str) else "InternalError", message if isinstance(message, str) else "",
+                        field if isinstance(field, str) else None, retryable if isinstance(retryable, bool) else None,
+                        details if isinstance(details, Mapping) else None)
 
 
 class BadInput(SignalError, ValueError):
@@ -135,6 +140,6 @@ def _registry() -> dict[str, type[SignalError]]:
 
 
 def _rebuild(type_name: str, message: str, field: str | None, retryable: bool | None = None,
-             details: dict[str, Any] | None = None) -> SignalError:
+             details: Mapping[str, object] | None = None) -> SignalError:
     cls = _registry().get(type_name, InternalError)
     return cls(message, field=field, retryable=retryable, **(details or {}))

@@ -14,7 +14,7 @@ from __future__ import annotations
 import base64
 import binascii
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -32,6 +32,7 @@ from gpu_runtime.contract.batch_items import (
     TextItem,
     TokensItem,
 )
+from gpu_runtime.contract.json_types import get_list, get_object
 from gpu_runtime.contract.results import RenderedDatum
 from gpu_runtime.contract.training_settings import DATUM_INPUTS, PACKED_KEY, PACKED_TOKENS, RL_LOSSES
 from gpu_runtime.errors import BadInput
@@ -71,11 +72,13 @@ class Datum:
         return {"model_input": list(self.model_input), "loss_fn_inputs": inputs}
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Datum:
+    def from_dict(cls, data: Mapping[str, object]) -> Datum:
         """A datum as `to_dict` wrote it (a journal record's; engine/journal_records.py upgrades older forms)."""
-        inputs = dict(data["loss_fn_inputs"])
-        targets, weights = inputs.pop("target_tokens"), inputs.pop("weights", None)
-        return cls(list(data["model_input"]), list(targets), weights, inputs)
+        # to_dict wrote these lists from typed ones: their items are what the types say.
+        inputs = dict(get_object(data, "loss_fn_inputs"))
+        targets, weights = cast(list[int], inputs.pop("target_tokens")), cast("list[float] | None", inputs.pop("weights", None))
+        return cls(list(cast(list[int], get_list(data, "model_input"))), list(targets), weights,
+                   cast(dict[str, list[float]], inputs))
 
 
 def shifted(tokens: list[int], weights: list[float], extras: dict[str, list[float]]) -> Datum:

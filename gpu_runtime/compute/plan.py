@@ -75,7 +75,7 @@ class PassPart:
     call_width: int
     dropout_seed: int | None  # None: no dropout (a forward)
     loss_fn: str
-    loss_config: dict[str, Any] = field(default_factory=dict)
+    loss_config: dict[str, float] = field(default_factory=dict)
     backup: bool = False  # the first part of a split call: keep the run's gradients, to put back if a later part fails
     return_outputs: bool = False  # compute and ship per-position logprobs and elementwise losses
     forward_only: bool = False  # a forward: no backward, no gradient kept

@@ -7,8 +7,11 @@ the fields it knows, so a runtime one field ahead (same contract version) does n
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields, replace
-from typing import Any, TypedDict, TypeVar
+from typing import Any, TypedDict, TypeVar, cast
+
+from gpu_runtime.contract.json_types import JSONObject, as_json_object, get_list, get_str
 
 R = TypeVar("R", bound="Result")
 OMITTED_UNLESS_SET = ("replayed", "hub", "pending_excluded", "prompt_logprobs", "topk_prompt_logprobs", "outputs",
@@ -43,9 +46,18 @@ class BaseDescription(TypedDict):
     quantization: str | None
 
 
+class HubUpload(TypedDict):
+    """Where save_state(push_to_hub=True) put the checkpoint (gpu_runtime/engine/hub.py)."""
+
+    repo_id: str
+    url: str
+    commit: str
+    private: bool
+
+
 @dataclass(frozen=True, kw_only=True)
 class Result:
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSONObject:
         # Shallow: no result holds a dataclass, and a deep copy of a long sample's tokens costs milliseconds per call.
         data = {f.name: getattr(self, f.name) for f in fields(self)}
         # A first answer carries no `replayed`; a save with no upload no `hub`; a call that asked for none no `outputs`.
@@ -55,7 +67,8 @@ class Result:
         return data
 
     @classmethod
-    def from_dict(cls: type[R], data: dict[str, Any]) -> R:
+    def from_dict(cls: type[R], data: Mapping[str, object]) -> R:
+        # The runtime wrote these fields from this type: each value is what its field says.
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in names})
 
@@ -123,16 +136,18 @@ class SampledSequence:
     stop_reason: str
     topk_logprobs: list[list[list[float]]] | None = None
 
-    def to_dict(self) -> dict[str, Any]:
-        data: dict[str, Any] = asdict(self)
+    def to_dict(self) -> JSONObject:
+        data: JSONObject = asdict(self)
         if data["topk_logprobs"] is None:
             del data["topk_logprobs"]  # asked for none: absent, as it always was on the wire
         return data
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> SampledSequence:
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in names})
+    def from_dict(cls, data: Mapping[str, object]) -> SampledSequence:
+        # The runtime wrote the lists from this type's; their items are what the fields say.
+        return cls(text=get_str(data, "text"), tokens=cast(list[int], get_list(data, "tokens")),
+                   logprobs=cast(list[float], get_list(data, "logprobs")), stop_reason=get_str(data, "stop_reason"),
+                   topk_logprobs=cast("list[list[list[float]]] | None", data.get("topk_logprobs")))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -151,18 +166,16 @@ class SampleResult(Result):
     prompt_cache_hit_tokens: int = 0
     replayed: bool = False
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSONObject:
         data = super().to_dict()
         data["sequences"] = [[s.to_dict() for s in row] for row in self.sequences]
         return data
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> SampleResult:
-        names = {f.name for f in fields(cls)}
-        kept = {k: v for k, v in data.items() if k in names}
-        kept["sequences"] = [[s if isinstance(s, SampledSequence) else SampledSequence.from_dict(s) for s in row]
-                             for row in data["sequences"]]
-        return cls(**kept)
+    def from_dict(cls, data: Mapping[str, object]) -> SampleResult:
+        sequences = [[s if isinstance(s, SampledSequence) else SampledSequence.from_dict(cast(Mapping[str, object], s))
+                      for s in cast(list[object], row)] for row in get_list(data, "sequences")]
+        return super().from_dict({**data, "sequences": sequences})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -180,7 +193,7 @@ class CancelResult(Result):
     found: bool  # the call is here: withdrawn or stopped now, or in a pass (it completes); False: answered on arrival
     deferred: bool = False  # a deadline cancel of a call not yet able to run that long: withdrawn when it has been
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSONObject:
         data = super().to_dict()
         if not self.deferred:
             del data["deferred"]  # only a deferred deadline says so: the answer every client had before stays as it was
@@ -219,7 +232,7 @@ class SaveStateResult(Result):
     step: int
     size_bytes: int
     compute_seconds: float = 0.0
-    hub: dict[str, Any] | None = None  # push_to_hub: where the upload went
+    hub: HubUpload | None = None  # push_to_hub: where the upload went
     name: str = ""  # unique per run and mode; step-N unless named
     with_optimizer: bool = False  # AdamW's state is in it (load_state can resume it exactly)
     pending_excluded: int = 0  # forward_backward calls whose gradients were pending: not in the checkpoint
@@ -317,11 +330,11 @@ class RuntimeStateResult(Result):
     """An operator's view of the runtime (bases, resident and evicted runs, queues, ticks), kept as the document it is:
     read whole by the admin page and GraphQL's `runtime`. On Modal, with no pool, each pool's answer under `pools`."""
 
-    state: dict[str, Any]
+    state: JSONObject
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSONObject:
         return self.state
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> RuntimeStateResult:
-        return cls(state=data)
+    def from_dict(cls, data: Mapping[str, object]) -> RuntimeStateResult:
+        return cls(state=as_json_object(data, "state"))

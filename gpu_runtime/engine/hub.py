@@ -16,6 +16,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from gpu_runtime.contract.results import HubUpload
 from gpu_runtime.errors import BadInput, HubError
 
 MANIFEST_FILE = "manifest.jsonl"
@@ -53,7 +54,7 @@ def model_card(hub_model_id: str, base_model: str, mode: str, step: int, run_id:
 
 
 def push_checkpoint(folder: Path, *, hub_model_id: str, hf_token: str, base_model: str, manifest: Path,
-                    mode: str, step: int, run_id: str, private: bool = True) -> dict[str, Any]:
+                    mode: str, step: int, run_id: str, private: bool = True) -> HubUpload:
     """Create the repo (private, or left as it is when it exists) and upload the checkpoint in one commit."""
     from huggingface_hub import HfApi
     from huggingface_hub.errors import HFValidationError

@@ -11,11 +11,26 @@ What changed, oldest first:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import ClassVar, cast
 
 from gpu_runtime.compute.batches import Datum, shifted
 from gpu_runtime.compute.optimizer import PORTABLE
+from gpu_runtime.contract.json_types import (
+    JSONObject,
+    as_json,
+    as_json_object,
+    as_object,
+    get_bool,
+    get_float,
+    get_int,
+    get_list,
+    get_numbers,
+    get_str,
+    opt_object,
+    opt_str,
+)
 from gpu_runtime.contract.training_settings import DEFAULT_REDUCTION
 
 FORWARD_BACKWARD, OPTIM_STEP, LOAD_STATE = "forward_backward", "optim_step", "load_state"  # the records' `type`
@@ -30,15 +45,16 @@ class BatchRecord:
     num_tokens: int
     loss_fn: str | None = None  # the manifest names each batch's loss (None: written before it did)
 
-    def to_dict(self) -> dict[str, Any]:
-        data: dict[str, Any] = {"sha256": self.sha256, "num_examples": self.num_examples, "num_tokens": self.num_tokens}
+    def to_dict(self) -> JSONObject:
+        data: JSONObject = {"sha256": self.sha256, "num_examples": self.num_examples, "num_tokens": self.num_tokens}
         if self.loss_fn is not None:
             data["loss_fn"] = self.loss_fn
         return data
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> BatchRecord:
-        return cls(data["sha256"], data["num_examples"], data["num_tokens"], data.get("loss_fn"))
+    def from_dict(cls, data: Mapping[str, object]) -> BatchRecord:
+        return cls(get_str(data, "sha256"), get_int(data, "num_examples"), get_int(data, "num_tokens"),
+                   opt_str(data, "loss_fn"))
 
 
 @dataclass(frozen=True)
@@ -51,16 +67,17 @@ class PendingRecord:
     batches: list[BatchRecord]
     reduction: str | None  # None: no call since the last step
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSONObject:
         return {"normaliser": self.normaliser, "calls": self.calls, "tokens": self.tokens,
                 "batches": [b.to_dict() for b in self.batches], "reduction": self.reduction}
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> PendingRecord:
+    def from_dict(cls, data: Mapping[str, object]) -> PendingRecord:
+        calls = get_int(data, "calls")
         # Snapshots from before reductions hold none: their calls were all "mean".
-        reduction = data.get("reduction", DEFAULT_REDUCTION if data["calls"] else None)
-        return cls(data["normaliser"], data["calls"], data["tokens"],
-                   [BatchRecord.from_dict(b) for b in data["batches"]], reduction)
+        reduction = opt_str(data, "reduction", DEFAULT_REDUCTION if calls else None)
+        return cls(get_float(data, "normaliser"), calls, get_int(data, "tokens"),
+                   [BatchRecord.from_dict(as_object(b, "batches")) for b in get_list(data, "batches")], reduction)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,24 +94,33 @@ class FbRecord:
     batch_sha256: str
     body_sha256: str | None
     datums: list[Datum]
-    result: dict[str, Any]  # the answer kept for retries (ForwardBackwardResult.kept())
+    result: JSONObject  # the answer kept for retries (ForwardBackwardResult.kept())
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSONObject:
         return {"type": self.type, "request_id": self.request_id, "loss_fn": self.loss_fn,
                 "loss_fn_config": self.loss_fn_config, "reduction": self.reduction, "call": self.call,
                 "step": self.step, "batch_sha256": self.batch_sha256, "body_sha256": self.body_sha256,
-                "datums": [d.to_dict() for d in self.datums], "result": self.result}
+                "datums": [as_json(d.to_dict()) for d in self.datums], "result": self.result}
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> FbRecord:
+    def from_dict(cls, data: Mapping[str, object]) -> FbRecord:
         if "datums" in data:
-            datums = [Datum.from_dict(d) for d in data["datums"]]
+            datums = [Datum.from_dict(as_object(d, "datums")) for d in get_list(data, "datums")]
         else:  # before datums: {tokens, weights, extras} per example, shifted as the renderer shifts them
-            datums = [shifted(e["tokens"], e["weights"], e.get("extras") or {}) for e in data["examples"]]
-        return cls(request_id=data.get("request_id"), loss_fn=data["loss_fn"],
-                   loss_fn_config=data.get("loss_fn_config") or {}, reduction=data.get("reduction", DEFAULT_REDUCTION),
-                   call=data["call"], step=data.get("step", 0), batch_sha256=data.get("batch_sha256", ""),
-                   body_sha256=data.get("body_sha256"), datums=datums, result=data["result"])
+            datums = [_shifted_example(as_object(e, "examples")) for e in get_list(data, "examples")]
+        return cls(request_id=opt_str(data, "request_id"), loss_fn=get_str(data, "loss_fn"),
+                   loss_fn_config=get_numbers(data, "loss_fn_config"),
+                   reduction=opt_str(data, "reduction") or DEFAULT_REDUCTION, call=get_int(data, "call"),
+                   step=get_int(data, "step", 0), batch_sha256=opt_str(data, "batch_sha256") or "",
+                   body_sha256=opt_str(data, "body_sha256"), datums=datums,
+                   result=as_json_object(data["result"], "result"))
+
+
+def _shifted_example(example: Mapping[str, object]) -> Datum:
+    # The journal's lists were written from typed lists: their items are what the types say.
+    extras = {k: cast(list[float], v) for k, v in opt_object(example, "extras").items()}
+    return shifted(cast(list[int], get_list(example, "tokens")), cast(list[float], get_list(example, "weights")),
+                   extras)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -106,21 +132,22 @@ class OptimRecord:
     adam: dict[str, float]
     kernel: str
     body_sha256: str | None
-    result: dict[str, Any]  # OptimStepResult.to_dict(), or {"error": …}: a failed step dropped the gradients
+    result: JSONObject  # OptimStepResult.to_dict(), or {"error": …}: a failed step dropped the gradients
 
     @property
-    def error(self) -> dict[str, Any] | None:
-        error: dict[str, Any] | None = self.result.get("error")
-        return error
+    def error(self) -> Mapping[str, object] | None:
+        error = self.result.get("error")
+        return None if error is None else as_object(error, "result.error")
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSONObject:
         return {"type": self.type, "request_id": self.request_id, "adam": self.adam, "kernel": self.kernel,
                 "body_sha256": self.body_sha256, "result": self.result}
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> OptimRecord:
-        return cls(request_id=data.get("request_id"), adam=data["adam"], kernel=data.get("kernel", PORTABLE),
-                   body_sha256=data.get("body_sha256"), result=data["result"])
+    def from_dict(cls, data: Mapping[str, object]) -> OptimRecord:
+        return cls(request_id=opt_str(data, "request_id"), adam=get_numbers(data, "adam"),
+                   kernel=opt_str(data, "kernel") or PORTABLE, body_sha256=opt_str(data, "body_sha256"),
+                   result=as_json_object(data["result"], "result"))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -133,17 +160,18 @@ class LoadStateRecord:
     with_optimizer: bool
     step: int
     body_sha256: str | None
-    result: dict[str, Any] = field(default_factory=dict)
+    result: JSONObject = field(default_factory=dict)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSONObject:
         return {"type": self.type, "request_id": self.request_id, "staged": self.staged,
                 "with_optimizer": self.with_optimizer, "step": self.step, "body_sha256": self.body_sha256,
                 "result": self.result}
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> LoadStateRecord:
-        return cls(request_id=data.get("request_id"), staged=data["staged"], with_optimizer=data["with_optimizer"],
-                   step=data["step"], body_sha256=data.get("body_sha256"), result=data["result"])
+    def from_dict(cls, data: Mapping[str, object]) -> LoadStateRecord:
+        return cls(request_id=opt_str(data, "request_id"), staged=get_str(data, "staged"),
+                   with_optimizer=get_bool(data, "with_optimizer"), step=get_int(data, "step"),
+                   body_sha256=opt_str(data, "body_sha256"), result=as_json_object(data["result"], "result"))
 
 
 Record = FbRecord | OptimRecord | LoadStateRecord
@@ -151,6 +179,6 @@ RECORDS: dict[str, type[FbRecord] | type[OptimRecord] | type[LoadStateRecord]] =
     kind.type: kind for kind in (FbRecord, OptimRecord, LoadStateRecord)}
 
 
-def record_from_dict(data: dict[str, Any]) -> Record:
+def record_from_dict(data: Mapping[str, object]) -> Record:
     """A journal record as read from disk, in today's type whatever format wrote it."""
-    return RECORDS[data["type"]].from_dict(data)
+    return RECORDS[get_str(data, "type")].from_dict(data)

@@ -16,7 +16,6 @@ import os
 import signal
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -42,6 +41,7 @@ from gpu_runtime.contract import (
     check_batch_size,
     loss_settings,
 )
+from gpu_runtime.contract.json_types import JSONObject, as_object
 from gpu_runtime.engine.journal_records import BatchRecord, FbRecord, LoadStateRecord, OptimRecord, Record
 from gpu_runtime.engine.request import Request
 from gpu_runtime.engine.run_state import LOADS_DIR, RunState, append_manifest, last_manifest_step
@@ -57,7 +57,7 @@ class FbProgress:
     state: RunState
     examples: list[Datum]
     loss_fn: str
-    loss_config: dict[str, Any]
+    loss_config: dict[str, float]
     batch_hash: str
     call: int  # which call since the last optim_step: seeds its dropout
     width: int  # the call's own padded width: its dropout masks are drawn at this shape
@@ -307,7 +307,7 @@ class Training:
 
     def _stepped(self, step: StepCall, grad_norm: float, seconds: float) -> OptimStepResult | SignalError:
         state, pending, settings = step.state, step.state.pending, step.settings
-        record: dict[str, Any]
+        record: JSONObject
         try:
             result = self._count_step(state, settings, grad_norm)
             result = OptimStepResult(step=result.step, grad_norm=result.grad_norm, learning_rate=result.learning_rate,
@@ -320,7 +320,7 @@ class Training:
         state.remember(step.call.request_id, record, step.body)
         self.shared.residency.touch(state)
         if "error" in record:
-            return SignalError.from_dict(record["error"])
+            return SignalError.from_dict(as_object(record["error"], "error"))
         append_manifest(state.paths.manifest, {"step": state.step, "adam": settings, "grad_norm": result.grad_norm,
                                                "num_tokens": pending.tokens, "batches": [b.to_dict() for b in pending.batches]})
         return result
