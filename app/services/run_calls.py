@@ -1,4 +1,4 @@
-"""The one skeleton every call on a run goes through (RunCalls, the base of RunService's parts).
+"""The one skeleton every call on a run goes through (RunCalls, which each of RunService's parts holds).
 
 Ownership first (another user's run is "not found", never data), its arguments checked, the ledger's credit check,
 then in the run's order (its ticket: call_order.py) the runtime call, and the call recorded once: its call record, result
@@ -25,12 +25,12 @@ from app.services.call_order import CallOrder, Numbered
 from app.services.call_records import Caller, CallRecorder
 from app.services.deadlines import Deadline, Streamed, answered, waiting
 from app.services.ledger import Ledger
-from app.services.run_specs import _fields_renamed, graphql_field
+from app.services.run_specs import fields_renamed, graphql_field
 from app.services.throttle import sent_until_taken
 from app.settings import DEADLINES_S, RECORD_RETRY_S
 from app.tables import Metric, Run, User, could_be_id, new_id, utcnow
 from gpu_runtime.client.allocation import PoolKey
-from gpu_runtime.contract import Call, Cancel, RuntimeOptions
+from gpu_runtime.contract import Call, Cancel, Ping, RuntimeOptions
 
 T = TypeVar("T")
 C = TypeVar("C", bound=Call)
@@ -56,7 +56,7 @@ class RunCalls:
         self.backend = backend
         self.catalog = catalog
         self.feed = feed
-        self._devices: dict[PoolKey, str] = {}  # pool → its runtime's device, for pricing base samples
+        self.devices: dict[PoolKey, str] = {}  # pool → its runtime's device, for pricing base samples
         # A run's calls in one order across processes: tickets, in the callers' numbers (seq, session).
         self.order = CallOrder(db)
         # A check of another client's claim on the run before each primitive (Tinker's: app/services/tinker_sessions.py
@@ -76,7 +76,7 @@ class RunCalls:
 
     # ---- one skeleton for the four primitives ----------------------------------------------
 
-    async def _apply(self, user: User, run_id: str, operation: str, request_id: str | None,
+    async def apply(self, user: User, run_id: str, operation: str, request_id: str | None,
                      arguments: Callable[[Run], Call[A]], record: Record[A, T],
                      allowed: Callable[[], Awaitable[dict[str, object]]] | None = None, order: Numbered | None = None,
                      progress: Progress | None = None) -> T:
@@ -89,59 +89,59 @@ class RunCalls:
         deadline = Deadline.start(self.deadlines, operation)
         run = await self.get(user, run_id)
         if operation != "save_state":  # an archived run's weights can still be exported
-            _refuse_archived(run, operation)
+            refuse_archived(run, operation)
         if self.claim is not None:
             await self.claim(run, operation)
-        request = self._checked(_sent_as(arguments(run), request_id=request_id))
+        request = self.checked(sent_as(arguments(run), request_id=request_id))
         request_id = await self.ledger.allow(user, run, operation, request_id or new_id())
-        request = _sent_as(request, request_id=request_id, **(await allowed() if allowed is not None else {}))
+        request = sent_as(request, request_id=request_id, **(await allowed() if allowed is not None else {}))
 
         streamed = Streamed.of(progress)
 
         async def work(ticket: int, sent: Callable[[], None]) -> T:
-            result = await self._answered(deadline, pool_of(run), user, request_id,
-                                          self._on_run(run, request, streamed, ticket, sent), streamed)
-            return await self._recorded(run, operation, request_id, result, record)
+            result = await self.answered(deadline, pool_of(run), user, request_id,
+                                          self.on_run(run, request, streamed, ticket, sent), streamed)
+            return await self.recorded(run, operation, request_id, result, record)
 
-        return await self._in_order(run.id, work, order, deadline)
+        return await self.in_order(run.id, work, order, deadline)
 
-    async def _recorded(self, run: Run, operation: str, request_id: str, result: A, record: Record[A, T]) -> T:
+    async def recorded(self, run: Run, operation: str, request_id: str, result: A, record: Record[A, T]) -> T:
         """The applied call recorded once, with what `record` writes, in one transaction (call_records.py)."""
         return await self.recorder.record(Caller.of(run), operation, request_id, result,
                                           lambda session, fresh: record(session, run, result, fresh),
                                           after=lambda: self.feed.written(run.id))
 
-    def _checked(self, request: C) -> C:
+    def checked(self, request: C) -> C:
         """The contract's checks and size bounds, here before the call leaves (the runtime runs both again); errors
         name the field as the client sent it."""
-        with _fields_renamed(lambda field: field):
+        with fields_renamed(lambda field: field):
             request.validate()
             request.check_size(self.bounds)
         return request
 
-    async def _on_run(self, run: Run, request: Call[A], progress: Progress | None = None,
+    async def on_run(self, run: Run, request: Call[A], progress: Progress | None = None,
                       ticket: int | None = None, sent: Callable[[], None] | None = None) -> A:
         """A runtime call on a run the database holds. The runtime answering that it has no such run means its
         files are gone for good: the run is marked failed (runs.status), and the caller gets NOT_FOUND."""
         try:
-            return await self._engine(request, pool=pool_of(run), progress=progress, ticket=ticket, sent=sent)
+            return await self.engine(request, pool=pool_of(run), progress=progress, ticket=ticket, sent=sent)
         except RunNotFound:
             async with self.db.session() as session:
                 await session.execute(update(Run).where(Run.id == run.id).values(status=FAILED))
             raise
 
-    async def _answered(self, deadline: Deadline, pool: PoolKey, user: User, request_id: str,
+    async def answered(self, deadline: Deadline, pool: PoolKey, user: User, request_id: str,
                         call: Awaitable[A], streamed: Streamed | None = None) -> A:
         """The runtime's answer to `call`; at its deadline the runtime is asked to withdraw it, or, for a stream whose
         client has read text, to stop it and answer with what it has (deadlines.py)."""
-        return await answered(deadline, call, lambda: self._engine(
+        return await answered(deadline, call, lambda: self.engine(
             Cancel(request_id=request_id, user_id=user.id, deadline=streamed is None or not streamed.sent,
                    deadline_s=deadline.seconds), pool=pool),
                               f"{deadline.operation} {request_id} of user {user.id}")
 
     # ---- bookkeeping ---------------------------------------------------------------------
 
-    async def _in_order(self, run_id: str, call: Callable[[int, Callable[[], None]], Awaitable[T]],
+    async def in_order(self, run_id: str, call: Callable[[int, Callable[[], None]], Awaitable[T]],
                         order: Numbered | None = None, deadline: Deadline | None = None) -> T:
         """`call(ticket, sent)` in the run's order (call_order.py): its place in line waited for (past `deadline`:
         DEADLINE_EXCEEDED, no ticket taken), its ticket taken, and the run's turn held until the call has left for the
@@ -162,7 +162,7 @@ class RunCalls:
 
         return await asyncio.shield(asyncio.ensure_future(in_order()))
 
-    async def _engine(self, request: Call[A], pool: PoolKey | None = None, progress: Progress | None = None,
+    async def engine(self, request: Call[A], pool: PoolKey | None = None, progress: Progress | None = None,
                       ticket: int | None = None, sent: Callable[[], None] | None = None) -> A:
         async def call() -> A:
             return await self.backend.call(request, pool=pool, progress=progress, ticket=ticket, sent=sent)
@@ -175,7 +175,34 @@ class RunCalls:
                 raise
             raise type(error)(error.message, field=graphql_field(error.field)) from None
 
-    async def _metrics(self, session: AsyncSession, run_id: str, step: int, values: dict[str, float]) -> None:
+    async def off_the_queue(self, user: User, run_id: str, method: str, request_id: str | None,
+                             arguments: Callable[[Run], Call[A]], record: Record[A, A],
+                             progress: Progress | None = None) -> A:
+        """A call on a run's frozen weights (a snapshot or checkpoint: docs/SNAPSHOTS.md): owned and billed like the
+        run's calls, but it takes no ticket, so it waits for nothing queued on the run."""
+        deadline = Deadline.start(self.deadlines, method)
+        run = await self.get(user, run_id)
+        refuse_archived(run, method)
+        request = self.checked(sent_as(arguments(run), request_id=request_id))
+        request_id = await self.ledger.allow(user, run, method, request_id or new_id())
+        request = sent_as(request, request_id=request_id)
+
+        streamed = Streamed.of(progress)
+
+        async def work() -> A:
+            result = await self.answered(deadline, pool_of(run), user, request_id,
+                                          self.on_run(run, request, streamed), streamed)
+            return await self.recorded(run, method, request_id, result, record)
+
+        return await asyncio.shield(asyncio.ensure_future(work()))  # recorded even if the caller goes away
+
+    async def device(self, pool: PoolKey) -> str:
+        """The device a pool's runtime computes on (its ping), asked once per pool: what a base sample is priced by."""
+        if pool not in self.devices:
+            self.devices[pool] = (await self.backend.call(Ping(), pool=pool)).device
+        return self.devices[pool]
+
+    async def metrics(self, session: AsyncSession, run_id: str, step: int, values: dict[str, float]) -> None:
         """A call's metric rows, in its recording transaction; every server process's subscribers get them as one
         event once it commits (events.MetricFeed)."""
         now = utcnow()
@@ -187,13 +214,13 @@ class RunCalls:
         await self.feed.announce(session, run_id, [row.id for row in rows])
 
 
-def _refuse_archived(run: Run, operation: str) -> None:
+def refuse_archived(run: Run, operation: str) -> None:
     if run.archived_at is not None:
         raise FailedPrecondition(f"run {run.id} is archived: unarchive it to {operation} (unarchiveRun, "
                                  "run.unarchive(), or the run's page)", field="runId")
 
 
-def _sent_as(request: C, **changes: Any) -> C:
+def sent_as(request: C, **changes: Any) -> C:
     """The request with fields set after its checks: the request id a call gets once allowed, a Hub token."""
     return dataclasses.replace(request, **changes)
 

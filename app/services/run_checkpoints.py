@@ -29,7 +29,10 @@ from gpu_runtime.contract import (
 )
 
 
-class RunCheckpoints(RunCalls):
+class RunCheckpoints:
+    def __init__(self, calls: RunCalls) -> None:
+        self.calls = calls
+
     async def save_weights_for_sampler(self, user: User, run_id: str, name: str | None = None,
                                        request_id: str | None = None,
                                        order: Numbered | None = None) -> SaveWeightsForSamplerResult:
@@ -49,7 +52,7 @@ class RunCheckpoints(RunCalls):
             row.expires_at = None if expires is None else utcnow() + timedelta(seconds=float(expires))
             return result
 
-        return await self._apply(user, run_id, "save_weights_for_sampler", request_id,
+        return await self.calls.apply(user, run_id, "save_weights_for_sampler", request_id,
                                  lambda run: SaveWeightsForSampler(run_id=run.id, name=name), record, order=order)
 
     async def save_state(self, user: User, run_id: str, mode: str = "adapter", push_to_hub: bool = False,
@@ -61,7 +64,7 @@ class RunCheckpoints(RunCalls):
         which travels as this one call's argument and is stored nowhere. With billing on and no `hf_token`, the
         token is the user's Hugging Face integration, fetched from the billing service now (docs/BILLING.md). An existing
         name is refused unless `overwrite` (Tinker's save_weights), which replaces it atomically."""
-        billing = self.ledger.billing
+        billing = self.calls.ledger.billing
 
         def arguments(run: Run) -> SaveState:
             if push_to_hub and not (hub_model_id or "").strip():
@@ -93,35 +96,35 @@ class RunCheckpoints(RunCalls):
             checkpoint.path = result.checkpoint_path
             checkpoint.step, checkpoint.mode = result.step, result.mode
             checkpoint.size_bytes = result.size_bytes
-            checkpoint.hub_url = (result.hub or {}).get("url") or checkpoint.hub_url
+            checkpoint.hub_url = (result.hub["url"] if result.hub else None) or checkpoint.hub_url
             checkpoint.with_optimizer = result.with_optimizer
             checkpoint.pending_excluded = result.pending_excluded
             await session.flush()  # its id, for the answer
             return checkpoint
 
-        return await self._apply(user, run_id, "save_state", request_id, arguments, record, allowed=hub, order=order)
+        return await self.calls.apply(user, run_id, "save_state", request_id, arguments, record, allowed=hub, order=order)
 
     async def load_state(self, user: User, run_id: str, checkpoint: str, with_optimizer: bool = True,
                          request_id: str | None = None, order: Numbered | None = None) -> LoadStateResult:
         """A checkpoint of this run, or of another run of the same user, into this run (docs/CHECKPOINTS.md): its
         adapter, with_optimizer its AdamW, and its step either way. Another user's checkpoint is NOT_FOUND."""
-        run = await self.get(user, run_id)
+        run = await self.calls.get(user, run_id)
         ref = checkpoint_ref(checkpoint, "checkpoint", run.id)
-        await self._checkpoint_row(user, ref, "checkpoint")
+        await self.checkpoint_row(user, ref, "checkpoint")
 
         async def record(session: AsyncSession, run: Run, result: LoadStateResult, fresh: bool) -> LoadStateResult:
             if fresh:  # the step is the checkpoint's: it may go back
                 await session.execute(update(Run).where(Run.id == run.id).values(step=result.step))
             return result
 
-        return await self._apply(user, run_id, "load_state", request_id,
+        return await self.calls.apply(user, run_id, "load_state", request_id,
                                  lambda run: LoadState(run_id=run.id, checkpoint=ref.path, with_optimizer=with_optimizer),
                                  record, order=order)
 
     async def delete_checkpoint(self, user: User, run_id: str, checkpoint_id: str) -> None:
         """A checkpoint's (or a sampler snapshot's) files in the runtime, then its row."""
-        run = await self.get(user, run_id)
-        async with self.db.session() as session:
+        run = await self.calls.get(user, run_id)
+        async with self.calls.db.session() as session:
             number = row_number(str(checkpoint_id))  # 99999999999999999999999 overflows BIGINT: not found, not a 500
             row = await session.get(Checkpoint, number) if number is not None else None
         if row is None or row.run_id != run.id:
@@ -129,28 +132,28 @@ class RunCheckpoints(RunCalls):
 
         async def work(ticket: int, sent: Callable[[], None]) -> None:
             try:  # after the run's calls before it (a save_state of this checkpoint's name)
-                await self._engine(DeleteCheckpoint(run_id=run.id, mode=row.mode, name=row.name), pool=pool_of(run),
+                await self.calls.engine(DeleteCheckpoint(run_id=run.id, mode=row.mode, name=row.name), pool=pool_of(run),
                                    ticket=ticket, sent=sent)
             except NotFound:
                 pass  # its files are already gone (a delete half done): remove the row anyway
-            async with self.db.session() as session:
+            async with self.calls.db.session() as session:
                 await session.execute(delete(Checkpoint).where(Checkpoint.id == row.id))
 
-        await self._in_order(run.id, work)
+        await self.calls.in_order(run.id, work)
 
     async def set_expiry(self, user: User, run_id: str, mode: str, name: str, seconds: float) -> datetime:
         """A checkpoint's expiry (Tinker's ttl_seconds), from now: once past, it is unlisted, and deleted, files and row,
         by `delete_expired` (the Tinker futures' housekeeping runs it)."""
-        run = await self.get(user, run_id)
+        run = await self.calls.get(user, run_id)
         expires_at = utcnow() + timedelta(seconds=seconds)
-        async with self.db.session() as session:
+        async with self.calls.db.session() as session:
             await session.execute(update(Checkpoint).where(Checkpoint.run_id == run.id, Checkpoint.mode == mode,
                                                            Checkpoint.name == name).values(expires_at=expires_at))
         return expires_at
 
     async def storage(self, user: User) -> tuple[int, int]:
         """The user's stored checkpoints (every run, unexpired): how many, and their bytes."""
-        async with self.db.session() as session:
+        async with self.calls.db.session() as session:
             count, total = (await session.execute(
                 select(func.count(Checkpoint.id), func.coalesce(func.sum(Checkpoint.size_bytes), 0))
                 .join(Run, Run.id == Checkpoint.run_id).where(
@@ -159,7 +162,7 @@ class RunCheckpoints(RunCalls):
 
     async def delete_expired(self, most: int = 32) -> int:
         """Delete up to `most` checkpoints past their expiry, each as its owner would; returns how many."""
-        async with self.db.session() as session:
+        async with self.calls.db.session() as session:
             rows = (await session.execute(select(Checkpoint.id, Run.id, User).join(Run, Run.id == Checkpoint.run_id)
                                           .join(User, User.id == Run.user_id)
                                           .where(Checkpoint.expires_at < utcnow()).limit(most))).all()
@@ -168,9 +171,9 @@ class RunCheckpoints(RunCalls):
                 await self.delete_checkpoint(owner, run_id, str(checkpoint_id))
         return len(rows)
 
-    async def _checkpoint_row(self, user: User, ref: CheckpointRef, field: str) -> tuple[Run, Checkpoint]:
+    async def checkpoint_row(self, user: User, ref: CheckpointRef, field: str) -> tuple[Run, Checkpoint]:
         """The caller's run and checkpoint a reference names; another user's, or none, is NOT_FOUND alike."""
-        async with self.db.session() as session:
+        async with self.calls.db.session() as session:
             run = await session.get(Run, ref.run_id) if could_be_id(ref.run_id) else None
             row = None if run is None or run.user_id != user.id else await session.scalar(select(Checkpoint).where(
                 Checkpoint.run_id == run.id, Checkpoint.mode == ref.kind, Checkpoint.name == ref.name).limit(1))
@@ -180,9 +183,9 @@ class RunCheckpoints(RunCalls):
 
     async def checkpoint_archive(self, run_id: str, mode: str, step: int, name: str | None = None) -> bytes:
         """A checkpoint's files as .tar.gz bytes, from the runtime that holds them (the caller checked ownership)."""
-        async with self.db.session() as session:
+        async with self.calls.db.session() as session:
             run = await session.get(Run, run_id)
         if run is None:
             raise RunNotFound(f"run {run_id!r} not found", field="runId")
-        archive = await self._engine(ExportCheckpoint(run_id=run_id, mode=mode, step=step, name=name), pool=pool_of(run))
+        archive = await self.calls.engine(ExportCheckpoint(run_id=run_id, mode=mode, step=step, name=name), pool=pool_of(run))
         return base64.b64decode(archive.archive_b64)

@@ -11,13 +11,16 @@ from sqlalchemy import func, select, update
 
 from app.errors import BadInput
 from app.services.run_calls import RunCalls
-from app.services.run_specs import RUN_SORTS, RunLabels, _search_clause
+from app.services.run_specs import RUN_SORTS, RunLabels, search_clause
 from app.tables import BaseSample, Checkpoint, Metric, Run, Sample, User, utcnow
 
 MAX_METRICS_LIMIT = 10_000  # most metric rows one read returns (a run's curve; the dashboard asks for 1,000)
 
 
-class RunReads(RunCalls):
+class RunReads:
+    def __init__(self, calls: RunCalls) -> None:
+        self.calls = calls
+
     # ---- reading -------------------------------------------------------------------------
 
     async def list(self, user: User, limit: int = 50, search: str = "", sort: str = "newest",
@@ -28,14 +31,14 @@ class RunReads(RunCalls):
         if sort not in RUN_SORTS:
             raise BadInput(f"sort must be one of {', '.join(RUN_SORTS)}, got {sort!r}", field="sort")
         query = self._listed(user, search, archived).order_by(*RUN_SORTS[sort], Run.id)
-        async with self.db.session() as session:
+        async with self.calls.db.session() as session:
             rows = await session.scalars(query.offset(max(0, int(offset))).limit(_clamp(limit)))
             return list(rows)
 
     async def count(self, user: User, search: str = "", archived: bool | None = False) -> int:
         """How many runs `list` pages through with the same filters (the runs list's "of N")."""
         query = select(func.count()).select_from(self._listed(user, search, archived).subquery())
-        async with self.db.session() as session:
+        async with self.calls.db.session() as session:
             return int(await session.scalar(query) or 0)
 
     def _listed(self, user: User, search: str, archived: bool | None) -> Any:
@@ -43,27 +46,27 @@ class RunReads(RunCalls):
         if archived is not None:
             query = query.where(Run.archived_at.is_not(None) if archived else Run.archived_at.is_(None))
         if search.strip():
-            query = query.where(_search_clause(search.strip()))
+            query = query.where(search_clause(search.strip()))
         return query
 
     async def archive(self, user: User, run_id: str, archived: bool = True) -> Run:
         """Archive a run (or unarchive it): hidden from the default list, its training and sampling refused with
         FAILED_PRECONDITION until unarchived; its files, checkpoints and history are kept."""
-        run = await self.get(user, run_id)
+        run = await self.calls.get(user, run_id)
         if (run.archived_at is not None) != archived:
-            async with self.db.session() as session:
+            async with self.calls.db.session() as session:
                 await session.execute(update(Run).where(Run.id == run.id)
                                       .values(archived_at=utcnow() if archived else None))
-        return await self.get(user, run.id)
+        return await self.calls.get(user, run.id)
 
     async def label(self, user: User, run_id: str, labels: RunLabels) -> Run:
         """Rename a run, set its tags or its note; another user's run is not found."""
-        run = await self.get(user, run_id)
+        run = await self.calls.get(user, run_id)
         values = labels.checked()
         if values:
-            async with self.db.session() as session:
+            async with self.calls.db.session() as session:
                 await session.execute(update(Run).where(Run.id == run.id).values(**values))
-        return await self.get(user, run.id)
+        return await self.calls.get(user, run.id)
 
     async def metrics(self, run: Run, name: str | None = None, limit: int = 1000) -> builtins.list[Metric]:
         if not 1 <= limit <= MAX_METRICS_LIMIT:
@@ -71,25 +74,25 @@ class RunReads(RunCalls):
         query = select(Metric).where(Metric.run_id == run.id)
         if name:
             query = query.where(Metric.name == name)
-        async with self.db.session() as session:
+        async with self.calls.db.session() as session:
             newest = list(await session.scalars(query.order_by(Metric.id.desc()).limit(limit)))
         return newest[::-1]  # the latest `limit` rows, in the order they happened
 
     async def samples(self, run: Run, limit: int = 100) -> builtins.list[Sample]:
-        async with self.db.session() as session:
+        async with self.calls.db.session() as session:
             query = select(Sample).where(Sample.run_id == run.id).order_by(Sample.id.desc()).limit(_clamp(limit))
             return list(await session.scalars(query))
 
     async def sample_marks(self, run: Run) -> builtins.list[tuple[int, datetime]]:
         """Each step the run was sampled at, with its first sample's time: the run page's sample markers."""
-        async with self.db.session() as session:
+        async with self.calls.db.session() as session:
             query = (select(Sample.step, func.min(Sample.created_at)).where(Sample.run_id == run.id)
                      .group_by(Sample.step).order_by(Sample.step))
             return [(int(step), _aware(first)) for step, first in await session.execute(query)]
 
     async def base_samples(self, user: User, limit: int = 100) -> builtins.list[BaseSample]:
         """The user's samples of base models alone (no run), newest first: their history as `samples` is a run's."""
-        async with self.db.session() as session:
+        async with self.calls.db.session() as session:
             query = (select(BaseSample).where(BaseSample.user_id == user.id).order_by(BaseSample.id.desc())
                      .limit(_clamp(limit)))
             return list(await session.scalars(query))
@@ -97,7 +100,7 @@ class RunReads(RunCalls):
     async def checkpoints(self, run: Run) -> builtins.list[Checkpoint]:
         """The run's checkpoints and sampler snapshots; unnamed snapshots past their expiry are gone from the runtime,
         so they are not listed."""
-        async with self.db.session() as session:
+        async with self.calls.db.session() as session:
             query = select(Checkpoint).where(Checkpoint.run_id == run.id).order_by(Checkpoint.id)
             now = utcnow()
             return [row for row in await session.scalars(query)

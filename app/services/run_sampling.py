@@ -6,27 +6,24 @@ from __future__ import annotations
 import asyncio
 import builtins
 import dataclasses
-from collections.abc import Callable
 from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from app.backends import A, Progress
+from app.backends import Progress
 from app.errors import BadInput
 from app.services.call_order import Numbered
 from app.services.call_records import Caller
 from app.services.deadlines import Deadline, Streamed
-from app.services.run_calls import Record, RunCalls, _refuse_archived, _sent_as, pool_of
-from app.services.run_specs import SampleParams, _fields_renamed
+from app.services.run_calls import RunCalls, pool_of
+from app.services.run_specs import SampleParams, fields_renamed
 from app.services.streams import unless_gone
 from app.tables import BaseSample, Run, Sample, User, new_id
 from gpu_runtime.client.allocation import PoolKey
 from gpu_runtime.contract import (
     CHECKPOINT_SCHEME,
     LOADABLE_KINDS,
-    Call,
     Cancel,
-    Ping,
     RenderChat,
     RenderChatResult,
     SampledSequence,
@@ -38,7 +35,10 @@ from gpu_runtime.contract import (
 from gpu_runtime.contract import Sample as SampleCall  # app.tables.Sample is a sample's row
 
 
-class RunSampling(RunCalls):
+class RunSampling:
+    def __init__(self, calls: RunCalls) -> None:
+        self.calls = calls
+
     async def sample(self, user: User, run_id: str | None, params: SampleParams, request_id: str | None = None,
                      snapshot: str | None = None, checkpoint: str | None = None, base_model: str | None = None,
                      order: Numbered | None = None, progress: Progress | None = None,
@@ -53,7 +53,7 @@ class RunSampling(RunCalls):
         # The contract takes stop strings and ids as one `stop`; GraphQL has two arguments: name the one sent.
         stop_field = "stop_tokens" if params.stop_tokens is not None and params.stop is None else "stop"
         run_id, snapshot, checkpoint = checkpoint_source(run_id, snapshot, checkpoint)
-        with _fields_renamed(lambda field: stop_field if field == "stop" else field):
+        with fields_renamed(lambda field: stop_field if field == "stop" else field):
             return await self._sample(user, run_id, params, request_id, snapshot, checkpoint, base_model, order,
                                       progress, latest)
 
@@ -92,10 +92,10 @@ class RunSampling(RunCalls):
                               latest=latest and snapshot is None and checkpoint is None)
 
         if latest and snapshot is None and checkpoint is None:
-            return await self._off_the_queue(user, run_id, "sample", request_id, on, record, progress)
+            return await self.calls.off_the_queue(user, run_id, "sample", request_id, on, record, progress)
         if snapshot is None and checkpoint is None:
-            return await self._apply(user, run_id, "sample", request_id, on, record, order=order, progress=progress)
-        return await self._off_the_queue(user, run_id, "sample", request_id, on, record, progress)
+            return await self.calls.apply(user, run_id, "sample", request_id, on, record, order=order, progress=progress)
+        return await self.calls.off_the_queue(user, run_id, "sample", request_id, on, record, progress)
 
     async def cancel_sample(self, user: User, request_id: str, run: Run | None, base_model: str | None,
                             withdraw: bool = False) -> None:
@@ -104,7 +104,7 @@ class RunSampling(RunCalls):
         yet, or with `withdraw` (a client that saw none of it), it is withdrawn (CANCELLED): never applied, not billed,
         not recorded."""
         pool = pool_of(run) if run is not None else self._base_pool(base_model)[1]
-        await self._engine(Cancel(request_id=request_id, user_id=user.id, withdraw=withdraw), pool=pool)
+        await self.calls.engine(Cancel(request_id=request_id, user_id=user.id, withdraw=withdraw), pool=pool)
 
     async def sample_unless_gone(self, user: User, run_id: str | None, params: SampleParams,
                                  gone: asyncio.Future[None], request_id: str | None = None,
@@ -118,7 +118,7 @@ class RunSampling(RunCalls):
         run_id, snapshot, checkpoint = checkpoint_source(run_id, snapshot, checkpoint)
 
         async def cancel() -> None:
-            run = await self.get(user, run_id) if run_id is not None else None
+            run = await self.calls.get(user, run_id) if run_id is not None else None
             await self.cancel_sample(user, request_id, run, base_model, withdraw=True)
 
         return await unless_gone(self.sample(user, run_id, params, request_id=request_id, snapshot=snapshot,
@@ -126,31 +126,10 @@ class RunSampling(RunCalls):
                                              latest=latest),
                                  gone, cancel, f"sample {request_id} of user {user.id}")
 
-    async def _off_the_queue(self, user: User, run_id: str, method: str, request_id: str | None,
-                             arguments: Callable[[Run], Call[A]], record: Record[A, A],
-                             progress: Progress | None = None) -> A:
-        """A call on a run's frozen weights (a snapshot or checkpoint: docs/SNAPSHOTS.md): owned and billed like the
-        run's calls, but it takes no ticket, so it waits for nothing queued on the run."""
-        deadline = Deadline.start(self.deadlines, method)
-        run = await self.get(user, run_id)
-        _refuse_archived(run, method)
-        request = self._checked(_sent_as(arguments(run), request_id=request_id))
-        request_id = await self.ledger.allow(user, run, method, request_id or new_id())
-        request = _sent_as(request, request_id=request_id)
-
-        streamed = Streamed.of(progress)
-
-        async def work() -> A:
-            result = await self._answered(deadline, pool_of(run), user, request_id,
-                                          self._on_run(run, request, streamed), streamed)
-            return await self._recorded(run, method, request_id, result, record)
-
-        return await asyncio.shield(asyncio.ensure_future(work()))  # recorded even if the caller goes away
-
     def _base_pool(self, base_model: str | None) -> tuple[Any, PoolKey, str]:
         """A base model's catalogue entry, pool and GPU configuration (a base alone runs in the pool of its default)."""
-        model = self.catalog.get(base_model or self.default_model)
-        gpu_config = self.catalog.resolve_gpu(model, None, None)
+        model = self.calls.catalog.get(base_model or self.calls.default_model)
+        gpu_config = self.calls.catalog.resolve_gpu(model, None, None)
         return model, PoolKey.of(model.name, gpu_config, None), gpu_config
 
     async def _sample_base(self, user: User, base_model: str | None, params: SampleParams,
@@ -158,19 +137,19 @@ class RunSampling(RunCalls):
                            progress: Progress | None = None) -> SampleResult:
         """The base alone: no run, so no ticket; billed to the user (Ledger.owe_user). `store` (the
         params to keep with them, or None) writes the sequences to the user's base-model history."""
-        deadline = Deadline.start(self.deadlines, "sample")
+        deadline = Deadline.start(self.calls.deadlines, "sample")
         model, pool, gpu_config = self._base_pool(base_model)
-        request = self._checked(SampleCall(**params.engine_params(), base_model=model.source, user_id=user.id,
+        request = self.calls.checked(SampleCall(**params.engine_params(), base_model=model.source, user_id=user.id,
                                            stream=progress is not None, request_id=request_id))
-        request_id = await self.ledger.allow_user(user, "sample", request_id or new_id(), model.name, gpu_config)
+        request_id = await self.calls.ledger.allow_user(user, "sample", request_id or new_id(), model.name, gpu_config)
         request = dataclasses.replace(request, request_id=request_id)
 
         streamed = Streamed.of(progress)
 
         async def work() -> SampleResult:
-            result = await self._answered(deadline, pool, user, request_id, self._engine(
+            result = await self.calls.answered(deadline, pool, user, request_id, self.calls.engine(
                 request, pool=pool, progress=streamed), streamed)
-            caller = Caller(user.id, None, model.name, await self._device(pool), gpu_config)
+            caller = Caller(user.id, None, model.name, await self.calls.device(pool), gpu_config)
 
             async def write(session: AsyncSession, fresh: bool) -> SampleResult:
                 if fresh and store is not None:
@@ -180,19 +159,13 @@ class RunSampling(RunCalls):
                                         for sequence in sequences)
                 return result
 
-            return await self.recorder.record(caller, "sample", request_id, result, write)
+            return await self.calls.recorder.record(caller, "sample", request_id, result, write)
 
         return await asyncio.shield(asyncio.ensure_future(work()))
 
     async def base_device(self, base_model: str | None) -> str:
         """The device a run on `base_model` (None: the default) would train on: its pool's runtime's."""
-        return await self._device(self._base_pool(base_model)[1])
-
-    async def _device(self, pool: PoolKey) -> str:
-        """The device a pool's runtime computes on (its ping), asked once per pool: what a base sample is priced by."""
-        if pool not in self._devices:
-            self._devices[pool] = (await self.backend.call(Ping(), pool=pool)).device
-        return self._devices[pool]
+        return await self.calls.device(self._base_pool(base_model)[1])
 
     async def tokenizer(self, user: User, run_id: str | None = None, base_model: str | None = None,
                         save: bool = False) -> TokenizerResult:
@@ -203,11 +176,11 @@ class RunSampling(RunCalls):
         if run_id is not None and base_model is not None:
             raise BadInput("give runId or baseModel, not both", field="runId")
         if run_id is not None:
-            run = await self.get(user, run_id)
-            return await self._engine(Tokenizer(run_id=run.id, save=save), pool=pool_of(run))
-        model = self.catalog.get(base_model or self.default_model)
-        pool = PoolKey.of(model.name, self.catalog.resolve_gpu(model, None, None), None)
-        return await self._engine(Tokenizer(base_model=model.source, save=save), pool=pool)
+            run = await self.calls.get(user, run_id)
+            return await self.calls.engine(Tokenizer(run_id=run.id, save=save), pool=pool_of(run))
+        model = self.calls.catalog.get(base_model or self.calls.default_model)
+        pool = PoolKey.of(model.name, self.calls.catalog.resolve_gpu(model, None, None), None)
+        return await self.calls.engine(Tokenizer(base_model=model.source, save=save), pool=pool)
 
     async def chat_prompts(self, user: User, run_id: str | None, conversations: builtins.list[builtins.list[dict[str, str]]],
                            base_model: str | None = None) -> builtins.list[builtins.list[int]]:
@@ -215,7 +188,7 @@ class RunSampling(RunCalls):
         turn opened, as /v1's chat completions render it (the run's base, or `base_model`'s with no run)."""
         if not conversations or not all(conversations):
             raise BadInput("messages needs at least one conversation, each of at least one message", field="messages")
-        run = await self.get(user, run_id) if run_id is not None else None
+        run = await self.calls.get(user, run_id) if run_id is not None else None
         rendered = [await self.render_chat(run, messages=messages, base_model=base_model) for messages in conversations]
         return [list(r.prompt_tokens or []) for r in rendered]
 
@@ -230,12 +203,12 @@ class RunSampling(RunCalls):
             request, pool = RenderChat(run_id=run.id, messages=messages, prompts=prompts, decode=decode, tools=tools,
                                        prefill=prefill), pool_of(run)
         else:
-            model = self.catalog.get(base_model or self.default_model)
+            model = self.calls.catalog.get(base_model or self.calls.default_model)
             request = RenderChat(base_model=model.source, messages=messages, prompts=prompts, decode=decode,
                                  tools=tools, prefill=prefill)
-            pool = PoolKey.of(model.name, self.catalog.resolve_gpu(model, None, None), None)
+            pool = PoolKey.of(model.name, self.calls.catalog.resolve_gpu(model, None, None), None)
         request.validate()
-        return await self._engine(request, pool=pool)
+        return await self.calls.engine(request, pool=pool)
 
 
 def cancelled(params: dict[str, object], sequence: SampledSequence) -> dict[str, object]:

@@ -69,7 +69,7 @@ class RunSpec:
                 "dropout": self.lora_dropout if self.lora_dropout is not None else LORA_DEFAULTS["dropout"],
                 "target_modules": self.lora_target_modules, "train_attn": self.train_attn,
                 "train_mlp": self.train_mlp, "train_unembed": self.train_unembed}
-        with _fields_renamed(lambda field: field):  # graphql_field names them: loraR, trainMlp
+        with fields_renamed(lambda field: field):  # graphql_field names them: loraR, trainMlp
             return lora_settings(lora)
 
     def explicit_lora(self) -> dict[str, Any] | None:
@@ -82,7 +82,7 @@ class RunSpec:
         """The run's AdamW defaults for optim_step; errors name createRun's field (`learningRate`)."""
         adam = {"learning_rate": self.learning_rate, "weight_decay": self.weight_decay,
                 "grad_clip_norm": self.grad_clip_norm}
-        with _fields_renamed(lambda field: field.removeprefix("adam.")):
+        with fields_renamed(lambda field: field.removeprefix("adam.")):
             return adam_settings(adam)
 
     def validate(self) -> None:
@@ -157,7 +157,7 @@ RUN_SORTS: dict[str, tuple[Any, ...]] = {
 }
 
 
-def _search_clause(search: str) -> Any:
+def search_clause(search: str) -> Any:
     """A case-insensitive substring of the name, the base model or a tag (the tags' JSON text)."""
     pattern = "%" + search.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
     return or_(Run.name.ilike(pattern, escape="\\"), Run.base_model.ilike(pattern, escape="\\"),
@@ -233,7 +233,7 @@ def graphql_field(field: str | None) -> str | None:
 
 
 @contextmanager
-def _fields_renamed(rename: Callable[[str], str]) -> Iterator[None]:
+def fields_renamed(rename: Callable[[str], str]) -> Iterator[None]:
     """Re-raise the contract's BadInput under the field name the client sent, in GraphQL's case."""
     try:
         yield
