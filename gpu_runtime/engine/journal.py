@@ -20,10 +20,12 @@ import struct
 import sys
 import threading
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
+
+from gpu_runtime.contract.json_types import JSON
 
 HEADER = struct.Struct("<II")
 JOURNAL_FILE = "records.log"  # the segment from seq 0, and the whole journal before segments
@@ -92,7 +94,7 @@ class Journal:
         self.synced_bytes = good
         return records
 
-    def append(self, record: dict[str, Any]) -> int:
+    def append(self, record: Mapping[str, JSON]) -> int:
         """Write one record (not yet durable: `sync` makes it so); return its seq."""
         if not self._opened:
             self.read()

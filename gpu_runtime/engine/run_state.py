@@ -37,6 +37,7 @@ from gpu_runtime.compute.optimizer import restore_fused
 from gpu_runtime.compute.plan import RunConfig as RunConfig  # the contract of config.json lives with the plain data
 from gpu_runtime.compute.quantization import base_key
 from gpu_runtime.contract.checkpoints import DEFAULT_NAME
+from gpu_runtime.contract.json_types import JSON, JSONObject
 from gpu_runtime.contract.training_settings import DEFAULT_REDUCTION
 from gpu_runtime.engine.journal import Journal
 from gpu_runtime.engine.journal_records import BatchRecord, PendingRecord
@@ -109,8 +110,8 @@ class RunState:
     step: int = 0
     seq: int = 0  # journal records applied
     pending: PendingGrads = field(default_factory=lambda: PendingGrads())
-    answered: OrderedDict[str, dict[str, Any]] = field(default_factory=OrderedDict)  # request id → result
-    sampled: OrderedDict[str, dict[str, Any]] = field(default_factory=OrderedDict)  # request id → sample result
+    answered: OrderedDict[str, JSONObject] = field(default_factory=OrderedDict)  # request id → result
+    sampled: OrderedDict[str, JSONObject] = field(default_factory=OrderedDict)  # request id → sample result
     # request id → the sha256 of the call it answered (Call.body_sha256), for answered and sampled alike
     bodies: OrderedDict[str, str] = field(default_factory=OrderedDict)
     snapshot_step: int = -1
@@ -147,7 +148,7 @@ class RunState:
     def clear_pending(self) -> None:
         self.pending = PendingGrads()
 
-    def remember(self, request_id: str | None, result: dict[str, Any], body: str | None = None) -> None:
+    def remember(self, request_id: str | None, result: JSONObject, body: str | None = None) -> None:
         """Keep a call's answer for its retries, with the hash of its body (None: journaled before bodies were)."""
         if request_id:
             self.answered[request_id] = result
@@ -155,7 +156,7 @@ class RunState:
                 self.answered.popitem(last=False)
             self._remember_body(request_id, body)
 
-    def remember_sample(self, request_id: str | None, result: dict[str, Any], body: str | None = None) -> None:
+    def remember_sample(self, request_id: str | None, result: JSONObject, body: str | None = None) -> None:
         if request_id:
             self.sampled[request_id] = result
             while len(self.sampled) > REMEMBERED_SAMPLES:
@@ -170,7 +171,7 @@ class RunState:
         while len(self.bodies) > REMEMBERED_REQUESTS + REMEMBERED_SAMPLES:
             self.bodies.popitem(last=False)
 
-    def answer_to(self, request_id: str | None, body: str, sampled: bool = False) -> dict[str, Any] | None:
+    def answer_to(self, request_id: str | None, body: str, sampled: bool = False) -> JSONObject | None:
         """The remembered answer to a retry: the same request id with the same body. None for a new id (or one whose
         answer was forgotten); BAD_INPUT naming request_id when the id answered another call (docs/ERRORS.md)."""
         if not request_id:
@@ -398,7 +399,7 @@ def last_manifest_step(path: Path) -> int:
     return 0
 
 
-def append_manifest(path: Path, entry: dict[str, Any]) -> None:
+def append_manifest(path: Path, entry: Mapping[str, JSON]) -> None:
     """manifest.jsonl is append-only: one line per event, never rewritten."""
     with open(path, "a") as fh:
         fh.write(json.dumps(entry, sort_keys=True, separators=(",", ":")) + "\n")

@@ -291,7 +291,7 @@ class Training:
         answered = state.answer_to(call.request_id, body)
         if answered is not None:
             if "error" in answered:  # it failed (and dropped the gradients) the first time: the retry fails alike
-                raise SignalError.from_dict(answered["error"])
+                raise SignalError.from_dict(as_object(answered["error"], "error"))
             return OptimStepResult.from_dict(answered).replay()
         if state.pending.calls == 0:
             raise FailedPrecondition("no gradients to apply: call forward_backward before optim_step")
