@@ -13,10 +13,12 @@ from __future__ import annotations
 import json
 import threading
 from collections import deque
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TypedDict
 
 from gpu_runtime.contract import CONTRACT_VERSION, Call, Result, parse_call
+from gpu_runtime.contract.json_types import JSON, JSONObject
 from gpu_runtime.errors import BadInput, FailedPrecondition, SignalError
 
 RUNTIME_SOCKET = "runtime.sock"  # in the data directory: one runtime per data directory
@@ -32,7 +34,7 @@ class Heartbeat(TypedDict):
     tick_seconds: float  # how long the current tick has run (0 between ticks)
 
 
-def encode(message: dict[str, Any]) -> bytes:
+def encode(message: Mapping[str, JSON]) -> bytes:
     return json.dumps(message, separators=(",", ":"), allow_nan=True).encode() + b"\n"
 
 
@@ -60,7 +62,7 @@ def read_call(method: Any, params: Any) -> tuple[Call, int | None]:
     return parse_call(method, args), ticket
 
 
-def answer_message(answer: Result | SignalError) -> dict[str, Any]:
+def answer_message(answer: Result | SignalError) -> JSONObject:
     """An engine's answer as the wire carries it: {"result": …} or {"error": …}."""
     if isinstance(answer, SignalError):
         return {"error": answer.to_dict()}
@@ -75,12 +77,12 @@ def runtime_lock(data_dir: str | Path) -> Path:
     return Path(data_dir).resolve() / RUNTIME_LOCK
 
 
-def greeting(pid: int) -> dict[str, Any]:
+def greeting(pid: int) -> JSONObject:
     """The runtime's first line on every channel: it is up, who it is, and which contract it speaks."""
     return {"ready": True, "pid": pid, "contract": CONTRACT_VERSION}
 
 
-def check_contract(greeted: dict[str, Any], where: str, fix: str) -> None:
+def check_contract(greeted: Mapping[str, object], where: str, fix: str) -> None:
     """Refuse a runtime that speaks another contract version (a detached runtime outlives its server, and a
     Modal deployment can lag the server's code): the calls' shapes would not agree."""
     version = greeted.get("contract", 1)  # runtimes before the typed contract sent none

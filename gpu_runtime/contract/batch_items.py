@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from gpu_runtime.contract.checks import check_text
+from gpu_runtime.contract.json_types import JSONObject
 from gpu_runtime.contract.training_settings import DATUM_INPUTS, DATUM_KEYS, PACKED_KEY, PACKED_TOKENS, TEXT_KEYS, TOKEN_KEYS
 from gpu_runtime.errors import BadInput
 
@@ -43,7 +44,7 @@ class TextItem:
         _string(self.text, f"{where}.text")
         _nonempty(self.text, f"{where}.text")
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSONObject:
         return {"text": self.text}
 
 
@@ -66,7 +67,7 @@ class PromptCompletion:
     def _given(self) -> list[tuple[str, str]]:
         return [(k, v) for k, v in (("input", self.input), ("output", self.output)) if v is not None]
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSONObject:
         return dict(self._given())
 
 
@@ -94,7 +95,7 @@ class ChatItem:
         if not any(m.role == "assistant" for m in self.messages):
             raise BadInput(f"{at} has no assistant turn to train on", field=at)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSONObject:
         return {"messages": [{"role": m.role, "content": m.content} for m in self.messages]}
 
 
@@ -113,7 +114,7 @@ class TokensItem:
         if not isinstance(self.tokens, list) or len(self.tokens) < 2:
             raise BadInput(f"{where}.tokens must be a list of at least 2 token ids", field=f"{where}.tokens")
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSONObject:
         return {k: v for k in self.KEYS if (v := getattr(self, k)) is not None}
 
 
@@ -128,7 +129,7 @@ class DatumItem:
         if not isinstance(self.model_input, list) or not self.model_input:
             raise BadInput(f"{where}.model_input must be a non-empty list of token ids", field=f"{where}.model_input")
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSONObject:
         return {"model_input": self.model_input, "loss_fn_inputs": self.loss_fn_inputs}
 
 
@@ -141,7 +142,7 @@ class PackedItem:
     def check(self, where: str) -> None:
         """The base64 is the renderer's to read (it runs once, in the runtime)."""
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSONObject:
         return {PACKED_KEY: self.packed}
 
 
@@ -227,7 +228,7 @@ def batch_from_dicts(batch: Any) -> list[BatchItem]:
     return [item_from_dict(item, f"batch[{i}]") for i, item in enumerate(batch)]
 
 
-def batch_to_dicts(batch: Sequence[BatchItem]) -> list[dict[str, Any]]:
+def batch_to_dicts(batch: Sequence[BatchItem]) -> list[JSONObject]:
     return [item.to_dict() for item in batch]
 
 
