@@ -15,8 +15,9 @@ import contextlib
 import json
 import logging
 from collections import defaultdict, deque
-from collections.abc import AsyncIterator, Iterable, Iterator
-from typing import Any
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
+from datetime import datetime
+from typing import TypeAlias
 
 from sqlalchemy import func, select
 from sqlalchemy.exc import SQLAlchemyError
@@ -37,15 +38,17 @@ LOSS_METRICS = ("loss:mean", "loss:sum", "loss")
 METRIC_KINDS = {**dict.fromkeys(LOSS_METRICS, "forward_backward"), "num_tokens": "forward_backward",
                 "num_examples": "forward_backward", "grad_norm": "optim_step", "learning_rate": "optim_step"}
 COUNTS = {"num_tokens", "num_examples"}
+# One recorded call's points: run_id, kind, step, created_at, and each metric the call wrote by its name.
+MetricEvent: TypeAlias = dict[str, str | int | float | datetime]
 
 
 class EventBroker:
     def __init__(self, queue_size: int = 1000) -> None:
         self._queue_size = queue_size
-        self._subscribers: dict[str, set[asyncio.Queue[dict[str, Any]]]] = defaultdict(set)
+        self._subscribers: dict[str, set[asyncio.Queue[MetricEvent]]] = defaultdict(set)
         self._watchers: dict[str, set[asyncio.Event]] = defaultdict(set)  # woken by `touch`, not sent events
 
-    def publish(self, run_id: str, event: dict[str, Any]) -> None:
+    def publish(self, run_id: str, event: MetricEvent) -> None:
         for queue in list(self._subscribers.get(run_id, ())):
             if queue.full():
                 queue.get_nowait()  # a slow subscriber loses its oldest event, never blocks training
@@ -74,8 +77,8 @@ class EventBroker:
     def watched_runs(self) -> list[str]:
         return list(self._subscribers)
 
-    async def subscribe(self, run_id: str) -> AsyncIterator[dict[str, Any]]:
-        queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue(self._queue_size)
+    async def subscribe(self, run_id: str) -> AsyncIterator[MetricEvent]:
+        queue: asyncio.Queue[MetricEvent] = asyncio.Queue(self._queue_size)
         self._subscribers[run_id].add(queue)
         try:
             while True:
@@ -154,8 +157,10 @@ class MetricFeed:
         await listen(self.db.url, CHANNEL, self._catch_up, lambda payload: self._deliver(json.loads(payload)),
                      "live metrics")
 
-    async def _deliver(self, notice: dict[str, Any]) -> None:
-        ids = [int(i) for i in notice.get("ids", []) if int(i) not in self._recent_set]
+    async def _deliver(self, notice: Mapping[str, object]) -> None:
+        # PostgreSQL's NOTIFY payload, as _announce wrote it: {run, ids}.
+        listed = notice.get("ids")
+        ids = [int(i) for i in (listed if isinstance(listed, list) else []) if int(i) not in self._recent_set]
         if ids and self.broker.subscriber_count(str(notice.get("run"))):
             async with self.db.session() as session:
                 self._publish(await session.scalars(select(Metric).where(Metric.id.in_(ids)).order_by(Metric.id)))
@@ -171,12 +176,12 @@ class MetricFeed:
             self._recent.append(row.id)
             self._recent_set.add(row.id)
         for event in events_from_rows(fresh):
-            self.broker.publish(event["run_id"], event)
+            self.broker.publish(str(event["run_id"]), event)
 
 
-def events_from_rows(rows: Iterable[Metric]) -> list[dict[str, Any]]:
+def events_from_rows(rows: Iterable[Metric]) -> list[MetricEvent]:
     """One event per recorded call: the rows one call wrote share run, kind, step and time."""
-    events: dict[tuple[Any, ...], dict[str, Any]] = {}
+    events: dict[tuple[str, str, int, datetime], MetricEvent] = {}
     for row in rows:
         kind = METRIC_KINDS.get(row.name)
         if kind is None:
