@@ -107,7 +107,8 @@ class LocalBackend:
                 sent()  # written to the runtime's connection, which it reads in order: the run's next call may go
             # Shielded: cancelling the caller must not cancel the client's Future, which the runtime still answers.
             # A WorkerFailed passes through; the next call starts a new runtime.
-            return request.result(await asyncio.shield(asyncio.wrap_future(future)))
+            answer = await asyncio.shield(asyncio.wrap_future(future))
+            return request.result(answer)
         finally:
             self.in_flight -= 1
 

@@ -13,12 +13,14 @@ from __future__ import annotations
 import enum
 import hashlib
 import json
+from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, fields
 from typing import Any, ClassVar, Generic, cast
 
 from typing_extensions import TypeVar  # a TypeVar with a default: a bare `Call` is a call answered by some Result
 
 from gpu_runtime.contract.checks import check_id
+from gpu_runtime.contract.json_types import JSONObject
 from gpu_runtime.contract.results import Result
 from gpu_runtime.contract.runtime_options import RuntimeOptions
 from gpu_runtime.errors import BadInput
@@ -96,11 +98,11 @@ class Call(Generic[A]):
         if "method" in cls.__dict__:  # a concrete call (bases such as RunCall name no method)
             CALLS[cls.method] = cls
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSONObject:
         # Shallow: the fields are plain data already, and a deep copy of a large batch costs milliseconds per call.
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
-    def result(self, data: dict[str, Any]) -> A:
+    def result(self, data: Mapping[str, object]) -> A:
         """Its answer as it came over the wire, typed (unknown fields dropped: Result.from_dict)."""
         return cast(A, self.answer.from_dict(data))
 

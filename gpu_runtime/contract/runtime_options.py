@@ -50,8 +50,8 @@ class RuntimeOptions:
             if f.type in ("int", int) and not is_int(value):
                 raise BadInput(f"runtime option {f.name} must be an integer, got {value!r}", field=f.name)
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+    def to_dict(self) -> dict[str, float]:
+        return asdict(self)  # every option is a number
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RuntimeOptions:

@@ -9,6 +9,7 @@ from typing import Any
 from gpu_runtime.contract.batch_items import BATCH_ITEMS, BatchItem, batch_from_dicts, batch_to_dicts, known_tokens
 from gpu_runtime.contract.calls import Call, Kind, Lane, Method, RunCall
 from gpu_runtime.contract.checks import check_request_id
+from gpu_runtime.contract.json_types import JSONObject
 from gpu_runtime.contract.results import ForwardBackwardResult, ForwardResult, OptimStepResult, RenderDatumsResult
 from gpu_runtime.contract.runtime_options import RuntimeOptions, check_batch_size
 from gpu_runtime.contract.sampling_calls import check_weights_source
@@ -35,8 +36,8 @@ class _Batched:
     def _parsed(cls, params: dict[str, Any]) -> dict[str, Any]:
         return {**params, "batch": batch_from_dicts(params["batch"])} if "batch" in params else params
 
-    def to_dict(self) -> dict[str, Any]:
-        data: dict[str, Any] = super().to_dict()  # type: ignore[misc]  # a mixin of Call: Call.to_dict is next in the MRO
+    def to_dict(self) -> JSONObject:
+        data: JSONObject = super().to_dict()  # type: ignore[misc]  # a mixin of Call: Call.to_dict is next in the MRO
         data["batch"] = batch_to_dicts(self.batch)
         return data
 
