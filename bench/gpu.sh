@@ -40,7 +40,7 @@ export PIP_NO_INDEX=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONDONTWRITEBYTECODE=1
 export SIGNAL_GPU_ASSETS=$PWD/$ASSETS
 export PYTHONPATH=$WORK/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
 THREADS=() ; [ "$DEVICE" = cpu ] && THREADS=(--threads 1)  # a shared CPU: one thread steadies the figures
-declare -A RC
+declare -A RC PART_S
 PARTS=()
 
 # A JSON string of a file's last bytes, printable ASCII only (a cut may split a UTF-8 character; tqdm's bars are
@@ -71,7 +71,7 @@ part() {
   [ "$cut" -gt "$hard" ] && cut=$hard
   timeout --kill-after=2 "$cut" "${args[@]}" >"$LOGS/$name.out" 2>"$LOGS/$name.err"
   local rc=$?
-  RC[$name]=$rc
+  RC[$name]=$rc PART_S[$name]=$((SECONDS - started))
   local lines
   lines=$(grep '^{' "$LOGS/$name.out")
   [ -n "$lines" ] && emit "$lines"
@@ -129,9 +129,9 @@ rm -rf "$MODEL8"
 part rl_1b 50 "${SECTIONS[@]}" rl_1b --model "$MODEL"
 part cuda_tests 60 bash -c 'pytest_part cuda_tests tests/cuda "${@/#/--ignore=}"' _ "${KERNEL_TESTS[@]}"
 
-summary=""
-for name in "${PARTS[@]}"; do summary+="\"$name\": \"${RC[$name]:-none}\", "; done
-emit "{\"gpu_sh\": \"done\", \"device\": \"$DEVICE\", \"seconds\": $SECONDS, \"budget_s\": $BUDGET, \"exit_codes\": {${summary%, }}}"
+summary="" took=""
+for name in "${PARTS[@]}"; do summary+="\"$name\": \"${RC[$name]:-none}\", "; took+="\"$name\": ${PART_S[$name]:-0}, "; done
+emit "{\"gpu_sh\": \"done\", \"device\": \"$DEVICE\", \"seconds\": $SECONDS, \"budget_s\": $BUDGET, \"exit_codes\": {${summary%, }}, \"part_seconds\": {${took%, }}}"
 rm -rf "$WORK/data" "$MODEL"
 if [ -n "${OUT:-}" ]; then
   (cd "$WORK" && tar -czf "$OUT/gpu-logs.tar.gz" logs ./*.xml 2>/dev/null || tar -czf "$OUT/gpu-logs.tar.gz" logs)

@@ -118,7 +118,8 @@ def model(args: argparse.Namespace) -> None:
 
     config = AutoConfig.from_pretrained(path)
     weights = sum(p.stat().st_size for p in Path(path).glob("*.safetensors"))
-    emit_json({"part": "model", "path": path, "shape": args.shape, "tiny": args.tiny, "dtype": str(dtype).removeprefix("torch."),
+    emit_json({"part": "model" if args.shape == "1b" else f"model_{args.shape}", "path": path, "shape": args.shape,
+               "tiny": args.tiny, "dtype": str(dtype).removeprefix("torch."),
                "tied_embeddings": tied, "hidden_size": config.hidden_size,
                "layers": config.num_hidden_layers, "vocab_size": config.vocab_size, "weight_bytes": weights,
                "seconds": round(time.monotonic() - started, 1)})
