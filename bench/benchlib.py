@@ -14,8 +14,9 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +82,50 @@ def scratch_data_dir(model_cache_parent: str | Path) -> Iterator[Path]:
 
 def median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
+
+
+@dataclass
+class Alternated:
+    """What `alternate` measured: each side's timed seconds, and what each side returned in its last round."""
+
+    seconds: dict[str, list[float]]
+    last: dict[str, Any]
+
+    def medians(self) -> dict[str, float]:
+        return {name: median(values) for name, values in self.seconds.items()}
+
+
+def wall_seconds(name: str, fn: Callable[[], Any]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def alternate(sides: dict[str, Callable[[], Any]], rounds: int, *, measure: Callable[[str, Callable[[], Any]], float] = wall_seconds,
+              deadline: float | None = None, describe: Callable[[Any], str] | None = None) -> Alternated:
+    """One warm-up round of every side, then up to `rounds` timed rounds, the sides' order rotating each round so
+    none always goes first. With a `deadline` (time.monotonic()), no timed round after the first starts when one
+    more, as long as the last, would pass it. `measure(name, fn)` gives the seconds (default: wall time)."""
+    names = list(sides)
+    seconds: dict[str, list[float]] = {name: [] for name in names}
+    last: dict[str, Any] = {}
+    round_s = 0.0
+    for number in range(rounds + 1):
+        if deadline is not None and number > 1 and time.monotonic() + round_s > deadline:
+            log(f"{number - 1} timed rounds: another of {round_s:.1f} s would pass the deadline")
+            break
+        started = time.monotonic()
+        for name in names[number % len(names):] + names[:number % len(names)]:
+            def side(name: str = name) -> None:
+                last[name] = sides[name]()
+
+            took = measure(name, side)
+            if number:  # round 0 warms up
+                seconds[name].append(took)
+            shown = f"  {describe(last[name])}" if describe and last.get(name) is not None else ""
+            log(f"round {number}{' (warm-up)' if not number else ''}: {name:<18} {took:7.3f} s{shown}")
+        round_s = time.monotonic() - started
+    return Alternated(seconds, last)
 
 
 def target(value: float, op: str, bound: float, note: str | None = None) -> dict[str, Any]:

@@ -24,7 +24,7 @@ import time
 from concurrent.futures import Future
 from typing import Any
 
-from benchlib import SHORT_TEXTS, apply_threads, common_args, emit, log, median, scratch_data_dir, target
+from benchlib import SHORT_TEXTS, alternate, apply_threads, common_args, emit, log, median, scratch_data_dir, target
 
 RUNS = 8
 
@@ -127,19 +127,8 @@ def main() -> None:
             return {"ticks": ticks, "base_passes": engine.totals.base_passes - passes}
 
         sides = {"cobatch": cobatch, "ceiling": ceiling, "sequential": sequential}
-        seconds: dict[str, list[float]] = {name: [] for name in sides}
-        shape: dict[str, dict[str, int]] = {}
-        names = list(sides)
-        for round_number in range(rounds + 1):
-            order = names[round_number % 3:] + names[:round_number % 3]  # rotate, so no side always goes first
-            for name in order:
-                start = time.perf_counter()
-                shape[name] = sides[name]()
-                elapsed = time.perf_counter() - start
-                if round_number:  # round 0 warms up
-                    seconds[name].append(elapsed)
-                log(f"round {round_number}{' (warm-up)' if not round_number else ''}: {name:<10} {elapsed:7.2f} s  "
-                    f"{shape[name]['base_passes']} base passes in {shape[name]['ticks']} ticks")
+        timing = alternate(sides, rounds, describe=lambda s: f"{s['base_passes']} base passes in {s['ticks']} ticks")
+        seconds, shape = timing.seconds, timing.last
         profile = {name: top_ops(sides[name]) for name in ("cobatch", "ceiling")} if args.profile else None
         state = engine.runtime_state()
         engine.shutdown()

@@ -4,12 +4,13 @@
     python3 bench/gpu_bench.py wheels --assets build/gpu-assets        # the carried wheels this machine needs
     python3 bench/gpu_bench.py model --assets build/gpu-assets --out DIR [--tiny] [--device cuda]
     python3 bench/gpu_bench.py mfu --model DIR [--device cuda] [--tiny] [--threads N]
-    python3 bench/gpu_bench.py junit FILE.xml                          # a pytest junit report as one JSON line
+    python3 bench/gpu_bench.py junit FILE.xml [--part NAME]            # a pytest junit report as one JSON line
 
 Each prints progress on stderr and one JSON line last on stdout. `model` builds a random-weight Llama on SmolLM2's
-tokenizer: 1B-class (Llama-3.2-1B's shape, ~1.07B parameters with tied embeddings, saved in bf16) or, with --tiny, the
-tests' tiny model. `mfu` trains through an in-process Engine (one run of 8 rows, and 8 runs of one row co-batched in one
-tick, sides alternating) and counts 4N FLOPs per token: forward 2N, backward 2N for the activations' gradients (the base
+tokenizer (the prepared folder's): 1B-class (Llama-3.2-1B's shape, ~1.07B parameters with tied embeddings, saved in bf16),
+8B-shaped (--shape 8b, untied) or, with --tiny, the tests' tiny dimensions in fp32 (the shape's tied or untied head).
+`mfu` trains through an in-process Engine (one run of 8 rows, and 8 runs of one row co-batched in one tick, sides
+alternating) and counts 4N FLOPs per token: forward 2N, backward 2N for the activations' gradients (the base
 is frozen, so no weight gradients; LoRA's own FLOPs and attention's quadratic term are left out, so MFU is a floor).
 N is every Linear's weights (lm_head included): the matmuls a token goes through.
 """
@@ -36,6 +37,9 @@ EIGHT_B: dict[str, Any] = {"hidden_size": 4096, "intermediate_size": 14336, "num
                            "num_attention_heads": 32, "num_key_value_heads": 8, "max_position_embeddings": 8192,
                            "rope_theta": 500000.0}
 SHAPES = {"1b": (ONE_B, True), "8b": (EIGHT_B, False)}  # shape → (dimensions, tied embeddings)
+# --tiny: the CPU tests' tiny Llama's dimensions (tests/helpers/tiny_model.py), built by the same code as the shapes.
+TINY: dict[str, Any] = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+                        "num_key_value_heads": 2, "max_position_embeddings": 256}
 
 
 def emit_json(result: dict[str, Any]) -> None:
@@ -87,36 +91,36 @@ def wheels(args: argparse.Namespace) -> None:
 
 def model(args: argparse.Namespace) -> None:
     import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     started = time.monotonic()
     out, tokenizer_dir = Path(args.out), Path(args.assets) / "tokenizer"
-    if args.tiny:
-        from tests.helpers.tiny_model import build_tiny_model
-
-        path = build_tiny_model(out, tokenizer_cache=tokenizer_dir)
-        dtype = "float32"
-    else:
-        from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-        dims, tied = SHAPES[args.shape]
-        config = LlamaConfig(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                             pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=tied,
-                             **{**dims, "num_hidden_layers": args.layers or dims["num_hidden_layers"]})
-        torch.manual_seed(0)
-        device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
-        with device:  # random init on the GPU: seconds, not the CPU's minute
-            built = LlamaForCausalLM(config)
-            cast(torch.nn.Module, built).to(torch.bfloat16)  # in place; PreTrainedModel.to's @wraps confuses mypy
-        built.save_pretrained(out)
-        tokenizer.save_pretrained(out)
-        path, dtype = str(out), "bfloat16"
-        del built
+    if not (tokenizer_dir / "tokenizer_config.json").exists():
+        raise SystemExit(f"no tokenizer in {tokenizer_dir}: run make gpu-prepare (bench/gpu_prepare.py) and carry it")
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    dims, tied = SHAPES[args.shape]
+    dims = TINY if args.tiny else {**dims, "num_hidden_layers": args.layers or dims["num_hidden_layers"]}
+    dtype = torch.float32 if args.tiny else torch.bfloat16  # the tiny stand-in is the CPU tests' fp32 model
+    config = LlamaConfig(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=tied, **dims)
+    torch.manual_seed(0)
+    device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+    with device:  # random init on the GPU: seconds, not the CPU's minute
+        built = LlamaForCausalLM(config)
+        cast(torch.nn.Module, built).to(dtype)  # in place; PreTrainedModel.to's @wraps confuses mypy
+    built.save_pretrained(out)
+    tokenizer.save_pretrained(out)  # the Engine reads the model's own folder: weights, config and tokenizer
+    del built
+    path = str(out)
+    if len(AutoTokenizer.from_pretrained(path)) != config.vocab_size:
+        raise SystemExit(f"{path}'s tokenizer does not load as the one it was built on")
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(path)
     weights = sum(p.stat().st_size for p in Path(path).glob("*.safetensors"))
-    emit_json({"part": "model", "path": path, "tiny": args.tiny, "dtype": dtype, "hidden_size": config.hidden_size,
+    emit_json({"part": "model" if args.shape == "1b" else f"model_{args.shape}", "path": path, "shape": args.shape,
+               "tiny": args.tiny, "dtype": str(dtype).removeprefix("torch."),
+               "tied_embeddings": tied, "hidden_size": config.hidden_size,
                "layers": config.num_hidden_layers, "vocab_size": config.vocab_size, "weight_bytes": weights,
                "seconds": round(time.monotonic() - started, 1)})
 
@@ -216,7 +220,7 @@ def junit(args: argparse.Namespace) -> None:
 
     path = Path(args.report)
     if not path.exists():
-        emit_json({"part": "cuda_tests", "pytest_rc": args.pytest_rc, "error": f"no report at {path}: pytest did not finish"})
+        emit_json({"part": args.part, "pytest_rc": args.pytest_rc, "error": f"no report at {path}: pytest did not finish"})
         return
     outcomes: dict[str, list[str]] = {"passed": [], "failed": [], "skipped": []}
     details: dict[str, str] = {}
@@ -232,7 +236,7 @@ def junit(args: argparse.Namespace) -> None:
             details[name] = (skipped.get("message") or "")[:200]
         else:
             outcomes["passed"].append(name)
-    emit_json({"part": "cuda_tests", "pytest_rc": args.pytest_rc, **{k: len(v) for k, v in outcomes.items()},
+    emit_json({"part": args.part, "pytest_rc": args.pytest_rc, **{k: len(v) for k, v in outcomes.items()},
                "failures": {n: details[n] for n in outcomes["failed"]},
                "skip_reasons": sorted({details[n] for n in outcomes["skipped"]}), "passed_tests": outcomes["passed"]})
 
@@ -262,6 +266,7 @@ def main() -> None:
     p = parts.add_parser("junit")
     p.add_argument("report")
     p.add_argument("--pytest-rc", type=int, default=None)
+    p.add_argument("--part", default="cuda_tests", help="the name its JSON line carries")
     args = parser.parse_args()
     {"env": env, "wheels": wheels, "model": model, "mfu": mfu, "junit": junit}[args.part](args)
 

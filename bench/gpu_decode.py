@@ -19,8 +19,8 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
-from benchlib import log, target
-from gpu_box import sync, timed
+from benchlib import alternate, log, target
+from gpu_box import Limit, sync, timed
 
 PROMPT = 32
 
@@ -113,14 +113,19 @@ def per_second(device: Any, fn: Callable[[], int]) -> float:
     return round(made[0] / seconds, 1)
 
 
-def decode(engine: Any, model: str, path: str, rows_list: tuple[int, ...], tokens: int) -> dict[str, Any]:
+def decode(engine: Any, model: str, path: str, rows_list: tuple[int, ...], tokens: int, limit: Limit) -> dict[str, Any]:
     runs = [f"dec-{i}" for i in range(8)]
     for i, run in enumerate(runs):
         engine.create_run(run, f"ud{i}", model, {"r": 16, "alpha": 32}, seed=i)
     plain = plain_model(path, engine)
     out: dict[str, Any] = {"prompt_tokens": PROMPT, "new_tokens": tokens, "by_rows": {}}
     checks: dict[str, Any] = {}
-    for rows in rows_list:
+    group_s = 0.0
+    for rows in rows_list:  # the most telling first: a count whose group would pass the limit is left out, said so
+        if limit.left() < 1.2 * group_s:
+            out["by_rows"][str(rows)] = {"skipped": f"{limit.left():.0f} s left in the limit, the last count took {group_s:.0f} s"}
+            continue
+        started = time.monotonic()
         line: dict[str, Any] = {}
         for adapters in ("none", "one", "eight"):
             if adapters == "eight" and rows < len(runs):
@@ -140,7 +145,8 @@ def decode(engine: Any, model: str, path: str, rows_list: tuple[int, ...], token
         if "signal_eight" in line:
             line["eight_vs_one"] = round(line["signal_eight"] / line["signal_one"], 3)
         out["by_rows"][str(rows)] = line
-        log(f"decode at {rows} rows: {line}")
+        group_s = time.monotonic() - started
+        log(f"decode at {rows} rows ({group_s:.1f} s): {line}")
         if rows == max(rows_list):
             checks = {"one_vs_generate": target(line["one_vs_generate"], ">=", 3.0),
                       "none_vs_static_loop": target(line["none_vs_static_loop"], ">=", 0.7)}
@@ -153,7 +159,8 @@ def decode(engine: Any, model: str, path: str, rows_list: tuple[int, ...], token
     return out
 
 
-def rl_step(engine: Any, model: str, path: str, count: int, samples: int, tokens: int, steps: int) -> dict[str, Any]:
+def rl_step(engine: Any, model: str, path: str, count: int, samples: int, tokens: int, rounds: int,
+            limit: Limit) -> dict[str, Any]:
     import torch
     from peft import LoraConfig, get_peft_model
     from rl_step import reward
@@ -218,19 +225,25 @@ def rl_step(engine: Any, model: str, path: str, count: int, samples: int, tokens
         sync(device)
         return sampling, time.perf_counter() - start
 
+    seeds = iter(range(1_000))
     split: dict[str, list[tuple[float, float]]] = {"signal": [], "by_hand": []}
-    for step in range(steps + 1):
-        for name, side in ((("signal", signal), ("by_hand", by_hand)) if step % 2 == 0 else
-                           (("by_hand", by_hand), ("signal", signal))):
-            took = side(step)
-            if step:
-                split[name].append(took)
-            log(f"rl step {step}: {name} sampling {took[0]:.2f} s, training {took[1]:.2f} s")
+
+    def side(name: str, fn: Callable[[int], tuple[float, float]]) -> Callable[[], None]:
+        def step() -> None:
+            took = fn(next(seeds))
+            split[name].append(took)
+            log(f"rl {name}: sampling {took[0]:.2f} s, training {took[1]:.2f} s")
+        return step
+
+    timing = alternate({"signal": side("signal", signal), "by_hand": side("by_hand", by_hand)}, rounds,
+                       deadline=limit.deadline)
+    split = {name: values[1:] for name, values in split.items()}  # the first of each warmed up
     engine.delete_run(run)
     mean = {name: (sum(s for s, _ in v) / len(v), sum(t for _, t in v) / len(v)) for name, v in split.items()}
     total = {name: s + t for name, (s, t) in mean.items()}
     ratio = total["by_hand"] / total["signal"]
-    return {"prompts": count, "samples": samples, "new_tokens": tokens, "lora_r": r, "steps": steps,
+    return {"prompts": count, "samples": samples, "new_tokens": tokens, "lora_r": r,
+            "timed_rounds": len(timing.seconds["signal"]),
             "split_seconds": {name: {"sampling": round(s, 3), "training": round(t, 3), "total": round(s + t, 3)}
                         for name, (s, t) in mean.items()},
             "sampling_speedup": round(mean["by_hand"][0] / mean["signal"][0], 3),

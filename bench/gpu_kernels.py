@@ -16,11 +16,34 @@ from benchlib import target
 from gpu_box import timed
 
 RANKS = (8, 16, 32, 64, 8, 16, 32, 64)
+# As a fraction of the reference's scale: tests/cuda/test_lora_ops_cuda.py's tolerances (its bf16 one is against an
+# fp32 reference; here both sides are bf16, so the same bound is loose enough for either's rounding).
+TOLERANCE = {"torch.float32": 1e-5, "torch.bfloat16": 2e-2}
 
 
 def best(device: Any, fn: Any, reps: int) -> float:
     fn()
     return min(timed(device, fn) for _ in range(reps))
+
+
+def rel_error(got: Any, want: Any) -> float:
+    """The largest difference as a fraction of the reference's scale (tests/cuda/test_lora_ops_cuda.py's measure)."""
+    return float((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-12))
+
+
+def agreement(x: Any, run: Any, impls_: list[str]) -> dict[str, Any]:
+    """Triton's output and input gradient against the torch reference's on the same values, at the benchmark's size:
+    the kernels' correctness where the timings are taken (the CUDA tests check it case by case)."""
+    got = {}
+    for impl in impls_:
+        x.grad = None
+        y = run(impl)
+        y.float().sum().backward()
+        got[impl] = (y.detach(), x.grad.detach().clone())
+    if "triton" not in got:
+        return {}
+    (y_t, g_t), (y_r, g_r) = got["triton"], got["torch"]
+    return {"forward": round(rel_error(y_t, y_r), 6), "input_grad": round(rel_error(g_t, g_r), 6)}
 
 
 def impls(device: Any) -> list[str]:
@@ -57,7 +80,10 @@ def lora_kernels(device: Any, dtype: Any, tokens: int, hidden: int, reps: int) -
                            "dtype": str(dtype).removeprefix("torch."), "ms": ms}
     if "triton" in ms:
         out["triton_speedup"] = {k: round(ms["torch"][k] / ms["triton"][k], 3) for k in ms["torch"]}
-        out["targets"] = {"segmented_vs_reference": target(out["triton_speedup"]["segmented_fwd_bwd_ms"], ">=", 1.0)}
+        errors = agreement(x, lambda impl: ops.segmented_lora(x, A, B, table, impl=impl), impls(device))
+        out["triton_vs_torch_rel_error"] = errors
+        out["targets"] = {"segmented_vs_reference": target(out["triton_speedup"]["segmented_fwd_bwd_ms"], ">=", 1.0),
+                          "segmented_agrees": target(max(errors.values()), "<=", TOLERANCE[str(dtype)])}
     else:
         out["triton"] = "skipped: kernels run on CUDA only (TRITON_INTERPRET=1 is a correctness check, not a speed)"
     return out
@@ -98,6 +124,11 @@ def moe_kernels(device: Any, dtype: Any, tokens: int, hidden: int, inter: int, e
             ms[impl][name] = round(best(device, fwd_bwd, reps) * 1e3, 3)
     fastest = ms["triton"] if "triton" in ms else ms["torch"]
     ratio = fastest["one_run"] / fastest["four_runs"]
-    return {"shape": {"tokens": tokens, "hidden": hidden, "expert_intermediate": inter, "experts": experts, "top_k": top_k,
+    checks = {"four_runs_vs_one_run": target(ratio, ">=", 0.9)}
+    errors = agreement(x, lambda impl: ops.grouped_expert_lora(x, A, B, tables["four_runs"], impl=impl), impls(device))
+    if errors:
+        checks["grouped_agrees"] = target(max(errors.values()), "<=", TOLERANCE[str(dtype)])
+    return {"triton_vs_torch_rel_error": errors or "no Triton here: the torch reference only",
+            "shape": {"tokens": tokens, "hidden": hidden, "expert_intermediate": inter, "experts": experts, "top_k": top_k,
                       "projection": "gate_up", "rank": rank}, "routed_rows": len(routed), "ms_fwd_bwd": ms,
-            "four_runs_vs_one_run": round(ratio, 3), "targets": {"four_runs_vs_one_run": target(ratio, ">=", 0.9)}}
+            "four_runs_vs_one_run": round(ratio, 3), "targets": checks}

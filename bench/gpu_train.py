@@ -1,23 +1,27 @@
 """bench/gpu.sh's training sections, on one in-process Engine (gpu_runtime/engine): the runtime's own code path.
 
 - `one_run`: one run, rows × length tokens a step, r=32: tokens/s, MFU (4N FLOPs a token) and peak memory, against a
-  plain PEFT loop on the same weights in fp32 and in bf16 autocast (torch's AdamW, fused on CUDA). Steps alternate.
+  plain PEFT loop on the same weights in fp32 and in bf16 autocast (torch's AdamW, fused on CUDA).
 - `eight_runs`: 8 runs of ranks {8, 16, 32, 64} × 2, one row each, co-batched in one tick; against the one-run ceiling
   (one rank-32 run of the same 8 rows) and the 8 runs one after another; kernel launches and device-busy time of one
-  co-batched and one ceiling round under the profiler.
+  co-batched and one ceiling round under the profiler, when the section's limit leaves time for them.
+
+Every side: one warm-up step, then up to `rounds` timed steps, sides alternating, as many as the limit allows.
 """
 
 from __future__ import annotations
 
 import random
+import time
 from typing import Any
 
-from benchlib import log, median, target
-from gpu_box import launches, peak_memory, sync, timed
+from benchlib import alternate, target
+from gpu_box import Limit, Measure, launches, sync
 
 PEAK_BF16_TFLOPS = 989.0  # H100 SXM and H200 dense bf16 (NVIDIA's datasheets): the same figure for both
 RANKS = (8, 16, 32, 64, 8, 16, 32, 64)
 ADAM = {"learning_rate": 1e-4}
+PROFILER_SLOWDOWN = 10.0  # a profiled round, its events read back, against a plain one, until one is measured
 
 
 def batch(rows: int, length: int, seed: int = 0) -> list[dict[str, Any]]:
@@ -36,18 +40,6 @@ def rate(tokens: int, seconds: float, n: int) -> dict[str, Any]:
     tflops = tokens / seconds * 4 * n / 1e12
     return {"median_seconds": round(seconds, 4), "tokens_per_s": round(tokens / seconds, 1), "tflops": round(tflops, 2),
             "mfu": round(tflops / PEAK_BF16_TFLOPS, 4)}
-
-
-def alternate(sides: dict[str, Any], steps: int, device: Any) -> dict[str, float]:
-    """Median seconds of each side over `steps` timed steps after one warm-up; sides alternate their order."""
-    seconds: dict[str, list[float]] = {name: [] for name in sides}
-    for step in range(steps + 1):
-        for name in (list(sides) if step % 2 == 0 else list(reversed(sides))):
-            took = timed(device, sides[name])
-            if step:
-                seconds[name].append(took)
-        log("step " + str(step) + ": " + "  ".join(f"{n} {s[-1]:.3f} s" for n, s in seconds.items() if s))
-    return {name: median(values) for name, values in seconds.items()}
 
 
 class PeftLoop:
@@ -76,8 +68,8 @@ class PeftLoop:
         self.optimizer.zero_grad(set_to_none=True)
 
 
-def one_run(engine: Any, model: str, path: str, rows: int, length: int, steps: int, baselines: bool,
-            targets: dict[str, float]) -> dict[str, Any]:
+def one_run(engine: Any, model: str, path: str, rows: int, length: int, rounds: int, baselines: bool,
+            targets: dict[str, float], limit: Limit) -> dict[str, Any]:
     from gpu_runtime.compute.lora.wrap import linear_module_names
     from gpu_runtime.contract import default_target_modules
 
@@ -96,11 +88,13 @@ def one_run(engine: Any, model: str, path: str, rows: int, length: int, steps: i
         base = engine.residency.bases[model].model
         loop = PeftLoop(path, device, default_target_modules(linear_module_names(base)), rows_batch, 32)
         sides.update(peft_fp32=lambda: loop.step(False), peft_bf16_autocast=lambda: loop.step(True))
-    med = alternate(sides, steps, device)
-    peaks = {name: peak_memory(device, fn) for name, fn in sides.items()}
+    measure = Measure(device)
+    timing = alternate(sides, rounds, measure=measure, deadline=limit.deadline)
+    med = timing.medians()
     out: dict[str, Any] = {"rows": rows, "length": length, "lora": created["lora"], "linear_params": n,
-                           "flops_per_token": 4 * n, "peak_tflops": PEAK_BF16_TFLOPS, "steps": steps,
-                           "sides": {name: {**rate(rows * length, s, n), "peak_memory_gib": peaks[name]}
+                           "flops_per_token": 4 * n, "peak_tflops": PEAK_BF16_TFLOPS,
+                           "timed_rounds": len(timing.seconds["signal"]),
+                           "sides": {name: {**rate(rows * length, s, n), "peak_memory_gib": measure.peaks.get(name)}
                                      for name, s in med.items()}}
     checks = {}
     if baselines:
@@ -114,7 +108,7 @@ def one_run(engine: Any, model: str, path: str, rows: int, length: int, steps: i
     return out
 
 
-def eight_runs(engine: Any, model: str, length: int, steps: int, targets: dict[str, float]) -> dict[str, Any]:
+def eight_runs(engine: Any, model: str, length: int, rounds: int, targets: dict[str, float], limit: Limit) -> dict[str, Any]:
     rows = batch(len(RANKS), length, seed=length)
     co = [f"co{length}-{i}" for i in range(len(RANKS))]
     seq = [f"seq{length}-{i}" for i in range(len(RANKS))]
@@ -138,12 +132,26 @@ def eight_runs(engine: Any, model: str, length: int, steps: int, targets: dict[s
             pump(engine, [submit(engine, "forward_backward", run_id=run, batch=[row])])
             pump(engine, [submit(engine, "optim_step", run_id=run, adam=ADAM)])
 
-    sides = {"cobatch": cobatch, "ceiling": ceiling, "sequential": sequential}
-    passes = engine.totals.base_passes
-    cobatch()
-    one_pass = engine.totals.base_passes - passes  # the co-batched round's forward passes: 1 when they share one
-    med = alternate(sides, steps, engine.device)
-    profile = {name: launches(sides[name]) for name in ("cobatch", "ceiling")}
+    def counted() -> int:
+        passes = engine.totals.base_passes
+        cobatch()
+        return int(engine.totals.base_passes - passes)  # the co-batched round's forward passes: 1 when they share one
+
+    sides = {"cobatch": counted, "ceiling": ceiling, "sequential": sequential}
+    timing = alternate(sides, rounds, measure=Measure(engine.device), deadline=limit.deadline)
+    med, one_pass = timing.medians(), timing.last["cobatch"]
+    # A co-batched and a ceiling round again under the profiler, each when 3x its expected time is left: the
+    # profiler's cost (its rounds and reading its events back) guessed at PROFILER_SLOWDOWN, then as measured.
+    profile: dict[str, Any] = {}
+    slowdown = PROFILER_SLOWDOWN
+    for name in ("cobatch", "ceiling"):
+        expected = med[name] * slowdown
+        if limit.left() < 3 * expected:
+            profile[name] = {"skipped": f"{limit.left():.1f} s left in the section, a profiled round takes ~{expected:.1f} s"}
+            continue
+        started = time.monotonic()
+        profile[name] = launches(sides[name])
+        slowdown = (time.monotonic() - started) / med[name]
     n, tokens = linear_params(engine, model), len(RANKS) * length
     vs_ceiling, vs_seq = med["ceiling"] / med["cobatch"], med["sequential"] / med["cobatch"]
     for run in co + seq + [ceiling_run]:
@@ -153,7 +161,8 @@ def eight_runs(engine: Any, model: str, length: int, steps: int, targets: dict[s
               "cobatched_in_one_pass": target(one_pass, "<=", 1)}
     if "tokens_per_s" in targets:
         checks["cobatch_tokens_per_s"] = target(tokens / med["cobatch"], ">=", targets["tokens_per_s"])
-    return {"runs": len(RANKS), "ranks": list(RANKS), "length": length, "steps": steps, "base_passes": one_pass,
+    return {"runs": len(RANKS), "ranks": list(RANKS), "length": length, "timed_rounds": len(timing.seconds["cobatch"]),
+            "base_passes": one_pass,
             "sides": {name: rate(tokens, s, n) for name, s in med.items()},
             "cobatch_vs_ceiling": round(vs_ceiling, 4), "cobatch_vs_sequential": round(vs_seq, 4),
             "profile": profile, "targets": checks}

@@ -21,11 +21,10 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
-from benchlib import REPO_ROOT, SHORT_TEXTS, apply_threads, common_args, emit, log, median, scratch_data_dir, target
+from benchlib import REPO_ROOT, SHORT_TEXTS, alternate, apply_threads, common_args, emit, median, scratch_data_dir, target
 from cobatch import pump, submit
 
 RUNS = 4
@@ -91,17 +90,8 @@ def main() -> None:
             return {"ticks": ticks, "base_passes": engine.totals.base_passes - passes}
 
         sides = {"cobatch": cobatch, "sequential": sequential, "ceiling": ceiling}
-        seconds: dict[str, list[float]] = {name: [] for name in sides}
-        shape: dict[str, dict[str, int]] = {}
-        names = list(sides)
-        for round_number in range(rounds + 1):
-            for name in names[round_number % 3:] + names[:round_number % 3]:
-                start = time.perf_counter()
-                shape[name] = sides[name]()
-                elapsed = time.perf_counter() - start
-                if round_number:
-                    seconds[name].append(elapsed)
-                log(f"round {round_number}{' (warm-up)' if not round_number else ''}: {name:<10} {elapsed:7.3f} s")
+        timing = alternate(sides, rounds)
+        seconds, shape = timing.seconds, timing.last
         engine.shutdown()
 
     med = {name: median(values) for name, values in seconds.items()}
