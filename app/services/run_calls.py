@@ -26,6 +26,7 @@ from app.services.call_records import Caller, CallRecorder
 from app.services.deadlines import Deadline, Streamed, answered, waiting
 from app.services.ledger import Ledger
 from app.services.run_specs import _fields_renamed, graphql_field
+from app.services.sample_shares import SampleShares
 from app.services.throttle import sent_until_taken
 from app.settings import DEADLINES_S, RECORD_RETRY_S
 from app.tables import Metric, Run, User, could_be_id, new_id, utcnow
@@ -62,6 +63,8 @@ class RunCalls:
         # A check of another client's claim on the run before each primitive (Tinker's: app/services/tinker_sessions.py
         # refuses Signal's own calls on a run a live Tinker session drives); None: no check.
         self.claim: Callable[[Run, str], Awaitable[None]] | None = None
+        # Each user's sample calls in flight, from every wire, within SIGNAL_MAX_USER_SAMPLES_IN_FLIGHT (sample_shares.py).
+        self.shares = SampleShares()
 
     # ---- ownership -----------------------------------------------------------------------
 

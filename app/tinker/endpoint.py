@@ -18,6 +18,7 @@ from starlette.responses import JSONResponse, Response
 from app.errors import BadInput, Unauthenticated, http_status, retry_after_headers
 from app.failures import known_failure
 from app.services import Services, services_of
+from app.services.tinker_futures import credential
 from app.services.tinker_sessions import SessionFinished
 from app.tables import TinkerFuture, User
 from app.tinker import compression
@@ -53,7 +54,10 @@ async def authenticate(request: Request) -> User:
         secret = secret.removeprefix(KEY_PREFIX)
     if not secret:
         raise Unauthenticated("missing API key: send X-API-Key: tml-<your Signal key>")
-    return await services(request).keys.authenticate(secret)
+    keys = services(request).keys
+    user = await keys.authenticate(secret)
+    credential.set(lambda: keys.authenticate(secret))  # re-checked while the request's futures are pending
+    return user
 
 
 async def body(request: Request) -> dict[str, Any]:
