@@ -46,11 +46,13 @@ class SampleShares:
         self.bound = bound
         self.in_flight: dict[str, int] = {}  # user id → sample calls in flight here
         self._recent_s: dict[str, float] = {}  # user id → a moving average of their samples' seconds
+        self.refused: dict[str, int] = {}  # user id → samples refused past the bound (what tests and operators read)
 
     def take(self, user_id: str) -> Place:
         """A place for one more sample of `user_id`; RESOURCE_EXHAUSTED (429, retryAfterS) past the bound."""
         count = self.in_flight.get(user_id, 0)
         if count >= self.bound:
+            self.refused[user_id] = self.refused.get(user_id, 0) + 1
             retry_after = min(max(self._recent_s.get(user_id, RETRY_AFTER_MIN_S), RETRY_AFTER_MIN_S),
                               RETRY_AFTER_MAX_S)
             raise ResourceExhausted(f"too many sample calls in flight: {count} of this user's, at most {self.bound} "

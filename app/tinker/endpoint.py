@@ -94,8 +94,10 @@ def endpoint(handler: UserHandler, auth: bool = True) -> Handler:
             status = http_status(failure)
             if isinstance(failure, (BadInput, FailedPrecondition)):
                 status = 400  # the SDK's user error at submit (422 is fatal too; 400 is what the issue names)
-            # A 429 (too many calls in flight) carries Retry-After, which the SDK's HTTP layer honours.
-            return error(status if status < 500 else 503, failure.message, "user" if status < 500 else "server",
+            # A 429 (too many calls in flight) carries Retry-After, which the SDK's HTTP layer honours; it is the
+            # server's capacity, not the user's mistake (as the throttled polls say).
+            user_fault = status < 500 and status != 429
+            return error(status if status < 500 else 503, failure.message, "user" if user_fault else "server",
                          retry_after_headers(failure))
         return answer if isinstance(answer, Response) else JSONResponse(answer)
 
