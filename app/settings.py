@@ -28,6 +28,9 @@ DEADLINES_S: dict[str, float] = {
 }
 
 
+# SIGNAL_MAX_USER_SAMPLES_IN_FLIGHT's default: above the cookbook's rl_loop, which keeps 128 asample futures in flight.
+MAX_USER_SAMPLES_IN_FLIGHT = 128
+
 class Settings(BaseSettings):
     # populate_by_name: tests and callers pass `supabase_url=...` even where the env name is an alias.
     model_config = SettingsConfigDict(env_prefix="SIGNAL_", env_file=".env", extra="ignore", populate_by_name=True)
@@ -113,6 +116,12 @@ class Settings(BaseSettings):
     max_user_calls_waiting: int = Field(RuntimeOptions.max_user_calls_waiting, description="Past the calls in "
                                         "flight, most calls of one user waiting their turn; more are refused "
                                         "RESOURCE_EXHAUSTED (resource calls, retryAfterS; HTTP 429 on /v1).")
+    max_user_samples_in_flight: int = Field(MAX_USER_SAMPLES_IN_FLIGHT, ge=1, le=100_000, description="Most sample calls of one user "
+                                            "this server process has in flight, whichever wire sent them (GraphQL, "
+                                            "/v1, Tinker's asample, the playground); past it a sample is refused at "
+                                            "once RESOURCE_EXHAUSTED (resource calls, retryAfterS): HTTP 429 with "
+                                            "Retry-After on /v1 and on Tinker's asample, whose SDK retries it "
+                                            "(app/services/sample_shares.py).")
     export_limit_bytes: int = Field(RuntimeOptions.export_limit_bytes, description="Most bytes of a checkpoint "
                                     "downloaded through the runtime when the server cannot read its files (Modal's "
                                     "Volume); a bigger one is copied with `signal pull`, as the run page says.")
@@ -128,7 +137,8 @@ class Settings(BaseSettings):
     session_recheck_s: float = Field(15.0, gt=0, le=15, description="An open dashboard event stream checks its "
                                      "session this often and ends with `signed-out` once it is revoked or expired; "
                                      "a GraphQL subscription checks its key (or session) as often and ends with "
-                                     "UNAUTHENTICATED.")
+                                     "UNAUTHENTICATED; so does an open /v1 stream (an error event) and Tinker's "
+                                     "pending futures (failed, category user).")
     live_poll_s: float = Field(2.0, gt=0, le=3600, description="A run page's event stream reads new rows this often "
                                "(and sends a keep-alive): rows another server process wrote; this process's "
                                "arrive at once.")

@@ -8,6 +8,8 @@ Starlette's disconnect detection.
 from __future__ import annotations
 
 import json
+import logging
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from starlette.exceptions import HTTPException
@@ -16,7 +18,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route, Router
 from starlette.types import ASGIApp
 
-from app.errors import SignalError
+from app.errors import SignalError, Unauthenticated
 from app.openai import response_route, streaming, targets
 from app.openai.errors import OpenAIError, answering_errors, bad, from_signal, too_large
 from app.openai.generation import Sampling, prepared
@@ -26,9 +28,27 @@ from app.services import services_of
 from app.services.streams import gone, hold
 from app.tables import User
 
+log = logging.getLogger("signal.openai")
+
 
 async def _user(request: Request) -> User:
     return await services_of(request).keys.authenticate(bearer_from_header(request.headers.get("authorization")))
+
+
+def _key_check(request: Request) -> Callable[[], Awaitable[object]]:
+    """The request's key checked again (an open stream's, every SIGNAL_SESSION_RECHECK_S): UNAUTHENTICATED once it is
+    revoked or its user disabled; a database away meanwhile is no reason to end a stream (checked next round)."""
+    keys, secret = services_of(request).keys, bearer_from_header(request.headers.get("authorization"))
+
+    async def check() -> None:
+        try:
+            await keys.authenticate(secret)
+        except Unauthenticated:
+            raise
+        except SignalError as error:
+            log.warning("/v1 stream: its key could not be checked: %s", error)
+
+    return check
 
 
 async def list_models(request: Request) -> Response:
@@ -71,7 +91,8 @@ async def _generate(request: Request, chat: bool) -> Response:
     prompt_ids, sample, eos = await prepared(services.runs, target, params)
     call = Sampling(services.runs, user, target, params, prompt_ids, eos)
     if params.stream and params.logprobs is None and not params.echo and not params.tools.parsing:
-        return await streaming.streamed(call, sample, request)
+        return await streaming.streamed(call, sample, request, services.settings.session_recheck_s,
+                                        _key_check(request))
     leaving = hold(gone(request.receive))
     try:
         result = await call.sample_unless_gone(sample, leaving)  # its client gone first: withdrawn, unbilled

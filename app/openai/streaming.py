@@ -7,16 +7,17 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from app.errors import SignalError
+from app.errors import SignalError, Unauthenticated
 from app.openai import tool_answers
 from app.openai.errors import as_openai, from_signal
 from app.openai.generation import Sampling
+from app.rechecked import rechecked
 from app.services.runs import SampleParams
 from app.services.streams import first_or_gone, hold, next_chunk
 from gpu_runtime.contract import SampleChunk
@@ -61,10 +62,13 @@ async def whole(body: dict[str, Any], chat: bool, include_usage: bool) -> AsyncI
     yield "data: [DONE]\n\n"
 
 
-async def streamed(call: Sampling, sample: SampleParams, request: Request) -> Response:
+async def streamed(call: Sampling, sample: SampleParams, request: Request, recheck_s: float,
+                   check: Callable[[], Awaitable[object]]) -> Response:
     """A stream fed by the runtime's decode chunks. Errors met before its first chunk are answered as errors; the
     sample is recorded whatever the client does, and cancelled in the runtime when the client goes away, before its
-    first chunk too (then, not begun, it is withdrawn: never applied, not billed, not recorded)."""
+    first chunk too (then, not begun, it is withdrawn: never applied, not billed, not recorded). Its key is checked
+    again every `recheck_s` (SIGNAL_SESSION_RECHECK_S), as a GraphQL subscription's: revoked, the stream ends with an
+    error event and its sample is stopped."""
     chunks: asyncio.Queue[SampleChunk] = asyncio.Queue()
     request_id = f"v1-{uuid.uuid4().hex}"
     task = hold(call.sample(sample, request_id, chunks.put_nowait))
@@ -75,7 +79,19 @@ async def streamed(call: Sampling, sample: SampleParams, request: Request) -> Re
     if not came:
         hold(call.cancel(request_id))
         return Response(status_code=499)  # nginx's "client closed request": no one reads it
-    return event_stream(_chunk_events(call, task, chunks, request_id, first))
+    return event_stream(_until_revoked(_chunk_events(call, task, chunks, request_id, first), recheck_s, check))
+
+
+async def _until_revoked(events: AsyncIterator[str], recheck_s: float,
+                         check: Callable[[], Awaitable[object]]) -> AsyncIterator[str]:
+    """`events` while `check` passes (app/rechecked.py); once it raises, the events are closed (their sample cancelled)
+    and the stream ends with the error as an event, then [DONE]."""
+    try:
+        async for event in rechecked(events, recheck_s, check):
+            yield event
+    except Unauthenticated as exc:
+        yield f"data: {json.dumps(as_openai(exc).body())}\n\n"
+        yield "data: [DONE]\n\n"
 
 
 async def _chunk_events(call: Sampling, task: asyncio.Future[Any], chunks: asyncio.Queue[SampleChunk],

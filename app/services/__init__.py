@@ -22,6 +22,7 @@ from app.services.login_links import LoginLinkService
 from app.services.playground_streams import PlaygroundStreams
 from app.services.run_form import RunForm
 from app.services.runs import RunService
+from app.services.sample_shares import SampleShares
 from app.services.sessions import SessionService
 from app.services.tinker_futures import TinkerFutures
 from app.services.tinker_sessions import TinkerSessions
@@ -71,9 +72,10 @@ class Services:
         billing = BillingClient(settings, db) if settings.billing_enabled else None
         runs = RunService(db, backend, catalog, feed, settings.default_model, Ledger(db, Rates.of(settings), billing),
                           settings.runtime_options(), settings.record_retry_s, settings.deadlines_s)
-        tinker = TinkerFutures(db, settings.tinker_poll_s, settings.tinker_result_ttl_s)
+        tinker = TinkerFutures(db, settings.tinker_poll_s, settings.tinker_result_ttl_s, settings.session_recheck_s)
         tinker.chores.append(runs.delete_expired)  # Tinker's ttl_seconds: expired checkpoints, files and rows
         tinker_sessions = TinkerSessions(db)
+        runs.shares = SampleShares(settings.max_user_samples_in_flight)  # one bound for every wire's samples
         runs.claim = tinker_sessions.claim  # Signal's own calls on a run a live Tinker session drives are refused
         http = supabase = None
         if settings.supabase_enabled:

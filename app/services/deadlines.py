@@ -1,10 +1,13 @@
-"""Each method's deadline (issue 19 §3, SIGNAL_DEADLINES_S). This server's timer runs from the call's arrival; the
-runtime's clock for it starts when the call can run (its run's calls before it answered, issue 34 #11): a cancel at
-this server's deadline carries the length (`Cancel.deadline_s`), and a call able to run for less than that is
-withdrawn only once it has been, so a pipelined optim_step is not failed for its forward_backward's time.
+"""Each method's deadline (issue 19 §3, SIGNAL_DEADLINES_S), counted from when the call can run (issue 34 #11), never
+from its arrival. This server's timer runs from the call's arrival less the time it waited here for its place in
+its run's order (its session's previous number, its run's turn to take a ticket: `Deadline.exclude`), during which
+its run's previous call had not even left for the runtime. The runtime's clock starts when the call can run (its
+run's calls before it answered): a cancel at this server's deadline carries the length (`Cancel.deadline_s`), and a
+call able to run for less than that is withdrawn only once it has been, so a pipelined optim_step is not failed for
+its forward_backward's time, wherever that time was spent. The wait here is bounded by the ordering's own bound
+(call_order.py: a predecessor that never comes fails the call FAILED_PRECONDITION).
 
-A call still waiting in this server (for its session's previous number, or its run's turn to take a ticket) at its
-deadline stops waiting: it has no ticket yet, so nothing else waits for it. A call sent to the runtime is not abandoned: the runtime
+A call sent to the runtime is not abandoned: the runtime
 is asked to cancel it by request id, and its own answer says what happened: withdrawn before it was applied
 (DEADLINE_EXCEEDED, its ticket counted done, a split forward_backward's gradients put back, a sample stopped between
 decode chunks), or applied (in a pass or journaled: answered and recorded as usual). Either way never abandoned half
@@ -31,11 +34,11 @@ log = logging.getLogger("signal.deadlines")
 T = TypeVar("T")
 
 
-@dataclass(frozen=True)
+@dataclass
 class Deadline:
     operation: str
     seconds: float
-    at: float  # the event loop's clock (loop.time())
+    at: float  # the event loop's clock (loop.time()); moved later by the time the call could not run (`exclude`)
 
     @classmethod
     def start(cls, deadlines: dict[str, float], operation: str) -> Deadline:
@@ -43,27 +46,16 @@ class Deadline:
         seconds = deadlines[operation]
         return cls(operation, seconds, asyncio.get_running_loop().time() + seconds)
 
+    def exclude(self, seconds: float) -> None:
+        """`seconds` the call spent unable to run (waiting here for its run's previous call) do not count."""
+        self.at += seconds
+
     def left(self) -> float:
         return self.at - asyncio.get_running_loop().time()
 
     def error(self) -> DeadlineExceeded:
         return DeadlineExceeded(f"{self.operation} passed its deadline of {self.seconds:g} s (SIGNAL_DEADLINES_S) "
                                 "before it was applied: it never was")
-
-
-async def waiting(deadline: Deadline | None, wait: Awaitable[T], gave_up: Callable[[], None] | None = None) -> T:
-    """A wait in this server (no ticket taken yet), ended at the deadline with DEADLINE_EXCEEDED (`gave_up` first)."""
-    if deadline is None:
-        return await wait
-    try:
-        async with asyncio.timeout_at(deadline.at):
-            return await wait
-    except TimeoutError:
-        if deadline.left() > 0:
-            raise  # the wait's own timeout, not the deadline
-        if gave_up is not None:
-            gave_up()
-        raise deadline.error() from None
 
 
 class Streamed:

@@ -23,9 +23,10 @@ from app.errors import FailedPrecondition, RunNotFound, SignalError
 from app.events import MetricFeed
 from app.services.call_order import CallOrder, Numbered
 from app.services.call_records import Caller, CallRecorder
-from app.services.deadlines import Deadline, Streamed, answered, waiting
+from app.services.deadlines import Deadline, Streamed, answered
 from app.services.ledger import Ledger
 from app.services.run_specs import fields_renamed, graphql_field
+from app.services.sample_shares import SampleShares
 from app.services.throttle import sent_until_taken
 from app.settings import DEADLINES_S, RECORD_RETRY_S
 from app.tables import Metric, Run, User, could_be_id, new_id, utcnow
@@ -62,6 +63,8 @@ class RunCalls:
         # A check of another client's claim on the run before each primitive (Tinker's: app/services/tinker_sessions.py
         # refuses Signal's own calls on a run a live Tinker session drives); None: no check.
         self.claim: Callable[[Run, str], Awaitable[None]] | None = None
+        # Each user's sample calls in flight, from every wire, within SIGNAL_MAX_USER_SAMPLES_IN_FLIGHT (sample_shares.py).
+        self.shares = SampleShares()
 
     # ---- ownership -----------------------------------------------------------------------
 
@@ -85,7 +88,8 @@ class RunCalls:
         what it records in that transaction (`fresh`: its first recording; call_records.py). A call without a
         request id gets one here, so its retries and its record have a key. `allowed` adds arguments that only a call allowed to run may fetch.
         `order`: the SDK's number for the call, which puts it in the run's order after its session's previous one.
-        Its deadline: this server waits from here; the runtime counts from when the call can run (deadlines.py)."""
+        Its deadline counts from here, less its wait for its place in the run's order; the runtime counts from when
+        the call can run (deadlines.py)."""
         deadline = Deadline.start(self.deadlines, operation)
         run = await self.get(user, run_id)
         if operation != "save_state":  # an archived run's weights can still be exported
@@ -143,12 +147,15 @@ class RunCalls:
 
     async def in_order(self, run_id: str, call: Callable[[int, Callable[[], None]], Awaitable[T]],
                         order: Numbered | None = None, deadline: Deadline | None = None) -> T:
-        """`call(ticket, sent)` in the run's order (call_order.py): its place in line waited for (past `deadline`:
-        DEADLINE_EXCEEDED, no ticket taken), its ticket taken, and the run's turn held until the call has left for the
-        runtime (`sent`), not until its answer, so a run's calls are pipelined. Run to the end even if the caller goes
-        away: a call the runtime has taken is always recorded."""
+        """`call(ticket, sent)` in the run's order (call_order.py): its place in line waited for (time that does not
+        count against its `deadline`: the call could not run), its ticket taken, and the run's turn held until the
+        call has left for the runtime (`sent`), not until its answer, so a run's calls are pipelined. Run to the end
+        even if the caller goes away: a call the runtime has taken is always recorded."""
         async def in_order() -> T:
-            turn = await waiting(deadline, self.order.enter(run_id, order))
+            began = asyncio.get_running_loop().time()
+            turn = await self.order.enter(run_id, order)
+            if deadline is not None:
+                deadline.exclude(asyncio.get_running_loop().time() - began)
             try:
                 ticket = await self.order.ticket(run_id, order)
                 left = asyncio.Event()

@@ -53,7 +53,7 @@ class RunSampling:
         # The contract takes stop strings and ids as one `stop`; GraphQL has two arguments: name the one sent.
         stop_field = "stop_tokens" if params.stop_tokens is not None and params.stop is None else "stop"
         run_id, snapshot, checkpoint = checkpoint_source(run_id, snapshot, checkpoint)
-        with fields_renamed(lambda field: stop_field if field == "stop" else field):
+        with self.calls.shares.place(user.id), fields_renamed(lambda field: stop_field if field == "stop" else field):
             return await self._sample(user, run_id, params, request_id, snapshot, checkpoint, base_model, order,
                                       progress, latest)
 

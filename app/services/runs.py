@@ -42,6 +42,7 @@ from app.services.run_specs import (
     graphql_field,
 )
 from app.services.run_training import RunTraining, loss_metric, throughput
+from app.services.sample_shares import SampleShares
 from app.settings import RECORD_RETRY_S
 from app.tables import Run
 from gpu_runtime.contract import RuntimeOptions
@@ -104,3 +105,12 @@ class RunService:
     @claim.setter
     def claim(self, check: Callable[[Run, str], Awaitable[None]] | None) -> None:
         self.calls.claim = check
+
+    @property
+    def shares(self) -> SampleShares:
+        """Each user's sample calls in flight, from every wire (sample_shares.py)."""
+        return self.calls.shares
+
+    @shares.setter
+    def shares(self, shares: SampleShares) -> None:
+        self.calls.shares = shares

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import json
 import logging
 import math
@@ -26,8 +27,9 @@ from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from app.db import Database
-from app.errors import BadInput, NotFound, SignalError, http_status
+from app.errors import BadInput, NotFound, SignalError, Unauthenticated, http_status
 from app.pg_listen import listen
+from app.services.streams import hold
 from app.services.throttle import throttled
 from app.services.tinker_sessions import tinker_call
 from app.tables import TinkerFuture, User, could_be_id, new_id, utcnow
@@ -44,6 +46,20 @@ CHANNEL = "signal_tinker_futures"  # PostgreSQL: a completion's NOTIFY (payload:
 RECHECK = "*"
 HEARTBEAT_SECONDS = 10.0  # each owner process marks its pending rows alive (and sweeps expired ones) this often…
 OWNER_SILENCE = timedelta(seconds=60)  # …and a pending row whose owner has been silent this long fails (server)
+
+
+Check = Callable[[], Awaitable[object]]
+# The submitting request's credential check (app/tinker/endpoint.py sets it): a pending future's work runs it every
+# SIGNAL_SESSION_RECHECK_S and fails once it raises UNAUTHENTICATED (the key revoked, its user disabled).
+credential: contextvars.ContextVar[Check | None] = contextvars.ContextVar("credential", default=None)
+_revoked: contextvars.ContextVar[asyncio.Future[None] | None] = contextvars.ContextVar("revoked", default=None)
+
+
+def ended() -> asyncio.Future[None]:
+    """Inside a future's work: done once its credential is revoked (a sample is then withdrawn where it is:
+    RunSampling.sample_unless_gone); elsewhere, never."""
+    revoked = _revoked.get()
+    return revoked if revoked is not None else asyncio.get_running_loop().create_future()
 
 
 @dataclass(frozen=True)
@@ -66,8 +82,9 @@ def failure(exc: BaseException) -> dict[str, str]:
 
 
 class TinkerFutures:
-    def __init__(self, db: Database, poll_seconds: float, result_ttl_s: float) -> None:
+    def __init__(self, db: Database, poll_seconds: float, result_ttl_s: float, recheck_s: float = 15.0) -> None:
         self.db = db
+        self.recheck_s = recheck_s  # SIGNAL_SESSION_RECHECK_S: how soon a revoked key's pending futures fail
         self.poll_seconds = min(poll_seconds, POLL_SECONDS_MAX)
         self.result_ttl = timedelta(seconds=result_ttl_s)  # a finished future stays retrievable this long
         self.owner = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -88,9 +105,10 @@ class TinkerFutures:
         self._background = [asyncio.create_task(self._heartbeat()), asyncio.create_task(wake)]
 
     async def submit(self, user: User, key: tuple[str, str, int], request_type: str,
-                     work: Callable[[str], Awaitable[tuple[str, bytes]]], samples: int = 0) -> TinkerFuture:
+                     work: Callable[[str], Awaitable[tuple[str, bytes]]], samples: int = 0,
+                     unsent: Callable[[], None] | None = None) -> TinkerFuture:
         """Insert the future's row, then dispatch `work(request_id)` (which returns (media type, bytes)) in the background; the
-        loser of an insert race (or a resubmission) gets the winner's row and dispatches nothing."""
+        loser of an insert race (or a resubmission) gets the winner's row and dispatches nothing (`unsent` is called)."""
         if not 0 <= samples <= MAX_SAMPLES:  # one id per sample is built below: bounded first, whatever the caller
             raise BadInput(f"num_samples must be in 1..{MAX_SAMPLES}, got {samples}", field="num_samples")
         request_id = new_id()
@@ -104,21 +122,24 @@ class TinkerFutures:
             async with self.db.session() as session:
                 winner = await session.scalar(select(TinkerFuture).where(
                     TinkerFuture.key_kind == key[0], TinkerFuture.key_scope == key[1], TinkerFuture.key_seq == key[2]))
+            if unsent is not None:
+                unsent()
             if winner is None or winner.user_id != user.id:
                 raise NotFound(f"{key[1]} not found", field="model_id") from None
             return winner
         self._done[request_id] = asyncio.Event()
-        task = asyncio.create_task(self._run(request_id, work))
+        task = asyncio.create_task(self._run(request_id, work, credential.get()))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return row
 
-    async def _run(self, request_id: str, work: Callable[[str], Awaitable[tuple[str, bytes]]]) -> None:
+    async def _run(self, request_id: str, work: Callable[[str], Awaitable[tuple[str, bytes]]],
+                   check: Check | None) -> None:
         state = "done"
         tinker_call.set(True)  # this task's calls on a run are the Tinker session's own (TinkerSessions.claim)
         throttled.set(lambda delay: self._pause(request_id, delay))  # its refused calls are resent (throttle.py)
         try:
-            media_type, body = await work(request_id)
+            media_type, body = await self._unless_revoked(work, request_id, check)
         except Exception as exc:  # every failure is the future's answer, never a lost poll
             if not isinstance(exc, SignalError):
                 log.exception("tinker future %s failed", request_id)
@@ -133,6 +154,31 @@ class TinkerFutures:
             event = self._done.pop(request_id, None)
             if event is not None:
                 event.set()
+
+    async def _unless_revoked(self, work: Callable[[str], Awaitable[tuple[str, bytes]]], request_id: str,
+                              check: Check | None) -> tuple[str, bytes]:
+        """`work`'s answer, or UNAUTHENTICATED once `check` (the submitter's key, every recheck_s) raises it: the work
+        hears it through `ended()` (a sample is withdrawn) and is left to end on its own (a training call the runtime
+        has taken is still recorded), while the future fails now."""
+        if check is None:
+            return await work(request_id)
+        revoked: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        _revoked.set(revoked)  # this task's context, which the work's task copies
+        task = asyncio.ensure_future(work(request_id))
+        while True:
+            done, _ = await asyncio.wait([task], timeout=self.recheck_s)
+            if done:
+                return task.result()
+            try:
+                await check()
+            except Unauthenticated as error:
+                log.info("tinker future %s: its key was revoked; the future fails", request_id)
+                revoked.set_result(None)
+                hold(task)  # referenced until it ends (a bare task may be collected)
+                task.add_done_callback(lambda ended: ended.cancelled() or ended.exception())  # its end is not news
+                raise Unauthenticated(f"{error.message}: this operation was stopped") from None
+            except (SignalError, SQLAlchemyError, OSError) as error:  # the database away: asked again next round
+                log.warning("tinker future %s: its key could not be checked: %s", request_id, error)
 
     def _pause(self, request_id: str, delay: float | None) -> None:
         if delay is None:

@@ -18,6 +18,7 @@ from starlette.responses import JSONResponse, Response
 from app.errors import BadInput, Unauthenticated, http_status, retry_after_headers
 from app.failures import known_failure
 from app.services import Services, services_of
+from app.services.tinker_futures import credential
 from app.services.tinker_sessions import SessionFinished
 from app.tables import TinkerFuture, User
 from app.tinker import compression
@@ -53,7 +54,10 @@ async def authenticate(request: Request) -> User:
         secret = secret.removeprefix(KEY_PREFIX)
     if not secret:
         raise Unauthenticated("missing API key: send X-API-Key: tml-<your Signal key>")
-    return await services(request).keys.authenticate(secret)
+    keys = services(request).keys
+    user = await keys.authenticate(secret)
+    credential.set(lambda: keys.authenticate(secret))  # re-checked while the request's futures are pending
+    return user
 
 
 async def body(request: Request) -> dict[str, Any]:
@@ -90,8 +94,10 @@ def endpoint(handler: UserHandler, auth: bool = True) -> Handler:
             status = http_status(failure)
             if isinstance(failure, (BadInput, FailedPrecondition)):
                 status = 400  # the SDK's user error at submit (422 is fatal too; 400 is what the issue names)
-            # A 429 (too many calls in flight) carries Retry-After, which the SDK's HTTP layer honours.
-            return error(status if status < 500 else 503, failure.message, "user" if status < 500 else "server",
+            # A 429 (too many calls in flight) carries Retry-After, which the SDK's HTTP layer honours; it is the
+            # server's capacity, not the user's mistake (as the throttled polls say).
+            user_fault = status < 500 and status != 429
+            return error(status if status < 500 else 503, failure.message, "user" if user_fault else "server",
                          retry_after_headers(failure))
         return answer if isinstance(answer, Response) else JSONResponse(answer)
 

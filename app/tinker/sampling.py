@@ -10,7 +10,8 @@ from starlette.requests import Request
 from app.errors import BadInput
 from app.services import tinker_paths as paths
 from app.services.runs import SampleParams
-from app.services.tinker_futures import PROTO_TYPE
+from app.services.sample_shares import held
+from app.services.tinker_futures import PROTO_TYPE, ended
 from app.services.tinker_sessions import sampling_session_id
 from app.tables import User
 from app.tinker import proto, stability
@@ -131,10 +132,18 @@ async def asample(request: Request, user: User) -> UntypedAPIFuture:
         snapshot, checkpoint = (name, None) if kind == "sampler_weights" else (None, name)
 
     store = stability.store(request) if data.get("record_stability_info") else None
+    # Its place in the user's bound taken now, so past it the submit answers 429 (the SDK's backpressure: it waits
+    # and resubmits); the future's sample holds it until it ends (sample_shares.py).
+    place = svc.runs.shares.take(user.id)
 
     async def work(request_id: str) -> tuple[str, bytes]:
-        result = await svc.runs.sample(user, sampler.run_id, params, request_id=request_id, snapshot=snapshot,
-                                       checkpoint=checkpoint, base_model=base_model)
+        held.set(place)  # this task's own context: the sample below takes no second place
+        try:
+            result = await svc.runs.sample_unless_gone(user, sampler.run_id, params, ended(), request_id=request_id,
+                                                       snapshot=snapshot, checkpoint=checkpoint,
+                                                       base_model=base_model)
+        finally:
+            place.release()
         if store is not None:  # stable_reinforce's record, keyed by the sequence ids the submit answered
             for i, sequence in enumerate(result.sequences[0]):
                 store.record(user.id, f"{request_id}:{i}", sequence.tokens, sequence.logprobs,
@@ -143,5 +152,10 @@ async def asample(request: Request, user: User) -> UntypedAPIFuture:
         return PROTO_TYPE, proto.encode_sample_response(result.sequences[0], prompt_logprobs,
                                                         result.prompt_cache_hit_tokens)
 
-    row = await svc.tinker.submit(user, ("sample", sampler.id, seq), "Sample", work, samples=num_samples)
+    try:
+        row = await svc.tinker.submit(user, ("sample", sampler.id, seq), "Sample", work, samples=num_samples,
+                                      unsent=place.release)
+    except BaseException:
+        place.release()
+        raise
     return future_answer(row)

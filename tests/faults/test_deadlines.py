@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import socket
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -176,3 +177,31 @@ def test_a_deadline_counts_from_when_the_call_could_run(tmp_path: Path, tiny_mod
     late = submit(engine, "optim_step", run_id="r", request_id="opt-2")  # able to run since it came
     assert engine.call("cancel", request_id="opt-2", **{**cancel, "deadline_s": 0.0}) == {"found": True}
     assert late.result(timeout=60)["error"]["code"] == "DEADLINE_EXCEEDED"
+
+
+def test_a_calls_wait_in_the_server_for_its_predecessor_does_not_count_against_its_deadline(
+        server: LiveServer, caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 34 #11, the server's side: an optim_step (deadline 2 s) numbered 2 waits here for its session's call 1
+    longer than its deadline; once call 1 comes, it is applied, not DEADLINE_EXCEEDED."""
+    caplog.set_level(logging.INFO, logger="signal.ordering")
+    key = server.new_user()
+    run_id = server.graphql(CREATE, key=key)["data"]["createRun"]["id"]
+    numbered = "mutation($r: ID!, $s: Int!) { %s(runId: $r, seq: $s, session: \"pipe\"%s) { %s } }"
+    optim = numbered % ("optimStep", "", "step")
+    forward_backward = numbered % ("forwardBackward", ", batch: [{text: \"two plus two\"}]", "loss")
+    with ThreadPoolExecutor(1) as pool:
+        behind = pool.submit(server.graphql, optim, {"r": run_id, "s": 2}, key)
+        server.wait_for(lambda: any("call 2 of session pipe waits for call 1" in r.getMessage()
+                                    for r in caplog.records), "call 2 to wait for call 1")
+        # Another run's optim_step passing its 2 s deadline: that long has gone by for call 2 too.
+        other = server.graphql(CREATE, key=key)["data"]["createRun"]["id"]
+        take_ticket(server, other)
+        with pytest.raises(DeadlineExceededError):
+            SignalClient(api_key=key, base_url=server.url).get_run(other).optim_step()
+        server.backend.client.submit("run_info", run_id=other, ticket=1).result(timeout=60)
+        assert not behind.done()  # still waiting for call 1, past its deadline
+        first = server.graphql(forward_backward, {"r": run_id, "s": 1}, key=key)
+        assert "errors" not in first, first
+        answered = behind.result(timeout=120)
+    assert "errors" not in answered, answered
+    assert answered["data"]["optimStep"]["step"] == 1
