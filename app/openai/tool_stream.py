@@ -71,7 +71,7 @@ class ToolStream:
                 self.pending = pending[keep:]
                 return False
             if not self.calls:
-                self._content(pending[:at], deltas)
+                self._content(pending[:at].rstrip(), deltas)
             self.pending, self.state = pending[at + len(OPEN):], "head"
             return True
         if self.state == "head":
