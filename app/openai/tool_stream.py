@@ -153,8 +153,9 @@ class ToolStream:
         """The deltas left, the finish reason, and the choice's `tool_parse_error` if any."""
         if not self.calls:  # nothing streamed as a call: the whole answer's reading, what is held as content
             body, finish, said = tool_answers.message(self.generated, finish_reason, self.tools)
-            deltas = [{"content": self.generated[self.content_sent:]}] if body.get("content") and \
-                self.generated[self.content_sent:] and not body.get("tool_calls") else []
+            held = self.generated[self.content_sent:]
+            deltas: list[dict[str, Any]] = [{"content": held}] if body.get("content") and held and \
+                not body.get("tool_calls") else []
             for index, call in enumerate(body.get("tool_calls") or []):
                 deltas.append({"tool_calls": [{"index": index, **call}]})
             return deltas, finish, said

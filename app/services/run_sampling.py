@@ -228,14 +228,15 @@ class RunSampling(RunCalls):
         messages through its chat template as token ids (`history`: the ids an earlier turn was sampled as, and that
         turn's index, reused), text `prompts` as ids, and `decode`'s ids as text, one each: the OpenAI endpoint's
         tokenizer work. No run queue, no credits."""
-        carried = {"history_tokens": history[0], "history_through": history[1]} if history is not None else {}
+        tokens, through = history if history is not None else (None, None)
         if run is not None:
             request, pool = RenderChat(run_id=run.id, messages=messages, prompts=prompts, decode=decode, tools=tools,
-                                       prefill=prefill, **carried), pool_of(run)
+                                       prefill=prefill, history_tokens=tokens,
+                                       history_through=through), pool_of(run)
         else:
             model = self.catalog.get(base_model or self.default_model)
             request = RenderChat(base_model=model.source, messages=messages, prompts=prompts, decode=decode,
-                                 tools=tools, prefill=prefill, **carried)
+                                 tools=tools, prefill=prefill, history_tokens=tokens, history_through=through)
             pool = PoolKey.of(model.name, self.catalog.resolve_gpu(model, None, None), None)
         request.validate()
         return await self._engine(request, pool=pool)
