@@ -60,7 +60,7 @@ class Settings(BaseSettings):
     default_model: str = Field("HuggingFaceTB/SmolLM2-135M-Instruct", description="Base model when none is given.")
     max_request_bytes: int = Field(16 * 1024 * 1024, description="Largest request body; bigger ones get 413.")
     openai_responses_ttl_s: float = Field(3600.0, gt=0, description="How long /v1/responses keeps a response for "
-                                                                     "previous_response_id (in memory, per user).")
+                                                                     "previous_response_id (in the database, per user).")
     max_primitives_per_request: int = Field(4, ge=1, description="Most primitive calls (forwardBackward, optimStep, "
                                             "sample, ...) one GraphQL request may carry; more is BAD_INPUT naming "
                                             "the first field past it, before any runs.")

@@ -382,3 +382,17 @@ class CallRecord(Base):
     tokens_in: Mapped[int] = mapped_column(BigInteger, default=0)  # trained (forward_backward), or prompt (sample)
     tokens_out: Mapped[int] = mapped_column(BigInteger, default=0)  # generated (sample)
     created_at: Mapped[datetime] = mapped_column(default=utcnow, index=True)
+
+
+class StoredResponse(Base):
+    """One answered /v1/responses request, kept for `previous_response_id` (app/services/stored_responses.py): in the
+    database so that a restart keeps it and every server process reads it. Its user's alone; deleted with its run
+    (`run_id`; None for a base model alone), at `expires_at`, or as the user's oldest past the per-user bound."""
+
+    __tablename__ = "openai_responses"
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)  # resp_ + 32 hex digits
+    user_id: Mapped[str] = mapped_column(USER_ID, ForeignKey("users.id", ondelete="CASCADE"), index=True)
+    run_id: Mapped[str | None] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), default=None, index=True)
+    messages: Mapped[list[Any]] = mapped_column(JSON)  # the conversation, its answer (and its token ids) included
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    expires_at: Mapped[datetime] = mapped_column()

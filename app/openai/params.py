@@ -23,6 +23,7 @@ from gpu_runtime.contract import (
 )
 
 MAX_COMPLETION_LOGPROBS = 5  # the legacy completions API's bound
+MAX_CARRIED_TOKENS = 1 << 20  # an assistant turn's carried ids: beyond any context (the context bound refuses sooner)
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 
@@ -35,6 +36,7 @@ class CompletionRequest:
     prompts: list[str] | list[list[int]] | None = None
     messages: list[dict[str, Any]] | None = None
     tools: tooling.Tools = field(default_factory=tooling.Tools)  # chat's tools, tool_choice, parallel_tool_calls
+    history: tuple[list[int], int] | None = None  # an assistant turn's carried ids and its index (_carried)
     max_tokens: int | None = None  # None: the room left in the context, up to MAX_TOKENS_LIMIT
     temperature: float = 1.0
     top_p: float = 1.0
@@ -147,12 +149,35 @@ def _content(content: Any, i: int) -> str:
     return "".join(texts)
 
 
-def _messages(messages: Any) -> list[dict[str, Any]]:
+def _ids(value: Any, param: str) -> list[int]:
+    if (not isinstance(value, list) or not value or len(value) > MAX_CARRIED_TOKENS
+            or not all(_is_int(t) and t >= 0 for t in value)):
+        raise bad(param, f"{param} must be a non-empty list of at most {MAX_CARRIED_TOKENS} token ids")
+    return list(value)
+
+
+def _carried(message: dict[str, Any], i: int) -> list[int] | None:
+    """An assistant message's ids as sampled, Signal's extension: the earlier answer's `prompt_token_ids` and its
+    choice's `token_ids`, copied onto the message. The prompt then starts with them, not with that turn re-rendered
+    from its text (the runtime's render_messages; where the messages before it render otherwise, it is re-rendered)."""
+    prompt, completion = message.get("prompt_token_ids"), message.get("token_ids")
+    if prompt is None and completion is None:
+        return None
+    if prompt is None or completion is None:
+        missing = "prompt_token_ids" if prompt is None else "token_ids"
+        raise bad(f"messages[{i}].{missing}", f"messages[{i}] carries token ids: give both prompt_token_ids and "
+                                              "token_ids, as the earlier answer returned them")
+    return _ids(prompt, f"messages[{i}].prompt_token_ids") + _ids(completion, f"messages[{i}].token_ids")
+
+
+def _messages(messages: Any) -> tuple[list[dict[str, Any]], tuple[list[int], int] | None]:
+    """The messages as the template takes them, and the last assistant turn's carried ids with its index."""
     if not isinstance(messages, list) or not messages:
         raise bad("messages", "messages must be a non-empty list")
     tooling.check_history(messages)
     rendered: list[dict[str, Any]] = []
     call_names: dict[str, str] = {}  # a tool call's id: its function, for the tool message answering it
+    history: tuple[list[int], int] | None = None
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
             raise bad(f"messages[{i}]", f"messages[{i}] must be an object with role and content")
@@ -169,8 +194,11 @@ def _messages(messages: Any) -> list[dict[str, Any]]:
         if role == "assistant" and message.get("tool_calls"):
             item["tool_calls"] = tooling.assistant_calls(message["tool_calls"], i)
             call_names.update({c["id"]: c["function"]["name"] for c in item["tool_calls"]})
+        carried = _carried(message, i) if role == "assistant" else None
+        if carried is not None:
+            history = (carried, i)
         rendered.append(item)
-    return rendered
+    return rendered, history
 
 
 def parse(body: Any, chat: bool) -> CompletionRequest:
@@ -182,7 +210,7 @@ def parse(body: Any, chat: bool) -> CompletionRequest:
     _refusals(body, chat)
     request = CompletionRequest(model=model, chat=chat)
     if chat:
-        request.messages = _messages(body.get("messages"))
+        request.messages, request.history = _messages(body.get("messages"))
         request.tools = tooling.from_body(body, tooling.definitions(body.get("tools")))
         if body.get("prompt") is not None:
             raise bad("prompt", "chat completions take messages, not prompt")

@@ -1,6 +1,6 @@
 """The /v1/responses route: the Responses API (app/openai/responses.py) answered by the chat completions handler it
 is given (a sub-request with the translated body: one pipeline for rendering, sampling, billing and records), its
-stored responses one store per server."""
+stored responses in the database (app/services/stored_responses.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Message
 
-from app.openai import responses
+from app.openai import responses, targets
 from app.openai.errors import OpenAIError, bad
 from app.security import bearer_from_header
 
@@ -44,12 +44,14 @@ def handler(chat_completions: Handler) -> Handler:
                               code="request_too_large") from exc
         except ValueError:
             raise bad("body", "the request body is not valid JSON") from None
-        if getattr(state, "openai_responses", None) is None:  # one store per server, made on first use
-            state.openai_responses = responses.ResponseStore(state.settings.openai_responses_ttl_s)
 
         async def chat_answer(body: dict[str, Any]) -> dict[str, Any]:
             answer = await chat_completions(_sub_request(request, body))
             return json.loads(bytes(answer.body))  # type: ignore[no-any-return]  # the chat handler's JSON object
 
-        return await responses.create(user, raw, state.openai_responses, chat_answer)
+        async def run_of(model: str) -> str | None:  # the answered model: it resolves
+            target = await targets.resolve(state.services, user, model)
+            return target.run.id if target.run is not None else None
+
+        return await responses.create(user, raw, state.services.responses, chat_answer, run_of)
     return create_response

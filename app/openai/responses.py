@@ -3,65 +3,33 @@ path. Input items (messages, function calls, their outputs), `instructions`, fun
 become one chat request (rendered by the base's template, calls parsed as on chat: app/openai/tool_answers.py); its
 answer becomes output items (`message`, `function_call`), whole or as the Responses stream's events.
 
-`previous_response_id` continues a stored conversation: each answered response is kept for its user (in this
-server's memory: ResponseStore, at most RESPONSES_PER_USER each, for the setting `openai_responses_ttl_s`; one on a
-deleted run cannot be continued, its model not found); instructions are not carried over, as on OpenAI. Signal's extras: `prompt_token_ids` (the whole
-rendered history the model saw) and `output_token_ids` on the response, for training on exactly what was sampled.
+`previous_response_id` continues a stored conversation: each answered response is kept for its user in the database
+(app/services/stored_responses.py: bounded per user, expiring, deleted with its run); instructions are not carried
+over, as on OpenAI. Signal's extras: `prompt_token_ids` (the whole rendered history the model saw) and
+`output_token_ids` on the response, for training on exactly what was sampled; the stored answer keeps both, so a
+continuation's prompt starts with exactly those ids (app/openai/params.py's carried token ids).
 """
 
 from __future__ import annotations
 
 import json
-import time
 import uuid
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any
 
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from app.openai.errors import OpenAIError, bad
+from app.services.stored_responses import StoredResponses
 from app.tables import User
 
-RESPONSES_PER_USER = 256  # stored conversations a user keeps; the oldest goes first
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 IGNORED = {"include", "truncation", "reasoning", "metadata", "user", "store", "background", "service_tier",
            "prompt_cache_key", "prompt_cache_retention", "prompt_cache_options", "safety_identifier", "context_management"}
 PASSED = {"model", "temperature", "top_p", "parallel_tool_calls", "seed", "stop", "top_logprobs"}
 
 ChatAnswer = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]  # a chat completion's body in, its answer out
-
-
-@dataclass
-class Stored:
-    user_id: str
-    model: str
-    messages: list[dict[str, Any]]  # the conversation, its answer included, instructions not
-    at: float
-
-
-class ResponseStore:
-    """Answered responses by id, per user, bounded and expiring (in memory: a restart forgets them)."""
-
-    def __init__(self, ttl_s: float) -> None:
-        self.ttl_s = ttl_s
-        self.items: OrderedDict[str, Stored] = OrderedDict()
-
-    def put(self, ident: str, stored: Stored) -> None:
-        self.items[ident] = stored
-        mine = [k for k, v in self.items.items() if v.user_id == stored.user_id]
-        for old in mine[:max(0, len(mine) - RESPONSES_PER_USER)]:
-            del self.items[old]
-
-    def get(self, user_id: str, ident: str) -> Stored | None:
-        stored = self.items.get(ident)
-        if stored is None or stored.user_id != user_id:  # another user's: not found, like an unknown one
-            return None
-        if time.time() - stored.at > self.ttl_s:
-            del self.items[ident]
-            return None
-        return stored
+RunOf = Callable[[str], Awaitable[str | None]]  # a model's run id (None: a base model alone)
 
 
 def _text(content: Any, param: str) -> str:
@@ -200,27 +168,30 @@ def response_of(body: dict[str, Any], chat: dict[str, Any], answer: dict[str, An
     }
 
 
-async def create(user: User, raw: Any, store: ResponseStore, chat_answer: ChatAnswer) -> Response:
+async def create(user: User, raw: Any, store: StoredResponses, chat_answer: ChatAnswer, run_of: RunOf) -> Response:
     history: list[dict[str, Any]] = []
     previous = raw.get("previous_response_id") if isinstance(raw, dict) else None
     if previous is not None:
-        stored = store.get(user.id, previous) if isinstance(previous, str) else None
+        stored = await store.get(user, previous) if isinstance(previous, str) else None
         if stored is None:
             raise OpenAIError(404, f"no stored response {previous!r} (unknown, expired or another user's)",
                               param="previous_response_id", code="previous_response_not_found")
-        history = stored.messages
+        history = stored
     chat = chat_body(raw, history)
     try:
         answer = await chat_answer(chat)
     except OpenAIError as error:
         raise _renamed(error) from None
     response = response_of(raw, chat, answer)
-    message = answer["choices"][0]["message"]
-    turn = {"role": "assistant", "content": message.get("content")}
+    choice = answer["choices"][0]
+    message = choice["message"]
+    # The ids the model saw and wrote: the continuation's prompt starts with them (no re-rendering drift).
+    turn = {"role": "assistant", "content": message.get("content"), "prompt_token_ids": answer["prompt_token_ids"],
+            "token_ids": choice["token_ids"]}
     if message.get("tool_calls"):
         turn["tool_calls"] = message["tool_calls"]
     kept = [m for m in chat["messages"] if not (m is chat["messages"][0] and raw.get("instructions") is not None)]
-    store.put(response["id"], Stored(user.id, str(chat.get("model")), kept + [turn], time.time()))
+    await store.keep(user, response["id"], await run_of(str(chat.get("model"))), kept + [turn])
     if not raw.get("stream"):
         return JSONResponse(response)
     return StreamingResponse(events(response), media_type="text/event-stream", headers=SSE_HEADERS)

@@ -7,7 +7,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 from starlette.requests import Request
@@ -17,6 +17,7 @@ from app.errors import SignalError, Unauthenticated
 from app.openai import tool_answers
 from app.openai.errors import as_openai, from_signal
 from app.openai.generation import Sampling
+from app.openai.tool_stream import ToolStream
 from app.rechecked import rechecked
 from app.services.runs import SampleParams
 from app.services.streams import first_or_gone, hold, next_chunk
@@ -96,8 +97,9 @@ async def _until_revoked(events: AsyncIterator[str], recheck_s: float,
 
 async def _chunk_events(call: Sampling, task: asyncio.Future[Any], chunks: asyncio.Queue[SampleChunk],
                         request_id: str, first: SampleChunk | None) -> AsyncIterator[str]:
-    """Each decode chunk's settled text (and ids, with return_token_ids) as it comes; then per choice the rest of its
-    answer and its finish, usage when asked, [DONE]. A client gone mid-stream cancels the sample within one chunk."""
+    """Each decode chunk's settled text (and ids, with return_token_ids) as it comes, tool calls as their deltas
+    (app/openai/tool_stream.py); then per choice the rest of its answer and its finish, usage when asked, [DONE]. A
+    client gone mid-stream cancels the sample within one chunk."""
     params, chat = call.params, call.chat
     ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     head = {"id": ident, "created": int(time.time()), "model": params.model,
@@ -106,11 +108,14 @@ async def _chunk_events(call: Sampling, task: asyncio.Future[Any], chunks: async
     count = len(call.prompt_ids) * params.n
     sent_text, sent_ids = [0] * count, [0] * count
 
-    def event(index: int, text: str, ids: list[int] | None, finish: str | None = None, opening: bool = False) -> str:
-        part: dict[str, Any] = {"index": index, "logprobs": None, "finish_reason": finish}
+    readers = [ToolStream(params.tools) if chat and params.tools.parsing else None for _ in range(count)]
+
+    def event(index: int, text: str, ids: list[int] | None, finish: str | None = None, opening: bool = False,
+              delta: dict[str, Any] | None = None, said: dict[str, str] | None = None) -> str:
+        part: dict[str, Any] = {"index": index, "logprobs": None, "finish_reason": finish, **(said or {})}
         if chat:
-            part["delta"] = ({"role": "assistant", "content": ""} if opening else {"content": text} if text or ids
-                             else {})
+            part["delta"] = (delta if delta is not None else {"role": "assistant", "content": ""} if opening
+                             else {"content": text} if text or ids else {})
         else:
             part["text"] = text
         if params.return_token_ids and ids is not None:
@@ -122,6 +127,20 @@ async def _chunk_events(call: Sampling, task: asyncio.Future[Any], chunks: async
             chunk["prompt_token_ids"] = call.prompt_ids[0]
         return f"data: {json.dumps(chunk)}\n\n"
 
+    def text_events(index: int, text: str, ids: list[int]) -> Iterator[str]:
+        """A piece of one choice's answer: its text as content, or through its tool-call reader (ids with the first
+        delta, or alone)."""
+        reader = readers[index]
+        if reader is None:
+            if text or ids:
+                yield event(index, text, ids)
+            return
+        deltas = reader.feed(text)
+        for k, delta in enumerate(deltas):
+            yield event(index, "", ids if k == 0 else None, delta=delta)
+        if not deltas and ids and params.return_token_ids:
+            yield event(index, "", ids, delta={})
+
     try:
         if chat or params.return_token_ids:
             for index in range(count):
@@ -131,17 +150,24 @@ async def _chunk_events(call: Sampling, task: asyncio.Future[Any], chunks: async
             for p, sequences in enumerate(chunk.sequences):
                 for j, sequence in enumerate(sequences):
                     index = p * params.n + j
-                    if sequence["text"] or sequence["tokens"]:
-                        sent_text[index] += len(sequence["text"])
-                        sent_ids[index] += len(sequence["tokens"])
-                        yield event(index, sequence["text"], sequence["tokens"])
+                    sent_text[index] += len(sequence["text"])
+                    sent_ids[index] += len(sequence["tokens"])
+                    for out in text_events(index, sequence["text"], sequence["tokens"]):
+                        yield out
             chunk = await next_chunk(task, chunks)
         body, picked = await call.answer(task.result())
         for choice in picked:  # what no chunk sent: the end held back, a finished sequence's last tokens
             text, ids = choice.text[sent_text[choice.index]:], choice.ids[sent_ids[choice.index]:]
-            if text or ids:
-                yield event(choice.index, text, ids)
-            yield event(choice.index, "", None, finish=choice.finish_reason)
+            for out in text_events(choice.index, text, ids):
+                yield out
+            reader = readers[choice.index]
+            if reader is None:
+                yield event(choice.index, "", None, finish=choice.finish_reason)
+                continue
+            deltas, finish, said = reader.finish(choice.finish_reason)
+            for delta in deltas:
+                yield event(choice.index, "", None, delta=delta)
+            yield event(choice.index, "", None, finish=finish, delta={}, said=said)
         if params.include_usage:
             yield f"data: {json.dumps({**head, 'choices': [], 'usage': body['usage']})}\n\n"
         yield "data: [DONE]\n\n"

@@ -43,10 +43,10 @@ async def render(runs: RunService, run: Run | None, params: Any, base_model: str
     the format the template turned out to teach (the first render names it)."""
     tools: Tools = params.tools
     rendered = await runs.render_chat(run, messages=params.messages, base_model=base_model,
-                                      tools=tools.definitions or None)
+                                      tools=tools.definitions or None, history=params.history)
     tools.family = rendered.tool_format
     if tools.definitions and tools.choice in ("named", "required"):
         tools.forced = tools.head(tools.family)
         rendered = await runs.render_chat(run, messages=params.messages, base_model=base_model,
-                                          tools=tools.definitions, prefill=tools.forced)
+                                          tools=tools.definitions, prefill=tools.forced, history=params.history)
     return rendered

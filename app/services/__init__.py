@@ -24,6 +24,7 @@ from app.services.run_form import RunForm
 from app.services.runs import RunService
 from app.services.sample_shares import SampleShares
 from app.services.sessions import SessionService
+from app.services.stored_responses import StoredResponses
 from app.services.tinker_futures import TinkerFutures
 from app.services.tinker_sessions import TinkerSessions
 from app.services.usage import UsageService
@@ -55,6 +56,7 @@ class Services:
     run_form: RunForm  # the dashboard's New run form: its choices, and its fields read into a RunSpec
     admin: AdminService  # every user, key and run, and the runtime's report (issue 18 §7)
     playground: PlaygroundStreams  # the playground's one-time stream ids (issue 18 §4)
+    responses: StoredResponses  # /v1/responses' stored conversations, for previous_response_id (issue 35)
     supabase: SupabaseSignIn | None = None  # only when SUPABASE_URL and SUPABASE_ANON_KEY are set
     # Shared by the Supabase client and the JWKS fetches; made only for them (its TLS context costs start-up 0.1 s).
     http: httpx.AsyncClient | None = None
@@ -106,6 +108,7 @@ class Services:
             run_form=RunForm(settings, catalog, runs),
             admin=AdminService(db, backend, users, keys, catalog),
             playground=PlaygroundStreams(db),
+            responses=StoredResponses(db, settings.openai_responses_ttl_s),
             supabase=supabase,
             http=http,
             billing=billing,

@@ -195,17 +195,21 @@ class RunSampling:
     async def render_chat(self, run: Run | None, messages: builtins.list[dict[str, Any]] | None = None,
                           prompts: builtins.list[str] | None = None, decode: builtins.list[int] | None = None,
                           base_model: str | None = None, tools: builtins.list[dict[str, Any]] | None = None,
-                          prefill: str | None = None) -> RenderChatResult:
+                          prefill: str | None = None,
+                          history: tuple[builtins.list[int], int] | None = None) -> RenderChatResult:
         """On the caller's run's base (ownership checked by `get`), or a catalogue model's (`base_model`, run None):
-        messages through its chat template as token ids, text `prompts` as ids, and `decode`'s ids as text, one
-        each: the OpenAI endpoint's tokenizer work. No run queue, no credits."""
+        messages through its chat template as token ids (`history`: the ids an earlier turn was sampled as, and that
+        turn's index, reused), text `prompts` as ids, and `decode`'s ids as text, one each: the OpenAI endpoint's
+        tokenizer work. No run queue, no credits."""
+        tokens, through = history if history is not None else (None, None)
         if run is not None:
             request, pool = RenderChat(run_id=run.id, messages=messages, prompts=prompts, decode=decode, tools=tools,
-                                       prefill=prefill), pool_of(run)
+                                       prefill=prefill, history_tokens=tokens,
+                                       history_through=through), pool_of(run)
         else:
             model = self.calls.catalog.get(base_model or self.calls.default_model)
             request = RenderChat(base_model=model.source, messages=messages, prompts=prompts, decode=decode,
-                                 tools=tools, prefill=prefill)
+                                 tools=tools, prefill=prefill, history_tokens=tokens, history_through=through)
             pool = PoolKey.of(model.name, self.calls.catalog.resolve_gpu(model, None, None), None)
         request.validate()
         return await self.calls.engine(request, pool=pool)

@@ -135,6 +135,10 @@ class RenderChat(Call[RenderChatResult]):
     messages: list[dict[str, Any]] | None = None
     tools: list[dict[str, Any]] | None = None  # JSON-schema function definitions, given to the template
     prefill: str | None = None  # text after the generation prompt: the opening of a forced tool call
+    # The ids messages[:history_through + 1] were sampled as (an earlier answer's prompt ids + its completion ids):
+    # the prompt starts with them where the messages before that turn render as that prompt began (render_messages).
+    history_tokens: list[int] | None = None
+    history_through: int | None = None
     prompts: list[str] | None = None  # plain text, tokenised as sample tokenises a text prompt (with BOS)
     decode: list[int] | None = None
 
@@ -159,6 +163,10 @@ class RenderChat(Call[RenderChatResult]):
             raise BadInput("tools must be a list of function definitions", field="tools")
         if self.prefill is not None and (not isinstance(self.prefill, str) or self.messages is None):
             raise BadInput("prefill is text after rendered messages", field="prefill")
+        if (self.history_tokens is None) != (self.history_through is None):
+            raise BadInput("history_tokens and history_through go together", field="history_tokens")
+        if self.history_tokens is not None:
+            check_history(self.history_tokens, self.history_through, self.messages)
         if self.prompts is not None:
             sampling_prompts(self.prompts, None)
         if self.decode is not None and (not isinstance(self.decode, list) or any(
@@ -168,6 +176,16 @@ class RenderChat(Call[RenderChatResult]):
     @property
     def run(self) -> str | None:
         return None  # reads the run's base, never its state: it waits on no run's calls
+
+
+def check_history(tokens: Any, through: Any, messages: list[dict[str, Any]] | None) -> None:
+    """A render's carried history: token ids, and the index of the assistant message they end with."""
+    if not isinstance(tokens, list) or not tokens or any(isinstance(t, bool) or not isinstance(t, int) or t < 0
+                                                         for t in tokens):
+        raise BadInput("history_tokens must be a non-empty list of token ids", field="history_tokens")
+    if (isinstance(through, bool) or not isinstance(through, int) or messages is None
+            or not 0 <= through < len(messages) or messages[through].get("role") != "assistant"):
+        raise BadInput("history_through must be the index of an assistant message", field="history_through")
 
 
 def check_weights_source(call: Any) -> None:

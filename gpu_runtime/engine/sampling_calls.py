@@ -317,7 +317,8 @@ def render_chat(call: RenderChat, entry: BaseEntry, tokenizer: Any) -> RenderCha
     ids = None
     check_text_fits(call, tokenizer, entry.renderer.max_length)
     if call.messages is not None:
-        ids = render_messages(tokenizer, call.messages, call.tools, call.prefill)
+        history = None if call.history_tokens is None else (call.history_tokens, int(call.history_through or 0))
+        ids = render_messages(tokenizer, call.messages, call.tools, call.prefill, history)
     texts = None if call.prompts is None else [list(tokenizer(p, add_special_tokens=True)["input_ids"])
                                                 for p in call.prompts]  # as prepare() tokenises a text prompt
     vocab = entry.renderer.vocab_size

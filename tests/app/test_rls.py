@@ -215,7 +215,7 @@ async def test_clients_cannot_write(world: World, role: str, write: str) -> None
             await conn.execute(sql)
 
 
-@pytest.mark.parametrize("table", ["sessions", "playground_streams", "run_sessions"])
+@pytest.mark.parametrize("table", ["sessions", "playground_streams", "run_sessions", "openai_responses"])
 def test_server_only_tables_have_a_deny_all_policy(world: World, postgres_cluster,  # type: ignore[no-untyped-def]
                                                    table: str) -> None:
     # Closed by a policy too, not only by the missing grant: a grant added by mistake still shows no row.

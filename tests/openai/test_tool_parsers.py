@@ -8,6 +8,8 @@ import json
 import pytest
 
 from app.openai import tool_parsers
+from app.openai.tool_stream import ToolStream
+from app.openai.tools import Tools
 
 NAMES = {"add", "weather"}
 
@@ -75,3 +77,57 @@ def test_a_forced_required_call_without_a_valid_name_stays_text() -> None:
     assert [(c.name, json.loads(c.arguments)) for c in parsed.calls] == [("add", {"a": 2})]
     noise = tool_parsers.forced("hermes", head, "zzz", NAMES, None)
     assert noise.calls == [] and noise.content == "zzz" and noise.malformed
+
+
+def _streamed(text: str, size: int, tools: Tools) -> tuple[str, list[tuple[str, object]], str, dict[str, str]]:
+    """`text` fed to a ToolStream `size` characters at a time, its deltas merged as OpenAI's clients merge them."""
+    reader, deltas = ToolStream(tools), []
+    for at in range(0, len(text), size):
+        deltas += reader.feed(text[at:at + size])
+    rest, finish, said = reader.finish("stop")
+    content, calls = "", {}  # type: ignore[var-annotated]
+    for delta in deltas + rest:
+        content += delta.get("content") or ""
+        for call in delta.get("tool_calls", []):
+            merged = calls.setdefault(call["index"], {"name": "", "arguments": ""})
+            assert ("id" in call) == (merged["name"] == "")  # the id and name come first, once
+            merged["name"] += call.get("function", {}).get("name", "")
+            merged["arguments"] += call.get("function", {}).get("arguments", "")
+    return content, [(c["name"], json.loads(c["arguments"])) for c in calls.values()], finish, said
+
+
+HERMES_STREAMS = [
+    ('<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>', "", [("add", {"a": 1, "b": 2})]),
+    ('Let me add.\n<tool_call>{"name": "add", "arguments": {"a": 1, "s": "}\\"{"}}</tool_call>\n<tool_call>'
+     '{"name": "weather", "arguments": "{\\"city\\": \\"Oslo\\"}"}</tool_call>', "Let me add.",
+     [("add", {"a": 1, "s": '}"{'}), ("weather", {"city": "Oslo"})]),  # a string's braces; string arguments whole
+    ('<tool_call>{"arguments": {"a": 1}, "name": "add"}</tool_call>', "", [("add", {"a": 1})]),  # name last: whole
+    ('<tool_call>{"name": "add", "arguments": {"a": 1}}', "", [("add", {"a": 1})]),  # cut at EOS
+    ("Just text with a < and <tool", "Just text with a < and <tool", []),
+    ('So <tool_call>{"name": "nope", "arguments": {}}</tool_call>', 'So <tool_call>{"name": "nope", "arguments": {}}'
+     '</tool_call>', []),  # not a declared tool: text, as the whole answer reads it
+]
+
+
+@pytest.mark.parametrize("size", [1, 4, 1000])
+@pytest.mark.parametrize("text, content, calls", HERMES_STREAMS)
+def test_a_hermes_answer_streams_as_the_deltas_of_its_whole_reading(text: str, content: str,
+                                                                     calls: list[tuple[str, object]],
+                                                                     size: int) -> None:
+    tools = Tools(definitions=[{"type": "function", "function": {"name": name}} for name in sorted(NAMES)])
+    got_content, got_calls, finish, said = _streamed(text, size, tools)
+    assert (got_content, got_calls, finish) == (content, calls, "tool_calls" if calls else "stop")
+    whole = tool_parsers.parse("hermes", text, NAMES)
+    assert [(c.name, json.loads(c.arguments)) for c in whole.calls] == got_calls
+    assert ("tool_parse_error" in said) == (whole.malformed is not None)
+
+
+def test_a_forced_calls_arguments_stream_after_its_name() -> None:
+    tools = Tools(definitions=[{"type": "function", "function": {"name": "add"}}], choice="named", named="add")
+    tools.forced = tools.head("hermes")
+    reader = ToolStream(tools)
+    first = reader.feed('{"a": ')
+    assert first[0]["tool_calls"][0]["function"] == {"name": "add", "arguments": ""}  # the name before any argument
+    assert first[1:] == [{"tool_calls": [{"index": 0, "function": {"arguments": '{"a": '}}]}]
+    assert reader.feed('2}}\n</tool_call>') == [{"tool_calls": [{"index": 0, "function": {"arguments": "2}"}}]}]
+    assert reader.finish("stop") == ([], "tool_calls", {})
