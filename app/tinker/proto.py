@@ -13,6 +13,7 @@ import importlib.util
 import math
 import sys
 from array import array
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from types import ModuleType
@@ -25,6 +26,7 @@ from gpu_runtime.contract.training_settings import MAX_SOFT_TARGETS
 MODULE_NAME = "signal_tinker_public_pb2"
 # A CSR tensor names its shape: a few bytes could claim a billion empty rows. No model Signal serves has a longer context.
 MAX_CSR_ROWS = 1 << 17  # not under `tinker`: its parent package would have to be imported
+MASK_LOGPROB = -99999.0  # an empty top-k cell, as the SDK reads it (tinker/types/topk_logprobs.py)
 
 
 @cache
@@ -166,16 +168,56 @@ def encode_forward_backward_output(outputs: list[dict[str, list[float]]], metric
     return bytes(message.SerializeToString())
 
 
+@dataclass(frozen=True)
+class SampleExtras:
+    """What a SampleResponse carries beyond the sequences when asked: top-k widths (0: not asked), the prompt's top-k
+    rows (None at a position with none), and target_prompt_logprobs' values with their shape and CSR indices."""
+
+    sample_k: int = 0
+    prompt_k: int = 0
+    topk_prompt: list[list[list[float]] | None] | None = None
+    target_values: list[float] | None = None
+    target_shape: tuple[int, int] = (0, 0)
+    target_csr: tuple[list[int], list[int]] | None = None
+
+
 def encode_sample_response(sequences: list[SampledSequence], prompt_logprobs: list[float | None] | None,
-                           prompt_cache_hit_tokens: int = 0) -> bytes:
-    """The sequences in submit order (sample_sequence_ids), each with its tokens, per-token logprobs and stop
-    reason; prompt logprobs with NaN where undefined (position 0); the prompt's tokens found in the decode cache."""
+                           prompt_cache_hit_tokens: int = 0, extras: SampleExtras = SampleExtras()) -> bytes:
+    """The sequences in submit order (sample_sequence_ids), each with its tokens, per-token logprobs, stop reason and
+    top-k when asked; prompt logprobs with NaN where undefined (position 0); the prompt's tokens found in the decode
+    cache; the prompt's top-k and target logprobs when asked."""
     message = pb().SampleResponse()
     for sequence in sequences:
         reason = pb().STOP_REASON_LENGTH if sequence.stop_reason == "length" else pb().STOP_REASON_STOP
-        message.sequences.add(stop_reason=reason, tokens=_bytes("i", sequence.tokens),
-                              logprobs=_bytes("f", [float(v) for v in sequence.logprobs]))
+        added = message.sequences.add(stop_reason=reason, tokens=_bytes("i", sequence.tokens),
+                                      logprobs=_bytes("f", [float(v) for v in sequence.logprobs]))
+        if extras.sample_k:
+            added.topk_sampled_logprobs.CopyFrom(_topk(list(sequence.topk_logprobs or []), extras.sample_k))
     message.prompt_cache_hit_tokens = prompt_cache_hit_tokens
     if prompt_logprobs is not None:
         message.prompt_logprobs = _bytes("f", [math.nan if v is None else float(v) for v in prompt_logprobs])
+    if extras.prompt_k and extras.topk_prompt is not None:
+        message.topk_prompt_logprobs.CopyFrom(_topk(extras.topk_prompt, extras.prompt_k))
+    if extras.target_values is not None:
+        tensor = message.target_prompt_logprobs
+        tensor.dtype, values = pb().DTYPE_FLOAT32, _bytes("f", extras.target_values)
+        tensor.shape.extend(extras.target_shape)
+        if extras.target_csr is None:
+            tensor.dense = values
+        else:
+            crow, cols = extras.target_csr
+            tensor.sparse_csr.CopyFrom(pb().SparseCsr(values=values, crow_indices=_bytes("q", crow),
+                                                      col_indices=_bytes("q", cols)))
     return bytes(message.SerializeToString())
+
+
+def _topk(rows: list[list[list[float]] | None], k: int) -> Any:
+    """TopkLogprobs: [length, k] int32 ids and float32 logprobs, most likely first; an empty cell (a position with
+    none, or fewer than k) holds the SDK's sentinel (id 0, MASK_LOGPROB)."""
+    ids: list[int] = []
+    logprobs: list[float] = []
+    for row in rows:
+        cells = (row or [])[:k]
+        ids += [int(t) for t, _ in cells] + [0] * (k - len(cells))
+        logprobs += [float(v) for _, v in cells] + [MASK_LOGPROB] * (k - len(cells))
+    return pb().TopkLogprobs(token_ids=_bytes("i", ids), logprobs=_bytes("f", logprobs), k=k, length=len(rows))

@@ -3,6 +3,7 @@ sampler's description, and asample, whose answer is a protobuf SampleResponse (a
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from starlette.requests import Request
@@ -14,7 +15,7 @@ from app.services.sample_shares import held
 from app.services.tinker_futures import PROTO_TYPE, ended
 from app.services.tinker_sessions import sampling_session_id
 from app.tables import User
-from app.tinker import proto, stability
+from app.tinker import prompt_extras, proto, stability
 from app.tinker.endpoint import body, future_answer, services
 from app.tinker.fields import boolean, integer, number, obj, optional_integer, string, token_ids
 from app.tinker.messages import CreateSamplingSessionResponse, GetSamplerResponse, UntypedAPIFuture
@@ -99,7 +100,10 @@ def sample_params(data: dict[str, Any], context_length: int | None) -> SamplePar
         stop=stop, stop_tokens=stop_tokens,
         num_samples=integer(data.get("num_samples", 1), "num_samples", 1, MAX_SAMPLES),
         seed=optional_integer(params, "seed", None, field="sampling_params.seed"),
-        prompt_logprobs=boolean(data, "prompt_logprobs", False), store=False)
+        prompt_logprobs=boolean(data, "prompt_logprobs", False), store=False,
+        # the contract bounds both (0..MAX_TOPK_LOGPROBS) with the rest of the call
+        topk_prompt_logprobs=optional_integer(data, "topk_prompt_logprobs", 0) or 0,
+        topk_sample_logprobs=optional_integer(data, "topk_sample_logprobs", 0) or 0)
 
 
 def room(prompt_length: int, context_length: int | None) -> int:
@@ -115,7 +119,11 @@ async def asample(request: Request, user: User) -> UntypedAPIFuture:
     seq = integer(data.get("seq_id", 0), "seq_id")
     # Bounded before the future's row lists one sequence id per sample (a billion of them took the server down).
     num_samples = integer(data.get("num_samples", 1), "num_samples", 1, MAX_SAMPLES)
-    sample_params(data, None)  # every field's type, before the sampler is looked up or a future made
+    checked = sample_params(data, None)  # every field's type, before the sampler is looked up or a future made
+    prompt = checked.prompt_tokens[0] if checked.prompt_tokens else []
+    prompt_extras.refuse_alt_tokens(data)
+    last_n = prompt_extras.last_n(data, len(prompt), checked.prompt_logprobs)
+    targets = prompt_extras.targets(data, len(prompt))
     sampler = await svc.tinker_sessions.model(user, string(data, "sampling_session_id", "") or "", "sample",
                                               live=True)
     context_length = None
@@ -149,8 +157,16 @@ async def asample(request: Request, user: User) -> UntypedAPIFuture:
                 store.record(user.id, f"{request_id}:{i}", sequence.tokens, sequence.logprobs,
                              sampler.model_path or sampler.base_model)
         prompt_logprobs = result.prompt_logprobs[0] if params.prompt_logprobs and result.prompt_logprobs else None
-        return PROTO_TYPE, proto.encode_sample_response(result.sequences[0], prompt_logprobs,
-                                                        result.prompt_cache_hit_tokens)
+        extras = proto.SampleExtras(sample_k=params.topk_sample_logprobs, prompt_k=params.topk_prompt_logprobs,
+                                    topk_prompt=prompt_extras.keep_last(
+                                        result.topk_prompt_logprobs[0] if result.topk_prompt_logprobs else None, last_n))
+        if targets is not None:  # scored by a forward on the very weights the sample read
+            scored = await svc.runs.forward(user, list(targets.datums(prompt)), run_id=sampler.run_id,
+                                            base_model=base_model, snapshot=snapshot, checkpoint=checkpoint)
+            extras = dataclasses.replace(extras, target_values=targets.values(scored),
+                                         target_shape=(targets.rows, targets.width), target_csr=targets.csr)
+        return PROTO_TYPE, proto.encode_sample_response(result.sequences[0], prompt_extras.keep_last(
+            prompt_logprobs, last_n), result.prompt_cache_hit_tokens, extras)
 
     try:
         row = await svc.tinker.submit(user, ("sample", sampler.id, seq), "Sample", work, samples=num_samples,

@@ -34,8 +34,16 @@ from gpu_runtime.contract.batch_items import (
 )
 from gpu_runtime.contract.json_types import get_list, get_object
 from gpu_runtime.contract.results import RenderedDatum
-from gpu_runtime.contract.training_settings import DATUM_INPUTS, PACKED_KEY, PACKED_TOKENS, RL_LOSSES
+from gpu_runtime.contract.training_settings import (
+    DATUM_INPUTS,
+    MAX_SOFT_TARGETS,
+    PACKED_KEY,
+    PACKED_TOKENS,
+    RL_LOSSES,
+)
 from gpu_runtime.errors import BadInput
+
+IGNORED = -100  # a target id no position predicts: logprob 0, no gradient (torch's ignore_index)
 
 
 @dataclass
@@ -44,6 +52,10 @@ class Datum:
     targets: list[int]
     weights: list[float] | None  # None: every position weighs 1 (RL losses: their mean counts non-zero advantages)
     inputs: dict[str, list[float]] = field(default_factory=dict)  # advantages, logprobs, clip thresholds
+    # cross_entropy's soft targets, (N, K) ids and weights: position i scores Σ_k w[i][k]·logp(ids[i][k]); `targets`
+    # are then IGNORED and `weights` 1 where a position has any weight (the pass adds the weighted sum in their place)
+    soft_targets: list[list[int]] | None = None
+    soft_weights: list[list[float]] | None = None
 
     @property
     def length(self) -> int:
@@ -68,6 +80,8 @@ class Datum:
         inputs: dict[str, list[Any]] = {"target_tokens": list(self.targets)}
         if self.weights is not None:
             inputs["weights"] = list(self.weights)
+        if self.soft_targets is not None and self.soft_weights is not None:
+            inputs.update(target_tokens=[list(r) for r in self.soft_targets], weights=[list(r) for r in self.soft_weights])
         inputs.update({k: list(v) for k, v in sorted(self.inputs.items())})
         return {"model_input": list(self.model_input), "loss_fn_inputs": inputs}
 
@@ -76,14 +90,23 @@ class Datum:
         """A datum as `to_dict` wrote it (a journal record's; engine/journal_records.py upgrades older forms)."""
         # to_dict wrote these lists from typed ones: their items are what the types say.
         inputs = dict(get_object(data, "loss_fn_inputs"))
-        targets, weights = cast(list[int], inputs.pop("target_tokens")), cast("list[float] | None", inputs.pop("weights", None))
-        return cls(list(cast(list[int], get_list(data, "model_input"))), list(targets), weights,
-                   cast(dict[str, list[float]], inputs))
+        targets, weights = cast(list[Any], inputs.pop("target_tokens")), cast("list[Any] | None", inputs.pop("weights", None))
+        model_input = list(cast(list[int], get_list(data, "model_input")))
+        if targets and isinstance(targets[0], list):  # soft targets: K ids and K weights a position
+            return soft(model_input, targets, cast(list[list[float]], weights), cast(dict[str, list[float]], inputs))
+        return cls(model_input, list(targets), weights, cast(dict[str, list[float]], inputs))
 
 
 def shifted(tokens: list[int], weights: list[float], extras: dict[str, list[float]]) -> Datum:
     """Tokens with weights aligned to them as a datum: position i predicts tokens[i + 1], weighted by weights[i + 1]."""
     return Datum(list(tokens[:-1]), list(tokens[1:]), list(weights[1:]), {k: list(v[1:]) for k, v in extras.items()})
+
+
+def soft(model_input: list[int], targets: list[list[int]], weights: list[list[float]],
+         inputs: dict[str, list[float]]) -> Datum:
+    """A datum of (N, K) soft targets: every 1-D target IGNORED, weighing 1 where a position has any weight."""
+    return Datum(model_input, [IGNORED] * len(model_input), [1.0 if any(row) else 0.0 for row in weights], inputs,
+                 [list(r) for r in targets], [list(r) for r in weights])
 
 
 @dataclass
@@ -95,6 +118,8 @@ class Collated:
     counted: torch.Tensor  # [B, T] 1 where a position counts toward the mean of an RL loss
     extras: dict[str, torch.Tensor]  # NaN where a datum lacks the input (a clip threshold: the config's value)
     lengths: list[int]
+    soft_targets: torch.Tensor | None = None  # [B, T, K] ids, IGNORED where a row has none (hard rows, padding)
+    soft_weights: torch.Tensor | None = None  # [B, T, K] fp32, 0 where the id is IGNORED
 
 
 class Renderer:
@@ -241,10 +266,9 @@ class Renderer:
                                field=f"{where}.model_input[{j}]")
         self._token_ids(model_input, f"{where}.model_input")
         targets = inputs["target_tokens"]
-        if isinstance(targets, list) and any(isinstance(t, list) for t in targets):
-            raise BadInput(f"{at}.target_tokens must be 1-D (one target per position), not 2-D",
-                           field=f"{at}.target_tokens")
         n = len(model_input)
+        if isinstance(targets, list) and any(isinstance(t, list) for t in targets):
+            return self._soft_datum(model_input, inputs, at, loss_fn)
         if not isinstance(targets, list) or len(targets) != n:
             got = len(targets) if isinstance(targets, list) else type(targets).__name__
             raise BadInput(f"{at}.target_tokens must be a list as long as model_input ({n}), got {got}",
@@ -257,6 +281,31 @@ class Renderer:
                     raise BadInput(f"{at}.{key} is required for {loss_fn}", field=f"{at}.{key}")
         weights = floats.pop("weights", None)
         return Datum(list(model_input), list(targets), weights, floats)
+
+    def _soft_datum(self, model_input: list[int], inputs: dict[str, Any], at: str, loss_fn: str) -> Datum:
+        """cross_entropy's (N, K) target_tokens with (N, K) weights (a teacher's top-K); no other input goes with them."""
+        n, targets, weights = len(model_input), inputs["target_tokens"], inputs.get("weights")
+        if loss_fn != "cross_entropy":
+            raise BadInput(f"{at}.target_tokens: (N, K) soft targets are cross_entropy's; {loss_fn} takes 1-D",
+                           field=f"{at}.target_tokens")
+        others = sorted(k for k in inputs if k not in ("target_tokens", "weights") and inputs[k] is not None)
+        if others:
+            raise BadInput(f"{at}.{others[0]} does not go with (N, K) soft targets", field=f"{at}.{others[0]}")
+        width = len(targets[0]) if isinstance(targets[0], list) else 0
+        if len(targets) != n or not 1 <= width <= MAX_SOFT_TARGETS or \
+                any(not isinstance(row, list) or len(row) != width for row in targets):
+            raise BadInput(f"{at}.target_tokens must be (N, K) with N = len(model_input) ({n}) and K in "
+                           f"1..{MAX_SOFT_TARGETS}, every row of K ids", field=f"{at}.target_tokens")
+        if not isinstance(weights, list) or len(weights) != n or \
+                any(not isinstance(row, list) or len(row) != width for row in weights):
+            raise BadInput(f"{at}.weights must be (N, K) like target_tokens ({n}, {width})", field=f"{at}.weights")
+        for row in targets:
+            self._token_ids(row, f"{at}.target_tokens")
+        for row in weights:
+            for v in row:
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                    raise BadInput(f"{at}.weights must hold finite numbers, got {v!r}", field=f"{at}.weights")
+        return soft(list(model_input), targets, [[float(v) for v in row] for row in weights], {})
 
     def _token_ids(self, ids: list[Any], where: str) -> None:
         for t in ids:
@@ -294,8 +343,24 @@ def collate(datums: list[Datum], device: torch.device) -> Collated:
     with np.errstate(over="ignore"):  # a finite float64 past fp32's range becomes inf, as torch's cast does
         _fill(datums, extra_names, ids, values)
     ids_d, values_d = _to_device(torch.from_numpy(ids), device), _to_device(torch.from_numpy(values), device)
-    return Collated(ids_d[0], ids_d[1], ids_d[2], values_d[0], values_d[1],
+    data = Collated(ids_d[0], ids_d[1], ids_d[2], values_d[0], values_d[1],
                     {k: values_d[2 + j] for j, k in enumerate(extra_names)}, [d.length for d in datums])
+    if any(d.soft_targets is not None for d in datums):
+        data.soft_targets, data.soft_weights = _soft(datums, width, device)
+    return data
+
+
+def _soft(datums: list[Datum], width: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows' soft targets as [B, T, K] ids and weights, K the widest row's; IGNORED with weight 0 elsewhere."""
+    k = max(len(d.soft_targets[0]) for d in datums if d.soft_targets)
+    ids = np.full((len(datums), width, k), IGNORED, dtype=np.int64)
+    weights = np.zeros((len(datums), width, k), dtype=np.float32)
+    for i, d in enumerate(datums):
+        if d.soft_targets is not None and d.soft_weights is not None:
+            kd = len(d.soft_targets[0])
+            ids[i, :d.length, :kd] = d.soft_targets
+            weights[i, :d.length, :kd] = d.soft_weights
+    return _to_device(torch.from_numpy(ids), device), _to_device(torch.from_numpy(weights), device)
 
 
 def _fill(datums: list[Datum], extra_names: list[str], ids: np.ndarray, values: np.ndarray) -> None:
@@ -330,4 +395,6 @@ def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
 def rows(data: Collated, span: slice) -> Collated:
     """The rows `span` of a collated batch."""
     return Collated(data.input_ids[span], data.attention_mask[span], data.targets[span], data.weights[span],
-                    data.counted[span], {k: v[span] for k, v in data.extras.items()}, data.lengths[span])
+                    data.counted[span], {k: v[span] for k, v in data.extras.items()}, data.lengths[span],
+                    None if data.soft_targets is None else data.soft_targets[span],
+                    None if data.soft_weights is None else data.soft_weights[span])

@@ -28,6 +28,12 @@ def target_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
     return -torch.nn.functional.cross_entropy(flat, targets.reshape(-1), reduction="none").view_as(targets)
 
 
+def soft_target_logprobs(logits: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Σ_k weights[b, t, k]·log p(ids[b, t, k]) [B, T] fp32 from full logits (ids < 0 weigh nothing)."""
+    picked = torch.log_softmax(logits.float(), dim=-1).gather(-1, ids.clamp(min=0))
+    return (picked * torch.where(ids >= 0, weights.float(), 0.0)).sum(-1)
+
+
 def _input(batch: Collated, name: str, like: torch.Tensor) -> torch.Tensor:
     return batch.extras[name].to(like.dtype)
 
@@ -122,5 +128,7 @@ def normaliser(loss_fn: str, datums: list[Datum]) -> float:
     if loss_fn in RL_LOSSES:
         return float(sum(d.num_targets for d in datums))
     with np.errstate(over="ignore"):  # a weight past fp32's range is inf, as in the pass (whose loss is then refused)
-        return math.fsum(float(np.abs(np.asarray(d.weights, dtype=np.float32)).sum(dtype=np.float64))
-                         if d.weights is not None else float(d.length) for d in datums)
+        # a soft datum's weights are its (N, K) ones: the pass multiplies each target's logprob by them
+        return math.fsum(float(np.abs(np.asarray(w, dtype=np.float32)).sum(dtype=np.float64))
+                         if (w := d.soft_weights if d.soft_weights is not None else d.weights) is not None
+                         else float(d.length) for d in datums)

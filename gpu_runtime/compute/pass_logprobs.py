@@ -24,7 +24,7 @@ from torch.utils.checkpoint import checkpoint
 from gpu_runtime.compute.batches import Collated
 from gpu_runtime.compute.lora.layer import MultiLoraLinear, Segment
 from gpu_runtime.compute.loss_head import decoder_hidden, logit_softcap, token_logprobs
-from gpu_runtime.compute.losses import target_logprobs
+from gpu_runtime.compute.losses import soft_target_logprobs, target_logprobs
 
 
 def plain_head(model: nn.Module, segments: list[Segment]) -> tuple[torch.Tensor, torch.Tensor | None, float | None] | None:
@@ -46,15 +46,21 @@ def plain_head(model: nn.Module, segments: list[Segment]) -> tuple[torch.Tensor,
 
 
 def pass_logprobs(model: nn.Module, data: Collated, segments: list[Segment], sharded: bool = False) -> torch.Tensor:
-    """log p(targets[b, t]) [B, T] fp32 for the collated rows, under the routing already set for `segments`."""
+    """log p(targets[b, t]) [B, T] fp32 for the collated rows, under the routing already set for `segments`; a soft
+    row's position holds Σ_k w_k·log p(t_k) instead (its 1-D target is ignored, so the two add without a select)."""
     head = None if sharded else plain_head(model, segments)
     mask = attention_mask(model, data)
     if head is None:
         logits = model(input_ids=data.input_ids, attention_mask=mask).logits
-        return target_logprobs(logits, data.targets)
+        logprobs = target_logprobs(logits, data.targets)
+        if data.soft_targets is None or data.soft_weights is None:
+            return logprobs
+        return logprobs + soft_target_logprobs(logits, data.soft_targets, data.soft_weights)
     weight, bias, softcap = head
     hidden = decoder_hidden(model, data.input_ids, mask)
-    return token_logprobs(hidden, weight, data.targets, bias, softcap=softcap).logprobs
+    out = token_logprobs(hidden, weight, data.targets, bias, softcap=softcap, soft_targets=data.soft_targets,
+                         soft_weights=data.soft_weights)
+    return out.logprobs if out.soft is None else out.logprobs + out.soft
 
 
 def attention_mask(model: nn.Module, data: Collated) -> torch.Tensor | None:

@@ -109,7 +109,8 @@ BAD_ITEMS: list[tuple[Any, str]] = [
     ({"tokens": [1, 2], "weights": [0, 1], "logprobs": [0, 0]}, "batch[0].logprobs"),
     ({"tokens": [1] * 300}, "batch[0]"),  # longer than the context (256)
     # Tinker's datums
-    ({"model_input": [1, 2], "loss_fn_inputs": {"target_tokens": [[2, 3], [3, 4]]}}, "batch[0].loss_fn_inputs.target_tokens"),
+    ({"model_input": [1, 2], "loss_fn_inputs": {"target_tokens": [[2, 3], [3]], "weights": [[1, 0], [1]]}},
+     "batch[0].loss_fn_inputs.target_tokens"),  # ragged soft targets (docs/LOSSES.md)
     ({"model_input": [1, {"type": "image", "data": "AA==", "format": "png"}], "loss_fn_inputs": {"target_tokens": [2, 3]}},
      "batch[0].model_input[1]"),
     ({"model_input": [1, 2], "loss_fn_inputs": {"target_tokens": [2]}}, "batch[0].loss_fn_inputs.target_tokens"),
