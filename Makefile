@@ -75,15 +75,16 @@ test-fast: test-deps install cookbook
 
 # The tests whose queries the database shapes, again on a PostgreSQL the tests start themselves (Debian's
 # postgresql package): one server, a fresh database per module. Left to the SQLite run alone, to keep CI under
-# 30 minutes: the runtime's own tests, the examples and the cookbook recipes (clients of the API), and the
-# dashboard's rendering, phone, accessibility and download tests; the dashboard pages that query (sessions,
-# usage, labels and search, live lists, ownership, compare, keys) run here too.
+# 30 minutes: the runtime's own tests, the SDK's and `/v1`'s (clients of the service layer tests/app covers; `/v1`'s
+# stored responses, a table of their own, run here), the examples and the cookbook recipes, and the dashboard's
+# rendering, phone, accessibility and download tests; the dashboard pages that query (sessions, usage, labels and
+# search, live lists, ownership, compare, keys) run here too.
 PG_WEB := $(addprefix tests/web/,test_sessions.py test_usage.py test_run_labels.py test_runs_live.py test_rules.py \
 	test_compare.py test_keys_page.py)
 test-postgres: TEST_DEPS = postgresql
 test-postgres: test-deps install
-	SIGNAL_TEST_DATABASE=postgres $(PY) -m pytest -q --durations=15 $(XDIST) tests/app tests/sdk tests/faults tests/openai \
-		tests/tinker --ignore=tests/tinker/test_cookbook.py $(PG_WEB)
+	SIGNAL_TEST_DATABASE=postgres $(PY) -m pytest -q --durations=15 $(XDIST) tests/app tests/faults \
+		tests/openai/test_stored_responses.py tests/tinker --ignore=tests/tinker/test_cookbook.py $(PG_WEB)
 
 # The dashboard alone, in Debian's chromium.
 test-web: TEST_DEPS = chromium
