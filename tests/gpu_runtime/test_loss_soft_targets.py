@@ -4,14 +4,11 @@ computed from the model's full logits; and the datum's checks, each naming its f
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 from typing import Any, cast
 
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model
-from transformers import AutoModelForCausalLM
 
 from gpu_runtime.compute.batches import IGNORED, Datum
 from gpu_runtime.compute.loss_head import token_logprobs
@@ -19,7 +16,7 @@ from gpu_runtime.compute.losses import soft_target_logprobs
 from gpu_runtime.contract.training_settings import MAX_SOFT_TARGETS
 from gpu_runtime.engine.engine import Engine
 from gpu_runtime.errors import BadInput
-from tests.gpu_runtime.test_losses import TARGETS, applied_grads, make_engine
+from tests.gpu_runtime.test_losses import applied_grads, make_engine, peft_copy
 from tests.helpers.engine_tools import assert_relatively_close, result_of, submit
 
 K = 3
@@ -51,13 +48,7 @@ def reference(engine: Engine, model: str, run_id: str, batch: list[dict[str, Any
               ) -> tuple[float, dict[str, torch.Tensor], list[list[float]]]:
     """-Σ w·log_softmax(logits).gather(ids) from PEFT's full fp32 logits on the run's weights: the loss as optim_step
     sees it, its LoRA gradients, and each position's Σ_k w_k·log p(t_k)."""
-    base = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
-    peft = get_peft_model(copy.deepcopy(base), LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0))
-    params = dict(peft.named_parameters())
-    state = engine.runs[run_id]
-    with torch.no_grad():
-        for name, param in state.named_parameters().items():
-            params[name.replace(".weight", ".default.weight")].copy_(param)
+    peft, params = peft_copy(engine, model, run_id)
     total, normaliser, per_position = torch.zeros(()), 0.0, []
     for datum in batch:
         ids, w = (torch.tensor(datum["loss_fn_inputs"][k]) for k in ("target_tokens", "weights"))
@@ -68,7 +59,7 @@ def reference(engine: Engine, model: str, run_id: str, batch: list[dict[str, Any
     scaled = total / normaliser if reduction == "mean" else total
     scaled.backward()
     grads = {name: cast(torch.Tensor, params[name.replace(".weight", ".default.weight")].grad).clone()
-             for name in state.named_parameters()}
+             for name in engine.runs[run_id].named_parameters()}
     return float(scaled.detach()), grads, per_position
 
 

@@ -183,16 +183,21 @@ def reference_loss(loss_fn: str, logp: torch.Tensor, inputs: dict[str, Any], con
     return -(per * w).sum(), float((w != 0).sum())
 
 
-def peft_reference(engine: Engine, model: str, run_id: str, loss_fn: str, batch: list[dict[str, Any]],
-                   reduction: str) -> tuple[float, dict[str, torch.Tensor]]:
-    """The loss and LoRA gradients as optim_step will apply them, from PEFT on the run's weights in fp32."""
+def peft_copy(engine: Engine, model: str, run_id: str) -> tuple[Any, dict[str, torch.nn.Parameter]]:
+    """PEFT on `model` in fp32 with the run's LoRA weights copied in: the model and its named parameters."""
     base = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
     peft = get_peft_model(copy.deepcopy(base), LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0))
     params = dict(peft.named_parameters())
-    state = engine.runs[run_id]
     with torch.no_grad():
-        for name, param in state.named_parameters().items():
+        for name, param in engine.runs[run_id].named_parameters().items():
             params[name.replace(".weight", ".default.weight")].copy_(param)
+    return peft, params
+
+
+def peft_reference(engine: Engine, model: str, run_id: str, loss_fn: str, batch: list[dict[str, Any]],
+                   reduction: str) -> tuple[float, dict[str, torch.Tensor]]:
+    """The loss and LoRA gradients as optim_step will apply them, from PEFT on the run's weights in fp32."""
+    peft, params = peft_copy(engine, model, run_id)
     total, normaliser = torch.zeros(()), 0.0
     for datum in batch:
         inputs = datum["loss_fn_inputs"]
@@ -202,7 +207,7 @@ def peft_reference(engine: Engine, model: str, run_id: str, loss_fn: str, batch:
         total, normaliser = total + loss_sum, normaliser + norm
     scaled = total / normaliser if reduction == "mean" else total
     scaled.backward()
-    grads = {name: cast(torch.Tensor, params[name.replace(".weight", ".default.weight")].grad).clone() for name in state.named_parameters()}
+    grads = {name: cast(torch.Tensor, params[name.replace(".weight", ".default.weight")].grad).clone() for name in engine.runs[run_id].named_parameters()}
     return float(scaled.detach()), grads
 
 
