@@ -278,6 +278,19 @@ def local_param_bytes(model: nn.Module) -> int:
     return total
 
 
+def gather_root(model: nn.Module) -> None:
+    """The root's own parameters (embeddings, final norm, head) gathered, as the root's forward gathers them, for a
+    forward of the decoder alone (a decode step). They stay gathered, as after any forward without a backward, on
+    every rank alike (each does this at the same op), until a backward reshards them."""
+    from torch.distributed.fsdp import FSDPModule
+
+    root = cast(FSDPModule, model)
+    # FSDP2 names as its root the first module a forward runs through: the decoder's first layer would be named
+    # (and the root's next forward refused) unless the root is initialised first. Idempotent.
+    root._get_fsdp_state()._lazy_init()
+    root.unshard()
+
+
 def require_grad(module: nn.Module, inputs: Any, output: torch.Tensor) -> torch.Tensor:
     # The embeddings' output takes part in autograd, so backward reaches every layer on every rank (FSDP's gathers
     # in backward must match), even where a rank's rows only touch LoRA matrices in the last layers.
