@@ -9,6 +9,9 @@
   (`split_rows`); each rank computes its chunk (or one row of weight 0), the parts' loss sums and
   normalisers are all-reduced, and each run's gradients of this pass are all-reduced with SUM
   (not AVG: gloo's is unreliable, pytorch#162338) before they join the run's accumulated ones.
+- **Decoding.** Rank 0's decode engine calls the decoder and the head apart; each decoder forward outside a pass
+  has every follower run one on a pad row (`RankGroup.mirror_forwards`), the root's parameters gathered first on
+  every rank (`gather_root`), so the layers' gathers match; a sharded base's decode steps are never graph-captured.
 - **Residency.** `ShardedResidency` is the engine's residency with every change that ranks must mirror
   (a base loaded or unloaded, a run attached or detached) sent to them first.
 """
