@@ -9,7 +9,7 @@ importance-sampling forward_backward over the 32 sequences with the sampler's lo
 baseline batches all 32 sequences in one `generate`, computes the same sampler logprobs (log-softmax of the raw
 logits), and uses the same LoRA, thread count and AdamW. Steps alternate between the sides; the first of each is a
 warm-up. Last line: JSON with the seconds per step of each side and their ratio (baseline / SDK: above 1, the
-service is faster). Target >= 1.0 on CUDA (bench/gpu.sh); on CPU the ratio is reported.
+service is faster). Target >= 1.3 (issue 31, on the CPU with --threads 1).
 """
 
 from __future__ import annotations
@@ -165,14 +165,13 @@ def main() -> None:
     ratio = per_step["baseline"] / per_step["sdk"]
     print(f"\nseconds per RL step: SDK {per_step['sdk']:.2f}, by hand {per_step['baseline']:.2f}; ratio {ratio:.3f}")
     device = str(baseline.device)
-    check = target(ratio, ">=", 1.0, "CUDA target; on CPU reported only")
+    check = target(ratio, ">=", 1.3, "issue 31's target")
     emit({"bench": "rl_step", "model": args.model, "device": device, "steps": args.steps, "prompts": len(PROMPTS),
           "samples": GROUP, "new_tokens": NEW_TOKENS, "lora_r": R,
           "seconds_per_step": {k: round(v, 3) for k, v in per_step.items()},
           "seconds": {k: [round(x, 3) for x in v] for k, v in seconds.items()},
           "ratio_baseline_over_sdk": round(ratio, 3),
-          "targets": {"sdk_vs_by_hand": check} if device.startswith("cuda") else {},
-          "report_only_on_cpu": not device.startswith("cuda")})
+          "targets": {"sdk_vs_by_hand": check}, "all_pass": check["pass"]})
 
 
 if __name__ == "__main__":

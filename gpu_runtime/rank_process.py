@@ -12,14 +12,14 @@ import sys
 import threading
 import traceback
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 
 from gpu_runtime.compute.plan import RunConfig
 from gpu_runtime.compute.ranks import OPS_TIMEOUT, START_TIMEOUT_S, Op, describe_rank
-from gpu_runtime.compute.sharding import PassPlan, RankShard, ShardedRegistry
+from gpu_runtime.compute.sharding import PassPlan, RankShard, ShardedRegistry, gather_root
 from gpu_runtime.compute.training import adamw_step, forward_backward_pass
 from gpu_runtime.contract import RuntimeOptions
 from gpu_runtime.engine.residency import ShardedResidency
@@ -74,10 +74,12 @@ class Follower:
             self.models.unload(key)
 
     def forward(self, key: str) -> None:
+        """Rank 0 runs its decoder outside a pass (a decode step): this rank's part of each gather, on one row."""
         entry = self.pool.bases[key]
         pad = entry.base.tokenizer.pad_token_id or 0
+        gather_root(entry.model)
         with torch.no_grad():
-            entry.model(input_ids=torch.tensor([[pad]], device=self.device))
+            cast(Any, entry.model).get_decoder()(input_ids=torch.tensor([[pad]], device=self.device), use_cache=False)
 
     def fb_pass(self, plan: PassPlan) -> None:
         if "rank_dies" in self.faults:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 
 from gpu_runtime.compute.decode.engine import DecodeEngine, DecodeSettings, Handle
 from gpu_runtime.compute.decode.slot_cache import DEFAULT_MEMORY_FRACTION, SlotCache, kv_shape
@@ -143,8 +144,9 @@ class BaseDecoder:
 
         self.engine = None  # the old cache's memory goes first
         cache = SlotCache(self.entry.model.config, length, slots=wanted, dtype=self.dtype, device=self.device)
+        sharded = isinstance(self.entry.model, FSDPModule)  # its forwards gather from the other ranks: never captured
         self.engine = DecodeEngine(self.entry.model, cache, prefill_tokens=self.prefill_tokens, decode=decode,
-                                   routing=self.entry.routing)
+                                   routing=self.entry.routing, graphs=False if sharded else None)
         self.engine.set_adapters(self.keys)
         return True
 

@@ -35,7 +35,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -43,7 +43,7 @@ import torch.distributed as dist
 from gpu_runtime.compute.plan import Outcome, PassPart, RunWeights
 from gpu_runtime.compute.pool import BaseEntry
 from gpu_runtime.compute.quantization import base_key
-from gpu_runtime.compute.sharding import PassPlan, RankShard, local_param_bytes, split_rows
+from gpu_runtime.compute.sharding import PassPlan, RankShard, gather_root, local_param_bytes, split_rows
 from gpu_runtime.compute.training import forward_backward_pass
 from gpu_runtime.contract import RuntimeOptions
 from gpu_runtime.errors import BadInput, WorkerFailed
@@ -251,13 +251,26 @@ class RankGroup:
         return outcomes
 
     def mirror_forwards(self, key: str, model: torch.nn.Module) -> None:
-        """A forward of rank 0's outside a pass (decoding a sample) has every follower run one too, on one row:
-        FSDP gathers each layer from every rank. Prepended, so it goes out before FSDP's own hook gathers."""
+        """Every forward of rank 0's outside a pass has every follower run one too, on one row: FSDP gathers each
+        layer from every rank, in the same order. The decode engine calls the decoder and the head apart (the root's
+        own forward never runs), so the decoder is hooked too, and the root's parameters (embeddings, final norm, head)
+        are gathered before the op's layers, as the root's forward does. Prepended: the op goes out before any gather."""
+        decoder = cast(Any, model).get_decoder()
+        outer = [False]  # inside a root forward outside a pass: its decoder is already mirrored
+
         def mirror(module: torch.nn.Module, args: Any) -> None:
-            if not self.in_pass:
-                self.send("forward", key=key)
+            if self.in_pass or outer[0]:
+                return
+            self.send("forward", key=key)
+            gather_root(model)
+            outer[0] = module is model
+
+        def done(module: torch.nn.Module, args: Any, output: Any) -> None:
+            outer[0] = False
 
         model.register_forward_pre_hook(mirror, prepend=True)
+        model.register_forward_hook(done, always_call=True)
+        decoder.register_forward_pre_hook(mirror, prepend=True)
 
     def report(self, pool: HeldRuns) -> list[dict[str, Any]]:
         """What each rank holds: its shard of each base, and the LoRA and AdamW bytes of the runs it replicates."""

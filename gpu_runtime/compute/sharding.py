@@ -9,6 +9,9 @@
   (`split_rows`); each rank computes its chunk (or one row of weight 0), the parts' loss sums and
   normalisers are all-reduced, and each run's gradients of this pass are all-reduced with SUM
   (not AVG: gloo's is unreliable, pytorch#162338) before they join the run's accumulated ones.
+- **Decoding.** Rank 0's decode engine calls the decoder and the head apart; each decoder forward outside a pass
+  has every follower run one on a pad row (`RankGroup.mirror_forwards`), the root's parameters gathered first on
+  every rank (`gather_root`), so the layers' gathers match; a sharded base's decode steps are never graph-captured.
 - **Residency.** `ShardedResidency` is the engine's residency with every change that ranks must mirror
   (a base loaded or unloaded, a run attached or detached) sent to them first.
 """
@@ -276,6 +279,19 @@ def local_param_bytes(model: nn.Module) -> int:
         local = param.to_local() if hasattr(param, "to_local") else param
         total += local.numel() * local.element_size()
     return total
+
+
+def gather_root(model: nn.Module) -> None:
+    """The root's own parameters (embeddings, final norm, head) gathered, as the root's forward gathers them, for a
+    forward of the decoder alone (a decode step). They stay gathered, as after any forward without a backward, on
+    every rank alike (each does this at the same op), until a backward reshards them."""
+    from torch.distributed.fsdp import FSDPModule
+
+    root = cast(FSDPModule, model)
+    # FSDP2 names as its root the first module a forward runs through: the decoder's first layer would be named
+    # (and the root's next forward refused) unless the root is initialised first. Idempotent.
+    root._get_fsdp_state()._lazy_init()
+    root.unshard()
 
 
 def require_grad(module: nn.Module, inputs: Any, output: torch.Tensor) -> torch.Tensor:
