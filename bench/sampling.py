@@ -99,7 +99,7 @@ def main() -> None:
         peft, tokenizer = peft_model(engine, args.model)
         texts = [SHORT_TEXTS[i % len(SHORT_TEXTS)][: 24 + i % 40] for i in range(rows)]
         prompt_ids = [list(tokenizer(t)["input_ids"]) for t in texts]
-        settings = {"max_tokens": tokens, "temperature": 1.0, "stop": []}
+        settings: dict[str, Any] = {"max_tokens": tokens, "temperature": 1.0, "stop": []}
 
         def one() -> int:
             return generated(pump(engine, [submit(engine, "sample", run_id=runs[0], prompt_tokens=prompt_ids, seed=0,

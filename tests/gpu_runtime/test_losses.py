@@ -207,7 +207,8 @@ def peft_reference(engine: Engine, model: str, run_id: str, loss_fn: str, batch:
         total, normaliser = total + loss_sum, normaliser + norm
     scaled = total / normaliser if reduction == "mean" else total
     scaled.backward()
-    grads = {name: cast(torch.Tensor, params[name.replace(".weight", ".default.weight")].grad).clone() for name in engine.runs[run_id].named_parameters()}
+    grads = {name: cast(torch.Tensor, params[name.replace(".weight", ".default.weight")].grad).clone()
+             for name in engine.runs[run_id].named_parameters()}
     return float(scaled.detach()), grads
 
 
