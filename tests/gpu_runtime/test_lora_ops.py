@@ -268,16 +268,22 @@ def rows_case(dtype: torch.dtype) -> tuple[ops.RowsTable, torch.Tensor, torch.Te
     return table, x.to(dtype), A.to(dtype), B.to(dtype), base.to(dtype)
 
 
-def test_rows_reference_matches_a_per_row_loop() -> None:
-    table, x, A, B, base = rows_case(torch.float32)
+# Scattered rows of a slot (an index), contiguous runs of rows (views), and one adapter for every row (one slice).
+@pytest.mark.parametrize("row_slots", [ROW_SLOTS, [2, 2, 2, -1, 0, 0, 1, -1], [3] * 8])
+def test_rows_reference_matches_a_per_row_loop(row_slots: list[int]) -> None:
+    _, x, A, B, base = rows_case(torch.float32)
+    table = ops.build_rows_table(row_slots, SLOT_RANKS, SLOT_SCALINGS, "cpu")
     got = ops.rows_lora(x, A, B, table, base.clone(), impl="torch")
     expected = base.clone()
-    for row, slot in enumerate(ROW_SLOTS):
+    for row, slot in enumerate(row_slots):
         if slot >= 0:
             r = SLOT_RANKS[slot]
             expected[row] += F.linear(F.linear(x[row], A[slot, :r]), B[slot, :, :r]) * SLOT_SCALINGS[slot]
     assert_close(got, expected, torch.float32, "out")
-    assert torch.equal(got[1], base[1]) and torch.equal(got[5], base[5])  # base-only rows untouched
+    assert_close(ops.lora_expand_rows(ops.reference_shrink_rows(x, A, table), B, table, base.clone(), impl="torch"),
+                 expected, torch.float32, "shrink then expand")
+    for row in (row for row, slot in enumerate(row_slots) if slot < 0):
+        assert torch.equal(got[row], base[row])  # base-only rows untouched
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -55,6 +55,7 @@ from gpu_runtime.compute.lora.ops.reference import (
     reference_backward,
     reference_expand,
     reference_expand_rows,
+    reference_rows_lora,
     reference_segmented_lora,
     reference_shrink,
     reference_shrink_rows,
@@ -84,7 +85,7 @@ __all__ = [
     "KERNEL_DTYPES", "LAUNCH", "Impl", "LoraTable", "RowsTable", "SegmentedLora", "TableSegment", "build_expert_table",
     "build_rows_table", "build_table", "choose", "grouped_expert_lora", "lora_expand", "lora_expand_rows",
     "lora_shrink", "lora_shrink_rows", "reference_backward", "reference_expand", "reference_expand_rows",
-    "reference_segmented_lora", "reference_shrink", "reference_shrink_rows", "rows_lora", "segmented_lora",
+    "reference_rows_lora", "reference_segmented_lora", "reference_shrink", "reference_shrink_rows", "rows_lora", "segmented_lora",
     "triton_installed",
 ]
 
@@ -270,6 +271,9 @@ def rows_lora(x: torch.Tensor, A_slots: torch.Tensor, B_slots: torch.Tensor, tab
               impl: Impl | None = None) -> torch.Tensor:
     """A decode step's LoRA: `out` (the base output, updated in place) plus each row's own adapter delta."""
     impl = impl or choose(x.device, x.dtype)
+    if impl == "torch" and out is not None:
+        _check_rows(x, A_slots, table)
+        return reference_rows_lora(x, A_slots, B_slots, table, out)
     return lora_expand_rows(lora_shrink_rows(x, A_slots, table, impl), B_slots, table, out, impl)
 
 

@@ -58,7 +58,7 @@ def reference_backward(grad: torch.Tensor, x: torch.Tensor, h: torch.Tensor, A_s
 
 def reference_shrink_rows(x: torch.Tensor, A_slots: torch.Tensor, table: RowsTable) -> torch.Tensor:
     h = x.new_zeros(x.shape[0], table.max_rank)
-    for slot, rows in _rows_by_slot(table, x.device).items():
+    for slot, rows in table.slot_rows:
         r = table.host_slot_ranks[slot]
         h[rows, :r] = F.linear(x[rows], A_slots[slot, :r])
     return h
@@ -66,7 +66,7 @@ def reference_shrink_rows(x: torch.Tensor, A_slots: torch.Tensor, table: RowsTab
 
 def reference_expand_rows(h: torch.Tensor, B_slots: torch.Tensor, table: RowsTable, out: torch.Tensor | None = None) -> torch.Tensor:
     delta = h.new_zeros(h.shape[0], B_slots.shape[1])
-    for slot, rows in _rows_by_slot(table, h.device).items():
+    for slot, rows in table.slot_rows:
         r = table.host_slot_ranks[slot]
         delta[rows] = F.linear(h[rows, :r], B_slots[slot, :, :r]) * table.host_slot_scalings[slot]
     if out is None:
@@ -74,12 +74,15 @@ def reference_expand_rows(h: torch.Tensor, B_slots: torch.Tensor, table: RowsTab
     return out.add_(delta.to(out.dtype))
 
 
-def _rows_by_slot(table: RowsTable, device: torch.device) -> dict[int, torch.Tensor]:
-    """Each slot's rows, as an index built on the host (no device read)."""
-    by_slot: dict[int, list[int]] = {}
-    for row, slot in enumerate(table.host_row_slots):
-        if slot >= 0:
-            by_slot.setdefault(slot, []).append(row)
-    return {slot: torch.tensor(rows, device=device) for slot, rows in by_slot.items()}
-
-
+def reference_rows_lora(x: torch.Tensor, A_slots: torch.Tensor, B_slots: torch.Tensor, table: RowsTable,
+                        out: torch.Tensor) -> torch.Tensor:
+    """shrink then expand per slot, added into `out` in place: a slot's contiguous rows as views (one adapter's
+    rows are one slice: two matmuls and an add, no zero-fill, gather or scatter), scattered rows by index."""
+    for slot, rows in table.slot_rows:
+        r, scaling = table.host_slot_ranks[slot], table.host_slot_scalings[slot]
+        delta = F.linear(F.linear(x[rows], A_slots[slot, :r]), B_slots[slot, :, :r]).mul_(scaling).to(out.dtype)
+        if isinstance(rows, slice):
+            out[rows] += delta
+        else:
+            out.index_add_(0, rows, delta)
+    return out

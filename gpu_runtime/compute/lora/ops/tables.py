@@ -118,6 +118,9 @@ class RowsTable:
     host_row_slots: tuple[int, ...]
     host_slot_ranks: tuple[int, ...]
     host_slot_scalings: tuple[float, ...]
+    # Each used slot's rows for the torch path, found once a step rather than per layer: a slice where they are
+    # contiguous (a view, no gather), else an index on the device (from the same one copy).
+    slot_rows: tuple[tuple[int, slice | torch.Tensor], ...] = ()
 
     @property
     def total_rows(self) -> int:
@@ -132,11 +135,27 @@ def build_rows_table(row_slots: Sequence[int], slot_ranks: Sequence[int], slot_s
     if any(not -1 <= s < len(slot_ranks) for s in row_slots):
         raise ValueError(f"row slots must be -1 or below {len(slot_ranks)}")
     t, n = len(row_slots), len(slot_ranks)
-    host = torch.tensor(list(row_slots) + list(slot_ranks) + [0] * n, dtype=torch.int32)
-    host[t + n :] = torch.tensor(list(slot_scalings), dtype=torch.float32).view(torch.int32)
+    by_slot: dict[int, list[int]] = {}
+    for row, slot in enumerate(row_slots):
+        if slot >= 0:
+            by_slot.setdefault(slot, []).append(row)
+    scattered = [rows for rows in by_slot.values() if rows[-1] - rows[0] + 1 != len(rows)]
+    host = torch.tensor(list(row_slots) + list(slot_ranks) + [0] * n + [r for rows in scattered for r in rows],
+                        dtype=torch.int32)
+    host[t + n : t + 2 * n] = torch.tensor(list(slot_scalings), dtype=torch.float32).view(torch.int32)
     packed = _to_device(host, torch.device(device))
-    return RowsTable(row_slots=packed[:t], slot_ranks=packed[t : t + n], slot_scalings=packed[t + n :].view(torch.float32),
+    groups: list[tuple[int, slice | torch.Tensor]] = []
+    at = t + 2 * n
+    for slot, rows in by_slot.items():
+        if rows[-1] - rows[0] + 1 == len(rows):
+            groups.append((slot, slice(rows[0], rows[-1] + 1)))
+        else:
+            groups.append((slot, packed[at : at + len(rows)]))
+            at += len(rows)
+    return RowsTable(row_slots=packed[:t], slot_ranks=packed[t : t + n],
+                     slot_scalings=packed[t + n : t + 2 * n].view(torch.float32),
                      max_rank=max(slot_ranks, default=0), host_row_slots=tuple(row_slots),
-                     host_slot_ranks=tuple(slot_ranks), host_slot_scalings=tuple(float(s) for s in slot_scalings))
+                     host_slot_ranks=tuple(slot_ranks), host_slot_scalings=tuple(float(s) for s in slot_scalings),
+                     slot_rows=tuple(groups))
 
 
