@@ -76,9 +76,15 @@ def optimizer_tick(orders: list[StepOrder]) -> list[float]:
     if flat:  # summed token losses → their mean over all calls: one foreach over every run, a scalar each
         torch._foreach_div_(flat, [order.normaliser for order, group in zip(orders, grads) for _ in group])
     totals = grad_norms(grads)
-    for order, group, total in zip(orders, grads, totals):
-        clip_(group, total, order.settings["grad_clip_norm"] or math.inf)
-    norms: list[float] = torch.stack(totals).tolist() if totals else []  # the tick's one device-to-host copy
+    stacked = torch.stack(totals) if totals else None
+    if stacked is not None and flat:
+        # every run's clip coefficient in one expression, torch's own (`float / tensor` is `reciprocal() * float`)
+        limits = torch.tensor([order.settings["grad_clip_norm"] or math.inf for order in orders], dtype=stacked.dtype)
+        coefficients = torch.clamp((stacked + 1e-6).reciprocal() * limits.to(stacked.device, non_blocking=True), max=1.0)
+        for i, group in enumerate(grads):
+            if group:  # a multiply by exactly 1.0 changes no bit; skipping it would cost a host sync
+                torch._foreach_mul_(group, coefficients[i])
+    norms: list[float] = stacked.tolist() if stacked is not None else []  # the tick's one device-to-host copy
     fused: dict[tuple[float, ...], list[StepOrder]] = {}
     for order, norm in zip(orders, norms):
         if not math.isfinite(norm):
@@ -91,8 +97,9 @@ def optimizer_tick(orders: list[StepOrder]) -> list[float]:
                 order.optimizer.step()
     for together in fused.values():
         _fused_adamw(together)
-    for order in orders:
-        order.optimizer.zero_grad(set_to_none=True)
+    for order in orders:  # what `zero_grad(set_to_none=True)` does, without its per-call profiler scope
+        for param in order.params:
+            param.grad = None
     return norms
 
 
