@@ -9,21 +9,22 @@ from pathlib import Path
 import pytest
 
 from gpu_runtime.client.allocation import (
-    GB,
     ACTIVATION_FIXED_BYTES,
+    GB,
     estimate_bytes,
     estimated_pass_bytes,
     layer_activation_values,
     pass_activation_bytes,
 )
-from gpu_runtime.compute.memory_fit import FIT_FRACTION, layers_to_checkpoint, pass_reserve, resident_budget
+from gpu_runtime.compute.memory_fit import layers_to_checkpoint, pass_reserve, resident_budget
 from gpu_runtime.contract import RuntimeOptions
 from gpu_runtime.contract.runtime_options import RESIDENT_BYTES_UNMEASURED
 from gpu_runtime.engine.engine import Engine
 from gpu_runtime.errors import BadInput
 
 # Llama-3.1-8B: 32 decoder layers, hidden 4096, intermediate 14336, bf16; 16.06 GB of weights
-LLAMA_8B_LAYERS, LLAMA_8B_PER_TOKEN = 32, tuple(2 * v for v in layer_activation_values(4096, 14336))
+LLAMA_8B_LAYERS = 32
+LLAMA_8B_PER_TOKEN = (2 * layer_activation_values(4096, 14336)[0], 2 * layer_activation_values(4096, 14336)[1])
 TOKENS = RuntimeOptions.tick_tokens  # 8192
 
 
