@@ -24,6 +24,8 @@ from typing import Protocol, cast
 
 import torch
 
+from gpu_runtime.compute.lora.ops.tables import to_device
+
 GROWTH_MIN = 4  # slots added at least when a buffer is full; else half again its size (not doubling: 8B-sized slots)
 
 
@@ -145,21 +147,28 @@ class LayerSlots:
         """Before a backward adds into these slots' gradient rows: each trainable owner's `.grad` becomes the view of
         its rows, holding what it held (nothing: zero, after the optimizer cleared it; a tensor put there by a
         restore or a rank's all-reduce: its values)."""
+        cleared: tuple[list[int], list[int]] = ([], [])  # slots whose A or B gradient starts from zero
         with torch.no_grad():
             for slot in slots:
                 owner = self.owners.get(slot)
                 if owner is None:
                     continue
                 A, B, rank = owner
-                for tensor, view in zip((A, B), self._grad_view(slot, rank)):
+                for tensor, view, zeroed in zip((A, B), self._grad_view(slot, rank), cleared):
                     grad = tensor.grad
                     if grad is view or not tensor.requires_grad:
                         continue  # linked already (the usual case): the kernel adds in place
                     if grad is None:
-                        view.zero_()
+                        zeroed.append(slot)
                     elif grad.data_ptr() != view.data_ptr() or grad.stride() != view.stride():
                         view.copy_(grad)
                     tensor.grad = view
+            # after an optimizer step every stepped run's rows start from zero: one fill per buffer, not one per run
+            # (whole slot rows: past a slot's rank they are zero already)
+            for buffer, zeroed in zip((self.grad_A, self.grad_Bt), cleared):
+                if zeroed and buffer is not None:
+                    index = to_device(torch.tensor(zeroed, dtype=torch.long), buffer.device)  # pinned, no sync
+                    buffer.index_fill_(0, index, 0.0)
 
     def _grad_view(self, slot: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
         views = self._grad_views.get(slot)

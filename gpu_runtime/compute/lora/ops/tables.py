@@ -88,7 +88,7 @@ def _validate(segments: Sequence[TableSegment], total_rows: int) -> None:
             raise ValueError(f"segments {a} and {b} overlap")
 
 
-def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     """One host-to-device copy: pinned and non-blocking on CUDA (the caching host allocator keeps the pinned block
     alive until the copy is done), a plain reference elsewhere."""
     if device.type == "cuda":
@@ -110,7 +110,7 @@ def build_table(segments: Iterable[tuple[int, int, int, int, float]], device: to
     host = torch.tensor([s.row_start for s in segs] + [s.row_end for s in segs] + [s.slot for s in segs]
                         + [s.rank for s in segs] + [0] * n + list(slot_rank) + list(slot_rank.values()), dtype=torch.int32)
     host[4 * n : 5 * n] = torch.tensor([s.scaling for s in segs], dtype=torch.float32).view(torch.int32)
-    packed = _to_device(host, torch.device(device))
+    packed = to_device(host, torch.device(device))
     return LoraTable(
         seg_starts=packed[0:n], seg_ends=packed[n : 2 * n], seg_slots=packed[2 * n : 3 * n], seg_ranks=packed[3 * n : 4 * n],
         seg_scalings=packed[4 * n : 5 * n].view(torch.float32), slot_ids=packed[5 * n : 5 * n + u],
@@ -158,7 +158,7 @@ def build_rows_table(row_slots: Sequence[int], slot_ranks: Sequence[int], slot_s
     t, n = len(row_slots), len(slot_ranks)
     host = torch.tensor(list(row_slots) + list(slot_ranks) + [0] * n, dtype=torch.int32)
     host[t + n :] = torch.tensor(list(slot_scalings), dtype=torch.float32).view(torch.int32)
-    packed = _to_device(host, torch.device(device))
+    packed = to_device(host, torch.device(device))
     return RowsTable(row_slots=packed[:t], slot_ranks=packed[t : t + n], slot_scalings=packed[t + n :].view(torch.float32),
                      max_rank=max(slot_ranks, default=0), host_row_slots=tuple(row_slots),
                      host_slot_ranks=tuple(slot_ranks), host_slot_scalings=tuple(float(s) for s in slot_scalings))
