@@ -91,7 +91,8 @@ class Settings(BaseSettings):
                                         description="A sampling group yields to other calls after this long.")
     resident_bytes: int = Field(RuntimeOptions.resident_bytes,
                                 description="Memory for resident runs' LoRA, AdamW and gradients; LRU idle runs are "
-                                "evicted past it.")
+                                "evicted past it. 0: sized each tick from the GPU's free memory, a pass's activations "
+                                "at the token budget set aside (2 GiB on a CPU).")
     resident_runs: int = Field(RuntimeOptions.resident_runs, description="Most runs held in memory at once.")
     snapshot_every_steps: int = Field(RuntimeOptions.snapshot_every_steps,
                                       description="A changed run is snapshotted every N optim_steps…")

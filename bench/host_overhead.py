@@ -65,7 +65,7 @@ def build_micro_model(path: Path) -> str:
 
 def submit(engine: Any, method: str, **params: Any) -> Future:
     future: Future = Future()
-    engine.submit(method, params, future.set_result)
+    engine.submit_message(method, params, future.set_result)
     return future
 
 

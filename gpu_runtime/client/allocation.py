@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from gpu_runtime.contract import LORA_DEFAULTS
+from gpu_runtime.contract import LORA_DEFAULTS, RuntimeOptions
 from gpu_runtime.errors import BadInput
 
 MAX_GPUS = 8  # the most GPUs Modal attaches to one container
@@ -55,6 +55,13 @@ DEFAULT_TARGET_FRACTION = 1 / 3  # share of parameters in LoRA-targeted matrices
 MLP_TARGET_FRACTION = 2 / 3  # the MLP's gate/up/down hold the other two thirds
 VOCAB_ESTIMATE = 150_000  # the unembedding's rows when the catalogue does not say (Qwen's 151,936 is the largest usual)
 PARAMS_PER_HIDDEN_SQUARED = 500  # parameters ≈ 500 × hidden² from 135M to 70B; estimates the hidden size
+# What a pass keeps for backward (compute/memory_fit.py reads these too): a decoder layer ≈ 12·hidden + 4·intermediate
+# values a token (attention's inputs and outputs, the norms, the MLP's gate, up and product), a recomputed one its input.
+ACTIVATION_VALUES_PER_HIDDEN = 12
+ACTIVATION_VALUES_PER_INTERMEDIATE = 4
+BYTES_PER_ACTIVATION = 2  # bf16, the dtype a GPU pass computes in
+PARAMS_PER_LAYER_HIDDEN_SQUARED = 12  # a decoder layer ≈ 12·hidden² parameters (4 in attention, 8 in the MLP)
+PASS_TOKENS = RuntimeOptions.tick_tokens  # the token budget a pass is estimated at: the runtime's default
 
 _BILLION = 1_000_000_000
 
@@ -178,18 +185,47 @@ def lora_parameters(parameters: int, lora_r: int = LORA_DEFAULTS["r"], target_fr
     return layers + int(unembedding) + experts
 
 
+def layer_activation_values(hidden: int, intermediate: int) -> tuple[int, int]:
+    """(values a decoder layer keeps a token for backward, values a recomputed one keeps: its input)."""
+    return ACTIVATION_VALUES_PER_HIDDEN * hidden + ACTIVATION_VALUES_PER_INTERMEDIATE * intermediate, hidden
+
+
+def pass_activation_bytes(layers: int, tokens: int, per_token: tuple[int, int], checkpointed: int = 0) -> int:
+    """Bytes a pass of `tokens` tokens keeps for backward when `checkpointed` of its `layers` decoder layers are
+    recomputed; `per_token`: one layer's (whole, recomputed) bytes a token."""
+    full, kept = per_token
+    return tokens * ((layers - checkpointed) * full + checkpointed * kept)
+
+
+def estimated_pass_bytes(parameters: int, tokens: int = PASS_TOKENS, experts: ExpertShape | None = None) -> int:
+    """The least a pass of `tokens` tokens keeps for backward: every decoder layer recomputed (its input kept, in
+    bf16), the way compute/memory_fit.py checkpoints a pass that would not fit. From the catalogue's shape for a
+    mixture of experts, else from the parameters (hidden ≈ √(parameters / 500), layers ≈ parameters / 12·hidden²)."""
+    if parameters <= 0 or tokens <= 0:
+        return 0
+    if experts is not None:
+        layers, hidden = experts.layers, experts.hidden
+    else:
+        hidden = max(1, round(math.sqrt(parameters / PARAMS_PER_HIDDEN_SQUARED)))
+        layers = max(1, round(parameters / (PARAMS_PER_LAYER_HIDDEN_SQUARED * hidden * hidden)))
+    return pass_activation_bytes(layers, tokens, (0, hidden * BYTES_PER_ACTIVATION), checkpointed=layers)
+
+
 def estimate_bytes(parameters: int, quantization: str | None = None, lora_r: int = LORA_DEFAULTS["r"],
                    target_fraction: float | None = None, gpus: int = 1, runs: int = 1,
-                   targets: LoraTargets = ATTENTION_ONLY) -> int:
+                   targets: LoraTargets = ATTENTION_ONLY, tokens: int = PASS_TOKENS) -> int:
     """GPU memory each of `gpus` GPUs needs for a pool of `runs` LoRA runs: its shard of the base weights (FSDP
     splits them evenly; a MoE model's every expert) + every run's LoRA with its AdamW state (replicated on each GPU;
     the unembedding's [vocab, r] B included when targeted, and on a MoE model every expert's A and B under
-    train_mlp) + an activation margin (by the active parameters)."""
+    train_mlp) + activations: a fixed margin plus the larger of a pass's activations at the token budget `tokens`
+    (its rows split over the GPUs; `estimated_pass_bytes`) and a share of the active weights (the loss head's blocks
+    and the allocator's slack grow with the model)."""
     per_weight = BYTES_PER_WEIGHT[parse_quantization(quantization)]
     weights = parameters * per_weight / gpus  # every expert's weights: all resident
     lora_state = lora_parameters(parameters, lora_r, target_fraction, targets) * LORA_STATE_BYTES * runs
     active = targets.experts.active_parameters if targets.experts else parameters  # what a token computes through
-    activations = active * per_weight / gpus * ACTIVATION_FRACTION + ACTIVATION_FIXED_BYTES
+    pass_bytes = estimated_pass_bytes(parameters, math.ceil(tokens / gpus), targets.experts)
+    activations = max(active * per_weight / gpus * ACTIVATION_FRACTION, pass_bytes) + ACTIVATION_FIXED_BYTES
     return int(weights + lora_state + activations)
 
 

@@ -73,8 +73,9 @@ class LocalCompute:
 
     def optim_tick(self, steps: list[Stepping]) -> list[float]:
         """Every stepping run's AdamW in one optimizer tick (compute/optim_tick.py); their gradient norms, in order."""
-        return optimizer_tick([StepOrder(s.state.parameters(), s.state.optimizer, s.normaliser, s.settings, s.kernel)
-                               for s in steps])
+        # the optimizer's own list: the run's parameters in the same order, without naming them anew each tick
+        return optimizer_tick([StepOrder([p for group in s.state.optimizer.param_groups for p in group["params"]],
+                                         s.state.optimizer, s.normaliser, s.settings, s.kernel) for s in steps])
 
     def drop_grads(self, state: RunWeights) -> None:
         state.optimizer.zero_grad(set_to_none=True)

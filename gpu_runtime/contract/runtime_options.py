@@ -10,6 +10,9 @@ from gpu_runtime.contract.checks import is_int, is_number
 from gpu_runtime.contract.sampling_settings import SamplingSettings
 from gpu_runtime.errors import BadInput
 
+RESIDENT_BYTES_UNMEASURED = 2 * 1024**3  # the resident budget where resident_bytes is 0 and nothing is measured (a CPU)
+ZERO_MEANS_SIZED = frozenset({"resident_bytes"})  # options whose 0 asks the runtime to size them
+
 
 @dataclass(frozen=True)
 class RuntimeOptions:
@@ -24,7 +27,9 @@ class RuntimeOptions:
     max_sample_tokens: int = 32768  # most tokens one sample may generate: its rows x max_tokens
     tick_tokens: int = 8192  # most tokens of forward_backward rows in one co-batched pass
     decode_chunk_seconds: float = 0.25  # a decode group yields to other work after this long
-    resident_bytes: int = 2 * 1024**3  # LoRA + AdamW + gradients of resident runs; LRU idle runs are evicted past it
+    # LoRA + AdamW + gradients of resident runs; LRU idle runs are evicted past it. 0: sized from the device's free
+    # memory each tick, a pass's activations at the token budget set aside (compute/memory_fit.py:resident_budget)
+    resident_bytes: int = 0
     resident_runs: int = 256  # and at most this many runs in memory
     snapshot_every_steps: int = 50  # a run that changed is snapshotted every N optim_steps…
     snapshot_every_seconds: float = 600.0  # …or after this long, whichever comes first
@@ -45,8 +50,9 @@ class RuntimeOptions:
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if not is_number(value) or value <= 0:
-                raise BadInput(f"runtime option {f.name} must be a positive number, got {value!r}", field=f.name)
+            if not is_number(value) or value < 0 or (value == 0 and f.name not in ZERO_MEANS_SIZED):
+                what = "a positive number (or 0: sized by the runtime)" if f.name in ZERO_MEANS_SIZED else "a positive number"
+                raise BadInput(f"runtime option {f.name} must be {what}, got {value!r}", field=f.name)
             if f.type in ("int", int) and not is_int(value):
                 raise BadInput(f"runtime option {f.name} must be an integer, got {value!r}", field=f.name)
 

@@ -388,7 +388,7 @@ class Control:
                                "bytes": r.resident_bytes()} for r in residency.runs.values()],
             "evicted_runs": sorted(residency.evicted),
             "resident_bytes": residency.resident_bytes(),
-            "budget": {"bytes": shared.options.resident_bytes, "runs": shared.options.resident_runs},
+            "budget": {"bytes": residency.budget_bytes(), "runs": shared.options.resident_runs},
             "queue_depth": shared.scheduler.queue_depth_by_user(),
             "calls_refused": dict(shared.scheduler.refused),  # per user, past the bound on calls in flight
             "calls_withdrawn": dict(shared.scheduler.withdrawn),  # per user, by a cancel (deadline, client gone)

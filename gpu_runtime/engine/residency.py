@@ -26,8 +26,10 @@ from gpu_runtime.client.persistence import RunPaths
 from gpu_runtime.compute.hardware import LocalCompute, RankCompute
 from gpu_runtime.compute.host_memory import keep_freed_memory
 from gpu_runtime.compute.lora.wrap import init_lora, linear_module_names, wrap_targets
+from gpu_runtime.compute.memory_fit import activation_bytes_per_token, free_device_bytes, pass_reserve, resident_budget
 from gpu_runtime.compute.models import ModelRegistry
 from gpu_runtime.compute.optimizer import new_adamw
+from gpu_runtime.compute.pass_logprobs import decoder_layers
 from gpu_runtime.compute.pool import BaseEntry, load_base
 from gpu_runtime.compute.quantization import base_key
 from gpu_runtime.compute.ranks import RankGroup
@@ -99,12 +101,26 @@ class Residency:
         snapshots: int = sum(snapshot.resident_bytes() for snapshot in self.snapshots.values())
         return runs + snapshots
 
+    def budget_bytes(self, held: int | None = None) -> int:
+        """The resident budget: `resident_bytes` where set, else sized from the device's free memory with a pass at
+        the token budget set aside (compute/memory_fit.py). `held`: resident_bytes() when the caller has it."""
+        if self.options.resident_bytes:
+            return self.options.resident_bytes
+        free = free_device_bytes(self.models.device)
+        if free is None:
+            return resident_budget(None, 0, 0)
+        reserve = max((pass_reserve(len(decoder_layers(entry.model)), self.options.tick_tokens,
+                                    activation_bytes_per_token(entry.model), free) for entry in self.bases.values()),
+                      default=0)  # one pass at a time: the largest base's
+        return resident_budget(free, self.resident_bytes() if held is None else held, reserve)
+
     def over_budget(self, keep: Callable[[str], bool]) -> list[RunState]:
         """Least recently used runs to evict (never those `keep` names) until the budget holds."""
         victims: list[RunState] = []
         total, count = self.resident_bytes(), len(self.runs)
+        budget = self.budget_bytes(total)
         for state in list(self.runs.values()):
-            if total <= self.options.resident_bytes and count <= self.options.resident_runs:
+            if total <= budget and count <= self.options.resident_runs:
                 break
             if keep(state.run_id):
                 continue

@@ -253,7 +253,7 @@ class Snapshots:
 
     def evict_over_budget(self) -> None:
         """Least recently used idle snapshots go first while the pool is over its resident bytes."""
-        budget = self.residency.options.resident_bytes
+        budget = self.residency.budget_bytes()
         for snapshot in sorted(self.entries.values(), key=lambda s: s.last_used):
             if self.residency.resident_bytes() <= budget:
                 return

@@ -24,6 +24,8 @@ from typing import Protocol, cast
 
 import torch
 
+from gpu_runtime.compute.lora.ops.tables import to_device
+
 GROWTH_MIN = 4  # slots added at least when a buffer is full; else half again its size (not doubling: 8B-sized slots)
 
 
@@ -85,6 +87,9 @@ class LayerSlots:
         self.grad_A: torch.Tensor | None = None
         self.grad_Bt: torch.Tensor | None = None
         self.owners: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}  # slot → (A, B, rank)
+        # slot → its owner's gradient views, made once: `link_grads` runs per layer and pass, and an identity check
+        # is what tells it that a `.grad` is linked already
+        self._grad_views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @property
     def B(self) -> torch.Tensor:
@@ -102,6 +107,7 @@ class LayerSlots:
         """The gradient buffers, (grad_A, grad_B) in A's and B's shapes; made at the first backward."""
         if self.grad_A is None or self.grad_Bt is None:
             self.grad_A, self.grad_Bt = torch.zeros_like(self.A), torch.zeros_like(self.Bt)
+            self._grad_views.clear()
         return self.grad_A, self.grad_Bt.transpose(1, 2)
 
     def views(self, slot: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,6 +134,7 @@ class LayerSlots:
     def clear(self, slot: int) -> None:
         """Free `slot`: its tensors get storage of their own again, and its rows are zero for the next adapter."""
         owner = self.owners.pop(slot, None)
+        self._grad_views.pop(slot, None)
         if owner is not None:
             release(owner[0])
             release(owner[1])
@@ -140,24 +147,35 @@ class LayerSlots:
         """Before a backward adds into these slots' gradient rows: each trainable owner's `.grad` becomes the view of
         its rows, holding what it held (nothing: zero, after the optimizer cleared it; a tensor put there by a
         restore or a rank's all-reduce: its values)."""
-        gA, gB = self.grads()
+        cleared: tuple[list[int], list[int]] = ([], [])  # slots whose A or B gradient starts from zero
         with torch.no_grad():
             for slot in slots:
                 owner = self.owners.get(slot)
                 if owner is None:
                     continue
                 A, B, rank = owner
-                for tensor, view in ((A, gA[slot, :rank]), (B, gB[slot, :, :rank])):
-                    if not tensor.requires_grad:
-                        continue
+                for tensor, view, zeroed in zip((A, B), self._grad_view(slot, rank), cleared):
                     grad = tensor.grad
-                    if grad is not None and grad.data_ptr() == view.data_ptr() and grad.stride() == view.stride():
-                        continue  # linked already: the kernel adds in place
+                    if grad is view or not tensor.requires_grad:
+                        continue  # linked already (the usual case): the kernel adds in place
                     if grad is None:
-                        view.zero_()
-                    else:
+                        zeroed.append(slot)
+                    elif grad.data_ptr() != view.data_ptr() or grad.stride() != view.stride():
                         view.copy_(grad)
                     tensor.grad = view
+            # after an optimizer step every stepped run's rows start from zero: one fill per buffer, not one per run
+            # (whole slot rows: past a slot's rank they are zero already)
+            for buffer, zeroed in zip((self.grad_A, self.grad_Bt), cleared):
+                if zeroed and buffer is not None:
+                    index = to_device(torch.tensor(zeroed, dtype=torch.long), buffer.device)  # pinned, no sync
+                    buffer.index_fill_(0, index, 0.0)
+
+    def _grad_view(self, slot: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        views = self._grad_views.get(slot)
+        if views is None:
+            gA, gB = self.grads()
+            views = self._grad_views[slot] = (gA[slot, :rank], gB[slot, :, :rank])
+        return views
 
     def resize(self, capacity: int, rank: int) -> None:
         """Grow to `capacity` slots of rank `rank`, the owners' tensors (and linked gradients) moved along."""
@@ -168,6 +186,7 @@ class LayerSlots:
         self.A[:slots, :ranks] = old_A
         self.Bt[:slots, :ranks] = old_Bt
         self.grad_A = self.grad_Bt = None
+        self._grad_views.clear()
         if old_gA is not None and old_gBt is not None:
             gA, gBt = torch.zeros_like(self.A), torch.zeros_like(self.Bt)
             gA[:slots, :ranks] = old_gA

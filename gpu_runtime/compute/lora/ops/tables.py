@@ -4,8 +4,9 @@ built once a pass with one host-to-device copy (the layout: ops/__init__.py)."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
-from typing import Literal, NamedTuple
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any, Literal, NamedTuple
 
 import torch
 
@@ -43,10 +44,33 @@ class LoraTable:
     total_rows: int  # T: the pass's rows, base-only ones included
     max_segment_rows: int  # the longest segment: the row-block grid
     segments: tuple[TableSegment, ...]  # host copy: the torch path never reads the device
+    cache: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)  # the torch path's index tensors
 
     @property
     def num_slots(self) -> int:
         return len(self.slot_ids)
+
+    @cached_property
+    def groups(self) -> tuple[SegmentGroup, ...]:
+        """The segments grouped by (rows, rank), in order of first appearance: the torch path's batched matmuls."""
+        grouped: dict[tuple[int, int], list[TableSegment]] = {}
+        for seg in self.segments:
+            grouped.setdefault((seg.row_end - seg.row_start, seg.rank), []).append(seg)
+        return tuple(SegmentGroup(rows, rank, tuple(segs)) for (rows, rank), segs in grouped.items())
+
+
+@dataclass(frozen=True)
+class SegmentGroup:
+    """Segments of equal rows and rank: one batched matmul each way for all of them, whatever runs they are."""
+
+    rows: int
+    rank: int
+    segments: tuple[TableSegment, ...]
+
+    @cached_property
+    def consecutive(self) -> bool:
+        """Whether the segments follow each other with no gap: their rows are then a view [segments, rows, …]."""
+        return all(b.row_start == a.row_end for a, b in zip(self.segments, self.segments[1:]))
 
 
 def _validate(segments: Sequence[TableSegment], total_rows: int) -> None:
@@ -64,7 +88,7 @@ def _validate(segments: Sequence[TableSegment], total_rows: int) -> None:
             raise ValueError(f"segments {a} and {b} overlap")
 
 
-def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     """One host-to-device copy: pinned and non-blocking on CUDA (the caching host allocator keeps the pinned block
     alive until the copy is done), a plain reference elsewhere."""
     if device.type == "cuda":
@@ -86,7 +110,7 @@ def build_table(segments: Iterable[tuple[int, int, int, int, float]], device: to
     host = torch.tensor([s.row_start for s in segs] + [s.row_end for s in segs] + [s.slot for s in segs]
                         + [s.rank for s in segs] + [0] * n + list(slot_rank) + list(slot_rank.values()), dtype=torch.int32)
     host[4 * n : 5 * n] = torch.tensor([s.scaling for s in segs], dtype=torch.float32).view(torch.int32)
-    packed = _to_device(host, torch.device(device))
+    packed = to_device(host, torch.device(device))
     return LoraTable(
         seg_starts=packed[0:n], seg_ends=packed[n : 2 * n], seg_slots=packed[2 * n : 3 * n], seg_ranks=packed[3 * n : 4 * n],
         seg_scalings=packed[4 * n : 5 * n].view(torch.float32), slot_ids=packed[5 * n : 5 * n + u],
@@ -143,7 +167,7 @@ def build_rows_table(row_slots: Sequence[int], slot_ranks: Sequence[int], slot_s
     host = torch.tensor(list(row_slots) + list(slot_ranks) + [0] * n + [r for rows in scattered for r in rows],
                         dtype=torch.int32)
     host[t + n : t + 2 * n] = torch.tensor(list(slot_scalings), dtype=torch.float32).view(torch.int32)
-    packed = _to_device(host, torch.device(device))
+    packed = to_device(host, torch.device(device))
     groups: list[tuple[int, slice | torch.Tensor]] = []
     at = t + 2 * n
     for slot, rows in by_slot.items():
