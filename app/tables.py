@@ -381,6 +381,7 @@ class CallRecord(Base):
     credits: Mapped[float] = mapped_column(Float, default=0.0)  # at the rates when it was recorded
     tokens_in: Mapped[int] = mapped_column(BigInteger, default=0)  # trained (forward_backward), or prompt (sample)
     tokens_out: Mapped[int] = mapped_column(BigInteger, default=0)  # generated (sample)
+    tokens_cached: Mapped[int] = mapped_column(BigInteger, default=0)  # of a sample's prompt tokens, found in the cache
     created_at: Mapped[datetime] = mapped_column(default=utcnow, index=True)
 
 

@@ -140,7 +140,8 @@ class UserResult(Result):
 
 class UsageResult(Result):
     """`usage`: the window's total, by day (newest first) and by run (most compute first); each line has key, label,
-    calls, compute_seconds, gpu_seconds, credits, tokens_trained and tokens_sampled."""
+    calls, compute_seconds, gpu_seconds, credits, tokens_trained, tokens_sampled, tokens_prompted and tokens_cached
+    (of the prompt tokens, those found in the decode cache rather than prefilled again)."""
 
     user_id: str
     days: int

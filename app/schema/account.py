@@ -59,12 +59,17 @@ class UsageLine:
     credits: float = strawberry.field(description="At the rates in force when each call was recorded")
     tokens_trained: int = strawberry.field(description="forwardBackward's weighted target tokens")
     tokens_sampled: int = strawberry.field(description="sample's generated tokens")
+    tokens_prompted: int = strawberry.field(
+        description="sample's prompt tokens, each prompt counted once per sequence made from it")
+    tokens_cached: int = strawberry.field(
+        description="of sample's prompt tokens, those found in the decode cache rather than prefilled again")
 
     @classmethod
     def of(cls, line: usage.Usage) -> UsageLine:
         return cls(key=line.key, label=line.label, calls=line.calls, compute_seconds=line.compute_seconds,
                    gpu_seconds=line.gpu_seconds, credits=line.credits, tokens_trained=line.tokens_trained,
-                   tokens_sampled=line.tokens_sampled)
+                   tokens_sampled=line.tokens_sampled, tokens_prompted=line.tokens_prompted,
+                   tokens_cached=line.tokens_cached)
 
 
 @strawberry.type(description="A user's usage over the last `days` days (UTC, today included)")

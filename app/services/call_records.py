@@ -129,11 +129,12 @@ class CallRecorder:
         seconds = _seconds(result)
         owed = charge(Run(device=caller.device, gpu_config=caller.gpu_config), seconds, self.ledger.rates)
         tokens_in, tokens_out = tokens(result)
+        tokens_cached = result.prompt_cache_hit_tokens if isinstance(result, SampleResult) else 0
         return CallRecord(
             key=key, user_id=caller.user_id, run_id=caller.run.id if caller.run else None, request_id=request_id,
             operation=operation, base_model=caller.base_model, compute_seconds=seconds, device=owed.device,
             gpu_type=owed.gpu_type, gpu_count=owed.gpu_count, gpu_seconds=owed.gpu_seconds, credits=owed.credits,
-            tokens_in=tokens_in, tokens_out=tokens_out, created_at=utcnow())
+            tokens_in=tokens_in, tokens_out=tokens_out, tokens_cached=tokens_cached, created_at=utcnow())
 
 
 def _seconds(result: Result) -> float:

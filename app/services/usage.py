@@ -35,6 +35,8 @@ class Usage:
     credits: float = 0.0
     tokens_trained: int = 0  # forward_backward's weighted target tokens
     tokens_sampled: int = 0  # sample's generated tokens
+    tokens_prompted: int = 0  # sample's prompt tokens (each prompt once per sequence made from it)
+    tokens_cached: int = 0  # of those, found in the decode cache rather than prefilled again
 
 
 @dataclass(frozen=True)
@@ -51,15 +53,17 @@ class UsageReport:
 def _sums() -> list[Any]:
     trained = case((CallRecord.operation == "forward_backward", CallRecord.tokens_in), else_=0)
     sampled = case((CallRecord.operation == "sample", CallRecord.tokens_out), else_=0)
+    prompted = case((CallRecord.operation == "sample", CallRecord.tokens_in), else_=0)
     return [func.count(), func.coalesce(func.sum(CallRecord.compute_seconds), 0.0),
             func.coalesce(func.sum(CallRecord.gpu_seconds), 0.0), func.coalesce(func.sum(CallRecord.credits), 0.0),
-            func.coalesce(func.sum(trained), 0), func.coalesce(func.sum(sampled), 0)]
+            func.coalesce(func.sum(trained), 0), func.coalesce(func.sum(sampled), 0),
+            func.coalesce(func.sum(prompted), 0), func.coalesce(func.sum(CallRecord.tokens_cached), 0)]
 
 
 def _usage(key: Any, label: Any, sums: Any) -> Usage:
-    calls, compute, gpu, credits, trained, sampled = sums
+    calls, compute, gpu, credits, trained, sampled, prompted, cached = sums
     return Usage(str(key or ""), str(label or ""), int(calls), float(compute), float(gpu), float(credits), int(trained),
-                 int(sampled))
+                 int(sampled), int(prompted), int(cached))
 
 
 def _since(days: int) -> datetime:

@@ -45,12 +45,20 @@ def test_usage_adds_up_a_users_calls_and_an_admin_sees_every_user(live_server: L
     run = SignalClient(api_key=key, base_url=live_server.url).create_run(lora_r=4, name="usage run")
     trained = run.forward_backward(batch=BATCH).num_tokens
     run.optim_step()
-    sampled = run.sample(prompts=["Hello"], max_tokens=5, num_samples=2, seed=1)
-    generated = sum(len(sequence["tokens"]) for sequences in sampled.sequences for sequence in sequences)
+    # The same prompt twice: the second call finds all but its last token in the decode cache (its last token's pass
+    # gives the first logits).
+    prompt = "The quick brown fox jumps over the lazy dog. " * 4  # whole blocks of the cache's prefix index
+    samples = [run.sample(prompts=[prompt], max_tokens=5, num_samples=2, seed=seed) for seed in (1, 2)]
+    generated = sum(len(sequence["tokens"]) for sampled in samples for made in sampled.sequences for sequence in made)
+    prompted = sum(len(ids) * len(made) for sampled in samples for ids, made in zip(sampled.prompt_tokens,
+                                                                                   sampled.sequences))
+    cached = sum(sampled.prompt_cache_hit_tokens for sampled in samples)
+    assert samples[1].prompt_cache_hit_tokens == len(samples[1].prompt_tokens[0]) - 1
     seconds = live_server.graphql(RUN, {"id": run.id}, key=key)["data"]["run"]["computeSeconds"]
     assert seconds > 0
-    # calls, compute seconds, GPU-seconds (none on the CPU), credits (the CPU rate is 0), tokens trained and sampled
-    expected = ["3", f"{seconds:.1f}", "0.0", "0.00", f"{trained:,}", f"{generated:,}"]
+    # calls, compute seconds, GPU-seconds (none on the CPU), credits (the CPU rate is 0), tokens trained and sampled,
+    # prompt tokens and those of them found in the cache
+    expected = ["4", f"{seconds:.1f}", "0.0", "0.00", f"{trained:,}", f"{generated:,}", f"{prompted:,}", f"{cached:,}"]
 
     owner = sign_in(live_server, email)
     page = owner.client.get("/usage")
@@ -75,7 +83,7 @@ def test_usage_adds_up_a_users_calls_and_an_admin_sees_every_user(live_server: L
     usage = SignalClient(api_key=key, base_url=live_server.url).usage(days=7)
     assert (usage.days, [line.key for line in usage.by_run], [line.key for line in usage.by_day]) == (7, [run.id], [today])
     assert [[str(line.calls), f"{line.compute_seconds:.1f}", f"{line.gpu_seconds:.1f}", f"{line.credits:.2f}",
-             f"{line.tokens_trained:,}", f"{line.tokens_sampled:,}"]
+             f"{line.tokens_trained:,}", f"{line.tokens_sampled:,}", f"{line.tokens_prompted:,}", f"{line.tokens_cached:,}"]
             for line in (usage.total, usage.by_run[0], usage.by_day[0])] == [expected] * 3
 
     someone = sign_in(live_server)
@@ -125,18 +133,18 @@ def test_gpu_seconds_and_cost_add_up_per_day_and_per_run(live_server: LiveServer
     today, yesterday = now.date().isoformat(), (now - timedelta(days=1)).date().isoformat()
     page = sign_in(live_server, email).client.get("/usage?days=7").text
     # calls, compute s, GPU-s, credits, tokens trained, tokens sampled
-    assert row(page, 'data-usage="total"') == ["Total", "3", "18.8", "18.8", "2.50", "150", "0"]
-    assert row(page, f'data-day="{today}"') == [today, "2", "14.8", "14.8", "2.00", "110", "0"]
-    assert row(page, f'data-day="{yesterday}"') == [yesterday, "1", "4.0", "4.0", "0.50", "40", "0"]
-    assert row(page, f'data-run="{runs["a"]}"') == ["gpu a by day", "2", "16.5", "16.5", "1.75", "140", "0"]
-    assert row(page, f'data-run="{runs["b"]}"') == ["gpu b by day", "1", "2.2", "2.2", "0.75", "10", "0"]
+    assert row(page, 'data-usage="total"') == ["Total", "3", "18.8", "18.8", "2.50", "150", "0", "0", "0"]
+    assert row(page, f'data-day="{today}"') == [today, "2", "14.8", "14.8", "2.00", "110", "0", "0", "0"]
+    assert row(page, f'data-day="{yesterday}"') == [yesterday, "1", "4.0", "4.0", "0.50", "40", "0", "0", "0"]
+    assert row(page, f'data-run="{runs["a"]}"') == ["gpu a by day", "2", "16.5", "16.5", "1.75", "140", "0", "0", "0"]
+    assert row(page, f'data-run="{runs["b"]}"') == ["gpu b by day", "1", "2.2", "2.2", "0.75", "10", "0", "0", "0"]
     # Per run over time: the run's "by day" link narrows every table to that run.
     link = f'/usage?days=7&run={runs["a"]}'
     assert f'href="{link}"' in page
     narrowed = sign_in(live_server, email).client.get(link).text
-    assert row(narrowed, 'data-usage="total"') == ["Total", "2", "16.5", "16.5", "1.75", "140", "0"]
-    assert row(narrowed, f'data-day="{today}"') == [today, "1", "12.5", "12.5", "1.25", "100", "0"]
-    assert row(narrowed, f'data-day="{yesterday}"') == [yesterday, "1", "4.0", "4.0", "0.50", "40", "0"]
+    assert row(narrowed, 'data-usage="total"') == ["Total", "2", "16.5", "16.5", "1.75", "140", "0", "0", "0"]
+    assert row(narrowed, f'data-day="{today}"') == [today, "1", "12.5", "12.5", "1.25", "100", "0", "0", "0"]
+    assert row(narrowed, f'data-day="{yesterday}"') == [yesterday, "1", "4.0", "4.0", "0.50", "40", "0", "0", "0"]
     assert f'data-run="{runs["b"]}"' not in narrowed
 
     usage = live_server.graphql(USAGE, {"days": 7}, key=key)["data"]["usage"]
