@@ -1,22 +1,20 @@
 """The OpenAI Agents SDK's default path (Runner over the Responses API) running one agent with one function tool
 against a live server, on the tiny model under a Hermes tool template (tests/conftest.py's tool_server).
 
-`openai-agents` 0.24 pins websockets<17, which the server's own pin (17.4) conflicts with, so it is not in the dev
-extras: install it beside them (`pip install openai-agents==0.24.0 && pip install --no-deps websockets==17.4`; the
-SDK's default path never imports websockets); without it this module is skipped."""
+`openai-agents` is in the dev extras (it pins websockets<17, so the server pins websockets 16.1)."""
 
 from __future__ import annotations
 
 import asyncio
 from typing import Any
 
+import agents
 import openai
 import pytest
 
 from tests.helpers.live_server import LiveServer
 from tests.openai.test_openai_responses import SCHEMA
 
-agents = pytest.importorskip("agents")
 pytestmark = pytest.mark.timeout(600)
 
 
