@@ -62,7 +62,7 @@ def test_rl_arithmetic_short_run_has_groups_to_learn_from(default_server: LiveSe
     assert [int(s) for s, _, _ in steps] == [1, 2]
     assert all(0.0 <= float(r) <= 1.0 for _, r, _ in steps)
     assert sum(int(g) for _, _, g in steps) > 0, out  # some group's answers differed: a gradient to follow
-    assert "mean reward, first 2 steps:" in out and "5 steps" not in out
+    assert "mean reward, first step:" in out and "last step:" in out and "5 steps" not in out
 
 
 def test_dpo_short_run_moves_the_margin(live_server: LiveServer) -> None:
