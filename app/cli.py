@@ -109,7 +109,7 @@ def runtime_command(settings: Settings, args: argparse.Namespace) -> int:
 
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     client = RuntimeClient(data_dir=str(settings.data_dir), device=settings.device, options=settings.runtime_options(),
-                          allow_downloads=settings.allow_downloads)
+                          allow_downloads=settings.allow_downloads, threads=settings.threads)
     command = client.command(["--socket"])
     sys.stdout.flush()
     os.execve(command[0], command, client.environment())

@@ -6,6 +6,7 @@ Every field here is documented in `.env.example` and the README (a test checks b
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import fields
 from pathlib import Path
@@ -54,6 +55,9 @@ class Settings(BaseSettings):
     backend: str = Field("local", description="GPU runtime: `local` (a worker process on this machine) or `modal` "
                          "(a warm Modal container per pool; needs Modal credentials and `modal deploy -m gpu_runtime.modal_app`).")
     device: str = Field("auto", description="Worker device: auto, cpu, cuda, cuda:N.")
+    threads: int = Field(default_factory=lambda: os.cpu_count() or 1, ge=1, description="CPU threads of the local "
+                         "runtime's torch (torch.set_num_threads); default: this machine's cores. On a machine "
+                         "others share, 1: more threads than free cores makes CPU training many times slower.")
     models_file: Path = Field(resource_dir("config") / "models.yaml", description="The model catalogue.")
     sdk_dir: Path = Field(Path(sys.prefix) / "share" / "signal" / "sdk", description="Where `make install` builds "
                           "the SDK's wheel; the server serves it at /sdk/ and Getting started prints its URL.")

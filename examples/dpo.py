@@ -67,8 +67,12 @@ def main() -> None:
                 weighted.append({"model_input": datums[j]["model_input"], "loss_fn_inputs": inputs})
         run.forward_backward(weighted, loss_fn="cross_entropy", reduction="sum")
         run.optim_step()
-        print(f"step {step + 1}: DPO loss {sum(losses) / len(losses):.4f}, "
-              f"mean margin (chosen minus rejected, vs reference) {sum(margins) / len(margins):.4f}", flush=True)
+        loss, margin = sum(losses) / len(losses), sum(margins) / len(margins)
+        # The dashboard's loss chart is the weighted cross-entropy that carries the gradient, not the DPO loss:
+        # these two are drawn on the run's page as charts of their own.
+        run.log_metrics({"dpo_loss": loss, "dpo_margin": margin})
+        print(f"step {step + 1}: DPO loss {loss:.4f}, "
+              f"mean margin (chosen minus rejected, vs reference) {margin:.4f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -8,8 +8,8 @@ advantages of zero and contributes nothing (accepted, not refused).
     SIGNAL_API_KEY=sk-... .venv/bin/python examples/rl_arithmetic.py            # 30 steps on the default model
     SIGNAL_API_KEY=sk-... .venv/bin/python examples/rl_arithmetic.py --steps 2  # the short version the tests run
 
-It prints each step's mean reward and, at the end, the mean of the first and last five steps; it claims nothing
-about learning.
+It prints each step's mean reward and, at the end, the mean of the first and last five steps
+(fewer in a shorter run, never overlapping); it claims nothing about learning.
 """
 
 from __future__ import annotations
@@ -78,11 +78,12 @@ def main() -> None:
         rewards_per_step.append(sum(rewards) / len(rewards))
         print(f"step {step + 1}: mean reward {rewards_per_step[-1]:.3f}, groups with non-zero advantages {moving}",
               flush=True)
-    edge = min(5, len(rewards_per_step))  # --steps 2 has no five steps to average
-    first, last = rewards_per_step[:edge], rewards_per_step[-edge:]
     print(f"reward curve: {[round(r, 3) for r in rewards_per_step]}")
+    edge = min(5, len(rewards_per_step) // 2)  # the first and last steps averaged never overlap: --steps 2 has one each
     if edge:
-        print(f"mean reward, first {edge} steps: {sum(first) / edge:.3f}; last {edge} steps: {sum(last) / edge:.3f}")
+        first, last = rewards_per_step[:edge], rewards_per_step[-edge:]
+        steps = "step" if edge == 1 else f"{edge} steps"
+        print(f"mean reward, first {steps}: {sum(first) / edge:.3f}; last {steps}: {sum(last) / edge:.3f}")
 
 
 if __name__ == "__main__":

@@ -75,6 +75,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--options", default="{}", help="RuntimeOptions as a JSON object")
     parser.add_argument("--allow-downloads", action="store_true")
+    parser.add_argument("--threads", type=int, default=None, help="torch's CPU threads (SIGNAL_THREADS); "
+                        "default: torch's own")
     parser.add_argument("--socket", action="store_true", help="serve DATA_DIR/runtime.sock to many servers")
     parser.add_argument("--spawned", action="store_true", help="with --socket: started by a server; report "
                         "readiness on stdout, exit when the last client leaves")
@@ -274,6 +276,10 @@ def main(argv: list[str] | None = None) -> int:
     from gpu_runtime.contract import RuntimeOptions
     from gpu_runtime.engine.engine import Engine
 
+    if args.threads:  # before the engine loads anything: a CPU runtime's speed on a shared machine depends on it
+        import torch
+
+        torch.set_num_threads(args.threads)
     faults = {f for f in os.environ.get("SIGNAL_RUNTIME_FAULTS", "").split(",") if f}
     try:
         options = RuntimeOptions.from_dict(json.loads(args.options))

@@ -229,6 +229,13 @@ class RunBase(Owner):
         return self._client._run(Call("DeleteCheckpoint", {"runId": self.id, "checkpointId": str(checkpoint_id)},
                                       "deleteCheckpoint"))
 
+    @answers(int)
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> Any:
+        """Record your own numbers for a step (a DPO loss, a reward): stored with the run's metrics as
+        `user:<name>`, drawn on the run's page. `step` defaults to the run's current step; answers the step."""
+        variables = drop_none({"runId": self.id, "metrics": metrics, "step": step})
+        return self._client._run(Call("LogMetrics", variables, "logMetrics"))
+
     @answers(list[Result])
     def metrics(self, name: str | None = None, limit: int = 1000) -> Any:
         variables = drop_none({"id": self.id, "name": name, "limit": limit})

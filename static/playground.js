@@ -1,6 +1,7 @@
 // The playground (issue 18 §4). The result card the POST answers holds one pane per model compared and names one
 // one-time stream for them all; this opens it, appends each decode chunk's text as it comes, shows each pane's elapsed
-// time and tokens per second. A pane's Cancel (htmx POSTs it) stops that pane's generation on the server, which ends
+// time, its first token's and its tokens per second, counted from its first token (queue and prefill time are not
+// decode speed). The result card is scrolled into view when it arrives. A pane's Cancel (htmx POSTs it) stops that pane's generation on the server, which ends
 // it in the stream with stop reason "cancelled", the other panes going on; "Cancel all" closes the stream, which stops
 // them all (the samples are kept, marked cancelled). The form's max tokens and n are bound together: n x max tokens is at most the
 // server's per-call bound (data-sample-tokens), so the page stops what the server would refuse.
@@ -14,6 +15,7 @@
     const status = box.querySelector("[data-play-status]");
     const elapsedEl = box.querySelector("[data-play-elapsed]");
     const rateEl = box.querySelector("[data-play-rate]");
+    const firstEl = box.querySelector("[data-play-first]");
     const cancelButton = box.querySelector("[data-pane-cancel]");
     if (cancelButton) {
       cancelButton.addEventListener("click", () => { if (streaming()) status.textContent = "Cancelling…"; });
@@ -23,16 +25,29 @@
     }
     const tokens = outputs.map(() => 0);
     const began = performance.now();
+    let firstAt = null; // when the first chunk with tokens came: the rate counts the tokens after it, from then
+    let firstTokens = 0;
     let progress = 0;
     box.dataset.state = "streaming";
     status.textContent = "Generating…";
 
     const streaming = () => box.dataset.state === "streaming";
     function tick() {
-      const seconds = (performance.now() - began) / 1000;
+      const now = performance.now();
       const total = tokens.reduce((a, b) => a + b, 0);
-      elapsedEl.textContent = seconds.toFixed(1);
-      rateEl.textContent = seconds > 0 ? (total / seconds).toFixed(1) : "0.0";
+      elapsedEl.textContent = ((now - began) / 1000).toFixed(1);
+      box.dataset.elapsedMs = String(Math.round(now - began));
+      if (firstAt === null) return;
+      const decoding = (now - firstAt) / 1000;
+      if (decoding > 0 && total > firstTokens) rateEl.textContent = ((total - firstTokens) / decoding).toFixed(1);
+    }
+    function first(total) {
+      if (firstAt !== null || total === 0) return;
+      firstAt = performance.now();
+      firstTokens = total;
+      box.dataset.firstMs = String(Math.round(firstAt - began));
+      box.dataset.firstTokens = String(total);
+      firstEl.textContent = ((firstAt - began) / 1000).toFixed(1);
     }
     function meta(i, stop) {
       outputs[i].querySelector("[data-play-meta]").textContent =
@@ -56,6 +71,7 @@
           tokens[i] += piece.tokens;
           meta(i, null);
         });
+        first(tokens.reduce((a, b) => a + b, 0));
         progress += 1;
         box.dataset.progress = String(progress);
         tick();
@@ -67,6 +83,7 @@
           tokens[i] = seq.tokens;
           meta(i, seq.stop_reason);
         });
+        first(tokens.reduce((a, b) => a + b, 0)); // all in one answer: its first token came with it, no rate
         if (sequences.some((seq) => seq.stop_reason === "cancelled")) {
           end("cancelled", "Cancelled: kept in the history, marked cancelled");
         } else {
@@ -89,6 +106,8 @@
     const cancel = scope.querySelector("[data-play-cancel]");
     const boxes = [...panes.querySelectorAll(".play-stream")];
     const views = boxes.map(pane);
+    const still = window.matchMedia("(prefers-reduced-motion: reduce)").matches;
+    scope.scrollIntoView({ block: "start", behavior: still ? "auto" : "smooth" }); // below the form: bring it up
     const source = new EventSource(panes.dataset.stream);
     const timer = setInterval(() => views.forEach((view) => view.streaming() && view.tick()), 200);
     all.textContent = boxes.length > 1 ? "Generating in " + boxes.length + " panes…" : "Generating…";

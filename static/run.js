@@ -3,6 +3,7 @@
 // controls applies to all five: the x axis (the forward_backward call, the step, or wall time), smoothing and a log
 // scale; the loss chart also marks where checkpoints were saved and samples made. Every chart zooms (drag across it)
 // with a visible reset, and has a table view of its raw points; the CSV export has every metric row.
+// Metrics the user reports (logMetrics: a DPO loss, a reward) get a chart each, made as their first row comes.
 (function () {
   "use strict";
   const live = document.getElementById("live");
@@ -184,6 +185,33 @@
                   byStep: (cs) => sum(cs, (c) => c.tokens) / sum(cs, (c) => c.tokens / c.throughput) },  // tokens ÷ seconds
   };
 
+  // A user-reported metric (stored as "user:<name>") gets its own chart, drawn like the optimizer's: one value a step.
+  const USER = "user:", userRows = new Map();  // name → [{step, t, value}]
+  function addUserChart(name) {
+    const id = "user-" + userRows.size;
+    const card = document.createElement("section");
+    card.className = "card chart-card";
+    card.dataset.metric = USER + name;
+    const head = document.createElement("div");
+    head.className = "card-head";
+    const title = document.createElement("h2");
+    title.textContent = name;
+    const reset = document.createElement("button");
+    Object.assign(reset, { className: "btn small", type: "button", id: id + "-reset", hidden: true, textContent: "Reset zoom" });
+    head.append(title, reset);
+    const host = document.createElement("div");
+    Object.assign(host, { className: "chart small-chart", id: id + "-chart" });
+    host.setAttribute("role", "img");
+    const table = document.createElement("div");
+    Object.assign(table, { className: "table-scroll chart-table", id: id + "-table", tabIndex: 0, hidden: true });
+    card.append(head, host, table);
+    $("user-metric-charts").append(card);
+    userRows.set(name, []);
+    CHARTS[id] = { title: name, rows: "user", name, colour: "190,24,93" };
+    CHARTS[id].view = makeChart(id, 200);
+    if (tableView) CHARTS[id].view.toggle();
+  }
+
   const origin = () => Math.min(calls.length ? calls[0].t : Infinity, optim.length ? optim[0].t : Infinity);
 
   // How many forward_backward calls came before `step` (those its optim_step applied), for each of `steps` (ascending).
@@ -201,11 +229,11 @@
   // A chart's raw points against the axis: [xs, ys], xs ascending.
   function points(chart, axis) {
     const t0 = origin();
-    if (chart.rows === "optim") {
-      const rows = optim.filter((o) => o[chart.field] != null);
+    if (chart.rows === "optim" || chart.rows === "user") {
+      const rows = chart.rows === "user" ? userRows.get(chart.name) : optim.filter((o) => o[chart.field] != null);
       const xs = axis === "step" ? rows.map((o) => o.step) : axis === "time" ? rows.map((o) => o.t - t0)
         : callsBefore(rows.map((o) => o.step));
-      return [xs, rows.map((o) => o[chart.field])];
+      return [xs, rows.map((o) => (chart.rows === "user" ? o.value : o[chart.field]))];
     }
     const numbered = calls.map((c, i) => [i + 1, c]).filter(([, c]) => c[chart.field] != null);
     if (axis === "call") return [numbered.map(([n]) => n), numbered.map(([, c]) => c[chart.field])];
@@ -301,6 +329,10 @@
         const call = byKey.get(key) || {};
         call[row.name === "num_tokens" ? "tokens" : "throughput"] = row.value;
         byKey.set(key, call);
+      } else if (row.name.startsWith(USER)) {
+        const name = row.name.slice(USER.length);
+        if (!userRows.has(name)) addUserChart(name);
+        userRows.get(name).push({ step: row.step, t: row.t, value: row.value });
       } else if (row.name === "grad_norm" || row.name === "learning_rate") {
         let step = optimByKey.get(key);
         if (!step) { step = { step: row.step, t: row.t }; optim.push(step); optimByKey.set(key, step); }

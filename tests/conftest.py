@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -54,6 +54,31 @@ def _test_database(request: pytest.FixtureRequest) -> Iterator[None]:
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("SIGNAL_DATABASE_URL", url)
         yield
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _tinker_sessions_closed() -> Iterator[None]:
+    """Every tinker client session a module opens (a ServiceClient's, in a test or a fixture) is closed when the
+    module ends. An open one keeps its heartbeat task on tinker's event loop thread, which outlives the module's
+    server and, two minutes later, logs "Session heartbeat failed … Tinker is down" every ten seconds until pytest
+    exits. Closing only cancels the tasks (no request), so it may come after the server has stopped."""
+    try:
+        from tinker.lib.internal_client_holder import InternalClientHolder
+    except ImportError:  # the tinker extra is not installed: no test here opens a session
+        yield
+        return
+    opened: list[InternalClientHolder] = []
+    init = InternalClientHolder.__init__
+
+    def recorded(self: InternalClientHolder, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        opened.append(self)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(InternalClientHolder, "__init__", recorded)
+        yield
+    for holder in opened:
+        holder.close()  # idempotent: a client the test closed itself is left as it is
 
 
 @pytest.fixture

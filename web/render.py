@@ -74,7 +74,9 @@ def page(request: Request, name: str, status_code: int = 200, **context: Any) ->
     context.setdefault("user", None)
     settings = services(request).settings
     base = {"request": request, "csrf": csrf_token(request), "public_url": settings.resolved_public_url,
-            "supabase": services(request).supabase is not None, "path": request.url.path}
+            "supabase": services(request).supabase is not None, "path": request.url.path,
+            # whether a run's asked-for allocation is what it trains on (Modal) or moot (the local runtime's one device)
+            "allocates": services(request).backend.allocates}
     return templates.TemplateResponse(request, name, {**base, **context}, status_code=status_code)
 
 

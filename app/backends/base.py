@@ -15,6 +15,8 @@ Progress = Callable[[SampleChunk], None]
 
 class Backend(Protocol):
     shares_disk: bool  # whether the runtime's files are on this server's disk (Modal's are on its Volume)
+    label: str  # the backend in words, as the admin page names it
+    allocates: bool  # whether a run's gpu_config picks the hardware it trains on (the local runtime has one device)
 
     @property
     def ready(self) -> bool: ...  # the runtime answers calls (until then they wait)

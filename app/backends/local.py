@@ -33,6 +33,8 @@ log = logging.getLogger("signal.backend")
 
 class LocalBackend:
     shares_disk = True
+    label = "local process"
+    allocates = False  # every run trains on the runtime's one device, whatever allocation it asked for
 
     def __init__(self, settings: Settings) -> None:
         self.client = RuntimeClient(
@@ -42,6 +44,7 @@ class LocalBackend:
             allow_downloads=settings.allow_downloads,
             log_path=str(settings.worker_log) if settings.worker_log else None,
             shared=True,
+            threads=settings.threads,
         )
         self._starting: asyncio.Future[None] | None = None
         self.in_flight = 0  # calls taken and not yet answered (waiting for the runtime to start included)

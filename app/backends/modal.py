@@ -60,6 +60,8 @@ def pool_gpu(pool: str) -> str:
 
 class ModalBackend:
     shares_disk = False  # run files live on the Volume: archives come through the runtime
+    label = "Modal"
+    allocates = True  # a run's pool is a container with the GPUs its gpu_config names
 
     def __init__(self, settings: Settings, lookup: Callable[[], Any] | None = None, local: bool = False) -> None:
         if lookup is None:

@@ -206,6 +206,13 @@ class Mutation:
         await info.context.services.runs.delete_checkpoint(user, str(run_id), str(checkpoint_id))
         return True
 
+    @strawberry.mutation(description="Record your own metrics for a step (a DPO loss, a reward): `metrics` is an "
+                         "object of name: number, stored with the run's metrics as `user:<name>` and drawn on its "
+                         "page; `step` defaults to the run's current step. Answers the step.")
+    async def log_metrics(self, info: Info, run_id: strawberry.ID, metrics: JSON, step: int | None = None) -> int:
+        user = await info.context.user()
+        return await info.context.services.runs.log_metrics(user, str(run_id), metrics, step)
+
     @strawberry.mutation(description="Rename a run, set its tags (all of them) or its note; an argument left out "
                          "keeps its value")
     async def update_run(self, info: Info, run_id: strawberry.ID, name: str | None = None,

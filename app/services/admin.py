@@ -61,6 +61,7 @@ class PoolReport:
     name: str
     error: str = ""  # the pool did not answer
     device: str = ""
+    threads: int | None = None  # torch's CPU threads in the runtime, as it reports them (SIGNAL_THREADS)
     bases: list[dict[str, Any]] = field(default_factory=list)  # the runtime's, each with its catalogue "model" added
     queue: list[tuple[str, int, int]] = field(default_factory=list)  # (owner's email, calls queued, calls refused)
     ticks: list[Tick] = field(default_factory=list)  # oldest first
@@ -115,7 +116,7 @@ class AdminService:
         for key in keys:
             keys_of[key.user_id] = keys_of.get(key.user_id, 0) + 1
         view = AdminView(
-            backend=type(self.backend).__name__,
+            backend=self.backend.label,
             worker_pid=getattr(getattr(self.backend, "client", None), "pid", None),
             users=[UserLine(user, int(runs_of.get(user.id, 0)), keys_of.get(user.id, 0)) for user in users],
             keys=[KeyLine(key, email.get(key.user_id, key.user_id)) for key in keys],
@@ -179,7 +180,7 @@ def _pool(name: str, answer: dict[str, Any], email: dict[str, str], models: dict
     refused = answer.get("calls_refused", {})
     queued = answer.get("queue_depth", {})
     return PoolReport(
-        name, device=str(answer.get("device", "")), bases=[_base(base, models) for base in answer["bases"]],
+        name, device=str(answer.get("device", "")), threads=answer.get("threads"), bases=[_base(base, models) for base in answer["bases"]],
         queue=[(email.get(user, user), int(queued.get(user, 0)), int(refused.get(user, 0)))
                for user in sorted({*queued, *refused}, key=lambda u: email.get(u, u))],
         ticks=[Tick(int(t["number"]), int(t["fb_rows"]) + int(t["decode_rows"]),

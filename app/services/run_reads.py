@@ -4,6 +4,8 @@ labelling. Nothing here calls the runtime."""
 from __future__ import annotations
 
 import builtins
+import math
+import re
 from datetime import UTC, datetime
 from typing import Any
 
@@ -13,6 +15,26 @@ from app.errors import BadInput
 from app.services.run_calls import RunCalls
 from app.services.run_specs import RUN_SORTS, RunLabels, search_clause
 from app.tables import BaseSample, Checkpoint, Metric, Run, Sample, User, utcnow
+
+USER_METRIC = "user:"  # a user-reported metric's prefix in `metrics.name`: apart from the runtime's (loss, grad_norm)
+MAX_USER_METRICS = 32  # names in one logMetrics call
+USER_METRIC_NAME = re.compile(r"[A-Za-z0-9_.\-/]{1,59}")  # 59: the column's 64 less the prefix
+
+
+def check_user_metrics(values: object) -> dict[str, float]:
+    """Each name a short identifier, each value a finite number; BAD_INPUT names `metrics.<name>`."""
+    if not isinstance(values, dict) or not values:
+        raise BadInput("metrics must be a non-empty object of name: number", field="metrics")
+    if len(values) > MAX_USER_METRICS:
+        raise BadInput(f"{len(values)} metrics in one call; at most {MAX_USER_METRICS}", field="metrics")
+    checked: dict[str, float] = {}
+    for name, value in values.items():
+        if not USER_METRIC_NAME.fullmatch(str(name)):
+            raise BadInput(f"metric name {name!r} must be 1-59 letters, digits or _ . - /", field=f"metrics.{name}")
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            raise BadInput(f"metric {name} must be a finite number, got {value!r}", field=f"metrics.{name}")
+        checked[str(name)] = float(value)
+    return checked
 
 MAX_METRICS_LIMIT = 10_000  # most metric rows one read returns (a run's curve; the dashboard asks for 1,000)
 
@@ -58,6 +80,20 @@ class RunReads:
                 await session.execute(update(Run).where(Run.id == run.id)
                                       .values(archived_at=utcnow() if archived else None))
         return await self.calls.get(user, run.id)
+
+    async def log_metrics(self, user: User, run_id: str, values: object, step: int | None = None) -> int:
+        """The user's own numbers for a step (a DPO loss, a reward), stored with the run's metrics under
+        `user:<name>` and drawn on its page; `step` defaults to the run's current step. Answers the step."""
+        run = await self.get(user, run_id)
+        checked = check_user_metrics(values)
+        if step is None:
+            step = run.step
+        elif step < 0:
+            raise BadInput(f"step must be 0 or more, got {step}", field="step")
+        async with self.db.session() as session:
+            await self._metrics(session, run.id, step, {USER_METRIC + name: value for name, value in checked.items()})
+        self.feed.written(run.id)
+        return step
 
     async def label(self, user: User, run_id: str, labels: RunLabels) -> Run:
         """Rename a run, set its tags or its note; another user's run is not found."""

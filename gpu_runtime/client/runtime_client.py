@@ -48,6 +48,7 @@ class RuntimeClient:
         start_timeout: float = 300.0,
         stop_timeout: float = 30.0,
         shared: bool = False,
+        threads: int | None = None,
     ) -> None:
         self.data_dir = str(Path(data_dir).resolve())  # the runtime may not share our working directory
         self.device = device
@@ -59,6 +60,7 @@ class RuntimeClient:
         self.start_timeout = start_timeout
         self.stop_timeout = stop_timeout
         self.shared = shared  # the data directory's runtime on its socket, not a child of our own
+        self.threads = threads  # torch's CPU threads in the runtime; None: torch's own default
         self._process: subprocess.Popen[bytes] | RuntimeConnection | None = None
         self._spawned: list[subprocess.Popen[bytes]] = []  # detached runtimes we started, reaped once they exit
         # request id → (method, its future, the process it was sent to: only that one's death fails it, the call's key)
@@ -207,6 +209,7 @@ class RuntimeClient:
     def command(self, extra: list[str] | None = None) -> list[str]:
         command = [self.python, "-m", "gpu_runtime.runtime_process", "--data-dir", self.data_dir, "--device", self.device]
         command += ["--options", encode(self.options.to_dict()).decode().strip()]
+        command += ["--threads", str(self.threads)] if self.threads else []
         return command + (["--allow-downloads"] if self.allow_downloads else []) + (extra or [])
 
     def environment(self) -> dict[str, str]:

@@ -380,6 +380,7 @@ class Control:
         shared, residency, totals = self.shared, self.shared.residency, self.shared.totals
         return {
             "device": str(shared.device),
+            "threads": torch.get_num_threads(),  # what torch uses now (SIGNAL_THREADS), not what was asked
             "bases": [{"name": name, "params": e.params, "quantization": e.quantization,
                        "resident_runs": sum(r.base_key == name for r in residency.runs.values())}
                       for name, e in residency.bases.items()],

@@ -14,14 +14,16 @@ from pathlib import Path
 import pytest
 
 from app.settings import Settings
+from rewardsignal import SignalClient
 from tests.helpers.live_server import LiveServer, free_port
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
-def run_example(server: LiveServer, name: str, *args: str) -> str:
-    """Its output, once it has said which run it trained, at which page URL, under the name it gave that run."""
-    key = server.new_user()
+def run_example(server: LiveServer, name: str, *args: str, key: str | None = None) -> str:
+    """Its output, once it has said which run it trained, at which page URL, under the name it gave that run. `key`:
+    the user it runs as (a fresh one if None)."""
+    key = key or server.new_user()
     # PYTHONPATH: this checkout's SDK, whichever checkout the test venv's editable install points at.
     env = {**os.environ, "SIGNAL_API_KEY": key, "SIGNAL_BASE_URL": server.url, "PYTHONPATH": str(EXAMPLES.parent)}
     result = subprocess.run([sys.executable, str(EXAMPLES / name), *args], env=env, capture_output=True, text=True,
@@ -62,11 +64,13 @@ def test_rl_arithmetic_short_run_has_groups_to_learn_from(default_server: LiveSe
     assert [int(s) for s, _, _ in steps] == [1, 2]
     assert all(0.0 <= float(r) <= 1.0 for _, r, _ in steps)
     assert sum(int(g) for _, _, g in steps) > 0, out  # some group's answers differed: a gradient to follow
-    assert "mean reward, first 2 steps:" in out and "5 steps" not in out
+    assert "mean reward, first step:" in out and "last step:" in out and "5 steps" not in out
 
 
 def test_dpo_short_run_moves_the_margin(live_server: LiveServer) -> None:
-    out = run_example(live_server, "dpo.py", "--steps", "2", "--base-model", "tiny-llama", "--learning-rate", "5e-2")
+    key = live_server.new_user()
+    out = run_example(live_server, "dpo.py", "--steps", "2", "--base-model", "tiny-llama", "--learning-rate", "5e-2",
+                      key=key)
     steps = [(float(loss), float(margin)) for loss, margin in
              re.findall(r"step \d+: DPO loss ([\d.]+), mean margin \(chosen minus rejected, vs reference\) (-?[\d.]+)",
                         out)]
@@ -74,6 +78,12 @@ def test_dpo_short_run_moves_the_margin(live_server: LiveServer) -> None:
     # Step 1 runs before any update: the policy is the base, so the margin is 0 and the loss is log 2.
     assert steps[0][1] == pytest.approx(0.0, abs=1e-4) and steps[0][0] == pytest.approx(0.6931, abs=1e-3)
     assert steps[1][1] > steps[0][1]  # one DPO step pushed chosen answers up relative to rejected ones
+    # The printed DPO loss and margin are the run's own metrics too, one per step, which its page draws.
+    run = SignalClient(api_key=key, base_url=live_server.url).list_runs()[0]
+    for column, name in enumerate(("dpo_loss", "dpo_margin")):
+        rows = run.metrics(name=f"user:{name}")
+        assert [row["step"] for row in rows] == [1, 2]
+        assert [row["value"] for row in rows] == pytest.approx([loss_margin[column] for loss_margin in steps], abs=1e-4)
 
 
 def test_sft_chat_short_run_trains_on_assistant_turns(live_server: LiveServer) -> None:

@@ -5,7 +5,9 @@ is tested with the other ways a session ends (tests/web/test_sessions.py)."""
 
 from __future__ import annotations
 
+import os
 import re
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -18,11 +20,20 @@ from sqlalchemy import update
 from app.db import Database
 from app.tables import Run
 from rewardsignal import SignalClient
-from tests.helpers.live_server import TINY_MODEL, LiveServer
+from tests.helpers.live_server import TINY_MODEL, LiveServer, settings_for
 from tests.web.conftest import Visitor, api_key_for, mint_login_link, run_async, sign_in
 
 BATCH = [{"input": "The quick brown fox", "output": " jumps over the lazy dog."}]
 RESIDENCY = {"resident": "in memory", "evicted": "evicted to disk", "": "not loaded"}
+THREADS = (os.cpu_count() or 1) + 1  # not the default (the cores), so the runtime's report shows the setting took
+
+
+@pytest.fixture(scope="module")
+def live_server(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    """The conftest's server, its runtime started with SIGNAL_THREADS."""
+    server = LiveServer.start(settings_for(tmp_path_factory.mktemp("admin-data"), tiny_model_dir, threads=THREADS))
+    yield server
+    server.stop()
 
 
 def row(html: str, attribute: str, value: str) -> str:
@@ -153,6 +164,27 @@ def test_the_ticks_chart_draws_the_runtimes_recent_ticks(browser: Browser, live_
         page.wait_for_selector(f'.ticks-chart[data-points="{table_rows}"] canvas')
         assert "rows" in chart.locator(".u-legend").inner_text() and "seconds" in chart.locator(".u-legend").inner_text()
         assert errors == []
+    finally:
+        context.close()
+
+
+def test_the_runtime_card_fits_at_1280_px_and_names_backend_and_threads_in_words(browser: Browser,
+                                                                                    live_server: LiveServer) -> None:
+    client = SignalClient(api_key=api_key_for(live_server, "fits@example.com"), base_url=live_server.url)
+    client.create_run(lora_r=4).forward_backward(batch=BATCH)  # a base loaded: the table has its row
+    context = browser.new_context(viewport={"width": 1280, "height": 800})
+    try:
+        page = context.new_page()
+        page.goto(mint_login_link(live_server, "chief@example.com", is_admin=True))
+        page.wait_for_url("**/runs")
+        page.goto(f"{live_server.url}/admin")
+        assert page.locator(".stat").filter(has_text="Backend").locator(".stat-value").inner_text() == "local process"
+        # The runtime's own torch.get_num_threads(), in its runtime_state answer: the setting reached its process.
+        assert page.locator('[data-cell="device"]').inner_text() == f"on cpu, {THREADS} threads"
+        widths = page.locator(".runtime-pool .table-scroll").first.evaluate(
+            "el => [el.scrollWidth, el.clientWidth, el.closest('.card').getBoundingClientRect().right, innerWidth]")
+        scroll_width, client_width, card_right, viewport = widths
+        assert scroll_width <= client_width and card_right <= viewport, widths  # nothing clipped, nothing to scroll
     finally:
         context.close()
 

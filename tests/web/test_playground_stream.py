@@ -50,7 +50,7 @@ def play(browser: Browser, streaming_server: LiveServer,
     key = api_key_for(streaming_server, email)
     base = getattr(request, "param", TINY_MODEL)
     run_id = SignalClient(api_key=key, base_url=streaming_server.url).create_run(base_model=base, lora_r=4).id
-    context = browser.new_context(viewport={"width": 1280, "height": 860})
+    context = browser.new_context(viewport={"width": 1280, "height": 800})  # the laptop screen
     page = context.new_page()
     errors: list[str] = []
     page.on("pageerror", lambda error: errors.append(str(error)))
@@ -79,7 +79,11 @@ def decode_groups(server: LiveServer, admin: str) -> list[dict[str, Any]]:
 @pytest.mark.parametrize("play", [LONG_TINY_MODEL], indirect=True)
 def test_tokens_arrive_in_progress_events_before_the_end(play: tuple[Page, str, str]) -> None:
     page, _, _ = play
+    result_top = "document.querySelector('#play-result').getBoundingClientRect().top"
+    assert page.evaluate(result_top) > 700  # at the screen's bottom edge, its outputs below the fold, until a sample
     start(page, AT_LEAST)
+    # Scrolled to the result (as far as the page's end lets it come): its head, stats and first lines in view.
+    page.wait_for_function(f"() => {{ const top = {result_top}; return scrollY > 0 && top >= 0 && top < innerHeight - 300; }}")
     box = page.locator(".play-stream")
     expect(box).to_have_attribute("data-state", "done")
     log = page.evaluate("window.playLog")
@@ -91,7 +95,14 @@ def test_tokens_arrive_in_progress_events_before_the_end(play: tuple[Page, str, 
     assert 0 < tokens <= AT_LEAST and "stopped: " in meta
     assert page.locator(".output .output-text").inner_text()  # the whole answer is shown
     assert float(page.locator("[data-play-elapsed]").inner_text()) > 0
-    assert float(page.locator("[data-play-rate]").inner_text()) > 0
+    # Tokens per second from the first token on: the tokens after the first chunk over the time since it came, so
+    # the time the call waited in the queue and its prefill do not count as decoding.
+    numbers = {name: int(box.get_attribute(f"data-{name}") or "0") for name in ("elapsed-ms", "first-ms", "first-tokens")}
+    assert 0 < numbers["first-ms"] < numbers["elapsed-ms"] and 0 < numbers["first-tokens"] < tokens, numbers
+    decoding_s = (numbers["elapsed-ms"] - numbers["first-ms"]) / 1000
+    rate = float(page.locator("[data-play-rate]").inner_text())
+    assert rate == pytest.approx((tokens - numbers["first-tokens"]) / decoding_s, abs=0.051), (rate, numbers, tokens)
+    assert float(page.locator("[data-play-first]").inner_text()) == pytest.approx(numbers["first-ms"] / 1000, abs=0.051)
 
 
 def test_cancel_stops_the_generation_and_keeps_it_cancelled(play: tuple[Page, str, str],
