@@ -15,7 +15,7 @@ from gpu_runtime.contract.json_types import JSONObject, as_json_object, get_list
 
 R = TypeVar("R", bound="Result")
 OMITTED_UNLESS_SET = ("replayed", "hub", "pending_excluded", "prompt_logprobs", "topk_prompt_logprobs", "outputs",
-                      "directory", "piece_ids", "pieces", "eos_token_ids", "tool_format")
+                      "directory")
 
 
 # The fixed shapes inside results, as they cross the wire (plain dicts at run time: to_dict and from_dict are unchanged).
