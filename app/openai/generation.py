@@ -20,16 +20,24 @@ from app.tables import User
 from gpu_runtime.contract import MAX_TOKENS_LIMIT, SampleResult
 
 
-async def prepared(runs: RunService, target: Target, params: CompletionRequest) -> tuple[list[list[int]], SampleParams,
-                                                                                          set[int]]:
-    """The prompts as token ids (chat rendered with the template), the sample's parameters, and the EOS ids."""
+async def prepared(runs: RunService, target: Target, params: CompletionRequest
+                   ) -> tuple[list[list[int]] | None, SampleParams, set[int] | None]:
+    """The prompts as token ids, the sample's parameters, and the EOS ids. A chat's prompt ids and EOS ids are None:
+    the runtime renders its messages in the sample call itself, and its result says both (one round trip)."""
     run, base = target.run, target.base_model
     prompt_param = "messages" if params.chat else "prompt"
+    pieces = "stopped" if params.logprobs is None and not params.echo else "all"
+    if params.chat:
+        try:
+            prefill = await tool_answers.forced_opening(runs, run, params, base)
+        except SignalError as error:
+            raise from_signal(error, prompt_param) from None
+        return None, SampleParams(
+            messages=params.messages, tools=params.tools.definitions or None, prefill=prefill, history=params.history,
+            max_tokens=params.max_tokens or MAX_TOKENS_LIMIT, fit_context=not params.max_tokens,
+            pieces=pieces, **_settings(params)), None
     try:
-        if params.chat:
-            rendered = await tool_answers.render(runs, run, params, base)
-            prompt_ids = [rendered.prompt_tokens or []]  # messages given: never None
-        elif params.prompts and isinstance(params.prompts[0], str):
+        if params.prompts and isinstance(params.prompts[0], str):
             rendered = await runs.render_chat(run, prompts=[str(p) for p in params.prompts], base_model=base)
             prompt_ids = rendered.prompts_tokens or []  # prompts given: never None
         else:
@@ -41,13 +49,17 @@ async def prepared(runs: RunService, target: Target, params: CompletionRequest) 
     if room < 1:
         raise bad(prompt_param, f"the prompt is {max(len(ids) for ids in prompt_ids)} tokens; the model's context "
                                 f"is {rendered.context_length}")
-    sample = SampleParams(
-        prompt_tokens=prompt_ids, max_tokens=params.max_tokens or min(room, MAX_TOKENS_LIMIT),
-        temperature=params.temperature, top_p=params.top_p, stop=params.stop, num_samples=params.n,
-        seed=params.seed, prompt_logprobs=params.echo and params.logprobs is not None,
-        topk_prompt_logprobs=(params.logprobs or 0) if params.echo else 0,
-        topk_sample_logprobs=params.logprobs or 0, store=params.store)
+    sample = SampleParams(prompt_tokens=prompt_ids, max_tokens=params.max_tokens or min(room, MAX_TOKENS_LIMIT),
+                          pieces=pieces, **_settings(params))
     return prompt_ids, sample, set(rendered.eos_token_ids)
+
+
+def _settings(params: CompletionRequest) -> dict[str, Any]:
+    """The sample's settings /v1 takes as they are (the prompts and max_tokens apart)."""
+    return dict(temperature=params.temperature, top_p=params.top_p, stop=params.stop, num_samples=params.n,
+                seed=params.seed, prompt_logprobs=params.echo and params.logprobs is not None,
+                topk_prompt_logprobs=(params.logprobs or 0) if params.echo else 0,
+                topk_sample_logprobs=params.logprobs or 0, store=params.store)
 
 
 @dataclass
@@ -58,8 +70,8 @@ class Sampling:
     user: User
     target: Target
     params: CompletionRequest
-    prompt_ids: list[list[int]]
-    eos: set[int]
+    prompt_ids: list[list[int]] | None  # None until the runtime says (a chat: its first chunk, or its result)
+    eos: set[int] | None
 
     @property
     def chat(self) -> bool:
@@ -88,25 +100,22 @@ class Sampling:
     def cancel(self, request_id: str) -> Awaitable[None]:
         return self.runs.cancel_sample(self.user, request_id, self.target.run, self.target.base_model)
 
+    def rendered(self, prompt_tokens: list[list[int]] | None, result: SampleResult | None = None) -> list[list[int]]:
+        """The prompts' ids, once the runtime has said them (a chat's: rendered in its sample call)."""
+        if self.prompt_ids is None and prompt_tokens is not None:
+            self.prompt_ids = [list(ids) for ids in prompt_tokens]
+        if self.eos is None and result is not None and result.eos_token_ids is not None:
+            self.eos = set(result.eos_token_ids)
+        assert self.prompt_ids is not None, "a sample's first chunk or result names its prompts"
+        return self.prompt_ids
+
     async def answer(self, result: SampleResult) -> tuple[dict[str, Any], list[answers.Choice]]:
-        """The whole answer's body and its choices (with logprobs or echo, the text of every id, prompt and top-k ones
-        included, from the runtime's tokenizer; else only that of sequences cut at a stop string)."""
-        params, prompt_ids = self.params, self.prompt_ids
-        if params.logprobs is None and not params.echo:  # per-token text only to cut a sequence at its stop string
-            wanted = {t for seq in result.sequences for s in seq if answers.cut_at_stop(s, self.eos)
-                      for t in s.tokens}
-        else:
-            wanted = {t for seq in result.sequences for s in seq for t in s.tokens}
-            wanted |= {t for ids in prompt_ids for t in ids}
-            for seq in result.sequences:
-                for s in seq:
-                    wanted |= {int(pair[0]) for top in s.topk_logprobs or [] for pair in top}
-            for tops in result.topk_prompt_logprobs or []:
-                wanted |= {int(pair[0]) for top in tops if top for pair in top}
-        order = sorted(wanted)
-        pieces: dict[int, str] = {}
-        if order:  # else no round trip to the runtime for nothing
-            decoded = await self.runs.render_chat(self.target.run, decode=order, base_model=self.target.base_model)
-            pieces = dict(zip(order, decoded.pieces))
-        picked = answers.choices(result, pieces, self.eos)
-        return answers.body(result, params, prompt_ids, picked, pieces), picked
+        """The whole answer's body and its choices. The text of the ids it needs (with logprobs or echo every id,
+        prompt and top-k ones included; else only those of sequences cut at a stop string) came with the result,
+        from the runtime's tokenizer (Sample.pieces)."""
+        prompt_ids = self.rendered(result.prompt_tokens, result)
+        if self.chat and self.params.tools.family is None:
+            self.params.tools.family = result.tool_format
+        pieces = dict(zip(result.piece_ids or [], result.pieces or []))
+        picked = answers.choices(result, pieces, self.eos or set())
+        return answers.body(result, self.params, prompt_ids, picked, pieces), picked

@@ -105,7 +105,9 @@ async def _chunk_events(call: Sampling, task: asyncio.Future[Any], chunks: async
     head = {"id": ident, "created": int(time.time()), "model": params.model,
             "object": "chat.completion.chunk" if chat else "text_completion"}
     extra = {"usage": None} if params.include_usage else {}
-    count = len(call.prompt_ids) * params.n
+    # a chat's prompt ids came with its first chunk (or, with none, its result): the runtime rendered them
+    prompt_ids = call.rendered(first.prompt_tokens if first is not None else task.result().prompt_tokens)
+    count = len(prompt_ids) * params.n
     sent_text, sent_ids = [0] * count, [0] * count
 
     readers = [ToolStream(params.tools) if chat and params.tools.parsing else None for _ in range(count)]
@@ -121,10 +123,10 @@ async def _chunk_events(call: Sampling, task: asyncio.Future[Any], chunks: async
         if params.return_token_ids and ids is not None:
             part["token_ids"] = ids
             if opening and not chat:
-                part["prompt_token_ids"] = call.prompt_ids[index // params.n]
+                part["prompt_token_ids"] = prompt_ids[index // params.n]
         chunk = {**head, "choices": [part], **extra}
         if opening and chat and params.return_token_ids:
-            chunk["prompt_token_ids"] = call.prompt_ids[0]
+            chunk["prompt_token_ids"] = prompt_ids[0]
         return f"data: {json.dumps(chunk)}\n\n"
 
     def text_events(index: int, text: str, ids: list[int]) -> Iterator[str]:

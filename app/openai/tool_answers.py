@@ -9,7 +9,6 @@ from app.openai import tool_parsers
 from app.openai.tools import Tools
 from app.services.runs import RunService
 from app.tables import Run
-from gpu_runtime.contract import RenderChatResult
 
 
 def message(text: str, finish_reason: str, tools: Tools) -> tuple[dict[str, Any], str, dict[str, str]]:
@@ -38,15 +37,14 @@ def delta(body: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-async def render(runs: RunService, run: Run | None, params: Any, base_model: str | None) -> RenderChatResult:
-    """The chat prompt rendered with the request's tools; a forced call rendered again, ending with its opening in
-    the format the template turned out to teach (the first render names it)."""
+async def forced_opening(runs: RunService, run: Run | None, params: Any, base_model: str | None) -> str | None:
+    """With tool definitions, the call format the base's template teaches (`tools.family`: the stream's reader and the
+    answer's parser pick on it; kept per base by RunSampling.tool_format, so only a base's first such request
+    renders apart from its sample), and a forced call's opening in it, which the prompt ends with."""
     tools: Tools = params.tools
-    rendered = await runs.render_chat(run, messages=params.messages, base_model=base_model,
-                                      tools=tools.definitions or None, history=params.history)
-    tools.family = rendered.tool_format
-    if tools.definitions and tools.choice in ("named", "required"):
+    if not tools.definitions:
+        return None
+    tools.family = await runs.tool_format(run, base_model, params.messages, tools.definitions, params.history)
+    if tools.choice in ("named", "required"):
         tools.forced = tools.head(tools.family)
-        rendered = await runs.render_chat(run, messages=params.messages, base_model=base_model,
-                                          tools=tools.definitions, prefill=tools.forced, history=params.history)
-    return rendered
+    return tools.forced

@@ -38,6 +38,7 @@ from gpu_runtime.contract import Sample as SampleCall  # app.tables.Sample is a 
 class RunSampling:
     def __init__(self, calls: RunCalls) -> None:
         self.calls = calls
+        self.tool_formats: dict[str, str | None] = {}  # per base model: its template's tool-call format (tool_format)
 
     async def sample(self, user: User, run_id: str | None, params: SampleParams, request_id: str | None = None,
                      snapshot: str | None = None, checkpoint: str | None = None, base_model: str | None = None,
@@ -65,14 +66,14 @@ class RunSampling:
         source = {key: value for key, value in (("snapshot", snapshot), ("checkpoint", checkpoint)) if value}
 
         def stored_params() -> dict[str, object]:
-            return {**{k: v for k, v in params.engine_params().items() if k not in ("prompts", "prompt_tokens")},
-                    **source}
+            return {**{k: v for k, v in params.engine_params().items() if k not in ("prompts", "prompt_tokens")
+                       and k not in params.chat_params()}, **source}
 
         async def record(session: AsyncSession, run: Run, result: SampleResult, fresh: bool) -> SampleResult:
             if not fresh or not keep:
                 return result
             kept = stored_params()
-            for prompt, sequences in zip(params.stored_prompts(), result.sequences):
+            for prompt, sequences in zip(params.stored_prompts(result.prompt_tokens), result.sequences):
                 for sequence in sequences:
                     session.add(Sample(run_id=run.id, step=result.step, prompt=prompt,
                                        output=sequence.text, params=cancelled(kept, sequence)))
@@ -153,7 +154,7 @@ class RunSampling:
 
             async def write(session: AsyncSession, fresh: bool) -> SampleResult:
                 if fresh and store is not None:
-                    for prompt, sequences in zip(params.stored_prompts(), result.sequences):
+                    for prompt, sequences in zip(params.stored_prompts(result.prompt_tokens), result.sequences):
                         session.add_all(BaseSample(user_id=user.id, base_model=model.name, prompt=prompt,
                                                    output=sequence.text, params=cancelled(store, sequence))
                                         for sequence in sequences)
@@ -191,6 +192,18 @@ class RunSampling:
         run = await self.calls.get(user, run_id) if run_id is not None else None
         rendered = [await self.render_chat(run, messages=messages, base_model=base_model) for messages in conversations]
         return [list(r.prompt_tokens or []) for r in rendered]
+
+    async def tool_format(self, run: Run | None, base_model: str | None, messages: builtins.list[dict[str, Any]],
+                          tools: builtins.list[dict[str, Any]],
+                          history: tuple[builtins.list[int], int] | None) -> str | None:
+        """The call format the base's chat template teaches when given tools (hermes, llama3_json, gpt_oss), kept per
+        base: a template does not change under its name, and /v1 needs it before its sample (stream or not)."""
+        key = run.base_model if run is not None else base_model or self.calls.default_model
+        if key not in self.tool_formats:
+            rendered = await self.render_chat(run, messages=messages, base_model=base_model, tools=tools,
+                                              history=history)
+            self.tool_formats[key] = rendered.tool_format
+        return self.tool_formats[key]
 
     async def render_chat(self, run: Run | None, messages: builtins.list[dict[str, Any]] | None = None,
                           prompts: builtins.list[str] | None = None, decode: builtins.list[int] | None = None,

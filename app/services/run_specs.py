@@ -184,6 +184,14 @@ class SampleParams:
     store: bool | None = None  # None: stored (the run's current weights); False: no sample rows
     # What the history keeps as each token prompt's text (the playground's chat as typed); None: the ids, as JSON.
     prompt_texts: list[str] | None = None
+    # /v1's chat, rendered by the runtime in the same call (contract Sample.messages): its conversation, tool
+    # definitions, a forced call's opening, the carried history (ids, turn index); and what /v1 reads back.
+    messages: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
+    prefill: str | None = None
+    history: tuple[list[int], int] | None = None
+    fit_context: bool = False
+    pieces: str | None = None
 
     def engine_params(self) -> dict[str, Any]:
         if self.stop is not None and self.stop_tokens is not None:
@@ -201,7 +209,16 @@ class SampleParams:
             "prompt_logprobs": self.prompt_logprobs,
             "topk_prompt_logprobs": self.topk_prompt_logprobs,
             "topk_sample_logprobs": self.topk_sample_logprobs,
+            **self.chat_params(),
         }
+
+    def chat_params(self) -> dict[str, Any]:
+        """The contract's chat fields, only those set (a GraphQL sample's call stays as it was)."""
+        tokens, through = self.history if self.history is not None else (None, None)
+        params = {"messages": self.messages, "tools": self.tools, "prefill": self.prefill, "history_tokens": tokens,
+                  "history_through": through, "pieces": self.pieces}
+        return {**{k: v for k, v in params.items() if v is not None}, **({"fit_context": True} if self.fit_context
+                                                                          else {})}
 
     def check(self, bounds: RuntimeOptions) -> None:
         """The contract's bounds and the per-call size bounds (rows x max_tokens), checked now: a stream that starts
@@ -212,11 +229,13 @@ class SampleParams:
         prompts = self.prompts if self.prompts is not None else self.prompt_tokens or []
         check_sample_size(len(prompts), settings, bounds, "prompts" if self.prompts is not None else "prompt_tokens")
 
-    def stored_prompts(self) -> list[str]:
-        """What a sample row keeps as its prompt: the text, a token-id prompt's given text, or its ids as JSON."""
+    def stored_prompts(self, rendered: list[list[int]] | None = None) -> list[str]:
+        """What a sample row keeps as its prompt: the text, a token-id prompt's given text, or its ids as JSON
+        (`rendered`: the ids the runtime rendered messages as)."""
         if self.prompts is not None:
             return self.prompts
-        return self.prompt_texts or [json.dumps(ids) for ids in self.prompt_tokens or []]
+        ids = self.prompt_tokens if self.prompt_tokens is not None else rendered
+        return self.prompt_texts or [json.dumps(ids) for ids in ids or []]
 
 
 def graphql_field(field: str | None) -> str | None:

@@ -75,6 +75,7 @@ class RunService:
         self.cancel_sample, self.base_device = self.sampling.cancel_sample, self.sampling.base_device
         self.tokenizer, self.chat_prompts = self.sampling.tokenizer, self.sampling.chat_prompts
         self.render_chat = self.sampling.render_chat
+        self.tool_format = self.sampling.tool_format
         self.save_weights_for_sampler, self.save_state = self.saves.save_weights_for_sampler, self.saves.save_state
         self.load_state, self.delete_checkpoint = self.saves.load_state, self.saves.delete_checkpoint
         self.set_expiry, self.storage = self.saves.set_expiry, self.saves.storage

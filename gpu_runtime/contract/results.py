@@ -165,6 +165,12 @@ class SampleResult(Result):
     # prompts, once per prompt whatever its num_samples
     prompt_cache_hit_tokens: int = 0
     replayed: bool = False
+    # With Sample.pieces: the ids asked for (sorted) and each one's text; with messages, the base's EOS ids and the
+    # tool-call format its template teaches (what render_chat would have said).
+    piece_ids: list[int] | None = None
+    pieces: list[str] | None = None
+    eos_token_ids: list[int] | None = None
+    tool_format: str | None = None
 
     def to_dict(self) -> JSONObject:
         data = super().to_dict()
@@ -186,6 +192,7 @@ class SampleChunk(Result):
     # an incomplete UTF-8 sequence and any end that could start a stop string (gpu_runtime/engine/detokenize.py), the ids
     # those characters' tokens. A sequence that finished sends the rest in the result.
     sequences: list[list[SequenceChunk]]
+    prompt_tokens: list[list[int]] | None = None  # on the first chunk sent: the prompts' ids (rendered in the runtime)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -3,7 +3,7 @@ gpu_runtime/engine/sampling_calls.py answers them. `check_weights_source` is the
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from gpu_runtime.contract.calls import Call, Kind, Lane, Method
@@ -49,25 +49,47 @@ class Sample(Call[SampleResult]):
     # True: no place in the run's order (no ticket): the run's weights as of its last applied optim_step when the
     # call reaches the runtime, copied for it, so later optim_steps do not change what it decodes (/v1 on a run id).
     latest: bool = False
+    # Instead of prompts: one conversation, rendered in the runtime as render_chat renders it (with `tools`, `prefill`
+    # and the carried history), so a /v1 chat request is one round trip; the result's prompt_tokens are its ids.
+    messages: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
+    prefill: str | None = None
+    history_tokens: list[int] | None = None
+    history_through: int | None = None
+    # True: max_tokens is a ceiling, cut to the room the longest prompt leaves in the context (/v1 without max_tokens).
+    fit_context: bool = False
+    # Which ids the result also gives as text, one token each (SampleResult.pieces): "stopped" those of sequences cut
+    # at a stop string, "all" every id of the prompts, sequences and top-k; None none. /v1 needs no decode call then.
+    pieces: str | None = None
 
     def validate(self) -> None:
         check_weights_source(self)
         check_request_id(self.request_id)
-        for name in ("stream", "latest"):
+        for name in ("stream", "latest", "fit_context"):
             if not isinstance(getattr(self, name), bool):
                 raise BadInput(f"{name} must be true or false", field=name)
         if self.latest and (self.run_id is None or self.snapshot is not None or self.checkpoint is not None):
             raise BadInput("latest names a run's current weights: give run_id alone", field="latest")
+        if self.pieces not in PIECES:
+            raise BadInput("pieces must be null, \"stopped\" or \"all\"", field="pieces")
+        if self.messages is not None:
+            if self.prompts is not None or self.prompt_tokens is not None:
+                raise BadInput("give messages or prompts, not both", field="messages")
+        elif self.tools is not None or self.prefill is not None or self.history_tokens is not None:
+            raise BadInput("tools, prefill and history go with messages", field="messages")
+        check_chat(self.messages, self.tools, self.prefill, self.history_tokens, self.history_through)
         self.settings()
 
     def check_size(self, options: RuntimeOptions) -> None:
         prompts, settings = self.settings()
+        if self.fit_context:  # the tokens it may generate are known once its prompts are (Sampling.prepare)
+            settings = replace(settings, max_tokens=1)
         lengths = None if self.prompt_tokens is None else [len(ids) for ids in self.prompt_tokens]
         check_sample_size(len(prompts), settings, options, self.prompts_field, lengths)
 
     @property
     def prompts_field(self) -> str:
-        return "prompts" if self.prompt_tokens is None else "prompt_tokens"
+        return "messages" if self.messages is not None else "prompts" if self.prompt_tokens is None else "prompt_tokens"
 
     @property
     def frozen(self) -> bool:
@@ -79,8 +101,9 @@ class Sample(Call[SampleResult]):
         return self.user_id
 
     def settings(self) -> tuple[list[str] | list[list[int]], SamplingSettings]:
-        """The prompts (text, or token ids when prompt_tokens is set) and the checked settings."""
-        prompts = sampling_prompts(self.prompts, self.prompt_tokens)
+        """The prompts (text, or token ids when prompt_tokens is set; messages stand for one prompt, rendered later)
+        and the checked settings."""
+        prompts = [""] if self.messages is not None else sampling_prompts(self.prompts, self.prompt_tokens)
         return prompts, sampling_settings(self.max_tokens, self.temperature, self.top_p, self.top_k, self.stop,
                                           self.num_samples, self.seed, self.prompt_logprobs,
                                           self.topk_prompt_logprobs, self.topk_sample_logprobs)
@@ -116,6 +139,7 @@ class Tokenizer(Call[TokenizerResult]):
         return None  # reads the run's base, never its state: it waits on no run's calls
 
 
+PIECES = (None, "stopped", "all")  # Sample.pieces: which ids its result gives as text
 MESSAGE_KEYS = {"role", "content", "tool_calls", "tool_call_id", "name"}
 
 
@@ -149,24 +173,7 @@ class RenderChat(Call[RenderChatResult]):
             check_id(self.run_id, "run_id")
         elif not isinstance(self.base_model, str) or not self.base_model:
             raise BadInput("base_model must be a model name or path", field="base_model")
-        if self.messages is not None:
-            if not isinstance(self.messages, list) or not self.messages:
-                raise BadInput("messages must be a non-empty list", field="messages")
-            for i, message in enumerate(self.messages):
-                if (not isinstance(message, dict) or not {"role", "content"} <= set(message) <= MESSAGE_KEYS
-                        or not isinstance(message["role"], str) or not isinstance(message["content"], str)
-                        or not isinstance(message.get("tool_calls", []), list)):
-                    raise BadInput(f"messages[{i}] must be {{role, content}} with text values (and tool_calls, "
-                                   "tool_call_id, name)", field=f"messages[{i}]")
-        if self.tools is not None and (not isinstance(self.tools, list) or not all(isinstance(t, dict)
-                                                                                   for t in self.tools)):
-            raise BadInput("tools must be a list of function definitions", field="tools")
-        if self.prefill is not None and (not isinstance(self.prefill, str) or self.messages is None):
-            raise BadInput("prefill is text after rendered messages", field="prefill")
-        if (self.history_tokens is None) != (self.history_through is None):
-            raise BadInput("history_tokens and history_through go together", field="history_tokens")
-        if self.history_tokens is not None:
-            check_history(self.history_tokens, self.history_through, self.messages)
+        check_chat(self.messages, self.tools, self.prefill, self.history_tokens, self.history_through)
         if self.prompts is not None:
             sampling_prompts(self.prompts, None)
         if self.decode is not None and (not isinstance(self.decode, list) or any(
@@ -176,6 +183,27 @@ class RenderChat(Call[RenderChatResult]):
     @property
     def run(self) -> str | None:
         return None  # reads the run's base, never its state: it waits on no run's calls
+
+
+def check_chat(messages: Any, tools: Any, prefill: Any, history_tokens: Any, history_through: Any) -> None:
+    """A conversation to render (render_chat's, or a sample's): messages, tool definitions, prefill, carried history."""
+    if messages is not None:
+        if not isinstance(messages, list) or not messages:
+            raise BadInput("messages must be a non-empty list", field="messages")
+        for i, message in enumerate(messages):
+            if (not isinstance(message, dict) or not {"role", "content"} <= set(message) <= MESSAGE_KEYS
+                    or not isinstance(message["role"], str) or not isinstance(message["content"], str)
+                    or not isinstance(message.get("tool_calls", []), list)):
+                raise BadInput(f"messages[{i}] must be {{role, content}} with text values (and tool_calls, "
+                               "tool_call_id, name)", field=f"messages[{i}]")
+    if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
+        raise BadInput("tools must be a list of function definitions", field="tools")
+    if prefill is not None and (not isinstance(prefill, str) or messages is None):
+        raise BadInput("prefill is text after rendered messages", field="prefill")
+    if (history_tokens is None) != (history_through is None):
+        raise BadInput("history_tokens and history_through go together", field="history_tokens")
+    if history_tokens is not None:
+        check_history(history_tokens, history_through, messages)
 
 
 def check_history(tokens: Any, through: Any, messages: list[dict[str, Any]] | None) -> None:

@@ -17,6 +17,7 @@ import os
 import shutil
 import time
 from collections import OrderedDict
+from dataclasses import replace
 from typing import Any, cast
 
 from gpu_runtime.compute.decode.engine import Handle
@@ -75,12 +76,15 @@ class Sampling:
         prompts, settings = call.settings()
         entry = source.entry
         limit, vocab = entry.renderer.max_length, entry.renderer.vocab_size
-        field = "prompts" if call.prompt_tokens is None else "prompt_tokens"
-        prompt_ids = [list(entry.base.tokenizer(p, add_special_tokens=True)["input_ids"]) if isinstance(p, str)
-                      else list(p) for p in prompts]
+        field = call.prompts_field
+        prompt_ids = prompt_ids_of(call, prompts, entry)
         for i, ids in enumerate(prompt_ids):
+            if call.messages is not None and len(ids) >= limit:  # /v1's own words for a chat too long
+                raise BadInput(f"the prompt is {len(ids)} tokens; the model's context is {limit}", field=field)
             if not ids or len(ids) >= limit:
                 raise BadInput(f"{field}[{i}] is {len(ids)} tokens; the model's context is {limit}", field=f"{field}[{i}]")
+        if call.fit_context:
+            settings = replace(settings, max_tokens=min(settings.max_tokens, limit - max(map(len, prompt_ids))))
             outside = [t for t in ids if t >= vocab]
             if outside:
                 raise BadInput(f"{field}[{i}] has token id {outside[0]} outside the vocabulary (0..{vocab - 1})",
@@ -240,6 +244,7 @@ class Sampling:
                 return cast(str, tokenizer.decode(ids, skip_special_tokens=True))  # one sequence in, one str out
 
             job.streams = [IncrementalText(decode, stops) for _ in range(job.rows)]
+        opening = not any(stream.ids for stream in job.streams)  # nothing sent yet: the first chunk names the prompts
         handles: list[Handle | None] = []
         for prompt_handles in job.sequences():  # a prompt not yet in the engine: nothing of its samples yet
             handles += prompt_handles or [None] * n
@@ -253,7 +258,8 @@ class Sampling:
             rows.append({"text": text, "tokens": handle.tokens[start:start + count],
                          "logprobs": handle.logprobs[start:start + count]})
         if any(row["text"] or row["tokens"] for row in rows):
-            chunk = SampleChunk(sequences=[rows[p * n:(p + 1) * n] for p in range(len(job.prompt_ids))])
+            chunk = SampleChunk(sequences=[rows[p * n:(p + 1) * n] for p in range(len(job.prompt_ids))],
+                                prompt_tokens=job.prompt_ids if opening else None)
             assert job.request.progress is not None
             job.request.progress(chunk)
 
@@ -285,6 +291,7 @@ class Sampling:
     def _finished(self, decoder: BaseDecoder, job: SampleJob) -> SampleResult:
         """A job's answer, remembered for a retry."""
         result = {**decoder.result(job), "compute_seconds": job.compute_seconds}
+        result.update(rendered_extras(cast(Sample, job.request.call), decoder.entry, result))
         self._remember(job, result)
         return SampleResult.from_dict(result)
 
@@ -311,19 +318,59 @@ def _answer_key(call: Sample) -> tuple[str, str]:
     return (call.run_id or f"user:{call.user_id}", call.request_id or "")
 
 
+def prompt_ids_of(call: Sample, prompts: list[str] | list[list[int]], entry: BaseEntry) -> list[list[int]]:
+    """A sample's prompts as ids: its messages rendered as render_chat renders them, text tokenised, ids as given."""
+    tokenizer = entry.base.tokenizer
+    if call.messages is not None:
+        check_text_fits(None, call.messages, tokenizer, entry.renderer.max_length)
+        history = None if call.history_tokens is None else (call.history_tokens, int(call.history_through or 0))
+        return [render_messages(tokenizer, call.messages, call.tools, call.prefill, history)]
+    return [list(tokenizer(p, add_special_tokens=True)["input_ids"]) if isinstance(p, str) else list(p)
+            for p in prompts]
+
+
+def rendered_extras(call: Sample, entry: BaseEntry, result: dict[str, Any]) -> dict[str, object]:
+    """What a sample's result adds for a client without a tokenizer (/v1): with messages the EOS ids and the template's
+    call format; with `pieces` the text of the ids it names (as /v1's answer would have asked render_chat for)."""
+    extras: dict[str, object] = {}
+    eos = eos_ids(entry)
+    if call.messages is not None:
+        tokenizer = entry.base.tokenizer
+        extras.update(eos_token_ids=sorted(eos), tool_format=tool_format(template_of(tokenizer, bool(call.tools))))
+    if call.pieces is None:
+        return extras
+    sequences = cast("list[list[dict[str, Any]]]", result["sequences"])  # decoder.result's dicts
+    if call.pieces == "stopped":  # only a sequence cut at a stop string needs its tokens' text (answers.kept)
+        wanted = {t for row in sequences for s in row if s.get("stop_reason") == "stop" and s["tokens"]
+                  and s["tokens"][-1] not in eos for t in s["tokens"]}
+    else:
+        wanted = {t for row in sequences for s in row for t in s["tokens"]}
+        wanted |= {t for ids in cast("list[list[int]]", result["prompt_tokens"]) for t in ids}
+        wanted |= {int(pair[0]) for row in sequences for s in row for top in s.get("topk_logprobs") or []
+                   for pair in top}
+        wanted |= {int(pair[0]) for tops in cast("list[list[Any]]", result.get("topk_prompt_logprobs") or [])
+                   for top in tops if top for pair in top}
+    order = sorted(wanted)
+    extras.update(piece_ids=order, pieces=decode_pieces(entry.base.tokenizer, order, entry.renderer.vocab_size))
+    return extras
+
+
+def decode_pieces(tokenizer: Any, ids: list[int], vocab: int) -> list[str]:
+    """Each id's text alone (special tokens as ""; an id past the vocabulary as "")."""
+    return [cast(str, tokenizer.decode([t], skip_special_tokens=True)) if t < vocab else "" for t in ids]
+
+
 def render_chat(call: RenderChat, entry: BaseEntry, tokenizer: Any) -> RenderChatResult:
     """Messages through the chat template as ids (tokenize=True: the template's own BOS, once), ids as text, with
     `tokenizer`: the base's in the tick, a copy of it off the tick (gpu_runtime/engine/off_tick.py)."""
     ids = None
-    check_text_fits(call, tokenizer, entry.renderer.max_length)
+    check_text_fits(call.prompts, call.messages, tokenizer, entry.renderer.max_length)
     if call.messages is not None:
         history = None if call.history_tokens is None else (call.history_tokens, int(call.history_through or 0))
         ids = render_messages(tokenizer, call.messages, call.tools, call.prefill, history)
     texts = None if call.prompts is None else [list(tokenizer(p, add_special_tokens=True)["input_ids"])
                                                 for p in call.prompts]  # as prepare() tokenises a text prompt
-    vocab = entry.renderer.vocab_size
-    pieces = [cast(str, tokenizer.decode([t], skip_special_tokens=True)) if t < vocab else ""  # one id in, one str
-              for t in call.decode or []]
+    pieces = decode_pieces(tokenizer, call.decode or [], entry.renderer.vocab_size)
     return RenderChatResult(prompt_tokens=ids, prompts_tokens=texts, pieces=pieces, context_length=entry.renderer.max_length,
                             eos_token_ids=sorted(eos_ids(entry)),
                             tool_format=tool_format(template_of(tokenizer, bool(call.tools))))
@@ -355,16 +402,17 @@ def longest_token_bytes(tokenizer: Any) -> int:
     return int(cached)
 
 
-def check_text_fits(call: RenderChat, tokenizer: Any, context_length: int) -> None:
+def check_text_fits(prompts: list[str] | None, messages: list[dict[str, Any]] | None, tokenizer: Any,
+                    context_length: int) -> None:
     """Refuse text that cannot fit the context before tokenizing it: past context x the longest token's bytes it
     is more tokens than the context holds, whatever they are (a 6 MB prompt took seconds of this thread)."""
     bound = context_length * longest_token_bytes(tokenizer)
-    for i, prompt in enumerate(call.prompts or []):
+    for i, prompt in enumerate(prompts or []):
         size = len(prompt.encode("utf-8", "surrogatepass"))
         if size > bound:
             raise BadInput(f"prompt {i} is {size} bytes: more than the {context_length} tokens of the model's context "
                            f"can hold (at most {bound} bytes)", field="prompt")
-    size = sum(len(str(m.get("content") or "").encode("utf-8", "surrogatepass")) for m in call.messages or [])
+    size = sum(len(str(m.get("content") or "").encode("utf-8", "surrogatepass")) for m in messages or [])
     if size > bound:
         raise BadInput(f"the messages are {size} bytes: more than the {context_length} tokens of the model's "
                        f"context can hold (at most {bound} bytes)", field="messages")

@@ -25,6 +25,11 @@ NOT_ARGUMENTS: dict[str, str] = {
     "stream": "the OpenAI endpoint's streams (app/openai): GraphQL's sample answers once",
     "latest": "the OpenAI endpoint's run-id requests (off the run's queue); GraphQL's sample on a run keeps its order",
     "overwrite": "Tinker's save_weights(overwrite=True); GraphQL's saveState refuses a name in use (delete it first)",
+    "messages": "/v1's one conversation, rendered in the sample call; GraphQL's `messages` (many) render apart",
+    "tools": "/v1's tool definitions, rendered with its messages", "prefill": "/v1's forced tool-call opening",
+    "history_tokens": "/v1's carried ids of an earlier turn", "history_through": "/v1's carried turn's index",
+    "fit_context": "/v1 without max_tokens: cut to the context's room",
+    "pieces": "/v1's per-token text, for a client without a tokenizer",
 }
 # Arguments of every primitive that the runtime never sees: the server orders calls by them (docs/ORDERING.md).
 ORDERING_ARGUMENTS = ("seq", "session")
@@ -51,6 +56,8 @@ NOT_SHOWN: dict[str, str] = {
     "size_bytes": "a checkpoint's size is sizeBytes on the Checkpoint row",
     "checkpoint_path": "a checkpoint row's path",
     "hub": "a checkpoint row's hubUrl",
+    "piece_ids": "/v1's per-token text (Sample.pieces)", "pieces": "/v1's per-token text (Sample.pieces)",
+    "eos_token_ids": "/v1's rendered chat: the tokenizer query says it", "tool_format": "/v1's tool-call parser",
 }
 RESULTS: list[tuple[str, type[contract.Result]]] = [
     ("ForwardBackwardResult", contract.ForwardBackwardResult),
