@@ -84,15 +84,15 @@ class RunReads:
     async def log_metrics(self, user: User, run_id: str, values: object, step: int | None = None) -> int:
         """The user's own numbers for a step (a DPO loss, a reward), stored with the run's metrics under
         `user:<name>` and drawn on its page; `step` defaults to the run's current step. Answers the step."""
-        run = await self.get(user, run_id)
+        run = await self.calls.get(user, run_id)
         checked = check_user_metrics(values)
         if step is None:
             step = run.step
         elif step < 0:
             raise BadInput(f"step must be 0 or more, got {step}", field="step")
-        async with self.db.session() as session:
-            await self._metrics(session, run.id, step, {USER_METRIC + name: value for name, value in checked.items()})
-        self.feed.written(run.id)
+        async with self.calls.db.session() as session:
+            await self.calls.metrics(session, run.id, step, {USER_METRIC + name: value for name, value in checked.items()})
+        self.calls.feed.written(run.id)
         return step
 
     async def label(self, user: User, run_id: str, labels: RunLabels) -> Run:

@@ -84,6 +84,7 @@ class RunService:
                                                            self.reads.label)
         self.metrics, self.samples, self.sample_marks = self.reads.metrics, self.reads.samples, self.reads.sample_marks
         self.base_samples, self.checkpoints = self.reads.base_samples, self.reads.checkpoints
+        self.log_metrics = self.reads.log_metrics
 
     # What callers read of the shared parts: the run's order, the size bounds, the ledger.
     @property
