@@ -7,7 +7,6 @@ import asyncio
 import uuid
 from collections.abc import Awaitable
 from dataclasses import dataclass
-from typing import Any
 
 from app.backends import Progress
 from app.errors import SignalError
@@ -18,6 +17,7 @@ from app.openai.targets import Target
 from app.services.runs import RunService, SampleParams
 from app.tables import User
 from gpu_runtime.contract import MAX_TOKENS_LIMIT, SampleResult
+from gpu_runtime.contract.json_types import JSONObject
 
 
 async def prepared(runs: RunService, target: Target, params: CompletionRequest) -> tuple[list[list[int]], SampleParams,
@@ -88,7 +88,7 @@ class Sampling:
     def cancel(self, request_id: str) -> Awaitable[None]:
         return self.runs.cancel_sample(self.user, request_id, self.target.run, self.target.base_model)
 
-    async def answer(self, result: SampleResult) -> tuple[dict[str, Any], list[answers.Choice]]:
+    async def answer(self, result: SampleResult) -> tuple[JSONObject, list[answers.Choice]]:
         """The whole answer's body and its choices (with logprobs or echo, the text of every id, prompt and top-k ones
         included, from the runtime's tokenizer; else only that of sequences cut at a stop string)."""
         params, prompt_ids = self.params, self.prompt_ids

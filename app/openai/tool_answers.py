@@ -3,16 +3,18 @@ the whole message, and its stream delta (every call in one delta, each with its 
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
 
 from app.openai import tool_parsers
+from app.openai.params import CompletionRequest
 from app.openai.tools import Tools
 from app.services.runs import RunService
 from app.tables import Run
 from gpu_runtime.contract import RenderChatResult
+from gpu_runtime.contract.json_types import JSONObject, as_json_object, opt_str
 
 
-def message(text: str, finish_reason: str, tools: Tools) -> tuple[dict[str, Any], str, dict[str, str]]:
+def message(text: str, finish_reason: str, tools: Tools) -> tuple[JSONObject, str, dict[str, str]]:
     """The assistant message, the finish reason ("tool_calls" when it calls), and the choice's `tool_parse_error`
     when text that looked like a call stayed text (it is said, never a 5xx)."""
     if not tools.parsing:
@@ -22,7 +24,7 @@ def message(text: str, finish_reason: str, tools: Tools) -> tuple[dict[str, Any]
         parsed = tool_parsers.forced(family, tools.forced, text, tools.names, tools.named)
     else:
         parsed = tool_parsers.parse(family, text, tools.names, tools.parallel)
-    body: dict[str, Any] = {"role": "assistant", "content": parsed.content, "refusal": None}
+    body: JSONObject = {"role": "assistant", "content": parsed.content, "refusal": None}
     said = {"tool_parse_error": parsed.malformed} if parsed.malformed else {}
     if not parsed.calls:
         return body, finish_reason, said
@@ -30,15 +32,21 @@ def message(text: str, finish_reason: str, tools: Tools) -> tuple[dict[str, Any]
     return body, "tool_calls", said
 
 
-def delta(body: dict[str, Any]) -> dict[str, Any]:
+def calls_of(body: Mapping[str, object]) -> list[JSONObject]:
+    """A message's tool calls as `message` wrote them, each a JSON object."""
+    calls = body.get("tool_calls")
+    return [as_json_object(call, "tool_calls") for call in calls] if isinstance(calls, list) else []
+
+
+def delta(body: Mapping[str, object]) -> JSONObject:
     """A whole message as one stream delta after the role's."""
-    out: dict[str, Any] = {"content": body.get("content")}
+    out: JSONObject = {"content": opt_str(body, "content")}
     if body.get("tool_calls"):
-        out["tool_calls"] = [{"index": k, **call} for k, call in enumerate(body["tool_calls"])]
+        out["tool_calls"] = [{"index": k, **call} for k, call in enumerate(calls_of(body))]
     return out
 
 
-async def render(runs: RunService, run: Run | None, params: Any, base_model: str | None) -> RenderChatResult:
+async def render(runs: RunService, run: Run | None, params: CompletionRequest, base_model: str | None) -> RenderChatResult:
     """The chat prompt rendered with the request's tools; a forced call rendered again, ending with its opening in
     the format the template turned out to teach (the first render names it)."""
     tools: Tools = params.tools
