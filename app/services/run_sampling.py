@@ -33,6 +33,7 @@ from gpu_runtime.contract import (
     checkpoint_ref,
 )
 from gpu_runtime.contract import Sample as SampleCall  # app.tables.Sample is a sample's row
+from gpu_runtime.contract.json_types import JSONObject
 
 
 class RunSampling:
@@ -189,12 +190,13 @@ class RunSampling:
         if not conversations or not all(conversations):
             raise BadInput("messages needs at least one conversation, each of at least one message", field="messages")
         run = await self.calls.get(user, run_id) if run_id is not None else None
-        rendered = [await self.render_chat(run, messages=messages, base_model=base_model) for messages in conversations]
+        rendered = [await self.render_chat(run, messages=[{**m} for m in messages], base_model=base_model)
+                    for messages in conversations]
         return [list(r.prompt_tokens or []) for r in rendered]
 
-    async def render_chat(self, run: Run | None, messages: builtins.list[dict[str, Any]] | None = None,
+    async def render_chat(self, run: Run | None, messages: builtins.list[JSONObject] | None = None,
                           prompts: builtins.list[str] | None = None, decode: builtins.list[int] | None = None,
-                          base_model: str | None = None, tools: builtins.list[dict[str, Any]] | None = None,
+                          base_model: str | None = None, tools: builtins.list[JSONObject] | None = None,
                           prefill: str | None = None,
                           history: tuple[builtins.list[int], int] | None = None) -> RenderChatResult:
         """On the caller's run's base (ownership checked by `get`), or a catalogue model's (`base_model`, run None):
