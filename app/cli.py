@@ -140,7 +140,7 @@ def pull_command(settings: Settings, args: argparse.Namespace) -> int:
     else:
         files = LocalRunFiles(settings.data_dir, run_id)
     pulled = pull_run(files, dest)
-    size = sum(item["size"] for item in pulled)
+    size = sum(item.size for item in pulled)
     print(f"pulled {len(pulled)} files ({size / 1e6:.1f} MB) of run {run_id} from {files.source} into {dest}")
     return 0
 
