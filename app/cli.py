@@ -9,7 +9,7 @@ import os
 import sys
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from app.catalog import Catalog
 from app.db import Database, migrate_async
@@ -94,7 +94,7 @@ def serve_command(settings: Settings, args: argparse.Namespace) -> int:
 
     from app.server import create_app
 
-    updates: dict[str, Any] = {key: getattr(args, key) for key in ("host", "port") if getattr(args, key)}
+    updates: dict[str, object] = {key: getattr(args, key) for key in ("host", "port") if getattr(args, key)}
     settings = settings.model_copy(update=updates)
     # Migrations, the admin's key and sign-in link, the URL: all in the app's start, once (create_app refuses a
     # backend that cannot work before anything is created or printed).
@@ -140,7 +140,7 @@ def pull_command(settings: Settings, args: argparse.Namespace) -> int:
     else:
         files = LocalRunFiles(settings.data_dir, run_id)
     pulled = pull_run(files, dest)
-    size = sum(item["size"] for item in pulled)
+    size = sum(item.size for item in pulled)
     print(f"pulled {len(pulled)} files ({size / 1e6:.1f} MB) of run {run_id} from {files.source} into {dest}")
     return 0
 

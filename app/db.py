@@ -41,7 +41,7 @@ class Database:
     def __init__(self, url: str, lock_timeout_s: float = DB_LOCK_TIMEOUT_S,
                  statement_timeout_s: float = DB_STATEMENT_TIMEOUT_S) -> None:
         self.url = url
-        connect_args: dict[str, Any] = {}
+        connect_args: dict[str, object] = {}  # the driver's: SQLite's lock timeout, asyncpg's server settings
         if url.startswith("sqlite"):
             connect_args["timeout"] = lock_timeout_s
         elif "+asyncpg" in url:

@@ -22,6 +22,7 @@ from typing import Any
 
 from app.settings import Settings
 from gpu_runtime.client.model_files import BUILTIN_GGUF, CACHE_MARKER, builtin_gguf_path, cached_model_dir
+from gpu_runtime.contract.json_types import JSONObject
 
 OK, MISSING, UNKNOWN, WARNING = "ok", "missing", "unknown", "warning"
 MIN_FREE_BYTES = 2 * 1024**3  # below this a merged checkpoint of a small model may not fit
@@ -47,7 +48,7 @@ class Report:
     def ok(self) -> bool:
         return not any(check.required and check.status == MISSING for check in self.checks)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSONObject:
         return {"backend": self.backend, "ok": self.ok, "checks": [asdict(check) for check in self.checks]}
 
 

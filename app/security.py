@@ -8,7 +8,6 @@ import hashlib
 import os
 import secrets
 from pathlib import Path
-from typing import Any
 
 from app.settings import Settings
 
@@ -35,13 +34,14 @@ def bearer_from_header(value: str | None) -> str | None:
     return token.strip() if scheme.lower() == "bearer" and token.strip() else None
 
 
-def bearer_from_connection_params(params: dict[str, Any] | None) -> str | None:
+def bearer_from_connection_params(params: object) -> str | None:
     """graphql-transport-ws clients send the key as `Authorization`, `authorization` or `apiKey`."""
     if not isinstance(params, dict):
         return None
     for key in ("Authorization", "authorization"):
-        if isinstance(params.get(key), str):
-            return bearer_from_header(params[key])
+        header = params.get(key)
+        if isinstance(header, str):
+            return bearer_from_header(header)
     value = params.get("apiKey") or params.get("api_key")
     return value if isinstance(value, str) and value else None
 

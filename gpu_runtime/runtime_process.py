@@ -53,6 +53,7 @@ from gpu_runtime.client.protocol import (
     runtime_socket,
 )
 from gpu_runtime.contract import Result
+from gpu_runtime.contract.json_types import JSONObject
 from gpu_runtime.errors import BadInput, FailedPrecondition, SignalError
 
 
@@ -98,7 +99,7 @@ class Channel:
         self.unanswered = 0  # requests handed to the engine whose answer is not yet written
         self.answered = threading.Condition()
 
-    def send(self, message: dict[str, Any], written: Any = None, urgent: bool = False) -> None:
+    def send(self, message: JSONObject, written: Any = None, urgent: bool = False) -> None:
         try:
             line = encode(message)
         except (TypeError, ValueError) as exc:  # a result that is not JSON-able is a bug: say so, typed

@@ -8,11 +8,11 @@ import math
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any
 
 from app.openai import tool_answers
 from app.openai.params import CompletionRequest
 from gpu_runtime.contract import SampledSequence, SampleResult
+from gpu_runtime.contract.json_types import JSONObject
 
 FLOOR = -9999.0  # a logprob of -inf (a token top_p ruled out) as a finite number: JSON has no infinity
 
@@ -75,12 +75,12 @@ def usage(prompt_ids: list[list[int]], picked: list[Choice]) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def _entry(token: int, logprob: float, pieces: dict[int, str]) -> dict[str, Any]:
+def _entry(token: int, logprob: float, pieces: dict[int, str]) -> JSONObject:
     piece = pieces.get(token, "")
     return {"token": piece, "logprob": finite(logprob), "bytes": list(piece.encode("utf-8"))}
 
 
-def chat_logprobs(choice: Choice, request: CompletionRequest, pieces: dict[int, str]) -> dict[str, Any] | None:
+def chat_logprobs(choice: Choice, request: CompletionRequest, pieces: dict[int, str]) -> JSONObject | None:
     """Chat's shape: content: [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]."""
     if request.logprobs is None:
         return None
@@ -93,7 +93,7 @@ def chat_logprobs(choice: Choice, request: CompletionRequest, pieces: dict[int, 
 
 
 def completion_logprobs(choice: Choice, request: CompletionRequest, pieces: dict[int, str], prompt_ids: list[int],
-                        prompt_text: str, result: SampleResult) -> dict[str, Any] | None:
+                        prompt_text: str, result: SampleResult) -> JSONObject | None:
     """The legacy shape {tokens, token_logprobs, top_logprobs, text_offset}; with echo the prompt's positions
     first (null at 0). Offsets count characters in prompt + completion, as OpenAI's do."""
     if request.logprobs is None:
@@ -122,15 +122,15 @@ def completion_logprobs(choice: Choice, request: CompletionRequest, pieces: dict
 
 
 def body(result: SampleResult, params: CompletionRequest, prompt_ids: list[list[int]], picked: list[Choice],
-         pieces: dict[int, str]) -> dict[str, Any]:
+         pieces: dict[int, str]) -> JSONObject:
     """The whole answer: a chat.completion or a text_completion, with usage."""
     prompt_texts = [p if isinstance(p, str) else "".join(pieces.get(t, "") for t in p) for p in
                     (params.prompts or prompt_ids)]
     usage_ = usage(prompt_ids, picked)
-    head = {"id": f"{'chatcmpl' if params.chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
+    head: JSONObject = {"id": f"{'chatcmpl' if params.chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
             "model": params.model}
     if params.chat:
-        answer = {**head, "object": "chat.completion", "choices": [chat_choice(c, params, pieces) for c in picked],
+        answer: JSONObject = {**head, "object": "chat.completion", "choices": [chat_choice(c, params, pieces) for c in picked],
                   "usage": usage_}
         if params.return_token_ids:
             answer["prompt_token_ids"] = prompt_ids[0]
@@ -139,9 +139,9 @@ def body(result: SampleResult, params: CompletionRequest, prompt_ids: list[list[
     return {**head, "object": "text_completion", "choices": items, "usage": usage_}
 
 
-def chat_choice(choice: Choice, params: CompletionRequest, pieces: dict[int, str]) -> dict[str, Any]:
+def chat_choice(choice: Choice, params: CompletionRequest, pieces: dict[int, str]) -> JSONObject:
     message, finish, said = tool_answers.message(choice.text, choice.finish_reason, params.tools)
-    item: dict[str, Any] = {"index": choice.index, "message": message,
+    item: JSONObject = {"index": choice.index, "message": message,
                             "logprobs": chat_logprobs(choice, params, pieces), "finish_reason": finish, **said}
     if params.return_token_ids:
         item["token_ids"] = choice.ids
@@ -149,9 +149,9 @@ def chat_choice(choice: Choice, params: CompletionRequest, pieces: dict[int, str
 
 
 def completion_choice(choice: Choice, params: CompletionRequest, pieces: dict[int, str], prompt_ids: list[list[int]],
-                      prompt_texts: list[str], result: SampleResult) -> dict[str, Any]:
+                      prompt_texts: list[str], result: SampleResult) -> JSONObject:
     prompt_text = prompt_texts[choice.prompt]
-    item: dict[str, Any] = {
+    item: JSONObject = {
         "index": choice.index, "text": (prompt_text if params.echo else "") + choice.text,
         "logprobs": completion_logprobs(choice, params, pieces, prompt_ids[choice.prompt], prompt_text, result),
         "finish_reason": choice.finish_reason}

@@ -11,13 +11,13 @@ import logging
 import math
 import re
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from app.errors import BadInput, NotFound, RunNotFound, SignalError, Unauthenticated, http_status, retry_after_s
 from app.failures import known_failure
+from gpu_runtime.contract.json_types import JSONObject
 
 log = logging.getLogger("signal.openai")
 
@@ -36,7 +36,7 @@ class OpenAIError(Exception):
         self.retry_after_s = retry_after_s  # a 429's Retry-After: the openai package waits that long, then retries
         self.kind = kind or TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
 
-    def body(self) -> dict[str, Any]:
+    def body(self) -> JSONObject:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:

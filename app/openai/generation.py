@@ -18,6 +18,7 @@ from app.openai.targets import Target
 from app.services.runs import RunService, SampleParams
 from app.tables import User
 from gpu_runtime.contract import MAX_TOKENS_LIMIT, SampleResult
+from gpu_runtime.contract.json_types import JSONObject
 
 
 async def prepared(runs: RunService, target: Target, params: CompletionRequest
@@ -109,7 +110,7 @@ class Sampling:
         assert self.prompt_ids is not None, "a sample's first chunk or result names its prompts"
         return self.prompt_ids
 
-    async def answer(self, result: SampleResult) -> tuple[dict[str, Any], list[answers.Choice]]:
+    async def answer(self, result: SampleResult) -> tuple[JSONObject, list[answers.Choice]]:
         """The whole answer's body and its choices. The text of the ids it needs (with logprobs or echo every id,
         prompt and top-k ones included; else only those of sequences cut at a stop string) came with the result,
         from the runtime's tokenizer (Sample.pieces)."""

@@ -7,8 +7,9 @@ request is kept in the sample history (omitted or true: kept; false: not, for ro
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TypeGuard
 
 from app.openai import tools as tooling
 from app.openai.errors import bad
@@ -21,6 +22,7 @@ from gpu_runtime.contract import (
     MAX_TOKENS_LIMIT,
     MAX_TOPK_LOGPROBS,
 )
+from gpu_runtime.contract.json_types import JSONObject
 
 MAX_COMPLETION_LOGPROBS = 5  # the legacy completions API's bound
 MAX_CARRIED_TOKENS = 1 << 20  # an assistant turn's carried ids: beyond any context (the context bound refuses sooner)
@@ -34,7 +36,7 @@ class CompletionRequest:
     model: str
     chat: bool
     prompts: list[str] | list[list[int]] | None = None
-    messages: list[dict[str, Any]] | None = None
+    messages: list[JSONObject] | None = None
     tools: tooling.Tools = field(default_factory=tooling.Tools)  # chat's tools, tool_choice, parallel_tool_calls
     history: tuple[list[int], int] | None = None  # an assistant turn's carried ids and its index (_carried)
     max_tokens: int | None = None  # None: the room left in the context, up to MAX_TOKENS_LIMIT
@@ -49,14 +51,13 @@ class CompletionRequest:
     stream: bool = False
     include_usage: bool = False
     store: bool = True  # kept in the sample history (the run's, or the user's for a base model)
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
-def _is_int(value: Any) -> bool:
+def _is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _number(body: dict[str, Any], name: str, default: float, low: float, high: float) -> float:
+def _number(body: Mapping[str, object], name: str, default: float, low: float, high: float) -> float:
     value = body.get(name)
     if value is None:
         return default
@@ -65,7 +66,7 @@ def _number(body: dict[str, Any], name: str, default: float, low: float, high: f
     return float(value)
 
 
-def _int(body: dict[str, Any], name: str, low: int, high: int) -> int | None:
+def _int(body: Mapping[str, object], name: str, low: int, high: int) -> int | None:
     value = body.get(name)
     if value is None:
         return None
@@ -74,7 +75,7 @@ def _int(body: dict[str, Any], name: str, low: int, high: int) -> int | None:
     return int(value)
 
 
-def _bool(body: dict[str, Any], name: str) -> bool:
+def _bool(body: Mapping[str, object], name: str) -> bool:
     value = body.get(name)
     if value is None:
         return False
@@ -83,7 +84,7 @@ def _bool(body: dict[str, Any], name: str) -> bool:
     return value
 
 
-def _refusals(body: dict[str, Any], chat: bool) -> None:
+def _refusals(body: Mapping[str, object], chat: bool) -> None:
     """What Signal does not do, refused by name; the same parameters at their neutral values pass."""
     for name in ("tools", "functions", "tool_choice", "function_call"):
         if not chat and body.get(name) not in (None, "none", []):
@@ -105,7 +106,7 @@ def _refusals(body: dict[str, Any], chat: bool) -> None:
         raise bad("best_of", "best_of is not supported (leave it out, or equal to n)")
 
 
-def _stop(body: dict[str, Any]) -> list[str] | None:
+def _stop(body: Mapping[str, object]) -> list[str] | None:
     stop = body.get("stop")
     if stop is None:
         return None
@@ -117,22 +118,24 @@ def _stop(body: dict[str, Any]) -> list[str] | None:
     return stops
 
 
-def _prompts(prompt: Any) -> list[str] | list[list[int]]:
+def _prompts(prompt: object) -> list[str] | list[list[int]]:
     """A string, a list of strings, a list of token ids, or a list of token-id lists."""
     if isinstance(prompt, str):
         return [prompt]
     if isinstance(prompt, list) and prompt:
-        if all(isinstance(p, str) for p in prompt):
-            return list(prompt)
-        if all(_is_int(t) and t >= 0 for t in prompt):
-            return [list(prompt)]
+        strings = [p for p in prompt if isinstance(p, str)]
+        if len(strings) == len(prompt):
+            return strings
+        ids = [t for t in prompt if _is_int(t) and t >= 0]
+        if len(ids) == len(prompt):
+            return [ids]
         if all(isinstance(p, list) and p and all(_is_int(t) and t >= 0 for t in p) for p in prompt):
             return [list(p) for p in prompt]
     raise bad("prompt", "prompt must be a string, a list of strings, a list of token ids or a list of token-id lists, "
                         "none empty")
 
 
-def _content(content: Any, i: int) -> str:
+def _content(content: object, i: int) -> str:
     if content is None:
         return ""
     if isinstance(content, str):
@@ -149,14 +152,14 @@ def _content(content: Any, i: int) -> str:
     return "".join(texts)
 
 
-def _ids(value: Any, param: str) -> list[int]:
+def _ids(value: object, param: str) -> list[int]:
     if (not isinstance(value, list) or not value or len(value) > MAX_CARRIED_TOKENS
             or not all(_is_int(t) and t >= 0 for t in value)):
         raise bad(param, f"{param} must be a non-empty list of at most {MAX_CARRIED_TOKENS} token ids")
     return list(value)
 
 
-def _carried(message: dict[str, Any], i: int) -> list[int] | None:
+def _carried(message: Mapping[str, object], i: int) -> list[int] | None:
     """An assistant message's ids as sampled, Signal's extension: the earlier answer's `prompt_token_ids` and its
     choice's `token_ids`, copied onto the message. The prompt then starts with them, not with that turn re-rendered
     from its text (the runtime's render_messages; where the messages before it render otherwise, it is re-rendered)."""
@@ -170,12 +173,12 @@ def _carried(message: dict[str, Any], i: int) -> list[int] | None:
     return _ids(prompt, f"messages[{i}].prompt_token_ids") + _ids(completion, f"messages[{i}].token_ids")
 
 
-def _messages(messages: Any) -> tuple[list[dict[str, Any]], tuple[list[int], int] | None]:
+def _messages(messages: object) -> tuple[list[JSONObject], tuple[list[int], int] | None]:
     """The messages as the template takes them, and the last assistant turn's carried ids with its index."""
     if not isinstance(messages, list) or not messages:
         raise bad("messages", "messages must be a non-empty list")
     tooling.check_history(messages)
-    rendered: list[dict[str, Any]] = []
+    rendered: list[JSONObject] = []
     call_names: dict[str, str] = {}  # a tool call's id: its function, for the tool message answering it
     history: tuple[list[int], int] | None = None
     for i, message in enumerate(messages):
@@ -190,10 +193,11 @@ def _messages(messages: Any) -> tuple[list[dict[str, Any]], tuple[list[int], int
                                              f"got {role!r}")
         if message.get("function_call"):
             raise bad(f"messages[{i}].function_call", f"messages[{i}]: function_call is deprecated: use tool_calls")
-        item: dict[str, Any] = {"role": ROLES[role], "content": _content(message.get("content"), i)}
+        item: JSONObject = {"role": ROLES[role], "content": _content(message.get("content"), i)}
         if role == "assistant" and message.get("tool_calls"):
-            item["tool_calls"] = tooling.assistant_calls(message["tool_calls"], i)
-            call_names.update({c["id"]: c["function"]["name"] for c in item["tool_calls"]})
+            calls = tooling.assistant_calls(message["tool_calls"], i)
+            item["tool_calls"] = calls
+            call_names.update({str(c["id"]): tooling.function_name(c) for c in calls})
         carried = _carried(message, i) if role == "assistant" else None
         if carried is not None:
             history = (carried, i)
@@ -201,7 +205,7 @@ def _messages(messages: Any) -> tuple[list[dict[str, Any]], tuple[list[int], int
     return rendered, history
 
 
-def parse(body: Any, chat: bool) -> CompletionRequest:
+def parse(body: object, chat: bool) -> CompletionRequest:
     if not isinstance(body, dict):
         raise bad("body", "the request body must be a JSON object")
     model = body.get("model")

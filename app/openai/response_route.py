@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -16,11 +15,12 @@ from starlette.types import Message
 from app.openai import responses, targets
 from app.openai.errors import OpenAIError, bad
 from app.security import bearer_from_header
+from gpu_runtime.contract.json_types import JSONObject, as_json_object
 
 Handler = Callable[[Request], Awaitable[Response]]
 
 
-def _sub_request(request: Request, body: dict[str, Any]) -> Request:
+def _sub_request(request: Request, body: JSONObject) -> Request:
     """`request` carrying `body` instead: its own receive after that, so the client leaving still withdraws."""
     data, sent = json.dumps(body).encode(), False
 
@@ -45,9 +45,9 @@ def handler(chat_completions: Handler) -> Handler:
         except ValueError:
             raise bad("body", "the request body is not valid JSON") from None
 
-        async def chat_answer(body: dict[str, Any]) -> dict[str, Any]:
+        async def chat_answer(body: JSONObject) -> JSONObject:
             answer = await chat_completions(_sub_request(request, body))
-            return json.loads(bytes(answer.body))  # type: ignore[no-any-return]  # the chat handler's JSON object
+            return as_json_object(json.loads(bytes(answer.body)), "answer")  # the chat handler's JSON object
 
         async def run_of(model: str) -> str | None:  # the answered model: it resolves
             target = await targets.resolve(state.services, user, model)

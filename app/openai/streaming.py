@@ -22,6 +22,7 @@ from app.rechecked import rechecked
 from app.services.runs import SampleParams
 from app.services.streams import first_or_gone, hold, next_chunk
 from gpu_runtime.contract import SampleChunk
+from gpu_runtime.contract.json_types import JSONObject, as_json_object, get_list, get_object
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -30,20 +31,20 @@ def event_stream(events: AsyncIterator[str]) -> StreamingResponse:
     return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
 
 
-async def whole(body: dict[str, Any], chat: bool, include_usage: bool) -> AsyncIterator[str]:
+async def whole(body: JSONObject, chat: bool, include_usage: bool) -> AsyncIterator[str]:
     """The whole answer as events (a stream asking for logprobs or echo): per choice its content in one chunk, then its
     finish; usage last when asked."""
-    head = {key: body[key] for key in ("id", "created", "model")}
+    head: JSONObject = {key: body[key] for key in ("id", "created", "model")}
     kind = "chat.completion.chunk" if chat else "text_completion"
-    extra = {"usage": None} if include_usage else {}
+    extra: JSONObject = {"usage": None} if include_usage else {}
     try:
-        for choice in body["choices"]:
+        for choice in [as_json_object(item, "choices") for item in get_list(body, "choices")]:
             index = choice["index"]
             if chat:
-                parts: list[dict[str, Any]] = [
+                parts: list[JSONObject] = [
                     {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                      "finish_reason": None},
-                    {"index": index, "delta": tool_answers.delta(choice["message"]),
+                    {"index": index, "delta": tool_answers.delta(get_object(choice, "message")),
                      "logprobs": choice["logprobs"], "finish_reason": None},
                     {"index": index, "delta": {}, "logprobs": None, "finish_reason": choice["finish_reason"]}]
                 if "token_ids" in choice:
@@ -52,7 +53,7 @@ async def whole(body: dict[str, Any], chat: bool, include_usage: bool) -> AsyncI
                 parts = [{**choice, "finish_reason": None},
                          {"index": index, "text": "", "logprobs": None, "finish_reason": choice["finish_reason"]}]
             for part in parts:
-                chunk: dict[str, Any] = {**head, "object": kind, "choices": [part], **extra}
+                chunk: JSONObject = {**head, "object": kind, "choices": [part], **extra}
                 if chat and "prompt_token_ids" in body and part is parts[0]:
                     chunk["prompt_token_ids"] = body["prompt_token_ids"]
                 yield f"data: {json.dumps(chunk)}\n\n"
@@ -113,8 +114,8 @@ async def _chunk_events(call: Sampling, task: asyncio.Future[Any], chunks: async
     readers = [ToolStream(params.tools) if chat and params.tools.parsing else None for _ in range(count)]
 
     def event(index: int, text: str, ids: list[int] | None, finish: str | None = None, opening: bool = False,
-              delta: dict[str, Any] | None = None, said: dict[str, str] | None = None) -> str:
-        part: dict[str, Any] = {"index": index, "logprobs": None, "finish_reason": finish, **(said or {})}
+              delta: JSONObject | None = None, said: dict[str, str] | None = None) -> str:
+        part: JSONObject = {"index": index, "logprobs": None, "finish_reason": finish, **(said or {})}
         if chat:
             part["delta"] = (delta if delta is not None else {"role": "assistant", "content": ""} if opening
                              else {"content": text} if text or ids else {})

@@ -5,12 +5,12 @@ returns), or a catalogue base model alone; and the models list's entries. Anothe
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from app.errors import SignalError
 from app.openai.errors import model_not_found
 from app.services import Services, tinker_paths
 from app.tables import Run, User
+from gpu_runtime.contract.json_types import JSONObject
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ async def _tinker_path(services: Services, user: User, name: str) -> tuple[str, 
     return model.run_id, path.name
 
 
-def entry(target: Target, created: int = 0) -> dict[str, Any]:
+def entry(target: Target, created: int = 0) -> JSONObject:
     """A target as OpenAI's model object."""
     run = target.run
     root = run.base_model if run is not None else target.base_model
@@ -61,7 +61,7 @@ def entry(target: Target, created: int = 0) -> dict[str, Any]:
             "owned_by": "user" if run is not None else "signal", "root": root}
 
 
-async def listed(services: Services, user: User) -> list[dict[str, Any]]:
+async def listed(services: Services, user: User) -> list[JSONObject]:
     """The caller's runs and their sampler snapshots (as `{run_id}@{name}`, and as `tinker://` paths for a run a
     Tinker model drives), and the catalogue's models this server can load."""
     tinker_models, _ = await services.tinker_sessions.models(user, limit=1000, offset=0)

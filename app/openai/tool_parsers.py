@@ -20,6 +20,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpu_runtime.contract.json_types import JSONObject
+
 FAMILIES = ("hermes", "llama3_json", "gpt_oss")
 DEFAULT_FAMILY = "hermes"
 
@@ -38,8 +40,8 @@ class ToolCall:
     arguments: str  # JSON text, as OpenAI's wire carries it
     id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
 
-    def wire(self, index: int | None = None) -> dict[str, Any]:
-        item: dict[str, Any] = {"id": self.id, "type": "function",
+    def wire(self, index: int | None = None) -> JSONObject:
+        item: JSONObject = {"id": self.id, "type": "function",
                                 "function": {"name": self.name, "arguments": self.arguments}}
         return item if index is None else {"index": index, **item}
 

@@ -14,10 +14,11 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from typing import Any
+from dataclasses import dataclass
 
 from app.openai import tool_answers, tool_parsers
 from app.openai.tools import Tools
+from gpu_runtime.contract.json_types import JSONObject
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"([^"\\]*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\{)')
@@ -36,6 +37,15 @@ def _held_back(text: str) -> int:
     return 0
 
 
+@dataclass
+class _Sent:
+    """A call whose opening went out: its arguments grow as their deltas are sent."""
+
+    id: str
+    name: str
+    arguments: str
+
+
 class ToolStream:
     """One choice's text in, its deltas out (`feed`, then `finish`)."""
 
@@ -45,19 +55,19 @@ class ToolStream:
         self.generated = ""  # the model's text, all of it
         self.content_sent = 0  # how much of `generated` went out as content
         self.state = "content"  # content | head | arguments | closing | block | done
-        self.calls: list[dict[str, Any]] = []  # sent: {id, name, arguments}
+        self.calls: list[_Sent] = []
         self.depth, self.in_string, self.escaped = 0, False, False
         self.malformed: str | None = None
 
-    def feed(self, text: str) -> list[dict[str, Any]]:
+    def feed(self, text: str) -> list[JSONObject]:
         self.generated += text
         self.pending += text
-        deltas: list[dict[str, Any]] = []
+        deltas: list[JSONObject] = []
         while self.pending and self._step(deltas):
             pass
         return deltas
 
-    def _step(self, deltas: list[dict[str, Any]]) -> bool:
+    def _step(self, deltas: list[JSONObject]) -> bool:
         """One move of the reader over `pending`; False when it needs more text."""
         pending = self.pending
         if self.state == "content":
@@ -81,7 +91,7 @@ class ToolStream:
                     self.state = "block"
                     return True
                 return False
-            call = {"id": f"call_{uuid.uuid4().hex[:24]}", "name": match.group(1), "arguments": ""}
+            call = _Sent(f"call_{uuid.uuid4().hex[:24]}", match.group(1), "")
             self.calls.append(call)
             deltas.append(self._call_delta(call, ""))
             self.pending, self.state, self.depth = pending[match.end():], "arguments", 0
@@ -90,7 +100,7 @@ class ToolStream:
             end = self._scan(pending)
             part = pending if end is None else pending[:end]
             if part:
-                self.calls[-1]["arguments"] += part
+                self.calls[-1].arguments += part
                 deltas.append({"tool_calls": [{"index": len(self.calls) - 1, "function": {"arguments": part}}]})
             self.pending = "" if end is None else pending[end:]
             if end is not None:
@@ -129,35 +139,35 @@ class ToolStream:
                     return k + 1
         return None
 
-    def _whole_block(self, body: str, deltas: list[dict[str, Any]]) -> None:
+    def _whole_block(self, body: str, deltas: list[JSONObject]) -> None:
         """A block the head did not read (arguments first, an unknown name, not JSON): whole, if it is a call."""
         try:
             parsed = tool_parsers._call(json.loads(body.strip()), self.tools.names)
         except (ValueError, tool_parsers.NotACall) as why:
             self.malformed = f"a call that is not valid was left out: {why}"
             return
-        call = {"id": parsed.id, "name": parsed.name, "arguments": parsed.arguments}
+        call = _Sent(parsed.id, parsed.name, parsed.arguments)
         self.calls.append(call)
         deltas.append(self._call_delta(call, parsed.arguments))
 
-    def _content(self, text: str, deltas: list[dict[str, Any]]) -> None:
+    def _content(self, text: str, deltas: list[JSONObject]) -> None:
         if text:
             self.content_sent += len(text)
             deltas.append({"content": text})
 
-    def _call_delta(self, call: dict[str, Any], arguments: str) -> dict[str, Any]:
-        return {"tool_calls": [{"index": len(self.calls) - 1, "id": call["id"], "type": "function",
-                                "function": {"name": call["name"], "arguments": arguments}}]}
+    def _call_delta(self, call: _Sent, arguments: str) -> JSONObject:
+        return {"tool_calls": [{"index": len(self.calls) - 1, "id": call.id, "type": "function",
+                                "function": {"name": call.name, "arguments": arguments}}]}
 
-    def finish(self, finish_reason: str) -> tuple[list[dict[str, Any]], str, dict[str, str]]:
+    def finish(self, finish_reason: str) -> tuple[list[JSONObject], str, dict[str, str]]:
         """The deltas left, the finish reason, and the choice's `tool_parse_error` if any."""
         if not self.calls:  # nothing streamed as a call: the whole answer's reading, what is held as content
             body, finish, said = tool_answers.message(self.generated, finish_reason, self.tools)
             held = self.generated[self.content_sent:]
-            deltas: list[dict[str, Any]] = [{"content": held}] if body.get("content") and held and \
+            deltas: list[JSONObject] = [{"content": held}] if body.get("content") and held and \
                 not body.get("tool_calls") else []
-            for index, call in enumerate(body.get("tool_calls") or []):
-                deltas.append({"tool_calls": [{"index": index, **call}]})
+            for index, whole in enumerate(tool_answers.calls_of(body)):
+                deltas.append({"tool_calls": [{"index": index, **whole}]})
             return deltas, finish, said
         if self.state == "arguments":
             self.malformed = "the call's arguments were cut short"
@@ -165,10 +175,10 @@ class ToolStream:
             self.malformed = "a call was cut short and left out"
         for call in self.calls:
             try:
-                ok = isinstance(json.loads(call["arguments"]), dict)
+                ok = isinstance(json.loads(call.arguments), dict)
             except ValueError:
                 ok = False
             if not ok and self.malformed is None:
-                self.malformed = f"the arguments of {call['name']!r} are not a JSON object"
+                self.malformed = f"the arguments of {call.name!r} are not a JSON object"
         said = {"tool_parse_error": self.malformed} if self.malformed else {}
         return [], "tool_calls" if finish_reason == "stop" else finish_reason, said

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 from app.openai import tool_parsers
 from app.openai.errors import bad
+from gpu_runtime.contract.json_types import JSON, JSONObject, as_json, as_object, get_str
 
 MAX_TOOLS = 128  # OpenAI's own bound on tools per request
 MAX_TOOL_BYTES = 16_384  # one tool's definition, as JSON
@@ -28,7 +29,7 @@ NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 class Tools:
     """A request's tools: definitions for the template, the choice, and the names a call may use."""
 
-    definitions: list[dict[str, Any]] = field(default_factory=list)
+    definitions: list[JSONObject] = field(default_factory=list)
     choice: str = "auto"  # auto | none | required | named
     named: str | None = None  # the function a named tool_choice forces
     parallel: bool = True
@@ -37,7 +38,7 @@ class Tools:
 
     @property
     def names(self) -> set[str]:
-        return {d["function"]["name"] for d in self.definitions}
+        return {function_name(d) for d in self.definitions}
 
     @property
     def parsing(self) -> bool:
@@ -53,7 +54,12 @@ class Tools:
         return None
 
 
-def _function(tool: Any, i: int) -> dict[str, Any]:
+def function_name(entry: Mapping[str, object]) -> str:
+    """The function a definition or a call names (both are {function: {name, …}}, checked when built)."""
+    return get_str(as_object(entry["function"], "function"), "name")
+
+
+def _function(tool: object, i: int) -> JSONObject:
     param = f"tools[{i}]"
     if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
         raise bad(param, f"{param} must be {{type: 'function', function: {{name, description, parameters}}}}")
@@ -72,7 +78,7 @@ def _function(tool: Any, i: int) -> dict[str, Any]:
     return {"type": "function", "function": kept}
 
 
-def definitions(tools: Any) -> list[dict[str, Any]]:
+def definitions(tools: object) -> list[JSONObject]:
     """Chat completions' `tools`, checked and bounded."""
     if tools is None:
         return []
@@ -81,7 +87,7 @@ def definitions(tools: Any) -> list[dict[str, Any]]:
     if len(tools) > MAX_TOOLS:
         raise bad("tools", f"tools has {len(tools)} entries; at most {MAX_TOOLS}")
     out = [_function(tool, i) for i, tool in enumerate(tools)]
-    if len({d["function"]["name"] for d in out}) < len(out):
+    if len({function_name(d) for d in out}) < len(out):
         raise bad("tools", "tools has two functions of the same name")
     size = len(json.dumps(out))
     if size > MAX_TOOLS_BYTES:
@@ -89,7 +95,7 @@ def definitions(tools: Any) -> list[dict[str, Any]]:
     return out
 
 
-def from_body(body: dict[str, Any], defs: list[dict[str, Any]]) -> Tools:
+def from_body(body: Mapping[str, object], defs: list[JSONObject]) -> Tools:
     """`tool_choice` and `parallel_tool_calls` against the request's tools."""
     for legacy in ("functions", "function_call"):
         if body.get(legacy) not in (None, "none", []):
@@ -116,22 +122,22 @@ def from_body(body: dict[str, Any], defs: list[dict[str, Any]]) -> Tools:
     return tools
 
 
-def _arguments(text: Any, param: str) -> Any:
+def _arguments(text: object, param: str) -> JSON:
     """A call's arguments as the template wants them: an object (Hermes, Llama and harmony templates tojson them)."""
     if not isinstance(text, str):
         raise bad(param, f"{param} must be a JSON string")
     try:
-        return json.loads(text)
+        return as_json(json.loads(text))
     except ValueError:
         return text  # what the model wrote, kept as it was so the history renders as it was sampled
 
 
-def assistant_calls(calls: Any, i: int) -> list[dict[str, Any]]:
+def assistant_calls(calls: object, i: int) -> list[JSONObject]:
     """An assistant message's `tool_calls` in the template's shape."""
     param = f"messages[{i}].tool_calls"
     if not isinstance(calls, list):
         raise bad(param, f"{param} must be a list")
-    out = []
+    out: list[JSONObject] = []
     for j, call in enumerate(calls):
         function = call.get("function") if isinstance(call, dict) else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
@@ -143,7 +149,7 @@ def assistant_calls(calls: Any, i: int) -> list[dict[str, Any]]:
     return out
 
 
-def tool_message(message: dict[str, Any], content: str, i: int, names: dict[str, str]) -> dict[str, Any]:
+def tool_message(message: Mapping[str, object], content: str, i: int, names: dict[str, str]) -> JSONObject:
     """A `tool` message: its result, the call it answers and that call's function name (templates print either)."""
     call_id = message.get("tool_call_id")
     if not isinstance(call_id, str) or not call_id:
@@ -152,6 +158,6 @@ def tool_message(message: dict[str, Any], content: str, i: int, names: dict[str,
             "name": names.get(call_id, str(message.get("name") or ""))}
 
 
-def check_history(messages: Any) -> None:
+def check_history(messages: object) -> None:
     if isinstance(messages, list) and len(messages) > MAX_MESSAGES:
         raise bad("messages", f"messages has {len(messages)} entries; at most {MAX_MESSAGES}")

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 from graphql.error import GraphQLError
 from strawberry.extensions import MaskErrors
@@ -12,6 +11,7 @@ from strawberry.utils.str_converters import to_camel_case
 
 from app.db import database_error
 from app.errors import BadInput, InternalError, InvalidDocument, SignalError
+from gpu_runtime.contract.json_types import JSONObject
 
 log = logging.getLogger("signal.graphql")
 
@@ -26,9 +26,9 @@ class SignalErrors(MaskErrors):
         return [_present(error) for error in errors]
 
 
-def extensions_of(error: SignalError) -> dict[str, Any]:
+def extensions_of(error: SignalError) -> JSONObject:
     """`code`, `retryable`, `field` when it names one, and the error's details in GraphQL's case (retryAfterS)."""
-    extensions: dict[str, Any] = {"code": error.code, "retryable": error.retryable}
+    extensions: JSONObject = {"code": error.code, "retryable": error.retryable}
     if error.field:
         extensions["field"] = error.field
     return extensions | {to_camel_case(key): value for key, value in error.details.items()}
@@ -55,7 +55,7 @@ def _present(error: GraphQLError) -> GraphQLError:
                             keep_original=False)
 
 
-def _with_extensions(error: GraphQLError, message: str, extensions: dict[str, Any], keep_original: bool = True) -> GraphQLError:
+def _with_extensions(error: GraphQLError, message: str, extensions: JSONObject, keep_original: bool = True) -> GraphQLError:
     return GraphQLError(
         message=message, nodes=error.nodes, source=error.source, positions=error.positions, path=error.path,
         original_error=error.original_error if keep_original else None, extensions=extensions,

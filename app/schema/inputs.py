@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import strawberry
 
 from app.services.runs import RunSpec
 from app.tables import RUN_NAME_LENGTH, RUN_NOTE_LENGTH, RUN_TAG_LENGTH, RUN_TAGS_MOST
 from gpu_runtime import contract
 from gpu_runtime.contract import ADAM_DEFAULTS, DATUM_INPUTS, LORA_DEFAULTS
+from gpu_runtime.contract.json_types import JSONObject
 
 
 @strawberry.input
@@ -78,7 +77,7 @@ class LossFnInputs:
     sequence_ratio_mask: list[float] | None = strawberry.field(
         default=None, description="The positions gspo's sequence ratio spans (default: those that count)")
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, list[float]]:
         return {name: value for name in DATUM_INPUTS if (value := getattr(self, name)) is not None}
 
 
@@ -94,7 +93,7 @@ class PackedDatum:
     clip_high_threshold: str | None = None
     sequence_ratio_mask: str | None = None
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, str | None]:
         return {name: value for name in ("model_input", *DATUM_INPUTS) if (value := getattr(self, name)) is not None}
 
 
@@ -137,9 +136,9 @@ class BatchItem:
         item.check(where)
         return item
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSONObject:
         """The item as JSON carries it (what the contract's reader takes)."""
-        item: dict[str, Any] = {}
+        item: JSONObject = {}
         for key in ("text", "input", "output", "tokens", "weights", "logprobs", "advantages"):
             value = getattr(self, key)
             if value is not None:

@@ -3,8 +3,6 @@ saveWeightsForSampler; each built from an engine result."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import strawberry
 
 from gpu_runtime import contract
@@ -25,7 +23,7 @@ class DatumOutput:
     elementwise_loss: list[float]
 
 
-def datum_outputs(outputs: list[dict[str, Any]] | None) -> list[DatumOutput] | None:
+def datum_outputs(outputs: list[dict[str, list[float]]] | None) -> list[DatumOutput] | None:
     if outputs is None:
         return None
     return [DatumOutput(logprobs=o["logprobs"], elementwise_loss=o["elementwise_loss"]) for o in outputs]

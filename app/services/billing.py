@@ -28,6 +28,7 @@ from app.db import Database
 from app.errors import BillingUnavailable, InsufficientCredits
 from app.settings import Settings
 from app.tables import BillingOutbox, utcnow
+from gpu_runtime.contract.json_types import JSONObject
 
 log = logging.getLogger("signal.billing")
 
@@ -53,7 +54,7 @@ class BillingClient:
 
     # ---- before a call --------------------------------------------------------------------
 
-    async def validate(self, ask: dict[str, Any]) -> None:
+    async def validate(self, ask: JSONObject) -> None:
         """Raise InsufficientCredits or BillingUnavailable unless the billing service allows the call `ask`
         describes (its fields: docs/BILLING.md; the ledger writes them)."""
         response = await self._post(VALIDATE_PATH, ask)
@@ -81,7 +82,7 @@ class BillingClient:
         token = huggingface.get("token") if isinstance(huggingface, dict) else None
         return token if isinstance(token, str) and token.strip() else None
 
-    async def _post(self, path: str, body: dict[str, Any]) -> httpx.Response:
+    async def _post(self, path: str, body: JSONObject) -> httpx.Response:
         try:
             return await self.http.post(path, json=body)
         except httpx.TimeoutException:
@@ -174,7 +175,7 @@ class BillingClient:
         await self.http.aclose()
 
 
-def _json(response: httpx.Response) -> dict[str, Any]:
+def _json(response: httpx.Response) -> JSONObject:
     try:
         body = response.json()
     except ValueError:

@@ -16,7 +16,6 @@ compute seconds are in that outbox row only. No run's `compute_seconds` grows, a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from sqlalchemy import update
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -26,6 +25,7 @@ from app.services.billing import BillingClient
 from app.settings import Settings
 from app.tables import BillingOutbox, Run, User, utcnow
 from gpu_runtime.client.allocation import GpuAllocation, parse_gpu_config
+from gpu_runtime.contract.json_types import JSONObject
 from gpu_runtime.errors import BadInput
 
 CPU = "cpu"  # the runtime's name for the CPU device (str(torch.device("cpu")))
@@ -169,7 +169,7 @@ class Ledger:
         )
 
     def _ask(self, user: User, operation: str, run_id: str, base_model: str, device: str, gpu_type: str,
-             gpu_count: int) -> dict[str, Any]:
+             gpu_count: int) -> JSONObject:
         return {"user_id": user.id, "operation": operation, "run_id": run_id, "base_model": base_model,
                 "device": device or None, "gpu_type": gpu_type, "gpu_count": gpu_count,
                 "credits_per_gpu_second": self.rates.gpu_second, "credits_per_cpu_second": self.rates.cpu_second}

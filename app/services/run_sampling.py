@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import builtins
 import dataclasses
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -33,6 +34,7 @@ from gpu_runtime.contract import (
     checkpoint_ref,
 )
 from gpu_runtime.contract import Sample as SampleCall  # app.tables.Sample is a sample's row
+from gpu_runtime.contract.json_types import JSON, JSONObject
 
 
 class RunSampling:
@@ -193,8 +195,8 @@ class RunSampling:
         rendered = [await self.render_chat(run, messages=messages, base_model=base_model) for messages in conversations]
         return [list(r.prompt_tokens or []) for r in rendered]
 
-    async def tool_format(self, run: Run | None, base_model: str | None, messages: builtins.list[dict[str, Any]],
-                          tools: builtins.list[dict[str, Any]],
+    async def tool_format(self, run: Run | None, base_model: str | None, messages: Sequence[Mapping[str, JSON]],
+                          tools: builtins.list[JSONObject],
                           history: tuple[builtins.list[int], int] | None) -> str | None:
         """The call format the base's chat template teaches when given tools (hermes, llama3_json, gpt_oss), kept per
         base: a template does not change under its name, and /v1 needs it before its sample (stream or not)."""
@@ -205,9 +207,9 @@ class RunSampling:
             self.tool_formats[key] = rendered.tool_format
         return self.tool_formats[key]
 
-    async def render_chat(self, run: Run | None, messages: builtins.list[dict[str, Any]] | None = None,
+    async def render_chat(self, run: Run | None, messages: Sequence[Mapping[str, JSON]] | None = None,
                           prompts: builtins.list[str] | None = None, decode: builtins.list[int] | None = None,
-                          base_model: str | None = None, tools: builtins.list[dict[str, Any]] | None = None,
+                          base_model: str | None = None, tools: builtins.list[JSONObject] | None = None,
                           prefill: str | None = None,
                           history: tuple[builtins.list[int], int] | None = None) -> RenderChatResult:
         """On the caller's run's base (ownership checked by `get`), or a catalogue model's (`base_model`, run None):
@@ -215,13 +217,14 @@ class RunSampling:
         turn's index, reused), text `prompts` as ids, and `decode`'s ids as text, one each: the OpenAI endpoint's
         tokenizer work. No run queue, no credits."""
         tokens, through = history if history is not None else (None, None)
+        objects = None if messages is None else [dict(message) for message in messages]  # the contract's JSON objects
         if run is not None:
-            request, pool = RenderChat(run_id=run.id, messages=messages, prompts=prompts, decode=decode, tools=tools,
+            request, pool = RenderChat(run_id=run.id, messages=objects, prompts=prompts, decode=decode, tools=tools,
                                        prefill=prefill, history_tokens=tokens,
                                        history_through=through), pool_of(run)
         else:
             model = self.calls.catalog.get(base_model or self.calls.default_model)
-            request = RenderChat(base_model=model.source, messages=messages, prompts=prompts, decode=decode,
+            request = RenderChat(base_model=model.source, messages=objects, prompts=prompts, decode=decode,
                                  tools=tools, prefill=prefill, history_tokens=tokens, history_through=through)
             pool = PoolKey.of(model.name, self.calls.catalog.resolve_gpu(model, None, None), None)
         request.validate()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import builtins
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 from sqlalchemy import case, update
@@ -113,7 +114,7 @@ class RunTraining:
         run = await self.calls.get(user, run_id)
         return await self.calls.on_run(run, self.calls.checked(RenderDatums(run_id=run.id, batch=batch, loss_fn=loss_fn)))
 
-    async def optim_step(self, user: User, run_id: str, adam: dict[str, Any] | None = None,
+    async def optim_step(self, user: User, run_id: str, adam: Mapping[str, float | None] | None = None,
                          request_id: str | None = None, order: Numbered | None = None) -> OptimStepResult:
         def arguments(run: Run) -> OptimStep:
             overrides = {key: value for key, value in (adam or {}).items() if value is not None}

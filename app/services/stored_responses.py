@@ -6,12 +6,12 @@ its run (the foreign key's cascade): a conversation on a deleted run cannot be c
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any
 
 from sqlalchemy import delete, select
 
 from app.db import Database
 from app.tables import StoredResponse, User, utcnow
+from gpu_runtime.contract.json_types import JSONObject, as_json_object
 
 RESPONSES_PER_USER = 256  # stored conversations a user keeps; the oldest goes first
 ID_LENGTH = 64  # the column's: resp_ and 32 hex digits fit
@@ -22,7 +22,7 @@ class StoredResponses:
         self.db = db
         self.ttl = timedelta(seconds=ttl_s)
 
-    async def keep(self, user: User, ident: str, run_id: str | None, messages: list[dict[str, Any]]) -> None:
+    async def keep(self, user: User, ident: str, run_id: str | None, messages: list[JSONObject]) -> None:
         """Store the conversation `messages` (its answer, with its token ids, included; instructions not) under
         `ident`; the user's expired rows, and the oldest past the bound, go."""
         now = utcnow()
@@ -37,7 +37,7 @@ class StoredResponses:
             await session.execute(delete(StoredResponse).where(StoredResponse.user_id == user.id,
                                                                StoredResponse.id.not_in(newest.scalar_subquery())))
 
-    async def get(self, user: User, ident: str) -> list[dict[str, Any]] | None:
+    async def get(self, user: User, ident: str) -> list[JSONObject] | None:
         """The messages of the user's unexpired response `ident`, else None (unknown, expired, another user's, or its
         run deleted)."""
         if not 0 < len(ident) <= ID_LENGTH or not ident.isprintable():  # no such row, never a query (NUL: PostgreSQL)
@@ -45,4 +45,4 @@ class StoredResponses:
         async with self.db.session() as session:
             messages = await session.scalar(select(StoredResponse.messages).where(
                 StoredResponse.id == ident, StoredResponse.user_id == user.id, StoredResponse.expires_at > utcnow()))
-        return None if messages is None else list(messages)
+        return None if messages is None else [as_json_object(m, "messages") for m in messages]

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import contextvars
 import uuid
+from collections.abc import Mapping
 from datetime import timedelta
-from typing import Any
 
 from sqlalchemy import func, select, update
 from sqlalchemy.exc import IntegrityError
@@ -34,11 +34,11 @@ class TinkerSessions:
     def __init__(self, db: Database) -> None:
         self.db = db
 
-    async def create(self, user: User, display_name: str | None, user_metadata: dict[str, Any] | None) -> str:
+    async def create(self, user: User, display_name: str | None, user_metadata: Mapping[str, object] | None) -> str:
         session_id = uuid.uuid4().hex  # 32 characters: ids built on it stay well under TINKER_ID_LENGTH
         async with self.db.session() as session:
             session.add(TinkerSession(id=session_id, user_id=user.id, display_name=(display_name or "")[:NAME_LENGTH],
-                                      user_metadata=user_metadata if isinstance(user_metadata, dict) else {}))
+                                      user_metadata=dict(user_metadata) if isinstance(user_metadata, Mapping) else {}))
         return session_id
 
     async def get(self, user: User, session_id: str) -> TinkerSession:

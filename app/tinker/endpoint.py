@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
 
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -60,7 +59,7 @@ async def authenticate(request: Request) -> User:
     return user
 
 
-async def body(request: Request) -> dict[str, Any]:
+async def body(request: Request) -> Mapping[str, object]:
     """The request's JSON object, as sent: each handler checks the fields it reads."""
     raw = await compression.request_body(request, services(request).settings.max_request_bytes)
     try:

@@ -4,7 +4,7 @@ checked at submit, before anything proportional to the value is built or a futur
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
 
 from app.errors import BadInput
 from app.tables import MAX_INTEGER
@@ -17,13 +17,13 @@ def integer(value: object, field: str, low: int = 0, high: int = MAX_INTEGER) ->
     return value
 
 
-def optional_integer(data: dict[str, Any], name: str, default: int | None, low: int = 0, high: int = MAX_INTEGER,
+def optional_integer(data: Mapping[str, object], name: str, default: int | None, low: int = 0, high: int = MAX_INTEGER,
                      field: str | None = None) -> int | None:
     value = data.get(name)
     return default if value is None else integer(value, field or name, low, high)
 
 
-def boolean(data: dict[str, Any], name: str, default: bool, field: str | None = None) -> bool:
+def boolean(data: Mapping[str, object], name: str, default: bool, field: str | None = None) -> bool:
     """true or false (null or absent: `default`); "no" is not false, and 1 is not true."""
     value = data.get(name)
     if value is None:
@@ -33,7 +33,7 @@ def boolean(data: dict[str, Any], name: str, default: bool, field: str | None = 
     return value
 
 
-def number(data: dict[str, Any], name: str, default: float, field: str | None = None) -> float:
+def number(data: Mapping[str, object], name: str, default: float, field: str | None = None) -> float:
     value = data.get(name)
     if value is None:
         return default
@@ -42,7 +42,7 @@ def number(data: dict[str, Any], name: str, default: float, field: str | None = 
     return float(value)
 
 
-def obj(data: dict[str, Any], name: str, field: str | None = None) -> dict[str, Any]:
+def obj(data: Mapping[str, object], name: str, field: str | None = None) -> Mapping[str, object]:
     """A JSON object (null or absent: empty)."""
     value = data.get(name)
     if value is None:
@@ -52,7 +52,7 @@ def obj(data: dict[str, Any], name: str, field: str | None = None) -> dict[str, 
     return value
 
 
-def string(data: dict[str, Any], name: str, default: str | None = None, field: str | None = None) -> str | None:
+def string(data: Mapping[str, object], name: str, default: str | None = None, field: str | None = None) -> str | None:
     value = data.get(name)
     if value is None:
         return default

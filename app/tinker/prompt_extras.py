@@ -6,6 +6,7 @@ refused naming it: the SDK would otherwise fail the call itself when the answer 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,7 +45,7 @@ class Targets:
         return [scores[cols[j]][i] for i in range(self.rows) for j in range(crow[i], crow[i + 1])]
 
 
-def targets(data: dict[str, Any], prompt_length: int) -> Targets | None:
+def targets(data: Mapping[str, object], prompt_length: int) -> Targets | None:
     """The request's target_prompt_logprobs (a TensorData: int64, [len(prompt) - 1, K], dense or CSR), checked."""
     given = data.get(FIELD)
     if given is None:
@@ -74,7 +75,7 @@ def targets(data: dict[str, Any], prompt_length: int) -> Targets | None:
     return Targets(rows, width, ids, (list(crow), list(cols)))
 
 
-def last_n(data: dict[str, Any], prompt_length: int, prompt_logprobs: bool) -> int | None:
+def last_n(data: Mapping[str, object], prompt_length: int, prompt_logprobs: bool) -> int | None:
     """prompt_logprobs_last_n: 1..len(prompt) - 1, with prompt_logprobs (the SDK's own rule)."""
     n = optional_integer(data, "prompt_logprobs_last_n", None, low=1, high=max(1, prompt_length - 1))
     if n is not None and not prompt_logprobs:
@@ -83,7 +84,7 @@ def last_n(data: dict[str, Any], prompt_length: int, prompt_logprobs: bool) -> i
     return n
 
 
-def refuse_alt_tokens(data: dict[str, Any]) -> None:
+def refuse_alt_tokens(data: Mapping[str, object]) -> None:
     if integer(data.get("prompt_alt_tokens_k") or 0, "prompt_alt_tokens_k") > 0:
         raise BadInput("prompt_alt_tokens_k is not supported by this server (no draws at prompt positions)",
                        field="prompt_alt_tokens_k")

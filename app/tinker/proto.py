@@ -13,16 +13,19 @@ import importlib.util
 import math
 import sys
 from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, TypeVar
 
 from app.errors import BadInput
 from gpu_runtime.contract import SampledSequence
+from gpu_runtime.contract.json_types import JSONObject
 from gpu_runtime.contract.training_settings import MAX_SOFT_TARGETS
 
+T = TypeVar("T", int, float)  # what an array of numbers holds
 MODULE_NAME = "signal_tinker_public_pb2"
 # A CSR tensor names its shape: a few bytes could claim a billion empty rows. No model Signal serves has a longer context.
 MAX_CSR_ROWS = 1 << 17  # not under `tinker`: its parent package would have to be imported
@@ -45,8 +48,7 @@ def pb() -> ModuleType:
     return module
 
 
-def _numbers(typecode: str, data: bytes) -> list[Any]:
-    values = array(typecode)
+def _read(values: array[T], data: bytes) -> list[T]:
     if len(data) % values.itemsize:
         raise BadInput(f"a byte field of {len(data)} bytes is no array of {values.itemsize}-byte values", field="data")
     values.frombytes(data)
@@ -55,7 +57,12 @@ def _numbers(typecode: str, data: bytes) -> list[Any]:
     return values.tolist()
 
 
-def _bytes(typecode: str, values: list[Any]) -> bytes:
+def _numbers(typecode: str, data: bytes) -> list[float]:
+    values: array[float] = array(typecode)  # ints for "i" and "q": a float to the type checker
+    return _read(values, data)
+
+
+def _bytes(typecode: str, values: Sequence[float]) -> bytes:
     packed = array(typecode, values)
     if sys.byteorder == "big":
         packed.byteswap()
@@ -64,10 +71,45 @@ def _bytes(typecode: str, values: list[Any]) -> bytes:
 
 # ---- ForwardBackwardRequest → Signal's datums -------------------------------------------------------------
 
-def decode_forward_backward(body: bytes) -> dict[str, Any]:
-    """The request as plain values: model_id, seq_id, loss_fn, loss_fn_config, forward_only, and datums in the
-    shape Signal's runtime takes ({model_input: [ids], loss_fn_inputs: {name: [values]}}). Raises BadInput for a
-    body that is no ForwardBackwardRequest or holds what Signal cannot train on (images, audio, sparse 2-D)."""
+Values = list[float] | list[list[float]]  # a loss input: per position (1-D), or per position and target (N, K)
+
+
+@dataclass(frozen=True)
+class Span:
+    """A datum's provenance span: `length` positions from `offset` of a sampled sequence, or of the prompt."""
+
+    kind: str  # sampled | prompt
+    sequence_id: str
+    offset: int
+    length: int
+
+
+@dataclass
+class TinkerDatum:
+    """A datum as decoded; app/tinker/stability.py may replace its `logprobs` from the spans before it is trained."""
+
+    model_input: list[int]
+    loss_fn_inputs: dict[str, Values]
+    spans: list[Span]
+
+    def to_dict(self) -> JSONObject:
+        """The shape Signal's batch takes ({model_input: [ids], loss_fn_inputs: {name: [values]}}); spans stay here."""
+        return {"model_input": self.model_input, "loss_fn_inputs": dict(self.loss_fn_inputs)}
+
+
+@dataclass(frozen=True)
+class ForwardBackwardMessage:
+    model_id: str
+    seq_id: int
+    loss_fn: str
+    loss_fn_config: dict[str, float | str] | None
+    forward_only: bool
+    data: list[TinkerDatum]
+
+
+def decode_forward_backward(body: bytes) -> ForwardBackwardMessage:
+    """The request as plain values. Raises BadInput for a body that is no ForwardBackwardRequest or holds what Signal
+    cannot train on (images, audio, sparse 2-D)."""
     from google.protobuf.message import DecodeError
 
     message = pb().ForwardBackwardRequest()
@@ -76,38 +118,37 @@ def decode_forward_backward(body: bytes) -> dict[str, Any]:
     except DecodeError as exc:
         raise BadInput(f"the body is no ForwardBackwardRequest protobuf: {exc}", field="body") from None
     datums = [_datum(datum, i) for i, datum in enumerate(message.data)]
-    config: dict[str, Any] = {key: float(value) for key, value in message.loss_fn_config.items()}
+    config: dict[str, float | str] = {key: float(value) for key, value in message.loss_fn_config.items()}
     for key, value in message.loss_fn_config_v2.items():
         config.setdefault(key, value.number if value.WhichOneof("value") == "number" else value.text)
-    return {"model_id": message.model_id, "seq_id": int(message.seq_id), "loss_fn": message.loss_fn or "cross_entropy",
-            "loss_fn_config": config or None, "forward_only": bool(message.forward_only), "data": datums}
+    return ForwardBackwardMessage(model_id=str(message.model_id), seq_id=int(message.seq_id),
+                                  loss_fn=str(message.loss_fn or "cross_entropy"), loss_fn_config=config or None,
+                                  forward_only=bool(message.forward_only), data=datums)
 
 
-def _datum(datum: Any, index: int) -> dict[str, Any]:
+def _datum(datum: Any, index: int) -> TinkerDatum:
     tokens: list[int] = []
     for chunk in datum.model_input:  # several encoded_text chunks are normal (rl_loop appends): concatenated
         kind = chunk.WhichOneof("chunk")
         if kind != "encoded_text":
             raise BadInput(f"data[{index}]: {kind} chunks are not supported (text only)", field=f"data[{index}]")
-        tokens += _numbers("i", chunk.encoded_text.tokens)
+        tokens += _read(array("i"), chunk.encoded_text.tokens)
     inputs = {name: _tensor(tensor, f"data[{index}].loss_fn_inputs.{name}")
               for name, tensor in datum.loss_fn_inputs.items()}
-    decoded: dict[str, Any] = {"model_input": tokens, "loss_fn_inputs": inputs}
-    if len(datum.loss_fn_input_spans):  # provenance (app/tinker/stability.py resolves it, then drops it)
-        decoded["loss_fn_input_spans"] = [_span(span) for span in datum.loss_fn_input_spans]
-    return decoded
+    # provenance: app/tinker/stability.py resolves it; the batch never carries it
+    return TinkerDatum(tokens, inputs, [_span(span) for span in datum.loss_fn_input_spans])
 
 
-def _span(span: Any) -> dict[str, Any]:
+def _span(span: Any) -> Span:
     kind = span.WhichOneof("span")
     arm = getattr(span, kind) if kind else None
     if arm is None:
-        return {"kind": "prompt", "sequence_id": "", "offset": 0, "length": 0}
-    return {"kind": "sampled" if kind == "sampled_tokens" else "prompt", "sequence_id": arm.sequence_id,
-            "offset": int(arm.offset), "length": int(arm.length)}
+        return Span("prompt", "", 0, 0)
+    return Span("sampled" if kind == "sampled_tokens" else "prompt", str(arm.sequence_id), int(arm.offset),
+                int(arm.length))
 
 
-def _tensor(tensor: Any, field: str) -> list[Any]:
+def _tensor(tensor: Any, field: str) -> Values:
     """A dense or CSR tensor as a list (1-D) or a list of rows (2-D: soft targets' (N, K)); CSR's missing cells are
     0, the SDK's only pad value."""
     dtype = pb().DType.Name(tensor.dtype)
@@ -130,14 +171,14 @@ def _tensor(tensor: Any, field: str) -> list[Any]:
     return [flat[i * width:(i + 1) * width] for i in range(rows)]
 
 
-def _dense_rows(csr: Any, typecode: str, shape: list[int], field: str) -> list[list[Any]]:
-    values, crow, cols = _numbers(typecode, csr.values), _numbers("q", csr.crow_indices), _numbers("q", csr.col_indices)
+def _dense_rows(csr: Any, typecode: str, shape: list[int], field: str) -> list[list[float]]:
+    values, crow, cols = _numbers(typecode, csr.values), _read(array("q"), csr.crow_indices), _read(array("q"), csr.col_indices)
     rows, width = shape
     if width > MAX_SOFT_TARGETS:
         raise BadInput(f"{field}: {width} targets per position; at most {MAX_SOFT_TARGETS}", field=field)
     if rows > MAX_CSR_ROWS or len(crow) != rows + 1 or len(cols) != len(values) or crow[-1] != len(values):
         raise BadInput(f"{field}: the CSR indices do not fit shape {shape}", field=field)
-    dense: list[list[Any]] = [[0] * width for _ in range(rows)]
+    dense: list[list[float]] = [[0] * width for _ in range(rows)]
     for i in range(rows):
         if not 0 <= crow[i] <= crow[i + 1] <= len(values):
             raise BadInput(f"{field}: row {i}'s CSR offsets are out of order", field=field)

@@ -3,8 +3,8 @@ deletion, weights_info. Read-mostly views of the caller's models and their Signa
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from datetime import UTC
-from typing import Any
 
 from starlette.requests import Request
 
@@ -136,7 +136,7 @@ async def delete_checkpoint(request: Request, user: User) -> Empty:
     return {}
 
 
-async def weights_info(request: Request, user: User, data: dict[str, Any]) -> WeightsInfoResponse:
+async def weights_info(request: Request, user: User, data: Mapping[str, object]) -> WeightsInfoResponse:
     """The LoRA a checkpoint loads into, from weights_info's JSON body (as sent)."""
     svc = services(request)
     source = paths.parse(data.get("tinker_path"), "tinker_path")

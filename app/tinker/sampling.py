@@ -4,7 +4,7 @@ sampler's description, and asample, whose answer is a protobuf SampleResponse (a
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from collections.abc import Mapping
 
 from starlette.requests import Request
 
@@ -53,7 +53,7 @@ async def get_sampler(request: Request, user: User) -> GetSamplerResponse:
     return answer
 
 
-def prompt_tokens(data: dict[str, Any]) -> list[int]:
+def prompt_tokens(data: Mapping[str, object]) -> list[int]:
     """A ModelInput's token ids: `{"chunks": [{"type": "encoded_text", "tokens": [...]}, ...]}`."""
     chunks = obj(data, "prompt").get("chunks") or []
     if not isinstance(chunks, list):
@@ -69,7 +69,7 @@ def prompt_tokens(data: dict[str, Any]) -> list[int]:
     return tokens
 
 
-def stops(params: dict[str, Any]) -> tuple[list[str] | None, list[int] | None]:
+def stops(params: Mapping[str, object]) -> tuple[list[str] | None, list[int] | None]:
     """`stop` as strings or as token ids (a string alone is one stop string)."""
     stop = params.get("stop")
     if stop is None:
@@ -83,7 +83,7 @@ def stops(params: dict[str, Any]) -> tuple[list[str] | None, list[int] | None]:
                    field="sampling_params.stop")
 
 
-def sample_params(data: dict[str, Any], context_length: int | None) -> SampleParams:
+def sample_params(data: Mapping[str, object], context_length: int | None) -> SampleParams:
     """A SampleRequest's JSON body (as sent) as Signal's sampling parameters, each field's type checked here (its
     range by the contract's validators, with the rest of the call)."""
     params = obj(data, "sampling_params")

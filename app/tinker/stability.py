@@ -14,12 +14,12 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
 
 from starlette.requests import Request
 
 from app.errors import BadInput
 from app.tinker.endpoint import services
+from app.tinker.proto import TinkerDatum, Values
 
 # Per user: 8M recorded tokens (about 100 MB of lists at most); an RL step of 64 x 16 x 4096 tokens fits twice.
 MAX_TOKENS_PER_USER = 8_000_000
@@ -81,54 +81,63 @@ def store(request: Request) -> StabilityStore:
     return state.tinker_stability  # type: ignore[no-any-return]  # Starlette's state is untyped
 
 
-def resolve(store: StabilityStore, user_id: str, datums: list[dict[str, Any]], loss_fn: str) -> list[str]:
+def resolve(store: StabilityStore, user_id: str, datums: list[TinkerDatum], loss_fn: str) -> list[str]:
     """For stable_reinforce, each datum's recorded logprobs in place of its own at the positions its sampled spans
     claim; returns the weights versions the datums' sequences were sampled from. A datum without spans keeps its own
     logprobs. Other losses ignore provenance (the cookbook's rl/train.py sends it with every loss, sampled without
     record_stability_info): their spans are dropped unread."""
     versions: list[str] = []
     for i, datum in enumerate(datums):
-        spans = datum.pop("loss_fn_input_spans", None)
-        datum.pop("model_input_spans", None)
+        spans, datum.spans = datum.spans, []
         if not spans or loss_fn != "stable_reinforce":
             continue
         at = f"data[{i}].loss_fn_input_spans"
-        inputs = datum["loss_fn_inputs"]
-        n = len(datum["model_input"])
-        if sum(span["length"] for span in spans) != n:
-            raise BadInput(f"{at} cover {sum(s['length'] for s in spans)} positions; the datum has {n}", field=at)
-        logprobs = list(inputs.get("logprobs") or [0.0] * n)
-        targets = inputs.get("target_tokens") or []
+        inputs = datum.loss_fn_inputs
+        n = len(datum.model_input)
+        if sum(span.length for span in spans) != n:
+            raise BadInput(f"{at} cover {sum(s.length for s in spans)} positions; the datum has {n}", field=at)
+        logprobs = _flat(inputs.get("logprobs") or [0.0] * n, f"data[{i}].loss_fn_inputs.logprobs")
+        targets = _flat(inputs.get("target_tokens") or [], f"data[{i}].loss_fn_inputs.target_tokens")
         position = 0
         for j, span in enumerate(spans):
-            if span["kind"] == "sampled":
+            if span.kind == "sampled":
                 where = f"{at}[{j}].sequence_id"
-                found = store.get(user_id, span["sequence_id"])
+                found = store.get(user_id, span.sequence_id)
                 if found is None:
-                    raise BadInput(f"{where}: no recorded sequence {span['sequence_id']!r} (unknown, expired, or "
+                    raise BadInput(f"{where}: no recorded sequence {span.sequence_id!r} (unknown, expired, or "
                                    "sampled without record_stability_info)", field=where)
-                end = span["offset"] + span["length"]
+                end = span.offset + span.length
                 if end > len(found.tokens):
                     raise BadInput(f"{at}[{j}] reaches position {end} of a sequence of {len(found.tokens)} tokens",
                                    field=f"{at}[{j}].length")
-                if targets[position:position + span["length"]] != found.tokens[span["offset"]:end]:
+                if targets[position:position + span.length] != found.tokens[span.offset:end]:
                     raise BadInput(f"{at}[{j}]: target_tokens differ from the recorded sequence's tokens",
                                    field=f"{at}[{j}]")
-                logprobs[position:position + span["length"]] = found.logprobs[span["offset"]:end]
+                logprobs[position:position + span.length] = found.logprobs[span.offset:end]
                 versions.append(found.weights_version)
-            position += span["length"]
+            position += span.length
         inputs["logprobs"] = logprobs
     return versions
 
 
-def ratio_metrics(datums: list[dict[str, Any]], outputs: list[dict[str, list[float]]], cap: float) -> dict[str, float]:
+def _flat(values: Values, field: str) -> list[float]:
+    """A 1-D loss input (a copy): stable_reinforce's logprobs and targets are per position."""
+    flat = [v for v in values if not isinstance(v, list)]
+    if len(flat) != len(values):
+        raise BadInput(f"{field} must be 1-D for stable_reinforce", field=field)
+    return flat
+
+
+def ratio_metrics(datums: list[TinkerDatum], outputs: list[dict[str, list[float]]], cap: float) -> dict[str, float]:
     """The correction stable_reinforce applied, from the learner's logprobs the pass returned: the importance ratio's
     mean and max over the positions that carry an advantage, and the fraction truncated at the cap."""
     ratios: list[float] = []
-    for datum, output in zip(datums, outputs):
-        inputs = datum["loss_fn_inputs"]
-        weights = inputs.get("weights")
-        for k, (lp, slp, adv) in enumerate(zip(output["logprobs"], inputs["logprobs"], inputs["advantages"])):
+    for i, (datum, output) in enumerate(zip(datums, outputs)):
+        inputs = datum.loss_fn_inputs
+        at = f"data[{i}].loss_fn_inputs"
+        weights = _flat(inputs["weights"], f"{at}.weights") if "weights" in inputs else None
+        for k, (lp, slp, adv) in enumerate(zip(output["logprobs"], _flat(inputs["logprobs"], f"{at}.logprobs"),
+                                               _flat(inputs["advantages"], f"{at}.advantages"))):
             if adv != 0 and (weights is None or weights[k] != 0):
                 ratios.append(math.exp(min(lp - slp, 700.0)))  # exp's overflow bound: a ratio that large is just huge
     if not ratios:

@@ -71,30 +71,30 @@ async def forward_backward(request: Request, user: User) -> UntypedAPIFuture:
         raise BadInput("forward_backward takes an application/x-protobuf ForwardBackwardRequest", field="body")
     svc = services(request)
     message = proto.decode_forward_backward(await compression.request_body(request, svc.settings.max_request_bytes))
-    model = await svc.tinker_sessions.model(user, message["model_id"], live=True)
-    seq = integer(message["seq_id"], "seq_id", 1)
-    forward_only = message["forward_only"]
+    model = await svc.tinker_sessions.model(user, message.model_id, live=True)
+    seq = integer(message.seq_id, "seq_id", 1)
+    forward_only = message.forward_only
     store = stability.store(request)
 
     async def work(request_id: str) -> tuple[str, bytes]:
         # Provenance names recorded sequences: their sampler logprobs replace the datum's (a user error if unknown).
-        stability.resolve(store, user.id, message["data"], message["loss_fn"])
-        batch = batch_from_dicts(message["data"])  # Tinker's datums as the contract's items; an error answers the future
+        stability.resolve(store, user.id, message.data, message.loss_fn)
+        batch = batch_from_dicts([datum.to_dict() for datum in message.data])  # Tinker's datums as the contract's items; an error answers the future
         if forward_only:
             ahead = await ordered(svc, model, seq, lambda order, rid: svc.runs.forward(
-                user, batch, run_id=model.run_id, loss_fn=message["loss_fn"],
-                loss_fn_config=message["loss_fn_config"], request_id=rid, order=order), request_id)
+                user, batch, run_id=model.run_id, loss_fn=message.loss_fn,
+                loss_fn_config=message.loss_fn_config, request_id=rid, order=order), request_id)
             loss, outputs = ahead.loss_sum, ahead.outputs
         else:
             trained = await ordered(svc, model, seq, lambda order, rid: svc.runs.forward_backward(
-                user, model.run_id or "", batch, loss_fn=message["loss_fn"],
-                loss_fn_config=message["loss_fn_config"], request_id=rid, reduction="sum", return_outputs=True,
+                user, model.run_id or "", batch, loss_fn=message.loss_fn,
+                loss_fn_config=message.loss_fn_config, request_id=rid, reduction="sum", return_outputs=True,
                 order=order), request_id)
             loss, outputs = trained.loss, trained.outputs or []
         metrics = {"loss:sum": loss}
-        if message["loss_fn"] == "stable_reinforce":
-            cap = (message["loss_fn_config"] or {}).get("clip_high_threshold", STABLE_REINFORCE_CAP)
-            metrics |= stability.ratio_metrics(message["data"], outputs, float(cap))
+        if message.loss_fn == "stable_reinforce":
+            cap = (message.loss_fn_config or {}).get("clip_high_threshold", STABLE_REINFORCE_CAP)
+            metrics |= stability.ratio_metrics(message.data, outputs, float(cap))
         return PROTO_TYPE, proto.encode_forward_backward_output(outputs, metrics)
 
     row = await submit_training(svc, user, model, seq, "Forward" if forward_only else "ForwardBackward", work)

@@ -16,10 +16,9 @@ import os
 import sys
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
 from gpu_runtime.errors import WorkerFailed
 
@@ -29,7 +28,7 @@ REMEMBERED_DEATHS = 4096  # calls whose deaths are remembered, the oldest forgot
 CallKey = tuple[str, str, str]  # (run id, user id, request id): one client's call, however often it is sent
 
 
-def call_key(params: dict[str, Any]) -> CallKey | None:
+def call_key(params: Mapping[str, object]) -> CallKey | None:
     """The key of a call the client may send again with the same request id; None for calls without one."""
     request_id = params.get("request_id")
     if not isinstance(request_id, str) or not request_id:

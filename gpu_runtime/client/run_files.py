@@ -19,8 +19,9 @@ import re
 import shutil
 import uuid
 from collections.abc import Iterator
+from dataclasses import asdict, dataclass
 from pathlib import Path, PurePosixPath
-from typing import Any, Protocol
+from typing import Protocol
 
 from gpu_runtime.client.persistence import find_run_dir
 from gpu_runtime.errors import BadInput, RunNotFound
@@ -52,7 +53,14 @@ def select_artifacts(paths: list[str]) -> list[str]:
     return sorted(chosen)
 
 
-def pull_run(files: RunFiles, dest: Path) -> list[dict[str, Any]]:
+@dataclass(frozen=True)
+class PulledFile:
+    path: str
+    size: int
+    sha256: str
+
+
+def pull_run(files: RunFiles, dest: Path) -> list[PulledFile]:
     """Copy the run's artifacts into `dest` (created; refused when it holds anything), all or nothing."""
     dest = Path(dest)
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
@@ -64,7 +72,7 @@ def pull_run(files: RunFiles, dest: Path) -> list[dict[str, Any]]:
     tmp = dest.with_name(f".{dest.name}.pull-{uuid.uuid4().hex[:8]}")
     tmp.mkdir()
     try:
-        pulled = []
+        pulled: list[PulledFile] = []
         for path in select_artifacts(listing):
             target = tmp / path
             target.parent.mkdir(parents=True, exist_ok=True)
@@ -74,8 +82,8 @@ def pull_run(files: RunFiles, dest: Path) -> list[dict[str, Any]]:
                     out.write(chunk)
                     digest.update(chunk)
                     size += len(chunk)
-            pulled.append({"path": path, "size": size, "sha256": digest.hexdigest()})
-        (tmp / PULL_RECORD).write_text(json.dumps({"source": files.source, "files": pulled}, indent=2) + "\n")
+            pulled.append(PulledFile(path, size, digest.hexdigest()))
+        (tmp / PULL_RECORD).write_text(json.dumps({"source": files.source, "files": [asdict(f) for f in pulled]}, indent=2) + "\n")
         if dest.exists():
             dest.rmdir()  # empty (checked above)
         os.rename(tmp, dest)

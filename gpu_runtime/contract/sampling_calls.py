@@ -9,6 +9,7 @@ from typing import Any
 from gpu_runtime.contract.calls import Call, Kind, Lane, Method
 from gpu_runtime.contract.checkpoints import check_snapshot_name
 from gpu_runtime.contract.checks import check_id, check_request_id
+from gpu_runtime.contract.json_types import JSONObject
 from gpu_runtime.contract.results import RenderChatResult, SampleResult, TokenizerResult
 from gpu_runtime.contract.runtime_options import RuntimeOptions, check_sample_size
 from gpu_runtime.contract.sampling_settings import SAMPLE_DEFAULTS, SamplingSettings, sampling_prompts, sampling_settings
@@ -156,8 +157,8 @@ class RenderChat(Call[RenderChatResult]):
     base_model: str | None = None
     run_id: str | None = None
     # [{role, content}], content already text; an assistant's may carry tool_calls, a tool's its tool_call_id and name
-    messages: list[dict[str, Any]] | None = None
-    tools: list[dict[str, Any]] | None = None  # JSON-schema function definitions, given to the template
+    messages: list[JSONObject] | None = None
+    tools: list[JSONObject] | None = None  # JSON-schema function definitions, given to the template
     prefill: str | None = None  # text after the generation prompt: the opening of a forced tool call
     # The ids messages[:history_through + 1] were sampled as (an earlier answer's prompt ids + its completion ids):
     # the prompt starts with them where the messages before that turn render as that prompt began (render_messages).
@@ -206,7 +207,7 @@ def check_chat(messages: Any, tools: Any, prefill: Any, history_tokens: Any, his
         check_history(history_tokens, history_through, messages)
 
 
-def check_history(tokens: Any, through: Any, messages: list[dict[str, Any]] | None) -> None:
+def check_history(tokens: Any, through: Any, messages: list[JSONObject] | None) -> None:
     """A render's carried history: token ids, and the index of the assistant message they end with."""
     if not isinstance(tokens, list) or not tokens or any(isinstance(t, bool) or not isinstance(t, int) or t < 0
                                                          for t in tokens):

@@ -4,6 +4,7 @@ read out with their JSON arguments, text around them kept as content, anything m
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 
@@ -81,7 +82,8 @@ def test_a_forced_required_call_without_a_valid_name_stays_text() -> None:
 
 def _streamed(text: str, size: int, tools: Tools) -> tuple[str, list[tuple[str, object]], str, dict[str, str]]:
     """`text` fed to a ToolStream `size` characters at a time, its deltas merged as OpenAI's clients merge them."""
-    reader, deltas = ToolStream(tools), []
+    reader = ToolStream(tools)
+    deltas: list[Any] = []  # read as a client reads the stream's JSON
     for at in range(0, len(text), size):
         deltas += reader.feed(text[at:at + size])
     rest, finish, said = reader.finish("stop")
@@ -126,7 +128,7 @@ def test_a_forced_calls_arguments_stream_after_its_name() -> None:
     tools = Tools(definitions=[{"type": "function", "function": {"name": "add"}}], choice="named", named="add")
     tools.forced = tools.head("hermes")
     reader = ToolStream(tools)
-    first = reader.feed('{"a": ')
+    first: list[Any] = reader.feed('{"a": ')  # read as a client reads the stream's JSON
     assert first[0]["tool_calls"][0]["function"] == {"name": "add", "arguments": ""}  # the name before any argument
     assert first[1:] == [{"tool_calls": [{"index": 0, "function": {"arguments": '{"a": '}}]}]
     assert reader.feed('2}}\n</tool_call>') == [{"tool_calls": [{"index": 0, "function": {"arguments": "2}"}}]}]
