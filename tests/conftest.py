@@ -166,6 +166,7 @@ def tool_server(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -
         models["models"].append({"name": f"tiny-{family}", "path": path, "family": "llama", "parameters": 1_000_000,
                                  "offline": True, "description": f"the tiny Llama with a {family} tool template"})
     catalog.write_text(yaml.safe_dump(models))
-    server = LiveServer.start(settings_for(data_dir, tiny_model_dir, models_file=catalog))
+    # A decode chunk of one step: a stream sends each token as it is made, so a tool call's arguments come in pieces.
+    server = LiveServer.start(settings_for(data_dir, tiny_model_dir, models_file=catalog, decode_chunk_seconds=0.001))
     yield server
     server.stop()

@@ -83,8 +83,9 @@ class Sampling:
                 raise BadInput(f"the prompt is {len(ids)} tokens; the model's context is {limit}", field=field)
             if not ids or len(ids) >= limit:
                 raise BadInput(f"{field}[{i}] is {len(ids)} tokens; the model's context is {limit}", field=f"{field}[{i}]")
-        if call.fit_context:
+        if call.fit_context:  # max_tokens not given: the room the longest prompt leaves
             settings = replace(settings, max_tokens=min(settings.max_tokens, limit - max(map(len, prompt_ids))))
+        for i, ids in enumerate(prompt_ids):
             outside = [t for t in ids if t >= vocab]
             if outside:
                 raise BadInput(f"{field}[{i}] has token id {outside[0]} outside the vocabulary (0..{vocab - 1})",

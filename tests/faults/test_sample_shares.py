@@ -78,7 +78,8 @@ def test_past_the_bound_every_wire_answers_its_retryable_error_while_another_use
     sampler = base_sampler(server, flooder)
     tinker_client = tinker.ServiceClient(base_url=server.url, api_key="tml-" + flooder).create_sampling_client(
         base_model=TINY_MODEL).result()
-    with open_stream(server, flooder), ThreadPoolExecutor(1) as pool:
+    # The pool is left after the stream closes (its shutdown waits for the SDK's sample, which needs the place).
+    with ThreadPoolExecutor(1) as pool, open_stream(server, flooder):
         assert shares(server).in_flight == {flooder_id: 1}
         refused = shares(server).refused.get(flooder_id, 0)
 
