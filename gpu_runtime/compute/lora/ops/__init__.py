@@ -60,6 +60,7 @@ from gpu_runtime.compute.lora.ops.reference import (
     reference_shrink,
     reference_shrink_rows,
 )
+from gpu_runtime.compute.lora.ops.shared import segmented_expand, shared_shrink
 from gpu_runtime.compute.lora.ops.tables import (
     KERNEL_DTYPES,
     Impl,
@@ -85,8 +86,8 @@ __all__ = [
     "KERNEL_DTYPES", "LAUNCH", "Impl", "LoraTable", "RowsTable", "SegmentedLora", "TableSegment", "build_expert_table",
     "build_rows_table", "build_table", "choose", "grouped_expert_lora", "lora_expand", "lora_expand_rows",
     "lora_shrink", "lora_shrink_rows", "reference_backward", "reference_expand", "reference_expand_rows",
-    "reference_rows_lora", "reference_segmented_lora", "reference_shrink", "reference_shrink_rows", "rows_lora", "segmented_lora",
-    "triton_installed",
+    "reference_rows_lora", "reference_segmented_lora", "reference_shrink", "reference_shrink_rows", "rows_lora", "segmented_expand",
+    "segmented_lora", "shared_shrink", "triton_installed",
 ]
 
 # ---------------------------------------------------------------------------------------------------------------------
