@@ -9,6 +9,7 @@ through two decoder layers, and a rank-1 run's gradient of one row measured 1.05
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -89,7 +90,7 @@ class CountBmm(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def model_with_runs(tiny_model_dir: str, share: bool) -> tuple[nn.Module, Routing, dict[str, dict[str, tuple[nn.Parameter, nn.Parameter]]]]:
+def model_with_runs(tiny_model_dir: str, share: bool) -> tuple[Any, Routing, dict[str, dict[str, tuple[nn.Parameter, nn.Parameter]]]]:
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval().requires_grad_(False)
     model, routing = copy.deepcopy(base), Routing()
     layers = wrap_targets(model, ALL, routing)

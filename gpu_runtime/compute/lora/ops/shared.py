@@ -36,26 +36,28 @@ class SharedShrink(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, table: LoraTable, grads_into: tuple[GradInto, ...],
                 *A_slots: torch.Tensor) -> tuple[torch.Tensor, ...]:
         hs = [x.new_zeros(x.shape[0], table.max_rank) for _ in A_slots]
-        for group in table.groups:
+        concatenated = [_concatenated(A_slots, group, table) for group in table.groups]  # kept for the backward
+        for group, A in zip(table.groups, concatenated):
             r = group.rank
-            h = torch.bmm(_rows(x, group, table), _concatenated(A_slots, group, table).transpose(1, 2))
+            h = torch.bmm(_rows(x, group, table), A.transpose(1, 2))
             for p, h_p in enumerate(hs):
                 _put_rows(h_p[:, :r], group, h[..., p * r : (p + 1) * r], table)
-        ctx.save_for_backward(x, *A_slots)
+        ctx.save_for_backward(x, *A_slots, *concatenated)
         ctx.table, ctx.grads_into = table, grads_into
         return tuple(hs)
 
     @staticmethod
     def backward(ctx: Any, *grad_hs: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x, *A_slots = ctx.saved_tensors
         table: LoraTable = ctx.table
+        x, *saved = ctx.saved_tensors
+        A_slots, concatenated = saved[: len(saved) - len(table.groups)], saved[len(saved) - len(table.groups) :]
         grads_into: tuple[GradInto, ...] = ctx.grads_into
         grad_x = torch.zeros_like(x)
         grad_A = [g if g is not None else torch.zeros_like(A) for g, A in zip(grads_into, A_slots)]
-        for group in table.groups:
+        for group, A in zip(table.groups, concatenated):
             r = group.rank
             grad_h = torch.cat([_rows(g.to(x.dtype)[:, :r], group, table) for g in grad_hs], dim=2)  # [segs, rows, P×r]
-            _put_rows(grad_x, group, torch.bmm(grad_h, _concatenated(A_slots, group, table)), table)
+            _put_rows(grad_x, group, torch.bmm(grad_h, A), table)
             outer = torch.bmm(grad_h.transpose(1, 2), _rows(x, group, table))  # [segs, P×r, in]
             slots = _index(group, table, x.device, "slots")
             for p, into in enumerate(grad_A):  # index_add_: a run twice in the pass sums its segments, in order
