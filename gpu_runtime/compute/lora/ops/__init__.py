@@ -26,6 +26,8 @@ What each computes (the `reference_*` function beside each is its spec, and the 
   (fp32) buffers instead, only the pass's slots touched (the layer's path: compute/lora/slots.py).
 - `lora_shrink_rows` / `lora_expand_rows` / `rows_lora` (BGMV, decoding): one adapter per row given by a per-row slot
   index, -1 for base-only rows, ranks and scalings per slot: the table a decode step changes is one int per row.
+- `shared_shrink` / `segmented_expand` (ops/shared.py, torch path only): layers that read one input (q, k, v) take
+  one shrink against their A's concatenated along the rank, then an expand each (compute/lora/layer.py chooses it).
 - `grouped_expert_lora`: mixture-of-experts layers, slot buffers `[slots, experts, R, in]` / `[slots, experts, out, R]`
   flattened to `[slots × experts, …]`, each segment's "slot" being `slot × experts + expert` (`build_expert_table`):
   the same kernels, forward and backward, with no code of their own.
