@@ -206,6 +206,9 @@ class Checkpoint(Base):
     # many forward_backward calls' pending gradients it left out. Rows saved before these existed read false and 0.
     with_optimizer: Mapped[bool] = mapped_column(Boolean, default=False)
     pending_excluded: Mapped[int] = mapped_column(Integer, default=0)
+    # Published by its owner: any signed-in user may read it by its tinker:// path (sample it, see it listed), never
+    # write it (docs/TINKER.md).
+    public: Mapped[bool] = mapped_column(Boolean, default=False)
 
     __table_args__ = (Index("ix_checkpoints_run_mode_name", "run_id", "mode", "name", unique=True),)
 

@@ -11,9 +11,10 @@ import asyncio
 import dataclasses
 import math
 from collections.abc import Awaitable, Callable
+from datetime import UTC
 from typing import Any, TypeVar
 
-from sqlalchemy import update
+from sqlalchemy import select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from app.backends import A, Backend, Progress
@@ -29,9 +30,9 @@ from app.services.run_specs import fields_renamed, graphql_field
 from app.services.sample_shares import SampleShares
 from app.services.throttle import sent_until_taken
 from app.settings import DEADLINES_S, RECORD_RETRY_S
-from app.tables import Metric, Run, User, could_be_id, new_id, utcnow
+from app.tables import Checkpoint, Metric, Run, User, could_be_id, new_id, utcnow
 from gpu_runtime.client.allocation import PoolKey
-from gpu_runtime.contract import Call, Cancel, Ping, RuntimeOptions
+from gpu_runtime.contract import LOADABLE_KINDS, Call, Cancel, Ping, RuntimeOptions
 
 T = TypeVar("T")
 C = TypeVar("C", bound=Call)
@@ -75,6 +76,24 @@ class RunCalls:
             # Not echoed when it cannot be an id: the dashboard would print `/runs/%00` as '\x00'.
             raise RunNotFound(f"run {run_id!r} not found" if could_be_id(run_id) else "no run has that id",
                               field="runId")
+        return run
+
+    async def readable(self, user: User, run_id: str, snapshot: str | None, checkpoint: str | None) -> Run:
+        """The run whose frozen weights a call reads: the caller's own, or another user's when the source is published:
+        the row the runtime reads by that name (the snapshot; else state, then adapter, as it looks) is public and
+        unexpired. Anything else is "not found", as another user's run always is."""
+        async with self.db.session() as session:
+            run = await session.get(Run, run_id) if could_be_id(run_id) else None
+            if run is not None and run.user_id != user.id:
+                kinds = ("sampler",) if snapshot is not None else LOADABLE_KINDS
+                rows = {row.mode: row for row in await session.scalars(select(Checkpoint).where(
+                    Checkpoint.run_id == run.id, Checkpoint.mode.in_(kinds),
+                    Checkpoint.name == (snapshot if snapshot is not None else checkpoint)))}
+                read = next((rows[kind] for kind in kinds if kind in rows), None)
+                if read is None or not read.public or not unexpired(read) or (snapshot is None and checkpoint is None):
+                    run = None
+        if run is None:
+            return await self.get(user, run_id)  # its "not found", worded as for any run
         return run
 
     # ---- one skeleton for the four primitives ----------------------------------------------
@@ -184,14 +203,22 @@ class RunCalls:
 
     async def off_the_queue(self, user: User, run_id: str, method: str, request_id: str | None,
                              arguments: Callable[[Run], Call[A]], record: Record[A, A],
-                             progress: Progress | None = None) -> A:
+                             progress: Progress | None = None,
+                             frozen: tuple[str | None, str | None] | None = None) -> A:
         """A call on a run's frozen weights (a snapshot or checkpoint: docs/SNAPSHOTS.md): owned and billed like the
-        run's calls, but it takes no ticket, so it waits for nothing queued on the run."""
+        run's calls, but it takes no ticket, so it waits for nothing queued on the run. `frozen` (snapshot, checkpoint)
+        also lets another user read a published one (`readable`): allowed and billed as that reader's call on no run
+        (as a base sample is), and nothing written to the owner's run."""
         deadline = Deadline.start(self.deadlines, method)
-        run = await self.get(user, run_id)
+        run = await self.readable(user, run_id, *frozen) if frozen is not None else await self.get(user, run_id)
         refuse_archived(run, method)
         request = self.checked(sent_as(arguments(run), request_id=request_id))
-        request_id = await self.ledger.allow(user, run, method, request_id or new_id())
+        owner = run.user_id == user.id
+        if owner:
+            request_id = await self.ledger.allow(user, run, method, request_id or new_id())
+        else:
+            request_id = await self.ledger.allow_user(user, method, request_id or new_id(), run.base_model,
+                                                      run.gpu_config)
         request = sent_as(request, request_id=request_id)
 
         streamed = Streamed.of(progress)
@@ -199,7 +226,14 @@ class RunCalls:
         async def work() -> A:
             result = await self.answered(deadline, pool_of(run), user, request_id,
                                           self.on_run(run, request, streamed), streamed)
-            return await self.recorded(run, method, request_id, result, record)
+            if owner:
+                return await self.recorded(run, method, request_id, result, record)
+
+            async def nothing_on_the_run(session: AsyncSession, fresh: bool) -> A:
+                return result
+
+            return await self.recorder.record(Caller(user.id, None, run.base_model, run.device, run.gpu_config),
+                                              method, request_id, result, nothing_on_the_run)
 
         return await asyncio.shield(asyncio.ensure_future(work()))  # recorded even if the caller goes away
 
@@ -235,3 +269,11 @@ def sent_as(request: C, **changes: Any) -> C:
 def pool_of(run: Run) -> PoolKey:
     """The run's pool: on Modal, the warm container its calls go to (base model, GPU configuration, quantization)."""
     return PoolKey.of(run.base_model, run.gpu_config, run.quantization or None)
+
+
+def unexpired(row: Checkpoint) -> bool:
+    """SQLite hands datetimes back naive (stored as UTC)."""
+    if row.expires_at is None:
+        return True
+    moment = row.expires_at if row.expires_at.tzinfo is not None else row.expires_at.replace(tzinfo=UTC)
+    return moment > utcnow()

@@ -151,6 +151,18 @@ class RunCheckpoints:
                                                            Checkpoint.name == name).values(expires_at=expires_at))
         return expires_at
 
+    async def set_public(self, user: User, run_id: str, mode: str, name: str, public: bool) -> None:
+        """Publish (or unpublish) the caller's checkpoint: published, any signed-in user may read it by its path
+        (RunCalls.readable); only its owner may change that. Idempotent: publishing a public one again is no error
+        (Tinker's 409 would be retried by the SDK for minutes). Another user's, or none, is NOT_FOUND alike."""
+        run = await self.calls.get(user, run_id)
+        async with self.calls.db.session() as session:
+            changed = await session.execute(update(Checkpoint).where(
+                Checkpoint.run_id == run.id, Checkpoint.mode == mode, Checkpoint.name == name,
+                or_(Checkpoint.expires_at.is_(None), Checkpoint.expires_at > utcnow())).values(public=public))
+        if not getattr(changed, "rowcount", 0):
+            raise NotFound(f"checkpoint {mode}/{name} of run {run_id!r} not found", field="checkpoint_id")
+
     async def storage(self, user: User) -> tuple[int, int]:
         """The user's stored checkpoints (every run, unexpired): how many, and their bytes."""
         async with self.calls.db.session() as session:

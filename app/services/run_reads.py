@@ -142,6 +142,14 @@ class RunReads:
             return [row for row in await session.scalars(query)
                     if row.expires_at is None or _aware(row.expires_at) > now]
 
+    async def published(self, run_id: str) -> builtins.list[Checkpoint]:
+        """A run's published, unexpired checkpoints: what any signed-in user may see of another user's run."""
+        async with self.calls.db.session() as session:
+            query = select(Checkpoint).where(Checkpoint.run_id == run_id, Checkpoint.public.is_(True))
+            now = utcnow()
+            return [row for row in await session.scalars(query.order_by(Checkpoint.id))
+                    if row.expires_at is None or _aware(row.expires_at) > now]
+
 
 def _aware(moment: datetime) -> datetime:
     """SQLite hands datetimes back naive (they were stored as UTC)."""

@@ -98,7 +98,8 @@ class RunSampling:
             return await self.calls.off_the_queue(user, run_id, "sample", request_id, on, record, progress)
         if snapshot is None and checkpoint is None:
             return await self.calls.apply(user, run_id, "sample", request_id, on, record, order=order, progress=progress)
-        return await self.calls.off_the_queue(user, run_id, "sample", request_id, on, record, progress)
+        return await self.calls.off_the_queue(user, run_id, "sample", request_id, on, record, progress,
+                                              frozen=(snapshot, checkpoint))
 
     async def cancel_sample(self, user: User, request_id: str, run: Run | None, base_model: str | None,
                             withdraw: bool = False) -> None:
@@ -121,7 +122,7 @@ class RunSampling:
         run_id, snapshot, checkpoint = checkpoint_source(run_id, snapshot, checkpoint)
 
         async def cancel() -> None:
-            run = await self.calls.get(user, run_id) if run_id is not None else None
+            run = await self.calls.readable(user, run_id, snapshot, checkpoint) if run_id is not None else None
             await self.cancel_sample(user, request_id, run, base_model, withdraw=True)
 
         return await unless_gone(self.sample(user, run_id, params, request_id=request_id, snapshot=snapshot,

@@ -85,7 +85,8 @@ class RunTraining:
             if base_model is not None:
                 raise BadInput("forward takes runId or baseModel, not both", field="baseModel")
             if snapshot is not None or checkpoint is not None:
-                return await self.calls.off_the_queue(user, run_id, "forward", request_id, on, record)
+                return await self.calls.off_the_queue(user, run_id, "forward", request_id, on, record,
+                                                      frozen=(snapshot, checkpoint))
             return await self.calls.apply(user, run_id, "forward", request_id, on, record, order=order)
         if snapshot is not None or checkpoint is not None:
             raise BadInput("snapshot and checkpoint name a run's weights: give runId too",

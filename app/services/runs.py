@@ -79,6 +79,7 @@ class RunService:
         self.save_weights_for_sampler, self.save_state = self.saves.save_weights_for_sampler, self.saves.save_state
         self.load_state, self.delete_checkpoint = self.saves.load_state, self.saves.delete_checkpoint
         self.set_expiry, self.storage = self.saves.set_expiry, self.saves.storage
+        self.set_public, self.published = self.saves.set_public, self.reads.published
         self.delete_expired, self.checkpoint_archive = self.saves.delete_expired, self.saves.checkpoint_archive
         self.list, self.count, self.archive, self.label = (self.reads.list, self.reads.count, self.reads.archive,
                                                            self.reads.label)

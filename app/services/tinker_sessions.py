@@ -102,6 +102,14 @@ class TinkerSessions:
                            "sampling_session_id")
         return row
 
+    async def trained(self, tinker_id: str) -> TinkerModel | None:
+        """Any user's training model by id, or None: only for reading a published checkpoint of it, whose own check
+        (RunCalls.readable) decides; never an answer by itself."""
+        if not 0 < len(tinker_id) <= TINKER_ID_LENGTH:
+            return None
+        async with self.db.session() as session:
+            row = await session.get(TinkerModel, tinker_id)
+        return row if row is not None and row.kind == "train" else None
 
     async def claim(self, run: Run, operation: str) -> None:
         """RunService's check before each primitive: Signal's own calls that change a run a live Tinker session drives

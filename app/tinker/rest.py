@@ -13,6 +13,7 @@ from app.errors import BadInput, NotFound
 from app.services import Services
 from app.services import tinker_paths as paths
 from app.tables import TinkerModel, User
+from app.tinker import published
 from app.tinker.endpoint import services
 from app.tinker.messages import (
     Checkpoint,
@@ -47,7 +48,7 @@ def checkpoint(model: TinkerModel, row: tables.Checkpoint) -> Checkpoint | None:
         return None  # a merged export, or a name Tinker paths cannot carry
     return {"checkpoint_id": f"{kind}/{row.name}", "checkpoint_type": TYPES[kind], "time": row.created_at.isoformat(),
             "tinker_path": f"tinker://{model.id}/{kind}/{row.name}", "size_bytes": int(row.size_bytes),
-            "public": False, "expires_at": None if row.expires_at is None else row.expires_at.replace(tzinfo=UTC).isoformat()}
+            "public": bool(row.public), "expires_at": None if row.expires_at is None else row.expires_at.replace(tzinfo=UTC).isoformat()}
 
 
 async def training_run(svc: Services, user: User, model: TinkerModel) -> TrainingRun:
@@ -90,7 +91,14 @@ async def get_training_run(request: Request, user: User) -> TrainingRun:
 
 
 async def list_checkpoints(request: Request, user: User) -> CheckpointsListResponse:
+    """A model's checkpoints: all of them for its owner; for another user, only its published ones (none published:
+    the model is not found, as any other user's is)."""
     svc = services(request)
+    model = await svc.tinker_sessions.trained(request.path_params["model_id"])
+    if model is not None and model.user_id != user.id and model.run_id:
+        shown = [c for c in (checkpoint(model, row) for row in await svc.runs.published(model.run_id)) if c]
+        if shown:
+            return {"checkpoints": shown}
     model = await svc.tinker_sessions.model(user, request.path_params["model_id"])
     run = await svc.runs.get(user, model.run_id or "")
     rows = [checkpoint(model, row) for row in await svc.runs.checkpoints(run)]
@@ -136,12 +144,34 @@ async def delete_checkpoint(request: Request, user: User) -> Empty:
     return {}
 
 
+async def publish(request: Request, user: User) -> Empty:
+    return await set_public(request, user, True)
+
+
+async def unpublish(request: Request, user: User) -> Empty:
+    if "/" not in str(request.path_params["checkpoint_id"]):  # DELETE …/weights/publish: a checkpoint so named
+        request.path_params["checkpoint_id"] += "/publish"
+        return await delete_checkpoint(request, user)
+    return await set_public(request, user, False)
+
+
+async def set_public(request: Request, user: User, public: bool) -> Empty:
+    """POST (publish) or DELETE (unpublish) …/checkpoints/{weights|sampler_weights}/{name}/publish: the owner's
+    alone; another user's model is not found, published or not."""
+    svc = services(request)
+    model = await svc.tinker_sessions.model(user, request.path_params["model_id"])
+    kind, _, name = str(request.path_params["checkpoint_id"]).partition("/")
+    if kind not in paths.MODES or not paths.NAME.match(name):
+        raise NotFound(f"checkpoint {request.path_params['checkpoint_id']!r} not found", field="checkpoint_id")
+    await svc.runs.set_public(user, model.run_id or "", paths.MODES[kind], name, public)
+    return {}
+
+
 async def weights_info(request: Request, user: User, data: Mapping[str, object]) -> WeightsInfoResponse:
     """The LoRA a checkpoint loads into, from weights_info's JSON body (as sent)."""
     svc = services(request)
     source = paths.parse(data.get("tinker_path"), "tinker_path")
-    model = await svc.tinker_sessions.model(user, source.model_id)
-    run = await svc.runs.get(user, model.run_id or "")
+    model, run = await published.readable(svc, user, source)  # the caller's own, or another user's published one
     if not any(c.mode == source.mode and c.name == source.name for c in await svc.runs.checkpoints(run)):
         raise NotFound(f"checkpoint {source.path} not found", field="tinker_path")
     switches = target_families(run.lora_config.get("target_modules"))

@@ -64,6 +64,11 @@ def routes() -> list[Route]:
         Route(f"{PREFIX}/training_runs/{{model_id}}/checkpoints", endpoint(rest.list_checkpoints), methods=["GET"]),
         Route(f"{PREFIX}/training_runs/{{model_id}}/checkpoints/{{checkpoint_id:path}}/external_weights_urls",
               endpoint(downloads.external_weights_urls), methods=["GET"]),
+        # Before the bare checkpoint route, whose :path would take `weights/x/publish` as a checkpoint id.
+        Route(f"{PREFIX}/training_runs/{{model_id}}/checkpoints/{{checkpoint_id:path}}/publish",
+              endpoint(rest.publish), methods=["POST"]),
+        Route(f"{PREFIX}/training_runs/{{model_id}}/checkpoints/{{checkpoint_id:path}}/publish",
+              endpoint(rest.unpublish), methods=["DELETE"]),
         Route(f"{PREFIX}/training_runs/{{model_id}}/checkpoints/{{checkpoint_id:path}}",
               endpoint(rest.delete_checkpoint), methods=["DELETE"]),
         Route(f"{PREFIX}/checkpoint_files/{{token}}", endpoint(downloads.checkpoint_file, auth=False), methods=["GET"]),

@@ -15,7 +15,7 @@ from app.services.sample_shares import held
 from app.services.tinker_futures import PROTO_TYPE, ended
 from app.services.tinker_sessions import sampling_session_id
 from app.tables import User
-from app.tinker import prompt_extras, proto, stability
+from app.tinker import prompt_extras, proto, published, stability
 from app.tinker.endpoint import body, future_answer, services
 from app.tinker.fields import boolean, integer, number, obj, optional_integer, string, token_ids
 from app.tinker.messages import CreateSamplingSessionResponse, GetSamplerResponse, UntypedAPIFuture
@@ -37,8 +37,7 @@ async def create_sampling_session(request: Request, user: User) -> CreateSamplin
         await svc.tinker_sessions.map(user, the_id, session_id, "sample", None, base_model)
         return {"sampling_session_id": the_id, "type": "create_sampling_session"}
     source = paths.parse(data["model_path"], "model_path")
-    model = await svc.tinker_sessions.model(user, source.model_id)
-    run = await svc.runs.get(user, model.run_id or "")
+    model, run = await published.readable(svc, user, source)  # the caller's own, or another user's published one
     if (source.mode, source.name) not in {(c.mode, c.name) for c in await svc.runs.checkpoints(run)}:
         raise BadInput(f"model_path: {source.path} not found", field="model_path")
     await svc.tinker_sessions.map(user, the_id, session_id, "sample", run.id, model.base_model, source.path)
@@ -126,11 +125,6 @@ async def asample(request: Request, user: User) -> UntypedAPIFuture:
     targets = prompt_extras.targets(data, len(prompt))
     sampler = await svc.tinker_sessions.model(user, string(data, "sampling_session_id", "") or "", "sample",
                                               live=True)
-    context_length = None
-    if obj(data, "sampling_params").get("max_tokens") is None:
-        base = sampler.base_model if sampler.run_id is None else (await svc.runs.get(user, sampler.run_id)).base_model
-        context_length = svc.catalog.get(base).context_length
-    params = sample_params(data, context_length)
     # The weights: a sampler snapshot (named or the ephemeral one), a training checkpoint, or the base alone.
     snapshot = checkpoint = base_model = None
     if sampler.run_id is None:
@@ -138,6 +132,12 @@ async def asample(request: Request, user: User) -> UntypedAPIFuture:
     elif sampler.model_path:
         kind, name = sampler.model_path.rsplit("/", 2)[-2:]
         snapshot, checkpoint = (name, None) if kind == "sampler_weights" else (None, name)
+    context_length = None
+    if obj(data, "sampling_params").get("max_tokens") is None:
+        base = sampler.base_model if sampler.run_id is None else (
+            await svc.runs.calls.readable(user, sampler.run_id, snapshot, checkpoint)).base_model
+        context_length = svc.catalog.get(base).context_length
+    params = sample_params(data, context_length)
 
     store = stability.store(request) if data.get("record_stability_info") else None
     # Its place in the user's bound taken now, so past it the submit answers 429 (the SDK's backpressure: it waits
