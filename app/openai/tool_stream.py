@@ -1,6 +1,7 @@
 """A streamed chat answer's tool calls as OpenAI sends them: content until a call opens; then per call one delta with
 its index, id, type and name (arguments ""), then its arguments in fragments as they are sampled; the finish
-"tool_calls". OpenAI's clients merge the fragments by index.
+"tool_calls". OpenAI's clients merge the fragments by index. This is the reader's common part and Hermes' form; the
+Llama 3.1 JSON and GPT-OSS forms read on it in app/openai/tool_stream_forms.py, which picks a reader per family.
 
 Hermes' `<tool_call>{"name": …, "arguments": {…}}</tool_call>` streams piece by piece (a forced call's opening, in the
 prompt, is read first and never sent). What the stream cannot read piece by piece goes whole once it can: a block whose
@@ -23,11 +24,6 @@ OPEN, CLOSE = "<tool_call>", "</tool_call>"
 HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"([^"\\]*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\{)')
 
 
-def streams(tools: Tools) -> bool:
-    """Whether a streamed answer with these tools goes out as it is sampled: no tools, or Hermes' call format."""
-    return not tools.parsing or (tools.family or tool_parsers.DEFAULT_FAMILY) == "hermes"
-
-
 def _held_back(text: str) -> int:
     """How much of `text`'s end may be the start of OPEN: held until the next text says."""
     for size in range(min(len(OPEN) - 1, len(text)), 0, -1):
@@ -36,8 +32,36 @@ def _held_back(text: str) -> int:
     return 0
 
 
+class Braces:
+    """Where a JSON value's outermost brace closes, read piece by piece (strings' braces and escapes skipped)."""
+
+    def __init__(self, depth: int = 0) -> None:
+        self.depth, self.in_string, self.escaped = depth, False, False
+
+    def scan(self, text: str) -> int | None:
+        """The end of the value in `text` (read on from where the last text left it), or None."""
+        for k, char in enumerate(text):
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif char == "\\":
+                    self.escaped = True
+                elif char == '"':
+                    self.in_string = False
+                continue
+            if char == '"':
+                self.in_string = True
+            elif char in "{[":
+                self.depth += 1
+            elif char in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    return k + 1
+        return None
+
+
 class ToolStream:
-    """One choice's text in, its deltas out (`feed`, then `finish`)."""
+    """One choice's text in, its deltas out (`feed`, then `finish`): Hermes' form."""
 
     def __init__(self, tools: Tools) -> None:
         self.tools = tools
@@ -46,7 +70,7 @@ class ToolStream:
         self.content_sent = 0  # how much of `generated` went out as content
         self.state = "content"  # content | head | arguments | closing | block | done
         self.calls: list[dict[str, Any]] = []  # sent: {id, name, arguments}
-        self.depth, self.in_string, self.escaped = 0, False, False
+        self.braces = Braces()
         self.malformed: str | None = None
 
     def feed(self, text: str) -> list[dict[str, Any]]:
@@ -81,21 +105,13 @@ class ToolStream:
                     self.state = "block"
                     return True
                 return False
-            call = {"id": f"call_{uuid.uuid4().hex[:24]}", "name": match.group(1), "arguments": ""}
-            self.calls.append(call)
-            deltas.append(self._call_delta(call, ""))
-            self.pending, self.state, self.depth = pending[match.end():], "arguments", 0
+            self._named(match.group(1), pending[match.end():], deltas)
             return True
         if self.state == "arguments":
-            end = self._scan(pending)
-            part = pending if end is None else pending[:end]
-            if part:
-                self.calls[-1]["arguments"] += part
-                deltas.append({"tool_calls": [{"index": len(self.calls) - 1, "function": {"arguments": part}}]})
-            self.pending = "" if end is None else pending[end:]
-            if end is not None:
+            if self._arguments(deltas):
                 self.state = "closing"
-            return end is not None
+                return True
+            return False
         if self.state in ("closing", "block"):
             at = pending.find(CLOSE)
             if at < 0:
@@ -108,26 +124,22 @@ class ToolStream:
         self.pending = ""  # done: one call asked for, the rest dropped
         return False
 
-    def _scan(self, text: str) -> int | None:
-        """Where the arguments' JSON object ends in `text` (read on from where the last text left it), or None."""
-        for k, char in enumerate(text):
-            if self.in_string:
-                if self.escaped:
-                    self.escaped = False
-                elif char == "\\":
-                    self.escaped = True
-                elif char == '"':
-                    self.in_string = False
-                continue
-            if char == '"':
-                self.in_string = True
-            elif char in "{[":
-                self.depth += 1
-            elif char in "}]":
-                self.depth -= 1
-                if self.depth == 0:
-                    return k + 1
-        return None
+    def _named(self, name: str, rest: str, deltas: list[dict[str, Any]]) -> None:
+        """A call whose name is read: its first delta, then its arguments from `rest` on."""
+        call = {"id": f"call_{uuid.uuid4().hex[:24]}", "name": name, "arguments": ""}
+        self.calls.append(call)
+        deltas.append(self._call_delta(call, ""))
+        self.pending, self.state, self.braces = rest, "arguments", Braces()
+
+    def _arguments(self, deltas: list[dict[str, Any]]) -> bool:
+        """The pending part of the last call's arguments sent; True once their JSON value closed."""
+        end = self.braces.scan(self.pending)
+        part = self.pending if end is None else self.pending[:end]
+        if part:
+            self.calls[-1]["arguments"] += part
+            deltas.append({"tool_calls": [{"index": len(self.calls) - 1, "function": {"arguments": part}}]})
+        self.pending = "" if end is None else self.pending[end:]
+        return end is not None
 
     def _whole_block(self, body: str, deltas: list[dict[str, Any]]) -> None:
         """A block the head did not read (arguments first, an unknown name, not JSON): whole, if it is a call."""
@@ -149,16 +161,27 @@ class ToolStream:
         return {"tool_calls": [{"index": len(self.calls) - 1, "id": call["id"], "type": "function",
                                 "function": {"name": call["name"], "arguments": arguments}}]}
 
+    def _flush(self, deltas: list[dict[str, Any]]) -> None:
+        """At the end, what a form reads only once it knows nothing follows (Hermes: nothing)."""
+
+    def _late_content(self) -> str | None:
+        """Content a form sends after its calls, at the end (Hermes: none, its content went first)."""
+        return None
+
     def finish(self, finish_reason: str) -> tuple[list[dict[str, Any]], str, dict[str, str]]:
         """The deltas left, the finish reason, and the choice's `tool_parse_error` if any."""
-        if not self.calls:  # nothing streamed as a call: the whole answer's reading, what is held as content
+        deltas: list[dict[str, Any]] = []
+        self._flush(deltas)
+        if not self.calls:  # nothing streamed as a call: the whole answer's reading, the content not yet sent
             body, finish, said = tool_answers.message(self.generated, finish_reason, self.tools)
-            held = self.generated[self.content_sent:]
-            deltas: list[dict[str, Any]] = [{"content": held}] if body.get("content") and held and \
-                not body.get("tool_calls") else []
+            held = (body.get("content") or "")[self.content_sent:]
+            deltas += [{"content": held}] if held and not body.get("tool_calls") else []
             for index, call in enumerate(body.get("tool_calls") or []):
                 deltas.append({"tool_calls": [{"index": index, **call}]})
             return deltas, finish, said
+        late = self._late_content()
+        if late:
+            deltas.append({"content": late})
         if self.state == "arguments":
             self.malformed = "the call's arguments were cut short"
         elif self.state in ("head", "block") and self.pending.strip():
@@ -171,4 +194,4 @@ class ToolStream:
             if not ok and self.malformed is None:
                 self.malformed = f"the arguments of {call['name']!r} are not a JSON object"
         said = {"tool_parse_error": self.malformed} if self.malformed else {}
-        return [], "tool_calls" if finish_reason == "stop" else finish_reason, said
+        return deltas, "tool_calls" if finish_reason == "stop" else finish_reason, said
