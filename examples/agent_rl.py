@@ -3,7 +3,8 @@ client (tools, tool calls parsed by the base's chat template family), trained on
 
 Each step asks a few multiplication questions, draws a group of rollouts per question from the run's current weights
 with `tools=[calculate]` and `return_token_ids`, scores each rollout's tool call, and trains with
-`importance_sampling` on the rollout's exact ids and the sampler's logprobs: `prompt_token_ids` is the whole
+`importance_sampling` on the rollout's exact ids and the sampler's logprobs (examples/group_advantage.py, shared with
+rl_arithmetic.py): `prompt_token_ids` is the whole
 rendered conversation the model saw (the tool definitions and, with a forced `tool_choice`, the call's opening
 included), `token_ids` what it wrote, so there is no re-tokenization drift. The base needs a chat template that takes
 tools (Qwen 2.5/3, Llama 3.1+, GPT-OSS...).
@@ -27,6 +28,7 @@ import random
 from typing import Any
 
 import openai
+from group_advantage import Step
 from openai.types.chat import ChatCompletionToolParam
 
 from rewardsignal import SignalClient
@@ -66,14 +68,6 @@ def reward(message: Any, answer: int) -> float:
     return 1.0 if isinstance(expression, str) and evaluate(expression) == answer else 0.5
 
 
-def datum(prompt: list[int], ids: list[int], logprobs: list[float], advantage: float) -> dict:
-    """One rollout as a token-level datum: only the positions that predict its own tokens carry weight."""
-    tokens, before = prompt + ids, len(prompt) - 1
-    return {"model_input": tokens[:-1], "loss_fn_inputs": {
-        "target_tokens": tokens[1:], "logprobs": [0.0] * before + logprobs,
-        "advantages": [0.0] * before + [advantage] * len(ids)}}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -97,29 +91,22 @@ def main() -> None:
         {"type": "function", "function": {"name": args.tool_choice}}
     rng = random.Random(args.seed)
     for step in range(args.steps):
-        batch, rewards, moving, calls = [], [], 0, 0
+        batch, calls = Step(), 0
         for _ in range(args.questions):
             a, b = rng.randint(2, 19), rng.randint(2, 19)
             answer = v1.chat.completions.create(
                 model=run.id, messages=[{"role": "user", "content": QUESTION.format(a=a, b=b)}], tools=[CALCULATE],
                 tool_choice=choice, n=args.group, max_tokens=24, temperature=1.0, seed=args.seed * 1000 + step,
                 logprobs=True, store=False, extra_body={"return_token_ids": True})
-            prompt = (answer.model_extra or {})["prompt_token_ids"]
-            scores = [reward(c.message, a * b) for c in answer.choices]
-            mean = sum(scores) / len(scores)
-            moving += any(score != mean for score in scores)
             calls += sum(bool(c.message.tool_calls) for c in answer.choices)
-            rewards += scores
-            for c, score in zip(answer.choices, scores):
-                ids = (c.model_extra or {})["token_ids"]
-                logprobs = [entry.logprob for entry in (c.logprobs.content if c.logprobs and c.logprobs.content
-                                                        else [])]
-                batch.append(datum(prompt, ids, logprobs, score - mean))
-        trained = run.forward_backward_async(batch, loss_fn="importance_sampling")
-        stepped = run.optim_step_async()
-        trained.result(), stepped.result()
-        print(f"step {step + 1}: mean reward {sum(rewards) / len(rewards):.3f}, tool calls {calls}/{len(rewards)}, "
-              f"groups with non-zero advantages {moving}, trained on {len(batch)} rollouts", flush=True)
+            rollouts = [((c.model_extra or {})["token_ids"],
+                         [entry.logprob for entry in (c.logprobs.content if c.logprobs and c.logprobs.content
+                                                      else [])]) for c in answer.choices]
+            batch.add((answer.model_extra or {})["prompt_token_ids"], rollouts,
+                      [reward(c.message, a * b) for c in answer.choices])
+        batch.train(run)
+        print(f"step {step + 1}: mean reward {batch.mean_reward:.3f}, tool calls {calls}/{len(batch.rewards)}, "
+              f"groups with non-zero advantages {batch.moving}, trained on {len(batch.batch)} rollouts", flush=True)
 
 
 if __name__ == "__main__":

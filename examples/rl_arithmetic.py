@@ -2,8 +2,9 @@
 
 Each step samples a group of answers per prompt from the run's current weights, gives every answer its group's
 advantage (reward minus the group's mean), and trains with `importance_sampling` on the exact sampled tokens and
-the sampler's logprobs: datums at token level, one per answer. A group whose answers all scored alike has
-advantages of zero and contributes nothing (accepted, not refused).
+the sampler's logprobs: datums at token level, one per answer (examples/group_advantage.py, shared with
+agent_rl.py). A group whose answers all scored alike has advantages of zero and contributes nothing (accepted, not
+refused).
 
     SIGNAL_API_KEY=sk-... .venv/bin/python examples/rl_arithmetic.py            # 30 steps on the default model
     SIGNAL_API_KEY=sk-... .venv/bin/python examples/rl_arithmetic.py --steps 2  # the short version the tests run
@@ -19,6 +20,8 @@ import os
 import random
 import re
 
+from group_advantage import Step
+
 from rewardsignal import SignalClient
 
 PROMPT = "Question: What is {a} + {b}? Answer with the number only.\nAnswer:"
@@ -28,18 +31,6 @@ def reward(text: str, answer: int) -> float:
     """1 when the first number in the answer is exactly right."""
     found = re.search(r"-?\d+", text)
     return 1.0 if found is not None and int(found.group()) == answer else 0.0
-
-
-def datum(prompt_tokens: list[int], sampled: dict, advantage: float) -> dict:
-    """One answer as a token-level datum: position i predicts tokens[i + 1]; only the answer's positions carry the
-    sampler's logprob and the advantage."""
-    tokens = prompt_tokens + sampled["tokens"]
-    before = len(prompt_tokens) - 1  # positions that predict prompt tokens
-    return {"model_input": tokens[:-1], "loss_fn_inputs": {
-        "target_tokens": tokens[1:],
-        "logprobs": [0.0] * before + list(sampled["logprobs"]),
-        "advantages": [0.0] * before + [advantage] * len(sampled["tokens"]),
-    }}
 
 
 def main() -> None:
@@ -64,20 +55,14 @@ def main() -> None:
         pairs = [(rng.randint(0, 9), rng.randint(0, 9)) for _ in range(args.prompts)]
         sampled = run.sample([PROMPT.format(a=a, b=b) for a, b in pairs], num_samples=args.group, max_tokens=6,
                              temperature=1.0, seed=args.seed * 1000 + step, store=False)
-        batch, rewards, moving = [], [], 0
+        batch = Step()
         for (a, b), prompt_tokens, group in zip(pairs, sampled["prompt_tokens"], sampled["sequences"]):
-            scores = [reward(answer["text"], a + b) for answer in group]
-            mean = sum(scores) / len(scores)
-            moving += any(score != mean for score in scores)  # a group with something to learn from
-            rewards += scores
-            batch += [datum(prompt_tokens, answer, score - mean) for answer, score in zip(group, scores)]
-        # Pipelined: the optim_step is sent before the forward_backward's answer is back, and applies after it.
-        trained = run.forward_backward_async(batch, loss_fn="importance_sampling")
-        stepped = run.optim_step_async()
-        trained.result(), stepped.result()
-        rewards_per_step.append(sum(rewards) / len(rewards))
-        print(f"step {step + 1}: mean reward {rewards_per_step[-1]:.3f}, groups with non-zero advantages {moving}",
-              flush=True)
+            batch.add(prompt_tokens, [(answer["tokens"], answer["logprobs"]) for answer in group],
+                      [reward(answer["text"], a + b) for answer in group])
+        batch.train(run)
+        rewards_per_step.append(batch.mean_reward)
+        print(f"step {step + 1}: mean reward {rewards_per_step[-1]:.3f}, groups with non-zero advantages "
+              f"{batch.moving}", flush=True)
     print(f"reward curve: {[round(r, 3) for r in rewards_per_step]}")
     edge = min(5, len(rewards_per_step) // 2)  # the first and last steps averaged never overlap: --steps 2 has one each
     if edge:

@@ -19,7 +19,7 @@ from starlette.routing import Route, Router
 from starlette.types import ASGIApp
 
 from app.errors import SignalError, Unauthenticated
-from app.openai import response_route, streaming, targets, tool_stream
+from app.openai import response_route, streaming, targets, tool_stream_forms
 from app.openai.errors import OpenAIError, answering_errors, bad, from_signal, too_large
 from app.openai.generation import Sampling, prepared
 from app.openai.params import parse
@@ -90,7 +90,7 @@ async def _generate(request: Request, chat: bool) -> Response:
     target = await targets.resolve(services, user, params.model)
     prompt_ids, sample, eos = await prepared(services.runs, target, params)
     call = Sampling(services.runs, user, target, params, prompt_ids, eos)
-    if params.stream and params.logprobs is None and not params.echo and tool_stream.streams(params.tools):
+    if params.stream and params.logprobs is None and not params.echo and tool_stream_forms.streams(params.tools):
         return await streaming.streamed(call, sample, request, services.settings.session_recheck_s,
                                         _key_check(request))
     leaving = hold(gone(request.receive))

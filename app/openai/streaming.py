@@ -14,10 +14,9 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from app.errors import SignalError, Unauthenticated
-from app.openai import tool_answers
+from app.openai import tool_answers, tool_stream_forms
 from app.openai.errors import as_openai, from_signal
 from app.openai.generation import Sampling
-from app.openai.tool_stream import ToolStream
 from app.rechecked import rechecked
 from app.services.runs import SampleParams
 from app.services.streams import first_or_gone, hold, next_chunk
@@ -111,7 +110,7 @@ async def _chunk_events(call: Sampling, task: asyncio.Future[Any], chunks: async
     count = len(prompt_ids) * params.n
     sent_text, sent_ids = [0] * count, [0] * count
 
-    readers = [ToolStream(params.tools) if chat and params.tools.parsing else None for _ in range(count)]
+    readers = [tool_stream_forms.reader(params.tools) if chat and params.tools.parsing else None for _ in range(count)]
 
     def event(index: int, text: str, ids: list[int] | None, finish: str | None = None, opening: bool = False,
               delta: JSONObject | None = None, said: dict[str, str] | None = None) -> str:

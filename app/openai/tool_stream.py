@@ -1,6 +1,7 @@
 """A streamed chat answer's tool calls as OpenAI sends them: content until a call opens; then per call one delta with
 its index, id, type and name (arguments ""), then its arguments in fragments as they are sampled; the finish
-"tool_calls". OpenAI's clients merge the fragments by index.
+"tool_calls". OpenAI's clients merge the fragments by index. This is the reader's common part and Hermes' form; the
+Llama 3.1 JSON and GPT-OSS forms read on it in app/openai/tool_stream_forms.py, which picks a reader per family.
 
 Hermes' `<tool_call>{"name": …, "arguments": {…}}</tool_call>` streams piece by piece (a forced call's opening, in the
 prompt, is read first and never sent). What the stream cannot read piece by piece goes whole once it can: a block whose
@@ -14,19 +15,14 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from dataclasses import dataclass
+from collections.abc import Mapping
+from typing import Any
 
 from app.openai import tool_answers, tool_parsers
 from app.openai.tools import Tools
-from gpu_runtime.contract.json_types import JSONObject
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"([^"\\]*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\{)')
-
-
-def streams(tools: Tools) -> bool:
-    """Whether a streamed answer with these tools goes out as it is sampled: no tools, or Hermes' call format."""
-    return not tools.parsing or (tools.family or tool_parsers.DEFAULT_FAMILY) == "hermes"
 
 
 def _held_back(text: str) -> int:
@@ -37,17 +33,36 @@ def _held_back(text: str) -> int:
     return 0
 
 
-@dataclass
-class _Sent:
-    """A call whose opening went out: its arguments grow as their deltas are sent."""
+class Braces:
+    """Where a JSON value's outermost brace closes, read piece by piece (strings' braces and escapes skipped)."""
 
-    id: str
-    name: str
-    arguments: str
+    def __init__(self, depth: int = 0) -> None:
+        self.depth, self.in_string, self.escaped = depth, False, False
+
+    def scan(self, text: str) -> int | None:
+        """The end of the value in `text` (read on from where the last text left it), or None."""
+        for k, char in enumerate(text):
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif char == "\\":
+                    self.escaped = True
+                elif char == '"':
+                    self.in_string = False
+                continue
+            if char == '"':
+                self.in_string = True
+            elif char in "{[":
+                self.depth += 1
+            elif char in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    return k + 1
+        return None
 
 
 class ToolStream:
-    """One choice's text in, its deltas out (`feed`, then `finish`)."""
+    """One choice's text in, its deltas out (`feed`, then `finish`): Hermes' form."""
 
     def __init__(self, tools: Tools) -> None:
         self.tools = tools
@@ -55,19 +70,19 @@ class ToolStream:
         self.generated = ""  # the model's text, all of it
         self.content_sent = 0  # how much of `generated` went out as content
         self.state = "content"  # content | head | arguments | closing | block | done
-        self.calls: list[_Sent] = []
-        self.depth, self.in_string, self.escaped = 0, False, False
+        self.calls: list[dict[str, Any]] = []  # sent: {id, name, arguments}
+        self.braces = Braces()
         self.malformed: str | None = None
 
-    def feed(self, text: str) -> list[JSONObject]:
+    def feed(self, text: str) -> list[dict[str, Any]]:
         self.generated += text
         self.pending += text
-        deltas: list[JSONObject] = []
+        deltas: list[dict[str, Any]] = []
         while self.pending and self._step(deltas):
             pass
         return deltas
 
-    def _step(self, deltas: list[JSONObject]) -> bool:
+    def _step(self, deltas: list[dict[str, Any]]) -> bool:
         """One move of the reader over `pending`; False when it needs more text."""
         pending = self.pending
         if self.state == "content":
@@ -91,21 +106,13 @@ class ToolStream:
                     self.state = "block"
                     return True
                 return False
-            call = _Sent(f"call_{uuid.uuid4().hex[:24]}", match.group(1), "")
-            self.calls.append(call)
-            deltas.append(self._call_delta(call, ""))
-            self.pending, self.state, self.depth = pending[match.end():], "arguments", 0
+            self._named(match.group(1), pending[match.end():], deltas)
             return True
         if self.state == "arguments":
-            end = self._scan(pending)
-            part = pending if end is None else pending[:end]
-            if part:
-                self.calls[-1].arguments += part
-                deltas.append({"tool_calls": [{"index": len(self.calls) - 1, "function": {"arguments": part}}]})
-            self.pending = "" if end is None else pending[end:]
-            if end is not None:
+            if self._arguments(deltas):
                 self.state = "closing"
-            return end is not None
+                return True
+            return False
         if self.state in ("closing", "block"):
             at = pending.find(CLOSE)
             if at < 0:
@@ -118,67 +125,75 @@ class ToolStream:
         self.pending = ""  # done: one call asked for, the rest dropped
         return False
 
-    def _scan(self, text: str) -> int | None:
-        """Where the arguments' JSON object ends in `text` (read on from where the last text left it), or None."""
-        for k, char in enumerate(text):
-            if self.in_string:
-                if self.escaped:
-                    self.escaped = False
-                elif char == "\\":
-                    self.escaped = True
-                elif char == '"':
-                    self.in_string = False
-                continue
-            if char == '"':
-                self.in_string = True
-            elif char in "{[":
-                self.depth += 1
-            elif char in "}]":
-                self.depth -= 1
-                if self.depth == 0:
-                    return k + 1
-        return None
+    def _named(self, name: str, rest: str, deltas: list[dict[str, Any]]) -> None:
+        """A call whose name is read: its first delta, then its arguments from `rest` on."""
+        call = {"id": f"call_{uuid.uuid4().hex[:24]}", "name": name, "arguments": ""}
+        self.calls.append(call)
+        deltas.append(self._call_delta(call, ""))
+        self.pending, self.state, self.braces = rest, "arguments", Braces()
 
-    def _whole_block(self, body: str, deltas: list[JSONObject]) -> None:
+    def _arguments(self, deltas: list[dict[str, Any]]) -> bool:
+        """The pending part of the last call's arguments sent; True once their JSON value closed."""
+        end = self.braces.scan(self.pending)
+        part = self.pending if end is None else self.pending[:end]
+        if part:
+            self.calls[-1]["arguments"] += part
+            deltas.append({"tool_calls": [{"index": len(self.calls) - 1, "function": {"arguments": part}}]})
+        self.pending = "" if end is None else self.pending[end:]
+        return end is not None
+
+    def _whole_block(self, body: str, deltas: list[dict[str, Any]]) -> None:
         """A block the head did not read (arguments first, an unknown name, not JSON): whole, if it is a call."""
         try:
             parsed = tool_parsers._call(json.loads(body.strip()), self.tools.names)
         except (ValueError, tool_parsers.NotACall) as why:
             self.malformed = f"a call that is not valid was left out: {why}"
             return
-        call = _Sent(parsed.id, parsed.name, parsed.arguments)
+        call = {"id": parsed.id, "name": parsed.name, "arguments": parsed.arguments}
         self.calls.append(call)
         deltas.append(self._call_delta(call, parsed.arguments))
 
-    def _content(self, text: str, deltas: list[JSONObject]) -> None:
+    def _content(self, text: str, deltas: list[dict[str, Any]]) -> None:
         if text:
             self.content_sent += len(text)
             deltas.append({"content": text})
 
-    def _call_delta(self, call: _Sent, arguments: str) -> JSONObject:
-        return {"tool_calls": [{"index": len(self.calls) - 1, "id": call.id, "type": "function",
-                                "function": {"name": call.name, "arguments": arguments}}]}
+    def _call_delta(self, call: dict[str, Any], arguments: str) -> dict[str, Any]:
+        return {"tool_calls": [{"index": len(self.calls) - 1, "id": call["id"], "type": "function",
+                                "function": {"name": call["name"], "arguments": arguments}}]}
 
-    def finish(self, finish_reason: str) -> tuple[list[JSONObject], str, dict[str, str]]:
+    def _flush(self, deltas: list[dict[str, Any]]) -> None:
+        """At the end, what a form reads only once it knows nothing follows (Hermes: nothing)."""
+
+    def _late_content(self) -> str | None:
+        """Content a form sends after its calls, at the end (Hermes: none, its content went first)."""
+        return None
+
+    def finish(self, finish_reason: str) -> tuple[list[dict[str, Any]], str, dict[str, str]]:
         """The deltas left, the finish reason, and the choice's `tool_parse_error` if any."""
-        if not self.calls:  # nothing streamed as a call: the whole answer's reading, what is held as content
+        deltas: list[dict[str, Any]] = []
+        self._flush(deltas)
+        if not self.calls:  # nothing streamed as a call: the whole answer's reading, the content not yet sent
             body, finish, said = tool_answers.message(self.generated, finish_reason, self.tools)
-            held = self.generated[self.content_sent:]
-            deltas: list[JSONObject] = [{"content": held}] if body.get("content") and held and \
-                not body.get("tool_calls") else []
-            for index, whole in enumerate(tool_answers.calls_of(body)):
-                deltas.append({"tool_calls": [{"index": index, **whole}]})
+            content, calls = body.get("content"), body.get("tool_calls")
+            held = content[self.content_sent:] if isinstance(content, str) else ""
+            deltas += [{"content": held}] if held and not calls else []
+            for index, call in enumerate(calls if isinstance(calls, list) else []):
+                deltas.append({"tool_calls": [{"index": index, **(call if isinstance(call, Mapping) else {})}]})
             return deltas, finish, said
+        late = self._late_content()
+        if late:
+            deltas.append({"content": late})
         if self.state == "arguments":
             self.malformed = "the call's arguments were cut short"
         elif self.state in ("head", "block") and self.pending.strip():
             self.malformed = "a call was cut short and left out"
         for call in self.calls:
             try:
-                ok = isinstance(json.loads(call.arguments), dict)
+                ok = isinstance(json.loads(call["arguments"]), dict)
             except ValueError:
                 ok = False
             if not ok and self.malformed is None:
-                self.malformed = f"the arguments of {call.name!r} are not a JSON object"
+                self.malformed = f"the arguments of {call['name']!r} are not a JSON object"
         said = {"tool_parse_error": self.malformed} if self.malformed else {}
-        return [], "tool_calls" if finish_reason == "stop" else finish_reason, said
+        return deltas, "tool_calls" if finish_reason == "stop" else finish_reason, said
