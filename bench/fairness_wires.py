@@ -107,7 +107,7 @@ class V1Wire:
 
 
 class TinkerWire:
-    """The unmodified `tinker` SDK on /api/v1: A's futures through `sample_async` on one event loop."""
+    """The unmodified `tinker` SDK on /api/v1: A's futures awaited on one event loop."""
 
     def __init__(self, url: str, a_key: str, b_key: str, model: str, futures: int, max_tokens: int) -> None:
         import tinker
@@ -133,8 +133,8 @@ class TinkerWire:
         async def one(seed: int) -> None:
             while not flood.stop.is_set():
                 params = self.types.SamplingParams(max_tokens=self.max_tokens, temperature=1.0, seed=seed)
-                result = await self.a_sampler.sample_async(prompt=self.a_prompt, num_samples=1,
-                                                           sampling_params=params)
+                result = await self.a_sampler.sample(prompt=self.a_prompt, num_samples=1,
+                                                      sampling_params=params)
                 flood.done(len(result.sequences[0].tokens))
                 seed += self.futures
 
