@@ -139,7 +139,11 @@ class TinkerWire:
                 seed += self.futures
 
         async def all_of_them() -> None:
-            await asyncio.gather(*(one(i) for i in range(self.futures)))
+            # Once B is done, A's futures are dropped, not drained: 200 × max_tokens more would outlast `--quick`.
+            flooding = asyncio.gather(*(one(i) for i in range(self.futures)))
+            await asyncio.to_thread(flood.stop.wait)
+            flooding.cancel()
+            await asyncio.gather(flooding, return_exceptions=True)
 
         def run() -> None:
             try:
@@ -179,5 +183,5 @@ def measure(wire: V1Wire | TinkerWire, alone_calls: int, calls: int) -> dict[str
     return {"b_latency_alone_s": [round(s, 3) for s in alone], "b_latency_beside_a_s": [round(s, 3) for s in together],
             "b_median_alone_s": round(b_alone, 4), "b_median_beside_a_s": round(b_together, 4),
             "ratio": b_together / b_alone, "a_completions_during": flood.finished, "a_tokens_during": flood.tokens,
-            "seconds_together": round(overlap, 1),
+            "seconds_from_a_start_to_b_done": round(overlap, 1),
             "a_refused_429": flood.refused if isinstance(wire, V1Wire) else None}  # the tinker SDK retries unseen
