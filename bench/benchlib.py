@@ -55,6 +55,16 @@ def common_args(parser: argparse.ArgumentParser) -> None:
                         help="torch threads, here and in worker processes (0: torch's default)")
 
 
+def use_tiny_model(args: argparse.Namespace, scratch: Path) -> None:
+    """Serve the tests' tiny model: a catalogue of it alone, through the environment `signal serve` inherits."""
+    from tests.helpers.live_server import TINY_MODEL, write_catalog
+    from tests.helpers.tiny_model import build_tiny_model
+
+    path = build_tiny_model(scratch / TINY_MODEL, tokenizer_cache=scratch / "tokenizer")
+    os.environ["SIGNAL_MODELS_FILE"] = str(write_catalog(scratch / "models.yaml", path))
+    args.model = TINY_MODEL
+
+
 def apply_threads(threads: int) -> dict[str, str]:
     """Set this process's torch threads; return the environment a worker process should get for the same."""
     load, cpus = load_average(), os.cpu_count() or 1

@@ -20,6 +20,11 @@ B's ratio is each call's latency while A samples over the median alone; p50, p90
 reported, since a median hides the tail. A's slowdown is its median sample time with B's calls over
 alone. Targets (issue 14 §7): B's worst ≤ 3× alone, A ≤ 2× slower. `--prompt-tokens N`: A's prompts are token ids, N
 each, so its prefill is long (issue 14 §7: a decode chunk, its prefill included, ends within its time bound).
+
+`--mode v1|tinker` (issue 34 #10; bench/fairness_wires.py): A holds `--streams` streamed `/v1` completions or
+`--futures` Tinker `asample` futures in flight, B sends a 4-token completion on the same wire; B's median beside A
+over its median alone (target ≤ 3×). `--mode all` runs graphql, v1 and tinker, each on its own server, one JSON line
+each. `--tiny`: the tests' tiny random Llama instead of `--model` (as bench/openai_stream.py).
 """
 
 from __future__ import annotations
@@ -31,14 +36,17 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import httpx
-from benchlib import REPO_ROOT, SHORT_TEXTS, common_args, emit, log, median, scratch_data_dir, target
+from benchlib import REPO_ROOT, SHORT_TEXTS, common_args, emit, log, median, scratch_data_dir, target, use_tiny_model
+from fairness_wires import TinkerWire, V1Wire, measure
 
 PROMPTS = [
     "Write a short story about a lighthouse keeper.", "Explain how a bicycle stays upright.",
@@ -49,6 +57,8 @@ PROMPTS = [
     "Summarise the plot of a famous fairy tale.", "What should I pack for a hiking trip?",
 ]
 WORST_TARGET, SLOWDOWN_TARGET = 3.0, 2.0
+WIRE_RATIO_TARGET = 3.0  # issue 34 #10: B's median beside A's flood within 3× of alone
+MODES = ("graphql", "v1", "tinker")
 SIGNAL_CLI = "import sys; from app.cli import main; sys.exit(main())"  # `signal`, from this checkout
 
 
@@ -62,6 +72,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--prompt-tokens", type=int, default=0, help="A's prompts as N token ids each (a long prefill)")
+    parser.add_argument("--mode", choices=(*MODES, "all"), default="graphql",
+                        help="graphql: B's forward_backward beside A's sample; v1/tinker: A's flood on that wire")
+    parser.add_argument("--streams", type=int, default=32, help="v1: A's streamed completions held in flight")
+    parser.add_argument("--futures", type=int, default=200, help="tinker: A's asample futures held in flight")
+    parser.add_argument("--tiny", action="store_true", help="the tests' tiny model (built in a scratch directory)")
     return parser.parse_args()
 
 
@@ -130,6 +145,38 @@ def wait_ready(url: str) -> None:
 
 def main() -> None:
     args = parse_args()
+    with tempfile.TemporaryDirectory(prefix="signal-bench-tiny-") as scratch:
+        if args.tiny:
+            use_tiny_model(args, Path(scratch))
+        for mode in MODES if args.mode == "all" else (args.mode,):
+            bench_wire(args, mode) if mode != "graphql" else bench_graphql(args)
+
+
+def bench_wire(args: argparse.Namespace, mode: str) -> None:
+    """A's flood on `/v1` or Tinker's wire beside B's 4-token completion on the same wire: one JSON line."""
+    max_tokens = min(args.max_tokens, 64) if args.quick else args.max_tokens
+    alone_calls, calls = (min(args.alone_calls, 5), min(args.calls, 8)) if args.quick else (args.alone_calls, args.calls)
+    with signal_serve(args) as server:
+        url = server["url"]
+        wait_ready(url)
+        a_key = make_key(server["env"], "a@x")
+        wire = (V1Wire(url, a_key, server["admin_key"], args.model, args.streams, max_tokens) if mode == "v1" else
+                TinkerWire(url, a_key, server["admin_key"], args.model, args.futures, max_tokens))
+        log(f"signal serve at {url}: {mode}, A (a@x) holds {wire.shape}; B (the admin) sends 4-token completions")
+        try:
+            figures = measure(wire, alone_calls, calls)
+        finally:
+            wire.close()
+    ratio = figures.pop("ratio")
+    print(f"\n{args.model}, {mode}: B alone {figures['b_median_alone_s']:.3f} s, beside A's {wire.shape} "
+          f"{figures['b_median_beside_a_s']:.3f} s: {ratio:.2f}× (target ≤ {WIRE_RATIO_TARGET}×)")
+    targets = {"b_median_ratio": target(ratio, "<=", WIRE_RATIO_TARGET, "issue 34 #10: 15-19x before")}
+    emit({"bench": "fairness", "mode": mode, "model": args.model, "device": args.device, "threads": args.threads,
+          "a_load": wire.shape, "b_call": "4-token completion, same wire", **figures, "b_ratio": round(ratio, 3),
+          "targets": targets, "all_pass": all(t["pass"] for t in targets.values())})
+
+
+def bench_graphql(args: argparse.Namespace) -> None:
     rounds, max_tokens = (1, min(args.max_tokens, 64)) if args.quick else (args.rounds, args.max_tokens)
     prompts = (PROMPTS * (args.prompts // len(PROMPTS) + 1))[: args.prompts]
     from rewardsignal import SignalClient

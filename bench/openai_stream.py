@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import tempfile
 import threading
 import time
@@ -31,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from benchlib import common_args, emit, log, median, target
+from benchlib import common_args, emit, log, median, target, use_tiny_model
 from fairness import make_key, percentile, signal_serve, wait_ready
 
 PROMPT = "Write a long story about a lighthouse keeper and the ships she guides."
@@ -46,16 +45,6 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--tiny", action="store_true", help="the tests' tiny model (built in a scratch directory)")
     return parser.parse_args()
-
-
-def use_tiny_model(args: argparse.Namespace, scratch: Path) -> None:
-    """Serve the tests' tiny model: a catalogue of it alone, through the environment `signal serve` inherits."""
-    from tests.helpers.live_server import TINY_MODEL, write_catalog
-    from tests.helpers.tiny_model import build_tiny_model
-
-    path = build_tiny_model(scratch / TINY_MODEL, tokenizer_cache=scratch / "tokenizer")
-    os.environ["SIGNAL_MODELS_FILE"] = str(write_catalog(scratch / "models.yaml", path))
-    args.model = TINY_MODEL
 
 
 def stream_one(http: httpx.Client, model: str, max_tokens: int, seed: int, start: float) -> tuple[float, int]:
