@@ -103,7 +103,9 @@ def test_a_published_checkpoint_is_read_by_another_user_and_unpublished_is_gone(
     mine = owner.create_sampling_client(model_path=saved["sampler"]).result()
     tokens, logprobs = sample(theirs)
     assert len(tokens) == 6
-    assert (tokens, logprobs) == sample(mine)
+    # The same tokens; logprobs within 1e-4 (the second call may find the prompt's KV in the decode cache).
+    mine_tokens, mine_logprobs = sample(mine)
+    assert tokens == mine_tokens and logprobs == pytest.approx(mine_logprobs, abs=1e-4)
     assert reader_sample_records(live_server) == [(None, "sample")]  # billed to the reader, on no run of theirs
 
     owner_rest.unpublish_checkpoint_from_tinker_path(saved["sampler"]).result()
@@ -113,7 +115,8 @@ def test_a_published_checkpoint_is_read_by_another_user_and_unpublished_is_gone(
         reader.create_sampling_client(model_path=saved["sampler"]).result()
     with pytest.raises(tinker.RequestFailedError, match="not found"):
         sample(theirs)  # the sampler made while it was public reads it no more
-    assert sample(mine) == (tokens, logprobs)  # its owner still does
+    again_tokens, again_logprobs = sample(mine)  # its owner still does
+    assert again_tokens == tokens and again_logprobs == pytest.approx(logprobs, abs=1e-4)
 
 
 @pytest.mark.parametrize("write", ["delete", "unpublish", "publish", "load", "load_with_optimizer"])
