@@ -240,3 +240,14 @@ class BenchServer:
         self.client.close()
         self.server.should_exit = True
         self.thread.join(timeout=60)
+
+
+def sse_chunks(response: Any) -> Iterator[dict[str, Any]]:
+    """A streamed /v1 answer's `data:` chunks as JSON (an httpx streaming response); an error chunk raises."""
+    for line in response.iter_lines():
+        if not line.startswith("data: {"):
+            continue
+        chunk = json.loads(line[len("data: "):])
+        if "error" in chunk:
+            raise RuntimeError(chunk["error"])
+        yield chunk

@@ -10,14 +10,13 @@ were answered while A's flood ran. B's median together over its median alone is 
 from __future__ import annotations
 
 import asyncio
-import json
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 import httpx
-from benchlib import log, median
+from benchlib import log, median, sse_chunks
 
 B_PROMPT, B_MAX_TOKENS = "Say hello.", 4  # B's small call: the 4-token completion
 A_PROMPT = "Write a long story about a lighthouse keeper and the ships she guides."
@@ -70,12 +69,7 @@ class V1Wire:
                 time.sleep(float(response.headers.get("Retry-After", "1")))
                 return
             response.raise_for_status()
-            for line in response.iter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                chunk = json.loads(line[len("data: "):])
-                if "error" in chunk:
-                    raise RuntimeError(chunk["error"])
+            for chunk in sse_chunks(response):
                 flood.started.set()  # A's tokens are flowing: B's calls now meet its decoding
                 if chunk.get("usage"):
                     tokens = int(chunk["usage"]["completion_tokens"])

@@ -21,7 +21,6 @@ the first request sent to the last answer. Target: openai ≥ 0.9 × sample. Las
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 import threading
 import time
@@ -30,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from benchlib import common_args, emit, log, median, target, use_tiny_model
+from benchlib import common_args, emit, log, median, sse_chunks, target, use_tiny_model
 from fairness import make_key, percentile, signal_serve, wait_ready
 
 PROMPT = "Write a long story about a lighthouse keeper and the ships she guides."
@@ -53,12 +52,7 @@ def stream_one(http: httpx.Client, model: str, max_tokens: int, seed: int, start
             "temperature": 1.0, "seed": seed, "stream": True, "stream_options": {"include_usage": True}}
     first, tokens = float("nan"), 0
     with http.stream("POST", "/v1/chat/completions", json=body) as response:
-        for line in response.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line[len("data: "):])
-            if "error" in chunk:
-                raise RuntimeError(chunk["error"])
+        for chunk in sse_chunks(response):
             delta = (chunk["choices"][0].get("delta") or {}) if chunk.get("choices") else {}
             if first != first and delta.get("content"):  # NaN: not yet
                 first = time.perf_counter() - start
