@@ -70,9 +70,11 @@ def choices(result: SampleResult, pieces: dict[int, str], eos: set[int]) -> list
     return out
 
 
-def usage(prompt_ids: list[list[int]], picked: list[Choice]) -> dict[str, int]:
+def usage(prompt_ids: list[list[int]], picked: list[Choice], cached: int = 0) -> JSONObject:
+    """OpenAI's usage; `prompt_tokens_details.cached_tokens`: the prompt tokens found in the decode cache."""
     prompt, completion = sum(len(ids) for ids in prompt_ids), sum(c.generated for c in picked)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def _entry(token: int, logprob: float, pieces: dict[int, str]) -> JSONObject:
@@ -126,7 +128,7 @@ def body(result: SampleResult, params: CompletionRequest, prompt_ids: list[list[
     """The whole answer: a chat.completion or a text_completion, with usage."""
     prompt_texts = [p if isinstance(p, str) else "".join(pieces.get(t, "") for t in p) for p in
                     (params.prompts or prompt_ids)]
-    usage_ = usage(prompt_ids, picked)
+    usage_ = usage(prompt_ids, picked, result.prompt_cache_hit_tokens)
     head: JSONObject = {"id": f"{'chatcmpl' if params.chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
             "model": params.model}
     if params.chat:

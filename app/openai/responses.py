@@ -176,7 +176,8 @@ def response_of(body: JSONObject, chat: JSONObject, answer: JSONObject) -> JSONO
         "tool_choice": body.get("tool_choice", "auto"), "tools": body.get("tools") or [],
         "top_p": chat.get("top_p", 1.0), "truncation": "disabled", "metadata": body.get("metadata") or {},
         "text": {"format": {"type": "text"}}, "store": True,
-        "usage": {"input_tokens": get_int(usage, "prompt_tokens"), "input_tokens_details": {"cached_tokens": 0},
+        "usage": {"input_tokens": get_int(usage, "prompt_tokens"), "input_tokens_details": {
+                      "cached_tokens": get_int(get_object(usage, "prompt_tokens_details"), "cached_tokens")},
                   "output_tokens": get_int(usage, "completion_tokens"),
                   "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": get_int(usage, "total_tokens")},
         "prompt_token_ids": answer.get("prompt_token_ids"), "output_token_ids": choice.get("token_ids"),

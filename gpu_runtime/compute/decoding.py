@@ -230,7 +230,7 @@ class BaseDecoder:
         adapter = self.keys.index(job.key) if job.routed else -1
         job.handles.append(engine.add(job.prompt_ids[p], settings, num_samples=n, seq_ids=range(p * n, (p + 1) * n),
                                       adapter=adapter, key=job.key, stop_token_ids=stops, stop_strings=s.stop, tag=job,
-                                      weights=hash((job.key, job.step))))  # a run's weights change only by its steps
+                                      weights=hash((weights_of(job), job.step))))
 
     @property
     def busy(self) -> bool:
@@ -309,3 +309,11 @@ class BaseDecoder:
     @property
     def run_ids(self) -> list[str]:
         return [job.key for job in self.jobs if not job.done]
+
+
+def weights_of(job: SampleJob) -> str:
+    """Whose weights a job's KV is computed with, for the prefix cache's reuse: a run's own, or a copy of its latest
+    (a /v1 or playground sample; one copy per step under a fresh name) counted as the run's, since a run's weights
+    change only by its steps; a named snapshot, checkpoint or base by its key."""
+    snapshot = job.snapshot
+    return str(snapshot.run_id) if snapshot is not None and getattr(snapshot, "latest", False) else job.key

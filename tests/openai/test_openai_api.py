@@ -56,6 +56,19 @@ def test_a_chat_completion(client: openai.OpenAI, owner: tuple[str, str]) -> Non
     assert answer.usage.completion_tokens == len(generated) + (choice.finish_reason == "stop")
 
 
+def test_a_prompt_sent_again_reports_its_cached_tokens(client: openai.OpenAI, owner: tuple[str, str]) -> None:
+    """The second request's prompt is found in the decode cache but for its last token (whose pass gives the first
+    logits): OpenAI's `usage.prompt_tokens_details.cached_tokens`. Long enough for whole blocks of the prefix index."""
+    messages: list[ChatCompletionMessageParam] = [
+        {"role": "user", "content": "Tell me about the quick brown fox and the lazy dog. " * 4}]
+    first, again = (client.chat.completions.create(model=owner[1], messages=messages, max_tokens=2, seed=seed)
+                    for seed in (1, 2))
+    assert first.usage and again.usage and first.usage.prompt_tokens == again.usage.prompt_tokens
+    assert again.usage.prompt_tokens_details and first.usage.prompt_tokens_details
+    assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens - 1
+    assert first.usage.prompt_tokens_details.cached_tokens in (0, first.usage.prompt_tokens - 1)  # 0 unless sent before
+
+
 @pytest.mark.parametrize("prompt, count", [(["Hello there", "The sky is"], 2), ([[28120, 905, 314]], 1),
                                            ([[28120, 905], [260, 3575, 282]], 2), ([28120, 905, 314], 1)])
 def test_completions_take_prompt_lists_and_token_ids(client: openai.OpenAI, owner: tuple[str, str], prompt: list,
@@ -120,7 +133,12 @@ def test_a_greedy_stream_concatenates_to_the_answer(live_server: LiveServer, cli
     assert text == whole.choices[0].message.content
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == \
         [whole.choices[0].finish_reason]
-    assert chunks[-1].usage is not None and chunks[-1].usage.model_dump() == whole.usage.model_dump()  # type: ignore[union-attr]
+    # The same usage, but for the prompt the stream found in the decode cache (the whole answer's, sent just before).
+    streamed_usage, whole_usage = chunks[-1].usage, whole.usage
+    assert streamed_usage is not None and whole_usage is not None and streamed_usage.prompt_tokens_details
+    assert streamed_usage.model_dump(exclude={"prompt_tokens_details"}) == \
+        whole_usage.model_dump(exclude={"prompt_tokens_details"})
+    assert streamed_usage.prompt_tokens_details.cached_tokens == streamed_usage.prompt_tokens - 1
     with httpx.stream("POST", f"{live_server.url}/v1/chat/completions", headers={"Authorization": f"Bearer {owner[0]}"},
                       json={"model": owner[1], "messages": messages, "max_tokens": 4, "stream": True}) as response:
         assert response.headers["cache-control"] == "no-cache" and response.headers["x-accel-buffering"] == "no"
