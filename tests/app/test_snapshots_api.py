@@ -32,7 +32,10 @@ def test_a_named_snapshot_is_sampled_listed_and_downloaded(live_server: LiveServ
     run.forward_backward(batch=BATCH)
     run.optim_step(learning_rate=5e-2)
     again = run.sample(["hi"], max_tokens=4, temperature=0, snapshot="final")
-    assert again["sequences"] == frozen["sequences"]
+    # The same answer; logprobs within 1e-4 (the prompt's KV may now come from the decode cache, a prefill of other shape).
+    for seen, first in zip(again["sequences"][0], frozen["sequences"][0], strict=True):
+        assert {k: v for k, v in seen.items() if k != "logprobs"} == {k: v for k, v in first.items() if k != "logprobs"}
+        assert seen["logprobs"] == pytest.approx(first["logprobs"], abs=1e-4)
     assert len(run.samples()) == 1  # the current-weights sample is stored; snapshot samples are not by default
 
     listed = run.snapshots()

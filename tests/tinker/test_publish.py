@@ -4,12 +4,15 @@ of it unpublished."""
 
 from __future__ import annotations
 
-import sqlite3
-from typing import Any
+from typing import Any, cast
 
 import pytest
+from sqlalchemy import select
 
+from app.db import Database
+from app.tables import CallRecord, User
 from tests.helpers.live_server import TINY_MODEL, LiveServer
+from tests.web.conftest import run_async
 
 TOKENS = [1, 450, 2011, 310, 264, 1421, 29889, 13, 450, 4996]  # arbitrary ids within the tiny vocabulary
 READER = "reader@example.com"
@@ -70,11 +73,18 @@ def sample(client: Any) -> tuple[list[int], list[float]]:
 
 
 def reader_sample_records(server: LiveServer) -> list[tuple[str | None, str]]:
-    """The reader's sample call records: (run_id, operation)."""
-    path = server.settings.resolved_database_url.split(":///", 1)[1]
-    with sqlite3.connect(path) as db:
-        return db.execute("select c.run_id, c.operation from call_records c join users u on u.id = c.user_id "
-                          "where u.email = ? and c.operation = 'sample'", (READER,)).fetchall()
+    """The reader's sample call records: (run_id, operation), from the server's database (SQLite or PostgreSQL)."""
+    async def read() -> list[tuple[str | None, str]]:
+        db = Database(server.settings.resolved_database_url)
+        try:
+            async with db.session() as session:
+                rows = await session.execute(select(CallRecord.run_id, CallRecord.operation).join(
+                    User, User.id == CallRecord.user_id).where(User.email == READER, CallRecord.operation == "sample"))
+                return [(run_id, operation) for run_id, operation in rows]
+        finally:
+            await db.dispose()
+
+    return cast(list[tuple[str | None, str]], run_async(read()))
 
 
 def test_a_published_checkpoint_is_read_by_another_user_and_unpublished_is_gone(
