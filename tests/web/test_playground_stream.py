@@ -85,7 +85,7 @@ def test_tokens_arrive_in_progress_events_before_the_end(play: tuple[Page, str, 
     # Scrolled to the result (as far as the page's end lets it come): its head, stats and first lines in view.
     page.wait_for_function(f"() => {{ const top = {result_top}; return scrollY > 0 && top >= 0 && top < innerHeight - 300; }}")
     box = page.locator(".play-stream")
-    expect(box).to_have_attribute("data-state", "done")
+    expect(box).to_have_attribute("data-state", "done", timeout=120_000)  # a long answer on a loaded machine
     log = page.evaluate("window.playLog")
     ended = log.index(["data-state", "done"])
     progress = [int(value) for name, value in log[:ended] if name == "data-progress"]
@@ -143,7 +143,7 @@ def test_a_panes_cancel_stops_that_pane_alone(play: tuple[Page, str, str], strea
                                               for group in decode_groups(streaming_server, admin)),
                               "the cancelled pane's rows to leave the decode groups", 60)
     # The other pane went on to its own end, in the same one stream.
-    expect(panes.nth(1)).to_have_attribute("data-state", "done")
+    expect(panes.nth(1)).to_have_attribute("data-state", "done", timeout=120_000)
     expect(panes.nth(1).locator("[data-play-meta]")).to_have_text(re.compile(r"^\d+ tokens · stopped: (length|stop)$"))
     expect(page.locator("[data-play-all]")).to_have_text("Ended: cancelled, done")
     rows = streaming_server.graphql(SAMPLES, {"id": run_id}, key=key)["data"]["run"]["samples"]
@@ -237,7 +237,7 @@ def test_side_by_side_streams_a_run_its_snapshot_and_the_base(play: tuple[Page, 
     expect(panes).to_have_count(3)
     assert page.locator("[data-stream]").count() == 1  # one stream carries the three panes
     for i in range(3):
-        expect(panes.nth(i)).to_have_attribute("data-state", "done")
+        expect(panes.nth(i)).to_have_attribute("data-state", "done", timeout=120_000)
         assert panes.nth(i).locator(".output-text").inner_text(), i  # every pane ends with text
     assert [panes.nth(i).locator("h2").inner_text().split(" · ")[-1] for i in range(3)] == [
         "step 0", "snapshot frozen", "base model"]
