@@ -61,8 +61,6 @@ class Routing:
         self.row_keys: list[str] | None = None
         self.tables: dict[Any, Any] = {}  # this routing's tables, dropped when its rows change
         self.copies: dict[Any, tuple[torch.Tensor, torch.Tensor]] = {}  # this pass's compute copies
-        # layer id → (its input, grad mode, its h): what a sibling's shared shrink left for it (`_shared_h`)
-        self.shared: dict[int, tuple[torch.Tensor, bool, torch.Tensor]] = {}
 
     @property
     def segments(self) -> list[Segment]:
@@ -72,14 +70,12 @@ class Routing:
     def segments(self, segments: list[Segment]) -> None:
         self._segments = segments
         self.tables.clear()
-        self.shared.clear()
 
     def clear(self) -> None:
         """After a pass: a stray pass computes the plain base, and nothing of this one is kept."""
         self._segments, self.row_slots, self.row_keys = [], None, None
         self.tables.clear()
         self.copies.clear()
-        self.shared.clear()
 
     def slot_of(self, key: str | None) -> int:
         """A key's slot for `row_slots`: -1 for none (the base alone) or a key not attached to this base."""
@@ -153,9 +149,6 @@ class MultiLoraLinear(nn.Module):
         self.name_seed = int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little") >> 1
         # A plain attribute, not a module or buffer: the runs' matrices are the base's slots, not the model's state.
         self.lora: LayerSlots | None = None
-        # the wrapped layers of its parent that read the same input (q, k, v; gate, up), itself among them: set by
-        # wrap.py's `wrap_targets`; empty: none
-        self.siblings: tuple[MultiLoraLinear, ...] = ()
 
     @property
     def in_features(self) -> int:
@@ -185,48 +178,13 @@ class MultiLoraLinear(nn.Module):
         table, placed = found
         dtype, grad = compute_dtype(x), torch.is_grad_enabled()
         A, B = self.routing.weights(lora, dtype, grad)
-        h = self._shared_h(x, table, placed, dtype, grad)
-        if h is not None:
-            delta = ops.segmented_expand(h, B, table, lora.grads()[1] if grad else None)
-        else:
-            mask = self._mask(x, placed, dtype)
-            flat = x.reshape(-1, x.shape[-1]).to(dtype)
-            delta = ops.segmented_lora(flat, A, B, table, mask, grad_into=lora.grads() if grad else None)
+        mask = self._mask(x, placed, dtype)
+        flat = x.reshape(-1, x.shape[-1]).to(dtype)
+        delta = ops.segmented_lora(flat, A, B, table, mask, grad_into=lora.grads() if grad else None)
         if delta.requires_grad:  # the runs' .grad become their rows of the gradient buffers as gradients arrive
             slots = [o.slot for _, o in placed if o.trainable]
             delta.register_hook(lambda _: lora.link_grads(slots))
         return (out + delta.view(*out.shape)).to(out.dtype)
-
-    def _shared_h(self, x: torch.Tensor, table: ops.LoraTable, placed: list[tuple[Segment, Occupant]],
-                  dtype: torch.dtype, grad: bool) -> torch.Tensor | None:
-        """This layer's h from one shrink shared with its siblings (ops/shared.py), or None: it runs its own.
-
-        The first sibling called shrinks for every sibling whose table is this one (same runs, no dropout: each layer
-        draws its own mask) and leaves the others their h, taken by a sibling called on the same input tensor."""
-        left = self.routing.shared.pop(id(self), None)
-        if left is not None and left[0] is x and left[1] == grad:
-            return left[2]
-        if len(self.siblings) < 2 or ops.choose(x.device, dtype) != "torch":  # Triton: a launch per layer (shared.py)
-            return None
-        if any(o.dropout > 0 and s.dropout_seed is not None for s, o in placed):
-            return None
-        rows, per_row = x.shape[0], math.prod(x.shape[1:-1])
-        sharing = [s for s in self.siblings if s is self or (
-            s.lora is not None and s.routing is self.routing and (found := self.routing.table(s.lora, rows, per_row))
-            is not None and found[0] is table)]
-        if len(sharing) < 2:
-            return None
-        layers = [s.lora for s in sharing]
-        As = [self.routing.weights(lora, dtype, grad)[0] for lora in layers if lora is not None]
-        into = [lora.grads()[0] for lora in layers if lora is not None] if grad else None
-        hs = ops.shared_shrink(x.reshape(-1, x.shape[-1]).to(dtype), As, table, into)
-        own = None
-        for sibling, h in zip(sharing, hs):
-            if sibling is self:
-                own = h
-            else:
-                self.routing.shared[id(sibling)] = (x, grad, h)
-        return own
 
     def _rows(self, out: torch.Tensor, x: torch.Tensor, lora: LayerSlots) -> torch.Tensor:
         if torch.is_grad_enabled() and (x.requires_grad or out.requires_grad):

@@ -11,8 +11,6 @@ from torch import nn
 from gpu_runtime.compute.lora.experts import ExpertTarget, expert_parameter_names, wrap_experts
 from gpu_runtime.compute.lora.layer import MultiLoraLinear, Routing
 
-# leaf names of a parent's Linear layers that decoder blocks call on one input tensor: they may share one shrink
-SHARED_INPUT = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 LoraTarget = MultiLoraLinear | ExpertTarget  # what a run's matrices hang off: a Linear layer or a 3-D expert parameter
 
 
@@ -44,21 +42,8 @@ def wrap_targets(model: nn.Module, targets: list[str], routing: Routing) -> dict
             parent = model.get_submodule(path.rsplit(".", 1)[0]) if "." in path else model
             setattr(parent, leaf, MultiLoraLinear(module, path, routing))
     layers: dict[str, LoraTarget] = {path: m for path, m in model.named_modules() if isinstance(m, MultiLoraLinear)}
-    _link_siblings(model)
     layers.update(wrap_experts(model, targets, routing))  # expert parameters: experts.py
     return layers
-
-
-def _link_siblings(model: nn.Module) -> None:
-    """Each wrapped layer learns its parent's other wrapped layers of its SHARED_INPUT group (same input width); the
-    layer shares a shrink with them only when they are called on the same tensor (compute/lora/layer.py)."""
-    for parent in model.modules():
-        for group in SHARED_INPUT:
-            members = [m for leaf in group if isinstance(m := getattr(parent, leaf, None), MultiLoraLinear)]
-            if len(members) < 2 or len({m.in_features for m in members}) != 1:
-                continue
-            for member in members:
-                member.siblings = tuple(members)
 
 
 def init_lora(layers: dict[str, LoraTarget], targets: list[str], r: int, alpha: float, seed: int,

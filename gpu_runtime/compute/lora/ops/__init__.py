@@ -26,8 +26,6 @@ What each computes (the `reference_*` function beside each is its spec, and the 
   (fp32) buffers instead, only the pass's slots touched (the layer's path: compute/lora/slots.py).
 - `lora_shrink_rows` / `lora_expand_rows` / `rows_lora` (BGMV, decoding): one adapter per row given by a per-row slot
   index, -1 for base-only rows, ranks and scalings per slot: the table a decode step changes is one int per row.
-- `shared_shrink` / `segmented_expand` (ops/shared.py, torch path only): layers that read one input (q, k, v) take
-  one shrink against their A's concatenated along the rank, then an expand each (compute/lora/layer.py chooses it).
 - `grouped_expert_lora`: mixture-of-experts layers, slot buffers `[slots, experts, R, in]` / `[slots, experts, out, R]`
   flattened to `[slots × experts, …]`, each segment's "slot" being `slot × experts + expert` (`build_expert_table`):
   the same kernels, forward and backward, with no code of their own.
@@ -62,7 +60,6 @@ from gpu_runtime.compute.lora.ops.reference import (
     reference_shrink,
     reference_shrink_rows,
 )
-from gpu_runtime.compute.lora.ops.shared import segmented_expand, shared_shrink
 from gpu_runtime.compute.lora.ops.tables import (
     KERNEL_DTYPES,
     Impl,
@@ -88,8 +85,8 @@ __all__ = [
     "KERNEL_DTYPES", "LAUNCH", "Impl", "LoraTable", "RowsTable", "SegmentedLora", "TableSegment", "build_expert_table",
     "build_rows_table", "build_table", "choose", "grouped_expert_lora", "lora_expand", "lora_expand_rows",
     "lora_shrink", "lora_shrink_rows", "reference_backward", "reference_expand", "reference_expand_rows",
-    "reference_rows_lora", "reference_segmented_lora", "reference_shrink", "reference_shrink_rows", "rows_lora", "segmented_expand",
-    "segmented_lora", "shared_shrink", "triton_installed",
+    "reference_rows_lora", "reference_segmented_lora", "reference_shrink", "reference_shrink_rows", "rows_lora", "segmented_lora",
+    "triton_installed",
 ]
 
 # ---------------------------------------------------------------------------------------------------------------------
