@@ -4,9 +4,8 @@ built once a pass with one host-to-device copy (the layout: ops/__init__.py)."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
-from functools import cached_property
-from typing import Any, Literal, NamedTuple
+from dataclasses import dataclass
+from typing import Literal, NamedTuple
 
 import torch
 
@@ -44,33 +43,10 @@ class LoraTable:
     total_rows: int  # T: the pass's rows, base-only ones included
     max_segment_rows: int  # the longest segment: the row-block grid
     segments: tuple[TableSegment, ...]  # host copy: the torch path never reads the device
-    cache: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)  # the torch path's index tensors
 
     @property
     def num_slots(self) -> int:
         return len(self.slot_ids)
-
-    @cached_property
-    def groups(self) -> tuple[SegmentGroup, ...]:
-        """The segments grouped by (rows, rank), in order of first appearance: the torch path's batched matmuls."""
-        grouped: dict[tuple[int, int], list[TableSegment]] = {}
-        for seg in self.segments:
-            grouped.setdefault((seg.row_end - seg.row_start, seg.rank), []).append(seg)
-        return tuple(SegmentGroup(rows, rank, tuple(segs)) for (rows, rank), segs in grouped.items())
-
-
-@dataclass(frozen=True)
-class SegmentGroup:
-    """Segments of equal rows and rank: one batched matmul each way for all of them, whatever runs they are."""
-
-    rows: int
-    rank: int
-    segments: tuple[TableSegment, ...]
-
-    @cached_property
-    def consecutive(self) -> bool:
-        """Whether the segments follow each other with no gap: their rows are then a view [segments, rows, …]."""
-        return all(b.row_start == a.row_end for a, b in zip(self.segments, self.segments[1:]))
 
 
 def _validate(segments: Sequence[TableSegment], total_rows: int) -> None:
