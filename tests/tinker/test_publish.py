@@ -19,22 +19,10 @@ READER = "reader@example.com"
 
 
 @pytest.fixture(scope="module")
-def owner_key(live_server: LiveServer) -> str:
-    return "tml-" + live_server.new_user()
-
-
-@pytest.fixture(scope="module")
-def owner(live_server: LiveServer, owner_key: str) -> Any:
+def owner_rest(live_server: LiveServer, tinker_key: str) -> Any:
     import tinker
 
-    return tinker.ServiceClient(base_url=live_server.url, api_key=owner_key)
-
-
-@pytest.fixture(scope="module")
-def owner_rest(live_server: LiveServer, owner_key: str) -> Any:
-    import tinker
-
-    return tinker.RestClient(base_url=live_server.url, api_key=owner_key)
+    return tinker.RestClient(base_url=live_server.url, api_key=tinker_key)  # the owner: conftest's user
 
 
 @pytest.fixture(scope="module")
@@ -50,11 +38,11 @@ def reader(live_server: LiveServer, reader_key: str) -> Any:
 
 
 @pytest.fixture(scope="module")
-def saved(owner: Any) -> dict[str, Any]:
+def saved(service_client: Any) -> dict[str, Any]:
     """The owner's model after one step, with a sampler checkpoint and a training checkpoint."""
     from tinker import types
 
-    training = owner.create_lora_training_client(base_model=TINY_MODEL, rank=4, seed=5).result()
+    training = service_client.create_lora_training_client(base_model=TINY_MODEL, rank=4, seed=5).result()
     datum = types.Datum(model_input=types.ModelInput.from_ints(TOKENS[:-1]),
                         loss_fn_inputs={"target_tokens": TOKENS[1:]})  # type: ignore[dict-item]  # Datum converts lists to TensorData
     training.forward_backward([datum], "cross_entropy").result()
@@ -88,7 +76,7 @@ def reader_sample_records(server: LiveServer) -> list[tuple[str | None, str]]:
 
 
 def test_a_published_checkpoint_is_read_by_another_user_and_unpublished_is_gone(
-        live_server: LiveServer, owner: Any, owner_rest: Any, reader: Any, reader_key: str, saved: Any) -> None:
+        live_server: LiveServer, service_client: Any, owner_rest: Any, reader: Any, reader_key: str, saved: Any) -> None:
     import tinker
 
     rest = tinker.RestClient(base_url=live_server.url, api_key=reader_key)
@@ -110,7 +98,7 @@ def test_a_published_checkpoint_is_read_by_another_user_and_unpublished_is_gone(
     assert [(c.tinker_path, c.public) for c in seen] == [(saved["sampler"], True)]
     assert rest.get_weights_info_by_tinker_path(saved["sampler"]).result().lora_rank == 4
     theirs = reader.create_sampling_client(model_path=saved["sampler"]).result()
-    mine = owner.create_sampling_client(model_path=saved["sampler"]).result()
+    mine = service_client.create_sampling_client(model_path=saved["sampler"]).result()
     tokens, logprobs = sample(theirs)
     assert len(tokens) == 6
     # The same tokens; logprobs within 1e-4 (the second call may find the prompt's KV in the decode cache).
