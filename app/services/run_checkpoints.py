@@ -141,14 +141,18 @@ class RunCheckpoints:
 
         await self.calls.in_order(run.id, work)
 
-    async def set_expiry(self, user: User, run_id: str, mode: str, name: str, seconds: float) -> datetime:
-        """A checkpoint's expiry (Tinker's ttl_seconds), from now: once past, it is unlisted, and deleted, files and row,
-        by `delete_expired` (the Tinker futures' housekeeping runs it)."""
+    async def set_expiry(self, user: User, run_id: str, mode: str, name: str, seconds: float | None) -> datetime | None:
+        """A checkpoint's expiry (Tinker's ttl_seconds), from now, or none (None: kept until deleted): once past, it is
+        unlisted, and deleted, files and row, by `delete_expired` (the Tinker futures' housekeeping runs it). An
+        expired, unknown or another user's checkpoint is NOT_FOUND alike."""
         run = await self.calls.get(user, run_id)
-        expires_at = utcnow() + timedelta(seconds=seconds)
+        expires_at = None if seconds is None else utcnow() + timedelta(seconds=seconds)
         async with self.calls.db.session() as session:
-            await session.execute(update(Checkpoint).where(Checkpoint.run_id == run.id, Checkpoint.mode == mode,
-                                                           Checkpoint.name == name).values(expires_at=expires_at))
+            changed = await session.execute(update(Checkpoint).where(
+                Checkpoint.run_id == run.id, Checkpoint.mode == mode, Checkpoint.name == name,
+                or_(Checkpoint.expires_at.is_(None), Checkpoint.expires_at > utcnow())).values(expires_at=expires_at))
+        if not getattr(changed, "rowcount", 0):
+            raise NotFound(f"checkpoint {mode}/{name} of run {run_id!r} not found", field="checkpoint_id")
         return expires_at
 
     async def set_public(self, user: User, run_id: str, mode: str, name: str, public: bool) -> None:

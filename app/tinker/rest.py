@@ -1,5 +1,5 @@
-"""Tinker's REST surface (RestClient, the `tinker` CLI): server capabilities, training runs, checkpoint listing and
-deletion, weights_info. Read-mostly views of the caller's models and their Signal checkpoints."""
+"""Tinker's REST surface (RestClient, the `tinker` CLI): server capabilities, training runs, checkpoint listing,
+deletion, publishing and expiry, weights_info. Read-mostly views of the caller's models and their Signal checkpoints."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from app.services import Services
 from app.services import tinker_paths as paths
 from app.tables import TinkerModel, User
 from app.tinker import published
-from app.tinker.endpoint import services
+from app.tinker.endpoint import body, services
 from app.tinker.messages import (
     Checkpoint,
     CheckpointsListResponse,
@@ -26,6 +26,7 @@ from app.tinker.messages import (
     TrainingRunsResponse,
     WeightsInfoResponse,
 )
+from app.tinker.training import checkpoint_ttl
 from gpu_runtime.contract import target_families
 
 KINDS = {mode: kind for kind, mode in paths.MODES.items()}  # Signal's mode → Tinker's path segment
@@ -164,6 +165,24 @@ async def set_public(request: Request, user: User, public: bool) -> Empty:
     if kind not in paths.MODES or not paths.NAME.match(name):
         raise NotFound(f"checkpoint {request.path_params['checkpoint_id']!r} not found", field="checkpoint_id")
     await svc.runs.set_public(user, model.run_id or "", paths.MODES[kind], name, public)
+    return {}
+
+
+async def set_ttl(request: Request, user: User) -> Empty:
+    """PUT …/checkpoints/{weights|sampler_weights}/{name}/ttl `{"ttl_seconds"}` (RestClient's
+    set_checkpoint_ttl_from_tinker_path): a new expiry from now, within save's bounds, or none when null. The owner's
+    alone; another user's, an expired one or none is not found alike."""
+    data = await body(request)
+    if "ttl_seconds" not in data:
+        raise BadInput("ttl_seconds is required: seconds from now, or null to keep the checkpoint until deleted",
+                       field="ttl_seconds")
+    svc = services(request)
+    ttl = checkpoint_ttl(data["ttl_seconds"], svc.settings.tinker_min_checkpoint_ttl_s)
+    model = await svc.tinker_sessions.model(user, request.path_params["model_id"])
+    kind, _, name = str(request.path_params["checkpoint_id"]).partition("/")
+    if kind not in paths.MODES or not paths.NAME.match(name):
+        raise NotFound(f"checkpoint {request.path_params['checkpoint_id']!r} not found", field="checkpoint_id")
+    await svc.runs.set_expiry(user, model.run_id or "", paths.MODES[kind], name, ttl)
     return {}
 
 

@@ -69,6 +69,8 @@ def routes() -> list[Route]:
               endpoint(rest.publish), methods=["POST"]),
         Route(f"{PREFIX}/training_runs/{{model_id}}/checkpoints/{{checkpoint_id:path}}/publish",
               endpoint(rest.unpublish), methods=["DELETE"]),
+        Route(f"{PREFIX}/training_runs/{{model_id}}/checkpoints/{{checkpoint_id:path}}/ttl",
+              endpoint(rest.set_ttl), methods=["PUT"]),
         Route(f"{PREFIX}/training_runs/{{model_id}}/checkpoints/{{checkpoint_id:path}}",
               endpoint(rest.delete_checkpoint), methods=["DELETE"]),
         Route(f"{PREFIX}/checkpoint_files/{{token}}", endpoint(downloads.checkpoint_file, auth=False), methods=["GET"]),

@@ -118,3 +118,54 @@ def test_a_checkpoints_files_are_signed_links_that_need_no_key(live_server: Live
     assert httpx.get(tampered, timeout=60).status_code == 404
     rest.delete_checkpoint_from_tinker_path(path).result()
     assert httpx.get(url, timeout=60).status_code == 404  # its checkpoint is gone: so is the link
+
+
+def test_set_ttl_sets_clears_and_expires_a_checkpoint(live_server: LiveServer, client: Any, key: str) -> None:
+    """RestClient.set_checkpoint_ttl_from_tinker_path (PUT …/ttl): a TTL set after the save lists its expires_at and
+    the housekeeping deletes it once past; null clears a save's TTL."""
+    import tinker
+
+    training = client.create_lora_training_client(base_model=TINY_MODEL, rank=4, seed=1).result()
+    later = training.save_state("later").result().path
+    cleared = training.save_weights_for_sampler("cleared", ttl_seconds=3600).result().path
+    rest = tinker.RestClient(base_url=live_server.url, api_key=key)
+    before = datetime.now(UTC)
+    assert rest.set_checkpoint_ttl_from_tinker_path(cleared, None).result() is None
+    rest.set_checkpoint_ttl_from_tinker_path(later, 7200).result()
+    listed = {c.checkpoint_id: c for c in rest.list_checkpoints(training.model_id).result().checkpoints}
+    assert listed["sampler_weights/cleared"].expires_at is None
+    expires_at = listed["weights/later"].expires_at
+    assert expires_at is not None and 7200 <= (expires_at - before).total_seconds() <= 7200 + 30
+    rest.set_checkpoint_ttl_from_tinker_path(later, TTL_S).result()
+    live_server.wait_for(lambda: not checkpoint_files(live_server, "later"), "the expired checkpoint's sweep",
+                         timeout=PATIENCE_S)
+    ids = [c.checkpoint_id for c in rest.list_checkpoints(training.model_id).result().checkpoints]
+    assert ids == ["sampler_weights/cleared"]
+
+
+@pytest.mark.parametrize("ttl", [TTL_S - 1, 3653 * 24 * 3600 + 1, "3600", True],
+                         ids=["too-short", "too-long", "a-string", "a-boolean"])
+def test_set_ttl_out_of_bounds_is_a_400_naming_it(live_server: LiveServer, client: Any, key: str, ttl: Any) -> None:
+    import httpx
+
+    training = client.create_lora_training_client(base_model=TINY_MODEL, rank=4, seed=1).result()
+    training.save_state("bounded").result()
+    answer = httpx.put(f"{live_server.url}/api/v1/training_runs/{training.model_id}/checkpoints/weights/bounded/ttl",
+                       json={"ttl_seconds": ttl}, headers={"X-API-Key": key}, timeout=60)
+    assert answer.status_code == 400
+    assert answer.json()["category"] == "user" and "ttl_seconds" in answer.json()["detail"]
+
+
+def test_set_ttl_on_another_users_or_no_checkpoint_is_a_404(live_server: LiveServer, client: Any, key: str) -> None:
+    import tinker
+
+    training = client.create_lora_training_client(base_model=TINY_MODEL, rank=4, seed=1).result()
+    path = training.save_state("mine").result().path
+    stranger = tinker.RestClient(base_url=live_server.url, api_key="tml-" + live_server.new_user())
+    with pytest.raises(tinker.NotFoundError):
+        stranger.set_checkpoint_ttl_from_tinker_path(path, 3600).result()
+    with pytest.raises(tinker.NotFoundError):
+        tinker.RestClient(base_url=live_server.url, api_key=key).set_checkpoint_ttl_from_tinker_path(
+            path.replace("/mine", "/nobody"), 3600).result()
+    listed = tinker.RestClient(base_url=live_server.url, api_key=key).list_checkpoints(training.model_id).result()
+    assert [c.expires_at for c in listed.checkpoints] == [None]  # the stranger's call changed nothing
