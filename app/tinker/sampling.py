@@ -125,8 +125,10 @@ async def asample(request: Request, user: User) -> UntypedAPIFuture:
     targets = prompt_extras.targets(data, len(prompt))
     sampler = await svc.tinker_sessions.model(user, string(data, "sampling_session_id", "") or "", "sample",
                                               live=True)
-    # The weights: a sampler snapshot (named or the ephemeral one), a training checkpoint, or the base alone.
+    # The weights: a sampler snapshot (named or the ephemeral one), a training checkpoint, the base alone, or for an
+    # inflight sampler (a run and no path) the run's current weights as the call reaches the runtime (`latest`).
     snapshot = checkpoint = base_model = None
+    inflight = sampler.run_id is not None and not sampler.model_path
     if sampler.run_id is None:
         base_model = sampler.base_model
     elif sampler.model_path:
@@ -149,13 +151,13 @@ async def asample(request: Request, user: User) -> UntypedAPIFuture:
         try:
             result = await svc.runs.sample_unless_gone(user, sampler.run_id, params, ended(), request_id=request_id,
                                                        snapshot=snapshot, checkpoint=checkpoint,
-                                                       base_model=base_model)
+                                                       base_model=base_model, latest=inflight)
         finally:
             place.release()
         if store is not None:  # stable_reinforce's record, keyed by the sequence ids the submit answered
             for i, sequence in enumerate(result.sequences[0]):
                 store.record(user.id, f"{request_id}:{i}", sequence.tokens, sequence.logprobs,
-                             sampler.model_path or sampler.base_model)
+                             sampler.model_path or (f"{sampler.id}@{result.step}" if inflight else sampler.base_model))
         prompt_logprobs = result.prompt_logprobs[0] if params.prompt_logprobs and result.prompt_logprobs else None
         extras = proto.SampleExtras(sample_k=params.topk_sample_logprobs, prompt_k=params.topk_prompt_logprobs,
                                     topk_prompt=prompt_extras.keep_last(

@@ -4,7 +4,7 @@ save_weights and save_weights_for_sampler. forward_backward's body and answer ar
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import TypeVar
 
 from starlette.requests import Request
@@ -135,6 +135,7 @@ async def save(request: Request, user: User, kind: str) -> UntypedAPIFuture:
     overwrite = boolean(data, "overwrite", False)
     ttl = checkpoint_ttl(data.get("ttl_seconds"), svc.settings.tinker_min_checkpoint_ttl_s)
     sampling_seq = integer(data.get("sampling_session_seq_id"), "sampling_session_seq_id") if ephemeral else 0
+    inflight = sampler_kind(data, ephemeral)
     model = await svc.tinker_sessions.model(user, string(data, "model_id", "") or "", live=True)
     request_type = "SaveWeights" if kind == "weights" else "SaveWeightsForSampler"
 
@@ -144,8 +145,10 @@ async def save(request: Request, user: User, kind: str) -> UntypedAPIFuture:
             the_id = sampling_session_id(session_of(model.id), sampling_seq)
             saved = await ordered(svc, model, seq, lambda order, rid: svc.runs.save_weights_for_sampler(
                 user, run.id, name=None, request_id=rid, order=order), request_id)
+            # An inflight sampler has no path: it samples the run's current weights (app/tinker/sampling.py), newer
+            # than or equal to those this save froze once its calls before it were applied.
             await svc.tinker_sessions.map(user, the_id, model.session_id, "sample", run.id, model.base_model,
-                                          f"tinker://{model.id}/sampler_weights/{saved.name}")
+                                          None if inflight else f"tinker://{model.id}/sampler_weights/{saved.name}")
             return json_answer(SaveWeightsForSamplerResponseInternal(sampling_session_id=the_id,
                                                                      type="save_weights_for_sampler"))
         target = paths.TinkerPath(model.id, kind, name or "")
@@ -168,6 +171,15 @@ async def save(request: Request, user: User, kind: str) -> UntypedAPIFuture:
 
     row = await submit_training(svc, user, model, seq, request_type, work)
     return future_answer(row)
+
+
+def sampler_kind(data: Mapping[str, object], ephemeral: bool) -> bool:
+    """Tinker's SamplingClientKind: True for `inflight` (the model's mutable latest weights), False for `snapshot`.
+    The SDK sends inflight only for an unnamed save: a named checkpoint is frozen by definition."""
+    kind = string(data, "kind", "snapshot")
+    if kind not in ("snapshot", "inflight") or (kind == "inflight" and not ephemeral):
+        raise BadInput(f"kind must be 'snapshot', or 'inflight' for an unnamed save, got {kind!r}", field="kind")
+    return kind == "inflight"
 
 
 def checkpoint_ttl(value: object, shortest: int) -> float | None:
