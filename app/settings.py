@@ -73,6 +73,9 @@ class Settings(BaseSettings):
                                  "long, then answers try_again (the SDK times a poll out at 45 s).")
     tinker_result_ttl_s: float = Field(3600.0, gt=0, description="A finished Tinker future stays retrievable this "
                                        "long; then its row is deleted (and a resubmission of it runs again).")
+    tinker_session_lapse_s: float = Field(120.0, gt=0, description="A Tinker session whose heartbeats (the SDK "
+                                          "sends one every 10 s) stop this long has ended, as a closed one has: its "
+                                          "pending futures fail and their samples are withdrawn; tests shorten it.")
     tinker_min_checkpoint_ttl_s: int = Field(3600, ge=1, description="The shortest ttl_seconds a Tinker save takes "
                                              "(Tinker's own bound, an hour); tests shorten it.")
     tinker_tokenizer_dir: bool = Field(True, description="Local backend only: Tinker's get_info answers a "

@@ -76,7 +76,8 @@ class Services:
                           settings.runtime_options(), settings.record_retry_s, settings.deadlines_s)
         tinker = TinkerFutures(db, settings.tinker_poll_s, settings.tinker_result_ttl_s, settings.session_recheck_s)
         tinker.chores.append(runs.delete_expired)  # Tinker's ttl_seconds: expired checkpoints, files and rows
-        tinker_sessions = TinkerSessions(db)
+        tinker_sessions = TinkerSessions(db, settings.tinker_session_lapse_s)
+        tinker.alive = tinker_sessions.alive  # a session's end reaches its pending futures, as a revoked key does
         runs.shares = SampleShares(settings.max_user_samples_in_flight)  # one bound for every wire's samples
         runs.claim = tinker_sessions.claim  # Signal's own calls on a run a live Tinker session drives are refused
         http = supabase = None

@@ -31,7 +31,7 @@ from app.errors import BadInput, NotFound, SignalError, Unauthenticated, http_st
 from app.pg_listen import listen
 from app.services.streams import hold
 from app.services.throttle import throttled
-from app.services.tinker_sessions import tinker_call
+from app.services.tinker_sessions import SessionEnded, session_of, tinker_call
 from app.tables import TinkerFuture, User, could_be_id, new_id, utcnow
 from gpu_runtime.contract import MAX_SAMPLES
 
@@ -96,6 +96,8 @@ class TinkerFutures:
         self._closing = asyncio.Event()
         self._background: list[asyncio.Task[None]] = []
         self.chores: list[Callable[[], Awaitable[object]]] = []  # run after each heartbeat (Services.build adds them)
+        # A session id → SessionEnded once it is closed or lapsed (Services.build sets TinkerSessions.alive).
+        self.alive: Callable[[str], Awaitable[None]] | None = None
 
     def start(self) -> None:
         """The owner heartbeat, and what wakes waits on other processes' futures: LISTEN on PostgreSQL, else the
@@ -128,10 +130,23 @@ class TinkerFutures:
                 raise NotFound(f"{key[1]} not found", field="model_id") from None
             return winner
         self._done[request_id] = asyncio.Event()
-        task = asyncio.create_task(self._run(request_id, work, credential.get()))
+        task = asyncio.create_task(self._run(request_id, work, self._check(credential.get(), session_of(key[1]))))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return row
+
+    def _check(self, key: Check | None, session_id: str) -> Check | None:
+        """What a pending future re-checks every recheck_s: its submitter's key, then its session."""
+        alive = self.alive
+        if alive is None:
+            return key
+
+        async def both() -> None:
+            if key is not None:
+                await key()
+            await alive(session_id)
+
+        return both
 
     async def _run(self, request_id: str, work: Callable[[str], Awaitable[tuple[str, bytes]]],
                    check: Check | None) -> None:
@@ -157,9 +172,9 @@ class TinkerFutures:
 
     async def _unless_revoked(self, work: Callable[[str], Awaitable[tuple[str, bytes]]], request_id: str,
                               check: Check | None) -> tuple[str, bytes]:
-        """`work`'s answer, or UNAUTHENTICATED once `check` (the submitter's key, every recheck_s) raises it: the work
-        hears it through `ended()` (a sample is withdrawn) and is left to end on its own (a training call the runtime
-        has taken is still recorded), while the future fails now."""
+        """`work`'s answer, or UNAUTHENTICATED (CANCELLED: its session ended) once `check` (the submitter's key and
+        session, every recheck_s) raises it: the work hears it through `ended()` (a sample is withdrawn) and is left
+        to end on its own (a training call the runtime has taken is still recorded), while the future fails now."""
         if check is None:
             return await work(request_id)
         revoked: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -171,11 +186,13 @@ class TinkerFutures:
                 return task.result()
             try:
                 await check()
-            except Unauthenticated as error:
-                log.info("tinker future %s: its key was revoked; the future fails", request_id)
+            except (Unauthenticated, SessionEnded) as error:
+                log.info("tinker future %s: %s; the future fails", request_id, error.message)
                 revoked.set_result(None)
                 hold(task)  # referenced until it ends (a bare task may be collected)
                 task.add_done_callback(lambda ended: ended.cancelled() or ended.exception())  # its end is not news
+                if isinstance(error, SessionEnded):
+                    raise error from None
                 raise Unauthenticated(f"{error.message}: this operation was stopped") from None
             except (SignalError, SQLAlchemyError, OSError) as error:  # the database away: asked again next round
                 log.warning("tinker future %s: its key could not be checked: %s", request_id, error)

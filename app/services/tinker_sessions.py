@@ -15,12 +15,10 @@ from sqlalchemy.exc import IntegrityError
 from app.db import Database
 from app.errors import BadInput, NotFound
 from app.tables import NAME_LENGTH, TINKER_ID_LENGTH, Run, TinkerModel, TinkerSession, User, utcnow
-from gpu_runtime.errors import FailedPrecondition
+from gpu_runtime.errors import Cancelled, FailedPrecondition
 
 # Set while the Tinker adapter makes a call: its calls on the run are the session's own.
 tinker_call: contextvars.ContextVar[bool] = contextvars.ContextVar("tinker_call", default=False)
-# A session drives its runs while it heartbeats (the SDK sends one every 10 s) and has not finished.
-DRIVING = timedelta(minutes=2)
 READS = {"sample", "forward", "save_weights_for_sampler"}  # freezing weights changes nothing either
 
 FINISHED = "finished"
@@ -30,9 +28,15 @@ class SessionFinished(Exception):
     """A finished session's heartbeat (410) or operation (refused)."""
 
 
+class SessionEnded(Cancelled):
+    """A pending operation of a session that ended (closed, or its heartbeats lapsed): the future fails with it."""
+
+
 class TinkerSessions:
-    def __init__(self, db: Database) -> None:
+    def __init__(self, db: Database, lapse_s: float = 120.0) -> None:
         self.db = db
+        # A session drives its runs while it heartbeats and has not finished (SIGNAL_TINKER_SESSION_LAPSE_S).
+        self.lapse = timedelta(seconds=lapse_s)
 
     async def create(self, user: User, display_name: str | None, user_metadata: Mapping[str, object] | None) -> str:
         session_id = uuid.uuid4().hex  # 32 characters: ids built on it stay well under TINKER_ID_LENGTH
@@ -67,6 +71,19 @@ class TinkerSessions:
             await session.execute(update(TinkerSession).where(TinkerSession.id == session_id,
                                                                TinkerSession.finished_at.is_(None))
                                   .values(finished_at=utcnow()))
+
+    async def alive(self, session_id: str) -> None:
+        """A pending future's check (TinkerFutures): SessionEnded once its session is closed or its heartbeats have
+        lapsed; a session this server does not know (none yet) is left alone."""
+        async with self.db.session() as session:
+            row = await session.get(TinkerSession, session_id) if 0 < len(session_id) <= 64 else None
+        if row is None:
+            return
+        if row.finished_at is not None:
+            raise SessionEnded(f"session {session_id} was closed: this operation was stopped")
+        if row.heartbeat_at < utcnow() - self.lapse:
+            raise SessionEnded(f"session {session_id} sent no heartbeat for {self.lapse.total_seconds():g} s: "
+                               "this operation was stopped")
 
     async def map(self, user: User, tinker_id: str, session_id: str, kind: str, run_id: str | None,
                   base_model: str, model_path: str | None = None) -> TinkerModel:
@@ -121,7 +138,7 @@ class TinkerSessions:
             driver = await session.scalar(
                 select(TinkerSession.id).join(TinkerModel, TinkerModel.session_id == TinkerSession.id)
                 .where(TinkerModel.run_id == run.id, TinkerSession.finished_at.is_(None),
-                       TinkerSession.heartbeat_at > utcnow() - DRIVING).limit(1))
+                       TinkerSession.heartbeat_at > utcnow() - self.lapse).limit(1))
         if driver is not None:
             raise FailedPrecondition(f"run {run.id} is driven by Tinker session {driver}; finish that session (or "
                                      "let it stop heartbeating) before calling it from Signal's API", field="runId")
