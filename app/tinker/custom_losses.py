@@ -45,7 +45,8 @@ class CustomLossStore:
     def get(self, user_id: str, loss_id: str) -> CustomLoss | None:
         """The user's own loss; None if unknown or another user's (indistinguishable on purpose)."""
         with self._lock:
-            return self._users.get(user_id, {}).get(loss_id)
+            losses = self._users.get(user_id)
+            return None if losses is None else losses.get(loss_id)
 
 
 def store(request: Request) -> CustomLossStore:
@@ -64,7 +65,7 @@ async def create_custom_loss(request: Request, user: User) -> UntypedAPIFuture:
     seq = integer(data.get("custom_loss_seq_id"), "custom_loss_seq_id", 0)
     await svc.tinker_sessions.open(user, session_id)
     loss = parse_custom_loss({"name": data.get("name"), "inputs": data.get("inputs"), "graph": data.get("graph")},
-                             field="graph")
+                             field="")
     loss_id = f"{session_id}:loss:{seq}"
     losses = store(request)
 

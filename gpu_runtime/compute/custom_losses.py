@@ -71,7 +71,8 @@ def custom_loss(logprobs: torch.Tensor, batch: Collated, loss: CustomLoss) -> tu
     """The elementwise loss [B, T] (each datum's scalar at its first position, so its sum is the sum of the datums'
     losses) and each metric summed over the datums (the engine divides `:mean` ones by the call's datum count, as the
     SDK's client-side `run_loss_handle` does)."""
-    losses, sums = [], {}
+    losses: list[torch.Tensor] = []
+    sums: dict[str, torch.Tensor] = {}
     for row, n in enumerate(batch.lengths):
         inputs = [logprobs[row, :n]] + [_input(batch, name, row, n, logprobs) for name in loss.input_names]
         value, metrics = run_graph(loss, inputs)

@@ -92,34 +92,35 @@ def _fail(message: str, field: str) -> BadInput:
 
 def parse_custom_loss(data: Any, field: str = "custom_loss") -> CustomLoss:
     """A graph as the SDK sends it ({name, inputs, graph: {format, nodes}}), checked; BadInput names the node."""
+    at = f"{field}." if field else ""  # the app's body holds name, inputs and graph at its top
     if not isinstance(data, dict):
-        raise _fail(f"{field} must be an object with name, inputs and graph", field)
+        raise _fail(f"{field or 'the body'} must be an object with name, inputs and graph", field or "body")
     name = data.get("name")
     if not isinstance(name, str) or not NAME.fullmatch(name):
-        raise _fail(f"{field}.name must be a Python identifier of at most 64 characters", f"{field}.name")
-    inputs = _inputs(data.get("inputs"), f"{field}.inputs")
+        raise _fail(f"{at}name must be a Python identifier of at most 64 characters", f"{at}name")
+    inputs = _inputs(data.get("inputs"), f"{at}inputs")
     graph = data.get("graph")
     if not isinstance(graph, dict) or graph.get("format", 1) != 1 or not isinstance(graph.get("nodes"), list):
-        raise _fail(f"{field}.graph must be {{format: 1, nodes: [...]}}", f"{field}.graph")
+        raise _fail(f"{at}graph must be {{format: 1, nodes: [...]}}", f"{at}graph")
     raw = graph["nodes"]
     if not 2 <= len(raw) <= MAX_NODES:
-        raise _fail(f"{field}.graph has {len(raw)} nodes; a custom loss has 2..{MAX_NODES}", f"{field}.graph.nodes")
+        raise _fail(f"{at}graph has {len(raw)} nodes; a custom loss has 2..{MAX_NODES}", f"{at}graph.nodes")
     nodes: list[CustomLossNode] = []
     seen: set[str] = set()
     for i, node in enumerate(raw):
-        nodes.append(_node(node, i, seen, inputs, f"{field}.graph.nodes[{i}]", last=i == len(raw) - 1))
+        nodes.append(_node(node, i, seen, inputs, f"{at}graph.nodes[{i}]", last=i == len(raw) - 1))
         seen.add(nodes[-1].name)
     placeholders = [n.target for n in nodes if n.op == "placeholder"]
     if placeholders != [n for n, _ in inputs]:
-        raise _fail(f"{field}.graph's placeholders {placeholders} must be its inputs {[n for n, _ in inputs]}, "
-                    "in order", f"{field}.graph.nodes")
+        raise _fail(f"{at}graph's placeholders {placeholders} must be its inputs {[n for n, _ in inputs]}, "
+                    "in order", f"{at}graph.nodes")
     return CustomLoss(name, inputs, nodes)
 
 
 def _inputs(value: Any, field: str) -> list[tuple[str, int]]:
     if not isinstance(value, list) or not 1 <= len(value) <= MAX_INPUTS:
         raise _fail(f"{field} must list 1..{MAX_INPUTS} inputs, logprobs first", field)
-    inputs = []
+    inputs: list[tuple[str, int]] = []
     for i, item in enumerate(value):
         name, rank = (item.get("name"), item.get("rank")) if isinstance(item, dict) else (None, None)
         if not isinstance(name, str) or not INPUT_NAME.fullmatch(name) or name in (n for n, _ in inputs):
