@@ -33,10 +33,11 @@ def data() -> list[Any]:
     for shift, advantage in ((0, 1.0), (2, -0.5), (4, 2.0)):
         tokens = TOKENS[shift:shift + 6]
         n = len(tokens) - 1
-        out.append(types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs={
+        inputs: dict[str, Any] = {  # lists: Datum converts them to TensorData
             "target_tokens": tokens[1:],  # a key of the loss's own is TensorData (the SDK types only its own keys)
             "sampling_logprobs": types.TensorData(data=[-9.0 + 0.3 * i for i in range(n)], dtype="float32", shape=[n]),
-            "advantages": [advantage] * n}))
+            "advantages": [advantage] * n}
+        out.append(types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs=inputs))
     return out
 
 
