@@ -32,6 +32,7 @@ from gpu_runtime.contract import (
     RenderDatums,
     RenderDatumsResult,
 )
+from gpu_runtime.contract.json_types import JSONObject
 
 
 class RunTraining:
@@ -41,7 +42,7 @@ class RunTraining:
     async def forward_backward(
         self, user: User, run_id: str, batch: builtins.list[BatchItem], loss_fn: str = "cross_entropy",
         loss_fn_config: dict[str, Any] | None = None, request_id: str | None = None, reduction: str = "mean",
-        return_outputs: bool = False, order: Numbered | None = None,
+        return_outputs: bool = False, order: Numbered | None = None, custom_loss: JSONObject | None = None,
     ) -> ForwardBackwardResult:
         """Loss and gradients of a batch. `reduction` is the step's (one per step: another is FAILED_PRECONDITION);
         `return_outputs` asks for per-datum, per-position logprobs and losses (a retried call's answer has none)."""
@@ -49,7 +50,7 @@ class RunTraining:
             if not isinstance(batch, list) or not batch:
                 raise BadInput("batch must be a non-empty list of examples", field="batch")
             return ForwardBackward(run_id=run.id, batch=batch, loss_fn=loss_fn, loss_fn_config=loss_fn_config,
-                                   reduction=reduction, return_outputs=return_outputs)
+                                   custom_loss=custom_loss, reduction=reduction, return_outputs=return_outputs)
 
         async def record(session: AsyncSession, run: Run, result: ForwardBackwardResult,
                          fresh: bool) -> ForwardBackwardResult:
@@ -68,7 +69,7 @@ class RunTraining:
                       base_model: str | None = None, loss_fn: str = "cross_entropy",
                       loss_fn_config: dict[str, Any] | None = None, request_id: str | None = None,
                       order: Numbered | None = None, snapshot: str | None = None,
-                      checkpoint: str | None = None) -> ForwardResult:
+                      checkpoint: str | None = None, custom_loss: JSONObject | None = None) -> ForwardResult:
         """Losses and per-position logprobs with no backward, changing nothing, on a weights source as sample's:
         the caller's run's current weights (`run_id`, in the run's order), a snapshot of it (`snapshot`: off the
         run's queue), or a catalogue base model alone (`base_model`, no run: only its call record is written)."""
@@ -76,7 +77,7 @@ class RunTraining:
 
         def on(run: Run) -> Forward:
             return Forward(run_id=run.id, batch=batch, loss_fn=loss_fn, loss_fn_config=loss_fn_config,
-                           snapshot=snapshot, checkpoint=checkpoint)
+                           custom_loss=custom_loss, snapshot=snapshot, checkpoint=checkpoint)
 
         async def record(session: AsyncSession, run: Run, result: ForwardResult, fresh: bool) -> ForwardResult:
             return result  # nothing changed, so nothing to record beyond the call record
@@ -96,7 +97,7 @@ class RunTraining:
         deadline = Deadline.start(self.calls.deadlines, "forward")
         model = self.calls.catalog.get(base_model)
         request = self.calls.checked(Forward(batch=batch, loss_fn=loss_fn, loss_fn_config=loss_fn_config,
-                                        base_model=model.source, user_id=user.id, request_id=request_id))
+                                        custom_loss=custom_loss, base_model=model.source, user_id=user.id, request_id=request_id))
         gpu_config = self.calls.catalog.resolve_gpu(model, None, None)
         pool = PoolKey.of(model.name, gpu_config, None)
         request = dataclasses.replace(request, request_id=request_id or new_id())

@@ -35,6 +35,7 @@ class ClientConfigResponse(TypedDict):
     fwdbwd_max_chunk_bytes_count: int
     proto_compress_fwdbwd: bool
     sample_max_concurrent_requests: int
+    custom_loss_server_side: bool
 
 
 class CreateSessionResponse(TypedDict):

@@ -13,7 +13,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from app.tables import User
-from app.tinker import downloads, models, rest, sampling, sessions, training
+from app.tinker import custom_losses, downloads, models, rest, sampling, sessions, training
 from app.tinker.endpoint import PREFIX, UserHandler, body, endpoint, error, services
 from app.tinker.fields import string
 from app.tinker.messages import TryAgainResponse, WeightsInfoResponse
@@ -46,7 +46,7 @@ def routes() -> list[Route]:
         "forward_backward": training.forward_backward, "optim_step": training.optim_step,
         "save_weights": training.save_weights, "save_weights_for_sampler": training.save_weights_for_sampler,
         "create_sampling_session": sampling.create_sampling_session, "asample": sampling.asample,
-        "retrieve_future": retrieve_future,
+        "retrieve_future": retrieve_future, "create_custom_loss": custom_losses.create_custom_loss,
     }
     return [
         *(Route(f"{PREFIX}/{path}", endpoint(handler), methods=["POST"]) for path, handler in post.items()),

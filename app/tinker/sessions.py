@@ -23,7 +23,8 @@ async def client_config(request: Request, user: User) -> ClientConfigResponse:
     settings = services(request).settings
     return {"pjwt_auth_enabled": False, "fwdbwd_max_chunk_len": settings.max_batch_size,
             "fwdbwd_max_chunk_bytes_count": settings.max_request_bytes // 2, "proto_compress_fwdbwd": True,
-            "sample_max_concurrent_requests": SAMPLE_MAX_CONCURRENT_REQUESTS}
+            "sample_max_concurrent_requests": SAMPLE_MAX_CONCURRENT_REQUESTS,
+            "custom_loss_server_side": True}  # create_custom_loss graphs run in the pass (app/tinker/custom_losses.py)
 
 
 async def create_session(request: Request, user: User) -> CreateSessionResponse:

@@ -16,7 +16,7 @@ from app.services.call_order import Numbered
 from app.services.tinker_futures import PROTO_TYPE, json_answer
 from app.services.tinker_sessions import sampling_session_id, session_of
 from app.tables import TinkerFuture, TinkerModel, User
-from app.tinker import compression, proto, stability
+from app.tinker import compression, custom_losses, proto, stability
 from app.tinker.endpoint import body, future_answer, services
 from app.tinker.fields import boolean, integer, number, obj, string
 from app.tinker.messages import (
@@ -79,19 +79,22 @@ async def forward_backward(request: Request, user: User) -> UntypedAPIFuture:
     async def work(request_id: str) -> tuple[str, bytes]:
         # Provenance names recorded sequences: their sampler logprobs replace the datum's (a user error if unknown).
         stability.resolve(store, user.id, message.data, message.loss_fn)
+        # loss_fn "custom": the graph its loss_id names travels with the call (its loss_fn_config is only that id)
+        graph = custom_losses.graph_for(request, user, model.id, message.loss_fn, message.loss_fn_config)
+        config = None if graph is not None else message.loss_fn_config
         batch = batch_from_dicts([datum.to_dict() for datum in message.data])  # Tinker's datums as the contract's items; an error answers the future
         if forward_only:
             ahead = await ordered(svc, model, seq, lambda order, rid: svc.runs.forward(
-                user, batch, run_id=model.run_id, loss_fn=message.loss_fn,
-                loss_fn_config=message.loss_fn_config, request_id=rid, order=order), request_id)
-            loss, outputs = ahead.loss_sum, ahead.outputs
+                user, batch, run_id=model.run_id, loss_fn=message.loss_fn, custom_loss=graph,
+                loss_fn_config=config, request_id=rid, order=order), request_id)
+            loss, outputs, own = ahead.loss_sum, ahead.outputs, ahead.metrics
         else:
             trained = await ordered(svc, model, seq, lambda order, rid: svc.runs.forward_backward(
-                user, model.run_id or "", batch, loss_fn=message.loss_fn,
-                loss_fn_config=message.loss_fn_config, request_id=rid, reduction="sum", return_outputs=True,
+                user, model.run_id or "", batch, loss_fn=message.loss_fn, custom_loss=graph,
+                loss_fn_config=config, request_id=rid, reduction="sum", return_outputs=True,
                 order=order), request_id)
-            loss, outputs = trained.loss, trained.outputs or []
-        metrics = {"loss:sum": loss}
+            loss, outputs, own = trained.loss, trained.outputs or [], trained.metrics
+        metrics = {"loss:sum": loss, **(own or {})}
         if message.loss_fn == "stable_reinforce":
             cap = (message.loss_fn_config or {}).get("clip_high_threshold", STABLE_REINFORCE_CAP)
             metrics |= stability.ratio_metrics(message.data, outputs, float(cap))

@@ -32,6 +32,7 @@ from gpu_runtime.contract.batch_items import (
     TextItem,
     TokensItem,
 )
+from gpu_runtime.contract.custom_loss import CUSTOM_LOSS_FN
 from gpu_runtime.contract.json_types import get_list, get_object
 from gpu_runtime.contract.results import RenderedDatum
 from gpu_runtime.contract.training_settings import (
@@ -157,7 +158,7 @@ class Renderer:
                 return self._datum(model_input, inputs, where, f"{where}.loss_fn_inputs", loss_fn)
             case TokensItem():
                 return self._tokens_item(item, where, loss_fn)
-        if loss_fn in RL_LOSSES:
+        if loss_fn in RL_LOSSES or loss_fn == CUSTOM_LOSS_FN:
             raise BadInput(f"loss_fn {loss_fn!r} takes token items only ({{model_input, loss_fn_inputs}} or "
                            "{tokens, logprobs, advantages})", field=where)
         match item:
@@ -274,7 +275,12 @@ class Renderer:
             raise BadInput(f"{at}.target_tokens must be a list as long as model_input ({n}), got {got}",
                            field=f"{at}.target_tokens")
         self._token_ids(targets, f"{at}.target_tokens")
-        floats = {k: self._floats(inputs, k, at, n, "model_input") for k in DATUM_INPUTS[1:] if inputs.get(k) is not None}
+        own = sorted(set(inputs) - set(DATUM_INPUTS))  # a custom loss's own inputs: no other loss reads them
+        if own and loss_fn != CUSTOM_LOSS_FN:
+            raise BadInput(f"{at}.{own[0]} is not an input of {loss_fn} (takes {list(DATUM_INPUTS)})",
+                           field=f"{at}.{own[0]}")
+        floats = {k: self._floats(inputs, k, at, n, "model_input") for k in [*DATUM_INPUTS[1:], *own]
+                  if inputs.get(k) is not None}
         if loss_fn in RL_LOSSES:
             for key in ("logprobs", "advantages"):
                 if key not in floats:

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from gpu_runtime.compute.batches import Collated, Datum
+from gpu_runtime.contract.custom_loss import CUSTOM_LOSS_FN
 from gpu_runtime.contract.training_settings import LOSS_CONFIG_DEFAULTS, RL_LOSSES
 
 LossFn = Callable[[torch.Tensor, Collated, dict[str, float]], torch.Tensor]
@@ -127,6 +128,8 @@ def normaliser(loss_fn: str, datums: list[Datum]) -> float:
     them (fp32), summed exactly."""
     if loss_fn in RL_LOSSES:
         return float(sum(d.num_targets for d in datums))
+    if loss_fn == CUSTOM_LOSS_FN:  # a custom loss is one scalar per datum: its mean is per datum
+        return float(len(datums))
     with np.errstate(over="ignore"):  # a weight past fp32's range is inf, as in the pass (whose loss is then refused)
         # a soft datum's weights are its (N, K) ones: the pass multiplies each target's logprob by them
         return math.fsum(float(np.abs(np.asarray(w, dtype=np.float32)).sum(dtype=np.float64))

@@ -10,6 +10,7 @@ from typing import Any, NotRequired, Protocol, TypedDict
 import torch
 
 from gpu_runtime.compute.batches import Datum
+from gpu_runtime.contract.custom_loss import CustomLoss
 from gpu_runtime.errors import SignalError
 
 
@@ -59,6 +60,7 @@ class PartOutcome:
     loss_sum: float
     normaliser: float
     outputs: list[dict[str, list[float]]] | None = None  # [{logprobs, elementwise_loss}] per datum, in order
+    metrics: dict[str, float] | None = None  # a custom loss's own metrics (custom/<name>:sum|mean), over its rows
 
 
 Outcome = PartOutcome | SignalError  # a part's sums, or why it was left out
@@ -76,6 +78,7 @@ class PassPart:
     dropout_seed: int | None  # None: no dropout (a forward)
     loss_fn: str
     loss_config: dict[str, float] = field(default_factory=dict)
+    custom: CustomLoss | None = None  # loss_fn "custom": the checked graph run per datum
     backup: bool = False  # the first part of a split call: keep the run's gradients, to put back if a later part fails
     return_outputs: bool = False  # compute and ship per-position logprobs and elementwise losses
     forward_only: bool = False  # a forward: no backward, no gradient kept

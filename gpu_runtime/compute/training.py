@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from gpu_runtime.compute.batches import Collated, Datum, collate, rows
+from gpu_runtime.compute.custom_losses import custom_loss
 from gpu_runtime.compute.lora.layer import Segment, routed
 from gpu_runtime.compute.losses import LOSSES, normaliser
 from gpu_runtime.compute.optim_tick import StepOrder, optimizer_tick
@@ -59,12 +60,23 @@ def forward_backward_pass(entry: BaseEntry, runs: Mapping[str, RunWeights], part
         sums: list[torch.Tensor | None] = []
         norms: list[float] = []
         shipped: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (part, logprobs, elementwise) to copy back
+        metrics: dict[int, dict[str, torch.Tensor]] = {}  # a custom loss's metrics, per part, copied back with them
+        failed: dict[int, BadInput] = {}  # a custom graph that failed on these rows: that part alone is refused
         for i, (part, span) in enumerate(zip(local, spans)):
             if not part.examples:
                 sums.append(None)  # none of this call's rows are on this rank
                 norms.append(0.0)
                 continue
-            elementwise = LOSSES[part.loss_fn](logprobs[span], rows(data, span), part.loss_config)
+            if part.custom is not None:
+                try:
+                    elementwise, metrics[i] = custom_loss(logprobs[span], rows(data, span), part.custom)
+                except BadInput as exc:
+                    sums.append(None)
+                    norms.append(0.0)
+                    failed[i] = exc
+                    continue
+            else:
+                elementwise = LOSSES[part.loss_fn](logprobs[span], rows(data, span), part.loss_config)
             sums.append(elementwise.sum())
             norms.append(normaliser(part.loss_fn, part.examples))
             if part.return_outputs:
@@ -72,7 +84,7 @@ def forward_backward_pass(entry: BaseEntry, runs: Mapping[str, RunWeights], part
         if shard is None:
             if not forward_only:
                 _backward([s for s in sums if s is not None], logprobs, _finite_rows(sums, spans, data))
-            host = _to_host(sums, shipped)  # the pass's one device-to-host copy
+            host = _to_host(sums, shipped, metrics)  # the pass's one device-to-host copy
             totals = list(zip(host.sums, norms))
             outputs = _outputs(local, host.outputs, data.lengths, spans)
         else:
@@ -86,12 +98,16 @@ def forward_backward_pass(entry: BaseEntry, runs: Mapping[str, RunWeights], part
                 rows_ok = _rows_of(ok, spans, data)
                 _backward([s for s in sums if s is not None] + [logprobs.nan_to_num().sum() * 0.0], logprobs, rows_ok)
     outcomes: list[Outcome] = []
-    for (global_sum, norm), part_outputs in zip(totals, outputs):
+    host_metrics = host.metrics if shard is None else {}
+    for i, ((global_sum, norm), part_outputs) in enumerate(zip(totals, outputs)):
+        if i in failed:
+            outcomes.append(failed[i])
+            continue
         if not math.isfinite(global_sum):
             # Its rows' gradients were zeroed: a NaN/inf would poison every gradient this run accumulated so far.
             outcomes.append(BadInput(f"the batch's loss is {global_sum}; check its weights and tokens", field="batch"))
             continue
-        outcomes.append(PartOutcome(global_sum, norm, part_outputs))
+        outcomes.append(PartOutcome(global_sum, norm, part_outputs, host_metrics.get(i)))
     if shard is not None and stash is not None:
         shard.reduce_grads(stash)
     return outcomes
@@ -129,21 +145,28 @@ def _backward(losses: list[torch.Tensor], logprobs: torch.Tensor, rows_ok: torch
 class _Host:
     sums: list[float]
     outputs: dict[int, tuple[list[float], list[float]]]  # part → its logprobs and elementwise losses, flattened
+    metrics: dict[int, dict[str, float]]  # part → a custom loss's metrics
 
 
-def _to_host(sums: list[torch.Tensor | None], shipped: list[tuple[int, torch.Tensor, torch.Tensor]]) -> _Host:
-    """Every loss sum and every shipped output in one device-to-host copy (`tolist` of one flat fp32 tensor)."""
+def _to_host(sums: list[torch.Tensor | None], shipped: list[tuple[int, torch.Tensor, torch.Tensor]],
+             metrics: dict[int, dict[str, torch.Tensor]] | None = None) -> _Host:
+    """Every loss sum, shipped output and custom metric in one device-to-host copy (`tolist` of one flat fp32 tensor)."""
+    metrics = metrics or {}
     pieces = [torch.stack([s.detach().float() for s in sums if s is not None])] if any(s is not None for s in sums) else []
     for _, lp, el in shipped:
         pieces += [lp.float().reshape(-1), el.float().reshape(-1)]
+    pieces += [m.reshape(1) for part in metrics.values() for m in part.values()]
     flat: list[float] = torch.cat(pieces).tolist() if pieces else []
     present = iter(flat[:sum(s is not None for s in sums)])
-    host = _Host([next(present) if s is not None else 0.0 for s in sums], {})
+    host = _Host([next(present) if s is not None else 0.0 for s in sums], {}, {})
     at = sum(s is not None for s in sums)
     for i, lp, _ in shipped:
         n = lp.numel()
         host.outputs[i] = (flat[at:at + n], flat[at + n:at + 2 * n])
         at += 2 * n
+    for i, part in metrics.items():
+        host.metrics[i] = dict(zip(part, flat[at:at + len(part)]))
+        at += len(part)
     return host
 
 

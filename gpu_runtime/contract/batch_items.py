@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from gpu_runtime.contract.checks import check_text
+from gpu_runtime.contract.custom_loss import INPUT_NAME, MAX_INPUTS
 from gpu_runtime.contract.json_types import JSONObject
 from gpu_runtime.contract.training_settings import DATUM_INPUTS, DATUM_KEYS, PACKED_KEY, PACKED_TOKENS, TEXT_KEYS, TOKEN_KEYS
 from gpu_runtime.errors import BadInput
@@ -204,9 +205,13 @@ def _messages(messages: Any, where: str) -> list[Message]:
 def _loss_inputs(inputs: Any, where: str) -> dict[str, list[Any]]:
     if not isinstance(inputs, dict):
         raise BadInput(f"{where} must be an object with target_tokens", field=where)
-    unknown = sorted(set(inputs) - set(DATUM_INPUTS))
-    if unknown:
-        raise BadInput(f"{where}.{unknown[0]} is not a loss input (takes {list(DATUM_INPUTS)})", field=f"{where}.{unknown[0]}")
+    # Other names are a custom loss's own inputs (the renderer refuses them for every other loss), bounded as its
+    unknown = sorted(k for k in set(inputs) - set(DATUM_INPUTS)
+                     if not (isinstance(k, str) and INPUT_NAME.fullmatch(k)))
+    if unknown or len(set(inputs) - set(DATUM_INPUTS)) > MAX_INPUTS:
+        name = unknown[0] if unknown else sorted(set(inputs) - set(DATUM_INPUTS))[-1]
+        raise BadInput(f"{where}.{name} is not a loss input (takes {list(DATUM_INPUTS)}, and a custom loss's own "
+                       f"inputs: at most {MAX_INPUTS} lowercase names)", field=f"{where}.{name}")
     if "target_tokens" not in inputs:
         raise BadInput(f"{where}.target_tokens is required", field=f"{where}.target_tokens")
     return inputs

@@ -87,6 +87,7 @@ class ForwardBackwardResult(Result):
     # return_outputs: per datum {logprobs, elementwise_loss}, each of the datum's length. Never journaled, never kept
     # for retries: a replayed answer has none.
     outputs: list[dict[str, list[float]]] | None = None
+    metrics: dict[str, float] | None = None  # a custom loss's own (custom/<name>:sum|mean), kept for retries
     replayed: bool = False
 
     def replay(self) -> ForwardBackwardResult:
@@ -108,6 +109,7 @@ class ForwardResult(Result):
     step: int | None  # the run's step whose weights ran; None for a base model
     outputs: list[dict[str, list[float]]]  # per datum {logprobs, elementwise_loss}
     compute_seconds: float = 0.0
+    metrics: dict[str, float] | None = None  # a custom loss's own (custom/<name>:sum|mean)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -9,12 +9,24 @@ from typing import Any
 from gpu_runtime.contract.batch_items import BATCH_ITEMS, BatchItem, batch_from_dicts, batch_to_dicts, known_tokens
 from gpu_runtime.contract.calls import Call, Kind, Lane, Method, RunCall
 from gpu_runtime.contract.checks import check_request_id
+from gpu_runtime.contract.custom_loss import CUSTOM_LOSS_FN, CustomLoss, parse_custom_loss
 from gpu_runtime.contract.json_types import JSONObject
 from gpu_runtime.contract.results import ForwardBackwardResult, ForwardResult, OptimStepResult, RenderDatumsResult
 from gpu_runtime.contract.runtime_options import RuntimeOptions, check_batch_size
 from gpu_runtime.contract.sampling_calls import check_weights_source
 from gpu_runtime.contract.training_settings import DEFAULT_LOSS_FN, DEFAULT_REDUCTION, adam_settings, loss_settings
 from gpu_runtime.errors import BadInput
+
+
+def check_custom(loss_fn: str, custom_loss: JSONObject | None) -> CustomLoss | None:
+    """loss_fn "custom" carries its checked graph (custom_loss); no other loss takes one."""
+    if loss_fn != CUSTOM_LOSS_FN:
+        if custom_loss is not None:
+            raise BadInput(f"custom_loss goes with loss_fn {CUSTOM_LOSS_FN!r}, not {loss_fn!r}", field="custom_loss")
+        return None
+    if custom_loss is None:
+        raise BadInput("loss_fn 'custom' needs its graph (custom_loss)", field="custom_loss")
+    return parse_custom_loss(custom_loss)
 
 
 def _check_batch(batch: Any) -> None:
@@ -39,6 +51,8 @@ class _Batched:
     def to_dict(self) -> JSONObject:
         data: JSONObject = super().to_dict()  # type: ignore[misc]  # a mixin of Call: Call.to_dict is next in the MRO
         data["batch"] = batch_to_dicts(self.batch)
+        if data.get("custom_loss", 0) is None:
+            del data["custom_loss"]  # absent unless given: a body's hash (request ids) is what it was before custom
         return data
 
     def check_size(self, options: RuntimeOptions) -> None:
@@ -53,6 +67,7 @@ class ForwardBackward(_Batched, RunCall[ForwardBackwardResult]):
     batch: list[BatchItem]
     loss_fn: str = DEFAULT_LOSS_FN
     loss_fn_config: dict[str, float] | None = None
+    custom_loss: JSONObject | None = None  # loss_fn "custom": its graph (contract/custom_loss.py)
     reduction: str = DEFAULT_REDUCTION  # every call between two optim_steps uses the same one
     return_outputs: bool = False  # per-datum, per-position logprobs and elementwise_loss in the result
     request_id: str | None = None
@@ -62,6 +77,7 @@ class ForwardBackward(_Batched, RunCall[ForwardBackwardResult]):
         check_request_id(self.request_id)
         _check_batch(self.batch)
         loss_settings(self.loss_fn, self.loss_fn_config, self.reduction)
+        check_custom(self.loss_fn, self.custom_loss)
         if not isinstance(self.return_outputs, bool):
             raise BadInput("return_outputs must be a boolean", field="return_outputs")
 
@@ -83,6 +99,7 @@ class Forward(_Batched, Call[ForwardResult]):
     user_id: str | None = None  # with run_id None: whose call it is
     loss_fn: str = DEFAULT_LOSS_FN
     loss_fn_config: dict[str, float] | None = None
+    custom_loss: JSONObject | None = None  # loss_fn "custom": its graph (contract/custom_loss.py)
     request_id: str | None = None
 
     def validate(self) -> None:
@@ -90,6 +107,7 @@ class Forward(_Batched, Call[ForwardResult]):
         check_weights_source(self)
         _check_batch(self.batch)
         loss_settings(self.loss_fn, self.loss_fn_config)
+        check_custom(self.loss_fn, self.custom_loss)
 
     @property
     def frozen(self) -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from gpu_runtime.contract.checks import is_int, is_number
+from gpu_runtime.contract.custom_loss import CUSTOM_LOSS_FN
 from gpu_runtime.errors import BadInput
 
 # ---- AdamW -------------------------------------------------------------------------------------
@@ -216,12 +217,16 @@ DEFAULT_REDUCTION = "mean"
 
 def loss_settings(loss_fn: Any, config: Any, reduction: Any = DEFAULT_REDUCTION) -> dict[str, float]:
     """The loss's config, its defaults filled in; refuses unknown losses, keys, values and reductions."""
-    if loss_fn not in LOSS_CONFIG_DEFAULTS:
+    if loss_fn not in LOSS_CONFIG_DEFAULTS and loss_fn != CUSTOM_LOSS_FN:
         raise BadInput(f"unknown loss_fn {loss_fn!r}; available: {sorted(LOSS_CONFIG_DEFAULTS)}", field="loss_fn")
     if reduction not in REDUCTIONS:
         raise BadInput(f"reduction must be one of {list(REDUCTIONS)}, got {reduction!r}", field="reduction")
     if config is not None and not isinstance(config, dict):
         raise BadInput("loss_fn_config must be an object or null", field="loss_fn_config")
+    if loss_fn == CUSTOM_LOSS_FN and reduction in REDUCTIONS:  # its graph travels as the call's custom_loss
+        if config:
+            raise BadInput(f"custom takes no loss_fn_config, got key {sorted(config)[0]!r}", field="loss_fn_config")
+        return {}
     defaults = LOSS_CONFIG_DEFAULTS[loss_fn]
     unknown = sorted(set(config or {}) - set(defaults))
     if unknown:

@@ -95,12 +95,17 @@ class FbRecord:
     body_sha256: str | None
     datums: list[Datum]
     result: JSONObject  # the answer kept for retries (ForwardBackwardResult.kept())
+    custom_loss: JSONObject | None = None  # loss_fn "custom": its graph, replayed as it ran
 
     def to_dict(self) -> JSONObject:
-        return {"type": self.type, "request_id": self.request_id, "loss_fn": self.loss_fn,
-                "loss_fn_config": self.loss_fn_config, "reduction": self.reduction, "call": self.call,
-                "step": self.step, "batch_sha256": self.batch_sha256, "body_sha256": self.body_sha256,
-                "datums": [as_json(d.to_dict()) for d in self.datums], "result": self.result}
+        data: JSONObject = {
+            "type": self.type, "request_id": self.request_id, "loss_fn": self.loss_fn,
+            "loss_fn_config": self.loss_fn_config, "reduction": self.reduction, "call": self.call,
+            "step": self.step, "batch_sha256": self.batch_sha256, "body_sha256": self.body_sha256,
+            "datums": [as_json(d.to_dict()) for d in self.datums], "result": self.result}
+        if self.custom_loss is not None:
+            data["custom_loss"] = self.custom_loss
+        return data
 
     @classmethod
     def from_dict(cls, data: Mapping[str, object]) -> FbRecord:
@@ -113,7 +118,8 @@ class FbRecord:
                    reduction=opt_str(data, "reduction") or DEFAULT_REDUCTION, call=get_int(data, "call"),
                    step=get_int(data, "step", 0), batch_sha256=opt_str(data, "batch_sha256") or "",
                    body_sha256=opt_str(data, "body_sha256"), datums=datums,
-                   result=as_json_object(data["result"], "result"))
+                   result=as_json_object(data["result"], "result"),
+                   custom_loss=as_json_object(data["custom_loss"], "custom_loss") if "custom_loss" in data else None)
 
 
 def _shifted_example(example: Mapping[str, object]) -> Datum:

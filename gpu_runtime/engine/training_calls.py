@@ -21,6 +21,7 @@ import torch
 
 from gpu_runtime.client.persistence import sha256_json
 from gpu_runtime.compute.batches import Datum
+from gpu_runtime.compute.custom_losses import check_inputs
 from gpu_runtime.compute.hardware import Stepping
 from gpu_runtime.compute.optimizer import kernel_of
 from gpu_runtime.compute.plan import PartOutcome, PassPart
@@ -41,13 +42,20 @@ from gpu_runtime.contract import (
     check_batch_size,
     loss_settings,
 )
+from gpu_runtime.contract.custom_loss import CustomLoss
 from gpu_runtime.contract.json_types import JSONObject, as_object
+from gpu_runtime.contract.training_calls import check_custom
 from gpu_runtime.engine.journal_records import BatchRecord, FbRecord, LoadStateRecord, OptimRecord, Record
 from gpu_runtime.engine.request import Request
 from gpu_runtime.engine.run_state import LOADS_DIR, RunState, append_manifest, last_manifest_step
 from gpu_runtime.engine.shared import Answered, Shared, TickStats, internal
 from gpu_runtime.engine.weights_sources import WeightsSource
 from gpu_runtime.errors import FailedPrecondition, SignalError
+
+
+def per_datum(metrics: dict[str, float] | None, datums: int) -> dict[str, float] | None:
+    """A custom loss's metrics over a call: `:sum` ones summed over its datums, `:mean` ones averaged."""
+    return None if metrics is None else {k: v / datums if k.endswith(":mean") else v for k, v in metrics.items()}
 
 
 @dataclass(eq=False)
@@ -63,8 +71,10 @@ class FbProgress:
     width: int  # the call's own padded width: its dropout masks are drawn at this shape
     reduction: str = DEFAULT_REDUCTION
     return_outputs: bool = False
+    custom: CustomLoss | None = None  # loss_fn "custom": its checked graph
     body: str | None = None  # the call's Call.body_sha256, journaled and remembered beside its answer
     outputs: list[dict[str, list[float]]] | None = None  # per datum, gathered across the call's parts
+    metrics: dict[str, float] | None = None  # a custom loss's, summed across the call's parts
     done: int = 0
     loss_sum: float = 0.0
     normaliser: float = 0.0
@@ -123,16 +133,20 @@ class Training:
                 f"reduction {call.reduction!r} differs from the {state.pending.reduction!r} of the {state.pending.calls} "
                 "forward_backward call(s) since the last optim_step: every call between two steps uses one reduction",
                 field="reduction")
-        examples = self.rendered(self.shared.entry(state), call.batch, call.loss_fn)
+        custom = check_custom(call.loss_fn, call.custom_loss)
+        examples = self.rendered(self.shared.entry(state), call.batch, call.loss_fn, custom)
         batch_hash = sha256_json({"loss_fn": call.loss_fn, "batch": batch_to_dicts(call.batch)})
         return FbProgress(state, examples, call.loss_fn, config, batch_hash, call=state.pending.calls,
                           width=max(e.length for e in examples), reduction=call.reduction,
-                          return_outputs=call.return_outputs, body=body)
+                          return_outputs=call.return_outputs, custom=custom, body=body)
 
-    def rendered(self, entry: BaseEntry, batch: list[BatchItem], loss_fn: str) -> list[Datum]:
+    def rendered(self, entry: BaseEntry, batch: list[BatchItem], loss_fn: str,
+                 custom: CustomLoss | None = None) -> list[Datum]:
         """A batch's rows, bounded in items and (now that text is tokenized) in tokens by the runtime's options."""
         examples = entry.renderer.render_batch(batch, self.shared.options.max_batch_size, loss_fn)
         check_batch_size(len(examples), sum(e.cost for e in examples), self.shared.options)
+        if custom is not None:
+            check_inputs(custom, examples)
         return examples
 
     @staticmethod
@@ -202,7 +216,7 @@ class Training:
             plan.append(PassPart(
                 progress.state.run_id, part.examples, part.row_offset, call_rows=len(progress.examples),
                 call_width=progress.width, loss_fn=progress.loss_fn, loss_config=progress.loss_config,
-                dropout_seed=derive_seed(progress.state.config["seed"], progress.state.step, progress.call),
+                custom=progress.custom, dropout_seed=derive_seed(progress.state.config["seed"], progress.state.step, progress.call),
                 backup=part.row_offset == 0 and len(part.examples) < len(progress.examples),
                 return_outputs=progress.return_outputs and part.request is not None))  # none when replaying
         return self.shared.compute.forward_backward(entry, self.shared.residency.runs, plan)
@@ -218,6 +232,8 @@ class Training:
         progress.normaliser += outcome.normaliser
         if outcome.outputs is not None:
             progress.outputs = (progress.outputs or []) + outcome.outputs
+        if outcome.metrics is not None:
+            progress.metrics = {k: (progress.metrics or {}).get(k, 0.0) + v for k, v in outcome.metrics.items()}
         progress.done += len(part.examples)
         if progress.done < len(progress.examples):
             return None
@@ -230,7 +246,8 @@ class Training:
             loss = progress.loss_sum / progress.normaliser if progress.normaliser else 0.0
         result = ForwardBackwardResult(
             loss=loss, num_tokens=num_tokens, num_examples=len(progress.examples), step=state.step,
-            compute_seconds=progress.compute_seconds, reduction=progress.reduction, outputs=progress.outputs)
+            compute_seconds=progress.compute_seconds, reduction=progress.reduction, outputs=progress.outputs,
+            metrics=per_datum(progress.metrics, len(progress.examples)))
         if part.request is None:  # replaying: the journal already holds it
             return result
         if "before_journal" in self.shared.faults:
@@ -240,7 +257,8 @@ class Training:
         self.shared.journal(state, FbRecord(
             request_id=request_id, loss_fn=progress.loss_fn, loss_fn_config=progress.loss_config,
             reduction=progress.reduction, call=progress.call, step=state.step, batch_sha256=progress.batch_hash,
-            body_sha256=progress.body, datums=progress.examples, result=kept))
+            body_sha256=progress.body, datums=progress.examples, result=kept,
+            custom_loss=None if progress.custom is None else progress.custom.to_dict()))
         state.remember(request_id, kept, progress.body)
         self.shared.residency.touch(state)
         return result
@@ -253,10 +271,11 @@ class Training:
         changes. Pure, so a retry (same request id) computes the same answer."""
         started = time.perf_counter()
         config = loss_settings(call.loss_fn, call.loss_fn_config)
-        examples = self.rendered(source.entry, call.batch, call.loss_fn)
+        custom = check_custom(call.loss_fn, call.custom_loss)
+        examples = self.rendered(source.entry, call.batch, call.loss_fn, custom)
         part = PassPart(source.routing_key, examples, 0, call_rows=len(examples),
                         call_width=max(e.length for e in examples), dropout_seed=None, loss_fn=call.loss_fn,
-                        loss_config=config, return_outputs=True, forward_only=True)
+                        loss_config=config, custom=custom, return_outputs=True, forward_only=True)
         (outcome,) = self.shared.compute.forward_backward(source.entry, self.shared.residency.runs, [part])
         if isinstance(outcome, SignalError):
             raise outcome
@@ -267,7 +286,8 @@ class Training:
             loss=outcome.loss_sum / outcome.normaliser if outcome.normaliser else 0.0, loss_sum=outcome.loss_sum,
             num_tokens=sum(e.num_targets for e in examples), num_examples=len(examples),
             step=source.known_step, outputs=outcome.outputs,
-            compute_seconds=self.shared.compute.seconds_since(started))
+            compute_seconds=self.shared.compute.seconds_since(started),
+            metrics=per_datum(outcome.metrics, len(examples)))
 
     def render_datums(self, state: RunState, call: RenderDatums) -> RenderDatumsResult:
         examples = self.rendered(self.shared.entry(state), call.batch, call.loss_fn)
@@ -376,7 +396,8 @@ class Training:
         examples = record.datums
         config = loss_settings(record.loss_fn, record.loss_fn_config or None, record.reduction)
         progress = FbProgress(state, examples, record.loss_fn, config, record.batch_sha256,
-                              call=record.call, width=max(e.length for e in examples), reduction=record.reduction)
+                              call=record.call, width=max(e.length for e in examples), reduction=record.reduction,
+                              custom=check_custom(record.loss_fn, record.custom_loss))
         entry = self.shared.entry(state)
         while progress.done < len(examples):  # split as the budget splits live calls
             part = FbPart(None, progress, self.take_rows(progress, self.shared.options.tick_tokens), progress.done)
