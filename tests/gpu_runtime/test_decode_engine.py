@@ -419,3 +419,15 @@ def test_a_prefix_is_reused_only_from_kv_of_the_same_weights(llama: Any) -> None
     same = engine.add(prompt, DecodeSettings(max_tokens=2), weights=1)[0]
     _run(engine)
     assert (first.prompt_cache_hit_tokens, other.prompt_cache_hit_tokens, same.prompt_cache_hit_tokens) == (0, 0, 39)
+
+
+def test_linear_attention_decode_step_makes_one_host_sync() -> None:
+    # Gathering and writing back the rows' recurrent state reads nothing back, so the CUDA graph may capture it.
+    engine = _engine(_hybrid("qwen3_5_moe"), prefill_tokens=512)
+    handles = [h for i in range(4) for h in engine.add(_prompt(80 + i, 6), DecodeSettings(max_tokens=20))]
+    engine.step()  # one width: every prompt prefills in this pass and draws its first token
+    assert all(h.running for h in handles)
+    with CountSyncs() as mode:
+        for _ in range(5):
+            engine.step()
+    assert mode.count == 5
