@@ -20,6 +20,7 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 
 from gpu_runtime.compute.decode.engine import DecodeEngine, DecodeSettings, Handle
+from gpu_runtime.compute.decode.recurrent import state_bytes
 from gpu_runtime.compute.decode.slot_cache import DEFAULT_MEMORY_FRACTION, SlotCache, kv_shape
 from gpu_runtime.compute.pool import BaseEntry
 from gpu_runtime.contract import SampledSequence, SamplingSettings
@@ -101,6 +102,7 @@ class BaseDecoder:
         config = entry.model.config
         layers, kv_heads, head_dim = kv_shape(config)
         self.column_bytes = layers * 2 * kv_heads * head_dim * torch.empty((), dtype=self.dtype).element_size()
+        self.state_bytes = state_bytes(config, self.dtype)  # a hybrid model's recurrent state, per slot (Qwen3.5)
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             self.budget = int(free * DEFAULT_MEMORY_FRACTION)
@@ -117,7 +119,7 @@ class BaseDecoder:
 
     def fits(self, job: SampleJob) -> bool:
         """Whether one prompt's samples fit the budget alone (else the call cannot be served here)."""
-        return job.settings.num_samples * self.columns_for(job) * self.column_bytes <= self.budget
+        return job.settings.num_samples * (self.columns_for(job) * self.column_bytes + self.state_bytes) <= self.budget
 
     def _room(self, job: SampleJob) -> bool:
         """Make the cache hold `job`'s slots if the budget allows: grown (one copy, sequences decoding go on) or made
@@ -125,7 +127,7 @@ class BaseDecoder:
         engine = self.engine
         busy = engine is not None and engine.busy
         length = max(self.columns_for(job), engine.cache.max_len if engine is not None else 0)
-        most = self.budget // (length * self.column_bytes)
+        most = self.budget // (length * self.column_bytes + self.state_bytes)
         live = sum(j.live for j in self.jobs if j is not job and j.handles and not j.done and not j.parked)
         wanted = max(job.settings.num_samples, min(most, -(-(live + job.rows) // SLOTS_STEP) * SLOTS_STEP))
         if engine is not None and engine.cache.count <= most:
@@ -136,7 +138,8 @@ class BaseDecoder:
             return False  # longer slots for every sequence decoding would pass the budget: after them
         length = self.columns_for(job)
         wanted = max(job.settings.num_samples,
-                     min(self.budget // (length * self.column_bytes), -(-job.rows // SLOTS_STEP) * SLOTS_STEP))
+                     min(self.budget // (length * self.column_bytes + self.state_bytes),
+                         -(-job.rows // SLOTS_STEP) * SLOTS_STEP))
         tokenizer = self.entry.base.tokenizer
 
         def decode(ids: list[int]) -> str:

@@ -12,6 +12,9 @@ SERVED_FAMILIES: dict[str, tuple[str, ...]] = {
     "qwen": ("qwen2",),  # Qwen2 and Qwen2.5
     "qwen3": ("qwen3",),
     "qwen3_moe": ("qwen3_moe",),
+    # Qwen3.5: Gated DeltaNet (linear-attention) layers between full-attention ones; the MoE's experts have a shared one
+    "qwen3_5": ("qwen3_5_text", "qwen3_5"),
+    "qwen3_5_moe": ("qwen3_5_moe_text", "qwen3_5_moe"),
     "gemma": ("gemma2",),
     "gemma3": ("gemma3_text",),
     "gpt_oss": ("gpt_oss",),
@@ -19,9 +22,7 @@ SERVED_FAMILIES: dict[str, tuple[str, ...]] = {
     "phi3": ("phi3",),
 }
 # Mixture-of-experts families: the catalogue must give their expert shape (`experts:`) and `active_parameters`.
-MOE_FAMILIES = frozenset({"qwen3_moe", "gpt_oss"})
-# Not served yet: Qwen3.5-MoE ("qwen3_5_moe") trains with expert LoRA (its shared expert too), but its Gated DeltaNet
-# layers keep recurrent state, which the decode engine's slot KV cache does not hold, so it could not sample.
+MOE_FAMILIES = frozenset({"qwen3_moe", "qwen3_5_moe", "gpt_oss"})
 
 
 def family_problem(family: str) -> str | None:

@@ -55,6 +55,7 @@ MODAL_GPU = {"HuggingFaceTB/SmolLM2-135M-Instruct": "L40S", "meta-llama/Llama-3.
              "meta-llama/Llama-3.2-1B-Instruct": "L40S", "meta-llama/Llama-3.2-3B-Instruct": "L40S",
              "Qwen/Qwen3-0.6B": "L40S", "Qwen/Qwen3-4B": "L40S", "Qwen/Qwen3-8B": "A100-80GB",
              "Qwen/Qwen3-32B": "A100-80GB:4", "Qwen/Qwen3-30B-A3B": "A100-80GB", "Qwen/Qwen3-235B-A22B": "H200:4",
+             "Qwen/Qwen3.5-27B": "A100-80GB:2", "Qwen/Qwen3.5-35B-A3B": "A100-80GB",
              "openai/gpt-oss-20b": "L40S", "openai/gpt-oss-120b": "H200:2",
              "google/gemma-3-1b-it": "L40S", "allenai/Olmo-3-7B-Instruct": "A100-80GB"}
 

@@ -19,6 +19,10 @@ from transformers import (
     MistralForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3_5ForCausalLM,
+    Qwen3_5MoeForCausalLM,
+    Qwen3_5MoeTextConfig,
+    Qwen3_5TextConfig,
 )
 
 from gpu_runtime.compute.decode.engine import DecodeEngine, DecodeSettings, Handle
@@ -333,6 +337,39 @@ def test_mixed_full_and_sliding_layers_decode_what_generate_does(kind: str) -> N
         assert handle.tokens == _generate(model, prompt, 12)
 
 
+def _hybrid(kind: str) -> Any:
+    """Qwen3.5: Gated DeltaNet (linear-attention) layers, whose state is recurrent, between full-attention ones."""
+    torch.manual_seed(0)
+    shape = dict(SMALL, num_hidden_layers=4, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=2,
+                 linear_key_head_dim=16, linear_value_head_dim=16, initializer_range=0.08,
+                 layer_types=["linear_attention", "full_attention"] * 2)
+    if kind == "qwen3_5":
+        model: Any = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**shape))
+    else:
+        model = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**shape, num_experts=4, num_experts_per_tok=2,
+                                                           moe_intermediate_size=32, shared_expert_intermediate_size=32))
+    return model.eval()
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_5_moe"])
+@pytest.mark.parametrize("prefill_tokens", [7, 512])
+def test_linear_attention_layers_decode_what_generate_does(kind: str, prefill_tokens: int) -> None:
+    # Prompts join while others decode and prefill by chunks; each prompt's two samples copy its state.
+    model = _hybrid(kind)
+    engine = _engine(model, prefill_tokens=prefill_tokens)
+    assert engine.cache.states is not None and engine.cache.layers == 2
+    prompts = [_prompt(0, 3), _prompt(1, 17), _prompt(2, 30), _prompt(1, 17)]  # the last repeats a live prompt
+    handles = []
+    for prompt in prompts:
+        handles.append(engine.add(prompt, DecodeSettings(max_tokens=12), num_samples=2))
+        engine.step()
+    _run(engine)
+    for prompt, pair in zip(prompts, handles):
+        expected = _generate(model, prompt, 12)
+        assert [h.tokens for h in pair] == [expected, expected]
+        assert [h.prompt_cache_hit_tokens for h in pair] == [0, 0]  # no prefix reuse: a state is a whole sequence's
+
+
 @pytest.mark.parametrize(("make", "reason"), [
     (_flash, "flash_attention_2"),
 ])
@@ -382,3 +419,15 @@ def test_a_prefix_is_reused_only_from_kv_of_the_same_weights(llama: Any) -> None
     same = engine.add(prompt, DecodeSettings(max_tokens=2), weights=1)[0]
     _run(engine)
     assert (first.prompt_cache_hit_tokens, other.prompt_cache_hit_tokens, same.prompt_cache_hit_tokens) == (0, 0, 39)
+
+
+def test_linear_attention_decode_step_makes_one_host_sync() -> None:
+    # Gathering and writing back the rows' recurrent state reads nothing back, so the CUDA graph may capture it.
+    engine = _engine(_hybrid("qwen3_5_moe"), prefill_tokens=512)
+    handles = [h for i in range(4) for h in engine.add(_prompt(80 + i, 6), DecodeSettings(max_tokens=20))]
+    engine.step()  # one width: every prompt prefills in this pass and draws its first token
+    assert all(h.running for h in handles)
+    with CountSyncs() as mode:
+        for _ in range(5):
+            engine.step()
+    assert mode.count == 5

@@ -100,6 +100,10 @@ def test_a_family_trains_samples_and_exports(server: LiveServer, family_dirs: di
     plain, info = loaded
     assert not info["missing_keys"] and not info["unexpected_keys"]
     assert logprobs(plain.eval(), tokens) == pytest.approx(forward, abs=1e-4)
+    greedy = mlp.sample(prompt_tokens=[PROMPT], max_tokens=6, temperature=0.0, stop=[]).sequences[0][0].tokens
+    with torch.no_grad():
+        generated = plain.generate(torch.tensor([PROMPT]), do_sample=False, max_new_tokens=6, min_new_tokens=6)
+    assert greedy == generated[0, len(PROMPT):].tolist()
 
     state = mlp.save_state(mode="state", with_optimizer=True)
     resumed = client.create_run(from_checkpoint=state)

@@ -19,6 +19,8 @@ SHAPE = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "n
          "num_key_value_heads": 2, "max_position_embeddings": 256}
 SLIDING = ["sliding_attention", "full_attention"]  # one layer of each
 MOE = {"num_experts_per_tok": 2, "moe_intermediate_size": 32}
+LINEAR = {"linear_num_key_heads": 2, "linear_num_value_heads": 2, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+          "layer_types": ["linear_attention", "full_attention"]}
 
 # catalogue family (gpu_runtime/contract/families.py) → (config class, model class, its own settings over SHAPE)
 FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
@@ -30,6 +32,10 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", {"head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2,
                                                       "intermediate_size": 32, "sliding_window": WINDOW,
                                                       "layer_types": SLIDING}),
+    # The newest Qwen generation: Gated DeltaNet (linear-attention) layers between full ones; the MoE's shared expert.
+    "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", {"head_dim": 16, **LINEAR}),
+    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", {
+        "head_dim": 16, "num_experts": 4, **MOE, "shared_expert_intermediate_size": 32, **LINEAR}),
     "gemma": ("Gemma2Config", "Gemma2ForCausalLM", {"head_dim": 16, "sliding_window": WINDOW,
                                                     "final_logit_softcapping": 3.0, "attn_logit_softcapping": 5.0}),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"head_dim": 16, "sliding_window": WINDOW, "layer_types": SLIDING,
@@ -37,7 +43,7 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "olmo": ("Olmo3Config", "Olmo3ForCausalLM", {"sliding_window": WINDOW, "layer_types": SLIDING}),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", {}),
 }
-MOE_FAMILIES = ("qwen3_moe", "gpt_oss")
+MOE_FAMILIES = ("qwen3_moe", "qwen3_5_moe", "gpt_oss")
 INIT_STD = 0.08  # weights this large give logits of a few units: a cap of 3 changes them, fp32 still agrees to 1e-4
 
 

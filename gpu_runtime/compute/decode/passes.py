@@ -148,11 +148,12 @@ class SlotPasses:
         hidden: torch.Tensor = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
         return hidden
 
-    def _mask(self, positions: torch.Tensor, plan: Pass) -> torch.Tensor | dict[str, torch.Tensor]:
+    def _mask(self, positions: torch.Tensor, plan: Pass) -> torch.Tensor | dict[str, torch.Tensor | None]:
         """[rows, 1, q, kv_len] additive: each query sees the columns at or before its position (and within the
         window, if any). A model mixing full and sliding-window layers (Gemma 2/3, GPT-OSS) gets one per layer kind,
         as the dict its decoder takes instead of building its own: every slot holds the whole sequence, and a sliding
-        layer's mask reads only the window of it."""
+        layer's mask reads only the window of it. Linear-attention layers (Qwen3.5) get none: a prefill pass of such
+        a model has no padding (prefill.py), and a decode pass's idle rows keep their state (slot_cache.py)."""
         columns = self.columns[:plan.kv_len][None, None, :]
         at = positions[:, :, None]
         causal = columns <= at
@@ -160,9 +161,9 @@ class SlotPasses:
         low = torch.finfo(self.dtype).min
         if self.layer_kinds is not None:
             window = self.cache.window
-            assert window is not None
-            windowed = causal & (columns > at - window)
-            return {kind: torch.where(windowed if kind == "sliding_attention" else causal, zero, low)[:, None]
+            windowed = causal & (columns > at - window) if window is not None else causal
+            return {kind: None if kind == "linear_attention" else
+                    torch.where(windowed if kind == "sliding_attention" else causal, zero, low)[:, None]
                     for kind in self.layer_kinds}
         if self.cache.window is not None:
             causal = causal & (columns > at - self.cache.window)

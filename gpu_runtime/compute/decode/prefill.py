@@ -31,6 +31,9 @@ class Prefilling(SlotPasses):
             budget -= n
         if not chunks:
             return []
+        if self.cache.states is not None:  # recurrent state would run through a ragged chunk's padding: one width
+            width = chunks[0][2]
+            chunks = [(group, f, width) for group, f, n in chunks if n >= width]
         chunks.sort(key=lambda c: c[0].slot)
         rows, width = len(chunks), max(n for _, _, n in chunks)
         kv_len = max(f + n for _, f, n in chunks)

@@ -21,8 +21,10 @@ prefix is copied into the new slot in one on-device copy across all layers (`cop
 
 Families: full attention everywhere, one sliding window on every layer (Mistral), or both kinds mixed (Gemma 2/3,
 GPT-OSS, Qwen2 with max_window_layers, Cohere 2): a window is a mask over the full-length slot, so the slot holds the
-whole sequence, and the engine hands a mixed model one mask per layer kind. Refused, with a reason from `refusal`:
-linear-attention or recurrent layers, encoder-decoders, and attention implementations other than sdpa and eager
+whole sequence, and the engine hands a mixed model one mask per layer kind. Hybrid models (Qwen3.5: Gated DeltaNet
+layers between full-attention ones) hold KV for their attention layers only and, per slot, the linear layers'
+recurrent state (recurrent.py); for them no cached prefix is looked for (`match`). Refused, with a reason from
+`refusal`: other recurrent layers, encoder-decoders, and attention implementations other than sdpa and eager
 (flash-attention takes no 4D mask); no family of the catalogue is among them.
 """
 
@@ -37,6 +39,8 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from gpu_runtime.compute.decode.recurrent import RECURRENT_KINDS, SlotStates, missing_fields, recurrent_layers
+
 BLOCK = 16  # prefix hashes every BLOCK tokens; a shared prefix shorter than one block is not looked for
 DEFAULT_MEMORY_FRACTION = 0.4  # of the device's free bytes, when no budget is given on CUDA
 
@@ -47,10 +51,13 @@ def refusal(config: Any) -> str | None:
         return "encoder-decoder models keep a cross-attention cache: not a slot cache"
     layer_types = getattr(config, "layer_types", None)
     kinds = set(layer_types) if layer_types else {"full_attention"}
-    other = kinds - {"full_attention", "sliding_attention"}
+    other = kinds - {"full_attention", "sliding_attention"} - RECURRENT_KINDS
     if other:
         return f"layers of kind {sorted(other)} (linear attention or recurrent state) are not a KV cache of slots"
-    if len(kinds) > 1 and not getattr(config, "sliding_window", None):
+    missing = missing_fields(config) if kinds & RECURRENT_KINDS else []
+    if missing:
+        return f"linear-attention layers with no Gated DeltaNet state shape in the config (no {', '.join(missing)})"
+    if "sliding_attention" in kinds and len(kinds) > 1 and not getattr(config, "sliding_window", None):
         return "sliding-window layers with no sliding_window in the config"
     implementation = getattr(config, "_attn_implementation", None) or "eager"
     if implementation not in ("sdpa", "eager"):
@@ -63,18 +70,18 @@ def refusal(config: Any) -> str | None:
 def sliding_window(config: Any) -> int | None:
     """The one window every layer attends within (None: full attention)."""
     layer_types = getattr(config, "layer_types", None)
-    if layer_types and all(kind == "full_attention" for kind in layer_types):
+    if layer_types and "sliding_attention" not in layer_types:
         return None
     window = getattr(config, "sliding_window", None)
     return int(window) if window else None
 
 
 def kv_shape(config: Any) -> tuple[int, int, int]:
-    """(layers, kv_heads, head_dim) of a decoder config."""
+    """(layers holding KV, kv_heads, head_dim) of a decoder config: a hybrid model's linear layers hold none."""
     heads = int(config.num_attention_heads)
     kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
     head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
-    return int(config.num_hidden_layers), kv_heads, head_dim
+    return int(config.num_hidden_layers) - len(recurrent_layers(config)), kv_heads, head_dim
 
 
 @dataclass
@@ -121,12 +128,51 @@ class SlotLayer(CacheLayerMixin):
 
 
 class SlotKV(Cache):
-    """The slot cache as transformers' `Cache` for one pass at a time (`plan`, set by the engine before the forward)."""
+    """The slot cache as transformers' `Cache` for one pass at a time (`plan`, set by the engine before the forward).
+    A hybrid model's linear layers read and write their rows' recurrent state through the methods transformers'
+    Gated DeltaNet calls (`get_conv_state`, `update_conv_state`, `get_recurrent_state`, `update_recurrent_state`)."""
 
     def __init__(self, slots: SlotCache) -> None:
         self.slots = slots
         self.plan: Pass | None = None
-        super().__init__(layers=[SlotLayer(self, i) for i in range(slots.layers)])
+        self._states: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # a linear layer's rows' states in this pass
+        super().__init__(layers=[SlotLayer(self, i) for i in slots.kv_index])
+
+    # ---- a hybrid model's linear layers: the conv state is read first, the recurrent state written last
+
+    def _rows(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        states = self._states.get(layer)
+        if states is None:
+            plan, store = self.plan, self.slots.states
+            assert plan is not None and store is not None, "recurrent state read outside a pass"
+            states = self._states[layer] = store.read(layer, plan.start, plan.stop, plan.slots)
+        return states
+
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor:
+        return self._rows(layer_idx)[0]
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor:
+        return self._rows(layer_idx)[1]
+
+    def is_recording_past(self, layer_idx: int) -> bool:
+        return False
+
+    def update_conv_state(self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs: Any
+                          ) -> torch.Tensor:
+        """A prefill chunk: the conv sees the rows' last `kernel` inputs before it; they keep the chunk's last ones."""
+        conv, recurrent = self._rows(layer_idx)
+        full = torch.cat([conv, conv_states.to(conv.dtype)], dim=-1)
+        self._states[layer_idx] = (full[..., -int(conv.shape[-1]):], recurrent)
+        return full
+
+    def update_recurrent_state(self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0,
+                               **kwargs: Any) -> torch.Tensor:
+        plan, store = self.plan, self.slots.states
+        assert plan is not None and store is not None
+        conv, _ = self._states.pop(layer_idx)
+        keep = plan.write[:, 0] != self.slots.scratch  # a decode pass's idle rows write the scratch column
+        store.write(layer_idx, plan.start, plan.stop, plan.slots, keep, conv, recurrent_states)
+        return recurrent_states
 
     def write_read(self, layer: int, key_states: torch.Tensor, value_states: torch.Tensor
                    ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -157,9 +203,16 @@ class SlotCache:
             raise ValueError(f"no slot cache for this model: {reason}")
         self.device = torch.device(device)
         self.layers, self.kv_heads, self.head_dim = kv_shape(config)
+        linear = set(recurrent_layers(config))
+        attention = [i for i in range(int(config.num_hidden_layers)) if i not in linear]
+        self.kv_index = [attention.index(i) if i in attention else -1 for i in range(int(config.num_hidden_layers))]
         self.max_len = max_len
         self.window = sliding_window(config)
         self.slot_bytes = self.layers * 2 * self.kv_heads * max_len * self.head_dim * torch.empty((), dtype=dtype).element_size()
+        self.states: SlotStates | None = None
+        if linear:
+            self.states = SlotStates(config, 0, dtype, self.device)
+            self.slot_bytes += self.states.slot_bytes
         if budget_bytes is None and self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             budget_bytes = int(free * memory_fraction)
@@ -176,6 +229,8 @@ class SlotCache:
         self.budget_bytes = budget_bytes
         self.storage = torch.zeros(self.layers, 2, self.count, self.kv_heads, max_len, self.head_dim,
                                    dtype=dtype, device=self.device)
+        if self.states is not None:
+            self.states.resize(self.count)
         self.scratch = max_len - 1
         self.live = [False] * self.count
         self._clean: list[int] = list(range(self.count))  # free and holding nothing: a heap, lowest first
@@ -212,6 +267,8 @@ class SlotCache:
             raise RuntimeError("no free slot")
         self.live[slot] = True
         self.salts[slot] = salt
+        if self.states is not None:
+            self.states.zero(slot)
         return slot
 
     def take(self, slot: int) -> None:
@@ -255,6 +312,8 @@ class SlotCache:
     def match(self, prompt: Sequence[int], most: int, salt: int = 0) -> tuple[int, int]:
         """(slot, n): a slot (live or freed) whose first n tokens' KV, computed by weights `salt`, are the prompt's
         first n, n <= `most` and as large as any slot offers; (-1, 0) when no slot shares a whole block."""
+        if self.states is not None:
+            return -1, 0  # a slot's recurrent state is its whole sequence's, no prefix's: nothing to reuse
         h, found = salt, -1
         candidates: set[int] = set()
         for k in range(min(len(prompt), most) // BLOCK):
@@ -286,7 +345,10 @@ class SlotCache:
                               device=self.device)
         storage[:, :, :self.count, :, :self.scratch].copy_(self.storage[:, :, :, :, :self.scratch])
         self.storage = storage
-        self.slot_bytes = self.slot_bytes // self.max_len * max_len
+        state = self.states.slot_bytes if self.states is not None else 0
+        self.slot_bytes = (self.slot_bytes - state) // self.max_len * max_len + state
+        if self.states is not None:
+            self.states.resize(slots)
         for slot in range(self.count, slots):
             heapq.heappush(self._clean, slot)
         self.live += [False] * (slots - self.count)
@@ -296,8 +358,11 @@ class SlotCache:
         self.count, self.max_len, self.scratch = slots, max_len, max_len - 1
 
     def copy_prefix(self, source: int, target: int, n: int) -> None:
-        """The first n columns of `source`'s KV into `target`, every layer, keys and values: one on-device copy."""
+        """The first n columns of `source`'s KV into `target`, every layer, keys and values: one on-device copy. A
+        hybrid model's recurrent state is copied whole: it is that of `source`'s n tokens only when it holds n."""
         self.storage[:, :, target, :, :n].copy_(self.storage[:, :, source, :, :n])
+        if self.states is not None:
+            self.states.copy(source, torch.tensor([target], dtype=torch.int64, device=self.device))
         self.truncate(target, 0)
         self.salts[target] = self.salts[source]
         self.extend(target, self.tokens[source][:n])
@@ -313,6 +378,8 @@ class SlotCache:
             self.device, non_blocking=True)
         view = self.storage[:, :, :, :, :n]
         view.index_copy_(2, index, view[:, :, source:source + 1].expand(-1, -1, len(targets), -1, -1, -1))
+        if self.states is not None:
+            self.states.copy(source, index)
         held = self.tokens[source][:n]
         for target in targets:
             self.truncate(target, 0)
