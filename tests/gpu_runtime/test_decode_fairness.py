@@ -52,6 +52,11 @@ def test_a_capped_pass_shares_its_rows_equally_by_user(counts: dict[str, int], c
     assert got == expected
 
 
+def test_a_user_waiting_to_prefill_caps_the_pass_it_waits_for() -> None:
+    assert len(decode_turn(rows_of("a", 200, 0), 16, waiting={"b"})) == 16
+    assert len(decode_turn(rows_of("a", 200, 0), 16, waiting={"a"})) == 200
+
+
 def test_within_a_user_the_least_recently_decoded_rows_go_first() -> None:
     rows = [Row("a", 5, 0), Row("a", 3, 1), Row("a", 3, 2), Row("a", 4, 3), Row("b", 5, 4)]
     assert decode_turn(rows, 3) == [1, 2, 4]  # least recently decoded first, ties by slot

@@ -175,7 +175,8 @@ class DecodeEngine(Prefilling):
     # ---- decode
 
     def _decode(self, running: list[Handle], collect: Callable[..., None]) -> None:
-        order = decode_turn([Row(h.owner, h.turn, h.slot) for h in running], self.fair_rows)
+        order = decode_turn([Row(h.owner, h.turn, h.slot) for h in running], self.fair_rows,
+                            {group.members[0].owner for group in self.waiting})
         for slot in order:  # numbered in the order chosen: rows decoded together keep their order for the next turn
             self.turns += 1
             self.by_slot[slot].turn = self.turns

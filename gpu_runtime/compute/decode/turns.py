@@ -12,7 +12,7 @@ the whole batch in every pass. Prompts waiting to prefill go the user with the f
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import NamedTuple
 
 CPU_FAIR_PASS_ROWS = 16  # rows of a CPU decode pass while several users decode (None on CUDA: see fair_pass_rows)
@@ -29,13 +29,14 @@ class Row(NamedTuple):
     slot: int
 
 
-def decode_turn(rows: Sequence[Row], cap: int | None) -> list[int]:
+def decode_turn(rows: Sequence[Row], cap: int | None, waiting: Collection[str] = ()) -> list[int]:
     """The slots of `rows` that this pass decodes, least recently decoded first (the order to number their turns in,
-    so that rows decoded together keep their order for the next choice)."""
+    so that rows decoded together keep their order for the next choice). `waiting`: owners of prompts waiting to
+    prefill, whose first token the pass delays as much as a running row's next."""
     by_owner: dict[str, list[Row]] = {}
     for row in rows:
         by_owner.setdefault(row.owner, []).append(row)
-    if cap is None or len(rows) <= cap or len(by_owner) < 2:
+    if cap is None or len(rows) <= cap or len(set(by_owner) | set(waiting)) < 2:
         return [row.slot for row in sorted(rows, key=lambda r: (r.turn, r.slot))]
     chosen: list[Row] = []
     left = max(cap, len(by_owner))  # each user at least one row: none waits a whole round
