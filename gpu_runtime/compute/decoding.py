@@ -22,6 +22,7 @@ from torch.distributed.fsdp import FSDPModule
 from gpu_runtime.compute.decode.engine import DecodeEngine, DecodeSettings, Handle
 from gpu_runtime.compute.decode.recurrent import state_bytes
 from gpu_runtime.compute.decode.slot_cache import DEFAULT_MEMORY_FRACTION, SlotCache, kv_shape
+from gpu_runtime.compute.decode.turns import fair_pass_rows
 from gpu_runtime.compute.pool import BaseEntry
 from gpu_runtime.contract import SampledSequence, SamplingSettings
 
@@ -58,6 +59,7 @@ class SampleJob:
     prompt_ids: list[list[int]]
     settings: SamplingSettings
     step: int  # the run's step when sampling began
+    weights: int = 0  # its weights' version (a run's weights_version; 0: a base): the prefix cache's salt with `key`
     key: str = ""  # its rows' routing key (gpu_runtime/engine/weights_sources.py): a run, "<run>@<snapshot>", a base
     routed: bool = False  # its rows read an adapter (False: the base alone)
     snapshot: Any = None  # the snapshot it reads (gpu_runtime/engine/snapshots.py), held in use until it finishes
@@ -149,7 +151,8 @@ class BaseDecoder:
         cache = SlotCache(self.entry.model.config, length, slots=wanted, dtype=self.dtype, device=self.device)
         sharded = isinstance(self.entry.model, FSDPModule)  # its forwards gather from the other ranks: never captured
         self.engine = DecodeEngine(self.entry.model, cache, prefill_tokens=self.prefill_tokens, decode=decode,
-                                   routing=self.entry.routing, graphs=False if sharded else None)
+                                   routing=self.entry.routing, graphs=False if sharded else None,
+                                   fair_rows=fair_pass_rows(self.device.type))
         self.engine.set_adapters(self.keys)
         return True
 
@@ -233,7 +236,7 @@ class BaseDecoder:
         adapter = self.keys.index(job.key) if job.routed else -1
         job.handles.append(engine.add(job.prompt_ids[p], settings, num_samples=n, seq_ids=range(p * n, (p + 1) * n),
                                       adapter=adapter, key=job.key, stop_token_ids=stops, stop_strings=s.stop, tag=job,
-                                      weights=hash((weights_of(job), job.step))))
+                                      weights=hash((weights_of(job), job.weights)), owner=job.request.user_id))
 
     @property
     def busy(self) -> bool:
@@ -315,8 +318,8 @@ class BaseDecoder:
 
 
 def weights_of(job: SampleJob) -> str:
-    """Whose weights a job's KV is computed with, for the prefix cache's reuse: a run's own, or a copy of its latest
-    (a /v1 or playground sample; one copy per step under a fresh name) counted as the run's, since a run's weights
-    change only by its steps; a named snapshot, checkpoint or base by its key."""
+    """Whose weights a job's KV is computed with, for the prefix cache's reuse (with the weights' version, `weights`):
+    a run's own, or a copy of its latest (a /v1 or playground sample; a copy per version under a fresh name) counted
+    as the run's, since the copy carries the run's version; a named snapshot, checkpoint or base by its key."""
     snapshot = job.snapshot
     return str(snapshot.run_id) if snapshot is not None and getattr(snapshot, "latest", False) else job.key

@@ -13,6 +13,7 @@ keyed by PEFT's parameter names) still load; their journal position is 0.
 from __future__ import annotations
 
 import errno
+import itertools
 import json
 import os
 import re
@@ -42,6 +43,11 @@ from gpu_runtime.contract.training_settings import DEFAULT_REDUCTION
 from gpu_runtime.engine.journal import Journal
 from gpu_runtime.engine.journal_records import BatchRecord, PendingRecord
 from gpu_runtime.errors import BadInput
+
+# Every change of a run's weights in this process takes the next number (RunState.weights_version): the decode
+# engine's prefix cache reuses KV only of the same number, so weights loaded at a step the run had before never
+# read KV of the weights they replaced (issue 31).
+WEIGHTS_VERSIONS = itertools.count(1)
 
 SNAPSHOT_FORMAT = 2
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -109,6 +115,7 @@ class RunState:
     journal: Journal
     step: int = 0
     seq: int = 0  # journal records applied
+    weights_version: int = field(default_factory=lambda: next(WEIGHTS_VERSIONS))  # new at each change (above)
     pending: PendingGrads = field(default_factory=lambda: PendingGrads())
     answered: OrderedDict[str, JSONObject] = field(default_factory=OrderedDict)  # request id → result
     sampled: OrderedDict[str, JSONObject] = field(default_factory=OrderedDict)  # request id → sample result
@@ -233,6 +240,12 @@ class RunState:
         with torch.no_grad():
             for name, param in named.items():
                 param.copy_(tensors[name])
+        self.weights_changed()
+
+    def weights_changed(self) -> None:
+        """Its weights are not those of before (an optim_step, a load_state, a restore): KV they computed is not
+        reused for the new ones."""
+        self.weights_version = next(WEIGHTS_VERSIONS)
 
     # ---- snapshots ----------------------------------------------------------------------------
 

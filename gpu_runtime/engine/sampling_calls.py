@@ -97,8 +97,10 @@ class Sampling:
         outside = [t for t in settings.stop_tokens if t >= vocab]
         if outside:
             raise BadInput(f"stop token id {outside[0]} is outside the vocabulary (0..{vocab - 1})", field="stop")
+        version = source.state.weights_version if source.state is not None else \
+            source.snapshot.weights_version if source.snapshot is not None else 0
         job = SampleJob(request, source.state, prompt_ids, settings, step=source.step, key=source.key,
-                        routed=source.routing_key is not None, snapshot=source.snapshot)
+                        routed=source.routing_key is not None, snapshot=source.snapshot, weights=version)
         if not self._decoder(entry).fits(job):
             raise BadInput(f"num_samples {settings.num_samples} sequences of {max(map(len, prompt_ids))} prompt tokens "
                            f"+ max_tokens {settings.max_tokens} pass this device's decode cache: ask fewer samples or "

@@ -40,7 +40,15 @@ from gpu_runtime.compute.lora.wrap import wrap_targets
 from gpu_runtime.compute.pool import BaseEntry
 from gpu_runtime.compute.quantization import base_key
 from gpu_runtime.engine.residency import Residency
-from gpu_runtime.engine.run_state import ADAPTER_WEIGHTS, CHECKPOINT_FILE, RunConfig, RunState, checkpoint_dir, split_expert_weights
+from gpu_runtime.engine.run_state import (
+    ADAPTER_WEIGHTS,
+    CHECKPOINT_FILE,
+    WEIGHTS_VERSIONS,
+    RunConfig,
+    RunState,
+    checkpoint_dir,
+    split_expert_weights,
+)
 from gpu_runtime.errors import FailedPrecondition, NotFound
 
 SAMPLER_MODE = "sampler"  # the checkpoints table's `mode` of a named snapshot
@@ -77,6 +85,8 @@ class Snapshot:
     expires_at: float | None = None  # time.monotonic() deadline (unnamed only)
     in_use: int = 0  # decode jobs reading it right now
     latest: bool = False  # a copy of the run's current weights for samples off its queue (Snapshots.latest)
+    # its weights' number (run_state.WEIGHTS_VERSIONS): a latest copy's is the run's when copied; another, its own
+    weights_version: int = field(default_factory=lambda: next(WEIGHTS_VERSIONS))
     last_used: float = field(default_factory=time.monotonic)
 
     @property
@@ -134,11 +144,12 @@ class Snapshots:
         """The run's weights as they are now, copied for the samples that read them off its queue: one copy per step,
         shared by every such sample picked while it is the run's step (LoRA weights are small; the copy is cheap)."""
         snapshot = self._latest.get(state.run_id)
-        if snapshot is None or snapshot.step != state.step or snapshot.weights is None:
+        if snapshot is None or snapshot.weights_version != state.weights_version or snapshot.weights is None:
             weights = {path: (A.detach().clone(), B.detach().clone()) for path, (A, B) in state.weights.items()}
             snapshot = Snapshot(run_id=state.run_id, user_id=state.user_id, step=state.step, base_key=state.base_key,
                                 name=f"{LATEST_PREFIX}{state.step}-{uuid.uuid4().hex[:8]}", named=False,
-                                config=state.config, weights=weights, latest=True)
+                                config=state.config, weights=weights, latest=True,
+                                weights_version=state.weights_version)
             self._latest[state.run_id] = snapshot
             self.entries[snapshot.key] = snapshot
             self._register(snapshot, entry)

@@ -359,6 +359,7 @@ class Training:
         if not math.isfinite(grad_norm):
             raise FailedPrecondition(f"gradient norm is {grad_norm}; the step was skipped and the gradients dropped")
         state.step += 1
+        state.weights_changed()
         return OptimStepResult(step=state.step, grad_norm=grad_norm, learning_rate=settings["learning_rate"])
 
     # ---- replay (restore = snapshot + these) -----------------------------------------------

@@ -79,3 +79,40 @@ def test_calls_on_one_base_decode_in_one_batch_whenever_they_arrive(tmp_path: Pa
         engine.tick()
     assert all("result" in answer for answer in answers)
     assert not decoding(engine)
+
+
+def test_a_single_sample_behind_a_flood_of_200_is_answered_in_a_few_small_passes(tmp_path: Path,
+                                                                                tiny_model_dir: str) -> None:
+    """Issue 34 #10: user B's one 4-token sample, sent while user A's 200 samples decode, is answered within a few
+    decode steps, each of at most the CPU's fair rows (turns.py), not behind passes of A's 200 rows."""
+    from gpu_runtime.compute.decode.turns import CPU_FAIR_PASS_ROWS
+
+    # one step a tick; all of A's 200 calls in flight (the runtime's default bound is 64 a user)
+    engine = Engine(tmp_path / "data", device="cpu", decode_chunk_seconds=1e-6, max_user_calls_in_flight=256)
+    a_answers: list[Any] = []
+    for seed in range(200):
+        engine.submit_message("sample", {"base_model": tiny_model_dir, "user_id": "a", "prompts": ["hello there"],
+                                         "max_tokens": 40, "temperature": 1.0, "seed": seed}, a_answers.append)
+    for _ in range(10):  # bounded: the prompts are short, one prefill pass takes them all
+        if decoding(engine).get("a", 0) == 200:
+            break
+        engine.tick()
+    assert decoding(engine) == {"a": 200}
+    decoder = next(iter(engine.sampling.decoders.values()))
+    assert decoder.engine is not None
+    steps, rows = decoder.engine.steps, decoder.engine.rows_decoded
+    b_answer: list[Any] = []
+    engine.submit_message("sample", {"base_model": tiny_model_dir, "user_id": "b", "prompts": ["hello there"],
+                                     "max_tokens": 4, "temperature": 0.0}, b_answer.append)
+    while not b_answer:
+        engine.tick()
+    b_steps, b_rows = decoder.engine.steps - steps, decoder.engine.rows_decoded - rows
+    assert len(b_answer[0]["result"]["sequences"][0][0]["tokens"]) == 4
+    # its prefill and first token in one step, then three decode steps; each pass at most the fair rows
+    assert b_steps <= 5 and b_rows <= b_steps * CPU_FAIR_PASS_ROWS
+    assert not a_answers  # A's rows took turns meanwhile, none done yet (40 tokens each)
+    for _ in range(400):  # bounded: A's rows need at most 40 steps once alone
+        if len(a_answers) == 200:
+            break
+        engine.tick()
+    assert all("result" in answer for answer in a_answers)  # once alone, A's batch decodes whole again

@@ -34,6 +34,7 @@ from gpu_runtime.compute.decode.prefill import Prefilling
 from gpu_runtime.compute.decode.sampler import sample
 from gpu_runtime.compute.decode.slot_cache import Pass
 from gpu_runtime.compute.decode.text import StopText
+from gpu_runtime.compute.decode.turns import Row, decode_turn
 
 GRAPH_ROWS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)  # rows buckets of the graphed decode step
 GRAPH_COLUMNS = 256  # the columns a graphed step reads, rounded up to a multiple of this
@@ -45,12 +46,12 @@ class DecodeEngine(Prefilling):
     def add(self, prompt_ids: Sequence[int], settings: DecodeSettings, *, num_samples: int = 1,
             seq_ids: Sequence[int] | None = None, adapter: int = -1, key: str = "",
             stop_token_ids: Collection[int] = (), stop_strings: Sequence[str] = (), tag: Any = None,
-            weights: int = 0) -> list[Handle]:
+            weights: int = 0, owner: str = "") -> list[Handle]:
         """Queue `num_samples` sequences continuing `prompt_ids` (one prefill for all of them). `seq_ids` are their
         sequence indices in the sampler's counter (default 0..num_samples-1), so a request's samples differ from one
         another and each repeats itself under the same seed. `weights` names the weights the rows read (an adapter and
-        its version): a prompt prefix is reused only from KV those weights computed. Raises ValueError when it cannot
-        fit a slot."""
+        its version): a prompt prefix is reused only from KV those weights computed. `owner`: the user it samples for
+        (passes and prefills take turns by owner, turns.py). Raises ValueError when it cannot fit a slot."""
         prompt = list(prompt_ids)
         if not prompt:
             raise ValueError("an empty prompt")
@@ -67,7 +68,8 @@ class DecodeEngine(Prefilling):
         stops = tuple(stop_strings)
         if stops and self.decode_text is None:
             raise ValueError("stop strings need the engine's `decode`")
-        members = [Handle(prompt, settings, i, adapter, key, frozenset(stop_token_ids), stops, tag) for i in ids]
+        members = [Handle(prompt, settings, i, adapter, key, frozenset(stop_token_ids), stops, tag, owner=owner)
+                   for i in ids]
         group = Prefill(prompt, members, salt=weights)
         for member in members:
             member.group = group
@@ -173,6 +175,14 @@ class DecodeEngine(Prefilling):
     # ---- decode
 
     def _decode(self, running: list[Handle], collect: Callable[..., None]) -> None:
+        order = decode_turn([Row(h.owner, h.turn, h.slot) for h in running], self.fair_rows,
+                            {group.members[0].owner for group in self.waiting})
+        for slot in order:  # numbered in the order chosen: rows decoded together keep their order for the next turn
+            self.turns += 1
+            self.by_slot[slot].turn = self.turns
+        if len(order) < len(running):
+            self._decode_some(sorted((self.by_slot[slot] for slot in order), key=lambda h: h.slot), collect)
+            return
         rows = max(h.slot for h in running) + 1
         kv_len = min(self.cache.max_len, max(h.kv for h in running) + 1)
         if self._kernels is None:
@@ -194,10 +204,34 @@ class DecodeEngine(Prefilling):
         self.next_token[:rows] = torch.where(active, tokens, self.next_token[:rows])
         self.length[:rows] += active.to(torch.int64)
         self.passes += 1
+        self.rows_decoded += rows
         k = int(out[2].shape[1]) if len(out) > 2 else 0
         collect(torch.cat([tokens.to(torch.float64)[:, None], logprobs.to(torch.float64)[:, None]]
                           + ([out[2].to(torch.float64), out[3].to(torch.float64)] if k else []), dim=1),
-                lambda values, start: self._read_decode(running, values, start, 2 + 2 * k, k))
+                lambda values, start: self._read_decode(running, [h.slot for h in running], values, start, 2 + 2 * k, k))
+
+    def _decode_some(self, chosen: list[Handle], collect: Callable[..., None]) -> None:
+        """A decode pass over some running rows (a turn, turns.py): gathered by slot, eager (never graphed; a cap
+        applies only where rows cost time, not on CUDA), the others left as they are for a later pass."""
+        slot_t = self._tensor([h.slot for h in chosen])
+        length = self.length.index_select(0, slot_t)
+        kv_len = min(self.cache.max_len, max(h.kv for h in chosen) + 1)
+        adapters = self.adapter.index_select(0, slot_t)
+        hidden = self._forward(self.next_token.index_select(0, slot_t)[:, None], length[:, None],
+                               Pass(None, None, slot_t, length[:, None], kv_len), adapters, [h.key for h in chosen])
+        any_sampled, top_k_cap, top_p_rows, logprobs_k = self._choices([h.settings for h in chosen], len(chosen), None)
+        drawn = sample(self._logits(hidden[:, -1], adapters), self._params(slot_t), length + 1,
+                       any_sampled=any_sampled, top_k_cap=top_k_cap, top_p_rows=top_p_rows, logprobs_k=logprobs_k)
+        out = outputs(drawn)
+        self.next_token.index_copy_(0, slot_t, out[0])
+        self.length.index_copy_(0, slot_t, length + 1)
+        self.passes += 1
+        self.rows_decoded += len(chosen)
+        k = int(out[2].shape[1]) if len(out) > 2 else 0
+        collect(torch.cat([out[0].to(torch.float64)[:, None], out[1].to(torch.float64)[:, None]]
+                          + ([out[2].to(torch.float64), out[3].to(torch.float64)] if k else []), dim=1),
+                lambda values, start: self._read_decode(chosen, list(range(len(chosen))), values, start,
+                                                        2 + 2 * k, k))
 
     def _decode_pass(self, rows: int, kv_len: int, any_sampled: bool, top_k_cap: int, top_p_rows: torch.Tensor | None,
                      logprobs_k: int) -> tuple[torch.Tensor, ...]:
@@ -214,11 +248,13 @@ class DecodeEngine(Prefilling):
                        top_k_cap=top_k_cap, top_p_rows=top_p_rows, logprobs_k=logprobs_k)
         return outputs(drawn)
 
-    def _read_decode(self, running: list[Handle], values: list[float], start: int, width: int, k: int) -> None:
-        for handle in running:
+    def _read_decode(self, running: list[Handle], rows: list[int], values: list[float], start: int, width: int,
+                     k: int) -> None:
+        """Each handle's token from its row (`rows`, in the pass's order) of the step's host copy."""
+        for handle, row in zip(running, rows):
             if handle.done:  # cancelled during this step's prefill bookkeeping: nothing more
                 continue
-            at = start + handle.slot * width
+            at = start + row * width
             self.cache.extend(handle.slot, handle.tokens[-1:])  # the token this pass wrote
             handle.kv += 1
             self._record(handle, int(values[at]), values[at + 1],

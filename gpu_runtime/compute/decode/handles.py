@@ -40,6 +40,8 @@ class Handle:
     stop_tokens: frozenset[int]
     stop_strings: tuple[str, ...]
     tag: Any = None
+    owner: str = ""  # the user it samples for: passes and prefills take turns by owner (turns.py)
+    turn: int = 0  # when it was last decoded (the engine's `turns` then; 0: not yet)
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     topk: list[list[tuple[int, float]]] = field(default_factory=list)  # per token, (id, logprob) most likely first

@@ -24,7 +24,7 @@ class SlotPasses:
 
     def __init__(self, model: Any, cache: SlotCache, *, prefill_tokens: int = 512,
                  decode: Callable[[list[int]], str] | None = None, graphs: bool | None = None,
-                 routing: Routing | None = None) -> None:
+                 routing: Routing | None = None, fair_rows: int | None = None) -> None:
         self.model, self.cache = model, cache
         self.routing = routing
         self.adapter_keys: tuple[str, ...] = ()  # adapter index j routes to the LoRA registered under adapter_keys[j]
@@ -56,6 +56,9 @@ class SlotPasses:
         self.steps = 0
         self.prefilled = 0  # prompt tokens prefilled so far (the caller measures its prefill speed by them)
         self.passes = 0
+        self.turns = 0  # rows decoded so far, counted in the order turns.py chose them (a Handle's `turn`)
+        self.rows_decoded = 0  # rows computed by decode passes so far (a pass's work, rows included that were idle)
+        self.fair_rows = fair_rows  # the most rows a decode pass takes while several users decode (turns.py; None: all)
         self._kernels: tuple[bool, int, torch.Tensor | None, int] | None = None  # the decode step's sampling choices
         self._graphs: dict[tuple[Any, ...], tuple[Any, tuple[torch.Tensor, ...]]] = {}
         self._graph_pool: Any = None

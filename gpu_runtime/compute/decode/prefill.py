@@ -1,4 +1,5 @@
-"""A decode engine's prefill: prompts at the head of the queue prefilled by chunks within a token budget, a prompt's
+"""A decode engine's prefill: prompts at the head of the queue (the user with the fewest rows first, turns.py)
+prefilled by chunks within a token budget, a prompt's
 prefix reused from the slot cache (by reference from a freed slot, by an on-device copy from a live one), its
 `num_samples` sequences seated in their slots, their first tokens drawn, and prompt logprobs scored as the chunks
 pass."""
@@ -13,6 +14,7 @@ from gpu_runtime.compute.decode.handles import Handle, Prefill, outputs
 from gpu_runtime.compute.decode.passes import SlotPasses
 from gpu_runtime.compute.decode.sampler import sample
 from gpu_runtime.compute.decode.slot_cache import Pass
+from gpu_runtime.compute.decode.turns import prefill_order
 
 
 class Prefilling(SlotPasses):
@@ -21,11 +23,16 @@ class Prefilling(SlotPasses):
         prompt ends in it draw their first token. Returns them."""
         budget = self.prefill_tokens
         chunks: list[tuple[Prefill, int, int]] = []
-        for group in self.waiting:
+        running: dict[str, int] = {}
+        for handle in self.by_slot.values():
+            running[handle.owner] = running.get(handle.owner, 0) + 1
+        queue = list(self.waiting)
+        order = prefill_order([(g.members[0].owner, g.started, len(g.members)) for g in queue], running)
+        for group in (queue[i] for i in order):
             if budget <= 0:
                 break
             if not group.started and not self._start(group):
-                break  # no slots for it yet: it and the prompts behind it wait (first come, first served)
+                break  # no slots for it yet: it and the prompts behind it wait (fewest rows first, then first come)
             n = min(len(group.prompt) - group.filled, budget)
             chunks.append((group, group.filled, n))
             budget -= n
