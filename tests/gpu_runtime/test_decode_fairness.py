@@ -74,20 +74,27 @@ def test_prompts_prefill_fewest_rows_first_begun_ones_before_all() -> None:
     assert prefill_order([("a", False, 1), ("a", False, 1), ("b", False, 1)], {}) == [0, 2, 1]
 
 
-def test_rows_taking_turns_draw_what_one_batch_draws() -> None:
+@pytest.mark.parametrize("kind", ["llama", "qwen3_5_moe"])
+def test_rows_taking_turns_draw_what_one_batch_draws(kind: str) -> None:
     """Two users' seeded rows in capped passes (3 rows a pass) give the tokens and logprobs of uncapped passes: a
-    skipped row keeps its place and its counter-based draws."""
+    skipped row keeps its place and its counter-based draws (and, on a hybrid model, its recurrent state)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from gpu_runtime.compute.decode.engine import DecodeEngine, DecodeSettings
     from gpu_runtime.compute.decode.slot_cache import SlotCache
+    from tests.gpu_runtime.test_decode_engine import _hybrid
 
     torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=512, max_position_embeddings=256, initializer_range=0.3)
-    config._attn_implementation = "sdpa"
-    model = LlamaForCausalLM(config).eval()
+    if kind == "llama":
+        config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2, vocab_size=512, max_position_embeddings=256,
+                             initializer_range=0.3)
+        config._attn_implementation = "sdpa"
+        model = LlamaForCausalLM(config).eval()
+    else:
+        model = _hybrid(kind)
+        config = model.config
 
     def run(cap: int | None) -> tuple[list[list[int]], list[list[float]], int]:
         engine = DecodeEngine(model, SlotCache(config, 64, slots=8), prefill_tokens=64, fair_rows=cap)

@@ -76,7 +76,7 @@ class DecodeEngine(Prefilling):
             if stops and self.decode_text is not None:
                 member.stops = StopText(self.decode_text, stops)
         self.waiting.append(group)
-        return members
+        return list(members)  # the caller's own list: extending it must not add to the group
 
     def cancel(self, handle: Handle) -> None:
         """End `handle` now ("cancelled", with what it has): its slot is free before the next step."""
