@@ -1,4 +1,5 @@
-"""tinker-cookbook's sl_loop and rl_loop, unmodified, against a live Signal server on the tiny model (docs/TINKER.md).
+"""tinker-cookbook's sl_loop, rl_loop and off-policy distillation (distillation.train_off_policy, soft targets),
+unmodified, against a live Signal server on the tiny model (docs/TINKER.md).
 
 Each recipe runs in a subprocess (the SDK's client holder is one thread per process) through
 tests/tinker/cookbook_launcher.py, which gives it a local tokenizer, local datasets, a fixed LoRA seed and, for
