@@ -51,9 +51,10 @@ test-deps:
 
 # tinker-cookbook's recipes, run unmodified by tests/tinker/test_cookbook.py; tests only, never `make serve`.
 # --no-deps: the wheel requires tml-renderers>=0.4.1, which the package index lacks (it stops at 0.2.1); only the
-# Inkling and Kimi K3 tokenizers import it. Then what sl_loop and rl_loop import (rl_loop's grader: sympy, pylatexenc).
+# Inkling and Kimi K3 tokenizers import it. Then what sl_loop and rl_loop import (rl_loop's grader: sympy, pylatexenc)
+# and the distillation package (its sdft module's display: termcolor).
 COOKBOOK := $(VENV)/.cookbook
-COOKBOOK_DEPS := chz==0.4.0 blobfile==3.3.0 cloudpickle==3.1.3 datasets==5.2.0 pillow==13.0.0 sympy==1.14.0 pylatexenc==2.11
+COOKBOOK_DEPS := chz==0.4.0 blobfile==3.3.0 cloudpickle==3.1.3 datasets==5.2.0 pillow==13.0.0 sympy==1.14.0 pylatexenc==2.11 termcolor==3.3.0
 
 cookbook: $(COOKBOOK)
 

@@ -2,14 +2,17 @@
 
     python -m tests.tinker.cookbook_launcher RECIPE TOKENIZER_DIR SEED key=value...
 
-RECIPE is a module under tinker_cookbook.recipes (sl_loop, rl_loop); the key=value pairs are its chz arguments, as on
-its own command line. The SDK reads TINKER_BASE_URL and TINKER_API_KEY (`tml-` + the Signal key) from the
-environment. The recipe's code runs as shipped; what this launcher swaps in is what a machine without the Hub
-lacks, plus the two things a test needs to be able to fail:
+RECIPE is a module under tinker_cookbook.recipes (sl_loop, rl_loop), or a library module under tinker_cookbook whose
+`main(Config)` has no command line of its own (distillation.train_off_policy: off-policy distillation, a teacher's
+top-K as soft targets); the key=value pairs are its chz arguments, as on a recipe's own command line, nested and
+polymorphic ones included (`dataset_configs.0.dataset_builder=module:Class`). The SDK reads TINKER_BASE_URL and
+TINKER_API_KEY (`tml-` + the Signal key) from the environment. The recipe's code runs as shipped; what this launcher
+swaps in is what a machine without the Hub lacks, plus the two things a test needs to be able to fail:
 - the tokenizer: the recipe's model name is registered to the local tokenizer directory (tokenizer_utils'
   own registry);
 - the datasets: `datasets.load_dataset` answers the recipe's Hub names with local data (the conversations file the
-  cookbook wheel ships for sl_loop; generated arithmetic in GSM8K's columns for rl_loop);
+  cookbook wheel ships for sl_loop; generated arithmetic in GSM8K's columns for rl_loop); train_off_policy's builder
+  is an argument, the cookbook's own FromConversationFileBuilder on that same file, which needs no Hub;
 - rl_loop's reward: a random tiny model never answers \\boxed{n}, so every group would earn 0, every advantage would
   be 0 and rl_loop would skip every step; the reward here varies within a group (the response's length);
 - the LoRA seed: create_lora_training_client sends none (so Signal picks a random one); the resume test compares
@@ -18,8 +21,10 @@ lacks, plus the two things a test needs to be able to fail:
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import importlib
+import inspect
 import random
 import sys
 from importlib import resources
@@ -27,6 +32,7 @@ from typing import Any
 
 HUB_DATASETS = {"HuggingFaceH4/no_robots": "conversations", "openai/gsm8k": "arithmetic"}
 ARITHMETIC_ROWS = 64
+LIBRARY_PACKAGES = ("distillation.",)  # RECIPE names under these are tinker_cookbook's library modules, not recipes
 
 
 def conversations() -> Any:
@@ -81,10 +87,13 @@ def main(argv: list[str]) -> None:
     # A partialmethod keeps the signature the recipe calls; mypy refuses any assignment to a method.
     tinker.ServiceClient.create_lora_training_client = functools.partialmethod(  # type: ignore[method-assign, assignment]
         tinker.ServiceClient.create_lora_training_client, seed=int(seed))
-    module: Any = importlib.import_module(f"tinker_cookbook.recipes.{recipe}")
+    library = recipe.startswith(LIBRARY_PACKAGES)
+    module: Any = importlib.import_module(f"tinker_cookbook.{'' if library else 'recipes.'}{recipe}")
     if recipe == "rl_loop":
         module.get_reward = length_reward
-    chz.nested_entrypoint(module.main, argv=arguments)  # what the recipe's own `__main__` block does
+    ran = chz.nested_entrypoint(module.main, argv=arguments)  # what the recipe's own `__main__` block does
+    if inspect.iscoroutine(ran):  # a library's async main: chz's own advice, asyncio.run(chz.nested_entrypoint(main))
+        asyncio.run(ran)
 
 
 if __name__ == "__main__":

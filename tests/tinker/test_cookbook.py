@@ -1,4 +1,5 @@
-"""tinker-cookbook's sl_loop and rl_loop, unmodified, against a live Signal server on the tiny model (docs/TINKER.md).
+"""tinker-cookbook's sl_loop, rl_loop and off-policy distillation (distillation.train_off_policy, soft targets),
+unmodified, against a live Signal server on the tiny model (docs/TINKER.md).
 
 Each recipe runs in a subprocess (the SDK's client holder is one thread per process) through
 tests/tinker/cookbook_launcher.py, which gives it a local tokenizer, local datasets, a fixed LoRA seed and, for
@@ -8,10 +9,12 @@ rl_loop, a reward a random model can earn; the recipes' code is the wheel's.
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +33,16 @@ RECIPE_TIMEOUT_S = 300
 SL_ARGS = ["batch_size=4", "max_length=48", "learning_rate=1e-2", "lora_rank=4"]
 RL_ARGS = ["batch_size=4", "group_size=4", "max_tokens=32", "learning_rate=1e-3",
            "lora_rank=4"]
+DISTILL_BATCH, TEACHER_TARGETS, DISTILL_MAX_LENGTH = 4, 4, 48
+DATASET = "dataset_configs.0"  # train_off_policy's one domain: a supervised dataset and its teacher
+DISTILL_ARGS = ["recipe_name=recipe_distillation_off_policy", f"batch_size={DISTILL_BATCH}", "learning_rate=1e-3",
+                "lora_rank=4", f"n_teacher_targets={TEACHER_TARGETS}", "max_steps=2", "save_every=0", "eval_every=0",
+                f"{DATASET}.dataset_builder=tinker_cookbook.supervised.data:FromConversationFileBuilder",
+                f"{DATASET}.dataset_builder.common_config.model_name_for_tokenizer={COOKBOOK_MODEL}",
+                f"{DATASET}.dataset_builder.common_config.renderer_name=role_colon",
+                f"{DATASET}.dataset_builder.common_config.max_length={DISTILL_MAX_LENGTH}",
+                f"{DATASET}.dataset_builder.common_config.batch_size={DISTILL_BATCH}",
+                f"{DATASET}.teacher_config.base_model={COOKBOOK_MODEL}"]
 
 
 @pytest.fixture(scope="module")
@@ -123,3 +136,56 @@ def test_rl_loop_trains_every_step(cookbook_server: LiveServer, tiny_model_dir: 
     batches = [b for line in manifest(cookbook_server, run["id"]) if "adam" in line for b in line["batches"]]
     assert [b["loss_fn"] for b in batches] == [loss_fn or "stable_reinforce"] * 2
     assert all(b["num_examples"] == 16 for b in batches)  # batch_size 4 × group_size 4
+
+
+def first_batch_losses(tiny_model_dir: str, conversations: str) -> tuple[float, float]:
+    """The cookbook's first batch (its own builder, its shuffle) scored by the tiny base model in transformers, the
+    step-0 student (LoRA's B starts at 0) and the teacher alike: the summed soft-target loss the recipe's call should
+    report (-Σ_k w_k·log p(t_k) over the teacher's renormalised top-K, at the positions the datum trains), and the
+    hard-target loss (-log p of the datum's own next token) a 1-D call would report instead."""
+    import torch
+    from tinker_cookbook.supervised.data import FromConversationFileBuilder
+    from tinker_cookbook.supervised.types import ChatDatasetBuilderCommonConfig
+    from transformers import AutoModelForCausalLM
+
+    common = ChatDatasetBuilderCommonConfig(model_name_for_tokenizer=tiny_model_dir, renderer_name="role_colon",
+                                            max_length=DISTILL_MAX_LENGTH, batch_size=DISTILL_BATCH)
+    train, _ = FromConversationFileBuilder(common_config=common, file_path=conversations)()
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    soft = hard = 0.0
+    with torch.no_grad():
+        for datum in train.get_batch(0):
+            logprobs = torch.log_softmax(model(torch.tensor([datum.model_input.to_ints()])).logits[0].float(), -1)
+            trained = datum.loss_fn_inputs["weights"].to_torch() > 0
+            top = logprobs.topk(TEACHER_TARGETS, dim=-1).values[trained]
+            soft -= float((torch.softmax(top, -1) * top).sum())
+            targets = datum.loss_fn_inputs["target_tokens"].to_torch()
+            hard -= float((logprobs.gather(-1, targets[:, None])[:, 0] * datum.loss_fn_inputs["weights"].to_torch()).sum())
+    return soft, hard
+
+
+def test_off_policy_distillation_trains_on_soft_targets(cookbook_server: LiveServer, tiny_model_dir: str,
+                                                        tmp_path: Path) -> None:
+    # train_off_policy.main as shipped: the student the tiny model with LoRA, the teacher a sampling client of the
+    # same base, the wheel's conversations through the cookbook's own file builder.
+    key = cookbook_server.new_user()
+    log_path = tmp_path / "distill"
+    conversations = resources.files("tinker_cookbook") / "example_data" / "conversations.jsonl"
+    run_recipe(cookbook_server, key, "distillation.train_off_policy", log_path, tiny_model_dir, *DISTILL_ARGS,
+               f"{DATASET}.dataset_builder.file_path={conversations}")
+    run = only_run(cookbook_server, key)
+    assert run["step"] == 2
+    rows = metrics(log_path)
+    assert [row["step"] for row in rows] == [0, 1]  # the recipe logs no optim_step metrics
+    assert all(math.isfinite(row["train/loss:sum"]) and row["train/loss:sum"] > 0 for row in rows)
+    # Step 0's loss is the teacher's top-K soft targets' (N × K target_tokens and weights on the wire), not the
+    # datums' own next tokens'.
+    soft, hard = first_batch_losses(tiny_model_dir, str(conversations))
+    assert rows[0]["train/loss:sum"] == pytest.approx(soft, rel=1e-4)
+    assert hard != pytest.approx(soft, rel=1e-2)
+    batches = [b for line in manifest(cookbook_server, run["id"]) if "adam" in line for b in line["batches"]]
+    assert [(b["loss_fn"], b["num_examples"]) for b in batches] == [("cross_entropy", DISTILL_BATCH)] * 2
+    # The recipe sends hard targets only where the teacher answered no top-K ("falling back to hard targets").
+    log = (log_path / "logs.log").read_text()
+    assert log.count(f"collecting {TEACHER_TARGETS} teacher targets") == 2
+    assert "falling back to hard targets" not in log
