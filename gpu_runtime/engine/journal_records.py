@@ -4,7 +4,8 @@
 record written since the journal existed upgrades here to today's type, so replay reads fields, never keys.
 What changed, oldest first:
 - forward_backward held `examples` of {tokens, weights, extras} (rendered as they were then: shifted), then `datums`;
-- it held no `reduction` (every call was "mean"), no `body_sha256` (such ids take any body on retry);
+- it held no `reduction` (every call was "mean"), no `body_sha256` (such ids take any body on retry), no
+  `lora_kernel` (its passes ran the per-segment LoRA reference, or Triton on CUDA: replayed as `ops.LEGACY`);
 - optim_step held no `kernel` (AdamW's portable one) and no `body_sha256`;
 - snapshot.json's pending gradients held no `reduction` (its calls were "mean"), and no answers' `bodies`.
 """
@@ -95,12 +96,17 @@ class FbRecord:
     body_sha256: str | None
     datums: list[Datum]
     result: JSONObject  # the answer kept for retries (ForwardBackwardResult.kept())
+    lora_kernel: str | None = None  # the segmented LoRA kernel its passes ran; None: written before kernels were named
 
     def to_dict(self) -> JSONObject:
-        return {"type": self.type, "request_id": self.request_id, "loss_fn": self.loss_fn,
-                "loss_fn_config": self.loss_fn_config, "reduction": self.reduction, "call": self.call,
-                "step": self.step, "batch_sha256": self.batch_sha256, "body_sha256": self.body_sha256,
-                "datums": [as_json(d.to_dict()) for d in self.datums], "result": self.result}
+        data: JSONObject = {
+            "type": self.type, "request_id": self.request_id, "loss_fn": self.loss_fn,
+            "loss_fn_config": self.loss_fn_config, "reduction": self.reduction, "call": self.call,
+            "step": self.step, "batch_sha256": self.batch_sha256, "body_sha256": self.body_sha256,
+            "datums": [as_json(d.to_dict()) for d in self.datums], "result": self.result}
+        if self.lora_kernel is not None:
+            data["lora_kernel"] = self.lora_kernel
+        return data
 
     @classmethod
     def from_dict(cls, data: Mapping[str, object]) -> FbRecord:
@@ -113,7 +119,7 @@ class FbRecord:
                    reduction=opt_str(data, "reduction") or DEFAULT_REDUCTION, call=get_int(data, "call"),
                    step=get_int(data, "step", 0), batch_sha256=opt_str(data, "batch_sha256") or "",
                    body_sha256=opt_str(data, "body_sha256"), datums=datums,
-                   result=as_json_object(data["result"], "result"))
+                   result=as_json_object(data["result"], "result"), lora_kernel=opt_str(data, "lora_kernel"))
 
 
 def _shifted_example(example: Mapping[str, object]) -> Datum:
