@@ -51,7 +51,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
-from typing import Any, cast
+from typing import Any
 
 import torch
 
@@ -110,7 +110,7 @@ def choose(device: torch.device | str, dtype: torch.dtype) -> Impl:
     if forced:
         if forced not in IMPLS:
             raise ValueError(f"SIGNAL_LORA_KERNELS={forced!r}: expected one of {', '.join(map(repr, IMPLS))}")
-        return cast(Impl, forced)
+        return forced
     if torch.device(device).type == "cuda" and dtype in KERNEL_DTYPES and triton_installed():
         return "triton"
     return "grouped"
@@ -129,7 +129,7 @@ def pass_kernel(device: torch.device | str, named: str | None = None) -> Impl:
         return "triton" if choose(device, torch.float32) == "triton" else "torch"
     if named not in IMPLS:
         raise ValueError(f"a journal record names the LoRA kernel {named!r}; this runtime has {', '.join(IMPLS)}")
-    return cast(Impl, named)
+    return named
 
 
 # ---------------------------------------------------------------------------------------------------------------------
