@@ -61,6 +61,7 @@ class PartOutcome:
     normaliser: float
     outputs: list[dict[str, list[float]]] | None = None  # [{logprobs, elementwise_loss}] per datum, in order
     metrics: dict[str, float] | None = None  # a custom loss's own metrics (custom/<name>:sum|mean), over its rows
+    lora_kernel: str | None = None  # the segmented LoRA kernel the pass ran (ops.pass_kernel), for the journal
 
 
 Outcome = PartOutcome | SignalError  # a part's sums, or why it was left out
@@ -82,3 +83,4 @@ class PassPart:
     backup: bool = False  # the first part of a split call: keep the run's gradients, to put back if a later part fails
     return_outputs: bool = False  # compute and ship per-position logprobs and elementwise losses
     forward_only: bool = False  # a forward: no backward, no gradient kept
+    lora_kernel: str | None = None  # a replayed record's LoRA kernel (or ops.LEGACY); None: live, today's choice

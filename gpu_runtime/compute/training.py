@@ -18,6 +18,7 @@ import torch
 
 from gpu_runtime.compute.batches import Collated, Datum, collate, rows
 from gpu_runtime.compute.custom_losses import custom_loss
+from gpu_runtime.compute.lora import ops
 from gpu_runtime.compute.lora.layer import Segment, routed
 from gpu_runtime.compute.losses import LOSSES, normaliser
 from gpu_runtime.compute.optim_tick import StepOrder, optimizer_tick
@@ -54,7 +55,8 @@ def forward_backward_pass(entry: BaseEntry, runs: Mapping[str, RunWeights], part
                                     call_width=part.call_width, row_offset=part.row_offset))
         start = end
     checkpoint_layers = 0 if forward_only else checkpoint_layers
-    with torch.set_grad_enabled(not forward_only), routed(entry.routing, segments), \
+    kernel = _lora_kernel(parts, device)
+    with torch.set_grad_enabled(not forward_only), routed(entry.routing, segments, kernel), \
             checkpointed(entry.model, checkpoint_layers):
         logprobs = pass_logprobs(entry.model, data, segments, sharded=shard is not None)
         sums: list[torch.Tensor | None] = []
@@ -107,10 +109,19 @@ def forward_backward_pass(entry: BaseEntry, runs: Mapping[str, RunWeights], part
             # Its rows' gradients were zeroed: a NaN/inf would poison every gradient this run accumulated so far.
             outcomes.append(BadInput(f"the batch's loss is {global_sum}; check its weights and tokens", field="batch"))
             continue
-        outcomes.append(PartOutcome(global_sum, norm, part_outputs, host_metrics.get(i)))
+        outcomes.append(PartOutcome(global_sum, norm, part_outputs, host_metrics.get(i), lora_kernel=kernel))
     if shard is not None and stash is not None:
         shard.reduce_grads(stash)
     return outcomes
+
+
+def _lora_kernel(parts: list[PassPart], device: torch.device) -> ops.Impl:
+    """The pass's segmented LoRA kernel: the one its replayed records name (recovery replays a record alone in its
+    pass, so parts never disagree), else today's choice for every live part."""
+    named = {part.lora_kernel for part in parts if part.lora_kernel is not None}
+    if len(named) > 1:
+        raise ValueError(f"one pass, one LoRA kernel: its parts name {sorted(named)}")
+    return ops.pass_kernel(device, next(iter(named), None))
 
 
 def _finite_rows(sums: list[torch.Tensor | None], spans: list[slice], data: Collated) -> torch.Tensor:

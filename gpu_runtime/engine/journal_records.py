@@ -4,7 +4,8 @@
 record written since the journal existed upgrades here to today's type, so replay reads fields, never keys.
 What changed, oldest first:
 - forward_backward held `examples` of {tokens, weights, extras} (rendered as they were then: shifted), then `datums`;
-- it held no `reduction` (every call was "mean"), no `body_sha256` (such ids take any body on retry);
+- it held no `reduction` (every call was "mean"), no `body_sha256` (such ids take any body on retry), no
+  `lora_kernel` (its passes ran the per-segment LoRA reference, or Triton on CUDA: replayed as `ops.LEGACY`);
 - optim_step held no `kernel` (AdamW's portable one) and no `body_sha256`;
 - snapshot.json's pending gradients held no `reduction` (its calls were "mean"), and no answers' `bodies`.
 """
@@ -96,6 +97,7 @@ class FbRecord:
     datums: list[Datum]
     result: JSONObject  # the answer kept for retries (ForwardBackwardResult.kept())
     custom_loss: JSONObject | None = None  # loss_fn "custom": its graph, replayed as it ran
+    lora_kernel: str | None = None  # the segmented LoRA kernel its passes ran; None: written before kernels were named
 
     def to_dict(self) -> JSONObject:
         data: JSONObject = {
@@ -105,6 +107,8 @@ class FbRecord:
             "datums": [as_json(d.to_dict()) for d in self.datums], "result": self.result}
         if self.custom_loss is not None:
             data["custom_loss"] = self.custom_loss
+        if self.lora_kernel is not None:
+            data["lora_kernel"] = self.lora_kernel
         return data
 
     @classmethod
@@ -118,7 +122,7 @@ class FbRecord:
                    reduction=opt_str(data, "reduction") or DEFAULT_REDUCTION, call=get_int(data, "call"),
                    step=get_int(data, "step", 0), batch_sha256=opt_str(data, "batch_sha256") or "",
                    body_sha256=opt_str(data, "body_sha256"), datums=datums,
-                   result=as_json_object(data["result"], "result"),
+                   result=as_json_object(data["result"], "result"), lora_kernel=opt_str(data, "lora_kernel"),
                    custom_loss=as_json_object(data["custom_loss"], "custom_loss") if "custom_loss" in data else None)
 
 

@@ -49,7 +49,7 @@ def on_cuda(case: Case) -> Case:
 
 def test_choose_picks_triton_on_cuda() -> None:
     assert ops.choose(CUDA, torch.bfloat16) == "triton" and ops.choose(CUDA, torch.float32) == "triton"
-    assert ops.choose("cpu", torch.bfloat16) == "torch"
+    assert ops.choose("cpu", torch.bfloat16) == "grouped"  # the grouped torch kernel off CUDA
 
 
 def test_the_table_is_one_buffer_on_the_device() -> None:

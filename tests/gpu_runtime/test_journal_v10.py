@@ -8,6 +8,7 @@ import json
 import shutil
 from pathlib import Path
 
+import pytest
 import torch
 
 from gpu_runtime.engine.engine import Engine
@@ -18,13 +19,17 @@ FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "journal_v10"
 RUN, USER = "v10-run", "v10-user"
 
 
-def test_a_journal_written_before_typed_records_replays_bitwise(tmp_path: Path, tiny_model_dir: str) -> None:
+def test_a_journal_written_before_typed_records_replays_bitwise(tmp_path: Path, tiny_model_dir: str,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     shutil.copytree(FIXTURE / "runs", tmp_path / "old" / "runs")
     config_path = tmp_path / "old" / "runs" / USER / RUN / "config.json"
     config = json.loads(config_path.read_text())
     config["base_model"] = tiny_model_dir  # the same seeded tiny model, built where this test runs
     config_path.write_text(json.dumps(config))
     restored = Engine(tmp_path / "old", device="cpu", snapshot_every_steps=1000)
+    # The twin computes as the code that wrote the journal did: one F.linear per LoRA segment (today's default is the
+    # grouped kernel, whose bits differ); the restore below runs with no such setting: its records name no kernel.
+    monkeypatch.setenv("SIGNAL_LORA_KERNELS", "torch")
     twin = Engine(tmp_path / "twin", device="cpu", snapshot_every_steps=1000)
     twin.create_run(RUN, USER, tiny_model_dir, lora={"r": 4, "alpha": 8, "dropout": 0.1}, seed=7)
     answers = []
@@ -33,6 +38,7 @@ def test_a_journal_written_before_typed_records_replays_bitwise(tmp_path: Path, 
                                              reduction="sum" if step == 1 else "mean"))
         if step < 3:
             answers.append(twin.optim_step(RUN, {"learning_rate": 1e-2}, request_id=f"opt-{step}"))
+    monkeypatch.delenv("SIGNAL_LORA_KERNELS")
 
     info = restored.run_info(RUN)  # no snapshot: every record of the old journal replayed
     assert info["step"] == 3 and info["pending_forward_backward"] == 1

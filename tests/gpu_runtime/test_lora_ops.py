@@ -408,12 +408,14 @@ def test_build_table_refuses(segments: list[tuple[int, int, int, int, float]]) -
 
 def test_choose(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("SIGNAL_LORA_KERNELS", raising=False)
-    assert ops.choose("cpu", torch.float32) == "torch"
-    assert ops.choose("cpu", torch.bfloat16) == "torch"
+    assert ops.choose("cpu", torch.float32) == "grouped"  # a bmm per group of equal segments (ops/grouped.py)
+    assert ops.choose("cpu", torch.bfloat16) == "grouped"
     monkeypatch.setenv("SIGNAL_LORA_KERNELS", "triton")
     assert ops.choose("cpu", torch.float32) == "triton"
     monkeypatch.setenv("SIGNAL_LORA_KERNELS", "torch")
     assert ops.choose("cuda", torch.bfloat16) == "torch"
+    monkeypatch.setenv("SIGNAL_LORA_KERNELS", "grouped")
+    assert ops.choose("cuda", torch.bfloat16) == "grouped"
     monkeypatch.setenv("SIGNAL_LORA_KERNELS", "cuda-please")
     with pytest.raises(ValueError):
         ops.choose("cpu", torch.float32)
@@ -426,7 +428,7 @@ sys.modules["triton"] = None  # any import of triton now fails
 import torch
 from gpu_runtime.compute.lora import ops
 ops.triton_installed.cache_clear()
-assert not ops.triton_installed() and ops.choose("cuda", torch.bfloat16) == "torch"
+assert not ops.triton_installed() and ops.choose("cuda", torch.bfloat16) == "grouped"
 table = ops.build_table([(0, 2, 0, 4, 1.0)], "cpu", 3)
 x, A, B = torch.randn(3, 8, requires_grad=True), torch.randn(1, 4, 8), torch.randn(1, 6, 4)
 ops.segmented_lora(x, A, B, table).sum().backward()

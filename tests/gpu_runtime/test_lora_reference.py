@@ -1,6 +1,6 @@
-"""The torch path of the multi-LoRA ops batches segments of equal rows and rank into one bmm each way (its Python is
-per group, not per run). What training relies on: it equals the per-segment formula, and a segment's values and its
-slot's gradients do not move by a bit whatever else shares the pass, so a co-batched call replays alone bitwise."""
+"""The per-segment torch reference of the multi-LoRA ops (the "torch" kernel: what every journal record naming no
+kernel was written with). What replay relies on: it is the per-segment formula bit for bit, and a segment's values and
+its slot's gradients do not move by a bit whatever else shares the pass. The grouped kernel: test_lora_grouped.py."""
 
 from __future__ import annotations
 

@@ -215,7 +215,7 @@ class MultiLoraExperts(nn.Module):
              if i in slot_of and b > a], target.num_experts, xs.device, total_rows=xs.shape[0])
         x32 = xs.to(A_slots.dtype)
         mask = self._mask(target, x32, runs, here, sorted_tokens, per_row)
-        delta = grouped_expert_lora(x32, A_slots, B_slots, table, mask)
+        delta = grouped_expert_lora(x32, A_slots, B_slots, table, mask, self.routing.kernel)
         return (out + delta).to(out.dtype)
 
     def _mask(self, target: ExpertTarget, xs: torch.Tensor, runs: list[Segment], here: list[tuple[int, Segment]],

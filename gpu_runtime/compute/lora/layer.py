@@ -61,6 +61,7 @@ class Routing:
         self.row_keys: list[str] | None = None
         self.tables: dict[Any, Any] = {}  # this routing's tables, dropped when its rows change
         self.copies: dict[Any, tuple[torch.Tensor, torch.Tensor]] = {}  # this pass's compute copies
+        self.kernel: ops.Impl | None = None  # the segmented kernel this pass runs (a journal names it); None: ops' choice
 
     @property
     def segments(self) -> list[Segment]:
@@ -73,7 +74,7 @@ class Routing:
 
     def clear(self) -> None:
         """After a pass: a stray pass computes the plain base, and nothing of this one is kept."""
-        self._segments, self.row_slots, self.row_keys = [], None, None
+        self._segments, self.row_slots, self.row_keys, self.kernel = [], None, None, None
         self.tables.clear()
         self.copies.clear()
 
@@ -180,7 +181,7 @@ class MultiLoraLinear(nn.Module):
         A, B = self.routing.weights(lora, dtype, grad)
         mask = self._mask(x, placed, dtype)
         flat = x.reshape(-1, x.shape[-1]).to(dtype)
-        delta = ops.segmented_lora(flat, A, B, table, mask, grad_into=lora.grads() if grad else None)
+        delta = ops.segmented_lora(flat, A, B, table, mask, self.routing.kernel, grad_into=lora.grads() if grad else None)
         if delta.requires_grad:  # the runs' .grad become their rows of the gradient buffers as gradients arrive
             slots = [o.slot for _, o in placed if o.trainable]
             delta.register_hook(lambda _: lora.link_grads(slots))
@@ -225,10 +226,12 @@ class MultiLoraLinear(nn.Module):
 
 
 @contextmanager
-def routed(routing: Routing, segments: list[Segment]) -> Iterator[None]:
-    """Route one forward pass by segments; the routing is cleared after, so a stray pass computes the plain base."""
+def routed(routing: Routing, segments: list[Segment], kernel: ops.Impl | None = None) -> Iterator[None]:
+    """Route one forward pass by segments (with `kernel`, the segmented kernel a journal names); the routing is
+    cleared after, so a stray pass computes the plain base."""
     routing.clear()
     routing.segments = segments
+    routing.kernel = kernel
     try:
         yield
     finally:

@@ -30,7 +30,11 @@ What each computes (the `reference_*` function beside each is its spec, and the 
   flattened to `[slots × experts, …]`, each segment's "slot" being `slot × experts + expert` (`build_expert_table`):
   the same kernels, forward and backward, with no code of their own.
 
-Which path (`choose`): Triton on CUDA, the torch reference elsewhere; `SIGNAL_LORA_KERNELS=triton|torch` forces one.
+Which path (`choose`): Triton on CUDA; elsewhere the segmented calls take the grouped torch kernel (ops/grouped.py: a
+bmm per group of equal segments) and the per-row ones the reference; `SIGNAL_LORA_KERNELS=triton|torch|grouped`
+forces one. A forward_backward's journal record names the segmented kernel its passes ran (`pass_kernel`), and replay
+runs that one: the kernels round differently, and replay is bitwise. A record naming none was written when the
+per-segment reference was the torch path (`LEGACY`).
 Triton is imported, and the kernels jit-wrapped, on the first kernel call, so this module imports and runs its
 torch paths with no triton installed. `TRITON_INTERPRET=1` (triton's interpreter, how the CPU tests run the kernels)
 must be in the environment before anything in the process imports triton: triton wraps its own library functions
@@ -51,6 +55,7 @@ from typing import Any
 
 import torch
 
+from gpu_runtime.compute.lora.ops.grouped import grouped_backward, grouped_expand, grouped_shrink
 from gpu_runtime.compute.lora.ops.reference import (
     reference_backward,
     reference_expand,
@@ -61,6 +66,7 @@ from gpu_runtime.compute.lora.ops.reference import (
     reference_shrink_rows,
 )
 from gpu_runtime.compute.lora.ops.tables import (
+    IMPLS,
     KERNEL_DTYPES,
     Impl,
     LoraTable,
@@ -82,9 +88,9 @@ from gpu_runtime.compute.lora.ops.triton_kernels import (
 )
 
 __all__ = [
-    "KERNEL_DTYPES", "LAUNCH", "Impl", "LoraTable", "RowsTable", "SegmentedLora", "TableSegment", "build_expert_table",
+    "IMPLS", "KERNEL_DTYPES", "LAUNCH", "LEGACY", "Impl", "LoraTable", "RowsTable", "SegmentedLora", "TableSegment", "build_expert_table",
     "build_rows_table", "build_table", "choose", "grouped_expert_lora", "lora_expand", "lora_expand_rows",
-    "lora_shrink", "lora_shrink_rows", "reference_backward", "reference_expand", "reference_expand_rows",
+    "lora_shrink", "lora_shrink_rows", "pass_kernel", "reference_backward", "reference_expand", "reference_expand_rows",
     "reference_rows_lora", "reference_segmented_lora", "reference_shrink", "reference_shrink_rows", "rows_lora", "segmented_lora",
     "triton_installed",
 ]
@@ -99,17 +105,31 @@ def triton_installed() -> bool:
 
 
 def choose(device: torch.device | str, dtype: torch.dtype) -> Impl:
-    """Triton on CUDA for the kernels' dtypes, the torch reference elsewhere; SIGNAL_LORA_KERNELS forces either."""
+    """Triton on CUDA for the kernels' dtypes, the grouped torch kernel elsewhere; SIGNAL_LORA_KERNELS forces one."""
     forced = os.environ.get("SIGNAL_LORA_KERNELS", "").lower()
-    if forced in ("triton", "torch"):
-        return "triton" if forced == "triton" else "torch"
     if forced:
-        raise ValueError(f"SIGNAL_LORA_KERNELS={forced!r}: expected 'triton' or 'torch'")
+        if forced not in IMPLS:
+            raise ValueError(f"SIGNAL_LORA_KERNELS={forced!r}: expected one of {', '.join(map(repr, IMPLS))}")
+        return forced
     if torch.device(device).type == "cuda" and dtype in KERNEL_DTYPES and triton_installed():
         return "triton"
-    return "torch"
+    return "grouped"
 
 
+LEGACY = "legacy"  # what a pass is told to run for a journal record naming no kernel: what ran when it was written
+
+
+def pass_kernel(device: torch.device | str, named: str | None = None) -> Impl:
+    """The segmented kernel a pass runs: `named` (a journal record's, replayed), else today's choice. LEGACY: Triton
+    where it would run today (it ran then too), the per-segment reference elsewhere. The kernels serve fp32, bf16 and
+    fp16 alike, so the device decides; the dtype is the layer's, within those."""
+    if named is None:
+        return choose(device, torch.float32)
+    if named == LEGACY:
+        return "triton" if choose(device, torch.float32) == "triton" else "torch"
+    if named not in IMPLS:
+        raise ValueError(f"a journal record names the LoRA kernel {named!r}; this runtime has {', '.join(IMPLS)}")
+    return named
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -120,8 +140,11 @@ def lora_shrink(x: torch.Tensor, A_slots: torch.Tensor, table: LoraTable, dropou
                 impl: Impl | None = None) -> torch.Tensor:
     """h [T, table.max_rank]: each segment's rows times its slot's A (first `rank` rows), zero elsewhere. No autograd."""
     _check(x, A_slots, table)
-    if (impl or choose(x.device, x.dtype)) == "torch":
+    impl = impl or choose(x.device, x.dtype)
+    if impl == "torch":
         return reference_shrink(x, A_slots, table, dropout_mask)
+    if impl == "grouped":
+        return grouped_shrink(x, A_slots, table, dropout_mask)
     mask = None if dropout_mask is None else dropout_mask.to(x.dtype)
     return _shrink_launch(x, A_slots, (A_slots.stride(0), A_slots.stride(1), A_slots.stride(2)), A_slots.shape[1], mask,
                           table, scale=False)
@@ -134,8 +157,11 @@ def lora_expand(h: torch.Tensor, B_slots: torch.Tensor, table: LoraTable, out: t
     _check(h, B_slots, table)
     if out is None:
         out = h.new_zeros(h.shape[0], B_slots.shape[1])
-    if (impl or choose(h.device, h.dtype)) == "torch":
+    impl = impl or choose(h.device, h.dtype)
+    if impl == "torch":
         return reference_expand(h, B_slots, table, out)
+    if impl == "grouped":
+        return grouped_expand(h, B_slots, table, out)
     return _expand_launch(h, B_slots, (B_slots.stride(0), B_slots.stride(1), B_slots.stride(2)), B_slots.shape[1], out,
                           table, scale=True)
 
@@ -174,6 +200,8 @@ class SegmentedLora(torch.autograd.Function):
         needs = ctx.needs_input_grad
         if ctx.impl == "torch":
             grad_x, grad_A, grad_B = reference_backward(grad, x, h, A_slots, B_slots, table, mask, grad_into)
+        elif ctx.impl == "grouped":
+            grad_x, grad_A, grad_B = grouped_backward(grad, x, h, A_slots, B_slots, table, mask, grad_into)
         else:
             grad_x, grad_A, grad_B = _triton_backward(grad, x, h, A_slots, B_slots, table, mask, needs, grad_into)
         if grad_into is not None:  # already added where they belong
@@ -236,7 +264,7 @@ def _check_rows(x: torch.Tensor, weights: torch.Tensor, table: RowsTable) -> Non
 def lora_shrink_rows(x: torch.Tensor, A_slots: torch.Tensor, table: RowsTable, impl: Impl | None = None) -> torch.Tensor:
     """h [T, table.max_rank]: row t times A[slot(t), :rank]ᵀ, zero for base-only rows (slot -1)."""
     _check_rows(x, A_slots, table)
-    if (impl or choose(x.device, x.dtype)) == "torch":
+    if (impl or choose(x.device, x.dtype)) != "triton":  # one adapter per row: nothing to group
         return reference_shrink_rows(x, A_slots, table)
     h = x.new_zeros(x.shape[0], table.max_rank)
     if x.shape[0] == 0 or table.max_rank == 0:
@@ -255,7 +283,7 @@ def lora_expand_rows(h: torch.Tensor, B_slots: torch.Tensor, table: RowsTable, o
     _check_rows(h, B_slots, table)
     if out is None:
         out = h.new_zeros(h.shape[0], B_slots.shape[1])
-    if (impl or choose(h.device, h.dtype)) == "torch":
+    if (impl or choose(h.device, h.dtype)) != "triton":
         return reference_expand_rows(h, B_slots, table, out)
     if h.shape[0] == 0 or table.max_rank == 0:
         return out
@@ -271,7 +299,7 @@ def rows_lora(x: torch.Tensor, A_slots: torch.Tensor, B_slots: torch.Tensor, tab
               impl: Impl | None = None) -> torch.Tensor:
     """A decode step's LoRA: `out` (the base output, updated in place) plus each row's own adapter delta."""
     impl = impl or choose(x.device, x.dtype)
-    if impl == "torch" and out is not None:
+    if impl != "triton" and out is not None:
         _check_rows(x, A_slots, table)
         return reference_rows_lora(x, A_slots, B_slots, table, out)
     return lora_expand_rows(lora_shrink_rows(x, A_slots, table, impl), B_slots, table, out, impl)

@@ -4,12 +4,15 @@ built once a pass with one host-to-device copy (the layout: ops/__init__.py)."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
-from typing import Literal, NamedTuple
+from dataclasses import dataclass, field
+from typing import Any, Literal, NamedTuple
 
 import torch
 
-Impl = Literal["triton", "torch"]
+# "torch": one F.linear per segment (the reference: every journal written before kernels were named); "grouped": a
+# bmm per group of equal segments (ops/grouped.py); "triton": the CUDA kernels
+Impl = Literal["triton", "torch", "grouped"]
+IMPLS: tuple[Impl, ...] = ("triton", "torch", "grouped")
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -43,6 +46,7 @@ class LoraTable:
     total_rows: int  # T: the pass's rows, base-only ones included
     max_segment_rows: int  # the longest segment: the row-block grid
     segments: tuple[TableSegment, ...]  # host copy: the torch path never reads the device
+    cache: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)  # the grouped path's index tensors
 
     @property
     def num_slots(self) -> int:
