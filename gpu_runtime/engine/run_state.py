@@ -33,7 +33,7 @@ from gpu_runtime.client.persistence import RunPaths, atomic_dir, read_json, writ
 from gpu_runtime.compute.lora.experts import attach_experts, detach_experts, is_expert_path, peft_names, target_parameters
 from gpu_runtime.compute.lora.slots import BaseSlots, in_layout_of
 from gpu_runtime.compute.lora.wrap import LoraTarget
-from gpu_runtime.compute.optimizer import restore_fused
+from gpu_runtime.compute.optimizer import restore_fused, state_to_save
 from gpu_runtime.compute.plan import RunConfig as RunConfig  # the contract of config.json lives with the plain data
 from gpu_runtime.compute.quantization import base_key
 from gpu_runtime.contract.checkpoints import DEFAULT_NAME
@@ -239,7 +239,7 @@ class RunState:
     def save_optimizer(self, path: Path) -> None:
         """AdamW's state keyed by parameter name (`_load_optimizer` renumbers it for the loading run)."""
         torch.save({"step": self.step, "param_names": list(self.named_parameters()),
-                    "optimizer": self.optimizer.state_dict()}, path)
+                    "optimizer": state_to_save(self.optimizer)}, path)
 
     def load_checkpoint_files(self, directory: Path, with_optimizer: bool, step: int, device: torch.device) -> None:
         """A checkpoint's adapter, and its AdamW or a fresh one, into this run at `step`; pending gradients go."""
@@ -262,7 +262,7 @@ class RunState:
                 os.kill(os.getpid(), signal.SIGKILL)  # failpoint for the crash tests: a half-written snapshot
             if fault == "enospc_snapshot":  # failpoint: the disk fills half-way through a snapshot
                 raise OSError(errno.ENOSPC, "No space left on device (failpoint enospc_snapshot)")
-            torch.save({"param_names": list(self.named_parameters()), "optimizer": self.optimizer.state_dict()},
+            torch.save({"param_names": list(self.named_parameters()), "optimizer": state_to_save(self.optimizer)},
                        tmp / OPTIMIZER_FILE)
             pending = self.pending.calls > 0
             kept = list(self.answered.items())[-256:]
