@@ -109,9 +109,7 @@ class SlotGroup:
                                  [s.settings["grad_clip_norm"] or math.inf for s in self.steps]])
         n = len(self.grads)
         torch._foreach_div_(self.grads, [columns[0]] * n)
-        squares = torch._foreach_mul(self.grads, self.grads)
-        rows = torch.stack([square.sum(-1) for square in squares], 1).flatten(1)  # [k, buffers * R]
-        norms = rows.cumsum(1)[:, -1].sqrt()  # in order: independent of R and of the other slots
+        norms = row_norms(self.grads)
         coefficients = torch.clamp((norms + CLIP_EPS).reciprocal() * columns[1].view(-1), max=1.0)
         torch._foreach_mul_(self.grads, [coefficients.view(-1, 1, 1)] * n)
         return norms
@@ -162,6 +160,14 @@ class SlotGroup:
                 link.count += 1
                 link.step.fill_(float(link.count))
         self.grads = []
+
+
+def row_norms(grads: list[torch.Tensor]) -> torch.Tensor:
+    """Each slot's 2-norm over its rows of every buffer ([k, R, width] each): summed per row, then in order over
+    (buffer, row) by a cumsum, so that neither R nor the other slots change a bit of it."""
+    squares = torch._foreach_mul(grads, grads)
+    rows = torch.stack([square.sum(-1) for square in squares], 1).flatten(1)  # [k, buffers * R]
+    return rows.cumsum(1)[:, -1].sqrt()
 
 
 def _link(step: SlotStep, base: BaseSlots) -> _Link:
