@@ -27,9 +27,7 @@ from torch.optim.adamw import adamw
 from gpu_runtime.compute.lora.ops.tables import to_device
 from gpu_runtime.compute.lora.slots import BaseSlots, Occupant
 from gpu_runtime.compute.optimizer import FUSED, SLOTS, kernel, kernel_of
-from gpu_runtime.compute.slot_adamw import SlotStep, SlotTick, slot_place, unlink
-
-SETTING_KEYS = ("learning_rate", "beta1", "beta2", "eps", "weight_decay")
+from gpu_runtime.compute.slot_adamw import SETTING_KEYS, SlotStep, SlotTick, slot_place, unlink
 
 
 @dataclass

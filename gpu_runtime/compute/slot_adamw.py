@@ -1,17 +1,18 @@
 """The slotted optimizer tick (the "slots" kernel): AdamW for every run stepping on a base over the base's slot
-buffers (compute/lora/slots.py), a fixed handful of multi-tensor ops a tick however many runs step.
+buffers (compute/lora/slots.py), a fixed handful of ops a tick however many runs step.
 
 A run's parameters, gradients and moments are rows of one buffer per layer and matrix ([slots, R, width]), so a tick
-divides, measures, clips and steps the rows of all the runs stepping at once, each run's settings (normaliser, clip
-norm, learning rate, betas, eps, weight decay, bias corrections) a per-slot fp32 column broadcast over its rows. Every
-op is elementwise within a slot but the norm, summed per row over the width and then in order over (layer, row), the
-layers sorted by path (a cumsum: the zero rows past a run's rank add nothing), so a run's bits depend on nothing else
-in the buffers: not the runs beside it, their ranks (R) or the slot count. Live and replay agree bit for bit on the
-CPU (whose cumsum is sequential); on CUDA while R is the same (its cumsum is a parallel scan).
+divides and clips the rows of all the runs stepping at once (each run's normaliser and clip norm a per-slot fp32
+column broadcast over its rows), measures every run's norm in one reduction, and steps them with torch's fused AdamW
+over the buffers' rows: one call per distinct (settings, step count), one view per buffer where the runs' slots are
+consecutive. Rows past a run's rank are zero and stay zero (zero gradient, zero moments).
 
-Not torch's fused AdamW bit for bit (that is the "fused" kernel, which old journal records replay with): the norm is
-summed per row and buffer rather than per tensor then stacked, and the second moment is a lerp; both agree within
-fp32 rounding (tests/gpu_runtime/test_optim_slots.py).
+The norm is summed per row across the buffers, then over the rows in order (a cumsum: zero rows add nothing), so a
+run's bits depend on nothing else in the buffers: not the runs beside it, their ranks (R) or the slot count, and
+live and replay agree bit for bit on the CPU (whose cumsum is sequential); on CUDA while R is the same (its cumsum
+is a parallel scan). The update is torch's fused kernel, elementwise; only the norm's summation order differs from
+the "fused" kernel's (per tensor, then stacked), so the two agree within fp32 rounding of the clip coefficient
+(tests/gpu_runtime/test_optim_slots.py), and journal records naming "fused" still replay through it.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from gpu_runtime.compute.lora.ops.tables import to_device
 from gpu_runtime.compute.lora.slots import BaseSlots, LayerSlots, Occupant
 
 CLIP_EPS = 1e-6  # torch's clip_grad_norm_ adds it to the norm
+SETTING_KEYS = ("learning_rate", "beta1", "beta2", "eps", "weight_decay")  # in _fused_adamw_'s argument order below
 
 
 @dataclass
@@ -81,93 +83,87 @@ class SlotGroup:
     def __init__(self, base: BaseSlots, paths: list[str], steps: list[SlotStep]) -> None:
         self.base, self.steps = base, sorted(steps, key=lambda s: s.occupant.slot)
         self.layers: list[LayerSlots] = [base.layers[path] for path in sorted(paths)]
-        slots = [s.occupant.slot for s in self.steps]
-        self.lo, self.k = slots[0], len(slots)
+        self.slots = [s.occupant.slot for s in self.steps]
         self.device = self.layers[0].A.device
-        # the runs' rows: a narrow view when their slots are consecutive (in place), else gathered and put back
-        self.index = None if slots == list(range(self.lo, self.lo + self.k)) else to_device(torch.tensor(slots), self.device)
-        self.grads: list[torch.Tensor] = []
+        self.grads: list[torch.Tensor] = []  # the runs' gradient rows, A then Bᵀ, layer by layer: [k, R, width] each
         self.links: list[_Link] = []
-
-    def _rows(self, buffer: torch.Tensor) -> torch.Tensor:
-        return buffer.narrow(0, self.lo, self.k) if self.index is None else buffer.index_select(0, self.index)
-
-    def _columns(self, rows: list[list[float]]) -> torch.Tensor:
-        """Per-slot settings as [len(rows), k, 1, 1] fp32 on the device, in one host-to-device copy."""
-        return to_device(torch.tensor(rows, dtype=torch.float32), self.device).view(len(rows), self.k, 1, 1)
 
     @torch.no_grad()
     def begin(self) -> torch.Tensor:
         """Link the runs' gradients and moments into their rows, divide the gradients by their normalisers, clip them;
         returns the runs' norms (in `steps` order) on the device."""
-        slots = [s.occupant.slot for s in self.steps]
         for layer in self.layers:  # gradients put back by a restore (or none yet) move into the rows
-            layer.link_grads(slots)
+            layer.link_grads(self.slots)
         self.links = [_link(step, self.base) for step in self.steps]
-        self.grads = [self._rows(g) for layer in self.layers for g in (layer.grad_A, layer.grad_Bt) if g is not None]
-        columns = self._columns([[s.normaliser for s in self.steps],
-                                 [s.settings["grad_clip_norm"] or math.inf for s in self.steps]])
+        k = len(self.slots)
+        if _consecutive(self.slots):  # in place, as views of the buffers
+            self.grads = [view for layer in self.layers for view in layer.slot_range(self.slots[0], k)[2:4]]
+        else:  # gathered: the fused step below reads them, and the buffers' rows are cleared after it anyway
+            index = to_device(torch.tensor(self.slots), self.device)
+            self.grads = [g.index_select(0, index) for layer in self.layers for g in _grads(layer)]
+        host = torch.tensor([[s.normaliser for s in self.steps],
+                             [s.settings["grad_clip_norm"] or math.inf for s in self.steps]], dtype=torch.float32)
+        columns = to_device(host, self.device).view(2, k, 1, 1)
         n = len(self.grads)
-        torch._foreach_div_(self.grads, [columns[0]] * n)
+        # a division or multiply by exactly 1.0 changes no bit: skipped where every run's is (decided on the host)
+        if any(s.normaliser != 1.0 for s in self.steps):
+            torch._foreach_div_(self.grads, [columns[0]] * n)
         norms = row_norms(self.grads)
-        coefficients = torch.clamp((norms + CLIP_EPS).reciprocal() * columns[1].view(-1), max=1.0)
-        torch._foreach_mul_(self.grads, [coefficients.view(-1, 1, 1)] * n)
+        if any(s.settings["grad_clip_norm"] for s in self.steps):
+            coefficients = torch.clamp((norms + CLIP_EPS).reciprocal() * columns[1].view(-1), max=1.0)
+            torch._foreach_mul_(self.grads, [coefficients.view(-1, 1, 1)] * n)
         return norms
 
     @torch.no_grad()
     def step(self, finite: list[bool]) -> None:
-        """AdamW on the rows of the runs whose norm is finite; the others' rows are left as they were."""
-        columns: list[list[float]] = [[] for _ in range(6)]
+        """torch's fused AdamW over the rows of the runs whose norm is finite, one call per distinct (settings, step
+        count): rows past a run's rank hold zeros, which AdamW keeps zero; other slots' rows are not touched."""
+        together: dict[tuple[float, ...], list[int]] = {}
         for i, (step, link, ok) in enumerate(zip(self.steps, self.links, finite)):
-            if not ok:  # a no-op column: every op below leaves its rows' bits as they are
-                for grad in self.grads:
-                    grad[i].zero_()
-                for column, noop in zip(columns, (1.0, 0.0, 0.0, 0.0, 1.0, 1.0)):
-                    column.append(noop)
-                continue
-            s, count = step.settings, link.count + 1
-            lr = s["learning_rate"]
-            values = (1.0 - lr * s["weight_decay"], 1.0 - s["beta1"], 1.0 - s["beta2"],
-                      lr / (1.0 - s["beta1"] ** count), math.sqrt(1.0 - s["beta2"] ** count), s["eps"])
-            for column, setting in zip(columns, values):
-                column.append(setting)
-        decay, w1, w2, step_size, bc2_sqrt, eps = self._columns(columns)
-        buffers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-        for layer in self.layers:  # in the gradients' order: A then Bᵀ, layer by layer
-            assert layer.moments is not None, "linking made them"
-            mA, vA, mBt, vBt = layer.moments
-            buffers += [(layer.A, mA, vA), (layer.Bt, mBt, vBt)]
-        params = [self._rows(b[0]) for b in buffers]
-        m = [self._rows(b[1]) for b in buffers]
-        v = [self._rows(b[2]) for b in buffers]
-        n, g = len(params), self.grads
-        torch._foreach_mul_(params, [decay] * n)  # AdamW's decoupled weight decay, first (torch's order)
-        torch._foreach_lerp_(m, g, [w1] * n)
-        torch._foreach_mul_(g, g)
-        torch._foreach_lerp_(v, g, [w2] * n)
-        denom = torch._foreach_sqrt(v)
-        torch._foreach_div_(denom, [bc2_sqrt] * n)
-        torch._foreach_add_(denom, [eps] * n)
-        update = torch._foreach_div(m, denom)
-        torch._foreach_mul_(update, [step_size] * n)
-        torch._foreach_sub_(params, update)
-        if self.index is not None:
-            for (p, mb, vb), rows in zip(buffers, zip(params, m, v)):
-                for buffer, value in zip((p, mb, vb), rows):
-                    buffer.index_copy_(0, self.index, value)
+            if ok:
+                together.setdefault((*(step.settings[key] for key in SETTING_KEYS), link.count + 1), []).append(i)
+        for (lr, beta1, beta2, eps, weight_decay, count), members in together.items():
+            params, grads, exp_avgs, exp_avg_sqs = self._rows(members)
+            counted = to_device(torch.tensor(count, dtype=torch.float32), self.device)
+            torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], [counted] * len(params), amsgrad=False,
+                                lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps, maximize=False,
+                                grad_scale=None, found_inf=None)
         for link, ok in zip(self.links, finite):
             if ok:
                 link.count += 1
                 link.step.fill_(float(link.count))
         self.grads = []
 
+    def _rows(self, members: list[int]) -> tuple[list[torch.Tensor], ...]:
+        """Parameters, gradients, exp_avg and exp_avg_sq of these runs (positions in `steps`), tensor for tensor: one
+        view per buffer where their slots are consecutive, else one per run and buffer."""
+        slots = [self.slots[i] for i in members]
+        if _consecutive(slots) and _consecutive(members):
+            ranges = [layer.slot_range(slots[0], len(slots)) for layer in self.layers]
+            grads = [g.narrow(0, members[0], len(members)) for g in self.grads]
+        else:
+            ranges = [layer.slot_range(slot, 1) for slot in slots for layer in self.layers]
+            grads = [g.narrow(0, i, 1) for i in members for g in self.grads]
+        params = [r[j] for r in ranges for j in (0, 1)]
+        exp_avgs = [r[j] for r in ranges for j in (4, 6)]
+        exp_avg_sqs = [r[j] for r in ranges for j in (5, 7)]
+        return params, grads, exp_avgs, exp_avg_sqs
+
+
+def _consecutive(values: list[int]) -> bool:
+    return values == list(range(values[0], values[0] + len(values)))
+
+
+def _grads(layer: LayerSlots) -> tuple[torch.Tensor, torch.Tensor]:
+    assert layer.grad_A is not None and layer.grad_Bt is not None, "linked before a step"
+    return layer.grad_A, layer.grad_Bt
+
 
 def row_norms(grads: list[torch.Tensor]) -> torch.Tensor:
-    """Each slot's 2-norm over its rows of every buffer ([k, R, width] each): summed per row, then in order over
-    (buffer, row) by a cumsum, so that neither R nor the other slots change a bit of it."""
-    squares = torch._foreach_mul(grads, grads)
-    rows = torch.stack([square.sum(-1) for square in squares], 1).flatten(1)  # [k, buffers * R]
-    return rows.cumsum(1)[:, -1].sqrt()
+    """Each slot's 2-norm over its rows of every buffer ([k, R, width] each): each row summed across the buffers (one
+    cat), then the rows in order by a cumsum, so that neither R nor the other slots change a bit of it."""
+    flat = torch.cat(grads, dim=2) if len(grads) > 1 else grads[0]
+    return (flat * flat).sum(-1).cumsum(1)[:, -1].sqrt()
 
 
 def _link(step: SlotStep, base: BaseSlots) -> _Link:

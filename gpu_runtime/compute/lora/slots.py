@@ -95,6 +95,7 @@ class LayerSlots:
         self._grad_views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.moments: list[torch.Tensor] | None = None  # exp_avg A, exp_avg_sq A, exp_avg Bᵀ, exp_avg_sq Bᵀ
         self.moment_owners: dict[int, tuple[torch.Tensor, ...]] = {}  # slot → its run's four moment views, as linked
+        self._ranges: dict[tuple[int, int], list[torch.Tensor]] = {}  # (first slot, count) → `slot_range`'s views
 
     @property
     def B(self) -> torch.Tensor:
@@ -113,14 +114,26 @@ class LayerSlots:
         if self.grad_A is None or self.grad_Bt is None:
             self.grad_A, self.grad_Bt = torch.zeros_like(self.A), torch.zeros_like(self.Bt)
             self._grad_views.clear()
+            self._ranges.clear()
         return self.grad_A, self.grad_Bt.transpose(1, 2)
 
     def moment_views(self, slot: int, rank: int) -> tuple[torch.Tensor, ...]:
         """The slot's (exp_avg A, exp_avg_sq A, exp_avg B, exp_avg_sq B) rows in A's and B's layouts."""
         if self.moments is None:
             self.moments = self._new_moments()
+            self._ranges.clear()
         mA, vA, mBt, vBt = self.moments
         return mA[slot, :rank], vA[slot, :rank], mBt[slot, :rank].t(), vBt[slot, :rank].t()
+
+    def slot_range(self, lo: int, count: int) -> list[torch.Tensor]:
+        """Slots lo..lo+count-1 of A, Bᵀ, their gradients and moments (8 views), made once for an optimizer tick's
+        runs of consecutive slots (a narrow is a dispatch; a tick would make 8 per layer)."""
+        views = self._ranges.get((lo, count))
+        if views is None:
+            gA, gBt = self.grad_A, self.grad_Bt
+            assert gA is not None and gBt is not None and self.moments is not None, "linked before a step"
+            views = self._ranges[lo, count] = [b.narrow(0, lo, count) for b in (self.A, self.Bt, gA, gBt, *self.moments)]
+        return views
 
     def views(self, slot: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.A[slot, :rank], self.Bt[slot, :rank].t()
@@ -201,6 +214,7 @@ class LayerSlots:
         self.Bt[:slots, :ranks] = old_Bt
         self.grad_A = self.grad_Bt = None
         self._grad_views.clear()
+        self._ranges.clear()
         if old_gA is not None and old_gBt is not None:
             gA, gBt = torch.zeros_like(self.A), torch.zeros_like(self.Bt)
             gA[:slots, :ranks] = old_gA
