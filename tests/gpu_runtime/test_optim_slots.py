@@ -77,8 +77,9 @@ def test_runs_with_their_own_settings_in_one_tick_each_equal_their_own_step_alon
 
 
 def test_the_slotted_tick_agrees_with_torchs_fused_adamw_within_fp32_rounding(tmp_path: Path, tiny_model_dir: str) -> None:
-    """Not bit for bit: the norm is summed per buffer row, not per tensor then stacked, and the second moment is a
-    lerp; over three steps the weights stay within 1e-6 and the norms within 1e-6 of torch's (relative)."""
+    """The update is torch's fused kernel, but the norm is summed over the slot's buffer rows rather than per tensor
+    and then stacked, so its last bits (and a clip coefficient's) may differ: over three steps the norms and the
+    weights stay within 1e-6 of torch's (relative), the moments within 1e-5."""
     slotted, fused = new_engine(tmp_path / "slotted", tiny_model_dir), new_engine(tmp_path / "fused", tiny_model_dir)
     runs = ["run-0", "run-1", "run-2"]
     for round_number in range(ROUNDS):
