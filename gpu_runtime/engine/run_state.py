@@ -118,6 +118,7 @@ class RunState:
     snapshot_seq: int = 0
     snapshot_time: float = field(default_factory=time.monotonic)
     last_used: float = field(default_factory=time.monotonic)
+    weight_bytes: int | None = field(default=None, repr=False)  # the weights' bytes, counted once (resident_bytes)
 
     @property
     def lora(self) -> dict[str, Any]:
@@ -181,10 +182,14 @@ class RunState:
 
     def resident_bytes(self) -> int:
         """Parameters, gradients and optimizer state held for this run. The eviction check counts every resident run
-        each tick: read straight from the weights (not the PEFT-named, sorted `parameters()`), 0.13 ms a run."""
-        total = sum(p.nbytes * (2 if p.grad is not None else 1) for pair in self.weights.values() for p in pair)
-        moments = self.optimizer.state.values()
-        return total + sum(t.nbytes for state in moments for t in state.values() if isinstance(t, torch.Tensor))
+        each tick, so it reads three facts, not every tensor: the weights' bytes (fixed for the run's life), whether
+        gradients are held (a pass links all of a run's, a step clears all) and whether AdamW holds its two moments
+        (each its parameter's size; the step counts' few bytes are left out)."""
+        if self.weight_bytes is None:
+            self.weight_bytes = sum(p.nbytes for pair in self.weights.values() for p in pair)
+        first = next((pair[0] for pair in self.weights.values()), None)
+        grads = self.weight_bytes if first is not None and first.grad is not None else 0
+        return self.weight_bytes + grads + (2 * self.weight_bytes if self.optimizer.state else 0)
 
     @property
     def changed_since_snapshot(self) -> bool:
