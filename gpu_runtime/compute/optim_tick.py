@@ -152,10 +152,12 @@ def _legacy_step(orders: list[StepOrder], norms: list[float]) -> None:
             continue
         unlink(order.optimizer)  # a run the slotted kernel stepped before: its state its own again
         _set_settings(order.optimizer, order.settings)
-        if (order.kernel or kernel_of(order.optimizer)) == FUSED:
+        # a "slots" record where the run's rows are not in slots (a multi-GPU pool): its update kernel, fused
+        name = FUSED if order.kernel == SLOTS else order.kernel
+        if (name or kernel_of(order.optimizer)) == FUSED:
             fused.setdefault(tuple(order.settings[k] for k in SETTING_KEYS), []).append(order)
         else:
-            with kernel(order.optimizer, order.kernel):
+            with kernel(order.optimizer, name):
                 order.optimizer.step()
     for together in fused.values():
         _fused_adamw(together)

@@ -140,7 +140,8 @@ class SlotGroup:
         slots = [self.slots[i] for i in members]
         if _consecutive(slots) and _consecutive(members):
             ranges = [layer.slot_range(slots[0], len(slots)) for layer in self.layers]
-            grads = [g.narrow(0, members[0], len(members)) for g in self.grads]
+            whole = len(members) == len(self.steps)  # every run of the group: its gradient rows as they are
+            grads = self.grads if whole else [g.narrow(0, members[0], len(members)) for g in self.grads]
         else:
             ranges = [layer.slot_range(slot, 1) for slot in slots for layer in self.layers]
             grads = [g.narrow(0, i, 1) for i in members for g in self.grads]
