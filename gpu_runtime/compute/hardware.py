@@ -14,8 +14,9 @@ from typing import Any
 
 import torch
 
+from gpu_runtime.compute.lora.slots import BaseSlots
 from gpu_runtime.compute.memory_fit import activation_bytes_per_token, free_device_bytes, layers_to_checkpoint
-from gpu_runtime.compute.optim_tick import StepOrder, optimizer_tick
+from gpu_runtime.compute.optim_tick import StepOrder, optimizer_tick, own_kernel
 from gpu_runtime.compute.pass_logprobs import decoder_layers
 from gpu_runtime.compute.plan import Outcome, PassPart, RunWeights, SplitCall
 from gpu_runtime.compute.pool import BaseEntry
@@ -32,6 +33,7 @@ class Stepping:
     normaliser: float
     settings: dict[str, float]
     kernel: str | None = None
+    slots: BaseSlots | None = None  # the run's base's slot buffers: there it steps by the slotted kernel
 
 
 class LocalCompute:
@@ -65,17 +67,26 @@ class LocalCompute:
         layers = len(decoder_layers(entry.model))
         return layers_to_checkpoint(layers, rows * width, activation_bytes_per_token(entry.model), free)
 
-    def optim(self, state: RunWeights, normaliser: float, settings: dict[str, float], kernel: str | None = None) -> float:
+    def optim(self, state: RunWeights, normaliser: float, settings: dict[str, float], kernel: str | None = None,
+              slots: BaseSlots | None = None) -> float:
         """AdamW on the run's summed gradients over `normaliser`; returns the gradient norm. `kernel`: the one a
         replayed journal record names (None: the run's own)."""
-        (grad_norm,) = self.optim_tick([Stepping(state, normaliser, settings, kernel)])
+        (grad_norm,) = self.optim_tick([Stepping(state, normaliser, settings, kernel, slots)])
         return grad_norm
 
     def optim_tick(self, steps: list[Stepping]) -> list[float]:
         """Every stepping run's AdamW in one optimizer tick (compute/optim_tick.py); their gradient norms, in order."""
+        return optimizer_tick([self._order(s) for s in steps])
+
+    def kernel_for(self, state: RunWeights, slots: BaseSlots | None) -> str:
+        """The kernel the run's own optim_step steps with: what its journal record names."""
+        return own_kernel(self._order(Stepping(state, 1.0, {}, None, slots)))
+
+    @staticmethod
+    def _order(s: Stepping) -> StepOrder:
         # the optimizer's own list: the run's parameters in the same order, without naming them anew each tick
-        return optimizer_tick([StepOrder([p for group in s.state.optimizer.param_groups for p in group["params"]],
-                                         s.state.optimizer, s.normaliser, s.settings, s.kernel) for s in steps])
+        return StepOrder([p for group in s.state.optimizer.param_groups for p in group["params"]], s.state.optimizer,
+                         s.normaliser, s.settings, s.kernel, s.slots, s.state.run_id)
 
     def drop_grads(self, state: RunWeights) -> None:
         state.optimizer.zero_grad(set_to_none=True)
@@ -123,7 +134,11 @@ class RankCompute(LocalCompute):
     def optim_tick(self, steps: list[Stepping]) -> list[float]:
         for s in steps:  # each follower steps each run alone: the same bits as a tick (optim_tick.py)
             self.ranks.send("optim", run_id=s.state.run_id, normaliser=s.normaliser, settings=s.settings, kernel=s.kernel)
-        return super().optim_tick(steps)
+        # the followers hold no slot buffers of this base: every rank steps through torch's kernels alike
+        return super().optim_tick([Stepping(s.state, s.normaliser, s.settings, s.kernel) for s in steps])
+
+    def kernel_for(self, state: RunWeights, slots: BaseSlots | None) -> str:
+        return super().kernel_for(state, None)
 
     def drop_grads(self, state: RunWeights) -> None:
         self.ranks.send("drop_grads", run_id=state.run_id)

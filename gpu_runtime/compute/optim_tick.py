@@ -1,5 +1,9 @@
 """One optimizer tick for every run stepping: their gradients divided, measured and clipped together, one host copy
-of their norms, then one multi-tensor fused AdamW per distinct setting over all their parameters.
+of their norms, then their AdamW.
+
+Runs whose LoRA lives in a base's slot buffers step by the slotted kernel ("slots", slot_adamw.py): a fixed handful
+of ops over the buffers, whatever the number of runs. The rest (expert LoRA, a multi-GPU pool, records naming an
+older kernel) step through torch's kernels as follows, one multi-tensor fused AdamW per distinct setting.
 
 A run's step here is bit for bit the step its own `optimizer.step()` takes with torch's fused kernel: every op is
 per tensor (a division by the run's normaliser, a norm, a multiply by the run's clip coefficient, the fused
@@ -20,9 +24,10 @@ from dataclasses import dataclass
 import torch
 from torch.optim.adamw import adamw
 
-from gpu_runtime.compute.optimizer import FUSED, kernel, kernel_of
-
-SETTING_KEYS = ("learning_rate", "beta1", "beta2", "eps", "weight_decay")
+from gpu_runtime.compute.lora.ops.tables import to_device
+from gpu_runtime.compute.lora.slots import BaseSlots, Occupant
+from gpu_runtime.compute.optimizer import FUSED, SLOTS, kernel, kernel_of
+from gpu_runtime.compute.slot_adamw import SETTING_KEYS, SlotStep, SlotTick, slot_place, unlink
 
 
 @dataclass
@@ -34,6 +39,8 @@ class StepOrder:
     normaliser: float
     settings: dict[str, float]
     kernel: str | None = None  # what a replayed journal record names; None: the optimizer's own
+    slots: BaseSlots | None = None  # the base's slot buffers, where the run's rows may live (slot_adamw.py)
+    key: str = ""  # the run's key there
 
     @property
     def grads(self) -> list[torch.Tensor]:
@@ -70,42 +77,90 @@ def clip_grad_norm(grads: list[torch.Tensor], max_norm: float) -> torch.Tensor:
 
 def optimizer_tick(orders: list[StepOrder]) -> list[float]:
     """AdamW for every order on its summed gradients over its normaliser, clipped; clears their gradients. Returns
-    each order's gradient norm; a non-finite one skips that run's step (its gradients are dropped all the same)."""
+    each order's gradient norm; a non-finite one skips that run's step (its gradients are dropped all the same).
+    Runs whose parameters live in slot buffers step by the slotted kernel (slot_adamw.py), the others as before."""
+    slotted: list[tuple[SlotStep, BaseSlots]] = []
+    legacy: list[StepOrder] = []
+    legacy_at: list[int] = []
+    for at, order in enumerate(orders):
+        occupant = own_place(order)
+        if occupant is not None and order.slots is not None:
+            slotted.append((SlotStep(at, occupant, order.optimizer, order.normaliser, order.settings), order.slots))
+        else:
+            legacy.append(order)
+            legacy_at.append(at)
+    tick = SlotTick.of(slotted)
+    device_norms = [_legacy_begin(legacy)] if legacy else []
+    device_norms += [group.begin() for group in tick.groups]
+    # the tick's one device-to-host copy
+    flat: list[float] = torch.cat(device_norms).tolist() if device_norms else []
+    norms = [0.0] * len(orders)
+    legacy_norms, at = flat[:len(legacy)], len(legacy)
+    for at, norm in zip(legacy_at, legacy_norms):
+        norms[at] = norm
+    for group in tick.groups:
+        own = flat[at:at + len(group.steps)]
+        at += len(group.steps)
+        for step, norm in zip(group.steps, own):
+            norms[step.at] = norm
+        group.step([math.isfinite(norm) for norm in own])
+    _legacy_step(legacy, legacy_norms)
+    for order in orders:  # what `zero_grad(set_to_none=True)` does, without its per-call profiler scope
+        for param in order.params:
+            param.grad = None
+    return norms
+
+
+def own_place(order: StepOrder) -> Occupant | None:
+    """The order's slot where it steps by the slotted kernel: its record names it or none, and its rows are there."""
+    if order.kernel not in (None, SLOTS):
+        return None
+    return slot_place(order.params, order.optimizer, order.slots, order.key)
+
+
+def own_kernel(order: StepOrder) -> str:
+    """The kernel this order steps with, as its journal record names it."""
+    return SLOTS if own_place(order) is not None else (order.kernel or kernel_of(order.optimizer))
+
+
+def _legacy_begin(orders: list[StepOrder]) -> torch.Tensor:
+    """Torch's kernels' part before the host copy: each run divided, measured and clipped per tensor; their norms."""
     grads = [order.grads for order in orders]
     flat = [g for group in grads for g in group]
     # each run's normaliser and clip norm, in one host-to-device copy (pinned on CUDA: no sync)
     host = torch.tensor([order.normaliser for order in orders]
                         + [order.settings["grad_clip_norm"] or math.inf for order in orders], dtype=torch.float32)
     device = flat[0].device if flat else host.device
-    per_run = (host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)).view(2, -1)
+    per_run = to_device(host, device).view(2, -1)
     for i, group in enumerate(grads):
         if group:  # summed token losses → their mean over all calls; by an fp32 0-dim tensor: the scalar's bits, and
             torch._foreach_div_(group, per_run[0, i])  # a third of a Python scalar's per-tensor cost on the CPU
-    totals = grad_norms(grads)
-    stacked = torch.stack(totals) if totals else None
-    if stacked is not None and flat:
+    stacked = torch.stack(grad_norms(grads))
+    if flat:
         # every run's clip coefficient in one expression, torch's own (`float / tensor` is `reciprocal() * float`)
         coefficients = torch.clamp((stacked + 1e-6).reciprocal() * per_run[1], max=1.0)
         for i, group in enumerate(grads):
             if group:  # a multiply by exactly 1.0 changes no bit; skipping it would cost a host sync
                 torch._foreach_mul_(group, coefficients[i])
-    norms: list[float] = stacked.tolist() if stacked is not None else []  # the tick's one device-to-host copy
+    return stacked.to(torch.float32)
+
+
+def _legacy_step(orders: list[StepOrder], norms: list[float]) -> None:
     fused: dict[tuple[float, ...], list[StepOrder]] = {}
     for order, norm in zip(orders, norms):
         if not math.isfinite(norm):
             continue
+        unlink(order.optimizer)  # a run the slotted kernel stepped before: its state its own again
         _set_settings(order.optimizer, order.settings)
-        if (order.kernel or kernel_of(order.optimizer)) == FUSED:
+        # a "slots" record where the run's rows are not in slots (a multi-GPU pool): its update kernel, fused
+        name = FUSED if order.kernel == SLOTS else order.kernel
+        if (name or kernel_of(order.optimizer)) == FUSED:
             fused.setdefault(tuple(order.settings[k] for k in SETTING_KEYS), []).append(order)
         else:
-            with kernel(order.optimizer, order.kernel):
+            with kernel(order.optimizer, name):
                 order.optimizer.step()
     for together in fused.values():
         _fused_adamw(together)
-    for order in orders:  # what `zero_grad(set_to_none=True)` does, without its per-call profiler scope
-        for param in order.params:
-            param.grad = None
-    return norms
 
 
 def _set_settings(optimizer: torch.optim.Optimizer, settings: dict[str, float]) -> None:

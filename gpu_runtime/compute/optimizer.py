@@ -49,7 +49,16 @@ def restore_fused(optimizer: torch.optim.Optimizer) -> None:
                 state["step"] = state["step"].to(device=param.device, dtype=torch.float32)
 
 
-FUSED, PORTABLE = "fused", "portable"  # the kernels a journal's optim_step records name
+FUSED, PORTABLE, SLOTS = "fused", "portable", "slots"  # the kernels a journal's optim_step records name
+
+
+def state_to_save(optimizer: torch.optim.Optimizer) -> dict[str, object]:
+    """`state_dict()` with tensors of their own: a slotted run's moments are views of a base's buffers, whose whole
+    storage torch.save would write."""
+    saved = optimizer.state_dict()
+    saved["state"] = {i: {name: value.clone() if torch.is_tensor(value) else value for name, value in state.items()}
+                      for i, state in saved["state"].items()}
+    return saved
 
 
 def kernel_of(optimizer: torch.optim.Optimizer) -> str:

@@ -34,7 +34,7 @@ from gpu_runtime.client.persistence import RunPaths, atomic_dir, read_json, writ
 from gpu_runtime.compute.lora.experts import attach_experts, detach_experts, is_expert_path, peft_names, target_parameters
 from gpu_runtime.compute.lora.slots import BaseSlots, in_layout_of
 from gpu_runtime.compute.lora.wrap import LoraTarget
-from gpu_runtime.compute.optimizer import restore_fused
+from gpu_runtime.compute.optimizer import restore_fused, state_to_save
 from gpu_runtime.compute.plan import RunConfig as RunConfig  # the contract of config.json lives with the plain data
 from gpu_runtime.compute.quantization import base_key
 from gpu_runtime.contract.checkpoints import DEFAULT_NAME
@@ -125,6 +125,7 @@ class RunState:
     snapshot_seq: int = 0
     snapshot_time: float = field(default_factory=time.monotonic)
     last_used: float = field(default_factory=time.monotonic)
+    weight_bytes: int | None = field(default=None, repr=False)  # the weights' bytes, counted once (resident_bytes)
 
     @property
     def lora(self) -> dict[str, Any]:
@@ -188,10 +189,14 @@ class RunState:
 
     def resident_bytes(self) -> int:
         """Parameters, gradients and optimizer state held for this run. The eviction check counts every resident run
-        each tick: read straight from the weights (not the PEFT-named, sorted `parameters()`), 0.13 ms a run."""
-        total = sum(p.nbytes * (2 if p.grad is not None else 1) for pair in self.weights.values() for p in pair)
-        moments = self.optimizer.state.values()
-        return total + sum(t.nbytes for state in moments for t in state.values() if isinstance(t, torch.Tensor))
+        each tick, so it reads three facts, not every tensor: the weights' bytes (fixed for the run's life), whether
+        gradients are held (a pass links all of a run's, a step clears all) and whether AdamW holds its two moments
+        (each its parameter's size; the step counts' few bytes are left out)."""
+        if self.weight_bytes is None:
+            self.weight_bytes = sum(p.nbytes for pair in self.weights.values() for p in pair)
+        first = next((pair[0] for pair in self.weights.values()), None)
+        grads = self.weight_bytes if first is not None and first.grad is not None else 0
+        return self.weight_bytes + grads + (2 * self.weight_bytes if self.optimizer.state else 0)
 
     @property
     def changed_since_snapshot(self) -> bool:
@@ -252,7 +257,7 @@ class RunState:
     def save_optimizer(self, path: Path) -> None:
         """AdamW's state keyed by parameter name (`_load_optimizer` renumbers it for the loading run)."""
         torch.save({"step": self.step, "param_names": list(self.named_parameters()),
-                    "optimizer": self.optimizer.state_dict()}, path)
+                    "optimizer": state_to_save(self.optimizer)}, path)
 
     def load_checkpoint_files(self, directory: Path, with_optimizer: bool, step: int, device: torch.device) -> None:
         """A checkpoint's adapter, and its AdamW or a fresh one, into this run at `step`; pending gradients go."""
@@ -275,7 +280,7 @@ class RunState:
                 os.kill(os.getpid(), signal.SIGKILL)  # failpoint for the crash tests: a half-written snapshot
             if fault == "enospc_snapshot":  # failpoint: the disk fills half-way through a snapshot
                 raise OSError(errno.ENOSPC, "No space left on device (failpoint enospc_snapshot)")
-            torch.save({"param_names": list(self.named_parameters()), "optimizer": self.optimizer.state_dict()},
+            torch.save({"param_names": list(self.named_parameters()), "optimizer": state_to_save(self.optimizer)},
                        tmp / OPTIMIZER_FILE)
             pending = self.pending.calls > 0
             kept = list(self.answered.items())[-256:]

@@ -24,7 +24,7 @@ from gpu_runtime.compute.batches import Datum
 from gpu_runtime.compute.custom_losses import check_inputs
 from gpu_runtime.compute.hardware import Stepping
 from gpu_runtime.compute.lora.ops import LEGACY
-from gpu_runtime.compute.optimizer import kernel_of
+from gpu_runtime.compute.lora.slots import BaseSlots
 from gpu_runtime.compute.plan import PartOutcome, PassPart
 from gpu_runtime.compute.pool import BaseEntry
 from gpu_runtime.compute.ranks import RanksFailed
@@ -325,7 +325,8 @@ class Training:
         """Every run's optim_step of this tick in one optimizer tick (gpu_runtime/compute/optim_tick.py); then each
         is counted, journaled and remembered on its own. The tick's seconds are shared among them evenly."""
         started = time.perf_counter()
-        norms = self.shared.compute.optim_tick([Stepping(s.state, s.state.pending.divisor, s.settings) for s in steps])
+        norms = self.shared.compute.optim_tick([Stepping(s.state, s.state.pending.divisor, s.settings,
+                                                         slots=self._slots(s.state)) for s in steps])
         seconds = self.shared.compute.seconds_since(started) / max(len(steps), 1)
         return [self._stepped(step, norm, seconds) for step, norm in zip(steps, norms)]
 
@@ -340,7 +341,8 @@ class Training:
         except FailedPrecondition as exc:
             record = {"error": exc.to_dict()}  # journaled too: dropping the gradients is a change replay must repeat
         self.shared.journal(state, OptimRecord(request_id=step.call.request_id, adam=settings,
-                                               kernel=kernel_of(state.optimizer), body_sha256=step.body, result=record))
+                                               kernel=self.shared.compute.kernel_for(state, self._slots(state)),
+                                               body_sha256=step.body, result=record))
         state.remember(step.call.request_id, record, step.body)
         self.shared.residency.touch(state)
         if "error" in record:
@@ -353,8 +355,13 @@ class Training:
         """AdamW on the run's summed gradients divided by their normaliser (on every rank, alike); clears them."""
         if state.pending.calls == 0:
             raise FailedPrecondition("no gradients to apply: call forward_backward before optim_step")
-        grad_norm = self.shared.compute.optim(state, state.pending.divisor, settings, kernel)
+        grad_norm = self.shared.compute.optim(state, state.pending.divisor, settings, kernel, self._slots(state))
         return self._count_step(state, settings, grad_norm)
+
+    def _slots(self, state: RunState) -> BaseSlots | None:
+        """The slot buffers of the run's base, where its LoRA (and so its AdamW) may live."""
+        entry = self.shared.residency.bases.get(state.base_key)
+        return None if entry is None else entry.routing.slots
 
     @staticmethod
     def _count_step(state: RunState, settings: dict[str, float], grad_norm: float) -> OptimStepResult:

@@ -29,7 +29,7 @@ from safetensors.torch import load_file, save_file
 
 from gpu_runtime.client.persistence import write_json
 from gpu_runtime.client.runtime_client import RuntimeClient
-from gpu_runtime.compute import optim_tick
+from gpu_runtime.compute import optim_tick, slot_adamw
 from gpu_runtime.contract import CONTRACT_VERSION, RuntimeOptions
 from gpu_runtime.engine.engine import Engine
 from gpu_runtime.engine.journal import HEADER, JOURNAL_FILE
@@ -415,6 +415,7 @@ def test_a_retried_optim_step_that_failed_fails_again_and_is_never_applied(
     with monkeypatch.context() as patch:
         # what the optimizer tick measures
         patch.setattr(optim_tick, "grad_norms", lambda grads: [torch.tensor(math.inf) for _ in grads])
+        patch.setattr(slot_adamw, "row_norms", lambda grads: torch.full(grads[0].shape[:1], math.inf))
         with pytest.raises(FailedPrecondition) as first:
             do(engine, "r", 1)
     assert "gradient norm is inf" in first.value.message

@@ -68,9 +68,10 @@ def parts(loss_fn: str = "cross_entropy", return_outputs: bool = False, nan_in: 
     return made
 
 
-@pytest.mark.parametrize("return_outputs", [False, True])
+@pytest.mark.parametrize(("return_outputs", "slotted"), [(False, True), (True, False)],
+                         ids=["slotted-tick", "torch-kernels-tick-with-outputs"])
 def test_a_cobatched_pass_and_an_optimizer_tick_each_copy_to_the_host_once(engine_with_runs: Engine,
-                                                                           return_outputs: bool) -> None:
+                                                                           return_outputs: bool, slotted: bool) -> None:
     engine = engine_with_runs
     entry, runs = engine.residency.bases[engine.runs["run-0"].base_key], engine.residency.runs
     with CountSyncs() as during_pass:
@@ -82,7 +83,8 @@ def test_a_cobatched_pass_and_an_optimizer_tick_each_copy_to_the_host_once(engin
     assert all(p.grad is not None for run in runs.values() for p in run.parameters() if p.shape[0] > 0)
     orders = [StepOrder(run.parameters(), run.optimizer, 10.0, {"learning_rate": 1e-3 * (1 + i % 2), "beta1": 0.9,
                                                                  "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.0,
-                                                                 "grad_clip_norm": 1.0})
+                                                                 "grad_clip_norm": 1.0},
+                        slots=entry.routing.slots if slotted else None, key=run.run_id)
               for i, run in enumerate(runs.values())]
     before = [[p.detach().clone() for p in run.parameters()] for run in runs.values()]
     with CountSyncs() as during_tick:

@@ -54,6 +54,7 @@ def test_closing_a_session_fails_its_pending_sample_and_withdraws_it(live_server
     pending = sampler.sample(prompt=types.ModelInput.from_ints([1, 2, 3]), num_samples=1,
                              sampling_params=types.SamplingParams(max_tokens=2))
     live_server.wait_for(lambda: sum(runtime_state(live_server)["queue_depth"].values()) == 2, "the sample to wait")
+    assert client._session_holder is not None
     session_id = client._session_holder.get_session_id()
     # What ServiceClient.close sends; the client itself stays open, so its pending future hears the answer.
     finished = httpx.post(f"{live_server.url}/api/v1/sessions/{session_id}/finish", timeout=60,

@@ -14,6 +14,9 @@ layout, and its AdamW moments (`zeros_like`, layout preserved) keep matching it 
 Gradients: one fp32 buffer per master (allocated at the first backward); the kernels add each pass's weight
 gradients there (`ops.segmented_lora(grad_into=…)`), and `link_grads` makes a run's `.grad` the view of its rows as
 the gradient arrives, so it accumulates in place across calls until the optimizer clears it.
+
+AdamW moments: four more buffers of the masters' shapes (`moments`, made at a run's first slotted step,
+compute/slot_adamw.py); a run's exp_avg and exp_avg_sq become views of its rows, moved and released as its A and B are.
 """
 
 from __future__ import annotations
@@ -90,6 +93,9 @@ class LayerSlots:
         # slot → its owner's gradient views, made once: `link_grads` runs per layer and pass, and an identity check
         # is what tells it that a `.grad` is linked already
         self._grad_views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.moments: list[torch.Tensor] | None = None  # exp_avg A, exp_avg_sq A, exp_avg Bᵀ, exp_avg_sq Bᵀ
+        self.moment_owners: dict[int, tuple[torch.Tensor, ...]] = {}  # slot → its run's four moment views, as linked
+        self._ranges: dict[tuple[int, int], list[torch.Tensor]] = {}  # (first slot, count) → `slot_range`'s views
 
     @property
     def B(self) -> torch.Tensor:
@@ -108,7 +114,26 @@ class LayerSlots:
         if self.grad_A is None or self.grad_Bt is None:
             self.grad_A, self.grad_Bt = torch.zeros_like(self.A), torch.zeros_like(self.Bt)
             self._grad_views.clear()
+            self._ranges.clear()
         return self.grad_A, self.grad_Bt.transpose(1, 2)
+
+    def moment_views(self, slot: int, rank: int) -> tuple[torch.Tensor, ...]:
+        """The slot's (exp_avg A, exp_avg_sq A, exp_avg B, exp_avg_sq B) rows in A's and B's layouts."""
+        if self.moments is None:
+            self.moments = self._new_moments()
+            self._ranges.clear()
+        mA, vA, mBt, vBt = self.moments
+        return mA[slot, :rank], vA[slot, :rank], mBt[slot, :rank].t(), vBt[slot, :rank].t()
+
+    def slot_range(self, lo: int, count: int) -> list[torch.Tensor]:
+        """Slots lo..lo+count-1 of A, Bᵀ, their gradients and moments (8 views), made once for an optimizer tick's
+        runs of consecutive slots (a narrow is a dispatch; a tick would make 8 per layer)."""
+        views = self._ranges.get((lo, count))
+        if views is None:
+            gA, gBt = self.grad_A, self.grad_Bt
+            assert gA is not None and gBt is not None and self.moments is not None, "linked before a step"
+            views = self._ranges[lo, count] = [b.narrow(0, lo, count) for b in (self.A, self.Bt, gA, gBt, *self.moments)]
+        return views
 
     def views(self, slot: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.A[slot, :rank], self.Bt[slot, :rank].t()
@@ -138,8 +163,10 @@ class LayerSlots:
         if owner is not None:
             release(owner[0])
             release(owner[1])
+        for moment in self.moment_owners.pop(slot, ()):
+            release(moment)
         with torch.no_grad():
-            for buffer in (self.A, self.Bt, self.grad_A, self.grad_Bt):
+            for buffer in (self.A, self.Bt, self.grad_A, self.grad_Bt, *(self.moments or ())):
                 if buffer is not None:
                     buffer[slot].zero_()
 
@@ -187,11 +214,19 @@ class LayerSlots:
         self.Bt[:slots, :ranks] = old_Bt
         self.grad_A = self.grad_Bt = None
         self._grad_views.clear()
+        self._ranges.clear()
         if old_gA is not None and old_gBt is not None:
             gA, gBt = torch.zeros_like(self.A), torch.zeros_like(self.Bt)
             gA[:slots, :ranks] = old_gA
             gBt[:slots, :ranks] = old_gBt
             self.grad_A, self.grad_Bt = gA, gBt
+        if self.moments is not None:  # the moments' rows move along, and their owners' views with them
+            old_moments, self.moments = self.moments, self._new_moments()
+            for old, new in zip(old_moments, self.moments):
+                new[:slots, :ranks] = old
+            for slot, owned in self.moment_owners.items():
+                for tensor, view in zip(owned, self.moment_views(slot, owned[0].shape[0])):
+                    tensor.data = view
         for slot, (A, B, r) in self.owners.items():
             A_view, B_view = self.views(slot, r)
             for tensor, view, grad_view in ((A, A_view, None if self.grad_A is None else self.grad_A[slot, :r]),
@@ -201,6 +236,9 @@ class LayerSlots:
                 if old_grad is not None and grad_view is not None and _shares(old_grad, old_gA, old_gBt):
                     tensor.grad = grad_view  # its values came with the rows
 
+
+    def _new_moments(self) -> list[torch.Tensor]:
+        return [torch.zeros_like(self.A), torch.zeros_like(self.A), torch.zeros_like(self.Bt), torch.zeros_like(self.Bt)]
 
 def _shares(grad: torch.Tensor, *buffers: torch.Tensor | None) -> bool:
     """Whether `grad` is a view into one of these buffers."""
