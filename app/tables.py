@@ -23,6 +23,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
 
 from gpu_runtime.contract.checks import MAX_REQUEST_ID_LENGTH
+from gpu_runtime.contract.training_settings import LoraSettings
 
 
 def utcnow() -> datetime:
@@ -126,8 +127,8 @@ class Run(Base):
     id: Mapped[str] = mapped_column(String(ID_LENGTH), primary_key=True, default=new_id)
     user_id: Mapped[str] = mapped_column(USER_ID, ForeignKey("users.id", ondelete="CASCADE"), index=True)
     base_model: Mapped[str] = mapped_column(String(300))
-    lora_config: Mapped[dict[str, Any]] = mapped_column(JSON)
-    optimizer_config: Mapped[dict[str, Any]] = mapped_column(JSON)
+    lora_config: Mapped[LoraSettings] = mapped_column(JSON)  # as the runtime resolved it: the targets named
+    optimizer_config: Mapped[dict[str, float]] = mapped_column(JSON)  # AdamW's settings (contract adam_settings)
     seed: Mapped[int] = mapped_column(Integer, default=0)
     gpu_config: Mapped[str] = mapped_column(String(40), default="")  # the requested allocation, and the pool key's
     # What it trains on, as its runtime reported at createRun: "cpu", "cuda:0"; "" for runs older than the column.

@@ -32,6 +32,7 @@ from gpu_runtime.contract import (
     lora_settings,
     sampling_settings,
 )
+from gpu_runtime.contract.training_settings import LoraAsked, LoraGiven, LoraSettings
 
 
 @dataclass
@@ -63,7 +64,7 @@ class RunSpec:
         """Its name, tags and note; a blank name is no name (the default's)."""
         return RunLabels(name=self.name if (self.name or "").strip() else None, tags=self.tags, note=self.note)
 
-    def lora(self) -> dict[str, Any]:
+    def lora(self) -> LoraSettings | LoraAsked:
         """The run's LoRA settings, checked and filled by the contract; errors name createRun's field (`loraR`)."""
         lora = {"r": self.lora_r if self.lora_r is not None else LORA_DEFAULTS["r"], "alpha": self.lora_alpha,
                 "dropout": self.lora_dropout if self.lora_dropout is not None else LORA_DEFAULTS["dropout"],
@@ -72,11 +73,18 @@ class RunSpec:
         with fields_renamed(lambda field: field):  # graphql_field names them: loraR, trainMlp
             return lora_settings(lora)
 
-    def explicit_lora(self) -> dict[str, Any] | None:
+    def explicit_lora(self) -> LoraGiven | None:
         """Only the LoRA settings the caller gave: a run from a checkpoint inherits the rest, and these must agree."""
-        given = {"r": self.lora_r, "alpha": self.lora_alpha, "dropout": self.lora_dropout,
-                 "target_modules": self.lora_target_modules}
-        return {key: value for key, value in given.items() if value is not None} or None
+        given: LoraGiven = {}
+        if self.lora_r is not None:
+            given["r"] = self.lora_r
+        if self.lora_alpha is not None:
+            given["alpha"] = self.lora_alpha
+        if self.lora_dropout is not None:
+            given["dropout"] = self.lora_dropout
+        if self.lora_target_modules is not None:
+            given["target_modules"] = self.lora_target_modules
+        return given or None
 
     def adam(self) -> dict[str, float]:
         """The run's AdamW defaults for optim_step; errors name createRun's field (`learningRate`)."""

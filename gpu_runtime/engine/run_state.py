@@ -38,7 +38,7 @@ from gpu_runtime.compute.plan import RunConfig as RunConfig  # the contract of c
 from gpu_runtime.compute.quantization import base_key
 from gpu_runtime.contract.checkpoints import DEFAULT_NAME
 from gpu_runtime.contract.json_types import JSON, JSONObject
-from gpu_runtime.contract.training_settings import DEFAULT_REDUCTION
+from gpu_runtime.contract.training_settings import DEFAULT_REDUCTION, LoraSettings
 from gpu_runtime.engine.journal import Journal
 from gpu_runtime.engine.journal_records import BatchRecord, PendingRecord
 from gpu_runtime.errors import BadInput
@@ -120,7 +120,7 @@ class RunState:
     last_used: float = field(default_factory=time.monotonic)
 
     @property
-    def lora(self) -> dict[str, Any]:
+    def lora(self) -> LoraSettings:
         return self.config["lora"]
 
     @property
@@ -214,7 +214,8 @@ class RunState:
         experts = target_parameters(self.weights)
         # PEFT's parameter targets refuse dropout (a weight delta has no input to drop): inference has none anyway.
         linear = sorted({path.rsplit(".", 1)[-1] for path in self.weights if not is_expert_path(path)})
-        config = LoraConfig(r=self.lora["r"], lora_alpha=self.lora["alpha"],
+        # peft annotates lora_alpha as int; it scales by alpha / r, a float alpha included
+        config = LoraConfig(r=self.lora["r"], lora_alpha=self.lora["alpha"],  # type: ignore[arg-type]
                             lora_dropout=0.0 if experts else self.lora["dropout"],
                             target_modules=(linear or None) if experts else self.lora["target_modules"],
                             target_parameters=experts or None, bias="none", task_type="CAUSAL_LM",
