@@ -117,7 +117,7 @@ class LocalBackend:
     def _submit(self, request: Call, handler: Chunks | None, ticket: int | None) -> Answer:
         # The request as the wire's arguments (the ticket beside them), made here in the sending thread.
         params = request.to_dict() | ({} if ticket is None else {"ticket": ticket})
-        return self.client.submit(request.method.value, handler, **params)
+        return self.client.send(request.method.value, handler, **params)
 
     async def close(self) -> None:
         if self._watching is not None:

@@ -121,7 +121,11 @@ class RuntimeClient:
 
     # ---- calls ----------------------------------------------------------------------------
 
-    def submit(self, method: str, progress: Chunks | None = None, **params: Any) -> Answer:
+    def submit(self, method: str, progress: Chunks | None = None, **params: Any) -> Future[dict[str, Any]]:
+        """`send` for tests and benchmarks: they index the wire's answer as plain data, as json.loads made it."""
+        return cast("Future[dict[str, Any]]", self.send(method, progress, **params))
+
+    def send(self, method: str, progress: Chunks | None = None, **params: Any) -> Answer:
         """Send one call; the Future holds its result, or the SignalError the runtime sent, or WorkerFailed.
         `progress` gets a streamed call's chunks, on the reader thread, before the Future is done."""
         future: Answer = Future()
@@ -204,7 +208,7 @@ class RuntimeClient:
 
     def call(self, method: str, timeout: float | None = None, **params: Any) -> dict[str, Any]:
         """Blocking form of `submit`, for tests, benchmarks and the CLI: they index the wire's answer as plain data."""
-        return cast("dict[str, Any]", self.submit(method, **params).result(timeout))  # a dict, as json.loads made it
+        return self.submit(method, **params).result(timeout)
 
     # ---- internals ------------------------------------------------------------------------
 

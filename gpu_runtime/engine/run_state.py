@@ -23,7 +23,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NotRequired, TypedDict, TypeVar
 
 import torch
 from peft import LoraConfig
@@ -51,6 +51,28 @@ PENDING_FILE = "pending_grads.safetensors"
 SNAPSHOT_FILE = "snapshot.json"
 CHECKPOINT_FILE = "checkpoint.json"  # what a checkpoint is and what resuming from it needs (docs/CHECKPOINTS.md)
 CHECKPOINT_FORMAT = 1
+
+
+class CheckpointMeta(TypedDict):
+    """checkpoint.json (ControlCalls._checkpoint_meta), or what a checkpoint saved before it had one amounts to."""
+
+    step: int
+    seed: int
+    lora: LoraSettings
+    base_model: str
+    quantization: str | None
+    with_optimizer: bool
+    format: NotRequired[int]  # the rest: absent from a checkpoint saved before checkpoint.json
+    run_id: NotRequired[str]
+    user_id: NotRequired[str]
+    mode: NotRequired[str]
+    name: NotRequired[str]
+    base_revision: NotRequired[str | None]
+    pending_excluded: NotRequired[int]
+    created_at: NotRequired[float]
+    request_id: NotRequired[str | None]  # the save that wrote it, its body's hash and its answer (for its retry)
+    body_sha256: NotRequired[str | None]
+    result: NotRequired[JSONObject]
 LOADS_DIR = "loads"  # a load_state's files, copied into the run until the snapshot after it is written
 REMEMBERED_REQUESTS = 4096  # request ids (and results) kept for answering retries
 REMEMBERED_SAMPLES = 64  # sample answers kept in memory only: a sample changes nothing, so none is journaled
