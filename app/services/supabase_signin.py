@@ -9,7 +9,6 @@ in `redirect_to`. The callback consumes the row atomically, exchanges the code, 
 from __future__ import annotations
 
 import secrets
-from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from urllib.parse import urlencode
@@ -97,15 +96,10 @@ class SupabaseSignIn:
         email = str(claims.get("email") or (response.user.email if response.user else "") or "")
         verified = bool(response.user and response.user.email_confirmed_at)
         user = await self.users.sign_in_external(
-            str(claims["sub"]), email, name=_full_name(claims.get("user_metadata")),
+            str(claims["sub"]), email, name=str((claims.get("user_metadata") or {}).get("full_name") or ""),
             email_verified=verified, make_admin=email.lower() in self.admin_emails,
         )
         return SignedIn(user=user, next_path=next_path)
-
-
-def _full_name(metadata: object) -> str:
-    """The claims' user_metadata.full_name (an OAuth provider's), or ""."""
-    return str(metadata.get("full_name") or "") if isinstance(metadata, Mapping) else ""
 
 
 def _with_state(callback_url: str, state: str) -> str:

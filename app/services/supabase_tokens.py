@@ -7,7 +7,6 @@ project's JWKS (ES256/RS256); the legacy HS256 secret is accepted only when conf
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
 from typing import Any
 
 import httpx
@@ -35,7 +34,7 @@ class SupabaseTokenVerifier:
         self._keys: KeySet | None = None
         self._fetched_at = float("-inf")
 
-    async def verify(self, token: str) -> Mapping[str, object]:
+    async def verify(self, token: str) -> dict[str, Any]:
         """The token's claims, or Unauthenticated saying why it was refused."""
         try:
             header = extract_compact(token.encode()).protected
