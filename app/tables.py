@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import uuid
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TypedDict
 
 from sqlalchemy import (
     JSON,
@@ -23,6 +23,8 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
 
 from gpu_runtime.contract.checks import MAX_REQUEST_ID_LENGTH
+from gpu_runtime.contract.json_types import JSONObject
+from gpu_runtime.contract.training_settings import LoraSettings
 
 
 def utcnow() -> datetime:
@@ -83,7 +85,7 @@ class StoredString(StoredText):
 
 
 class Base(DeclarativeBase):
-    type_annotation_map = {dict[str, Any]: JSON, list[Any]: JSON, datetime: UTCDateTime()}
+    type_annotation_map = {list[Any]: JSON, datetime: UTCDateTime()}  # a dict column names JSON itself
 
 
 EMAIL_LENGTH = 320  # an address's most: 64 local + @ + 255 domain
@@ -126,8 +128,8 @@ class Run(Base):
     id: Mapped[str] = mapped_column(String(ID_LENGTH), primary_key=True, default=new_id)
     user_id: Mapped[str] = mapped_column(USER_ID, ForeignKey("users.id", ondelete="CASCADE"), index=True)
     base_model: Mapped[str] = mapped_column(String(300))
-    lora_config: Mapped[dict[str, Any]] = mapped_column(JSON)
-    optimizer_config: Mapped[dict[str, Any]] = mapped_column(JSON)
+    lora_config: Mapped[LoraSettings] = mapped_column(JSON)  # as the runtime resolved it: the targets named
+    optimizer_config: Mapped[dict[str, float]] = mapped_column(JSON)  # AdamW's settings (contract adam_settings)
     seed: Mapped[int] = mapped_column(Integer, default=0)
     gpu_config: Mapped[str] = mapped_column(String(40), default="")  # the requested allocation, and the pool key's
     # What it trains on, as its runtime reported at createRun: "cpu", "cuda:0"; "" for runs older than the column.
@@ -170,7 +172,7 @@ class Sample(Base):
     step: Mapped[int] = mapped_column(Integer)
     prompt: Mapped[str] = mapped_column(StoredText)
     output: Mapped[str] = mapped_column(StoredText)
-    params: Mapped[dict[str, Any]] = mapped_column(JSON)
+    params: Mapped[JSONObject] = mapped_column(JSON)  # the sample's settings, as SampleParams gave them
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 
@@ -184,7 +186,7 @@ class BaseSample(Base):
     base_model: Mapped[str] = mapped_column(String(300))
     prompt: Mapped[str] = mapped_column(StoredText)
     output: Mapped[str] = mapped_column(StoredText)
-    params: Mapped[dict[str, Any]] = mapped_column(JSON)
+    params: Mapped[JSONObject] = mapped_column(JSON)  # the sample's settings, as SampleParams gave them
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 
@@ -253,6 +255,18 @@ class RunSession(Base):
     updated_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 
+class Pane(TypedDict):
+    """One playground pane as PlaygroundStream.panes keeps it (web/playground_stream.py writes it)."""
+
+    model: str  # the picker's value
+    label: str
+    run_id: str | None  # None: a base model alone
+    snapshot: str | None
+    base_model: str | None
+    params: dict[str, Any]  # SampleParams' fields as dataclasses.asdict gave them: SampleParams(**params) again
+    request_id: str  # the runtime request id a Cancel names
+
+
 class PlaygroundStream(Base):
     """A playground sample validated by its POST and waiting for its stream's GET (EventSource is GET-only), keyed by
     the hash of its one-time id: any server process may answer the GET, which opens it once (app/services/
@@ -261,7 +275,7 @@ class PlaygroundStream(Base):
     __tablename__ = "playground_streams"
     id_hash: Mapped[str] = mapped_column(String(64), primary_key=True)
     user_id: Mapped[str] = mapped_column(USER_ID, ForeignKey("users.id", ondelete="CASCADE"), index=True)
-    panes: Mapped[list[dict[str, Any]]] = mapped_column(JSON)
+    panes: Mapped[list[Pane]] = mapped_column(JSON)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     expires_at: Mapped[datetime] = mapped_column()  # not opened by then: refused, and dropped by a later POST
     opened_at: Mapped[datetime | None] = mapped_column(default=None)  # set once, by the one GET that streams it
@@ -314,7 +328,7 @@ class TinkerSession(Base):
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
     user_id: Mapped[str] = mapped_column(USER_ID, ForeignKey("users.id", ondelete="CASCADE"), index=True)
     display_name: Mapped[str] = mapped_column(StoredString(NAME_LENGTH), default="")
-    user_metadata: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    user_metadata: Mapped[JSONObject] = mapped_column(JSON, default=dict)  # the Tinker client's, as it sent it
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     heartbeat_at: Mapped[datetime] = mapped_column(default=utcnow)
     finished_at: Mapped[datetime | None] = mapped_column(default=None)

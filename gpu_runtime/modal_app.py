@@ -25,6 +25,7 @@ import json
 import os
 import sys
 import threading
+from collections.abc import Mapping
 from concurrent.futures import Future
 from typing import Any
 
@@ -32,6 +33,7 @@ import modal
 
 from gpu_runtime.client.modal_names import APP_NAME, HF_SECRET_NAME, VOLUME_NAME
 from gpu_runtime.client.protocol import answer_message, read_call
+from gpu_runtime.contract.json_types import JSONObject, as_json_object
 from gpu_runtime.errors import SignalError
 
 VOLUME_PATH = "/data"  # runs/, models/ (safetensors cache) and hf-cache/: the data directory
@@ -65,14 +67,6 @@ IMAGE_PACKAGES = (
 # Files written outside the journal: committed before the call answers.
 COMMIT_AFTER = frozenset({"create_run", "save_state", "load_state", "delete_checkpoint", "close_run", "delete_run"})
 JOURNALED = frozenset({"forward_backward", "optim_step"})
-
-CLASS_OPTIONS: dict[str, Any] = {
-    "max_containers": 1,  # one warm container per pool: its runs share the base
-    "retries": 0,  # a re-run input is harmless (request ids) but a lost container is the caller's to retry
-    "scaledown_window": SCALEDOWN_WINDOW_S,
-    "startup_timeout": STARTUP_TIMEOUT_S,
-    "timeout": CALL_TIMEOUT_S,
-}
 
 image = (
     modal.Image.debian_slim(python_version="3.11")
@@ -114,7 +108,12 @@ class VolumeCommits:
             self.acknowledged.append((run_id, method, self.journals.get(run_id, 0)))
 
 
-@app.cls(image=image, volumes={VOLUME_PATH: volume}, secrets=[hf_secret], **CLASS_OPTIONS)
+@app.cls(
+    image=image, volumes={VOLUME_PATH: volume}, secrets=[hf_secret],
+    max_containers=1,  # one warm container per pool: its runs share the base
+    retries=0,  # a re-run input is harmless (request ids) but a lost container is the caller's to retry
+    scaledown_window=SCALEDOWN_WINDOW_S, startup_timeout=STARTUP_TIMEOUT_S, timeout=CALL_TIMEOUT_S,
+)
 @modal.concurrent(max_inputs=MAX_CONCURRENT_INPUTS)
 class Pool:
     pool: str = modal.parameter()  # the pool key: every run on it shares this container
@@ -144,7 +143,7 @@ class Pool:
         self.ticks.start()
 
     @modal.method()
-    def call(self, method: str, params: dict[str, Any]) -> dict[str, Any]:
+    def call(self, method: str, params: Mapping[str, object]) -> JSONObject:
         """One engine call: {"result": ...} or {"error": {type, code, message, field}}, as plain JSON data."""
         answer = self._submit(method, params)
         if method in COMMIT_AFTER and "result" in answer:
@@ -154,7 +153,7 @@ class Pool:
         return answer
 
     @modal.method()
-    def delete_run(self, run_id: str) -> dict[str, Any]:
+    def delete_run(self, run_id: str) -> JSONObject:
         """Drop the run from memory, remove its files and commit: the pool deletes, or an eviction could write them back."""
         answer = self._submit("delete_run", {"run_id": run_id})
         self.commits.commit()
@@ -178,7 +177,7 @@ class Pool:
         except Exception as exc:  # noqa: BLE001
             print(f"pool {self.pool}: base {base!r} did not load at start: {type(exc).__name__}: {exc}", file=sys.stderr)
 
-    def _submit(self, method: str, params: dict[str, Any]) -> dict[str, Any]:
+    def _submit(self, method: str, params: Mapping[str, object]) -> JSONObject:
         try:
             call, ticket = read_call(method, params)
         except SignalError as exc:
@@ -188,11 +187,10 @@ class Pool:
         return _plain(answer_message(answered.result()))
 
 
-def _plain(answer: dict[str, Any]) -> dict[str, Any]:
+def _plain(answer: JSONObject) -> JSONObject:
     """The answer as JSON would carry it: what the server gets is what a pipe would have given it."""
     try:
-        plain: dict[str, Any] = json.loads(json.dumps(answer))
-        return plain
+        return as_json_object(json.loads(json.dumps(answer)), "answer")
     except (TypeError, ValueError) as exc:
         return {"error": {"type": "InternalError", "code": "INTERNAL", "message": f"unserialisable answer: {exc}",
                           "field": None}}

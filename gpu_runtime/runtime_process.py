@@ -53,7 +53,7 @@ from gpu_runtime.client.protocol import (
     runtime_socket,
 )
 from gpu_runtime.contract import Result
-from gpu_runtime.contract.json_types import JSONObject
+from gpu_runtime.contract.json_types import JSONObject, as_json
 from gpu_runtime.errors import BadInput, FailedPrecondition, SignalError
 
 
@@ -147,7 +147,7 @@ def read_requests(engine: Any, channel: Channel, stream: IO[bytes]) -> None:
             channel.send({"id": None, "error": BadInput(f"request is not a JSON object: {exc}", field="request").to_dict()})
             continue
         if request.get("method") == HEARTBEAT:  # on this thread: it must answer while a tick runs
-            channel.send({"id": request.get("id"), "result": engine.heartbeat()}, urgent=True)
+            channel.send({"id": as_json(request.get("id")), "result": engine.heartbeat()}, urgent=True)
             continue
         reply = channel.replier(request.get("id"))
         params = request.get("params") or {}

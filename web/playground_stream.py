@@ -32,7 +32,7 @@ from web.render import page, services, signed_in
 from web.session_streams import until_signed_out
 
 if TYPE_CHECKING:  # rows and chunks are only ever received from app.services: web imports no lower layer
-    from app.tables import Run, User
+    from app.tables import Pane, Run, User
     from gpu_runtime.contract import SampleChunk
 
 STREAM_ID = "playground-{}"  # the runtime request id: what a cancel names
@@ -46,14 +46,14 @@ class Started:
     task: asyncio.Future[Any]
 
 
-def _kept(model: Model, params: SampleParams) -> dict[str, Any]:
+def _kept(model: Model, params: SampleParams) -> Pane:
     """One pane as its database row keeps it (JSON): the model, its sample, and the request id a Cancel names."""
     return {"model": model.value, "label": model.label, "run_id": model.run.id if model.run else None,
             "snapshot": model.snapshot, "base_model": model.base_model, "params": dataclasses.asdict(params),
             "request_id": STREAM_ID.format(secrets.token_hex(16))}
 
 
-async def _run_of(svc: Services, user: User, pane: dict[str, Any]) -> Run | None:
+async def _run_of(svc: Services, user: User, pane: Pane) -> Run | None:
     """The pane's run, still the user's (another's is not found), or None for a base model alone."""
     return await svc.runs.get(user, pane["run_id"]) if pane["run_id"] else None
 

@@ -6,7 +6,7 @@ import asyncio
 import json
 from collections.abc import AsyncIterator, Mapping
 from datetime import UTC
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 from urllib.parse import urlencode
 
 from sse_starlette import EventSourceResponse, ServerSentEvent
@@ -17,6 +17,7 @@ from starlette.routing import Route
 from app.errors import BadInput
 from app.services.dashboard import RUNS_PAGE_SIZE
 from app.services.runs import RUN_SORTS, SEARCH_LENGTH, RunLabels
+from gpu_runtime.contract.json_types import JSONObject
 from web.render import ago, duration, hx_redirect, page, services, signed_in, signed_in_or_key
 from web.session_streams import until_signed_out
 
@@ -266,7 +267,15 @@ async def _checkpoints(request: Request, user: User, run_id: str) -> Response:
                 **_checkpoint_context(request, run, checkpoints))
 
 
-def _checkpoint_context(request: Request, run: Run, checkpoints: list[Checkpoint]) -> dict[str, Any]:
+class CheckpointContext(TypedDict):
+    mode_help: dict[str, str]
+    mode_sizes: dict[str, int]
+    push_modes: tuple[str, ...]
+    pull_only: set[int]  # checkpoint ids
+    hub_integration: bool
+
+
+def _checkpoint_context(request: Request, run: Run, checkpoints: list[Checkpoint]) -> CheckpointContext:
     """What _checkpoints.html needs beyond the rows: each kind explained and sized, the kinds the Hub takes, and the
     checkpoints only `signal pull` can copy (Modal, past the runtime's export limit)."""
     svc = services(request)
@@ -305,19 +314,19 @@ async def download_checkpoint(request: Request, user: User) -> Response:
     return StreamingResponse(body, media_type=media_type, headers=headers)  # a plain iterator: read in a thread
 
 
-def _sample(row: Sample) -> dict[str, Any]:
+def _sample(row: Sample) -> JSONObject:
     """A sample as the run page's list shows it (templates/run.html, static/run.js)."""
     return {"id": row.id, "step": row.step, "prompt": row.prompt, "output": row.output,
             "temperature": row.params.get("temperature"), "t": row.created_at.replace(tzinfo=UTC).timestamp()}
 
 
-def _checkpoint(row: Checkpoint) -> dict[str, Any]:
+def _checkpoint(row: Checkpoint) -> JSONObject:
     """A checkpoint as the chart's marker shows it (static/run.js)."""
     return {"id": row.id, "step": row.step, "name": row.name, "mode": row.mode,
             "t": row.created_at.replace(tzinfo=UTC).timestamp()}
 
 
-def _point(row: Metric) -> dict[str, Any]:
+def _point(row: Metric) -> JSONObject:
     # t: seconds since the epoch (the chart's wall-time axis); rows are stored in UTC without a zone.
     return {"id": row.id, "step": row.step, "name": row.name, "value": row.value,
             "t": row.created_at.replace(tzinfo=UTC).timestamp()}

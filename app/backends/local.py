@@ -15,16 +15,14 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import Callable
-from concurrent.futures import Future
-from typing import Any
+from collections.abc import Callable, Mapping
 
 import anyio.to_thread
 
 from app.backends.base import A, Progress
 from app.settings import Settings
 from gpu_runtime.client.allocation import PoolKey
-from gpu_runtime.client.runtime_client import RuntimeClient
+from gpu_runtime.client.runtime_client import Answer, Chunks, RuntimeClient
 from gpu_runtime.contract import Call, SampleChunk
 from gpu_runtime.errors import SignalError
 
@@ -91,7 +89,8 @@ class LocalBackend:
                     await anyio.to_thread.run_sync(self.client.kill)
                     watch.reset()
                 continue
-            watch.beat(float(answer.get("tick_seconds", 0.0)))
+            tick_seconds = answer.get("tick_seconds", 0.0)  # protocol.Heartbeat's
+            watch.beat(float(tick_seconds) if isinstance(tick_seconds, (int, float)) else 0.0)
 
     async def call(self, request: Call[A], pool: PoolKey | None = None, progress: Progress | None = None,
                    ticket: int | None = None, sent: Callable[[], None] | None = None) -> A:
@@ -115,11 +114,10 @@ class LocalBackend:
         finally:
             self.in_flight -= 1
 
-    def _submit(self, request: Call, handler: Callable[[dict[str, Any]], None] | None,
-                ticket: int | None) -> Future[dict[str, Any]]:
+    def _submit(self, request: Call, handler: Chunks | None, ticket: int | None) -> Answer:
         # The request as the wire's arguments (the ticket beside them), made here in the sending thread.
         params = request.to_dict() | ({} if ticket is None else {"ticket": ticket})
-        return self.client.submit(request.method.value, handler, **params)
+        return self.client.send(request.method.value, handler, **params)
 
     async def close(self) -> None:
         if self._watching is not None:
@@ -162,14 +160,14 @@ class Watch:
         return "busy" if self.tick_seconds > self.busy_tick_s else "ok"
 
 
-def _on_loop(progress: Progress | None) -> Callable[[dict[str, Any]], None] | None:
+def _on_loop(progress: Progress | None) -> Chunks | None:
     """The client calls its handler on its reader thread with a chunk as it came; the caller's `progress` gets it
     typed, on its event loop."""
     if progress is None:
         return None
     loop = asyncio.get_running_loop()
 
-    def handed_over(chunk: dict[str, Any]) -> None:
+    def handed_over(chunk: Mapping[str, object]) -> None:
         loop.call_soon_threadsafe(progress, SampleChunk.from_dict(chunk))
 
     return handed_over

@@ -16,8 +16,8 @@ import asyncio
 import json
 import logging
 import threading
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 import anyio.to_thread
 
@@ -29,6 +29,10 @@ from gpu_runtime.client.modal_names import APP_NAME, CLASS_NAME
 from gpu_runtime.client.poison import Deaths, call_key, poison_pill
 from gpu_runtime.client.protocol import check_contract
 from gpu_runtime.contract import Call, DeleteRun, Method
+from gpu_runtime.contract.json_types import JSON, JSONObject, as_json, as_object, get_object, opt_object
+
+if TYPE_CHECKING:
+    from modal.cls import Obj
 
 DEATHS_FILE = "modal-deaths.json"  # in the server's data directory: the poison-pill count its processes share
 log = logging.getLogger("signal.backend")
@@ -75,7 +79,7 @@ class ModalBackend:
         self.local = local
         # Canonical JSON: each distinct parameter set is its own Modal variant, so it must never vary in spelling.
         self.options = json.dumps(settings.runtime_options().to_dict(), sort_keys=True)
-        self.pools: dict[str, Any] = {}  # pool key → its instance of the class (one container each)
+        self.pools: dict[str, Obj] = {}  # pool key → its instance of the class (one container each)
         self._cls: Any = None
         self._lock = threading.Lock()  # guards the pool table (calls come from many threads)
         self._lookup_lock = threading.Lock()
@@ -128,10 +132,10 @@ class ModalBackend:
             params = request.to_dict() | ({} if ticket is None else {"ticket": ticket})
             answer = await self._guarded(key, request.method.value, params)
         if "error" in answer:
-            raise SignalError.from_dict(answer["error"])
-        return request.result(answer["result"])
+            raise SignalError.from_dict(get_object(answer, "error"))
+        return request.result(get_object(answer, "result"))
 
-    async def _guarded(self, pool: str, method: str, params: dict[str, Any]) -> dict[str, Any]:
+    async def _guarded(self, pool: str, method: str, params: JSONObject) -> Mapping[str, object]:
         """One call, unless it failed with its container twice in a row (a poison pill: WORKER_FAILED, not retryable,
         not sent); such a failure is counted, an answer ends the count."""
         key = call_key(params)
@@ -151,7 +155,7 @@ class ModalBackend:
         if pool in self._agreed:
             return
         answer = await self._invoke(pool, "call", "ping", {})
-        check_contract(answer.get("result") or {}, f"deployed on Modal as {APP_NAME}.{CLASS_NAME}",
+        check_contract(opt_object(answer, "result"), f"deployed on Modal as {APP_NAME}.{CLASS_NAME}",
                        "deploy this server's code with `modal deploy -m gpu_runtime.modal_app`")
         self._agreed.add(pool)
 
@@ -167,7 +171,7 @@ class ModalBackend:
 
     # ---- pools ----------------------------------------------------------------------------------
 
-    def instance(self, pool: str) -> Any:
+    def instance(self, pool: str) -> Obj:
         """The pool's instance of the class: its GPU applied, cached (every `with_options` is its own variant)."""
         with self._lock:
             found = self.pools.get(pool)
@@ -181,44 +185,41 @@ class ModalBackend:
                 self._cls = self.lookup()
             return self._cls
 
-    async def _invoke(self, pool: str, name: str, *args: Any) -> dict[str, Any]:
+    async def _invoke(self, pool: str, name: str, *args: JSON) -> Mapping[str, object]:
         instance = await anyio.to_thread.run_sync(self.instance, pool)
         method = getattr(instance, name)
         try:
             if self.local:
                 wire = json.loads(json.dumps(args))  # what the wire would carry: nothing passes by reference
                 answer = await anyio.to_thread.run_sync(self._local_call, pool, method, wire)
-                plain: dict[str, Any] = json.loads(json.dumps(answer))
-                return plain
+                return as_object(json.loads(json.dumps(answer)), "answer")
             # Shielded: a caller that goes away must not cancel a call the container may already have applied.
-            remote: dict[str, Any] = await asyncio.shield(method.remote.aio(*args))
-            return remote
+            return as_object(await asyncio.shield(method.remote.aio(*args)), "answer")
         except SignalError:
             raise
         except Exception as exc:  # noqa: BLE001 - Modal's own failures (a lost container, a timeout): retryable
             raise WorkerFailed(f"the Modal pool {pool!r} failed: {type(exc).__name__}: {exc}") from exc
 
-    def _local_call(self, pool: str, method: Any, args: list[Any]) -> dict[str, Any]:
+    def _local_call(self, pool: str, method: Any, args: list[JSON]) -> object:
         # `.local()` neither locks nor remembers that @modal.enter ran until it returns: the first call enters alone.
         if pool not in self._entered:
             with self._lock:
                 entering = self._entering.setdefault(pool, threading.Lock())
             with entering:
                 if pool not in self._entered:
-                    answer: dict[str, Any] = method.local(*args)
+                    answer: object = method.local(*args)
                     self._entered.add(pool)
                     return answer
-        local: dict[str, Any] = method.local(*args)
-        return local
+        return method.local(*args)
 
-    async def _every_pool(self, method: str) -> dict[str, Any]:
+    async def _every_pool(self, method: str) -> JSONObject:
         """ping / runtime_state: each pool this server has called answers for itself; none is started for it."""
         with self._lock:
             pools = sorted(self.pools)
-        answers: dict[str, Any] = {}
+        answers: JSONObject = {}
         for pool in pools:
             answer = await self._invoke(pool, "call", method, {})
-            answers[pool] = answer.get("result", answer.get("error"))
+            answers[pool] = as_json(answer.get("result", answer.get("error")))
         return {"backend": "modal", "pools": answers}
 
 

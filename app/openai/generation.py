@@ -7,7 +7,7 @@ import asyncio
 import uuid
 from collections.abc import Awaitable
 from dataclasses import dataclass
-from typing import Any
+from typing import TypedDict
 
 from app.backends import Progress
 from app.errors import SignalError
@@ -55,9 +55,23 @@ async def prepared(runs: RunService, target: Target, params: CompletionRequest
     return prompt_ids, sample, set(rendered.eos_token_ids)
 
 
-def _settings(params: CompletionRequest) -> dict[str, Any]:
+class _Settings(TypedDict):
+    """SampleParams' fields /v1 sets from its own (SampleParams(**settings, …) is checked key by key)."""
+
+    temperature: float
+    top_p: float
+    stop: list[str] | None
+    num_samples: int
+    seed: int | None
+    prompt_logprobs: bool
+    topk_prompt_logprobs: int
+    topk_sample_logprobs: int
+    store: bool
+
+
+def _settings(params: CompletionRequest) -> _Settings:
     """The sample's settings /v1 takes as they are (the prompts and max_tokens apart)."""
-    return dict(temperature=params.temperature, top_p=params.top_p, stop=params.stop, num_samples=params.n,
+    return _Settings(temperature=params.temperature, top_p=params.top_p, stop=params.stop, num_samples=params.n,
                 seed=params.seed, prompt_logprobs=params.echo and params.logprobs is not None,
                 topk_prompt_logprobs=(params.logprobs or 0) if params.echo else 0,
                 topk_sample_logprobs=params.logprobs or 0, store=params.store)

@@ -8,7 +8,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
@@ -17,6 +17,7 @@ from app.errors import SignalError, Unauthenticated
 from app.openai import tool_answers, tool_stream_forms
 from app.openai.errors import as_openai, from_signal
 from app.openai.generation import Sampling
+from app.openai.tool_stream import Delta
 from app.rechecked import rechecked
 from app.services.runs import SampleParams
 from app.services.streams import first_or_gone, hold, next_chunk
@@ -113,10 +114,11 @@ async def _chunk_events(call: Sampling, task: asyncio.Future[Any], chunks: async
     readers = [tool_stream_forms.reader(params.tools) if chat and params.tools.parsing else None for _ in range(count)]
 
     def event(index: int, text: str, ids: list[int] | None, finish: str | None = None, opening: bool = False,
-              delta: JSONObject | None = None, said: dict[str, str] | None = None) -> str:
+              delta: Delta | None = None, said: dict[str, str] | None = None) -> str:
         part: JSONObject = {"index": index, "logprobs": None, "finish_reason": finish, **(said or {})}
         if chat:
-            part["delta"] = (delta if delta is not None else {"role": "assistant", "content": ""} if opening
+            # a Delta is JSON by its fields' types; mypy sees a TypedDict only as a Mapping[str, object]
+            part["delta"] = (cast(JSONObject, delta) if delta is not None else {"role": "assistant", "content": ""} if opening
                              else {"content": text} if text or ids else {})
         else:
             part["text"] = text

@@ -15,11 +15,12 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from collections.abc import Mapping
-from typing import Any
+from dataclasses import dataclass
+from typing import TypedDict
 
 from app.openai import tool_answers, tool_parsers
 from app.openai.tools import Tools
+from gpu_runtime.contract.json_types import as_object, get_object, get_str
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"([^"\\]*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\{)')
@@ -61,6 +62,34 @@ class Braces:
         return None
 
 
+class FunctionDelta(TypedDict, total=False):
+    name: str
+    arguments: str  # a fragment: the client joins them
+
+
+class ToolCallDelta(TypedDict, total=False):
+    index: int  # always there: which call the fragment belongs to
+    id: str
+    type: str
+    function: FunctionDelta
+
+
+class Delta(TypedDict, total=False):
+    """One chunk's `delta`: content, or a piece of the tool calls."""
+
+    content: str
+    tool_calls: list[ToolCallDelta]
+
+
+@dataclass
+class SentCall:
+    """A call whose first delta went out: its arguments grow as their fragments are sent."""
+
+    id: str
+    name: str
+    arguments: str
+
+
 class ToolStream:
     """One choice's text in, its deltas out (`feed`, then `finish`): Hermes' form."""
 
@@ -70,19 +99,19 @@ class ToolStream:
         self.generated = ""  # the model's text, all of it
         self.content_sent = 0  # how much of `generated` went out as content
         self.state = "content"  # content | head | arguments | closing | block | done
-        self.calls: list[dict[str, Any]] = []  # sent: {id, name, arguments}
+        self.calls: list[SentCall] = []
         self.braces = Braces()
         self.malformed: str | None = None
 
-    def feed(self, text: str) -> list[dict[str, Any]]:
+    def feed(self, text: str) -> list[Delta]:
         self.generated += text
         self.pending += text
-        deltas: list[dict[str, Any]] = []
+        deltas: list[Delta] = []
         while self.pending and self._step(deltas):
             pass
         return deltas
 
-    def _step(self, deltas: list[dict[str, Any]]) -> bool:
+    def _step(self, deltas: list[Delta]) -> bool:
         """One move of the reader over `pending`; False when it needs more text."""
         pending = self.pending
         if self.state == "content":
@@ -125,61 +154,64 @@ class ToolStream:
         self.pending = ""  # done: one call asked for, the rest dropped
         return False
 
-    def _named(self, name: str, rest: str, deltas: list[dict[str, Any]]) -> None:
+    def _named(self, name: str, rest: str, deltas: list[Delta]) -> None:
         """A call whose name is read: its first delta, then its arguments from `rest` on."""
-        call = {"id": f"call_{uuid.uuid4().hex[:24]}", "name": name, "arguments": ""}
+        call = SentCall(f"call_{uuid.uuid4().hex[:24]}", name, "")
         self.calls.append(call)
         deltas.append(self._call_delta(call, ""))
         self.pending, self.state, self.braces = rest, "arguments", Braces()
 
-    def _arguments(self, deltas: list[dict[str, Any]]) -> bool:
+    def _arguments(self, deltas: list[Delta]) -> bool:
         """The pending part of the last call's arguments sent; True once their JSON value closed."""
         end = self.braces.scan(self.pending)
         part = self.pending if end is None else self.pending[:end]
         if part:
-            self.calls[-1]["arguments"] += part
+            self.calls[-1].arguments += part
             deltas.append({"tool_calls": [{"index": len(self.calls) - 1, "function": {"arguments": part}}]})
         self.pending = "" if end is None else self.pending[end:]
         return end is not None
 
-    def _whole_block(self, body: str, deltas: list[dict[str, Any]]) -> None:
+    def _whole_block(self, body: str, deltas: list[Delta]) -> None:
         """A block the head did not read (arguments first, an unknown name, not JSON): whole, if it is a call."""
         try:
             parsed = tool_parsers._call(json.loads(body.strip()), self.tools.names)
         except (ValueError, tool_parsers.NotACall) as why:
             self.malformed = f"a call that is not valid was left out: {why}"
             return
-        call = {"id": parsed.id, "name": parsed.name, "arguments": parsed.arguments}
+        call = SentCall(parsed.id, parsed.name, parsed.arguments)
         self.calls.append(call)
         deltas.append(self._call_delta(call, parsed.arguments))
 
-    def _content(self, text: str, deltas: list[dict[str, Any]]) -> None:
+    def _content(self, text: str, deltas: list[Delta]) -> None:
         if text:
             self.content_sent += len(text)
             deltas.append({"content": text})
 
-    def _call_delta(self, call: dict[str, Any], arguments: str) -> dict[str, Any]:
-        return {"tool_calls": [{"index": len(self.calls) - 1, "id": call["id"], "type": "function",
-                                "function": {"name": call["name"], "arguments": arguments}}]}
+    def _call_delta(self, call: SentCall, arguments: str) -> Delta:
+        return {"tool_calls": [{"index": len(self.calls) - 1, "id": call.id, "type": "function",
+                                "function": {"name": call.name, "arguments": arguments}}]}
 
-    def _flush(self, deltas: list[dict[str, Any]]) -> None:
+    def _flush(self, deltas: list[Delta]) -> None:
         """At the end, what a form reads only once it knows nothing follows (Hermes: nothing)."""
 
     def _late_content(self) -> str | None:
         """Content a form sends after its calls, at the end (Hermes: none, its content went first)."""
         return None
 
-    def finish(self, finish_reason: str) -> tuple[list[dict[str, Any]], str, dict[str, str]]:
+    def finish(self, finish_reason: str) -> tuple[list[Delta], str, dict[str, str]]:
         """The deltas left, the finish reason, and the choice's `tool_parse_error` if any."""
-        deltas: list[dict[str, Any]] = []
+        deltas: list[Delta] = []
         self._flush(deltas)
         if not self.calls:  # nothing streamed as a call: the whole answer's reading, the content not yet sent
             body, finish, said = tool_answers.message(self.generated, finish_reason, self.tools)
             content, calls = body.get("content"), body.get("tool_calls")
             held = content[self.content_sent:] if isinstance(content, str) else ""
             deltas += [{"content": held}] if held and not calls else []
-            for index, call in enumerate(calls if isinstance(calls, list) else []):
-                deltas.append({"tool_calls": [{"index": index, **(call if isinstance(call, Mapping) else {})}]})
+            for index, wire in enumerate(as_object(c, "tool_calls") for c in (calls if isinstance(calls, list) else [])):
+                function = get_object(wire, "function")  # as ParsedCall.wire wrote it
+                deltas.append({"tool_calls": [{"index": index, "id": get_str(wire, "id"), "type": get_str(wire, "type"),
+                                               "function": {"name": get_str(function, "name"),
+                                                            "arguments": get_str(function, "arguments")}}]})
             return deltas, finish, said
         late = self._late_content()
         if late:
@@ -190,10 +222,10 @@ class ToolStream:
             self.malformed = "a call was cut short and left out"
         for call in self.calls:
             try:
-                ok = isinstance(json.loads(call["arguments"]), dict)
+                ok = isinstance(json.loads(call.arguments), dict)
             except ValueError:
                 ok = False
             if not ok and self.malformed is None:
-                self.malformed = f"the arguments of {call['name']!r} are not a JSON object"
+                self.malformed = f"the arguments of {call.name!r} are not a JSON object"
         said = {"tool_parse_error": self.malformed} if self.malformed else {}
         return deltas, "tool_calls" if finish_reason == "stop" else finish_reason, said

@@ -15,10 +15,9 @@ and nothing after a malformed call is read as one.
 from __future__ import annotations
 
 import re
-from typing import Any
 
 from app.openai import tool_parsers
-from app.openai.tool_stream import HEAD, Braces, ToolStream
+from app.openai.tool_stream import HEAD, Braces, Delta, SentCall, ToolStream
 from app.openai.tools import Tools
 
 PYTHON_TAG = "<|python_tag|>"
@@ -31,7 +30,7 @@ class LlamaStream(ToolStream):
         super().__init__(tools)
         self.state = "start"  # start | text | head | arguments | closing | between | held
 
-    def _step(self, deltas: list[dict[str, Any]]) -> bool:
+    def _step(self, deltas: list[Delta]) -> bool:
         pending = self.pending
         if self.state == "start":  # calls or text: the first character after the optional tag says
             body = pending.lstrip()
@@ -90,7 +89,7 @@ HARMONY_ENDS = re.compile(r"<\|call\|>|<\|end\|>|<\|start\|>|commentary to=funct
 class HarmonyStream(ToolStream):
     """GPT-OSS's harmony calls."""
 
-    def _step(self, deltas: list[dict[str, Any]]) -> bool:
+    def _step(self, deltas: list[Delta]) -> bool:
         pending = self.pending
         if self.state == "content":  # not sent: only the final channel is content, read at the end
             at = pending.find(HARMONY_MARK)
@@ -118,7 +117,7 @@ class HarmonyStream(ToolStream):
         self.pending = ""  # held: nothing more is read as a call
         return False
 
-    def _harmony_block(self, body: str, deltas: list[dict[str, Any]]) -> None:
+    def _harmony_block(self, body: str, deltas: list[Delta]) -> None:
         """A call the head did not read (an unknown name, arguments not an object): whole, if the parser reads it."""
         try:
             parsed = tool_parsers.gpt_oss(HARMONY_MARK + body, self.tools.names)
@@ -126,12 +125,12 @@ class HarmonyStream(ToolStream):
             self.malformed = f"a call that is not valid was left out: {why}"
         else:
             for found in parsed.calls:
-                call = {"id": found.id, "name": found.name, "arguments": found.arguments}
+                call = SentCall(found.id, found.name, found.arguments)
                 self.calls.append(call)
                 deltas.append(self._call_delta(call, found.arguments))
         self.state = "held" if self.malformed else "content" if self.tools.parallel else "held"
 
-    def _flush(self, deltas: list[dict[str, Any]]) -> None:
+    def _flush(self, deltas: list[Delta]) -> None:
         if self.state == "head" and self.pending.strip():  # the end closes a call as <|call|> would
             self._harmony_block(self.pending, deltas)
             self.pending = ""

@@ -13,6 +13,7 @@ import strawberry
 from strawberry.scalars import JSON
 
 from app import tables
+from app.events import MetricEvent
 from app.schema.context import Info
 from app.services.ledger import gpu_seconds
 from gpu_runtime.contract import CheckpointRef
@@ -186,10 +187,16 @@ class TrainingEvent:
     created_at: datetime | None = None
 
     @classmethod
-    def from_event(cls, event: dict[str, Any]) -> TrainingEvent:
-        fields = {k: event.get(k) for k in ("loss", "num_tokens", "num_examples", "grad_norm", "learning_rate")}
-        return cls(run_id=strawberry.ID(event["run_id"]), kind=event["kind"], step=event["step"],
-                   created_at=event.get("created_at"), **fields)
+    def from_event(cls, event: MetricEvent) -> TrainingEvent:
+        def number(key: str) -> Any:  # a metric the call wrote (int or float, as recorded), or None
+            value = event.get(key)
+            return value if isinstance(value, (int, float)) else None
+
+        created = event.get("created_at")
+        return cls(run_id=strawberry.ID(str(event["run_id"])), kind=str(event["kind"]), step=number("step"),
+                   created_at=created if isinstance(created, datetime) else None, loss=number("loss"),
+                   num_tokens=number("num_tokens"), num_examples=number("num_examples"),
+                   grad_norm=number("grad_norm"), learning_rate=number("learning_rate"))
 
 
 @strawberry.enum

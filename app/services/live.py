@@ -13,12 +13,11 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
 
 from sqlalchemy import func, select
 
 from app.db import Database
-from app.events import EventBroker
+from app.events import EventBroker, MetricEvent
 from app.services.runs import RunService
 from app.tables import Checkpoint, Metric, Run, Sample, User, utcnow
 
@@ -32,7 +31,7 @@ class LiveMetrics:
         self.runs = runs
         self.poll_s = poll_s  # SIGNAL_LIVE_POLL_S: how soon another server process's rows reach a stream
 
-    async def events(self, user: User, run_id: str) -> AsyncIterator[dict[str, Any]]:
+    async def events(self, user: User, run_id: str) -> AsyncIterator[MetricEvent]:
         """The run's training events as they happen (this process's only); RunNotFound before the first."""
         run = await self.runs.get(user, run_id)
         return self.broker.subscribe(run.id)

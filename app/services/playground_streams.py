@@ -8,13 +8,12 @@ from __future__ import annotations
 import hashlib
 import secrets
 from datetime import timedelta
-from typing import Any
 
 from sqlalchemy import and_, delete, or_, select, update
 
 from app.db import Database
 from app.errors import NotFound
-from app.tables import PlaygroundStream, User, utcnow
+from app.tables import Pane, PlaygroundStream, User, utcnow
 
 STREAM_TTL = timedelta(minutes=10)  # an id not opened by then is refused: the page opens it at once
 OPENED_KEEP = timedelta(days=1)  # an opened row its server never closed (the process died) is dropped after this
@@ -29,7 +28,7 @@ class PlaygroundStreams:
     def __init__(self, db: Database) -> None:
         self.db = db
 
-    async def keep(self, user: User, panes: list[dict[str, Any]]) -> str:
+    async def keep(self, user: User, panes: list[Pane]) -> str:
         """A new one-time id for `panes` (JSON: each pane's model, sample and request id); stale rows go first."""
         ident = secrets.token_urlsafe(16)
         now = utcnow()
@@ -41,7 +40,7 @@ class PlaygroundStreams:
                                          expires_at=now + STREAM_TTL))
         return ident
 
-    async def open(self, user: User, ident: str) -> list[dict[str, Any]]:
+    async def open(self, user: User, ident: str) -> list[Pane]:
         """The panes kept under `ident`, once: one conditional UPDATE marks it opened, so of two GETs (on any two
         processes) one streams and the other is not found; so is an expired id, or another user's (left unopened)."""
         now = utcnow()
@@ -55,7 +54,7 @@ class PlaygroundStreams:
                                          .where(PlaygroundStream.id_hash == stream_hash(ident)))
         return list(panes or [])
 
-    async def streaming(self, user: User, ident: str) -> list[dict[str, Any]]:
+    async def streaming(self, user: User, ident: str) -> list[Pane]:
         """The panes of the user's stream `ident` while it streams (opened, not yet closed), for a pane's Cancel."""
         async with self.db.session() as session:
             panes = await session.scalar(select(PlaygroundStream.panes).where(

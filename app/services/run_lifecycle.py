@@ -17,6 +17,7 @@ from app.tables import Checkpoint, Metric, Run, Sample, User, new_id, utcnow
 from gpu_runtime.client.allocation import PoolKey
 from gpu_runtime.contract import LORA_SWITCHES, CreateRun, DeleteRun, RuntimeState, checkpoint_ref, target_families
 from gpu_runtime.contract.json_types import JSONObject
+from gpu_runtime.contract.training_settings import LoraSettings
 
 
 class RunLifecycle:
@@ -35,10 +36,12 @@ class RunLifecycle:
                 raise BadInput(f"baseModel: the checkpoint was trained on {source.base_model!r}, not "
                                f"{spec.base_model!r}", field="baseModel")
         model = self.calls.catalog.get(spec.base_model or (source.base_model if source else self.calls.default_model))
-        lora, adam = (dict(source.lora_config) if source else spec.lora()), spec.adam()
+        lora = source.lora_config if source else spec.lora()  # only read: the row's dict is not changed
+        adam = spec.adam()
         requested_quantization = spec.quantization or (source.quantization or None if source else None)
         # Checked to hold the model, quantized or not; then the quantization it was checked with.
-        families = {s: lora[s] for s in LORA_SWITCHES} if "train_attn" in lora else target_families(lora["target_modules"])
+        families: dict[str, bool] = (target_families(lora["target_modules"]) if "train_attn" not in lora
+                    else {s: bool(lora.get(s)) for s in LORA_SWITCHES})
         gpu_config = self.calls.catalog.resolve_gpu(model, spec.gpu_config, requested_quantization, lora_r=lora["r"],
                                               targets=model.lora_targets(families))
         quantization = self.calls.catalog.resolve_quantization(model, requested_quantization)
@@ -53,13 +56,14 @@ class RunLifecycle:
         # A create_run is named by its run.
         created = await self.calls.answered(deadline, pool, user, run_id, self.calls.engine(request, pool=pool))
         # The runtime resolved the switches against the model: the run keeps the layers they named.
-        lora = {key: value for key, value in dict(created.lora or lora).items() if key not in LORA_SWITCHES}
-        lora["target_modules"] = created.target_modules
+        kept = created.lora or lora
+        stored: LoraSettings = {"r": kept["r"], "alpha": kept["alpha"], "dropout": kept["dropout"],
+                                "target_modules": created.target_modules}
         run = Run(
             id=run_id,
             user_id=user.id,
             base_model=model.name,
-            lora_config=lora,
+            lora_config=stored,
             optimizer_config=adam,
             seed=created.seed,
             step=created.step,

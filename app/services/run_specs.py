@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TypedDict
 
 from sqlalchemy import Text, cast, or_
 from strawberry.utils.str_converters import to_camel_case
@@ -32,6 +32,8 @@ from gpu_runtime.contract import (
     lora_settings,
     sampling_settings,
 )
+from gpu_runtime.contract.json_types import JSONObject
+from gpu_runtime.contract.training_settings import LoraAsked, LoraGiven, LoraSettings
 
 
 @dataclass
@@ -63,7 +65,7 @@ class RunSpec:
         """Its name, tags and note; a blank name is no name (the default's)."""
         return RunLabels(name=self.name if (self.name or "").strip() else None, tags=self.tags, note=self.note)
 
-    def lora(self) -> dict[str, Any]:
+    def lora(self) -> LoraSettings | LoraAsked:
         """The run's LoRA settings, checked and filled by the contract; errors name createRun's field (`loraR`)."""
         lora = {"r": self.lora_r if self.lora_r is not None else LORA_DEFAULTS["r"], "alpha": self.lora_alpha,
                 "dropout": self.lora_dropout if self.lora_dropout is not None else LORA_DEFAULTS["dropout"],
@@ -72,11 +74,18 @@ class RunSpec:
         with fields_renamed(lambda field: field):  # graphql_field names them: loraR, trainMlp
             return lora_settings(lora)
 
-    def explicit_lora(self) -> dict[str, Any] | None:
+    def explicit_lora(self) -> LoraGiven | None:
         """Only the LoRA settings the caller gave: a run from a checkpoint inherits the rest, and these must agree."""
-        given = {"r": self.lora_r, "alpha": self.lora_alpha, "dropout": self.lora_dropout,
-                 "target_modules": self.lora_target_modules}
-        return {key: value for key, value in given.items() if value is not None} or None
+        given: LoraGiven = {}
+        if self.lora_r is not None:
+            given["r"] = self.lora_r
+        if self.lora_alpha is not None:
+            given["alpha"] = self.lora_alpha
+        if self.lora_dropout is not None:
+            given["dropout"] = self.lora_dropout
+        if self.lora_target_modules is not None:
+            given["target_modules"] = self.lora_target_modules
+        return given or None
 
     def adam(self) -> dict[str, float]:
         """The run's AdamW defaults for optim_step; errors name createRun's field (`learningRate`)."""
@@ -164,6 +173,35 @@ def search_clause(search: str) -> Any:
                cast(Run.tags, Text).ilike(pattern, escape="\\"))
 
 
+class ChatArgs(TypedDict, total=False):
+    """The contract Sample's chat fields, only those set."""
+
+    messages: list[JSONObject]
+    tools: list[JSONObject]
+    prefill: str
+    history_tokens: list[int]
+    history_through: int
+    pieces: str
+    fit_context: bool
+
+
+class SampleArgs(ChatArgs):
+    """The contract's Sample less its run, weights and request: SampleCall(**args, …) is checked key by key."""
+
+    prompts: list[str] | None
+    prompt_tokens: list[list[int]] | None
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    stop: list[str] | list[int] | None
+    num_samples: int
+    seed: int | None
+    prompt_logprobs: bool
+    topk_prompt_logprobs: int
+    topk_sample_logprobs: int
+
+
 @dataclass
 class SampleParams:
     """sample's arguments as GraphQL takes them; `engine_params` is the contract's Sample (less run and request)."""
@@ -186,14 +224,14 @@ class SampleParams:
     prompt_texts: list[str] | None = None
     # /v1's chat, rendered by the runtime in the same call (contract Sample.messages): its conversation, tool
     # definitions, a forced call's opening, the carried history (ids, turn index); and what /v1 reads back.
-    messages: list[dict[str, Any]] | None = None
-    tools: list[dict[str, Any]] | None = None
+    messages: list[JSONObject] | None = None
+    tools: list[JSONObject] | None = None
     prefill: str | None = None
     history: tuple[list[int], int] | None = None
     fit_context: bool = False
     pieces: str | None = None
 
-    def engine_params(self) -> dict[str, Any]:
+    def engine_params(self) -> SampleArgs:
         if self.stop is not None and self.stop_tokens is not None:
             raise BadInput("give stop (strings) or stopTokens (token ids), not both", field="stop")
         return {
@@ -212,20 +250,30 @@ class SampleParams:
             **self.chat_params(),
         }
 
-    def chat_params(self) -> dict[str, Any]:
+    def chat_params(self) -> ChatArgs:
         """The contract's chat fields, only those set (a GraphQL sample's call stays as it was)."""
-        tokens, through = self.history if self.history is not None else (None, None)
-        params = {"messages": self.messages, "tools": self.tools, "prefill": self.prefill, "history_tokens": tokens,
-                  "history_through": through, "pieces": self.pieces}
-        return {**{k: v for k, v in params.items() if v is not None}, **({"fit_context": True} if self.fit_context
-                                                                          else {})}
+        args: ChatArgs = {}
+        if self.messages is not None:
+            args["messages"] = self.messages
+        if self.tools is not None:
+            args["tools"] = self.tools
+        if self.prefill is not None:
+            args["prefill"] = self.prefill
+        if self.history is not None:
+            args["history_tokens"], args["history_through"] = self.history
+        if self.pieces is not None:
+            args["pieces"] = self.pieces
+        if self.fit_context:
+            args["fit_context"] = True
+        return args
 
     def check(self, bounds: RuntimeOptions) -> None:
         """The contract's bounds and the per-call size bounds (rows x max_tokens), checked now: a stream that starts
         later must not fail on a bad temperature or on n x max_tokens past SIGNAL_MAX_SAMPLE_TOKENS."""
         params = self.engine_params()
-        settings = sampling_settings(**{key: params[key] for key in ("max_tokens", "temperature", "top_p", "top_k",
-                                                                    "stop", "num_samples", "seed")})
+        settings = sampling_settings(max_tokens=params["max_tokens"], temperature=params["temperature"],
+                                     top_p=params["top_p"], top_k=params["top_k"], stop=params["stop"],
+                                     num_samples=params["num_samples"], seed=params["seed"])
         prompts = self.prompts if self.prompts is not None else self.prompt_tokens or []
         check_sample_size(len(prompts), settings, bounds, "prompts" if self.prompts is not None else "prompt_tokens")
 

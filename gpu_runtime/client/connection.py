@@ -9,10 +9,12 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from gpu_runtime.client.protocol import check_contract, decode
+from gpu_runtime.contract.json_types import get_int
 from gpu_runtime.errors import FailedPrecondition
 
 
@@ -50,7 +52,7 @@ class RuntimeConnection:
         except FailedPrecondition:
             sock.close()
             raise
-        return cls(sock, int(greeting["pid"]))
+        return cls(sock, get_int(greeting, "pid"))
 
     def poll(self) -> int | None:
         return self.returncode
@@ -107,7 +109,7 @@ class _EndWatcher:
         return line
 
 
-def read_message(stream: Any) -> dict[str, Any] | None:
+def read_message(stream: Any) -> Mapping[str, object] | None:
     """The next protocol message, or None at end of stream."""
     while True:
         line = stream.readline()

@@ -38,14 +38,14 @@ def encode(message: Mapping[str, JSON]) -> bytes:
     return json.dumps(message, separators=(",", ":"), allow_nan=True).encode() + b"\n"
 
 
-def decode(line: bytes) -> dict[str, Any]:
+def decode(line: bytes) -> Mapping[str, object]:
     message = json.loads(line)
     if not isinstance(message, dict):
         raise ValueError("a protocol message must be a JSON object")
     return message
 
 
-def split_ticket(params: dict[str, Any]) -> tuple[dict[str, Any], int | None]:
+def split_ticket(params: Mapping[str, object]) -> tuple[dict[str, object], int | None]:
     """The call's arguments without its `ticket`, and the ticket (a positive integer, or None)."""
     ticket = params.get("ticket")
     if ticket is not None and (type(ticket) is not int or ticket < 1):

@@ -19,20 +19,23 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, cast
 
 from gpu_runtime.client.connection import RuntimeConnection, read_message
 from gpu_runtime.client.poison import POISON_DEATHS, CallKey, Deaths, call_key, poison_pill
 from gpu_runtime.client.protocol import HEARTBEAT, LOCK_HELD, LineWriter, check_contract, encode, runtime_socket
 from gpu_runtime.contract import RuntimeOptions
-from gpu_runtime.errors import FailedPrecondition, SignalError, WorkerFailed
+from gpu_runtime.contract.json_types import as_object
+from gpu_runtime.errors import BadInput, FailedPrecondition, SignalError, WorkerFailed
 
 PACKAGE_PARENT = str(Path(__file__).resolve().parents[2])  # a checkout, or site-packages when installed
 DEATHS_FILE = "runtime-deaths.json"  # in the data directory: the poison-pill count every server process shares
 __all__ = ["POISON_DEATHS", "RuntimeClient", "call_key", "poison_pill"]
+Answer = Future[Mapping[str, object]]  # a call's result object as the runtime wrote it; the caller's Call.result reads it
+Chunks = Callable[[Mapping[str, object]], None]  # a streamed call's chunk handler
 
 
 class RuntimeClient:
@@ -64,8 +67,8 @@ class RuntimeClient:
         self._process: subprocess.Popen[bytes] | RuntimeConnection | None = None
         self._spawned: list[subprocess.Popen[bytes]] = []  # detached runtimes we started, reaped once they exit
         # request id → (method, its future, the process it was sent to: only that one's death fails it, the call's key)
-        self._pending: dict[int, tuple[str, Future[dict[str, Any]], Any, CallKey | None]] = {}
-        self._progress: dict[int, Callable[[dict[str, Any]], None]] = {}  # streamed calls' chunk handlers
+        self._pending: dict[int, tuple[str, Answer, Any, CallKey | None]] = {}
+        self._progress: dict[int, Chunks] = {}  # streamed calls' chunk handlers
         # A call's key → the runtime deaths in a row it was in flight through (answered: forgotten); the data
         # directory's runtime is every server process's, and so is the count (poison.py).
         self._deaths = Deaths(Path(self.data_dir) / DEATHS_FILE if shared else None)
@@ -118,11 +121,14 @@ class RuntimeClient:
 
     # ---- calls ----------------------------------------------------------------------------
 
-    def submit(self, method: str, progress: Callable[[dict[str, Any]], None] | None = None,
-               **params: Any) -> Future[dict[str, Any]]:
+    def submit(self, method: str, progress: Chunks | None = None, **params: Any) -> Future[dict[str, Any]]:
+        """`send` for tests and benchmarks: they index the wire's answer as plain data, as json.loads made it."""
+        return cast("Future[dict[str, Any]]", self.send(method, progress, **params))
+
+    def send(self, method: str, progress: Chunks | None = None, **params: Any) -> Answer:
         """Send one call; the Future holds its result, or the SignalError the runtime sent, or WorkerFailed.
         `progress` gets a streamed call's chunks, on the reader thread, before the Future is done."""
-        future: Future[dict[str, Any]] = Future()
+        future: Answer = Future()
         key = call_key(params)
         with self._table:
             poisoned, request_id = self._deaths.poisoned(key), next(self._ids)
@@ -147,10 +153,10 @@ class RuntimeClient:
             self._fail_unsent([request_id], "was not sent")
         return future
 
-    def heartbeat(self) -> Future[dict[str, Any]]:
+    def heartbeat(self) -> Answer:
         """Ask the runtime it is connected to (never a new one) whether it is alive: its reader thread answers,
         however long the current tick runs. WorkerFailed if there is none."""
-        future: Future[dict[str, Any]] = Future()
+        future: Answer = Future()
         process, writer = self._process, self._writer  # no lifecycle lock: a start or a stop may hold it for seconds
         if process is None or writer is None or process.poll() is not None:
             future.set_exception(WorkerFailed("no runtime is running"))
@@ -173,7 +179,7 @@ class RuntimeClient:
             if entry is not None and entry[1].set_running_or_notify_cancel():
                 entry[1].set_exception(WorkerFailed(f"worker process is gone; {entry[0]} {why}"))
 
-    def forget(self, future: Future[dict[str, Any]]) -> None:
+    def forget(self, future: Answer) -> None:
         """Drop an unanswered request (a heartbeat that timed out) so its entry does not linger."""
         with self._table:
             for request_id, entry in list(self._pending.items()):
@@ -201,7 +207,7 @@ class RuntimeClient:
             pass
 
     def call(self, method: str, timeout: float | None = None, **params: Any) -> dict[str, Any]:
-        """Blocking form of `submit`."""
+        """Blocking form of `submit`, for tests, benchmarks and the CLI: they index the wire's answer as plain data."""
         return self.submit(method, **params).result(timeout)
 
     # ---- internals ------------------------------------------------------------------------
@@ -240,7 +246,7 @@ class RuntimeClient:
             process.wait()
             if message is None:
                 raise WorkerFailed(f"worker did not become ready within {self.start_timeout:.0f} s")
-            raise SignalError.from_dict(message.get("error") or {"message": "worker refused to start"})
+            raise SignalError.from_dict(as_object(message.get("error") or {"message": "worker refused to start"}, "error"))
         try:
             check_contract(message, f"this server started (pid {process.pid})", "reinstall: the server and its runtime "
                            "come from one checkout")
@@ -289,15 +295,17 @@ class RuntimeClient:
     def _read_answers(self, process: subprocess.Popen[bytes] | RuntimeConnection) -> None:
         assert process.stdout is not None
         while (message := read_message(process.stdout)) is not None:
+            request_id = message.get("id")
+            rid = request_id if type(request_id) is int else 0  # ids count from 1: an answer without one finds nothing
             if "chunk" in message:  # a streamed call's progress: its entry stays until the answer
                 with self._table:
-                    handler = self._progress.get(message.get("id"))  # type: ignore[arg-type]  # no id finds None
+                    handler = self._progress.get(rid)
                 if handler is not None:
-                    handler(message["chunk"])
+                    handler(as_object(message["chunk"], "chunk"))
                 continue
             with self._table:
-                self._progress.pop(message.get("id"), None)  # type: ignore[arg-type]  # an answer without an id finds None
-                entry = self._pending.pop(message.get("id"), None)  # type: ignore[arg-type]  # an answer without an id finds None
+                self._progress.pop(rid, None)
+                entry = self._pending.pop(rid, None)
                 if entry is not None:
                     self._deaths.answered(entry[3])  # its deaths in a row are over
             if entry is None:
@@ -306,10 +314,13 @@ class RuntimeClient:
             future = entry[1]
             if not future.set_running_or_notify_cancel():
                 continue  # the caller gave up on it (cancelled): the answer has nobody to go to
-            if "error" in message:
-                future.set_exception(SignalError.from_dict(message["error"]))
-            else:
-                future.set_result(message["result"])
+            try:
+                if "error" in message:
+                    future.set_exception(SignalError.from_dict(as_object(message["error"], "error")))
+                else:
+                    future.set_result(as_object(message["result"], "result"))
+            except BadInput as malformed:  # not an object: no runtime of ours writes one, and the call says so
+                future.set_exception(malformed)
         # End of stream: the process is gone; everything still pending fails, typed.
         try:
             code = process.wait(timeout=5)

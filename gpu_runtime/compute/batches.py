@@ -239,7 +239,7 @@ class Renderer:
     def _packed_item(self, packed: dict[str, str | None], where: str, loss_fn: str) -> Datum:
         """A datum whose lists came as base64 (int32 token ids, float32 values, little-endian); checked as a datum,
         its errors naming the packed field."""
-        lists: dict[str, Any] = {}
+        lists: dict[str, list[float]] = {}  # int32 ids or float32 values, as the key says
         for key, value in packed.items():
             if value is None:
                 continue
@@ -255,7 +255,7 @@ class Renderer:
             raise BadInput(f"{where}.target_tokens is required", field=f"{where}.target_tokens")
         return self._datum(lists.get("model_input"), inputs, where, where, loss_fn)
 
-    def _datum(self, model_input: Any, inputs: dict[str, Any], where: str, at: str, loss_fn: str) -> Datum:
+    def _datum(self, model_input: Any, inputs: Mapping[str, object], where: str, at: str, loss_fn: str) -> Datum:
         """Tinker's datum: model_input and loss_fn_inputs (`at`) of the same length N, targets already shifted."""
         if not isinstance(model_input, list) or not model_input:
             raise BadInput(f"{where}.model_input must be a non-empty list of token ids", field=f"{where}.model_input")
@@ -269,7 +269,7 @@ class Renderer:
         targets = inputs["target_tokens"]
         n = len(model_input)
         if isinstance(targets, list) and any(isinstance(t, list) for t in targets):
-            return self._soft_datum(model_input, inputs, at, loss_fn)
+            return self._soft_datum(model_input, targets, inputs, at, loss_fn)
         if not isinstance(targets, list) or len(targets) != n:
             got = len(targets) if isinstance(targets, list) else type(targets).__name__
             raise BadInput(f"{at}.target_tokens must be a list as long as model_input ({n}), got {got}",
@@ -288,9 +288,10 @@ class Renderer:
         weights = floats.pop("weights", None)
         return Datum(list(model_input), list(targets), weights, floats)
 
-    def _soft_datum(self, model_input: list[int], inputs: dict[str, Any], at: str, loss_fn: str) -> Datum:
+    def _soft_datum(self, model_input: list[int], targets: list[Any], inputs: Mapping[str, object], at: str,
+                    loss_fn: str) -> Datum:
         """cross_entropy's (N, K) target_tokens with (N, K) weights (a teacher's top-K); no other input goes with them."""
-        n, targets, weights = len(model_input), inputs["target_tokens"], inputs.get("weights")
+        n, weights = len(model_input), inputs.get("weights")
         if loss_fn != "cross_entropy":
             raise BadInput(f"{at}.target_tokens: (N, K) soft targets are cross_entropy's; {loss_fn} takes 1-D",
                            field=f"{at}.target_tokens")
@@ -320,7 +321,7 @@ class Renderer:
             if not 0 <= t < self.vocab_size:
                 raise BadInput(f"{where} has id {t} outside the vocabulary (0..{self.vocab_size - 1})", field=where)
 
-    def _floats(self, item: dict[str, Any], key: str, where: str, length: int, along: str,
+    def _floats(self, item: Mapping[str, object], key: str, where: str, length: int, along: str,
                 default: float = 0.0) -> list[float]:
         if key not in item:
             return [default] * length

@@ -10,7 +10,6 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -20,7 +19,7 @@ from gpu_runtime.compute.optim_tick import StepOrder, optimizer_tick, own_kernel
 from gpu_runtime.compute.pass_logprobs import decoder_layers
 from gpu_runtime.compute.plan import Outcome, PassPart, RunWeights, SplitCall
 from gpu_runtime.compute.pool import BaseEntry
-from gpu_runtime.compute.ranks import RankGroup
+from gpu_runtime.compute.ranks import GroupReport, RankGroup
 from gpu_runtime.compute.training import forward_backward_pass
 
 
@@ -110,7 +109,7 @@ class LocalCompute:
     def stop(self) -> None:
         pass
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> GroupReport:
         return {"world": 1}
 
 
@@ -158,5 +157,5 @@ class RankCompute(LocalCompute):
     def stop(self) -> None:
         self.ranks.stop()
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> GroupReport:
         return self.ranks.describe()

@@ -20,7 +20,7 @@ import copy
 import json
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 from safetensors.torch import save_file
@@ -38,7 +38,20 @@ SHARD_BYTES = 2 << 30  # Hugging Face's own default shard size is in this range;
 MERGE_INFO = "signal_merge.json"  # says what was folded in, and whether the base was de-quantized
 
 
-def save_merged(entry: BaseEntry, state: RunWeights, directory: Path, shard_bytes: int = SHARD_BYTES) -> dict[str, Any]:
+class MergeInfo(TypedDict):
+    """What MERGE_INFO says of a merged save."""
+
+    base_model: str
+    base_revision: str | None
+    run_id: str
+    step: int
+    dequantized_from: str | None  # the base's quantization, undone in the merged weights
+    dtype: str
+    shards: int
+    untied_embeddings: bool
+
+
+def save_merged(entry: BaseEntry, state: RunWeights, directory: Path, shard_bytes: int = SHARD_BYTES) -> MergeInfo:
     """Write config, tokenizer and sharded weights of base + this run's LoRA to `directory`."""
     model: Any = entry.model  # a PreTrainedModel; nn.Module's typing hides its config and dtype
     dtype: torch.dtype = model.dtype  # a quantized base's other tensors (embeddings, norms) are in its compute dtype
@@ -73,7 +86,7 @@ def save_merged(entry: BaseEntry, state: RunWeights, directory: Path, shard_byte
     if model.generation_config is not None:
         model.generation_config.save_pretrained(directory)
     entry.base.tokenizer.save_pretrained(directory)
-    info = {"base_model": entry.base.name, "base_revision": entry.base.revision, "run_id": state.run_id,
+    info: MergeInfo = {"base_model": entry.base.name, "base_revision": entry.base.revision, "run_id": state.run_id,
             "step": state.step, "dequantized_from": entry.quantization, "dtype": str(dtype).removeprefix("torch."),
             "shards": len(written), "untied_embeddings": untie}
     write_json(directory / MERGE_INFO, info)

@@ -5,12 +5,13 @@ decides what runs) and `compute/` (which runs it). Nothing here imports the engi
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, NotRequired, Protocol, TypedDict
+from typing import NotRequired, Protocol, TypedDict
 
 import torch
 
 from gpu_runtime.compute.batches import Datum
 from gpu_runtime.contract.custom_loss import CustomLoss
+from gpu_runtime.contract.training_settings import LoraSettings
 from gpu_runtime.errors import SignalError
 
 
@@ -21,7 +22,7 @@ class RunConfig(TypedDict):
     user_id: str
     base_model: str
     base_revision: NotRequired[str | None]  # the base's content hash when the run was made (a restore checks it)
-    lora: dict[str, Any]  # r, alpha, dropout, target_modules, as the contract's lora_settings resolved them
+    lora: LoraSettings  # r, alpha, dropout, target_modules, as the contract's lora_settings resolved them
     seed: int
     created_at: NotRequired[float]
     quantization: NotRequired[str | None]  # None: the base in its own dtype (runs from before quantization have none)
@@ -37,7 +38,7 @@ class RunWeights(Protocol):
     optimizer: torch.optim.AdamW
 
     @property
-    def lora(self) -> dict[str, Any]: ...
+    def lora(self) -> LoraSettings: ...
 
     def parameters(self) -> list[torch.nn.Parameter]: ...
 

@@ -8,10 +8,19 @@
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TypedDict
 
 
-def probe() -> dict[str, Any]:
+class Probe(TypedDict, total=False):
+    """What the doctor learns of torch in the runtime's environment: its version and GPUs, or why it did not import."""
+
+    torch_error: str
+    torch: str
+    cuda: bool
+    gpus: list[str]
+
+
+def probe() -> Probe:
     try:
         import torch
     except Exception as exc:  # noqa: BLE001 - a broken install is what the doctor reports

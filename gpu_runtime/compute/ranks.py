@@ -35,7 +35,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Protocol, cast
+from typing import Any, Protocol, Required, TypedDict, cast
 
 import torch
 import torch.distributed as dist
@@ -67,6 +67,30 @@ class HeldRuns(Protocol):
 
 class RanksFailed(WorkerFailed):
     """A rank died or hung: every rank was stopped. The pool restarts and replays its journals; retry the call."""
+
+
+class RankReport(TypedDict):
+    """What one rank holds (RankGroup.report, one per rank)."""
+
+    rank: int
+    pid: int
+    runs: list[str]
+    base_bytes: dict[str, int]  # per base: this rank's shard
+    base_params: dict[str, int]
+    lora_bytes: int
+    optimizer_bytes: int
+
+
+class GroupReport(TypedDict, total=False):
+    """A pool's compute as the runtime state shows it: `world` alone for one GPU, the group's state for several."""
+
+    world: Required[int]
+    backend: str
+    pids: list[int]  # rank 0's first
+    restarts: int
+    failed: str | None
+    timeout_seconds: float
+    last_pass: list[tuple[int, int, int]]
 
 
 @dataclass
@@ -272,7 +296,7 @@ class RankGroup:
         model.register_forward_hook(done, always_call=True)
         decoder.register_forward_pre_hook(mirror, prepend=True)
 
-    def report(self, pool: HeldRuns) -> list[dict[str, Any]]:
+    def report(self, pool: HeldRuns) -> list[RankReport]:
         """What each rank holds: its shard of each base, and the LoRA and AdamW bytes of the runs it replicates."""
         self.send("report")
         gathered: list[Any] = [None] * self.world
@@ -290,13 +314,13 @@ class RankGroup:
         if not self.failed and time.monotonic() - self.last_sent > KEEPALIVE_S:
             self.send("noop", cleanup=True)
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> GroupReport:
         return {"world": self.world, "backend": "nccl" if self.device.type == "cuda" else "gloo",
                 "pids": [os.getpid()] + [p.pid for p in self.processes], "restarts": self.restarts,
                 "failed": self.failed, "timeout_seconds": self.timeout, "last_pass": self.last_pass}
 
 
-def describe_rank(rank: int, pool: HeldRuns) -> dict[str, Any]:
+def describe_rank(rank: int, pool: HeldRuns) -> RankReport:
     lora = sum(p.numel() * p.element_size() for state in pool.runs.values() for p in state.parameters())
     optimizer = sum(t.numel() * t.element_size() for state in pool.runs.values()
                     for moments in state.optimizer.state.values() for t in moments.values()

@@ -128,7 +128,7 @@ class Call(Generic[A]):
         return cls(**cls._parsed(params))
 
     @classmethod
-    def _parsed(cls, params: dict[str, Any]) -> dict[str, Any]:
+    def _parsed(cls, params: Mapping[str, object]) -> Mapping[str, object]:
         """The arguments as the type's fields hold them (a batch's JSON items become typed ones)."""
         return params
 

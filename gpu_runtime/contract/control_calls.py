@@ -3,8 +3,8 @@ sampler snapshots; cancel a call; ping and the operator's view (gpu_runtime/engi
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from gpu_runtime.contract.calls import Call, Kind, Lane, Method, RunCall
 from gpu_runtime.contract.checkpoints import CHECKPOINT_KINDS, SAVE_MODES, check_checkpoint_name, check_snapshot_name, checkpoint_ref
@@ -33,7 +33,7 @@ class CreateRun(RunCall[RunDescription]):
     kind = Kind(Lane.RUN, writes=True, primitive=True)
     user_id: str
     base_model: str
-    lora: dict[str, Any] | None = None
+    lora: Mapping[str, object] | None = None  # the caller's, checked by lora_settings
     seed: int | None = None  # None: 0, or the checkpoint's
     quantization: str | None = None
     # signal://<run_id>/<kind>/<name>: start from that checkpoint's adapter (and its AdamW with with_optimizer),

@@ -96,6 +96,12 @@ def as_json(value: object) -> JSON:
     return cast(JSON, value)  # json.loads makes nothing but JSON
 
 
+def typed_json(value: Mapping[str, object]) -> JSONObject:
+    """A TypedDict whose fields are all JSON, as the JSON object it is: mypy sees a TypedDict only as a
+    Mapping[str, object], never as a dict[str, JSON], however JSON its fields' types."""
+    return cast(JSONObject, value)
+
+
 def as_json_object(value: object, field: str) -> JSONObject:
     """A JSON object as read, kept whole to be written again (a result remembered for retries)."""
     if not isinstance(value, dict):

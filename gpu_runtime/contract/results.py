@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, TypedDict, TypeVar, cast
 
 from gpu_runtime.contract.json_types import JSONObject, as_json_object, get_list, get_str
+from gpu_runtime.contract.training_settings import LoraSettings
 
 R = TypeVar("R", bound="Result")
 OMITTED_UNLESS_SET = ("replayed", "hub", "pending_excluded", "prompt_logprobs", "topk_prompt_logprobs", "outputs",
@@ -282,7 +283,7 @@ class RunDescription(Result):
     base_model: str
     quantization: str | None
     base_revision: str | None
-    lora: dict[str, Any]
+    lora: LoraSettings
     target_modules: list[str]
     seed: int
     step: int

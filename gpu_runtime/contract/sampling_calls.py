@@ -52,8 +52,8 @@ class Sample(Call[SampleResult]):
     latest: bool = False
     # Instead of prompts: one conversation, rendered in the runtime as render_chat renders it (with `tools`, `prefill`
     # and the carried history), so a /v1 chat request is one round trip; the result's prompt_tokens are its ids.
-    messages: list[dict[str, Any]] | None = None
-    tools: list[dict[str, Any]] | None = None
+    messages: list[JSONObject] | None = None  # OpenAI's chat messages and tool definitions, as the client sent them
+    tools: list[JSONObject] | None = None
     prefill: str | None = None
     history_tokens: list[int] | None = None
     history_through: int | None = None

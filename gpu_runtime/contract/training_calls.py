@@ -3,6 +3,7 @@ answers them)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,7 +46,7 @@ class _Batched:
     batch: list[BatchItem]
 
     @classmethod
-    def _parsed(cls, params: dict[str, Any]) -> dict[str, Any]:
+    def _parsed(cls, params: Mapping[str, object]) -> Mapping[str, object]:
         return {**params, "batch": batch_from_dicts(params["batch"])} if "batch" in params else params
 
     def to_dict(self) -> JSONObject:

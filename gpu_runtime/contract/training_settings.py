@@ -7,7 +7,8 @@ model (`lora_settings(..., available)`).
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, Literal, NotRequired, TypedDict, overload
 
 from gpu_runtime.contract.checks import is_int, is_number
 from gpu_runtime.contract.custom_loss import CUSTOM_LOSS_FN
@@ -60,7 +61,49 @@ def adam_settings(adam: Any) -> dict[str, float]:
 
 # ---- LoRA --------------------------------------------------------------------------------------
 
-LORA_DEFAULTS: dict[str, Any] = {
+Switch = Literal["train_attn", "train_mlp", "train_unembed"]
+
+
+class LoraDefaults(TypedDict):
+    r: int
+    alpha: float
+    dropout: float
+    train_attn: bool
+    train_mlp: bool
+    train_unembed: bool
+
+
+class LoraSettings(TypedDict):
+    """A run's LoRA as lora_settings resolved it: what config.json, a checkpoint's meta and RunDescription hold."""
+
+    r: int
+    alpha: float
+    dropout: float
+    target_modules: list[str]
+
+
+class LoraGiven(TypedDict, total=False):
+    """Only the LoRA settings a caller gave (a run from a checkpoint: these must agree with the checkpoint's)."""
+
+    r: int
+    alpha: float
+    dropout: float
+    target_modules: list[str]
+
+
+class LoraAsked(TypedDict):
+    """LoRA as checked without a model (the server's): targets unnamed, the switches (if set) say which to resolve."""
+
+    r: int
+    alpha: float
+    dropout: float
+    target_modules: None
+    train_attn: NotRequired[bool]
+    train_mlp: NotRequired[bool]
+    train_unembed: NotRequired[bool]
+
+
+LORA_DEFAULTS: LoraDefaults = {
     "r": 32, "alpha": 64.0, "dropout": 0.0,  # alpha = 2r, the usual choice
     # Tinker's three switches (LoraConfig's train_attn/train_mlp/train_unembed; Tinker defaults all three to true).
     # Signal's default stays attention only: the MLP triples the adapter, the unembedding adds a [vocab, r] B.
@@ -69,7 +112,7 @@ LORA_DEFAULTS: dict[str, Any] = {
 LORA_R_MAX = 512
 # The update is scaled by alpha / r: past 16 it is a typo, not a setting (alpha 1e308 made every loss nan).
 LORA_ALPHA_PER_R = 16
-LORA_SWITCHES = ("train_attn", "train_mlp", "train_unembed")
+LORA_SWITCHES: tuple[Switch, ...] = ("train_attn", "train_mlp", "train_unembed")
 LORA_KEYS = {"r", "alpha", "dropout", "target_modules", *LORA_SWITCHES}
 # The layers each switch targets, by architecture family (leaf names); a model gets whichever of them it has.
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "query_key_value", "c_attn", "Wqkv", "out_proj")
@@ -103,7 +146,11 @@ def target_families(target_modules: list[str] | None) -> dict[str, bool]:
     return {switch: any(t in SWITCH_MODULES[switch] for t in target_modules) for switch in LORA_SWITCHES}
 
 
-def lora_settings(lora: Any, available: set[str] | None = None) -> dict[str, Any]:
+@overload
+def lora_settings(lora: object, available: set[str]) -> LoraSettings: ...
+@overload
+def lora_settings(lora: object, available: None = None) -> LoraSettings | LoraAsked: ...
+def lora_settings(lora: object, available: set[str] | None = None) -> LoraSettings | LoraAsked:
     """Validate the user's LoRA dict and fill defaults; errors name the field (`lora.r`).
 
     The targets are `target_modules` or the three switches (train_attn, train_mlp, train_unembed), not both.
@@ -151,18 +198,20 @@ def lora_settings(lora: Any, available: set[str] | None = None) -> dict[str, Any
         if missing:
             raise BadInput(f"lora.target_modules {missing} not in this model; it has {sorted(available)}",
                            field="lora.target_modules")
-    settings = {"r": r, "alpha": float(alpha), "dropout": float(dropout),
-                "target_modules": sorted(set(targets)) if targets is not None else None}
-    if targets is None and switches is not None:
-        settings.update(switches)  # for the runtime to resolve against its model
-    return settings
+    if targets is not None:
+        return {"r": r, "alpha": float(alpha), "dropout": float(dropout), "target_modules": sorted(set(targets))}
+    asked: LoraAsked = {"r": r, "alpha": float(alpha), "dropout": float(dropout), "target_modules": None}
+    if switches is not None:  # for the runtime to resolve against its model
+        asked["train_attn"], asked["train_mlp"] = switches["train_attn"], switches["train_mlp"]
+        asked["train_unembed"] = switches["train_unembed"]
+    return asked
 
 
-def _switches(lora: dict[str, Any]) -> dict[str, bool] | None:
+def _switches(lora: Mapping[str, object]) -> dict[str, bool] | None:
     """The three switches filled from the defaults, or None when none was set (None counts as unset)."""
     if all(lora.get(s) is None for s in LORA_SWITCHES):
         return None
-    switches = {}
+    switches: dict[str, bool] = {}
     for switch in LORA_SWITCHES:
         value = lora.get(switch)
         if value is not None and not isinstance(value, bool):

@@ -9,6 +9,7 @@ from typing import Any, cast
 import jinja2
 import jinja2.meta
 
+from gpu_runtime.contract.json_types import JSONObject
 from gpu_runtime.errors import BadInput
 
 # A marker each family's template writes, first match wins (GPT-OSS's harmony also says "tool" everywhere).
@@ -40,7 +41,7 @@ def tool_format(template: str | None) -> str | None:
     return None
 
 
-def render_messages(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+def render_messages(tokenizer: Any, messages: list[JSONObject], tools: list[JSONObject] | None,
                     prefill: str | None, history: tuple[list[int], int] | None = None) -> list[int]:
     """The conversation's ids with the generation prompt opened (tokenize=True: the template's own BOS, once), then
     `prefill`'s (the opening of a forced tool call: special tokens in it read as such). With `history` (the ids an
@@ -67,7 +68,7 @@ def render_messages(tokenizer: Any, messages: list[dict[str, Any]], tools: list[
 TURN_MARKER = "<<signal-sampled-turn-5f3c>>"  # stands for a sampled turn's content while the rest is rendered
 
 
-def reused_history(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+def reused_history(tokenizer: Any, messages: list[JSONObject], tools: list[JSONObject] | None,
                    history: list[int], through: int) -> list[int] | None:
     """`history` (the ids messages[:through + 1] were sampled as) and then the rendering of what follows that turn
     (its end as the template writes it, the later messages, the generation prompt), so a later turn's prompt is

@@ -16,7 +16,6 @@ import shutil
 import tarfile
 import time
 from pathlib import Path
-from typing import Any
 
 import peft
 import torch
@@ -51,6 +50,7 @@ from gpu_runtime.contract import (
     lora_settings,
 )
 from gpu_runtime.contract.checkpoints import DEFAULT_NAME, CheckpointRef
+from gpu_runtime.contract.json_types import JSONObject, typed_json
 from gpu_runtime.engine.journal_records import LOAD_STATE, LoadStateRecord  # replayed from the run's own copy
 from gpu_runtime.engine.recovery import Recovery
 from gpu_runtime.engine.run_state import (
@@ -59,6 +59,7 @@ from gpu_runtime.engine.run_state import (
     CHECKPOINT_FORMAT,
     LEGACY_OPTIMIZER_FILE,
     LOADS_DIR,
+    CheckpointMeta,
     RunConfig,
     RunState,
     append_manifest,
@@ -117,7 +118,7 @@ class Control:
         shared.owners[call.run_id] = call.user_id
         return self.describe(state)
 
-    def _source(self, call: CreateRun) -> tuple[CheckpointRef, Path, dict[str, Any]] | None:
+    def _source(self, call: CreateRun) -> tuple[CheckpointRef, Path, CheckpointMeta] | None:
         """create_run(from_checkpoint=…): the checkpoint, checked against what the call also says."""
         if call.from_checkpoint is None:
             return None
@@ -251,7 +252,7 @@ class Control:
         state.remember(call.request_id, result.to_dict(), body)
         return result
 
-    def _checkpoint_meta(self, state: RunState, mode: str, name: str, with_optimizer: bool) -> dict[str, Any]:
+    def _checkpoint_meta(self, state: RunState, mode: str, name: str, with_optimizer: bool) -> CheckpointMeta:
         """What resuming needs besides the files: step, seed, LoRA settings, the base and its quantization. Pending
         gradients are never in a checkpoint (`pending_excluded` counts the calls left out)."""
         return {
@@ -261,7 +262,7 @@ class Control:
             "with_optimizer": with_optimizer, "pending_excluded": state.pending.calls, "created_at": time.time(),
         }
 
-    def find_checkpoint(self, ref: CheckpointRef, user_id: str, field: str) -> tuple[Path, dict[str, Any]]:
+    def find_checkpoint(self, ref: CheckpointRef, user_id: str, field: str) -> tuple[Path, CheckpointMeta]:
         """A loadable checkpoint's directory and what it holds; another user's, or none, is NOT_FOUND alike."""
         root = find_run_dir(self.shared.data_dir, ref.run_id)
         config = read_json(root / "config.json") if root is not None else None
@@ -272,7 +273,7 @@ class Control:
         if not (directory / ADAPTER_WEIGHTS).exists():
             raise FailedPrecondition(f"checkpoint {ref.path} holds no adapter to load", field=field)
         if (directory / CHECKPOINT_FILE).exists():
-            meta: dict[str, Any] = read_json(directory / CHECKPOINT_FILE)
+            meta: CheckpointMeta = read_json(directory / CHECKPOINT_FILE)  # written by _checkpoint_meta
         else:  # saved before checkpoint.json: the run's config says the rest, the optimizer file the step
             optimizer = directory / LEGACY_OPTIMIZER_FILE
             step = torch.load(optimizer, map_location="cpu", weights_only=True)["step"] if optimizer.exists() else None
@@ -375,7 +376,7 @@ class Control:
             options=shared.options.to_dict(), contract=CONTRACT_VERSION,
         )
 
-    def runtime_state(self) -> dict[str, Any]:
+    def runtime_state(self) -> JSONObject:
         """What an operator wants to see: bases, resident and evicted runs, queues, and what ticks did."""
         shared, residency, totals = self.shared, self.shared.residency, self.shared.totals
         return {
@@ -399,15 +400,15 @@ class Control:
                       "decode_passes": totals.decode_passes, "recent": list(totals.last_ticks)},
             "evictions": totals.evictions,
             "snapshots": totals.snapshots,
-            "ranks": shared.compute.describe(),
+            "ranks": typed_json(shared.compute.describe()),
         }
 
-    def _manifest_header(self, state: RunState, entry: BaseEntry) -> dict[str, Any]:
+    def _manifest_header(self, state: RunState, entry: BaseEntry) -> JSONObject:
         base = entry.base
         return {
             "run_id": state.run_id, "user_id": state.user_id,
             "base_model": {"name": base.name, "revision": base.revision, "source": base.source},
-            "lora": state.lora, "seed": state.config["seed"], "optimizer": "torch.optim.AdamW",
+            "lora": typed_json(state.lora), "seed": state.config["seed"], "optimizer": "torch.optim.AdamW",
             "device": str(self.shared.device), "dtype": dtype_name(self.shared.dtype),
             "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "peft": peft.__version__},
         }

@@ -6,13 +6,14 @@ written as the runtime's edges do (gpu_runtime/client/protocol.py), so tests hol
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, wait
 from typing import Any
 
 from gpu_runtime.client.protocol import answer_message, read_call
 from gpu_runtime.contract import Call, SampleChunk
 from gpu_runtime.contract.calls import A
+from gpu_runtime.contract.json_types import JSONObject
 from gpu_runtime.engine.sampling_calls import Sampling
 from gpu_runtime.engine.scheduler import Scheduler
 from gpu_runtime.engine.shared import TickStats
@@ -32,8 +33,8 @@ class InProcess:
     def tick(self) -> TickStats:
         raise NotImplementedError
 
-    def submit_message(self, method: str, params: dict[str, Any], reply: Callable[[dict[str, Any]], None],
-                       progress: Callable[[dict[str, Any]], None] | None = None) -> None:
+    def submit_message(self, method: str, params: Mapping[str, object], reply: Callable[[JSONObject], None],
+                       progress: Callable[[JSONObject], None] | None = None) -> None:
         """`submit` as the wire speaks it: `reply` gets {"result": …} or {"error": …}, `progress` each chunk's dict."""
         try:
             call, ticket = read_call(method, params)
@@ -61,22 +62,22 @@ class InProcess:
             raise answer
         return answer
     # The primitives, with the contract's arguments.
-    def create_run(self, run_id: str, user_id: str, base_model: str, lora: dict[str, Any] | None = None,
+    def create_run(self, run_id: str, user_id: str, base_model: str, lora: Mapping[str, object] | None = None,
                    seed: int = 0, quantization: str | None = None) -> dict[str, Any]:
         return self.call("create_run", run_id=run_id, user_id=user_id, base_model=base_model, lora=lora, seed=seed,
                          quantization=quantization)
 
-    def forward_backward(self, run_id: str, batch: list[dict[str, Any]], loss_fn: str = "cross_entropy",
+    def forward_backward(self, run_id: str, batch: Sequence[Mapping[str, object]], loss_fn: str = "cross_entropy",
                          loss_fn_config: dict[str, float] | None = None, request_id: str | None = None,
                          reduction: str = "mean", return_outputs: bool = False) -> dict[str, Any]:
         return self.call("forward_backward", run_id=run_id, batch=batch, loss_fn=loss_fn,
                          loss_fn_config=loss_fn_config, request_id=request_id, reduction=reduction,
                          return_outputs=return_outputs)
 
-    def forward(self, batch: list[dict[str, Any]], run_id: str | None = None, **params: Any) -> dict[str, Any]:
+    def forward(self, batch: Sequence[Mapping[str, object]], run_id: str | None = None, **params: Any) -> dict[str, Any]:
         return self.call("forward", batch=batch, run_id=run_id, **params)
 
-    def render_datums(self, run_id: str, batch: list[dict[str, Any]], loss_fn: str = "cross_entropy") -> dict[str, Any]:
+    def render_datums(self, run_id: str, batch: Sequence[Mapping[str, object]], loss_fn: str = "cross_entropy") -> dict[str, Any]:
         return self.call("render_datums", run_id=run_id, batch=batch, loss_fn=loss_fn)
 
     def optim_step(self, run_id: str, adam: dict[str, float] | None = None,

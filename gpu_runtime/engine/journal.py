@@ -66,11 +66,11 @@ class Journal:
                 found.append((int(match.group(1)) if match else 0, path))
         return sorted(found)
 
-    def read(self) -> list[dict[str, Any]]:
+    def read(self) -> list[Mapping[str, object]]:
         """Every whole record held, in order, from seq `first_seq`; a torn tail is cut off the last segment (only the
         last is ever written to). Call before the first append."""
         segments = self.segments()
-        records: list[dict[str, Any]] = []
+        records: list[Mapping[str, object]] = []  # as json.loads made them: record_from_dict reads them
         self.first_seq = segments[0][0] if segments else 0
         good = 0
         for index, (start, path) in enumerate(segments):
@@ -214,7 +214,7 @@ def _forget_pool() -> None:
 os.register_at_fork(after_in_child=_forget_pool)
 
 
-def _read_frames(data: bytes, records: list[dict[str, Any]]) -> int:
+def _read_frames(data: bytes, records: list[Mapping[str, object]]) -> int:
     """Append each whole record framed in `data` to `records`; the length of the whole ones."""
     good = 0
     while good + HEADER.size <= len(data):

@@ -15,10 +15,10 @@ from __future__ import annotations
 import gc
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import torch
 
@@ -39,6 +39,15 @@ from gpu_runtime.engine.journal import Journal
 from gpu_runtime.engine.run_state import RunConfig, RunState
 
 
+class HeldSnapshot(Protocol):
+    """What the budget and the base unloading read of a sampler snapshot (engine/snapshots.py's Snapshot)."""
+
+    base_key: str
+    weights: dict[str, tuple[torch.Tensor, torch.Tensor]] | None
+
+    def resident_bytes(self) -> int: ...
+
+
 class Residency:
     def __init__(self, models: ModelRegistry, options: RuntimeOptions) -> None:
         self.models = models
@@ -47,7 +56,7 @@ class Residency:
         self.runs: OrderedDict[str, RunState] = OrderedDict()  # least recently used first
         self.evicted: set[str] = set()  # runs evicted since this runtime started (they reload on their next call)
         # Sampler snapshots (gpu_runtime/engine/snapshots.py), by routing key: they count against the same budget.
-        self.snapshots: dict[str, Any] = {}
+        self.snapshots: Mapping[str, HeldSnapshot] = {}
 
     def base(self, name: str, quantization: str | None = None) -> BaseEntry:
         key = base_key(name, quantization)

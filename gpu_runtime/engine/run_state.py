@@ -24,7 +24,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NotRequired, TypedDict, TypeVar
 
 import torch
 from peft import LoraConfig
@@ -39,7 +39,7 @@ from gpu_runtime.compute.plan import RunConfig as RunConfig  # the contract of c
 from gpu_runtime.compute.quantization import base_key
 from gpu_runtime.contract.checkpoints import DEFAULT_NAME
 from gpu_runtime.contract.json_types import JSON, JSONObject
-from gpu_runtime.contract.training_settings import DEFAULT_REDUCTION
+from gpu_runtime.contract.training_settings import DEFAULT_REDUCTION, LoraSettings
 from gpu_runtime.engine.journal import Journal
 from gpu_runtime.engine.journal_records import BatchRecord, PendingRecord
 from gpu_runtime.errors import BadInput
@@ -57,6 +57,28 @@ PENDING_FILE = "pending_grads.safetensors"
 SNAPSHOT_FILE = "snapshot.json"
 CHECKPOINT_FILE = "checkpoint.json"  # what a checkpoint is and what resuming from it needs (docs/CHECKPOINTS.md)
 CHECKPOINT_FORMAT = 1
+
+
+class CheckpointMeta(TypedDict):
+    """checkpoint.json (ControlCalls._checkpoint_meta), or what a checkpoint saved before it had one amounts to."""
+
+    step: int
+    seed: int
+    lora: LoraSettings
+    base_model: str
+    quantization: str | None
+    with_optimizer: bool
+    format: NotRequired[int]  # the rest: absent from a checkpoint saved before checkpoint.json
+    run_id: NotRequired[str]
+    user_id: NotRequired[str]
+    mode: NotRequired[str]
+    name: NotRequired[str]
+    base_revision: NotRequired[str | None]
+    pending_excluded: NotRequired[int]
+    created_at: NotRequired[float]
+    request_id: NotRequired[str | None]  # the save that wrote it, its body's hash and its answer (for its retry)
+    body_sha256: NotRequired[str | None]
+    result: NotRequired[JSONObject]
 LOADS_DIR = "loads"  # a load_state's files, copied into the run until the snapshot after it is written
 REMEMBERED_REQUESTS = 4096  # request ids (and results) kept for answering retries
 REMEMBERED_SAMPLES = 64  # sample answers kept in memory only: a sample changes nothing, so none is journaled
@@ -128,7 +150,7 @@ class RunState:
     weight_bytes: int | None = field(default=None, repr=False)  # the weights' bytes, counted once (resident_bytes)
 
     @property
-    def lora(self) -> dict[str, Any]:
+    def lora(self) -> LoraSettings:
         return self.config["lora"]
 
     @property
@@ -226,7 +248,8 @@ class RunState:
         experts = target_parameters(self.weights)
         # PEFT's parameter targets refuse dropout (a weight delta has no input to drop): inference has none anyway.
         linear = sorted({path.rsplit(".", 1)[-1] for path in self.weights if not is_expert_path(path)})
-        config = LoraConfig(r=self.lora["r"], lora_alpha=self.lora["alpha"],
+        # peft annotates lora_alpha as int; it scales by alpha / r, a float alpha included
+        config = LoraConfig(r=self.lora["r"], lora_alpha=self.lora["alpha"],  # type: ignore[arg-type]
                             lora_dropout=0.0 if experts else self.lora["dropout"],
                             target_modules=(linear or None) if experts else self.lora["target_modules"],
                             target_parameters=experts or None, bias="none", task_type="CAUSAL_LM",

@@ -15,7 +15,6 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -23,6 +22,7 @@ from gpu_runtime.compute.hardware import LocalCompute
 from gpu_runtime.compute.models import ModelRegistry
 from gpu_runtime.compute.pool import BaseEntry
 from gpu_runtime.contract import RuntimeOptions
+from gpu_runtime.contract.json_types import JSONObject
 from gpu_runtime.engine.journal import sync_all
 from gpu_runtime.engine.journal_records import Record
 from gpu_runtime.engine.request import Answer, Request
@@ -57,7 +57,7 @@ class Totals:
     decode_passes: int = 0
     evictions: int = 0
     snapshots: int = 0
-    last_ticks: list[dict[str, Any]] = field(default_factory=list)
+    last_ticks: list[JSONObject] = field(default_factory=list)  # TickStats as the runtime state shows them
 
     def count(self, stats: TickStats) -> None:
         self.ticks += 1

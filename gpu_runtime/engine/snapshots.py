@@ -29,7 +29,6 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -39,6 +38,7 @@ from gpu_runtime.compute.lora.experts import attach_experts, detach_experts, is_
 from gpu_runtime.compute.lora.wrap import wrap_targets
 from gpu_runtime.compute.pool import BaseEntry
 from gpu_runtime.compute.quantization import base_key
+from gpu_runtime.contract.json_types import JSONObject
 from gpu_runtime.engine.residency import Residency
 from gpu_runtime.engine.run_state import (
     ADAPTER_WEIGHTS,
@@ -305,7 +305,7 @@ class Snapshots:
     def of_run(self, run_id: str) -> list[Snapshot]:
         return [s for s in self.entries.values() if s.run_id == run_id]
 
-    def describe(self) -> list[dict[str, Any]]:
+    def describe(self) -> list[JSONObject]:
         now = time.monotonic()
         return [{"key": s.key, "named": s.named, "in_memory": s.weights is not None, "in_use": s.in_use,
                  "bytes": s.resident_bytes(),
