@@ -5,6 +5,7 @@ never eval, never pickle, never getattr on a name the graph holds."""
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -15,7 +16,7 @@ from gpu_runtime.contract.custom_loss import FUNCTIONS, METHODS, CustomLoss, Cus
 from gpu_runtime.errors import BadInput
 
 _T = torch.Tensor
-_FUNCTIONS: dict[str, Any] = {
+_FUNCTIONS: dict[str, Callable[..., Any]] = {
     "torch.abs": torch.abs, "torch.add": torch.add, "torch.sub": torch.sub, "torch.mul": torch.mul,
     "torch.div": torch.div, "torch.true_divide": torch.true_divide, "torch.neg": torch.neg, "torch.pow": torch.pow,
     "torch.exp": torch.exp, "torch.exp2": torch.exp2, "torch.expm1": torch.expm1, "torch.log": torch.log,
@@ -45,7 +46,7 @@ _FUNCTIONS: dict[str, Any] = {
     "operator.ge": operator.ge, "operator.eq": operator.eq, "operator.ne": operator.ne, "operator.and_": operator.and_,
     "operator.or_": operator.or_, "operator.invert": operator.invert, "operator.getitem": operator.getitem,
 }
-_METHODS: dict[str, Any] = {
+_METHODS: dict[str, Callable[..., Any]] = {
     "abs": _T.abs, "add": _T.add, "sub": _T.sub, "mul": _T.mul, "div": _T.div, "true_divide": _T.true_divide,
     "neg": _T.neg, "pow": _T.pow, "exp": _T.exp, "exp2": _T.exp2, "expm1": _T.expm1, "log": _T.log,
     "log1p": _T.log1p, "log2": _T.log2, "sqrt": _T.sqrt, "rsqrt": _T.rsqrt, "square": _T.square, "sign": _T.sign,
@@ -102,7 +103,7 @@ def check_inputs(loss: CustomLoss, datums: list[Datum], where: str = "batch") ->
 def run_graph(loss: CustomLoss, inputs: list[torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One datum's (loss, metrics); an operation that fails, or a loss that is not a scalar tensor, is BadInput
     naming the node."""
-    env: dict[str, Any] = {}
+    env: dict[str, object] = {}  # each node's value by its name
     placeholders = iter(inputs)
     for node in loss.nodes:
         if node.op == "placeholder":
@@ -125,7 +126,7 @@ def run_graph(loss: CustomLoss, inputs: list[torch.Tensor]) -> tuple[torch.Tenso
     raise AssertionError("a checked graph ends with its output")
 
 
-def _call(loss: CustomLoss, node: CustomLossNode, args: list[Any], kwargs: dict[str, Any]) -> Any:
+def _call(loss: CustomLoss, node: CustomLossNode, args: list[Any], kwargs: dict[str, object]) -> Any:
     fn = _FUNCTIONS[node.target] if node.op == "call_function" else _METHODS[node.target]
     # Python's own arithmetic on two Python numbers could be 2 ** 2**31: an operator takes a tensor operand
     if node.target.startswith("operator.") and node.target != "operator.getitem" and \
@@ -139,7 +140,7 @@ def _call(loss: CustomLoss, node: CustomLossNode, args: list[Any], kwargs: dict[
                        field="loss_fn_config.loss_id") from None
 
 
-def _value(arg: Any, env: dict[str, Any]) -> Any:
+def _value(arg: object, env: dict[str, object]) -> Any:
     """An encoded argument as a Python value; references resolve to earlier nodes' values."""
     if isinstance(arg, list):
         return [_value(a, env) for a in arg]
