@@ -132,7 +132,7 @@ async def _announce(services: Services) -> None:
     if admin is not None:  # the admin's sign-in link, as Jupyter prints its token
         link = login_url(settings.resolved_public_url, await services.login_links.mint(admin))
         print(f"Dashboard sign-in link for {ADMIN_EMAIL} (works once, expires in {settings.login_link_ttl_s // 60} "
-              f"min; `signal login-link` mints another):\n\n    {link}\n")
+              f"min; `make login-link`, or `signal login-link` with .venv/bin on PATH, mints another):\n\n    {link}\n")
     print(f"Signal at {settings.resolved_public_url}  (GraphQL: {settings.resolved_public_url}/graphql)", flush=True)
 
 

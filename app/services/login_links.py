@@ -56,5 +56,5 @@ class LoginLinkService:
             )
             user = await session.get(User, user_id) if user_id else None
         if user is None or user.disabled:
-            raise Unauthenticated("this sign-in link is used, expired or unknown; `signal login-link` mints a new one")
+            raise Unauthenticated("this sign-in link is used, expired or unknown; `make login-link` (or `signal login-link`) mints a new one")
         return user
