@@ -45,9 +45,10 @@ EMAIL ?=
 login-link: install
 	$(VENV)/bin/signal login-link $(if $(EMAIL),--user $(EMAIL))
 
-# Debian's chromium and postgresql, which the browser and PostgreSQL tests need: installed through apt as root or
-# with sudo, else one line naming the command, before anything else is installed.
-TEST_DEPS ?= chromium postgresql
+# Debian's chromium (with libatomic1, which Playwright's driver needs), postgresql and git (the cookbook recipes),
+# which the tests need: installed through apt as root or with sudo, else one line naming the command, before
+# anything else is installed.
+TEST_DEPS ?= chromium postgresql git
 test-deps:
 	.ci/test-deps $(TEST_DEPS)
 
