@@ -71,7 +71,7 @@ TEST_WORKERS ?= 2
 XDIST = -n $(TEST_WORKERS) --dist loadfile
 
 test: test-deps install cookbook
-	$(PY) -m pytest -q --durations=15 $(XDIST)
+	$(PY) -m pytest -q --durations=40 $(XDIST)
 
 test-fast: test-deps install cookbook
 	$(PY) -m pytest -q -m "not slow"
