@@ -1,5 +1,6 @@
-# Signal: `make serve` and `make test` set a fresh machine up by themselves (Python 3.11+; `make test` also needs
-# Debian's chromium and postgresql, which it installs through apt as root or with sudo, else names the command).
+# Signal: `make serve` and `make test` set a fresh machine up by themselves (Python 3.11+, on Debian with its venv
+# package; `make test` also needs Debian's chromium and postgresql): what is missing they install through apt as root
+# or with sudo (.ci/test-deps), else they name the command.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -16,8 +17,9 @@ SDK_WHEEL := $(SDK_DIR)/.built
 install: $(STAMP) $(SDK_WHEEL)
 
 # The SDK is its own distribution (rewardsignal/pyproject.toml, httpx only); the server depends on it, so it goes first.
+# A .venv without pip (one an earlier try made before Debian's python3.X-venv was there) is made again.
 $(STAMP): pyproject.toml rewardsignal/pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip --version >/dev/null 2>&1 || { PYTHON=$(PYTHON) .ci/test-deps venv && $(PYTHON) -m venv --clear $(VENV); }
 	$(PIP) install "$(TORCH)"
 	$(PIP) install -e ./rewardsignal
 	$(PIP) install -e ".[dev]"
@@ -43,9 +45,10 @@ EMAIL ?=
 login-link: install
 	$(VENV)/bin/signal login-link $(if $(EMAIL),--user $(EMAIL))
 
-# Debian's chromium and postgresql, which the browser and PostgreSQL tests need: installed through apt as root or
-# with sudo, else one line naming the command, before anything else is installed.
-TEST_DEPS ?= chromium postgresql
+# Debian's chromium (with libatomic1, which Playwright's driver needs), postgresql and git (the cookbook recipes),
+# which the tests need: installed through apt as root or with sudo, else one line naming the command, before
+# anything else is installed.
+TEST_DEPS ?= chromium postgresql git
 test-deps:
 	.ci/test-deps $(TEST_DEPS)
 
@@ -69,7 +72,7 @@ TEST_WORKERS ?= 2
 XDIST = -n $(TEST_WORKERS) --dist loadfile
 
 test: test-deps install cookbook
-	$(PY) -m pytest -q --durations=15 $(XDIST)
+	$(PY) -m pytest -q --durations=40 $(XDIST)
 
 test-fast: test-deps install cookbook
 	$(PY) -m pytest -q -m "not slow"
