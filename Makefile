@@ -82,13 +82,19 @@ test-fast: test-deps install cookbook
 # 30 minutes: the runtime's own tests, the SDK's and `/v1`'s (clients of the service layer tests/app covers; `/v1`'s
 # stored responses, a table of their own, run here), the examples and the cookbook recipes, and the dashboard's
 # rendering, phone, accessibility and download tests; the dashboard pages that query (sessions, usage, labels and
-# search, live lists, ownership, compare, keys) run here too.
+# search, live lists, ownership, compare, keys) run here too. Also left to SQLite: the slow modules whose time is the
+# runtime's, not queries (a worker killed and restarted, the Modal stand-in, allocation refusals before any query,
+# `signal serve`'s first start, /healthz under training, files after a kill, the journal's once-only replay, Tinker's
+# split batches); their rows are the ones tests/app's other modules write and read here.
+PG_SKIP := $(addprefix --ignore=tests/,app/test_worker_recovery.py app/test_modal_backend.py app/test_allocation.py \
+	app/test_cli.py app/test_concurrency.py faults/test_interrupted_saves.py faults/test_recorded_once.py \
+	tinker/test_depth.py tinker/test_cookbook.py)
 PG_WEB := $(addprefix tests/web/,test_sessions.py test_usage.py test_run_labels.py test_runs_live.py test_rules.py \
 	test_compare.py test_keys_page.py)
 test-postgres: TEST_DEPS = postgresql
 test-postgres: test-deps install
 	SIGNAL_TEST_DATABASE=postgres $(PY) -m pytest -q --durations=15 $(XDIST) tests/app tests/faults \
-		tests/openai/test_stored_responses.py tests/tinker --ignore=tests/tinker/test_cookbook.py $(PG_WEB)
+		tests/openai/test_stored_responses.py tests/tinker $(PG_SKIP) $(PG_WEB)
 
 # The dashboard alone, in Debian's chromium.
 test-web: TEST_DEPS = chromium
