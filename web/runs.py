@@ -17,13 +17,13 @@ from starlette.routing import Route
 from app.errors import BadInput
 from app.services.dashboard import RUNS_PAGE_SIZE
 from app.services.runs import RUN_SORTS, SEARCH_LENGTH, RunLabels
-from gpu_runtime.contract.json_types import JSONObject
 from web.render import ago, duration, hx_redirect, page, services, signed_in, signed_in_or_key
 from web.session_streams import until_signed_out
 
 if TYPE_CHECKING:  # rows are only ever received from app.services, never queried here
     from app.services.dashboard import RunSummary
     from app.tables import Checkpoint, Metric, Run, Sample, User
+    from gpu_runtime.contract.json_types import JSONObject  # an annotation: web/ imports no runtime module
 
 SAVE_MODES = ("adapter", "merged", "state")
 PUSH_MODES = ("adapter", "merged")  # what a Hub repo is for: a state checkpoint (AdamW's moments) resumes only here

@@ -30,6 +30,7 @@ NOT_ARGUMENTS: dict[str, str] = {
     "history_tokens": "/v1's carried ids of an earlier turn", "history_through": "/v1's carried turn's index",
     "fit_context": "/v1 without max_tokens: cut to the context's room",
     "pieces": "/v1's per-token text, for a client without a tokenizer",
+    "custom_loss": "Tinker's server-side custom losses (loss_fn custom): a graph its create_custom_loss stored",
 }
 # Arguments of every primitive that the runtime never sees: the server orders calls by them (docs/ORDERING.md).
 ORDERING_ARGUMENTS = ("seq", "session")
@@ -57,6 +58,7 @@ NOT_SHOWN: dict[str, str] = {
     "checkpoint_path": "a checkpoint row's path",
     "hub": "a checkpoint row's hubUrl",
     "piece_ids": "/v1's per-token text (Sample.pieces)", "pieces": "/v1's per-token text (Sample.pieces)",
+    "metrics": "a Tinker custom loss's own metrics (custom/<name>:sum|mean), on Tinker's wire",
     "eos_token_ids": "/v1's rendered chat: the tokenizer query says it", "tool_format": "/v1's tool-call parser",
 }
 RESULTS: list[tuple[str, type[contract.Result]]] = [

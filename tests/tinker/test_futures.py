@@ -104,7 +104,8 @@ def test_client_config(live_server: LiveServer, wire: Any) -> None:
     config = wire("client/config", json={"sdk_version": "0.38.0"}).json()
     assert config == {"pjwt_auth_enabled": False, "fwdbwd_max_chunk_len": live_server.settings.max_batch_size,
                       "fwdbwd_max_chunk_bytes_count": live_server.settings.max_request_bytes // 2,
-                      "proto_compress_fwdbwd": True, "sample_max_concurrent_requests": 64}
+                      "proto_compress_fwdbwd": True, "sample_max_concurrent_requests": 64,
+                      "custom_loss_server_side": True}  # create_custom_loss is served (test_custom_loss.py)
     assert wire("telemetry", json={"events": []}).json() == {"status": "accepted"}
     assert wire("client/dynamic_config", json={}).status_code == 404
 

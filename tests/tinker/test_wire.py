@@ -200,8 +200,8 @@ def test_cookie_only_request_is_unauthenticated(live_server: LiveServer) -> None
 
 def test_unknown_endpoint_and_future(live_server: LiveServer, tinker_key: str) -> None:
     headers = {"X-API-Key": tinker_key}
-    unknown = httpx.post(f"{live_server.url}/api/v1/create_custom_loss", json={}, headers=headers)
-    assert unknown.status_code == 404 and "create_custom_loss" in unknown.json()["detail"]
+    unknown = httpx.post(f"{live_server.url}/api/v1/copy_weights", json={}, headers=headers)  # one Signal lacks
+    assert unknown.status_code == 404 and "copy_weights" in unknown.json()["detail"]
     missing = httpx.post(f"{live_server.url}/api/v1/retrieve_future", json={"request_id": "nope"}, headers=headers)
     assert missing.status_code == 404 and missing.json()["detail"]
     garbage = httpx.post(f"{live_server.url}/api/v1/forward_backward", content=b"\xff\x00garbage",
