@@ -1,13 +1,12 @@
 """A run as the runtime holds it (`RunState`), and its snapshots on disk.
 
-In memory: the run's A/B matrices (fp32, one pair per targeted layer of its base), its AdamW, the
-gradients summed since the last optim_step and what they must be divided by, and its journal.
+In memory: the run's A/B matrices (fp32, one pair per targeted layer of its base), its AdamW, the gradients summed
+since the last optim_step and what they must be divided by, and its journal.
 
-A snapshot is `lora_adapters/step_N/`: the adapter in PEFT's own format (`PeftModel.from_pretrained`
-loads it), the optimizer state, the pending gradients when there are any, and `snapshot.json`
-naming the journal position it covers. Restore = the newest snapshot + the journal after it.
-Snapshots written before the journal existed (format 1: no snapshot.json, an `optimizer_state.pt`
-keyed by PEFT's parameter names) still load; their journal position is 0.
+A snapshot is `lora_adapters/step_N/`: the adapter in PEFT's own format (`PeftModel.from_pretrained` loads it), the
+optimizer state, the pending gradients when there are any, and `snapshot.json` naming the journal position it covers.
+Restore = the newest snapshot + the journal after it. Snapshots written before the journal existed (format 1: no
+snapshot.json, an `optimizer_state.pt` keyed by PEFT's parameter names) still load; their journal position is 0.
 """
 
 from __future__ import annotations
@@ -44,9 +43,8 @@ from gpu_runtime.engine.journal import Journal
 from gpu_runtime.engine.journal_records import BatchRecord, PendingRecord
 from gpu_runtime.errors import BadInput
 
-# Every change of a run's weights in this process takes the next number (RunState.weights_version): the decode
-# engine's prefix cache reuses KV only of the same number, so weights loaded at a step the run had before never
-# read KV of the weights they replaced (issue 31).
+# Every change of a run's weights in this process takes the next number (RunState.weights_version): the prefix cache
+# reuses KV only of the same number, so weights loaded at a step the run had before never read their predecessors' KV.
 WEIGHTS_VERSIONS = itertools.count(1)
 
 SNAPSHOT_FORMAT = 2
