@@ -159,13 +159,19 @@ async def unpublish(request: Request, user: User) -> Empty:
 async def set_public(request: Request, user: User, public: bool) -> Empty:
     """POST (publish) or DELETE (unpublish) …/checkpoints/{weights|sampler_weights}/{name}/publish: the owner's
     alone; another user's model is not found, published or not."""
-    svc = services(request)
-    model = await svc.tinker_sessions.model(user, request.path_params["model_id"])
+    run_id, mode, name = await _own_checkpoint(request, user)
+    await services(request).runs.set_public(user, run_id, mode, name, public)
+    return {}
+
+
+async def _own_checkpoint(request: Request, user: User) -> tuple[str, str, str]:
+    """The run, mode and name of the path's `{model_id}`/`{weights|sampler_weights}/{name}`: the caller's model only
+    (another user's is not found), a malformed checkpoint id not found alike."""
+    model = await services(request).tinker_sessions.model(user, request.path_params["model_id"])
     kind, _, name = str(request.path_params["checkpoint_id"]).partition("/")
     if kind not in paths.MODES or not paths.NAME.match(name):
         raise NotFound(f"checkpoint {request.path_params['checkpoint_id']!r} not found", field="checkpoint_id")
-    await svc.runs.set_public(user, model.run_id or "", paths.MODES[kind], name, public)
-    return {}
+    return model.run_id or "", paths.MODES[kind], name
 
 
 async def set_ttl(request: Request, user: User) -> Empty:
@@ -178,11 +184,8 @@ async def set_ttl(request: Request, user: User) -> Empty:
                        field="ttl_seconds")
     svc = services(request)
     ttl = checkpoint_ttl(data["ttl_seconds"], svc.settings.tinker_min_checkpoint_ttl_s)
-    model = await svc.tinker_sessions.model(user, request.path_params["model_id"])
-    kind, _, name = str(request.path_params["checkpoint_id"]).partition("/")
-    if kind not in paths.MODES or not paths.NAME.match(name):
-        raise NotFound(f"checkpoint {request.path_params['checkpoint_id']!r} not found", field="checkpoint_id")
-    await svc.runs.set_expiry(user, model.run_id or "", paths.MODES[kind], name, ttl)
+    run_id, mode, name = await _own_checkpoint(request, user)
+    await svc.runs.set_expiry(user, run_id, mode, name, ttl)
     return {}
 
 
