@@ -230,7 +230,7 @@ class BaseDecoder:
         s, p = job.settings, len(job.handles)
         settings = DecodeSettings(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                                   seed=s.seed, logprobs_k=s.topk_sample_logprobs, prompt_logprobs=s.prompt_logprobs,
-                                  prompt_topk=s.topk_prompt_logprobs)
+                                  prompt_topk=s.topk_prompt_logprobs, prompt_alt_k=s.prompt_alt_tokens_k)
         stops = set(s.stop_tokens) | (self.eos_ids if s.eos else set())
         n = s.num_samples
         adapter = self.keys.index(job.key) if job.routed else -1
@@ -301,6 +301,9 @@ class BaseDecoder:
             result["topk_prompt_logprobs"] = [
                 [None if top is None else [[float(t), v] for t, v in top] for top in h.prompt_topk or []]
                 if h is not None else [] for h in firsts]
+        if job.settings.prompt_alt_tokens_k:
+            result["prompt_alt_tokens"] = [[[[float(t), v] for t, v in row] for row in h.prompt_alts or []]
+                                           if h is not None else [] for h in firsts]
         return result
 
     def fail(self) -> list[SampleJob]:

@@ -16,7 +16,7 @@ from gpu_runtime.contract.training_settings import LoraSettings
 
 R = TypeVar("R", bound="Result")
 OMITTED_UNLESS_SET = ("replayed", "hub", "pending_excluded", "prompt_logprobs", "topk_prompt_logprobs", "outputs",
-                      "directory")
+                      "directory", "prompt_alt_tokens")
 
 
 # The fixed shapes inside results, as they cross the wire (plain dicts at run time: to_dict and from_dict are unchanged).
@@ -164,6 +164,9 @@ class SampleResult(Result):
     prompt_logprobs: list[list[float | None]] | None = None
     # per prompt, per position: the top-k [token, logprob] pairs, most likely first (None at 0), when asked
     topk_prompt_logprobs: list[list[list[list[float]] | None]] | None = None
+    # per prompt, per position after the first (row i: position i + 1): Sample.prompt_alt_tokens_k [token, logprob]
+    # pairs, each token an independent draw at the call's temperature, its logprob the model's at temperature 1
+    prompt_alt_tokens: list[list[list[list[float]]]] | None = None
     # prompt tokens whose KV was already in the decode cache (a prefix sent before), not prefilled again: summed over
     # prompts, once per prompt whatever its num_samples
     prompt_cache_hit_tokens: int = 0

@@ -12,7 +12,13 @@ from gpu_runtime.contract.checks import check_id, check_request_id
 from gpu_runtime.contract.json_types import JSONObject
 from gpu_runtime.contract.results import RenderChatResult, SampleResult, TokenizerResult
 from gpu_runtime.contract.runtime_options import RuntimeOptions, check_sample_size
-from gpu_runtime.contract.sampling_settings import SAMPLE_DEFAULTS, SamplingSettings, sampling_prompts, sampling_settings
+from gpu_runtime.contract.sampling_settings import (
+    SAMPLE_DEFAULTS,
+    SamplingSettings,
+    check_prompt_alt_tokens,
+    sampling_prompts,
+    sampling_settings,
+)
 from gpu_runtime.errors import BadInput
 
 
@@ -43,6 +49,9 @@ class Sample(Call[SampleResult]):
     prompt_logprobs: bool = SAMPLE_DEFAULTS["prompt_logprobs"]
     topk_prompt_logprobs: int = SAMPLE_DEFAULTS["topk_prompt_logprobs"]
     topk_sample_logprobs: int = SAMPLE_DEFAULTS["topk_sample_logprobs"]
+    # k draws, at the call's temperature, from the whole next-token distribution at each prompt position after the
+    # first (Tinker's prompt_alt_tokens_k); token-id prompts only, so the answer's size is known before the call runs.
+    prompt_alt_tokens_k: int = 0
     request_id: str | None = None
     # True: after each decode chunk, the new settled text and ids of every sequence (a SampleChunk) reach the caller
     # as progress, before the SampleResult; a transport without progress (Modal) sends the result alone.
@@ -80,6 +89,8 @@ class Sample(Call[SampleResult]):
             raise BadInput("tools, prefill and history go with messages", field="messages")
         check_chat(self.messages, self.tools, self.prefill, self.history_tokens, self.history_through)
         self.settings()
+        if self.prompt_alt_tokens_k and self.prompt_tokens is None:
+            raise BadInput("prompt_alt_tokens_k takes token-id prompts (prompt_tokens)", field="prompt_alt_tokens_k")
 
     def check_size(self, options: RuntimeOptions) -> None:
         prompts, settings = self.settings()
@@ -87,6 +98,7 @@ class Sample(Call[SampleResult]):
             settings = replace(settings, max_tokens=1)
         lengths = None if self.prompt_tokens is None else [len(ids) for ids in self.prompt_tokens]
         check_sample_size(len(prompts), settings, options, self.prompts_field, lengths)
+        check_prompt_alt_tokens(self.prompt_alt_tokens_k, lengths)
 
     @property
     def prompts_field(self) -> str:
@@ -107,7 +119,8 @@ class Sample(Call[SampleResult]):
         prompts = [""] if self.messages is not None else sampling_prompts(self.prompts, self.prompt_tokens)
         return prompts, sampling_settings(self.max_tokens, self.temperature, self.top_p, self.top_k, self.stop,
                                           self.num_samples, self.seed, self.prompt_logprobs,
-                                          self.topk_prompt_logprobs, self.topk_sample_logprobs)
+                                          self.topk_prompt_logprobs, self.topk_sample_logprobs,
+                                          self.prompt_alt_tokens_k)
 
 
 @dataclass(frozen=True, kw_only=True)

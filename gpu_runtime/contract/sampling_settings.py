@@ -17,6 +17,8 @@ MAX_TOP_P = 1.0  # top_p is a probability mass in (0, MAX_TOP_P] (the playground
 MAX_TOP_K = 1024  # past this top-k keeps the tail anyway; 0 (or -1) turns it off
 MAX_STOP = 16  # stop strings or stop token ids per call: each is checked after every decoded token
 MAX_STOP_CHARS = 256  # characters of one stop string
+MAX_PROMPT_ALT_TOKENS = 256  # draws per prompt position (Tinker's prompt_alt_tokens_k)
+MAX_PROMPT_ALT_CELLS = 1 << 18  # draws per prompt, k x (len - 1): what the answer holds, as ints and logprobs
 
 
 class SampleDefaults(TypedDict):
@@ -48,6 +50,7 @@ class SamplingSettings:
     prompt_logprobs: bool = False
     topk_prompt_logprobs: int = 0
     topk_sample_logprobs: int = 0
+    prompt_alt_tokens_k: int = 0  # draws at each prompt position after the first (0: none)
 
     @property
     def wants_prompt_logprobs(self) -> bool:
@@ -102,6 +105,7 @@ def stop_settings(stop: Any) -> tuple[list[str], list[int], bool]:
 def sampling_settings(
     max_tokens: Any, temperature: Any, top_p: Any, top_k: Any, stop: Any, num_samples: Any, seed: Any,
     prompt_logprobs: Any = False, topk_prompt_logprobs: Any = 0, topk_sample_logprobs: Any = 0,
+    prompt_alt_tokens_k: Any = 0,
 ) -> SamplingSettings:
     if not is_int(max_tokens) or not 1 <= max_tokens <= MAX_TOKENS_LIMIT:
         raise BadInput(f"max_tokens must be an integer in 1..{MAX_TOKENS_LIMIT}, got {max_tokens!r}", field="max_tokens")
@@ -124,6 +128,21 @@ def sampling_settings(
     for name, k in (("topk_prompt_logprobs", topk_prompt_logprobs), ("topk_sample_logprobs", topk_sample_logprobs)):
         if not is_int(k) or not 0 <= k <= MAX_TOPK_LOGPROBS:
             raise BadInput(f"{name} must be an integer in 0..{MAX_TOPK_LOGPROBS} (0 = off), got {k!r}", field=name)
+    check_prompt_alt_tokens(prompt_alt_tokens_k)
     return SamplingSettings(max_tokens, float(temperature), float(top_p), max(top_k, 0), strings, num_samples, seed,
                             stop_tokens=tokens, eos=eos, prompt_logprobs=prompt_logprobs,
-                            topk_prompt_logprobs=topk_prompt_logprobs, topk_sample_logprobs=topk_sample_logprobs)
+                            topk_prompt_logprobs=topk_prompt_logprobs, topk_sample_logprobs=topk_sample_logprobs,
+                            prompt_alt_tokens_k=prompt_alt_tokens_k)
+
+
+def check_prompt_alt_tokens(k: Any, prompt_lengths: list[int] | None = None) -> int:
+    """prompt_alt_tokens_k: an integer in 0..MAX_PROMPT_ALT_TOKENS and, given the prompts' lengths in tokens, at most
+    MAX_PROMPT_ALT_CELLS draws per prompt (k x (len - 1): the answer's size)."""
+    field = "prompt_alt_tokens_k"
+    if not is_int(k) or not 0 <= k <= MAX_PROMPT_ALT_TOKENS:
+        raise BadInput(f"{field} must be an integer in 0..{MAX_PROMPT_ALT_TOKENS} (0 = off), got {k!r}", field=field)
+    longest = max(prompt_lengths or [1])
+    if k * (longest - 1) > MAX_PROMPT_ALT_CELLS:
+        raise BadInput(f"{field} {k} x {longest - 1} prompt positions = {k * (longest - 1)} draws; a prompt gets at "
+                       f"most {MAX_PROMPT_ALT_CELLS}", field=field)
+    return int(k)

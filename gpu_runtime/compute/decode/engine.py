@@ -140,6 +140,8 @@ class DecodeEngine(Prefilling):
         if handle.settings.prompt_topk:
             out["topk_prompt_logprobs"] = [None if row is None else [[t, v] for t, v in row]
                                            for row in handle.prompt_topk or []]
+        if handle.settings.prompt_alt_k:
+            out["prompt_alt_tokens"] = [[[t, v] for t, v in row] for row in handle.prompt_alts or []]
         return out
 
     # ---- one step

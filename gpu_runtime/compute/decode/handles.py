@@ -22,10 +22,13 @@ class DecodeSettings:
     logprobs_k: int = 0  # top logprobs per sampled token
     prompt_logprobs: bool = False
     prompt_topk: int = 0  # top logprobs per prompt position
+    prompt_alt_k: int = 0  # draws per prompt position after the first (sampler.prompt_draws)
 
     @property
     def wants_prompt_scores(self) -> bool:
-        return self.prompt_logprobs or self.prompt_topk > 0
+        """Whether the prefill reads the logits of every prompt position: then no prefix comes from the cache, whose
+        KV carries no logits (a prompt asking these pays its whole prefill)."""
+        return self.prompt_logprobs or self.prompt_topk > 0 or self.prompt_alt_k > 0
 
 
 @dataclass(eq=False)
@@ -47,6 +50,7 @@ class Handle:
     topk: list[list[tuple[int, float]]] = field(default_factory=list)  # per token, (id, logprob) most likely first
     prompt_logprobs: list[float | None] | None = None  # None at position 0
     prompt_topk: list[list[tuple[int, float]] | None] | None = None
+    prompt_alts: list[list[tuple[int, float]]] | None = None  # per prompt position after the first: k (id, logprob)
     reason: str | None = None  # "stop", "length", "cancelled"
     text: str | None = None  # the final text (with a `decode`); a stop string's match and after left out
     prompt_cache_hit_tokens: int = 0
@@ -78,6 +82,7 @@ class Prefill:
     salt: int = 0  # the weights its KV is computed with: a prefix is reused only from KV of the same weights
     scores: list[float | None] = field(default_factory=list)
     tops: list[list[tuple[int, float]] | None] = field(default_factory=list)
+    alts: list[list[tuple[int, float]]] = field(default_factory=list)
 
     @property
     def started(self) -> bool:

@@ -1,8 +1,8 @@
 """A decode engine's prefill: prompts at the head of the queue (the user with the fewest rows first, turns.py)
 prefilled by chunks within a token budget, a prompt's
 prefix reused from the slot cache (by reference from a freed slot, by an on-device copy from a live one), its
-`num_samples` sequences seated in their slots, their first tokens drawn, and prompt logprobs scored as the chunks
-pass."""
+`num_samples` sequences seated in their slots, their first tokens drawn, and prompt logprobs scored (and a prompt's
+alternative tokens drawn, sampler.prompt_draws) as the chunks pass."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 
 from gpu_runtime.compute.decode.handles import Handle, Prefill, outputs
 from gpu_runtime.compute.decode.passes import SlotPasses
-from gpu_runtime.compute.decode.sampler import sample
+from gpu_runtime.compute.decode.sampler import prompt_draws, sample
 from gpu_runtime.compute.decode.slot_cache import Pass
 from gpu_runtime.compute.decode.turns import prefill_order
 
@@ -124,6 +124,7 @@ class Prefilling(SlotPasses):
             member.group = None
             member.prompt_logprobs = group.scores if member.settings.prompt_logprobs else None
             member.prompt_topk = group.tops if member.settings.prompt_topk else None
+            member.prompt_alts = group.alts if member.settings.prompt_alt_k else None
         if not live:
             self.cache.release(group.slot)
             return []
@@ -160,28 +161,39 @@ class Prefilling(SlotPasses):
                          [(int(values[at + 2 + k + j]), values[at + 2 + j]) for j in range(k)])
 
     def _score(self, group: Prefill, hidden: torch.Tensor, first: int, collect: Callable[..., None]) -> None:
-        """The prompt logprobs (and top-k) of the positions this chunk's columns predict: column c predicts c + 1."""
+        """The prompt logprobs (and top-k, and the alternative draws) of the positions this chunk's columns predict:
+        column c predicts c + 1."""
         prompt, n = group.prompt, int(hidden.shape[0])
         m = min(n, len(prompt) - 1 - first)  # the last prompt column predicts no prompt token
         if first == 0:
-            group.scores, group.tops = [None], [None]
+            group.scores, group.tops, group.alts = [None], [None], []
         if m <= 0:
             return
-        logprobs = torch.log_softmax(self._logits(hidden[:m], self.adapter[group.slot:group.slot + 1].expand(m)), dim=-1)
+        lead = group.members[0]
+        logits = self._logits(hidden[:m], self.adapter[group.slot:group.slot + 1].expand(m))
+        logprobs = torch.log_softmax(logits, dim=-1)
         own = logprobs.gather(1, self._tensor(prompt[first + 1:first + 1 + m])[:, None])
-        k = group.members[0].settings.prompt_topk
+        k = lead.settings.prompt_topk
         parts = [own.to(torch.float64)]
         if k:
             values, ids = torch.topk(logprobs, min(k, int(logprobs.shape[-1])), dim=-1)
             k = int(values.shape[1])
             parts += [values.to(torch.float64), ids.to(torch.float64)]
+        a = lead.settings.prompt_alt_k
+        if a:  # keyed by the prompt's first sequence (its request's own index), as its first token's draw is
+            drawn, drawn_logprobs = prompt_draws(logits, self._tensor(list(range(first + 1, first + 1 + m))), a,
+                                                 lead.settings.temperature, lead.settings.seed, lead.seq_index)
+            parts += [drawn.to(torch.float64), drawn_logprobs.to(torch.float64)]
 
         def read(values: list[float], start: int) -> None:
-            width = 1 + 2 * k
+            width = 1 + 2 * k + 2 * a
             for j in range(m):
                 at = start + j * width
                 group.scores.append(values[at])
                 if k:
                     group.tops.append([(int(values[at + 1 + k + i]), values[at + 1 + i]) for i in range(k)])
+                if a:
+                    at += 1 + 2 * k
+                    group.alts.append([(int(values[at + i]), values[at + a + i]) for i in range(a)])
 
         collect(torch.cat(parts, dim=1), read)

@@ -14,6 +14,11 @@ Reported logprobs are the unmodified model's log_softmax at the chosen token (te
 a teacher-forced forward gives, as gpu_runtime/sampling.py reports them; top-k logprobs are from the same
 distribution. Temperature 0 is argmax.
 
+A prompt's alternative tokens (`prompt_draws`, Tinker's prompt_alt_tokens) are k draws per prompt position from the
+whole distribution at the call's temperature (no top-k or top-p), each from its own counter (seed, sequence index,
+position, draw index): inverse-CDF over the row's cumulative probabilities, so k draws cost one cumsum and k
+searchsorted lookups per row, never k x vocab noise.
+
 Cost per step, all on the device and with no host sync: a log_softmax and an argmax over [rows, vocab]; with any
 sampled row, about fifteen elementwise int64 kernels for the noise (fused into one by torch.compile on CUDA);
 with top-k, one `topk` of the largest k in the batch (`top_k_cap`, a host int); with top-p, a sort, softmax and
@@ -29,6 +34,7 @@ import torch
 MASK32 = 0xFFFFFFFF
 GOLDEN = 0x9E3779B9  # 2**32 / phi: spreads consecutive token ids before mixing
 ROW_SALT = 0x85EBCA77
+DRAW_SALT = 0x27D4EB2F  # a prompt draw's counter: apart from every decode step's noise
 
 
 def mul32(x: torch.Tensor, c: int) -> torch.Tensor:
@@ -66,6 +72,31 @@ def uniform(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     h = fmix32(keys[:, None] ^ mul32(tokens, GOLDEN)[None, :])
     h = fmix32(h ^ mul32(keys, GOLDEN)[:, None])
     return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+
+
+def prompt_draws(logits: torch.Tensor, positions: torch.Tensor, k: int, temperature: float, seed: int,
+                 seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """k independent draws, with replacement, from softmax(logits / temperature) of each row of `logits` [rows, vocab]
+    (the whole distribution; temperature 0: the argmax k times), row r's draw j a function of (seed, seq,
+    positions[r], j) alone, so chunking and batch neighbours change nothing. Returns the ids [rows, k] int64 and
+    their unmodified logprobs (temperature 1, as `sample` reports) [rows, k] float32."""
+    logits = logits.float()
+    logprobs = torch.log_softmax(logits, dim=-1)
+    rows, vocab = int(logits.shape[0]), int(logits.shape[-1])
+    if temperature <= 0:
+        ids = logits.argmax(dim=-1, keepdim=True).expand(rows, k).contiguous()
+    else:
+        cdf = torch.softmax(logits / temperature, dim=-1).cumsum(dim=-1)
+        lo, hi = split_seed(seed)
+        keys = row_keys(torch.full_like(positions, lo), torch.full_like(positions, hi), torch.full_like(positions, seq),
+                        positions)
+        draws = fmix32(torch.arange(k, device=logits.device, dtype=torch.int64) ^ DRAW_SALT)
+        h = fmix32(fmix32(keys[:, None] ^ draws[None, :]) ^ mul32(keys, GOLDEN)[:, None])
+        u = ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+        # Scaled by the row's total, which rounding leaves a little off 1; `right=True` never lands on a token of
+        # zero probability (its cumulative value equals the one before it).
+        ids = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=vocab - 1)
+    return ids, logprobs.gather(1, ids)
 
 
 @dataclass
