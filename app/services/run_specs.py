@@ -174,7 +174,7 @@ def search_clause(search: str) -> Any:
 
 
 class ChatArgs(TypedDict, total=False):
-    """The contract Sample's chat fields, only those set."""
+    """The contract Sample's chat fields (and Tinker's prompt_alt_tokens_k), only those set."""
 
     messages: list[JSONObject]
     tools: list[JSONObject]
@@ -183,6 +183,7 @@ class ChatArgs(TypedDict, total=False):
     history_through: int
     pieces: str
     fit_context: bool
+    prompt_alt_tokens_k: int
 
 
 class SampleArgs(ChatArgs):
@@ -219,6 +220,7 @@ class SampleParams:
     prompt_logprobs: bool = SAMPLE_DEFAULTS["prompt_logprobs"]
     topk_prompt_logprobs: int = SAMPLE_DEFAULTS["topk_prompt_logprobs"]
     topk_sample_logprobs: int = SAMPLE_DEFAULTS["topk_sample_logprobs"]
+    prompt_alt_tokens_k: int = 0  # Tinker's draws at each prompt position (contract Sample.prompt_alt_tokens_k)
     store: bool | None = None  # None: stored (the run's current weights); False: no sample rows
     # What the history keeps as each token prompt's text (the playground's chat as typed); None: the ids, as JSON.
     prompt_texts: list[str] | None = None
@@ -265,6 +267,8 @@ class SampleParams:
             args["pieces"] = self.pieces
         if self.fit_context:
             args["fit_context"] = True
+        if self.prompt_alt_tokens_k:  # Tinker's alone; set only when asked, as the chat fields are
+            args["prompt_alt_tokens_k"] = self.prompt_alt_tokens_k
         return args
 
     def check(self, bounds: RuntimeOptions) -> None:

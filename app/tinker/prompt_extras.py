@@ -1,8 +1,7 @@
 """A SampleRequest's prompt extras beyond Signal's own sample: `target_prompt_logprobs` (the logprobs of chosen ids at
 each prompt position, scored by a `forward` on the sampler's own weights: column k of the request is one datum whose
-targets are that column) and `prompt_logprobs_last_n` (the prompt is scored whole; earlier entries are left out).
-`prompt_alt_tokens_k` (draws from each prompt position's distribution) needs the decode engine's prefill and is
-refused naming it: the SDK would otherwise fail the call itself when the answer has none."""
+targets are that column), `prompt_logprobs_last_n` (the prompt is scored whole; earlier entries are left out) and
+`prompt_alt_tokens_k` (k draws at each prompt position, taken by the decode engine's prefill: the contract's bounds)."""
 
 from __future__ import annotations
 
@@ -14,7 +13,7 @@ from app.errors import BadInput
 from app.tinker.fields import integer, optional_integer
 from gpu_runtime.contract.batch_items import DatumItem
 from gpu_runtime.contract.results import ForwardResult
-from gpu_runtime.contract.sampling_settings import MAX_TOPK_LOGPROBS
+from gpu_runtime.contract.sampling_settings import MAX_TOPK_LOGPROBS, check_prompt_alt_tokens
 
 FIELD = "target_prompt_logprobs"
 NOTHING = -1  # a cell that requests no logprob (the SDK's convention)
@@ -84,10 +83,11 @@ def last_n(data: Mapping[str, object], prompt_length: int, prompt_logprobs: bool
     return n
 
 
-def refuse_alt_tokens(data: Mapping[str, object]) -> None:
-    if integer(data.get("prompt_alt_tokens_k") or 0, "prompt_alt_tokens_k") > 0:
-        raise BadInput("prompt_alt_tokens_k is not supported by this server (no draws at prompt positions)",
-                       field="prompt_alt_tokens_k")
+def alt_tokens_k(data: Mapping[str, object], prompt_length: int) -> int:
+    """prompt_alt_tokens_k (null or absent: 0, none), checked at submit against the contract's bounds: draws per
+    position and draws per prompt (k x (len(prompt) - 1))."""
+    value = data.get("prompt_alt_tokens_k")
+    return 0 if value is None else check_prompt_alt_tokens(value, [prompt_length])
 
 
 def keep_last(values: list[Any] | None, n: int | None) -> list[Any] | None:

@@ -212,7 +212,8 @@ def encode_forward_backward_output(outputs: list[dict[str, list[float]]], metric
 @dataclass(frozen=True)
 class SampleExtras:
     """What a SampleResponse carries beyond the sequences when asked: top-k widths (0: not asked), the prompt's top-k
-    rows (None at a position with none), and target_prompt_logprobs' values with their shape and CSR indices."""
+    rows (None at a position with none), target_prompt_logprobs' values with their shape and CSR indices, and the
+    prompt's alternative tokens (alt_k [token, logprob] pairs per position after the first)."""
 
     sample_k: int = 0
     prompt_k: int = 0
@@ -220,6 +221,8 @@ class SampleExtras:
     target_values: list[float] | None = None
     target_shape: tuple[int, int] = (0, 0)
     target_csr: tuple[list[int], list[int]] | None = None
+    alt_k: int = 0
+    alt_tokens: list[list[list[float]]] | None = None
 
 
 def encode_sample_response(sequences: list[SampledSequence], prompt_logprobs: list[float | None] | None,
@@ -249,6 +252,13 @@ def encode_sample_response(sequences: list[SampledSequence], prompt_logprobs: li
             crow, cols = extras.target_csr
             tensor.sparse_csr.CopyFrom(pb().SparseCsr(values=values, crow_indices=_bytes("q", crow),
                                                       col_indices=_bytes("q", cols)))
+    if extras.alt_k and extras.alt_tokens is not None:  # PromptAltTokens: dense [len(prompt) - 1, k], int64 and float32
+        shape = [len(extras.alt_tokens), extras.alt_k]
+        message.prompt_alt_tokens.CopyFrom(pb().PromptAltTokens(
+            tokens=pb().Tensor(dense=_bytes("q", [int(t) for row in extras.alt_tokens for t, _ in row]),
+                               dtype=pb().DTYPE_INT64, shape=shape),
+            logprobs=pb().Tensor(dense=_bytes("f", [float(v) for row in extras.alt_tokens for _, v in row]),
+                                 dtype=pb().DTYPE_FLOAT32, shape=shape)))
     return bytes(message.SerializeToString())
 
 

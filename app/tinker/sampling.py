@@ -120,7 +120,7 @@ async def asample(request: Request, user: User) -> UntypedAPIFuture:
     num_samples = integer(data.get("num_samples", 1), "num_samples", 1, MAX_SAMPLES)
     checked = sample_params(data, None)  # every field's type, before the sampler is looked up or a future made
     prompt = checked.prompt_tokens[0] if checked.prompt_tokens else []
-    prompt_extras.refuse_alt_tokens(data)
+    alt_k = prompt_extras.alt_tokens_k(data, len(prompt))
     last_n = prompt_extras.last_n(data, len(prompt), checked.prompt_logprobs)
     targets = prompt_extras.targets(data, len(prompt))
     sampler = await svc.tinker_sessions.model(user, string(data, "sampling_session_id", "") or "", "sample",
@@ -139,7 +139,7 @@ async def asample(request: Request, user: User) -> UntypedAPIFuture:
         base = sampler.base_model if sampler.run_id is None else (
             await svc.runs.calls.readable(user, sampler.run_id, snapshot, checkpoint)).base_model
         context_length = svc.catalog.get(base).context_length
-    params = sample_params(data, context_length)
+    params = dataclasses.replace(sample_params(data, context_length), prompt_alt_tokens_k=alt_k)
 
     store = stability.store(request) if data.get("record_stability_info") else None
     # Its place in the user's bound taken now, so past it the submit answers 429 (the SDK's backpressure: it waits
@@ -161,7 +161,8 @@ async def asample(request: Request, user: User) -> UntypedAPIFuture:
         prompt_logprobs = result.prompt_logprobs[0] if params.prompt_logprobs and result.prompt_logprobs else None
         extras = proto.SampleExtras(sample_k=params.topk_sample_logprobs, prompt_k=params.topk_prompt_logprobs,
                                     topk_prompt=prompt_extras.keep_last(
-                                        result.topk_prompt_logprobs[0] if result.topk_prompt_logprobs else None, last_n))
+                                        result.topk_prompt_logprobs[0] if result.topk_prompt_logprobs else None, last_n),
+                                    alt_k=alt_k, alt_tokens=result.prompt_alt_tokens[0] if result.prompt_alt_tokens else None)
         if targets is not None:  # scored by a forward on the very weights the sample read
             scored = await svc.runs.forward(user, list(targets.datums(prompt)), run_id=sampler.run_id,
                                             base_model=base_model, snapshot=snapshot, checkpoint=checkpoint)

@@ -31,6 +31,7 @@ NOT_ARGUMENTS: dict[str, str] = {
     "fit_context": "/v1 without max_tokens: cut to the context's room",
     "pieces": "/v1's per-token text, for a client without a tokenizer",
     "custom_loss": "Tinker's server-side custom losses (loss_fn custom): a graph its create_custom_loss stored",
+    "prompt_alt_tokens_k": "Tinker's draws at each prompt position (SampleResponse.prompt_alt_tokens), its wire alone",
 }
 # Arguments of every primitive that the runtime never sees: the server orders calls by them (docs/ORDERING.md).
 ORDERING_ARGUMENTS = ("seq", "session")
@@ -60,6 +61,7 @@ NOT_SHOWN: dict[str, str] = {
     "piece_ids": "/v1's per-token text (Sample.pieces)", "pieces": "/v1's per-token text (Sample.pieces)",
     "metrics": "a Tinker custom loss's own metrics (custom/<name>:sum|mean), on Tinker's wire",
     "eos_token_ids": "/v1's rendered chat: the tokenizer query says it", "tool_format": "/v1's tool-call parser",
+    "prompt_alt_tokens": "Tinker's draws at each prompt position (Sample.prompt_alt_tokens_k), on Tinker's wire",
 }
 RESULTS: list[tuple[str, type[contract.Result]]] = [
     ("ForwardBackwardResult", contract.ForwardBackwardResult),

@@ -105,7 +105,6 @@ def test_prompt_logprobs_last_n_leaves_the_earlier_positions_out(sampler: Any) -
 
 
 @pytest.mark.parametrize(("extras", "field"), [
-    ({"prompt_alt_tokens_k": 2}, "prompt_alt_tokens_k"),
     ({"topk_sample_logprobs": 21}, "topk_sample_logprobs"),
     ({"include_prompt_logprobs": True, "prompt_logprobs_last_n": len(PROMPT)}, "prompt_logprobs_last_n"),
 ])
