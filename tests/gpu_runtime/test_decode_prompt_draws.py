@@ -14,6 +14,9 @@ import torch
 from gpu_runtime.compute.decode.engine import DecodeEngine, DecodeSettings
 from gpu_runtime.compute.decode.sampler import prompt_draws
 from gpu_runtime.compute.decode.slot_cache import SlotCache
+from gpu_runtime.contract import RuntimeOptions, Sample
+from gpu_runtime.contract.sampling_settings import MAX_PROMPT_ALT_CELLS, MAX_PROMPT_ALT_TOKENS
+from gpu_runtime.errors import BadInput
 from tests.gpu_runtime.test_decode_engine import _prompt, _run, decode_text
 from tests.gpu_runtime.test_decode_engine import llama as llama  # noqa: F401 (the module's tiny model fixture)
 
@@ -125,3 +128,18 @@ def test_prompt_draws_depend_on_the_counter_only_and_skip_impossible_tokens() ->
     one, _ = prompt_draws(logits[5:6], positions[5:6], 512, 1.0, seed=9, seq=0)
     assert torch.equal(one[0], ids[5])  # row 5 alone draws what it drew beside 63 others
     assert not torch.equal(prompt_draws(logits[5:6], positions[5:6], 512, 1.0, seed=9, seq=1)[0][0], ids[5])
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"prompts": ["hello"], "prompt_alt_tokens_k": 2}, "token-id prompts"),
+    ({"prompt_tokens": [[1, 2]], "prompt_alt_tokens_k": MAX_PROMPT_ALT_TOKENS + 1}, f"0..{MAX_PROMPT_ALT_TOKENS}"),
+    ({"prompt_tokens": [[1, 2]], "prompt_alt_tokens_k": -1}, f"0..{MAX_PROMPT_ALT_TOKENS}"),
+    ({"prompt_tokens": [[1, 2]], "prompt_alt_tokens_k": "2"}, f"0..{MAX_PROMPT_ALT_TOKENS}"),
+    ({"prompt_tokens": [[1] * (MAX_PROMPT_ALT_CELLS // 64 + 2)], "prompt_alt_tokens_k": 64}, "draws"),
+], ids=["text", "over", "negative", "string", "cells"])
+def test_the_contract_bounds_prompt_alt_tokens_k_naming_it(fields: dict[str, Any], message: str) -> None:
+    call = Sample(base_model="tiny", user_id="u", **fields)
+    with pytest.raises(BadInput, match=message) as caught:
+        call.validate()
+        call.check_size(RuntimeOptions(max_sample_prompt_tokens=10**6))
+    assert caught.value.field == "prompt_alt_tokens_k"
