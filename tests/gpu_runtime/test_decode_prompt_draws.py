@@ -17,7 +17,7 @@ from gpu_runtime.compute.decode.slot_cache import SlotCache
 from gpu_runtime.contract import RuntimeOptions, Sample
 from gpu_runtime.contract.sampling_settings import MAX_PROMPT_ALT_CELLS, MAX_PROMPT_ALT_TOKENS
 from gpu_runtime.errors import BadInput
-from tests.gpu_runtime.test_decode_engine import _prompt, _run, decode_text
+from tests.gpu_runtime.test_decode_engine import CountSyncs, _prompt, _run, decode_text
 from tests.gpu_runtime.test_decode_engine import llama as llama  # noqa: F401 (the module's tiny model fixture)
 
 K = 256
@@ -143,3 +143,12 @@ def test_the_contract_bounds_prompt_alt_tokens_k_naming_it(fields: dict[str, Any
         call.validate()
         call.check_size(RuntimeOptions(max_sample_prompt_tokens=10**6))
     assert caught.value.field == "prompt_alt_tokens_k"
+
+
+def test_a_prefill_that_draws_makes_one_host_sync(llama: Any) -> None:  # noqa: F811
+    engine = _engine(llama, prefill_tokens=512)
+    handles = [h for i in range(4) for h in engine.add(_prompt(90 + i, 9 + i), ALT, seq_ids=[i])]
+    with CountSyncs() as mode:
+        engine.step()  # every prefill, its draws and its first token
+    assert all(h.running for h in handles) and all(len(h.prompt_alts or []) == 8 + i for i, h in enumerate(handles))
+    assert mode.count == 1  # the step's one copy (tolist): the draws add none
