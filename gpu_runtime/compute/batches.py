@@ -85,7 +85,8 @@ class Datum:
         if self.soft_targets is not None and self.soft_weights is not None:
             inputs.update(target_tokens=[list(r) for r in self.soft_targets], weights=[list(r) for r in self.soft_weights])
         inputs.update({k: list(v) for k, v in sorted(self.inputs.items())})
-        inputs.update({k: v if isinstance(v, float) else [list(r) for r in v] for k, v in sorted(self.shaped.items())})
+        # a scalar as one value, as Tinker's wire sends it (from_dict reads a list not N long as one)
+        inputs.update({k: [v] if isinstance(v, float) else [list(r) for r in v] for k, v in sorted(self.shaped.items())})
         return {"model_input": list(self.model_input), "loss_fn_inputs": inputs}
 
     @classmethod
@@ -97,11 +98,12 @@ class Datum:
         model_input = list(cast(list[int], get_list(data, "model_input")))
         if targets and isinstance(targets[0], list):  # soft targets: K ids and K weights a position
             return soft(model_input, targets, cast(list[list[float]], weights), cast(dict[str, list[float]], inputs))
-        # a custom loss's scalars (numbers) and (N, K) inputs (lists of rows) beside its 1-D ones
-        shaped = {k: v for k, v in inputs.items() if not isinstance(v, list) or (v and isinstance(v[0], list))}
-        flat = {k: v for k, v in inputs.items() if k not in shaped}
-        return cls(model_input, list(targets), weights, cast(dict[str, list[float]], flat),
-                   shaped=cast(dict[str, "float | list[list[float]]"], shaped))
+        # a custom loss's scalars (one value where N differ) and (N, K) inputs (lists of rows) beside its 1-D ones
+        lists = cast(dict[str, list[Any]], inputs)
+        shaped = {k: v if v and isinstance(v[0], list) else float(v[0]) for k, v in lists.items()
+                  if len(v) != len(model_input) or (v and isinstance(v[0], list))}
+        flat = {k: v for k, v in lists.items() if k not in shaped}
+        return cls(model_input, list(targets), weights, flat, shaped=shaped)
 
 
 def shifted(tokens: list[int], weights: list[float], extras: dict[str, list[float]]) -> Datum:
@@ -289,12 +291,12 @@ class Renderer:
         floats = {k: self._floats(inputs, k, at, n, "model_input") for k in DATUM_INPUTS[1:]
                   if inputs.get(k) is not None}
         shaped: dict[str, float | list[list[float]]] = {}
-        for k in (k for k in own if inputs[k] is not None):  # a custom loss's own inputs: its declared ranks are checked against them (check_inputs)
+        for k in (k for k in own if inputs[k] is not None):  # checked against the loss's ranks by check_inputs
             value = own_input(inputs[k], n, f"{at}.{k}")
             if isinstance(value, list) and not isinstance(value[0], list):
-                floats[k] = cast(list[float], value)
+                floats[k] = value
             else:
-                shaped[k] = cast("float | list[list[float]]", value)
+                shaped[k] = value
         if loss_fn in RL_LOSSES:
             for key in ("logprobs", "advantages"):
                 if key not in floats:
