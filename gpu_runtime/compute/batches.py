@@ -32,7 +32,7 @@ from gpu_runtime.contract.batch_items import (
     TextItem,
     TokensItem,
 )
-from gpu_runtime.contract.custom_loss import CUSTOM_LOSS_FN
+from gpu_runtime.contract.custom_loss import CUSTOM_LOSS_FN, own_input
 from gpu_runtime.contract.json_types import get_list, get_object
 from gpu_runtime.contract.results import RenderedDatum
 from gpu_runtime.contract.training_settings import (
@@ -57,6 +57,7 @@ class Datum:
     # are then IGNORED and `weights` 1 where a position has any weight (the pass adds the weighted sum in their place)
     soft_targets: list[list[int]] | None = None
     soft_weights: list[list[float]] | None = None
+    shaped: dict[str, float | list[list[float]]] = field(default_factory=dict)  # a custom loss's scalars and (N, K)
 
     @property
     def length(self) -> int:
@@ -84,6 +85,8 @@ class Datum:
         if self.soft_targets is not None and self.soft_weights is not None:
             inputs.update(target_tokens=[list(r) for r in self.soft_targets], weights=[list(r) for r in self.soft_weights])
         inputs.update({k: list(v) for k, v in sorted(self.inputs.items())})
+        # a scalar as one value, as Tinker's wire sends it (from_dict reads a list not N long as one)
+        inputs.update({k: [v] if isinstance(v, float) else [list(r) for r in v] for k, v in sorted(self.shaped.items())})
         return {"model_input": list(self.model_input), "loss_fn_inputs": inputs}
 
     @classmethod
@@ -95,7 +98,12 @@ class Datum:
         model_input = list(cast(list[int], get_list(data, "model_input")))
         if targets and isinstance(targets[0], list):  # soft targets: K ids and K weights a position
             return soft(model_input, targets, cast(list[list[float]], weights), cast(dict[str, list[float]], inputs))
-        return cls(model_input, list(targets), weights, cast(dict[str, list[float]], inputs))
+        # a custom loss's scalars (one value where N differ) and (N, K) inputs (lists of rows) beside its 1-D ones
+        lists = cast(dict[str, list[Any]], inputs)
+        shaped = {k: v if v and isinstance(v[0], list) else float(v[0]) for k, v in lists.items()
+                  if len(v) != len(model_input) or (v and isinstance(v[0], list))}
+        flat = {k: v for k, v in lists.items() if k not in shaped}
+        return cls(model_input, list(targets), weights, flat, shaped=shaped)
 
 
 def shifted(tokens: list[int], weights: list[float], extras: dict[str, list[float]]) -> Datum:
@@ -121,6 +129,7 @@ class Collated:
     lengths: list[int]
     soft_targets: torch.Tensor | None = None  # [B, T, K] ids, IGNORED where a row has none (hard rows, padding)
     soft_weights: torch.Tensor | None = None  # [B, T, K] fp32, 0 where the id is IGNORED
+    shaped: list[dict[str, torch.Tensor]] = field(default_factory=list)  # per row: a custom loss's [] and [N, K] inputs
 
 
 class Renderer:
@@ -279,14 +288,21 @@ class Renderer:
         if own and loss_fn != CUSTOM_LOSS_FN:
             raise BadInput(f"{at}.{own[0]} is not an input of {loss_fn} (takes {list(DATUM_INPUTS)})",
                            field=f"{at}.{own[0]}")
-        floats = {k: self._floats(inputs, k, at, n, "model_input") for k in [*DATUM_INPUTS[1:], *own]
+        floats = {k: self._floats(inputs, k, at, n, "model_input") for k in DATUM_INPUTS[1:]
                   if inputs.get(k) is not None}
+        shaped: dict[str, float | list[list[float]]] = {}
+        for k in (k for k in own if inputs[k] is not None):  # checked against the loss's ranks by check_inputs
+            value = own_input(inputs[k], n, f"{at}.{k}")
+            if isinstance(value, list) and not isinstance(value[0], list):
+                floats[k] = value
+            else:
+                shaped[k] = value
         if loss_fn in RL_LOSSES:
             for key in ("logprobs", "advantages"):
                 if key not in floats:
                     raise BadInput(f"{at}.{key} is required for {loss_fn}", field=f"{at}.{key}")
         weights = floats.pop("weights", None)
-        return Datum(list(model_input), list(targets), weights, floats)
+        return Datum(list(model_input), list(targets), weights, floats, shaped=shaped)
 
     def _soft_datum(self, model_input: list[int], targets: list[Any], inputs: Mapping[str, object], at: str,
                     loss_fn: str) -> Datum:
@@ -354,7 +370,21 @@ def collate(datums: list[Datum], device: torch.device) -> Collated:
                     {k: values_d[2 + j] for j, k in enumerate(extra_names)}, [d.length for d in datums])
     if any(d.soft_targets is not None for d in datums):
         data.soft_targets, data.soft_weights = _soft(datums, width, device)
+    if any(d.shaped for d in datums):
+        data.shaped = _shaped(datums, device)
     return data
+
+
+def _shaped(datums: list[Datum], device: torch.device) -> list[dict[str, torch.Tensor]]:
+    """Each row's scalar and (N, K) inputs as views of one fp32 buffer, copied to the device once."""
+    arrays = [(i, k, np.asarray(v, dtype=np.float32)) for i, d in enumerate(datums) for k, v in sorted(d.shaped.items())]
+    flat = _to_device(torch.from_numpy(np.concatenate([a.reshape(-1) for _, _, a in arrays])), device)
+    out: list[dict[str, torch.Tensor]] = [{} for _ in datums]
+    start = 0
+    for i, k, a in arrays:
+        out[i][k] = flat[start:start + a.size].view(a.shape)
+        start += a.size
+    return out
 
 
 def _soft(datums: list[Datum], width: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -404,4 +434,4 @@ def rows(data: Collated, span: slice) -> Collated:
     return Collated(data.input_ids[span], data.attention_mask[span], data.targets[span], data.weights[span],
                     data.counted[span], {k: v[span] for k, v in data.extras.items()}, data.lengths[span],
                     None if data.soft_targets is None else data.soft_targets[span],
-                    None if data.soft_weights is None else data.soft_weights[span])
+                    None if data.soft_weights is None else data.soft_weights[span], data.shaped[span])

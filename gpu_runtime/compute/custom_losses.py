@@ -4,6 +4,7 @@ never eval, never pickle, never getattr on a name the graph holds."""
 
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Callable
 from typing import Any
@@ -12,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from gpu_runtime.compute.batches import Collated, Datum
-from gpu_runtime.contract.custom_loss import FUNCTIONS, METHODS, CustomLoss, CustomLossNode
+from gpu_runtime.contract.custom_loss import FUNCTIONS, INDEXING, MAX_GROWTH, METHODS, CustomLoss, CustomLossNode
 from gpu_runtime.errors import BadInput
 
 _T = torch.Tensor
@@ -75,7 +76,7 @@ def custom_loss(logprobs: torch.Tensor, batch: Collated, loss: CustomLoss) -> tu
     losses: list[torch.Tensor] = []
     sums: dict[str, torch.Tensor] = {}
     for row, n in enumerate(batch.lengths):
-        inputs = [logprobs[row, :n]] + [_input(batch, name, row, n, logprobs) for name in loss.input_names]
+        inputs = [logprobs[row, :n]] + [_input(batch, name, rank, row, n, logprobs) for name, rank in loss.inputs[1:]]
         value, metrics = run_graph(loss, inputs)
         losses.append(value)
         for key, metric in metrics.items():
@@ -85,19 +86,34 @@ def custom_loss(logprobs: torch.Tensor, batch: Collated, loss: CustomLoss) -> tu
     return elementwise, {k: v.detach().float() for k, v in sums.items()}
 
 
-def _input(batch: Collated, name: str, row: int, n: int, like: torch.Tensor) -> torch.Tensor:
+def _input(batch: Collated, name: str, rank: int, row: int, n: int, like: torch.Tensor) -> torch.Tensor:
+    """A datum's input at its declared rank: [] a scalar, [n] per position, [n, K] (check_inputs matched them)."""
+    if batch.shaped and name in batch.shaped[row]:
+        return batch.shaped[row][name].to(like.dtype)
     source = batch.weights if name == "weights" else batch.extras[name]
-    return source[row, :n].to(like.dtype)
+    value = source[row, :n].to(like.dtype)
+    return value.reshape(()) if rank == 0 else value  # a one-position datum's scalar came as one value
 
 
 def check_inputs(loss: CustomLoss, datums: list[Datum], where: str = "batch") -> None:
-    """Every datum has each input the loss reads (weights included: a datum without them weighs 1 nowhere)."""
+    """Every datum has each input the loss reads (weights included: a datum without them weighs 1 nowhere), at the
+    rank the loss declares, as the SDK's check_loss_inputs requires before it sends them."""
     for i, datum in enumerate(datums):
-        for name in loss.input_names:
-            present = datum.weights is not None if name == "weights" else name in datum.inputs
-            if not present:
+        for name, rank in loss.inputs[1:]:
+            at = f"{where}[{i}].loss_fn_inputs.{name}"
+            if name == "weights" or name in datum.inputs:
+                if name == "weights" and datum.weights is None:
+                    raise BadInput(f"{where}[{i}] has no loss_fn_inputs.weights, which custom loss {loss.name!r} takes",
+                                   field=at)
+                got = 0 if rank == 0 and datum.length == 1 else 1  # one value for one position: either rank
+            elif name in datum.shaped:
+                got = 0 if isinstance(datum.shaped[name], float) else 2
+            else:
                 raise BadInput(f"{where}[{i}] has no loss_fn_inputs.{name}, which custom loss {loss.name!r} takes",
-                               field=f"{where}[{i}].loss_fn_inputs.{name}")
+                               field=at)
+            if got != rank:
+                raise BadInput(f"{at} has rank {got}, but custom loss {loss.name!r} declares {name} with rank {rank}",
+                               field=at)
 
 
 def run_graph(loss: CustomLoss, inputs: list[torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -105,6 +121,7 @@ def run_graph(loss: CustomLoss, inputs: list[torch.Tensor]) -> tuple[torch.Tenso
     naming the node."""
     env: dict[str, object] = {}  # each node's value by its name
     placeholders = iter(inputs)
+    limit = MAX_GROWTH * sum(t.numel() for t in inputs)
     for node in loss.nodes:
         if node.op == "placeholder":
             env[node.name] = next(placeholders)
@@ -122,11 +139,11 @@ def run_graph(loss: CustomLoss, inputs: list[torch.Tensor]) -> tuple[torch.Tenso
                     raise BadInput(f"custom loss {loss.name!r}: metric {key!r} must be a scalar tensor",
                                    field="loss_fn_config.loss_id")
             return value, {k: m.reshape(()) for k, m in metrics.items()}
-        env[node.name] = _call(loss, node, args, kwargs)
+        env[node.name] = _call(loss, node, args, kwargs, limit)
     raise AssertionError("a checked graph ends with its output")
 
 
-def _call(loss: CustomLoss, node: CustomLossNode, args: list[Any], kwargs: dict[str, object]) -> Any:
+def _call(loss: CustomLoss, node: CustomLossNode, args: list[Any], kwargs: dict[str, object], limit: int) -> Any:
     fn = _FUNCTIONS[node.target] if node.op == "call_function" else _METHODS[node.target]
     # Python's own arithmetic on two Python numbers could be 2 ** 2**31: an operator takes a tensor operand
     if node.target.startswith("operator.") and node.target != "operator.getitem" and \
@@ -134,10 +151,64 @@ def _call(loss: CustomLoss, node: CustomLossNode, args: list[Any], kwargs: dict[
         raise BadInput(f"custom loss {loss.name!r}: node {node.name!r} ({node.target}) has no tensor operand",
                        field="loss_fn_config.loss_id")
     try:
-        return fn(*args, **kwargs)
-    except (RuntimeError, TypeError, ValueError, IndexError, ZeroDivisionError) as exc:
+        planned = _planned(node, fn, args, kwargs)
+    except (RuntimeError, TypeError, ValueError, IndexError, NotImplementedError):
+        planned = 0  # the operation itself names what is wrong
+    _bound(loss, node, limit, planned)
+    try:
+        result = fn(*args, **kwargs)
+    except (RuntimeError, TypeError, ValueError, IndexError, ZeroDivisionError, NotImplementedError) as exc:
         raise BadInput(f"custom loss {loss.name!r}: node {node.name!r} ({node.target}) failed: {exc}",
                        field="loss_fn_config.loss_id") from None
+    made = result if isinstance(result, tuple) else (result,)  # torch.max(x, dim) answers (values, indices)
+    _bound(loss, node, limit, max((t.numel() for t in made if isinstance(t, torch.Tensor)), default=0))
+    return result
+
+
+def _planned(node: CustomLossNode, fn: Callable[..., Any], args: list[Any], kwargs: dict[str, object]) -> int:
+    """The elements a node would make where it can outgrow its operands, known before it allocates: an integer index
+    (run on meta tensors) or several tensors broadcast together (a stack or cat grows by its items, checked after)."""
+    tensors = [t for t in _leaves([args, kwargs]) if isinstance(t, torch.Tensor)]
+    if node.target in INDEXING and len(args) == 2:
+        index = [t for t in _leaves(args[1]) if isinstance(t, torch.Tensor)]
+        if index and not any(t.dtype == torch.bool for t in index):  # a mask selects fewer, never more
+            out = fn(*_meta(args), **_meta(kwargs))
+            return int(out.numel()) if isinstance(out, torch.Tensor) else 0
+        return 0
+    if len(tensors) < 2 or node.target in ("torch.stack", "torch.cat"):
+        return 0
+    try:
+        return math.prod(torch.broadcast_shapes(*(t.shape for t in tensors)))
+    except RuntimeError:
+        return 0  # not broadcastable: the operation names its own error
+
+
+def _bound(loss: CustomLoss, node: CustomLossNode, limit: int, elements: int) -> None:
+    if elements > limit:
+        raise BadInput(f"custom loss {loss.name!r}: node {node.name!r} ({node.target}) makes a tensor of {elements} "
+                       f"elements; a node holds at most {MAX_GROWTH}x its datum's input elements ({limit})",
+                       field="loss_fn_config.loss_id")
+
+
+def _leaves(value: object) -> list[object]:
+    if isinstance(value, (list, tuple)):
+        return [leaf for item in value for leaf in _leaves(item)]
+    if isinstance(value, dict):
+        return [leaf for item in value.values() for leaf in _leaves(item)]
+    return [value]
+
+
+def _meta(value: Any) -> Any:
+    """The arguments with every tensor on the meta device: shapes without storage."""
+    if isinstance(value, torch.Tensor):
+        return value.to("meta")
+    if isinstance(value, list):
+        return [_meta(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_meta(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _meta(v) for k, v in value.items()}
+    return value
 
 
 def _value(arg: object, env: dict[str, object]) -> Any:

@@ -25,6 +25,10 @@ MAX_CONSTANT_ITEMS = 64  # list, tuple and dict items in one node's arguments, n
 MAX_DEPTH = 4  # nesting of lists, tuples and dicts in an argument
 MAX_STRING = 32  # how much of a refused string an error quotes
 MAX_INT = 1 << 31
+MAX_INPUT_WIDTH = 64  # K of a rank-2 ([T, K]) input, as soft targets' K is bounded
+# A node's tensor holds at most this many times the datum's input elements: a cat of 64 items, a broadcast or an
+# advanced index past it is refused before it allocates (compute/custom_losses.py checks each node)
+MAX_GROWTH = 64
 NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
 INPUT_NAME = re.compile(r"[a-z_][a-z0-9_]{0,63}")
 METRIC_KEY = re.compile(r"custom/[a-z0-9_./-]{1,64}:(sum|mean)")
@@ -48,8 +52,8 @@ FUNCTIONS: frozenset[str] = frozenset(
 INDEXING = frozenset({"operator.getitem", "__getitem__"})
 METHODS: frozenset[str] = frozenset({*_TENSOR_OPS, "float", "double", "to", "type_as", "size", "numel", "dim",
                                      "__getitem__", "__neg__"})
-# No operation adds a dimension (no unsqueeze, reshape, view or None index) and inputs are [T]: a tensor stays within
-# (nodes x T) elements, so no graph can broadcast an outer product past memory.
+# No unsqueeze, reshape, view or None index; inputs are scalars, [T] or [T, K]. A broadcast ([T, 1] by [T]), a stack
+# or an advanced index can still grow a tensor: the runtime bounds each node's size by MAX_GROWTH.
 # Keyword arguments a listed operation may take (never `out`, `device`, `requires_grad`, `memory_format`).
 KWARGS: frozenset[str] = frozenset({"dim", "keepdim", "min", "max", "dtype", "alpha", "correction", "unbiased",
                                     "other", "input", "exponent", "rounding_mode", "nan", "posinf", "neginf", "beta",
@@ -69,7 +73,8 @@ class CustomLossNode:
 
 @dataclass(frozen=True)
 class CustomLoss:
-    """A checked graph: its name, its inputs (logprobs first) with their ranks, and its nodes."""
+    """A checked graph: its name, its inputs (logprobs first) with their ranks (0 a scalar, 1 [T], 2 [T, K]), and its
+    nodes."""
 
     name: str
     inputs: list[tuple[str, int]]
@@ -125,16 +130,44 @@ def _inputs(value: Any, field: str) -> list[tuple[str, int]]:
         name, rank = (item.get("name"), item.get("rank")) if isinstance(item, dict) else (None, None)
         if not isinstance(name, str) or not INPUT_NAME.fullmatch(name) or name in (n for n, _ in inputs):
             raise _fail(f"{field}[{i}].name must be a distinct lowercase identifier", f"{field}[{i}].name")
-        # Signal's datums carry 1-D loss inputs: [T] per position (soft (T, K) targets are cross_entropy's alone).
-        if rank != 1:
-            raise _fail(f"{field}[{i}] ({name}) has rank {rank!r}; Signal's custom losses take rank-1 ([T]) inputs",
-                        f"{field}[{i}].rank")
+        if rank not in (0, 1, 2) or isinstance(rank, bool):
+            raise _fail(f"{field}[{i}] ({name}) has rank {rank!r}; a custom loss input has rank 0 (a scalar), "
+                        "1 ([T]) or 2 ([T, K])", f"{field}[{i}].rank")
+        # logprobs are [T, K] only with (T, K) target_tokens, which are cross_entropy's alone here; weights are [T]
+        if name in ("logprobs", "weights") and rank != 1:
+            raise _fail(f"{field}[{i}] ({name}) has rank {rank}; Signal serves {name} of rank 1 ([T]) to a custom "
+                        "loss (docs/LOSSES.md)", f"{field}[{i}].rank")
         inputs.append((name, rank))
     if inputs[0][0] != "logprobs":
         raise _fail(f"{field}[0] must be logprobs", f"{field}[0].name")
     if "target_tokens" in (n for n, _ in inputs[1:]):
         raise _fail(f"{field}: target_tokens are ids, not a loss input; the loss reads their logprobs", field)
     return inputs
+
+
+def own_input(value: object, n: int, field: str) -> float | list[float] | list[list[float]]:
+    """A custom loss's own loss_fn_input as a datum carries it: a number (rank 0; Tinker's wire sends a scalar as
+    one value, its empty shape lost), N numbers (rank 1) or N rows of K numbers (rank 2), finite. The loss's declared
+    rank picks among them (gpu_runtime/compute/custom_losses.py:check_inputs)."""
+    if _finite(value):
+        return float(value)  # type: ignore[arg-type]  # _finite narrowed it to a real number
+    if isinstance(value, list) and value and all(isinstance(row, list) for row in value):
+        width = len(value[0])
+        if len(value) != n or not 1 <= width <= MAX_INPUT_WIDTH or any(len(row) != width for row in value):
+            raise _fail(f"{field} must be (N, K) with N = len(model_input) ({n}) and K in 1..{MAX_INPUT_WIDTH}, "
+                        "every row of K numbers", field)
+        if not all(_finite(v) for row in value for v in row):
+            raise _fail(f"{field} must hold finite numbers", field)
+        return [[float(v) for v in row] for row in value]
+    if isinstance(value, list) and len(value) in (1, n) and all(_finite(v) for v in value):
+        return [float(v) for v in value] if len(value) == n else float(value[0])
+    got = f"{len(value)} values" if isinstance(value, list) else type(value).__name__
+    raise _fail(f"{field} must be a number, {n} numbers (one per position) or (N, K) rows of finite numbers, "
+                f"got {got}", field)
+
+
+def _finite(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _node(node: Any, i: int, seen: set[str], inputs: list[tuple[str, int]], field: str, last: bool) -> CustomLossNode:

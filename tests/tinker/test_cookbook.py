@@ -189,3 +189,8 @@ def test_off_policy_distillation_trains_on_soft_targets(cookbook_server: LiveSer
     log = (log_path / "logs.log").read_text()
     assert log.count(f"collecting {TEACHER_TARGETS} teacher targets") == 2
     assert "falling back to hard targets" not in log
+    # The recipe prints `loss=` from metrics["total_loss"], a key no server can send through SDK 0.38: its chunk
+    # combine splits every metric name on ":" (a plain key raises ValueError) and `total_loss:sum` is another key.
+    # Signal sends each metric with its reduction (the SDK keeps them all), and the logged loss is train/loss:sum.
+    assert all(":" in key for row in rows for key in row if key.startswith("train/"))
+    assert log.count("loss=nan") == 2  # as against Tinker: docs/TINKER.md, "Not done yet"

@@ -41,21 +41,59 @@ def data() -> list[Any]:
     return out
 
 
-def test_a_server_side_loss_equals_the_same_loss_run_client_side(service_client: Any) -> None:
+def scaled_mix(logprobs: torch.Tensor, scale: torch.Tensor, mix: torch.Tensor, advantages: torch.Tensor) -> Any:
+    """A scalar per datum (rank 0) and K values per position (rank 2, a soft target's weights) beside a [T] input."""
+    weight = mix.sum(-1) * scale + advantages
+    loss = -(logprobs * weight).sum() + (mix * mix).mean() * scale
+    return loss, {"custom/scale:mean": scale.detach(), "custom/mix_max:sum": mix.amax(), "custom/w:mean": weight.mean()}
+
+
+def scalar_only(logprobs: torch.Tensor, scale: torch.Tensor) -> Any:
+    return -(logprobs.sum() * scale), {"custom/scale:sum": scale}
+
+
+def shaped_data(names: tuple[str, ...]) -> list[Any]:
+    """data() with a per-datum scalar `scale` (shape [], as TensorData.from_torch of a 0-d tensor) and (N, 3) `mix`."""
     from tinker import types
 
-    handle = service_client.create_custom_loss(ppo_clip, RANKS).result()
+    out = []
+    for j, d in enumerate(data()):
+        n = len(d.model_input.to_ints())
+        extra = {"scale": types.TensorData(data=[0.5 + j], dtype="float32", shape=[]),
+                 "mix": types.TensorData(data=[0.1 * ((i + j) % 7) for i in range(3 * n)], dtype="float32", shape=[n, 3])}
+        inputs = {k: v for k, v in d.loss_fn_inputs.items() if k in ("target_tokens", *names)}
+        out.append(types.Datum(model_input=d.model_input, loss_fn_inputs={**inputs, **{k: extra[k] for k in names
+                                                                                         if k in extra}}))
+    return out
+
+
+CASES = {  # loss, its inputs' ranks, the datums, the metrics to compare
+    "rank-1 inputs": (ppo_clip, RANKS, data, ("custom/ratio:mean", "custom/clipped:sum")),
+    "a scalar and [T, K] inputs": (scaled_mix, {"logprobs": 1, "scale": 0, "mix": 2, "advantages": 1},
+                                   lambda: shaped_data(("scale", "mix", "advantages")),
+                                   ("custom/scale:mean", "custom/mix_max:sum", "custom/w:mean")),
+    "a scalar alone": (scalar_only, {"logprobs": 1, "scale": 0}, lambda: shaped_data(("scale",)),
+                       ("custom/scale:sum",)),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_server_side_loss_equals_the_same_loss_run_client_side(service_client: Any, case: str) -> None:
+    from tinker import types
+
+    fn, ranks, make, keys = CASES[case]
+    handle = service_client.create_custom_loss(fn, ranks).result()
     assert handle.loss_id is not None  # uploaded: client/config says custom_loss_server_side
     local = dataclasses.replace(handle, loss_id=None)  # the same traced loss, run by the SDK itself
     server_side = service_client.create_lora_training_client(base_model=TINY_MODEL, rank=8, seed=11).result()
     client_side = service_client.create_lora_training_client(base_model=TINY_MODEL, rank=8, seed=11).result()
     results, norms = [], []
     for training, loss in ((server_side, handle), (client_side, local)):
-        results.append(training.forward_backward_custom(data(), loss).result())
+        results.append(training.forward_backward_custom(make(), loss).result())
         step = training.optim_step(types.AdamParams(learning_rate=1e-2)).result()
         norms.append(step.metrics["optim/grad_norm"])
     served, reference = results
-    for key in ("loss:sum", "custom/ratio:mean", "custom/clipped:sum"):
+    for key in ("loss:sum", *keys):
         assert served.metrics[key] == pytest.approx(reference.metrics[key], rel=1e-5, abs=1e-5), key
     assert norms[0] > 0 and norms[0] == pytest.approx(norms[1], rel=1e-5)
     # The step moved both runs alike: their logprobs after it agree.
@@ -80,6 +118,41 @@ def test_another_users_loss_id_is_not_found(live_server: LiveServer, service_cli
     training = other.create_lora_training_client(base_model=TINY_MODEL, rank=8).result()
     with pytest.raises(Exception, match="not found"):
         training.forward_backward(data()[:1], "custom", {"loss_id": owned.loss_id}).result()
+
+
+def scalar_mean(logprobs: torch.Tensor, scale: torch.Tensor) -> Any:
+    return -(logprobs.mean() * scale), {}  # a session uploads each traced loss once: not scalar_only's graph
+
+
+def test_an_input_of_another_rank_than_declared_is_a_400_naming_it(service_client: Any) -> None:
+    """forward_backward with loss_fn "custom" skips the SDK's own rank check: Signal makes it, naming the input."""
+    from tinker import types
+
+    handle = service_client.create_custom_loss(scalar_mean, {"logprobs": 1, "scale": 0}).result()
+    training = service_client.create_lora_training_client(base_model=TINY_MODEL, rank=8).result()
+    (d,) = data()[:1]
+    n = len(d.model_input.to_ints())
+    wrong = types.Datum(model_input=d.model_input, loss_fn_inputs={
+        "target_tokens": d.loss_fn_inputs["target_tokens"],
+        "scale": types.TensorData(data=[1.0] * n, dtype="float32", shape=[n])})
+    with pytest.raises(Exception, match=r"loss_fn_inputs\.scale has rank 1, but custom loss 'scalar_mean' declares"):
+        training.forward_backward([wrong], "custom", {"loss_id": handle.loss_id}).result()
+
+
+def grows(logprobs: torch.Tensor) -> Any:
+    wide = torch.cat([logprobs] * 64)  # 64 x its input: at the bound
+    return torch.cat([wide] * 64).sum(), {}  # 4096 x: past it
+
+
+def test_a_node_that_grows_past_its_bound_is_a_400_naming_it(service_client: Any) -> None:
+    handle = service_client.create_custom_loss(grows, {"logprobs": 1}).result()
+    training = service_client.create_lora_training_client(base_model=TINY_MODEL, rank=8).result()
+    from tinker import types
+
+    plain = [types.Datum(model_input=d.model_input, loss_fn_inputs={"target_tokens": d.loss_fn_inputs["target_tokens"]})
+             for d in data()[:1]]
+    with pytest.raises(Exception, match=r"node 'cat_1' \(torch.cat\) makes a tensor of \d+ elements"):
+        training.forward_backward_custom(plain, handle).result()
 
 
 def node(op: str, name: str, target: str, *args: Any) -> dict[str, Any]:
