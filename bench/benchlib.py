@@ -76,7 +76,8 @@ def apply_threads(threads: int) -> dict[str, str]:
     import torch
 
     torch.set_num_threads(threads)
-    return {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    # SIGNAL_THREADS too: a server started from this environment sets its runtime's threads from it (default: cores).
+    return {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "SIGNAL_THREADS": str(threads)}
 
 
 @contextmanager

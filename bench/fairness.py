@@ -100,7 +100,7 @@ def signal_serve(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
         env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "SIGNAL_DATA_DIR": str(data_dir),
                "SIGNAL_DEVICE": args.device, "SIGNAL_DEFAULT_MODEL": args.model, "SIGNAL_LOG_LEVEL": "warning"}
         if args.threads > 0:  # the runtime process inherits these: torch reads them when it starts
-            env |= {"OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads)}
+            env |= {"OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads), "SIGNAL_THREADS": str(args.threads)}
         process = subprocess.Popen([sys.executable, "-c", SIGNAL_CLI, "serve", "--port", str(port)], env=env,
                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         try:

@@ -75,7 +75,7 @@ def one_start(repo: Path, threads: int) -> dict[str, float]:
         env = {**os.environ, "PYTHONPATH": str(repo), "SIGNAL_DATA_DIR": data_dir, "SIGNAL_PORT": str(port)}
         env.pop("PYTHONDONTWRITEBYTECODE", None)  # Python's default: a start after the first reads cached bytecode
         if threads > 0:
-            env |= {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+            env |= {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "SIGNAL_THREADS": str(threads)}
         url = f"http://127.0.0.1:{port}"
         started = time.monotonic()
         process = subprocess.Popen([SIGNAL, "serve"], env=env, cwd=data_dir, stdout=subprocess.PIPE,

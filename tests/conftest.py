@@ -17,6 +17,8 @@ if TYPE_CHECKING:
 # One torch intra-op thread in the test process and in every server, runtime and script it starts (they inherit the
 # environment): on CI's 2 shared cores, OpenMP's thread per core mostly spins waiting for threads the OS preempted.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# The server sets its runtime's torch threads itself (SIGNAL_THREADS, default: the cores), over OMP_NUM_THREADS.
+os.environ.setdefault("SIGNAL_THREADS", "1")
 
 # `SIGNAL_TEST_DATABASE=postgres` (make test-postgres): every server, CLI and service a test starts uses a fresh
 # PostgreSQL database per module, through SIGNAL_DATABASE_URL, as production configures it; else SQLite.
