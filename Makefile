@@ -85,10 +85,12 @@ test-fast: test-deps install cookbook
 # search, live lists, ownership, compare, keys) run here too. Also left to SQLite: the slow modules whose time is the
 # runtime's, not queries (a worker killed and restarted, the Modal stand-in, allocation refusals before any query,
 # `signal serve`'s first start, /healthz under training, files after a kill, the journal's once-only replay, Tinker's
-# split batches); their rows are the ones tests/app's other modules write and read here.
+# split batches); their rows are the ones tests/app's other modules write and read here. And one check of what a
+# fresh server process imports (a whole server and runtime in a subprocess), which no database changes.
 PG_SKIP := $(addprefix --ignore=tests/,app/test_worker_recovery.py app/test_modal_backend.py app/test_allocation.py \
 	app/test_cli.py app/test_concurrency.py faults/test_interrupted_saves.py faults/test_recorded_once.py \
-	tinker/test_depth.py tinker/test_cookbook.py)
+	tinker/test_depth.py tinker/test_cookbook.py) \
+	--deselect tests/tinker/test_wire.py::test_server_imports_neither_torch_nor_tinker
 PG_WEB := $(addprefix tests/web/,test_sessions.py test_usage.py test_run_labels.py test_runs_live.py test_rules.py \
 	test_compare.py test_keys_page.py)
 test-postgres: TEST_DEPS = postgresql

@@ -182,6 +182,7 @@ class Engine(InProcess):
             if self.scheduler.closed and not self.scheduler.has_work() and not self.sampling.busy:
                 break
             if not woken:
+                self.in_flight.expire_deadlines()  # a deferred deadline ran out on a call still held (its ticket)
                 self._housekeeping()
                 continue
             self.tick()

@@ -360,13 +360,17 @@ class Scheduler:
         """Calls whose deferred deadline (Cancel.deadline_s) has run out since they could run, not yet begun."""
         with self.condition:
             now = time.monotonic()
-            lanes = [self._free, *(queue for run, queue in self._runs.items() if run not in self._busy)]
-            return [r for lane in lanes for r in lane if r.deadline_s is not None and not r.started
-                    and r.runnable_since is not None and now - r.runnable_since >= r.deadline_s]
+            return [r for r, due in self._deadlines(now) if due <= 0]
+
+    def _deadlines(self, now: float) -> list[tuple[Request, float]]:
+        """Each unbegun call with a deferred deadline, and the seconds until it runs out (past_deadline's and
+        wait_for_work's one rule: a call it would not withdraw must not wake the engine, which would then spin)."""
+        lanes = [self._free, *(queue for run, queue in self._runs.items() if run not in self._busy)]
+        return [(r, r.runnable_since + r.deadline_s - now) for lane in lanes for r in lane
+                if r.deadline_s is not None and not r.started and r.runnable_since is not None]
 
     def _next_deadline_in(self, now: float) -> float | None:
-        due = [r.runnable_since + r.deadline_s - now for q in self._runs.values() for r in q
-               if r.deadline_s is not None and r.runnable_since is not None]
+        due = [seconds for _, seconds in self._deadlines(now)]
         return max(min(due), 0.0) if due else None
 
     def hold(self, run_id: str) -> None:
