@@ -92,8 +92,11 @@ class SlotGroup:
     def begin(self) -> torch.Tensor:
         """Link the runs' gradients and moments into their rows, divide the gradients by their normalisers, clip them;
         returns the runs' norms (in `steps` order) on the device."""
-        for layer in self.layers:  # gradients put back by a restore (or none yet) move into the rows
-            layer.link_grads(self.slots)
+        # gradients put back by a restore (or none yet) move into the rows; after a pass they are there already
+        unlinked = [s.occupant.slot for s in self.steps if not self.base.grads_linked(s.occupant)]
+        if unlinked:
+            for layer in self.layers:
+                layer.link_grads(unlinked)
         self.links = [_link(step, self.base) for step in self.steps]
         k = len(self.slots)
         if _consecutive(self.slots):  # in place, as views of the buffers
@@ -128,10 +131,11 @@ class SlotGroup:
             torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], [counted] * len(params), amsgrad=False,
                                 lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps, maximize=False,
                                 grad_scale=None, found_inf=None)
-        for link, ok in zip(self.links, finite):
-            if ok:
-                link.count += 1
-                link.step.fill_(float(link.count))
+        stepped = [link for link, ok in zip(self.links, finite) if ok]
+        for link in stepped:
+            link.count += 1
+        if stepped:  # each run's count + 1, exact in fp32: one op for every run, not a fill each
+            torch._foreach_add_([link.step for link in stepped], 1.0)
         self.grads = []
 
     def _rows(self, members: list[int]) -> tuple[list[torch.Tensor], ...]:

@@ -279,6 +279,15 @@ class BaseSlots:
         self.occupants[key] = occupant
         return occupant
 
+    def grads_linked(self, occupant: Occupant) -> bool:
+        """Whether every `.grad` of the occupant is the view of its gradient rows (`LayerSlots.link_grads` made it so
+        in its last pass): then an optimizer tick need not link them again."""
+        for path, (A, B) in occupant.weights.items():
+            views = self.layers[path]._grad_views.get(occupant.slot)
+            if views is None or A.grad is not views[0] or B.grad is not views[1]:
+                return False
+        return True
+
     def detach(self, key: str) -> None:
         """Free `key`'s slot; its tensors keep their values in storage of their own."""
         occupant = self.occupants.pop(key, None)
