@@ -16,11 +16,13 @@ from __future__ import annotations
 import json
 import os
 import re
+import statistics
 import struct
 import sys
 import threading
 import time
 import zlib
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -181,23 +183,26 @@ SYNC_THREADS = 8  # journals fsync'd at once; more wait for a free thread
 # an fsync quicker than this (tmpfs, a drive with power-loss protection) costs less than handing it to a thread and
 # waiting for it (~30-300 us a journal on a busy host): such journals are synced one after another, inline
 INLINE_FSYNC_S = 50e-6
-_fsync_s: list[float] = [1e-3]  # a running mean of one fsync's seconds (the data directory's disk), a disk's at first
+# the last fsyncs' seconds on this process's disk; their median decides (a preempted fsync on a busy host is one
+# outlier, not a slow disk); none yet: concurrently
+_fsyncs: deque[float] = deque(maxlen=9)
 
 
 def _fsync_timed(seconds: float) -> None:
-    _fsync_s[0] += (seconds - _fsync_s[0]) / 8  # a few fsyncs move it: a slow disk is noticed within a tick
+    _fsyncs.append(seconds)  # from the pool's threads too: a deque's append is thread-safe
+
+
+def _fsyncs_quick() -> bool:
+    return len(_fsyncs) == _fsyncs.maxlen and statistics.median(_fsyncs) < INLINE_FSYNC_S
 
 
 def sync_all(journals: Sequence[Journal]) -> list[OSError | None]:
     """`sync` every journal, concurrently: os.fsync releases the GIL and the file system commits concurrent fsyncs
     together (8 journals on ext4 under load: ~1 ms against ~33 ms one after another). Each journal's own error.
-    Where fsyncs have been quick, inline, one after another, until one is slow: the rest then go concurrently."""
-    errors: list[OSError | None] = []
-    for at, journal in enumerate(journals):
-        if len(journals) - at > 1 and _fsync_s[0] >= INLINE_FSYNC_S:
-            return errors + list(_pool().map(_sync_one, journals[at:]))
-        errors.append(_sync_one(journal))
-    return errors
+    Where the last fsyncs were quick, one after another on this thread."""
+    if len(journals) <= 1 or _fsyncs_quick():
+        return [_sync_one(journal) for journal in journals]
+    return list(_pool().map(_sync_one, journals))
 
 
 def _sync_one(journal: Journal) -> OSError | None:
