@@ -5,9 +5,11 @@ torch's fused AdamW, journaled as "slots" and replayed with it bit for bit."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from gpu_runtime.compute.lora.slots import in_layout_of
 from gpu_runtime.compute.optim_tick import StepOrder, optimizer_tick
@@ -150,3 +152,37 @@ def test_a_run_resumed_from_save_state_with_its_optimizer_continues_bit_for_bit(
     assert train(engine, "resumed", 2) == train(engine, "orig", 2)
     assert all(torch.equal(a, b) for a, b in zip(params(engine, "resumed"), params(engine, "orig")))
     assert all(torch.equal(a, b) for a, b in zip(moments(engine, "resumed"), moments(engine, "orig")))
+
+
+class CountOps(TorchDispatchMode):
+    """Counts the torch ops dispatched (on a GPU: what is launched, a foreach op over many tensors being one)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.total = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.total += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_tick_of_three_runs_dispatches_no_more_torch_ops_than_a_tick_of_one(tmp_path: Path,
+                                                                               tiny_model_dir: str) -> None:
+    """Runs trained by forward_backward (their gradients linked into the slot rows) step in a fixed handful of ops:
+    the per-run work of a tick is the host's bookkeeping, not launches."""
+    engine = new_engine(tmp_path, tiny_model_dir)
+    ops = {}
+    for stepping in (["run-0"], ["run-0", "run-1", "run-2"]):
+        for run in stepping:
+            engine.call("forward_backward", run_id=run, batch=BATCH)
+        orders = [StepOrder(params(engine, run), engine.runs[run].optimizer, 4.0, SETTINGS[0],
+                            slots=engine.residency.bases[engine.runs[run].base_key].routing.slots, key=run)
+                  for run in stepping]
+        optimizer_tick(orders)  # the first step links each run's moments into its rows: once in a run's life
+        for run in stepping:
+            engine.call("forward_backward", run_id=run, batch=BATCH)
+        with CountOps() as counted:
+            norms = optimizer_tick(orders)
+        assert all(n > 0 for n in norms)
+        ops[len(stepping)] = counted.total
+    assert ops[3] == ops[1], ops
