@@ -186,3 +186,32 @@ def test_a_tick_of_three_runs_dispatches_no_more_torch_ops_than_a_tick_of_one(tm
         assert all(n > 0 for n in norms)
         ops[len(stepping)] = counted.total
     assert ops[3] == ops[1], ops
+
+
+@pytest.mark.parametrize("stepping", [[0, 1, 2], [0, 2]], ids=["consecutive-slots", "gathered-slots"])
+def test_runs_at_different_steps_with_one_setting_share_a_call_and_each_equal_its_step_alone(
+        tmp_path: Path, tiny_model_dir: str, stepping: list[int]) -> None:
+    """One fused call steps runs whose bias corrections differ (run-0 is a step ahead): each tensor carries its own
+    run's count, so each run's bits are those of its step alone."""
+    together = new_engine(tmp_path / "together", tiny_model_dir)
+    alone = new_engine(tmp_path / "alone", tiny_model_dir, extra_rank=16)
+    runs = [f"run-{i}" for i in stepping]
+
+    def shared(engine: Engine, run: str) -> StepOrder:
+        stepped = order(engine, run)
+        stepped.settings = SETTINGS[0]
+        return stepped
+
+    for engine in (together, alone):  # run-0 a step ahead of the others
+        give_grads(engine, ["run-0"], 99)
+        optimizer_tick([shared(engine, "run-0")])
+    for round_number in range(ROUNDS):
+        give_grads(together, runs, round_number)
+        give_grads(alone, runs, round_number)
+        norms = optimizer_tick([shared(together, run) for run in runs])
+        assert norms == [optimizer_tick([shared(alone, run)])[0] for run in runs]
+    for run in runs:
+        assert all(torch.equal(a, b) for a, b in zip(params(together, run), params(alone, run))), run
+        assert all(torch.equal(a, b) for a, b in zip(moments(together, run), moments(alone, run))), run
+    assert [together.runs[run].optimizer.state[params(together, run)[0]]["step"].item() for run in runs] == \
+        [ROUNDS + 1] + [ROUNDS] * (len(runs) - 1)
