@@ -4,8 +4,10 @@ buffers (compute/lora/slots.py), a fixed handful of ops a tick however many runs
 A run's parameters, gradients and moments are rows of one buffer per layer and matrix ([slots, R, width]), so a tick
 divides and clips the rows of all the runs stepping at once (each run's normaliser and clip norm a per-slot fp32
 column broadcast over its rows), measures every run's norm in one reduction, and steps them with torch's fused AdamW
-over the buffers' rows: one call per distinct (settings, step count), one view per buffer where the runs' slots are
-consecutive. Rows past a run's rank are zero and stay zero (zero gradient, zero moments).
+over the buffers' rows: one call per distinct setting (each tensor carries its run's step count), one view per buffer
+where the runs' slots are consecutive and their step counts alike, else one per run and buffer. Rows past a run's
+rank are zero and stay zero (zero gradient, zero moments). Runs sharing a setting step in one call whatever their
+steps: a tick of runs that use the default setting dispatches as many torch ops for 8 runs as for one.
 
 The norm is summed per row across the buffers, then over the rows in order (a cumsum: zero rows add nothing), so a
 run's bits depend on nothing else in the buffers: not the runs beside it, their ranks (R) or the slot count, and
@@ -87,16 +89,21 @@ class SlotGroup:
         self.device = self.layers[0].A.device
         self.grads: list[torch.Tensor] = []  # the runs' gradient rows, A then Bᵀ, layer by layer: [k, R, width] each
         self.links: list[_Link] = []
+        self.gathered = False  # whether `grads` are copies of the rows (the runs' slots not consecutive)
 
     @torch.no_grad()
     def begin(self) -> torch.Tensor:
         """Link the runs' gradients and moments into their rows, divide the gradients by their normalisers, clip them;
         returns the runs' norms (in `steps` order) on the device."""
-        for layer in self.layers:  # gradients put back by a restore (or none yet) move into the rows
-            layer.link_grads(self.slots)
+        # gradients put back by a restore (or none yet) move into the rows; after a pass they are there already
+        unlinked = [s.occupant.slot for s in self.steps if not self.base.grads_linked(s.occupant)]
+        if unlinked:
+            for layer in self.layers:
+                layer.link_grads(unlinked)
         self.links = [_link(step, self.base) for step in self.steps]
         k = len(self.slots)
-        if _consecutive(self.slots):  # in place, as views of the buffers
+        self.gathered = not _consecutive(self.slots)
+        if not self.gathered:  # in place, as views of the buffers
             self.grads = [view for layer in self.layers for view in layer.slot_range(self.slots[0], k)[2:4]]
         else:  # gathered: the fused step below reads them, and the buffers' rows are cleared after it anyway
             index = to_device(torch.tensor(self.slots), self.device)
@@ -116,39 +123,47 @@ class SlotGroup:
 
     @torch.no_grad()
     def step(self, finite: list[bool]) -> None:
-        """torch's fused AdamW over the rows of the runs whose norm is finite, one call per distinct (settings, step
-        count): rows past a run's rank hold zeros, which AdamW keeps zero; other slots' rows are not touched."""
+        """torch's fused AdamW over the rows of the runs whose norm is finite, one call per distinct setting (each
+        tensor with its run's step count): rows past a run's rank hold zeros, which AdamW keeps zero; other slots'
+        rows are not touched."""
         together: dict[tuple[float, ...], list[int]] = {}
-        for i, (step, link, ok) in enumerate(zip(self.steps, self.links, finite)):
+        for i, (step, ok) in enumerate(zip(self.steps, finite)):
             if ok:
-                together.setdefault((*(step.settings[key] for key in SETTING_KEYS), link.count + 1), []).append(i)
-        for (lr, beta1, beta2, eps, weight_decay, count), members in together.items():
-            params, grads, exp_avgs, exp_avg_sqs = self._rows(members)
-            counted = to_device(torch.tensor(count, dtype=torch.float32), self.device)
-            torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], [counted] * len(params), amsgrad=False,
-                                lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps, maximize=False,
-                                grad_scale=None, found_inf=None)
-        for link, ok in zip(self.links, finite):
-            if ok:
-                link.count += 1
-                link.step.fill_(float(link.count))
+                together.setdefault(tuple(step.settings[key] for key in SETTING_KEYS), []).append(i)
+        stepped = [self.links[i] for members in together.values() for i in members]
+        for link in stepped:
+            link.count += 1
+        if stepped:  # each run's count + 1 (exact in fp32), before the kernel reads it, as torch's adamw does
+            torch._foreach_add_([link.step for link in stepped], 1.0)
+        for (lr, beta1, beta2, eps, weight_decay), members in together.items():
+            params, grads, exp_avgs, exp_avg_sqs, counts = self._rows(members)
+            torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], counts, amsgrad=False, lr=lr, beta1=beta1,
+                                beta2=beta2, weight_decay=weight_decay, eps=eps, maximize=False, grad_scale=None,
+                                found_inf=None)
         self.grads = []
 
     def _rows(self, members: list[int]) -> tuple[list[torch.Tensor], ...]:
-        """Parameters, gradients, exp_avg and exp_avg_sq of these runs (positions in `steps`), tensor for tensor: one
-        view per buffer where their slots are consecutive, else one per run and buffer."""
+        """Parameters, gradients, exp_avg, exp_avg_sq and step counts of these runs (positions in `steps`), tensor for
+        tensor: one view per buffer where their slots are consecutive and their counts alike, else one per run and
+        buffer (each with its run's count: one call steps runs at different steps)."""
         slots = [self.slots[i] for i in members]
-        if _consecutive(slots) and _consecutive(members):
+        links = [self.links[i] for i in members]
+        if _consecutive(slots) and _consecutive(members) and all(link.count == links[0].count for link in links):
             ranges = [layer.slot_range(slots[0], len(slots)) for layer in self.layers]
             whole = len(members) == len(self.steps)  # every run of the group: its gradient rows as they are
             grads = self.grads if whole else [g.narrow(0, members[0], len(members)) for g in self.grads]
+            counts = [links[0].step] * (2 * len(ranges))
         else:
             ranges = [layer.slot_range(slot, 1) for slot in slots for layer in self.layers]
-            grads = [g.narrow(0, i, 1) for i in members for g in self.grads]
+            if self.gathered:  # the clipped gradients are the gathered copies' rows
+                grads = [g.narrow(0, i, 1) for i in members for g in self.grads]
+            else:  # in place: each run's rows of the buffers, views made once
+                grads = [r[j] for r in ranges for j in (2, 3)]
+            counts = [link.step for link in links for _ in range(2 * len(self.layers))]
         params = [r[j] for r in ranges for j in (0, 1)]
         exp_avgs = [r[j] for r in ranges for j in (4, 6)]
         exp_avg_sqs = [r[j] for r in ranges for j in (5, 7)]
-        return params, grads, exp_avgs, exp_avg_sqs
+        return params, grads, exp_avgs, exp_avg_sqs, counts
 
 
 def _consecutive(values: list[int]) -> bool:

@@ -16,10 +16,13 @@ from __future__ import annotations
 import json
 import os
 import re
+import statistics
 import struct
 import sys
 import threading
+import time
 import zlib
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -117,7 +120,9 @@ class Journal:
 
     def sync(self) -> None:
         if self._dirty and self._file is not None:
+            started = time.perf_counter()
             os.fsync(self._file.fileno())
+            _fsync_timed(time.perf_counter() - started)
             self._dirty = False
             self.synced_bytes, self.synced_seq = self._file.tell(), self.next_seq
 
@@ -175,12 +180,27 @@ class Journal:
 
 
 SYNC_THREADS = 8  # journals fsync'd at once; more wait for a free thread
+# an fsync quicker than this (tmpfs, a drive with power-loss protection) costs less than handing it to a thread and
+# waiting for it (~30-300 us a journal on a busy host): such journals are synced one after another, inline
+INLINE_FSYNC_S = 50e-6
+# the last fsyncs' seconds on this process's disk; their median decides (a preempted fsync on a busy host is one
+# outlier, not a slow disk); none yet: concurrently
+_fsyncs: deque[float] = deque(maxlen=9)
+
+
+def _fsync_timed(seconds: float) -> None:
+    _fsyncs.append(seconds)  # from the pool's threads too: a deque's append is thread-safe
+
+
+def _fsyncs_quick() -> bool:
+    return len(_fsyncs) == _fsyncs.maxlen and statistics.median(_fsyncs) < INLINE_FSYNC_S
 
 
 def sync_all(journals: Sequence[Journal]) -> list[OSError | None]:
     """`sync` every journal, concurrently: os.fsync releases the GIL and the file system commits concurrent fsyncs
-    together (8 journals on ext4 under load: ~1 ms against ~33 ms one after another). Each journal's own error."""
-    if len(journals) <= 1:
+    together (8 journals on ext4 under load: ~1 ms against ~33 ms one after another). Each journal's own error.
+    Where the last fsyncs were quick, one after another on this thread."""
+    if len(journals) <= 1 or _fsyncs_quick():
         return [_sync_one(journal) for journal in journals]
     return list(_pool().map(_sync_one, journals))
 

@@ -325,12 +325,13 @@ class Training:
         """Every run's optim_step of this tick in one optimizer tick (gpu_runtime/compute/optim_tick.py); then each
         is counted, journaled and remembered on its own. The tick's seconds are shared among them evenly."""
         started = time.perf_counter()
-        norms = self.shared.compute.optim_tick([Stepping(s.state, s.state.pending.divisor, s.settings,
-                                                         slots=self._slots(s.state)) for s in steps])
+        stepping = [Stepping(s.state, s.state.pending.divisor, s.settings, slots=self._slots(s.state)) for s in steps]
+        norms = self.shared.compute.optim_tick(stepping)
         seconds = self.shared.compute.seconds_since(started) / max(len(steps), 1)
-        return [self._stepped(step, norm, seconds) for step, norm in zip(steps, norms)]
+        return [self._stepped(step, norm, seconds, s.slots) for step, norm, s in zip(steps, norms, stepping)]
 
-    def _stepped(self, step: StepCall, grad_norm: float, seconds: float) -> OptimStepResult | SignalError:
+    def _stepped(self, step: StepCall, grad_norm: float, seconds: float,
+                 slots: BaseSlots | None) -> OptimStepResult | SignalError:
         state, pending, settings = step.state, step.state.pending, step.settings
         record: JSONObject
         try:
@@ -341,7 +342,7 @@ class Training:
         except FailedPrecondition as exc:
             record = {"error": exc.to_dict()}  # journaled too: dropping the gradients is a change replay must repeat
         self.shared.journal(state, OptimRecord(request_id=step.call.request_id, adam=settings,
-                                               kernel=self.shared.compute.kernel_for(state, self._slots(state)),
+                                               kernel=self.shared.compute.kernel_for(state, slots),
                                                body_sha256=step.body, result=record))
         state.remember(step.call.request_id, record, step.body)
         self.shared.residency.touch(state)

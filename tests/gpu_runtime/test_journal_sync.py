@@ -5,16 +5,23 @@ from __future__ import annotations
 
 import errno
 import os
+from collections import deque
 from pathlib import Path
 
 import pytest
 
+from gpu_runtime.engine import journal as journal_module
 from gpu_runtime.engine.journal import Journal, sync_all
 
 
+@pytest.mark.parametrize("disk", ["slow", "quick"])  # fsyncs through the pool's threads, or inline one by one
 @pytest.mark.parametrize("journals", [1, 3, 12])  # alone, a tick's few, more than the pool's threads
-def test_sync_all_makes_every_journal_durable_and_reports_each_failure_as_its_own(tmp_path: Path,
-                                                                                   journals: int) -> None:
+def test_sync_all_makes_every_journal_durable_and_reports_each_failure_as_its_own(
+        tmp_path: Path, journals: int, disk: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # what the last fsyncs took is what chooses: a disk's milliseconds, or tmpfs's microseconds
+    seconds = 5e-3 if disk == "slow" else 1e-6
+    monkeypatch.setattr(journal_module, "_fsyncs", deque([seconds] * 9, maxlen=9))
+    assert journal_module._fsyncs_quick() == (disk == "quick")
     opened = [Journal(tmp_path / f"run-{i}") for i in range(journals)]
     for i, journal in enumerate(opened):
         for n in range(i + 1):

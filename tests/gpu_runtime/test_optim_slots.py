@@ -5,9 +5,11 @@ torch's fused AdamW, journaled as "slots" and replayed with it bit for bit."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from gpu_runtime.compute.lora.slots import in_layout_of
 from gpu_runtime.compute.optim_tick import StepOrder, optimizer_tick
@@ -150,3 +152,66 @@ def test_a_run_resumed_from_save_state_with_its_optimizer_continues_bit_for_bit(
     assert train(engine, "resumed", 2) == train(engine, "orig", 2)
     assert all(torch.equal(a, b) for a, b in zip(params(engine, "resumed"), params(engine, "orig")))
     assert all(torch.equal(a, b) for a, b in zip(moments(engine, "resumed"), moments(engine, "orig")))
+
+
+class CountOps(TorchDispatchMode):
+    """Counts the torch ops dispatched (on a GPU: what is launched, a foreach op over many tensors being one)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.total = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.total += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_tick_of_three_runs_dispatches_no_more_torch_ops_than_a_tick_of_one(tmp_path: Path,
+                                                                               tiny_model_dir: str) -> None:
+    """Runs trained by forward_backward (their gradients linked into the slot rows) step in a fixed handful of ops:
+    the per-run work of a tick is the host's bookkeeping, not launches."""
+    engine = new_engine(tmp_path, tiny_model_dir)
+    ops = {}
+    for stepping in (["run-0"], ["run-0", "run-1", "run-2"]):
+        for run in stepping:
+            engine.call("forward_backward", run_id=run, batch=BATCH)
+        orders = [StepOrder(params(engine, run), engine.runs[run].optimizer, 4.0, SETTINGS[0],
+                            slots=engine.residency.bases[engine.runs[run].base_key].routing.slots, key=run)
+                  for run in stepping]
+        optimizer_tick(orders)  # the first step links each run's moments into its rows: once in a run's life
+        for run in stepping:
+            engine.call("forward_backward", run_id=run, batch=BATCH)
+        with CountOps() as counted:
+            norms = optimizer_tick(orders)
+        assert all(n > 0 for n in norms)
+        ops[len(stepping)] = counted.total
+    assert ops[3] == ops[1], ops
+
+
+@pytest.mark.parametrize("stepping", [[0, 1, 2], [0, 2]], ids=["consecutive-slots", "gathered-slots"])
+def test_runs_at_different_steps_with_one_setting_share_a_call_and_each_equal_its_step_alone(
+        tmp_path: Path, tiny_model_dir: str, stepping: list[int]) -> None:
+    """One fused call steps runs whose bias corrections differ (run-0 is a step ahead): each tensor carries its own
+    run's count, so each run's bits are those of its step alone."""
+    together = new_engine(tmp_path / "together", tiny_model_dir)
+    alone = new_engine(tmp_path / "alone", tiny_model_dir, extra_rank=16)
+    runs = [f"run-{i}" for i in stepping]
+
+    def shared(engine: Engine, run: str) -> StepOrder:
+        stepped = order(engine, run)
+        stepped.settings = SETTINGS[0]
+        return stepped
+
+    for engine in (together, alone):  # run-0 a step ahead of the others
+        give_grads(engine, ["run-0"], 99)
+        optimizer_tick([shared(engine, "run-0")])
+    for round_number in range(ROUNDS):
+        give_grads(together, runs, round_number)
+        give_grads(alone, runs, round_number)
+        norms = optimizer_tick([shared(together, run) for run in runs])
+        assert norms == [optimizer_tick([shared(alone, run)])[0] for run in runs]
+    for run in runs:
+        assert all(torch.equal(a, b) for a, b in zip(params(together, run), params(alone, run))), run
+        assert all(torch.equal(a, b) for a, b in zip(moments(together, run), moments(alone, run))), run
+    assert [together.runs[run].optimizer.state[params(together, run)[0]]["step"].item() for run in runs] == \
+        [ROUNDS + 1] + [ROUNDS] * (len(runs) - 1)

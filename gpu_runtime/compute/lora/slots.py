@@ -279,6 +279,16 @@ class BaseSlots:
         self.occupants[key] = occupant
         return occupant
 
+    def grads_linked(self, occupant: Occupant) -> bool:
+        """Whether the occupant's `.grad` are the views of its gradient rows (`LayerSlots.link_grads` made them so in
+        its last pass): then an optimizer tick need not link them again. A run's gradients are put whole or not at
+        all (a pass links all, a restore or a split call's backup puts all back, a step or a drop clears all), so its
+        first matrix speaks for the rest: a tick touches one parameter's `.grad` a run, whose objects a pass has
+        pushed out of the CPU's caches (~1 us a parameter)."""
+        path, (A, B) = next(iter(occupant.weights.items()))
+        views = self.layers[path]._grad_views.get(occupant.slot)
+        return views is not None and A.grad is views[0] and B.grad is views[1]
+
     def detach(self, key: str) -> None:
         """Free `key`'s slot; its tensors keep their values in storage of their own."""
         occupant = self.occupants.pop(key, None)
