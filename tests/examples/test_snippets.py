@@ -77,7 +77,8 @@ def run_python(code: str, env: dict[str, str], cwd: Path, python: str = sys.exec
 
 def run_shell(code: str, env: dict[str, str], cwd: Path) -> dict[str, str]:
     """The snippet in bash, stopping at the first failure; the environment it leaves, for the Python after it."""
-    done = subprocess.run(["bash", "-euo", "pipefail", "-c", f"{code}\nenv -0"], env=env, cwd=cwd,
+    # The snippet's own output goes to stderr, so stdout is `env -0`'s alone (pip's lines once ran into its first entry).
+    done = subprocess.run(["bash", "-euo", "pipefail", "-c", f"{{\n{code}\n}} >&2\nenv -0"], env=env, cwd=cwd,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, f"{code}\n---\n{done.stderr[-4000:]}"
     return dict(line.split("=", 1) for line in done.stdout.split("\0") if "=" in line)
