@@ -140,7 +140,7 @@ def sample(logits: torch.Tensor, params: RowParams, position: torch.Tensor, *, a
            top_k_cap: int = 0, top_p_rows: torch.Tensor | None = None, logprobs_k: int = 0) -> Sampled:
     """The next token of every row of `logits` [rows, vocab] at `position` [rows] (the index the token will have in
     its sequence). Host ints choose kernels only, never values: `any_sampled` (some row has temperature > 0; False
-    skips the noise), `top_k_cap` (the largest top_k of any row, 0: none), `top_p_rows` (indices of rows with
+    skips the draw), `top_k_cap` (the largest top_k of any row, 0: none), `top_p_rows` (indices of rows with
     top_p < 1, None: none), `logprobs_k` (top logprobs to return per row)."""
     logits = logits.float()
     logprobs = torch.log_softmax(logits, dim=-1)
