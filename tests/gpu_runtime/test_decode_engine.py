@@ -26,7 +26,6 @@ from transformers import (
 )
 
 from gpu_runtime.compute.decode.engine import DecodeEngine, DecodeSettings, Handle
-from gpu_runtime.compute.decode.sampler import RowParams, sample, split_seed, uniform
 from gpu_runtime.compute.decode.slot_cache import SlotCache, refusal
 
 VOCAB = 512
@@ -378,27 +377,6 @@ def test_unsupported_families_are_refused_with_a_reason(make: Callable[[], Any],
     assert reason in (refusal(config) or "")
     with pytest.raises(ValueError, match="no slot cache"):
         SlotCache(config, 32, slots=1)
-
-
-def test_sampler_noise_depends_on_the_key_only() -> None:
-    keys = torch.tensor([0, 1, 2**32 - 1], dtype=torch.int64)
-    u = uniform(keys, 5000)
-    assert u.shape == (3, 5000) and float(u.min()) > 0 and float(u.max()) < 1
-    assert torch.equal(u[1:2], uniform(keys[1:2], 5000))
-    assert abs(float(u.mean()) - 0.5) < 0.02
-    assert split_seed(-1) == (2**32 - 1, 2**32 - 1)
-
-
-@pytest.mark.parametrize(("top_k", "top_p", "allowed"), [(2, 1.0, {0, 1}), (0, 0.4, {0}), (0, 0.5, {0, 1}), (3, 0.7, {0, 1})])
-def test_sampler_keeps_only_what_top_k_and_top_p_allow(top_k: int, top_p: float, allowed: set[int]) -> None:
-    logits = torch.log(torch.tensor([[0.45, 0.3, 0.15, 0.1]])).expand(400, -1).contiguous()
-    rows = 400
-    params = RowParams(temperature=torch.ones(rows), top_k=torch.full((rows,), top_k), top_p=torch.full((rows,), top_p),
-                       seed_lo=torch.arange(rows), seed_hi=torch.zeros(rows, dtype=torch.int64),
-                       seq=torch.zeros(rows, dtype=torch.int64))
-    drawn = sample(logits, params, torch.zeros(rows, dtype=torch.int64), top_k_cap=top_k,
-                   top_p_rows=torch.arange(rows) if top_p < 1 else None)
-    assert set(drawn.tokens.tolist()) == allowed
 
 
 def test_handles_are_handles(llama: Any) -> None:
