@@ -4,6 +4,7 @@ torch's fused AdamW, journaled as "slots" and replayed with it bit for bit."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -58,20 +59,28 @@ def moments(engine: Engine, run_id: str) -> list[torch.Tensor]:
     return [optimizer.state[p][name] for p in params(engine, run_id) for name in ("exp_avg", "exp_avg_sq")]
 
 
+def ticks_together_equal_ticks_alone(together: Engine, alone: Engine, runs: list[str],
+                                     make_order: Callable[[Engine, str], StepOrder]) -> None:
+    """ROUNDS ticks of `runs` stepping together in one engine and one by one in the other: norms, weights and
+    moments bitwise equal."""
+    for round_number in range(ROUNDS):
+        give_grads(together, runs, round_number)
+        give_grads(alone, runs, round_number)
+        norms = optimizer_tick([make_order(together, run) for run in runs])
+        assert norms == [optimizer_tick([make_order(alone, run)])[0] for run in runs]
+    for run in runs:
+        assert all(torch.equal(a, b) for a, b in zip(params(together, run), params(alone, run))), run
+        assert all(torch.equal(a, b) for a, b in zip(moments(together, run), moments(alone, run))), run
+
+
 @pytest.mark.parametrize("stepping", [[0, 1, 2], [0, 2]], ids=["consecutive-slots", "gathered-slots"])
 def test_runs_with_their_own_settings_in_one_tick_each_equal_their_own_step_alone(
         tmp_path: Path, tiny_model_dir: str, stepping: list[int]) -> None:
     together = new_engine(tmp_path / "together", tiny_model_dir)
     alone = new_engine(tmp_path / "alone", tiny_model_dir, extra_rank=16)  # other slots, R = 16 instead of 8
     runs = [f"run-{i}" for i in stepping]
-    for round_number in range(ROUNDS):
-        give_grads(together, runs, round_number)
-        give_grads(alone, runs, round_number)
-        norms = optimizer_tick([order(together, run) for run in runs])
-        assert norms == [optimizer_tick([order(alone, run)])[0] for run in runs]
+    ticks_together_equal_ticks_alone(together, alone, runs, order)
     for run in runs:
-        assert all(torch.equal(a, b) for a, b in zip(params(together, run), params(alone, run))), run
-        assert all(torch.equal(a, b) for a, b in zip(moments(together, run), moments(alone, run))), run
         assert all(p.grad is None for p in params(together, run))
     untouched = new_engine(tmp_path / "untouched", tiny_model_dir)
     for run in {"run-0", "run-1", "run-2"} - set(runs):  # a run that did not step is left as it was
@@ -205,13 +214,6 @@ def test_runs_at_different_steps_with_one_setting_share_a_call_and_each_equal_it
     for engine in (together, alone):  # run-0 a step ahead of the others
         give_grads(engine, ["run-0"], 99)
         optimizer_tick([shared(engine, "run-0")])
-    for round_number in range(ROUNDS):
-        give_grads(together, runs, round_number)
-        give_grads(alone, runs, round_number)
-        norms = optimizer_tick([shared(together, run) for run in runs])
-        assert norms == [optimizer_tick([shared(alone, run)])[0] for run in runs]
-    for run in runs:
-        assert all(torch.equal(a, b) for a, b in zip(params(together, run), params(alone, run))), run
-        assert all(torch.equal(a, b) for a, b in zip(moments(together, run), moments(alone, run))), run
+    ticks_together_equal_ticks_alone(together, alone, runs, shared)
     assert [together.runs[run].optimizer.state[params(together, run)[0]]["step"].item() for run in runs] == \
         [ROUNDS + 1] + [ROUNDS] * (len(runs) - 1)
