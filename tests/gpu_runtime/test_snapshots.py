@@ -78,7 +78,8 @@ def test_a_snapshot_sample_finishes_before_a_queued_forward_backward(tmp_path: P
 def test_32_concurrent_snapshot_samples_share_one_decode_group(engine: Engine, tiny_run: str) -> None:
     train(engine, tiny_run, steps=1)
     engine.save_weights_for_sampler(tiny_run, "s")
-    futures = [submit(engine, "sample", run_id=tiny_run, snapshot="s", prompts=[f"prompt {i}"], max_tokens=6,
+    # 200 tokens: more than one decode chunk (0.25 s) of 64 rows takes, so the group is still there after one tick.
+    futures = [submit(engine, "sample", run_id=tiny_run, snapshot="s", prompts=[f"prompt {i}"], max_tokens=200,
                       num_samples=2, seed=i) for i in range(32)]
     engine.tick()
     groups = engine.runtime_state()["decode_groups"]
