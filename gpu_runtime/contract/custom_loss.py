@@ -15,6 +15,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from gpu_runtime.contract.checks import is_number
 from gpu_runtime.contract.json_types import JSONObject
 from gpu_runtime.errors import BadInput
 
@@ -149,25 +150,21 @@ def own_input(value: object, n: int, field: str) -> float | list[float] | list[l
     """A custom loss's own loss_fn_input as a datum carries it: a number (rank 0; Tinker's wire sends a scalar as
     one value, its empty shape lost), N numbers (rank 1) or N rows of K numbers (rank 2), finite. The loss's declared
     rank picks among them (gpu_runtime/compute/custom_losses.py:check_inputs)."""
-    if _finite(value):
-        return float(value)  # type: ignore[arg-type]  # _finite narrowed it to a real number
+    if is_number(value):
+        return float(value)  # type: ignore[arg-type]  # is_number narrowed it to a real number
     if isinstance(value, list) and value and all(isinstance(row, list) for row in value):
         width = len(value[0])
         if len(value) != n or not 1 <= width <= MAX_INPUT_WIDTH or any(len(row) != width for row in value):
             raise _fail(f"{field} must be (N, K) with N = len(model_input) ({n}) and K in 1..{MAX_INPUT_WIDTH}, "
                         "every row of K numbers", field)
-        if not all(_finite(v) for row in value for v in row):
+        if not all(is_number(v) for row in value for v in row):
             raise _fail(f"{field} must hold finite numbers", field)
         return [[float(v) for v in row] for row in value]
-    if isinstance(value, list) and len(value) in (1, n) and all(_finite(v) for v in value):
+    if isinstance(value, list) and len(value) in (1, n) and all(is_number(v) for v in value):
         return [float(v) for v in value] if len(value) == n else float(value[0])
     got = f"{len(value)} values" if isinstance(value, list) else type(value).__name__
     raise _fail(f"{field} must be a number, {n} numbers (one per position) or (N, K) rows of finite numbers, "
                 f"got {got}", field)
-
-
-def _finite(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _node(node: Any, i: int, seen: set[str], inputs: list[tuple[str, int]], field: str, last: bool) -> CustomLossNode:

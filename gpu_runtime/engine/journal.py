@@ -122,7 +122,7 @@ class Journal:
         if self._dirty and self._file is not None:
             started = time.perf_counter()
             os.fsync(self._file.fileno())
-            _fsync_timed(time.perf_counter() - started)
+            _fsyncs.append(time.perf_counter() - started)  # from the pool's threads too: a deque's append is thread-safe
             self._dirty = False
             self.synced_bytes, self.synced_seq = self._file.tell(), self.next_seq
 
@@ -186,10 +186,6 @@ INLINE_FSYNC_S = 50e-6
 # the last fsyncs' seconds on this process's disk; their median decides (a preempted fsync on a busy host is one
 # outlier, not a slow disk); none yet: concurrently
 _fsyncs: deque[float] = deque(maxlen=9)
-
-
-def _fsync_timed(seconds: float) -> None:
-    _fsyncs.append(seconds)  # from the pool's threads too: a deque's append is thread-safe
 
 
 def _fsyncs_quick() -> bool:
