@@ -62,8 +62,8 @@ COOKBOOK_DEPS := chz==0.4.0 blobfile==3.3.0 cloudpickle==3.1.3 datasets==5.2.0 p
 cookbook: $(COOKBOOK)
 
 $(COOKBOOK): $(STAMP) Makefile
-	$(PIP) install --no-deps tinker-cookbook==0.6.1
 	$(PIP) install $(COOKBOOK_DEPS)
+	$(PIP) install --no-deps tinker-cookbook==0.6.1  # last: pip checks no conflicts for --no-deps
 	touch $(COOKBOOK)
 
 # Two pytest-xdist workers, each running whole test files (--dist loadfile: a module's server starts once), for the
