@@ -137,6 +137,9 @@ def grouped_backward(grad: torch.Tensor, x: torch.Tensor, h: torch.Tensor, A_slo
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """reference_backward's results, a bmm per group; a slot seen twice sums its segments' gradients in order.
     `b_table`: B's slots where they are not A's (same segments otherwise, so its groups pair with table's)."""
+    # the expert layout's windows overlap in memory: index_add_ may write a whole copy back over them (it does in
+    # bf16 on the CPU), so its gradients are added segment by segment, each a plain view
+    per_segment = _repeats(table) or b_table is not None
     b_table = b_table or table
     xm = x if dropout_mask is None else x * dropout_mask
     grad_x = torch.zeros_like(x)
@@ -150,7 +153,7 @@ def grouped_backward(grad: torch.Tensor, x: torch.Tensor, h: torch.Tensor, A_slo
         hr = _rows(h[:, :r].contiguous() if r < h.shape[1] else h, group, table)
         gA = torch.bmm(grad_h.transpose(1, 2), _rows(xm, group, table))[:n].to(grad_A.dtype)
         gB = (torch.bmm(rows_grad.transpose(1, 2), hr) * scalings)[:n].to(grad_B.dtype)
-        if _repeats(table):
+        if per_segment:
             in_order.update({seg: (a, b) for seg, a, b in zip(group.segments, gA, gB)})
             continue
         grad_A[:, :r].index_add_(0, _index(group, table, grad_A.device, "slots")[:n], gA)
