@@ -1,12 +1,14 @@
 """Expert LoRA in slot buffers (compute/lora/experts.py): co-batched runs of mixed ranks read their expert matrices
 from one buffer per target in place, and their values and gradients equal each run computed alone through
 transformers' own experts forward with the delta merged into the expert weights (an independent path, so within 1e-5
-of each tensor's scale: merging rounds otherwise than x·Aᵀ·Bᵀ, ~1e-6 of the scale after two layers). The kernels against today's stacked layout, within
-1e-6: tests/gpu_runtime/test_lora_ops.py (test_grouped_expert_lora)."""
+of each tensor's scale: merging rounds otherwise than x·Aᵀ·Bᵀ, ~1e-6 of the scale after two layers). The kernels
+against today's stacked layout, within 1e-6: tests/gpu_runtime/test_lora_ops.py (test_grouped_expert_lora)."""
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
+from typing import Any
 
 import pytest
 import torch
@@ -44,20 +46,20 @@ def tiny_moe(family: str) -> nn.Module:
     return model.float().eval()
 
 
-def run_weights(layers: dict[str, object], rank: int, seed: int) -> dict[str, tuple[nn.Parameter, nn.Parameter]]:
+def run_weights(layers: Mapping[str, Any], rank: int, seed: int) -> dict[str, tuple[nn.Parameter, nn.Parameter]]:
     """PEFT-shaped A [E·r, in] and B [out, r·E] per expert target, both non-zero so each side's gradient shows."""
     generator = torch.Generator().manual_seed(seed)
     weights = {}
     for path, layer in sorted(layers.items()):
         if not isinstance(layer, nn.Module):  # an expert target (ExpertTarget), not a Linear wrapper
-            E, fan_in, fan_out = layer.num_experts, layer.in_features, layer.out_features  # type: ignore[attr-defined]
+            E, fan_in, fan_out = layer.num_experts, layer.in_features, layer.out_features
             A = torch.randn(E * rank, fan_in, generator=generator) / fan_in**0.5
             B = torch.randn(fan_out, rank * E, generator=generator) / rank**0.5
             weights[path] = (nn.Parameter(A), nn.Parameter(B))
     return weights
 
 
-def merged_alone(plain: nn.Module, layers: dict[str, object], weights: dict[str, tuple[torch.Tensor, torch.Tensor]],
+def merged_alone(plain: nn.Module, layers: Mapping[str, Any], weights: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
                  scaling: float, tokens: torch.Tensor, loss_weights: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """One run alone: the unwrapped model with W + scaling·B_e A_e in every targeted expert weight (through autograd)."""
     leaves = {path: (A.detach().clone().requires_grad_(), B.detach().clone().requires_grad_()) for path, (A, B) in weights.items()}
@@ -66,7 +68,7 @@ def merged_alone(plain: nn.Module, layers: dict[str, object], weights: dict[str,
         target = layers[path]
         module_path, name = path.rsplit(".", 1)
         weight = plain.get_parameter(f"{module_path}.{name}")
-        merged[f"{module_path}.{name}"] = weight + target.delta_weight(A, B, scaling)  # type: ignore[attr-defined]
+        merged[f"{module_path}.{name}"] = weight + target.delta_weight(A, B, scaling)
     logits = functional_call(plain, merged, (tokens,)).logits
     (logits * loss_weights).sum().backward()
     return logits.detach(), [g for A, B in leaves.values() for g in (A.grad, B.grad) if g is not None]
@@ -80,7 +82,7 @@ def test_co_batched_expert_runs_of_mixed_ranks_equal_each_alone(family: str) -> 
         p.requires_grad_(False)
     routing = Routing()
     layers = wrap_targets(model, TARGETS, routing)
-    experts = {p: t for p, t in layers.items() if not isinstance(t, nn.Module)}
+    experts: dict[str, Any] = {p: t for p, t in layers.items() if not isinstance(t, nn.Module)}
     assert experts and all(isinstance(m, MultiLoraExperts) for m in model.modules() if type(m).__name__.endswith("Experts")
                            and hasattr(m, "base_layer"))
     weights = {key: run_weights(experts, rank, seed) for seed, (key, (rank, _, _)) in enumerate(RUNS.items())}
@@ -89,7 +91,7 @@ def test_co_batched_expert_runs_of_mixed_ranks_equal_each_alone(family: str) -> 
 
     # every run's matrices are views of its slot in one buffer per target: nothing to gather in a pass
     for path, target in experts.items():
-        buffer = target.lora  # type: ignore[attr-defined]
+        buffer = target.lora
         for key in RUNS:
             A, B = weights[key][path]
             slot = routing.slots.expert_slots().slot_of(key)
@@ -108,12 +110,12 @@ def test_co_batched_expert_runs_of_mixed_ranks_equal_each_alone(family: str) -> 
         expected, grads = merged_alone(plain, experts, weights[key], alpha / rank, tokens[start:end], loss_weights[start:end])
         assert_near(logits[start:end].detach(), expected)
         got = [g for A, B in weights[key].values() for g in (A.grad, B.grad)]
-        assert all(g is not None for g in got)
         for g, e in zip(got, grads):
+            assert g is not None
             assert_near(g, e)
         # its gradients are the rows of the buffers' gradients, as a Linear run's are
         path, (A, _) = next(iter(weights[key].items()))
-        assert A.grad is not None and A.grad.data_ptr() == experts[path].lora.grad_A[  # type: ignore[attr-defined]
+        assert A.grad is not None and A.grad.data_ptr() == experts[path].lora.grad_A[
             routing.slots.expert_slots().slot_of(key)].data_ptr()
 
     # a detached run's matrices keep their values in storage of their own

@@ -365,12 +365,12 @@ def test_grouped_expert_lora(interpreter: ProcessPoolExecutor, dtype: torch.dtyp
                                                                                          with_dropout, impl)
         assert len(got) == len(expected) == 2 + 2 * len(EXPERT_RANKS)
         for i, (g, e) in enumerate(zip(got, expected)):
-            assert g.shape == e.shape, f"{impl} {i}"
+            assert g is not None and e is not None and g.shape == e.shape, f"{impl} {i}"
             if impl != "triton" and dtype == torch.float32:
                 assert scaled_error(g, e) <= 1e-6, f"{impl} tensor {i}"  # B's strided windows: another BLAS path
             else:
                 assert_close(g.float(), e, dtype, f"{impl} tensor {i}")
-    assert torch.equal(expected[0][17:19], torch.zeros(2, OUT))  # base-only rows
+    assert expected[0] is not None and torch.equal(expected[0][17:19], torch.zeros(2, OUT))  # base-only rows
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -530,7 +530,7 @@ def job_rows(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     return h, out
 
 
-def job_grouped(dtype: torch.dtype, with_dropout: bool, impl: str) -> list[torch.Tensor]:
+def job_grouped(dtype: torch.dtype, with_dropout: bool, impl: str) -> list[torch.Tensor | None]:
     """The delta, grad_x and each run's (grad A, grad B) in PEFT's shapes: through the slot buffers
     (grouped_expert_lora, `grad_into`), or "stacked": today's per-pass stack, autograd to the runs' own matrices."""
     case = expert_case(dtype, with_dropout)
@@ -539,10 +539,10 @@ def job_grouped(dtype: torch.dtype, with_dropout: bool, impl: str) -> list[torch
         runs = [(A.detach().requires_grad_(), B.detach().requires_grad_()) for A, B in case.runs]
         delta = stacked_expert_delta(case, runs, x, "torch")
         delta.backward(case.grad)
-        return [delta.detach(), x.grad] + [g for A, B in runs for g in (A.grad, B.grad)]  # type: ignore[misc]
+        return [delta.detach(), x.grad] + [g for A, B in runs for g in (A.grad, B.grad)]
     A, Bt = expert_buffers(case)
     into = (torch.zeros_like(A), torch.zeros_like(Bt))
     delta = ops.grouped_expert_lora(x, A, Bt, case.tables, case.mask, impl, grad_into=into)  # type: ignore[arg-type]
     delta.backward(case.grad)
     grads = [g for slot, (a, b) in enumerate(case.runs) for g in (into[0][slot, : a.shape[0]], into[1][slot, : b.shape[1]].t())]
-    return [delta.detach(), x.grad] + grads  # type: ignore[list-item]
+    return [delta.detach(), x.grad, *grads]
