@@ -31,7 +31,8 @@ What each computes (the `reference_*` function beside each is its spec, and the 
   Bᵀ's rows j·E+e its rank j) so the run's parameters are views of it (compute/lora/experts.py). Expert e of the run
   in slot s is then a strided [r, in] / [out, r] window at a row offset, so the kernels read the buffers through
   overlapping `as_strided` views indexed by that offset: s·E·R + e·r in A, s·E·R + e in B (`build_expert_tables`:
-  one table per side, same segments). The same kernels, forward and backward, with no code of their own.
+  one table per side, same segments). A window past its rank reads the next expert's rows, not zeros: every kernel
+  reads a segment's first `rank` only. The same kernels, forward and backward, with no code of their own.
 
 Which path (`choose`): Triton on CUDA; elsewhere the segmented calls take the grouped torch kernel (ops/grouped.py: a
 bmm per group of equal segments) and the per-row ones the reference; `SIGNAL_LORA_KERNELS=triton|torch|grouped`
