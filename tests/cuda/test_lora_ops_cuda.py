@@ -13,20 +13,17 @@ import torch
 
 from gpu_runtime.compute.lora import ops
 from tests.cuda.cuda_tools import requires_cuda
+from tests.gpu_runtime.test_expert_kernels import EXPERT_RANKS, expert_buffers, expert_case, stacked_expert_delta
 from tests.gpu_runtime.test_lora_ops import (
     DROPOUT,
     DTYPES,
-    EXPERT_RANKS,
     LAYOUT_IDS,
     OUT,
     Case,
     assert_close,
     autograd_grads,
-    expert_buffers,
-    expert_case,
     make_case,
     rows_case,
-    stacked_expert_delta,
 )
 
 pytestmark = requires_cuda
