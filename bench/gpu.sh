@@ -108,7 +108,7 @@ pytest_part() {
 export -f install_wheels pytest_part
 export PY ASSETS WORK DEVICE
 
-MODEL=$WORK/model MODEL8=$WORK/model-8b
+MODEL=$WORK/model MODEL8=$WORK/model-8b MODELMOE=$WORK/model-moe
 # The 8B shape's 15 GB: in memory where /dev/shm has room (written and read back faster than a disk), else on disk.
 SHM=$(df -Pk /dev/shm 2>/dev/null | awk 'NR == 2 {print $4}')
 [ -z "$TINY" ] && [ "${SHM:-0}" -gt $((24 * 1024 * 1024)) ] && MODEL8=/dev/shm/signal-gpu-model-8b
@@ -128,6 +128,10 @@ part eight_b 100 "${SECTIONS[@]}" eight_b --model "$MODEL8"
 rm -rf "$MODEL8"
 part rl_1b 50 "${SECTIONS[@]}" rl_1b --model "$MODEL"
 part cuda_tests 60 bash -c 'pytest_part cuda_tests tests/cuda "${@/#/--ignore=}"' _ "${KERNEL_TESTS[@]}"
+# Qwen3-30B-A3B's shape, 2 of its layers (~2.8 GB): 4 co-batched expert-LoRA runs against one run's ceiling
+part model_moe 25 "$PY" bench/gpu_bench.py model --assets "$ASSETS" --out "$MODELMOE" --device "$DEVICE" --shape moe $TINY
+part moe 40 "${SECTIONS[@]}" moe --model "$MODELMOE"
+rm -rf "$MODELMOE"
 
 summary="" took=""
 for name in "${PARTS[@]}"; do summary+="\"$name\": \"${RC[$name]:-none}\", "; took+="\"$name\": ${PART_S[$name]:-0}, "; done

@@ -8,7 +8,8 @@
 
 Each prints progress on stderr and one JSON line last on stdout. `model` builds a random-weight Llama on SmolLM2's
 tokenizer (the prepared folder's): 1B-class (Llama-3.2-1B's shape, ~1.07B parameters with tied embeddings, saved in bf16),
-8B-shaped (--shape 8b, untied) or, with --tiny, the tests' tiny dimensions in fp32 (the shape's tied or untied head).
+8B-shaped (--shape 8b, untied), a Qwen3-30B-A3B-shaped Qwen3-MoE of a few layers (--shape moe) or, with --tiny, the
+tests' tiny dimensions in fp32 (the shape's tied or untied head; a tiny Qwen3-MoE for moe).
 `mfu` trains through an in-process Engine (one run of 8 rows, and 8 runs of one row co-batched in one tick, sides
 alternating) and counts 4N FLOPs per token: forward 2N, backward 2N for the activations' gradients (the base
 is frozen, so no weight gradients; LoRA's own FLOPs and attention's quadratic term are left out, so MFU is a floor).
@@ -36,10 +37,18 @@ ONE_B: dict[str, Any] = {"hidden_size": 2048, "intermediate_size": 8192, "num_hi
 EIGHT_B: dict[str, Any] = {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
                            "num_attention_heads": 32, "num_key_value_heads": 8, "max_position_embeddings": 8192,
                            "rope_theta": 500000.0}
-SHAPES = {"1b": (ONE_B, True), "8b": (EIGHT_B, False)}  # shape → (dimensions, tied embeddings)
+# Qwen3-30B-A3B's dimensions (a Qwen3-MoE: 128 experts, 8 routed a token, expert width 768) on the same vocabulary,
+# MOE_LAYERS of its 48 layers: each holds 0.6B expert parameters (1.2 GB in bf16), so a few fit the script's time.
+MOE: dict[str, Any] = {"hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768, "num_experts": 128,
+                       "num_experts_per_tok": 8, "num_hidden_layers": 48, "num_attention_heads": 32,
+                       "num_key_value_heads": 4, "head_dim": 128, "max_position_embeddings": 4096, "rope_theta": 1000000.0}
+MOE_LAYERS = 2
+SHAPES = {"1b": (ONE_B, True), "8b": (EIGHT_B, False), "moe": (MOE, False)}  # shape → (dimensions, tied embeddings)
 # --tiny: the CPU tests' tiny Llama's dimensions (tests/helpers/tiny_model.py), built by the same code as the shapes.
 TINY: dict[str, Any] = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
                         "num_key_value_heads": 2, "max_position_embeddings": 256}
+TINY_MOE: dict[str, Any] = {**TINY, "head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+ROUTER_STD = 0.06  # transformers may start a router at zero (every token to the first experts): spread, as the tests do
 
 
 def emit_json(result: dict[str, Any]) -> None:
@@ -91,7 +100,7 @@ def wheels(args: argparse.Namespace) -> None:
 
 def model(args: argparse.Namespace) -> None:
     import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     started = time.monotonic()
     out, tokenizer_dir = Path(args.out), Path(args.assets) / "tokenizer"
@@ -99,15 +108,23 @@ def model(args: argparse.Namespace) -> None:
         raise SystemExit(f"no tokenizer in {tokenizer_dir}: run make gpu-prepare (bench/gpu_prepare.py) and carry it")
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     dims, tied = SHAPES[args.shape]
-    dims = TINY if args.tiny else {**dims, "num_hidden_layers": args.layers or dims["num_hidden_layers"]}
+    moe = args.shape == "moe"
+    layers = args.layers or (MOE_LAYERS if moe else dims["num_hidden_layers"])
+    dims = (TINY_MOE if moe else TINY) if args.tiny else {**dims, "num_hidden_layers": layers}
     dtype = torch.float32 if args.tiny else torch.bfloat16  # the tiny stand-in is the CPU tests' fp32 model
-    config = LlamaConfig(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=tied, **dims)
+    config_class: Any = Qwen3MoeConfig if moe else LlamaConfig
+    model_class: Any = Qwen3MoeForCausalLM if moe else LlamaForCausalLM
+    config = config_class(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                          pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=tied, **dims)
     torch.manual_seed(0)
     device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
     with device:  # random init on the GPU: seconds, not the CPU's minute
-        built = LlamaForCausalLM(config)
+        built = model_class(config)
         cast(torch.nn.Module, built).to(dtype)  # in place; PreTrainedModel.to's @wraps confuses mypy
+        with torch.no_grad():
+            for name, param in built.named_parameters():
+                if name.endswith("mlp.gate.weight"):
+                    param.normal_(0.0, ROUTER_STD)
     built.save_pretrained(out)
     tokenizer.save_pretrained(out)  # the Engine reads the model's own folder: weights, config and tokenizer
     del built
@@ -122,6 +139,7 @@ def model(args: argparse.Namespace) -> None:
                "tiny": args.tiny, "dtype": str(dtype).removeprefix("torch."),
                "tied_embeddings": tied, "hidden_size": config.hidden_size,
                "layers": config.num_hidden_layers, "vocab_size": config.vocab_size, "weight_bytes": weights,
+               **({"experts": config.num_experts, "experts_per_token": config.num_experts_per_tok} if moe else {}),
                "seconds": round(time.monotonic() - started, 1)})
 
 
@@ -251,7 +269,8 @@ def main() -> None:
     p.add_argument("--assets", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--tiny", action="store_true")
-    p.add_argument("--shape", choices=sorted(SHAPES), default="1b", help="1b: Llama-3.2-1B's dimensions; 8b: Llama-3.1-8B's")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="1b",
+                   help="1b: Llama-3.2-1B's dimensions; 8b: Llama-3.1-8B's; moe: Qwen3-30B-A3B's, MOE_LAYERS layers")
     p.add_argument("--layers", type=int, default=0, help="fewer: a smaller model of the same width (0: the shape's)")
     p.add_argument("--device", default="auto")
     p = parts.add_parser("mfu")

@@ -108,10 +108,12 @@ def moe_kernels(device: Any, dtype: Any, tokens: int, hidden: int, inter: int, e
         for (expert, slot), n in sorted(counts.items()):
             segs.append((start, start + n, slot, expert, rank, 2.0))
             start += n
-        return ops.build_expert_table(segs, experts, device, start)
+        return ops.build_expert_tables(segs, experts, rank, device, start)
 
-    A = torch.randn(runs, experts, rank, hidden, device=device, dtype=dtype) * 0.02
-    B = torch.randn(runs, experts, 2 * inter, rank, device=device, dtype=dtype) * 0.02
+    # the expert slot buffers (compute/lora/slots.py): A [slots, E·R, in], Bᵀ [slots, R·E, out], and their gradients
+    A = torch.randn(runs, experts * rank, hidden, device=device, dtype=dtype) * 0.02
+    B = torch.randn(runs, rank * experts, 2 * inter, device=device, dtype=dtype) * 0.02
+    into = (torch.zeros_like(A), torch.zeros_like(B))
     x = torch.randn(len(routed), hidden, device=device, dtype=dtype, requires_grad=True)
     tables = {"four_runs": table(lambda run: run), "one_run": table(lambda run: 0)}
     ms: dict[str, dict[str, float]] = {}
@@ -119,7 +121,7 @@ def moe_kernels(device: Any, dtype: Any, tokens: int, hidden: int, inter: int, e
         ms[impl] = {}
         for name, t in tables.items():
             def fwd_bwd(t: Any = t, impl: Any = impl) -> None:
-                ops.grouped_expert_lora(x, A, B, t, impl=impl).sum().backward()
+                ops.grouped_expert_lora(x, A, B, t, impl=impl, grad_into=into).sum().backward()
 
             ms[impl][name] = round(best(device, fwd_bwd, reps) * 1e3, 3)
     fastest = ms["triton"] if "triton" in ms else ms["torch"]

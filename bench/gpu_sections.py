@@ -4,7 +4,8 @@
 
 PART is `train_1b` (gpu_train: one run vs PEFT, 8 mixed-rank runs at 1024 and 128 tokens), `decode_1b` (gpu_decode:
 decode at 64, 16 and 1 sequences), `kernels` (gpu_kernels: LoRA and MoE expert kernels vs the torch reference),
-`eight_b` (the 8B shape: one run of 4 × 1024, 8 mixed-rank runs of 512, decode) or `rl_1b` (gpu_decode: the RL step).
+`eight_b` (the 8B shape: one run of 4 × 1024, 8 mixed-rank runs of 512, decode), `rl_1b` (gpu_decode: the RL step)
+or `moe` (Qwen3-30B-A3B's shape, a few layers: 4 co-batched expert-LoRA runs against one run's ceiling).
 The part ends by the earlier of `--seconds` from its start and `--deadline` (the whole script's end, an epoch time);
 its sections go most important first, each with a nominal limit (seconds on an H100) scaled to what is left. With
 --tiny every size shrinks and one timed round follows the warm-up, so the CPU runs each code path in seconds.
@@ -28,7 +29,7 @@ ROUNDS = 2  # timed rounds after the warm-up on a GPU, sides alternating (--tiny
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("part", choices=("train_1b", "decode_1b", "kernels", "eight_b", "rl_1b"))
+    parser.add_argument("part", choices=("train_1b", "decode_1b", "kernels", "eight_b", "rl_1b", "moe"))
     parser.add_argument("--model", default="")
     parser.add_argument("--seconds", type=float, required=True, help="the part's time: sections that do not fit skip")
     parser.add_argument("--deadline", type=float, default=None, help="the whole script's end (epoch seconds)")
@@ -51,10 +52,6 @@ def kernel_sections(tiny: bool, device_name: str) -> list[Section]:
         Section("lora_kernels", 20, 5, lambda _: k.lora_kernels(device, dtype, 256 if tiny else 8192, 64 if tiny else 2048,
                                                                  2 if tiny else 10)),
         Section("moe_kernels", 15, 5, lambda _: k.moe_kernels(device, dtype, *moe, reps=2 if tiny else 5)),
-        Section("moe_engine", 0, 0, lambda _: {"skipped": "no MoE LoRA layer in the engine yet (gpu_runtime/compute/lora "
-                                                          "wraps nn.Linear only): 4 co-batched expert-LoRA runs through "
-                                                          "the Engine are not measurable; the grouped kernel is, in "
-                                                          "moe_kernels"}),
     ]
 
 
@@ -81,6 +78,10 @@ def engine_sections(part: str, engine: Any, m: str, tiny: bool) -> list[Section]
                 Section("eight_runs_128", 20, 6, eight_runs(8 if tiny else 128, {"ceiling": 0.8, "sequential": 4.0}))]
     if part == "decode_1b":
         return [note, Section("decode", 60, 15, decode((16, 4, 1) if tiny else (64, 16, 1), 8 if tiny else 128))]
+    if part == "moe":
+        moe = Section("four_runs_512", 30, 10, lambda limit: t.moe_runs(engine, m, 8 if tiny else 512, rounds,
+                                                                          {"ceiling": 0.8}, limit))
+        return [note, moe]
     if part == "rl_1b":
         shape = (4, 2, 8) if tiny else (16, 8, 128)
         return [note, Section("rl_step", 40, 10, lambda limit: d.rl_step(engine, m, m, *shape, rounds, limit))]

@@ -168,6 +168,42 @@ def eight_runs(engine: Any, model: str, length: int, rounds: int, targets: dict[
             "profile": profile, "targets": checks}
 
 
+MOE_RUNS = 4
+
+
+def moe_runs(engine: Any, model: str, length: int, rounds: int, targets: dict[str, float], limit: Limit) -> dict[str, Any]:
+    rows = batch(MOE_RUNS, length, seed=length)
+    lora = {"r": 32, "alpha": 64, "train_mlp": True}
+    co = [f"moe{length}-{i}" for i in range(MOE_RUNS)]
+    created = [engine.create_run(run, f"u{i}", model, lora, seed=i) for i, run in enumerate(co)]
+    ceiling_run = f"moe-ceil{length}"
+    engine.create_run(ceiling_run, "u-ceil", model, lora, seed=0)
+    from cobatch import pump, submit
+
+    def cobatch() -> int:
+        passes = engine.totals.base_passes
+        futures = [submit(engine, "forward_backward", run_id=run, batch=[row]) for run, row in zip(co, rows)]
+        pump(engine, futures + [submit(engine, "optim_step", run_id=run, adam=ADAM) for run in co])
+        return int(engine.totals.base_passes - passes)  # 1 when the 4 runs shared one pass
+
+    def ceiling() -> None:
+        pump(engine, [submit(engine, "forward_backward", run_id=ceiling_run, batch=rows),
+                      submit(engine, "optim_step", run_id=ceiling_run, adam=ADAM)])
+
+    timing = alternate({"cobatch": cobatch, "ceiling": ceiling}, rounds, measure=Measure(engine.device),
+                       deadline=limit.deadline)
+    med, tokens = timing.medians(), MOE_RUNS * length
+    vs_ceiling = med["ceiling"] / med["cobatch"]
+    for run in co + [ceiling_run]:
+        engine.delete_run(run)
+    return {"runs": MOE_RUNS, "length": length, "lora": created[0]["lora"], "target_modules": created[0]["target_modules"],
+            "timed_rounds": len(timing.seconds["cobatch"]), "base_passes": timing.last["cobatch"],
+            "sides": {name: {"median_seconds": round(s, 4), "tokens_per_s": round(tokens / s, 1)} for name, s in med.items()},
+            "cobatch_vs_ceiling": round(vs_ceiling, 4),
+            "targets": {"cobatch_vs_ceiling": target(vs_ceiling, ">=", targets["ceiling"]),
+                        "cobatched_in_one_pass": target(timing.last["cobatch"], "<=", 1)}}
+
+
 def device_note(engine: Any) -> dict[str, Any]:
     sync(engine.device)
     return {"device": str(engine.device), "dtype": str(engine.dtype).removeprefix("torch.")}

@@ -231,11 +231,11 @@ class RunState:
         scaling = self.lora["alpha"] / self.lora["r"]
         if linear:
             slots.attach(self.run_id, layers, linear, self.lora["r"], scaling, self.lora["dropout"], trainable=True)
-        attach_experts(self.run_id, layers, experts, scaling, self.lora["dropout"])
+        attach_experts(slots, self.run_id, layers, experts, self.lora["r"], scaling, self.lora["dropout"], trainable=True)
 
     def detach(self, slots: BaseSlots, layers: dict[str, LoraTarget]) -> None:
         slots.detach(self.run_id)
-        detach_experts(self.run_id, layers, [path for path in self.weights if is_expert_path(path)])
+        detach_experts(slots, self.run_id)
 
     # ---- adapter files ------------------------------------------------------------------------
 

@@ -34,7 +34,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from gpu_runtime.client.persistence import RunPaths, atomic_dir, dir_size, find_run_dir, read_json, write_json
-from gpu_runtime.compute.lora.experts import attach_experts, detach_experts, is_expert_path, peft_names, targeted_paths
+from gpu_runtime.compute.lora.experts import attach_experts, detach_experts, peft_names, targeted_paths
 from gpu_runtime.compute.lora.wrap import wrap_targets
 from gpu_runtime.compute.pool import BaseEntry
 from gpu_runtime.compute.quantization import base_key
@@ -331,13 +331,13 @@ class Snapshots:
         scaling = lora["alpha"] / lora["r"]
         if linear:
             entry.routing.slots.attach(snapshot.key, entry.layers, linear, lora["r"], scaling, 0.0, trainable=False)
-        attach_experts(snapshot.key, entry.layers, experts, scaling, 0.0)
+        attach_experts(entry.routing.slots, snapshot.key, entry.layers, experts, lora["r"], scaling, 0.0, trainable=False)
 
     def _unregister(self, snapshot: Snapshot) -> None:
         entry = self.residency.bases.get(snapshot.base_key)
         if entry is not None:
             entry.routing.slots.detach(snapshot.key)
-            detach_experts(snapshot.key, entry.layers, [p for p in snapshot.weights or {} if is_expert_path(p)])
+            detach_experts(entry.routing.slots, snapshot.key)
 
     def _drop(self, snapshot: Snapshot) -> None:
         self._unregister(snapshot)

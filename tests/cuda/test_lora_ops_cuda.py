@@ -13,6 +13,7 @@ import torch
 
 from gpu_runtime.compute.lora import ops
 from tests.cuda.cuda_tools import requires_cuda
+from tests.gpu_runtime.test_expert_kernels import EXPERT_RANKS, expert_buffers, expert_case, stacked_expert_delta
 from tests.gpu_runtime.test_lora_ops import (
     DROPOUT,
     DTYPES,
@@ -21,9 +22,7 @@ from tests.gpu_runtime.test_lora_ops import (
     Case,
     assert_close,
     autograd_grads,
-    expert_case,
     make_case,
-    naive_expert_delta,
     rows_case,
 )
 
@@ -100,23 +99,31 @@ def test_rows_on_cuda(dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("with_dropout", DROPOUT)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_grouped_expert_lora_on_cuda(dtype: torch.dtype, with_dropout: bool) -> None:
-    table, x, A, B, mask, grad = expert_case(dtype, with_dropout)
-    table = ops.build_table(table.segments, CUDA, table.total_rows)
-    mask = None if mask is None else mask.to(CUDA)
+    """The Triton kernels over the expert slot buffers (mixed ranks, an expert no token routes to, base-only rows)
+    against the torch reference on today's stacked layout in fp32: the delta, grad_x and every run's A and B
+    gradients in PEFT's shapes."""
+    case = expert_case(dtype, with_dropout, CUDA)
+    x = case.x.detach().requires_grad_()
+    A, Bt = expert_buffers(case)
+    into = (torch.zeros_like(A), torch.zeros_like(Bt))
+    assert ops.choose(CUDA, dtype) == "triton"  # what grouped_expert_lora runs when told none
+    delta = ops.grouped_expert_lora(x, A, Bt, case.tables, case.mask, grad_into=into)
+    delta.backward(case.grad)
+    got = [delta.detach(), x.grad] + [g for slot, (a, b) in enumerate(case.runs)
+                                      for g in (into[0][slot, : a.shape[0]], into[1][slot, : b.shape[1]].t())]
 
-    def run(fn_dtype: torch.dtype, grouped: bool) -> list[torch.Tensor]:
-        leaves = [t.detach().to(CUDA, fn_dtype).requires_grad_() for t in (x, A, B)]
-        m = None if mask is None else mask.to(fn_dtype)
-        if grouped:
-            delta = ops.grouped_expert_lora(leaves[0], leaves[1], leaves[2], table, m)
-        else:
-            delta = naive_expert_delta(leaves[0].cpu(), leaves[1].cpu(), leaves[2].cpu(), None if m is None else m.cpu()).to(CUDA)
-        delta.backward(grad.to(CUDA, fn_dtype))
-        return [delta.detach()] + [t.grad for t in leaves if t.grad is not None]
-
-    got, expected = run(dtype, True), run(torch.float32, False)
-    for name, g, e in zip(("delta", "grad_x", "grad_A", "grad_B"), got, expected):
-        assert_close(g, e, dtype, name)
+    ref = expert_case(torch.float32, with_dropout, "cpu")
+    ref.x = case.x.detach().cpu().float().requires_grad_()
+    ref.mask = None if case.mask is None else case.mask.cpu().float()
+    ref.grad = case.grad.cpu().float()
+    runs = [(a.detach().cpu().float().requires_grad_(), b.detach().cpu().float().requires_grad_()) for a, b in case.runs]
+    expected_delta = stacked_expert_delta(ref, runs, ref.x, "torch")
+    expected_delta.backward(ref.grad)
+    expected = [expected_delta.detach(), ref.x.grad] + [g for a, b in runs for g in (a.grad, b.grad)]
+    assert len(got) == len(expected) == 2 + 2 * len(EXPERT_RANKS)
+    for i, (g, e) in enumerate(zip(got, expected)):
+        assert g is not None and e is not None
+        assert_close(g.float().cpu(), e, dtype, f"tensor {i}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -23,6 +23,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -58,8 +59,8 @@ LAYOUT_IDS = list(LAYOUTS)
 INTERPRETER_ENV = {"TRITON_INTERPRET": "1", "SIGNAL_LORA_KERNELS": "triton"}
 
 
-@pytest.fixture(scope="module")
-def interpreter() -> Iterator[ProcessPoolExecutor]:
+@contextmanager
+def interpreter_pool() -> Iterator[ProcessPoolExecutor]:
     """One spawned process that runs the kernels in triton's interpreter (the variables set before it starts)."""
     saved = {key: os.environ.get(key) for key in INTERPRETER_ENV}
     os.environ.update(INTERPRETER_ENV)
@@ -73,6 +74,12 @@ def interpreter() -> Iterator[ProcessPoolExecutor]:
             else:
                 os.environ[key] = value
     with pool:
+        yield pool
+
+
+@pytest.fixture(scope="module")
+def interpreter() -> Iterator[ProcessPoolExecutor]:
+    with interpreter_pool() as pool:
         yield pool
 
 
@@ -297,52 +304,6 @@ def test_rows_kernels(interpreter: ProcessPoolExecutor, dtype: torch.dtype) -> N
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Grouped (expert, run): mixture-of-experts layers
-
-# (row_start, row_end, slot, expert, rank, scaling): rows sorted by expert, then run; slot 1 on two experts,
-# base-only rows 17-18
-EXPERT_SEGMENTS = [(0, 5, 1, 0, 8, 0.5), (5, 17, 0, 0, 33, 1.0), (19, 22, 1, 1, 8, 0.5), (22, 30, 2, 2, 64, 2.0)]
-EXPERT_ROWS = 31
-
-
-def expert_case(dtype: torch.dtype, with_dropout: bool) -> tuple[ops.LoraTable, torch.Tensor, torch.Tensor, torch.Tensor,
-                                                                  torch.Tensor | None, torch.Tensor]:
-    generator = torch.Generator().manual_seed(4)
-    A, B = torch.zeros(SLOTS, EXPERTS, MAX_RANK, IN), torch.zeros(SLOTS, EXPERTS, OUT, MAX_RANK)
-    for _, _, slot, expert, rank, _ in EXPERT_SEGMENTS:
-        A[slot, expert, :rank] = torch.randn(rank, IN, generator=generator) / IN**0.5
-        B[slot, expert, :, :rank] = torch.randn(OUT, rank, generator=generator) / rank**0.5
-    x = torch.randn(EXPERT_ROWS, IN, generator=generator)
-    flat = [(s, e, slot, rank, scaling) for s, e, slot, _, rank, scaling in EXPERT_SEGMENTS]
-    mask = dropout_mask(flat, EXPERT_ROWS, generator) if with_dropout else None
-    grad = torch.randn(EXPERT_ROWS, OUT, generator=generator)
-    table = ops.build_expert_table(EXPERT_SEGMENTS, EXPERTS, "cpu", EXPERT_ROWS)
-    return table, x.to(dtype), A.to(dtype), B.to(dtype), None if mask is None else mask.to(dtype), grad.to(dtype)
-
-
-def naive_expert_delta(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """Each (expert, run) segment through its own 4-D slice: what the flattened table must mean."""
-    xm = x if mask is None else x * mask
-    delta = torch.zeros(x.shape[0], B.shape[2], dtype=x.dtype)
-    for start, end, slot, expert, rank, scaling in EXPERT_SEGMENTS:
-        piece = F.linear(F.linear(xm[start:end], A[slot, expert, :rank]), B[slot, expert, :, :rank]) * scaling
-        delta = delta.index_add(0, torch.arange(start, end), piece)
-    return delta
-
-
-@pytest.mark.parametrize("with_dropout", DROPOUT)
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_grouped_expert_lora(interpreter: ProcessPoolExecutor, dtype: torch.dtype, with_dropout: bool) -> None:
-    _, _, A, B, _, _ = expert_case(dtype, with_dropout)
-    expected = job_grouped(torch.float32, with_dropout, "naive")
-    for impl in ("triton", "torch"):
-        got = interpreted(interpreter, job_grouped, dtype, with_dropout, impl)
-        assert len(got) == 4 and got[2].shape == A.shape and got[3].shape == B.shape
-        for name, g, e in zip(("delta", "grad_x", "grad_A", "grad_B"), got, expected):
-            assert_close(g, e, dtype, f"{impl} {name}")
-
-
-# ---------------------------------------------------------------------------------------------------------------------
 # Compiled, not interpreted: each kernel through triton's compiler and ptxas for an H100 (sm_90), no GPU needed. The
 # interpreter accepts what the compiler refuses (it once let `typing.Any` annotations through), so both are checked.
 
@@ -497,15 +458,3 @@ def job_rows(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     out = base.clone()
     assert ops.lora_expand_rows(ops.reference_shrink_rows(x.float(), A.float(), table).to(dtype), B, table, out) is out
     return h, out
-
-
-def job_grouped(dtype: torch.dtype, with_dropout: bool, impl: str) -> list[torch.Tensor]:
-    """The delta and gradients of x, A [slots, experts, R, in] and B: the naive 4-D loop, or grouped_expert_lora."""
-    table, x, A, B, mask, grad = expert_case(dtype, with_dropout)
-    x, A, B = (t.detach().requires_grad_() for t in (x, A, B))
-    if impl == "naive":
-        delta = naive_expert_delta(x, A, B, mask)
-    else:
-        delta = ops.grouped_expert_lora(x, A, B, table, mask, impl="triton" if impl == "triton" else "torch")
-    delta.backward(grad)
-    return [delta.detach()] + [t.grad for t in (x, A, B) if t.grad is not None]

@@ -11,6 +11,11 @@ A run's matrices for one target are PEFT's own (`target_parameters`, peft's Para
 (expert e's columns e, e+experts, …). A parameter stored [experts, out, in] and one stored transposed
 [experts, in, out] (GPT-OSS) take the same delta `x A_eᵀ B_eᵀ`.
 
+The runs' matrices live in slot buffers, one per target (compute/lora/slots.py: A [slots, E·R, in], Bᵀ [slots, R·E,
+out], the base's `expert_slots`): a run's A and B are views of its slot, the kernels read every run's experts from the
+buffers in place, and weight gradients are added into the buffers' gradient rows, which are the runs' `.grad`, as
+for Linear layers. A pass copies no run's matrices.
+
 Dropout masks are drawn per token as `MultiLoraLinear._dropout_mask` draws them (keyed by the run's seed and the
 target's path, at the call's shape), so co-batching, replay and resume draw the same ones; a token's routed copies
 share its mask.
@@ -20,7 +25,6 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
@@ -28,7 +32,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpu_runtime.compute.lora.layer import MultiLoraLinear, Routing, Segment
-from gpu_runtime.compute.lora.ops import build_expert_table, grouped_expert_lora
+from gpu_runtime.compute.lora.ops import build_expert_tables, grouped_expert_lora
+from gpu_runtime.compute.lora.slots import BaseSlots, LayerSlots, Occupant
 
 # The expert parameters LoRA may target, in the order PEFT nests its wrappers for them (the first innermost).
 EXPERT_PARAMETERS = ("gate_up_proj", "up_proj", "down_proj")
@@ -51,28 +56,18 @@ def expert_parameter_names(model: nn.Module) -> set[str]:
     return names
 
 
-@dataclass
-class LoraWeights:
-    """A run's matrices on one expert parameter, in PEFT's layout (A [experts·r, in], B [out, r·experts])."""
-
-    A: torch.nn.Parameter
-    B: torch.nn.Parameter
-    scaling: float
-    dropout: float
+def attach_experts(slots: BaseSlots, key: str, layers: Mapping[str, Any],
+                   weights: Mapping[str, tuple[torch.Tensor, torch.Tensor]], rank: int, scaling: float, dropout: float,
+                   trainable: bool) -> None:
+    """A run's (or a snapshot's) expert matrices into a slot of the base's expert buffers (its tensors become views)."""
+    if weights:
+        slots.expert_slots().attach(key, layers, weights, rank, scaling, dropout, trainable)
 
 
-def attach_experts(key: str, layers: Mapping[str, Any], weights: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
-                   scaling: float, dropout: float) -> None:
-    """A run's (or a snapshot's) expert matrices onto their targets; the Linear layers' go to the base's slots."""
-    for path, (A, B) in weights.items():
-        layers[path].adapters[key] = LoraWeights(cast(nn.Parameter, A), cast(nn.Parameter, B), scaling, dropout)
-
-
-def detach_experts(key: str, layers: Mapping[str, Any], paths: Iterable[str]) -> None:
-    for path in paths:
-        target = layers.get(path)
-        if target is not None:
-            target.adapters.pop(key, None)
+def detach_experts(slots: BaseSlots, key: str) -> None:
+    """Free the key's expert slot; its tensors keep their values in storage of their own."""
+    if slots.experts is not None:
+        slots.experts.detach(key)
 
 
 class ExpertTarget:
@@ -82,18 +77,13 @@ class ExpertTarget:
         self.parameter = parameter
         self.name = path  # the module's path and the parameter's name: keys the dropout masks
         self.name_seed = int.from_bytes(hashlib.sha256(path.encode()).digest()[:8], "little") >> 1
-        self.adapters: dict[str, LoraWeights] = {}
+        self.lora: LayerSlots | None = None  # the runs' slot buffers (BaseSlots.experts), made at the first attach
         weight: torch.Tensor = getattr(experts, parameter)
         self.transposed = bool(experts.is_transposed)
         self.num_experts = int(weight.shape[0])
+        self.rows_per_rank = self.num_experts  # a run of rank r holds E·r rows of A (and of Bᵀ)
         self.in_features, self.out_features = ((int(weight.shape[1]), int(weight.shape[2])) if self.transposed
                                                else (int(weight.shape[2]), int(weight.shape[1])))
-
-    def factors(self, key: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """The run's A [experts, r, in] and B [experts, out, r], views of its PEFT-shaped matrices."""
-        lora = self.adapters[key]
-        r = lora.A.shape[0] // self.num_experts
-        return lora.A.view(self.num_experts, r, self.in_features), lora.B.view(self.out_features, r, self.num_experts).permute(2, 0, 1)
 
     def delta_weight(self, A: torch.Tensor, B: torch.Tensor, scaling: float) -> torch.Tensor:
         """scaling · B_e A_e for every expert, in the parameter's own layout: what merging folds in."""
@@ -147,8 +137,14 @@ class MultiLoraExperts(nn.Module):
             else:
                 segments.append(Segment(key, i, i + 1))
         return segments
+    def _occupants(self) -> dict[str, Occupant]:
+        slots = self.routing.slots.experts
+        return {} if slots is None else slots.occupants
+
     def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-        runs = [s for s in self._segments() if any(s.key in t.adapters for t in self.targets.values())]
+        occupants = self._occupants()
+        runs = [s for s in self._segments() if s.key in occupants
+                and any(t.lora is not None and t.lora.holds(occupants[s.key].slot) for t in self.targets.values())]
         if not runs:  # the plain base, exactly as transformers computes it
             out: torch.Tensor = self.base_layer(hidden, top_k_index, top_k_weights)
             return out
@@ -199,29 +195,33 @@ class MultiLoraExperts(nn.Module):
             pieces.append(piece if bias is None else piece + bias[expert])
         out = torch.cat(pieces)
         target = self.targets.get(name)
-        if target is None:
+        lora = None if target is None else target.lora
+        if target is None or lora is None:
             return out
-        here = [(i, s) for i, s in enumerate(runs) if s.key in target.adapters]
+        occupants = self._occupants()
+        here = [(i, s, occupants[s.key]) for i, s in enumerate(runs) if lora.holds(occupants[s.key].slot)]
         if not here:
             return out
-        slot_of = {i: slot for slot, (i, _) in enumerate(here)}
-        factors = [target.factors(s.key) for _, s in here]
-        width = max(A.shape[1] for A, _ in factors)
-        A_slots = torch.stack([F.pad(A, (0, 0, 0, width - A.shape[1])) for A, _ in factors])  # [runs, experts, R, in]
-        B_slots = torch.stack([F.pad(B, (0, width - B.shape[2])) for _, B in factors])  # [runs, experts, out, R]
-        table = build_expert_table(
-            [(a, b, slot_of[i], expert, factors[slot_of[i]][0].shape[1], target.adapters[runs[i].key].scaling)
-             for expert, expert_spans in enumerate(spans) for i, (a, b) in enumerate(expert_spans)
-             if i in slot_of and b > a], target.num_experts, xs.device, total_rows=xs.shape[0])
-        x32 = xs.to(A_slots.dtype)
+        tables = build_expert_tables(
+            [(a, b, o.slot, expert, o.rank, o.scaling) for expert, expert_spans in enumerate(spans)
+             for i, _, o in here for a, b in [expert_spans[i]] if b > a],  # in row order: expert, then run
+            target.num_experts, lora.A.shape[1] // target.num_experts, xs.device, total_rows=xs.shape[0])
+        x32 = xs.to(lora.A.dtype)
         mask = self._mask(target, x32, runs, here, sorted_tokens, per_row)
-        delta = grouped_expert_lora(x32, A_slots, B_slots, table, mask, self.routing.kernel)
+        grad = torch.is_grad_enabled()
+        if grad:
+            lora.grads()
+        into = (lora.grad_A, lora.grad_Bt) if grad and lora.grad_A is not None and lora.grad_Bt is not None else None
+        delta = grouped_expert_lora(x32, lora.A, lora.Bt, tables, mask, self.routing.kernel, grad_into=into)
+        if delta.requires_grad:  # the runs' .grad become their rows of the gradient buffers as gradients arrive
+            trainable = [o.slot for _, _, o in here if o.trainable]
+            delta.register_hook(lambda _: lora.link_grads(trainable))
         return (out + delta).to(out.dtype)
 
-    def _mask(self, target: ExpertTarget, xs: torch.Tensor, runs: list[Segment], here: list[tuple[int, Segment]],
-              sorted_tokens: torch.Tensor, per_row: int) -> torch.Tensor | None:
+    def _mask(self, target: ExpertTarget, xs: torch.Tensor, runs: list[Segment],
+              here: list[tuple[int, Segment, Occupant]], sorted_tokens: torch.Tensor, per_row: int) -> torch.Tensor | None:
         """Each pair's dropout mask: its token's, drawn at the run's call shape as the Linear layers draw theirs."""
-        drawn = [(s, target.adapters[s.key].dropout) for _, s in here]
+        drawn = [(s, o.dropout) for _, s, o in here]
         if not any(p > 0 and s.dropout_seed is not None for s, p in drawn):
             return None
         rows = max(s.end for s in runs)

@@ -15,6 +15,11 @@ Gradients: one fp32 buffer per master (allocated at the first backward); the ker
 gradients there (`ops.segmented_lora(grad_into=…)`), and `link_grads` makes a run's `.grad` the view of its rows as
 the gradient arrives, so it accumulates in place across calls until the optimizer clears it.
 
+Expert targets (3-D MoE parameters, compute/lora/experts.py) keep their runs in buffers of the same kind, one per
+target, whose rank rows are `rows_per_rank` (the expert count) times R: a run's PEFT-shaped A [E·r, in] and
+B [out, r·E] are then views of its slot exactly as a Linear run's are. They index slots of their own
+(`BaseSlots.experts`), apart from the Linear layers', so the slotted optimizer tick never sees them.
+
 AdamW moments: four more buffers of the masters' shapes (`moments`, made at a run's first slotted step,
 compute/slot_adamw.py); a run's exp_avg and exp_avg_sq become views of its rows, moved and released as its A and B are.
 """
@@ -83,10 +88,12 @@ def in_layout_of(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
 class LayerSlots:
     """One wrapped layer's buffers: fp32 masters, their gradients, and which slot holds whose tensors."""
 
-    def __init__(self, in_features: int, out_features: int, capacity: int, rank: int, device: torch.device) -> None:
+    def __init__(self, in_features: int, out_features: int, capacity: int, rank: int, device: torch.device,
+                 rows_per_rank: int = 1) -> None:
         self.in_features, self.out_features, self.device = in_features, out_features, device
-        self.A = torch.zeros(capacity, rank, in_features, device=device)
-        self.Bt = torch.zeros(capacity, rank, out_features, device=device)
+        self.rows_per_rank = rows_per_rank  # an expert target's E: its slot rows are E·R, a run's E·r
+        self.A = torch.zeros(capacity, rank * rows_per_rank, in_features, device=device)
+        self.Bt = torch.zeros(capacity, rank * rows_per_rank, out_features, device=device)
         self.grad_A: torch.Tensor | None = None
         self.grad_Bt: torch.Tensor | None = None
         self.owners: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}  # slot → (A, B, rank)
@@ -207,7 +214,7 @@ class LayerSlots:
     def resize(self, capacity: int, rank: int) -> None:
         """Grow to `capacity` slots of rank `rank`, the owners' tensors (and linked gradients) moved along."""
         old_A, old_Bt, old_gA, old_gBt = self.A, self.Bt, self.grad_A, self.grad_Bt
-        slots, ranks = old_A.shape[0], old_A.shape[1]
+        slots, ranks, rank = old_A.shape[0], old_A.shape[1], rank * self.rows_per_rank
         self.A = torch.zeros(capacity, rank, self.in_features, device=self.device)
         self.Bt = torch.zeros(capacity, rank, self.out_features, device=self.device)
         self.A[:slots, :ranks] = old_A
@@ -254,6 +261,7 @@ class BaseSlots:
     occupants: dict[str, Occupant] = field(default_factory=dict)
     layers: dict[str, LayerSlots] = field(default_factory=dict)
     free: list[int] = field(default_factory=list)
+    experts: BaseSlots | None = None  # the expert targets' own slots (`expert_slots`), made when a run first has some
 
     def slot_of(self, key: str) -> int | None:
         occupant = self.occupants.get(key)
@@ -270,14 +278,21 @@ class BaseSlots:
         device = next(iter(weights.values()))[0].device
         slot = self._take(rank)
         for path, (A, B) in weights.items():
-            layer = cast(Wrappable, layers[path])  # a Linear target's wrapper (expert targets never come here)
+            layer = cast(Wrappable, layers[path])  # a Linear target's wrapper, or an expert target in `experts`'
             if layer.lora is None:
-                layer.lora = LayerSlots(layer.in_features, layer.out_features, self.capacity, self.rank, device)
+                layer.lora = LayerSlots(layer.in_features, layer.out_features, self.capacity, self.rank, device,
+                                        getattr(layer, "rows_per_rank", 1))
                 self.layers[path] = layer.lora
             layer.lora.put(slot, A, B)
         occupant = Occupant(key, slot, rank, scaling, dropout, dict(weights), trainable)
         self.occupants[key] = occupant
         return occupant
+
+    def expert_slots(self) -> BaseSlots:
+        """The slots of this base's expert targets, made on first use."""
+        if self.experts is None:
+            self.experts = BaseSlots()
+        return self.experts
 
     def grads_linked(self, occupant: Occupant) -> bool:
         """Whether the occupant's `.grad` are the views of its gradient rows (`LayerSlots.link_grads` made them so in

@@ -26,9 +26,13 @@ What each computes (the `reference_*` function beside each is its spec, and the 
   (fp32) buffers instead, only the pass's slots touched (the layer's path: compute/lora/slots.py).
 - `lora_shrink_rows` / `lora_expand_rows` / `rows_lora` (BGMV, decoding): one adapter per row given by a per-row slot
   index, -1 for base-only rows, ranks and scalings per slot: the table a decode step changes is one int per row.
-- `grouped_expert_lora`: mixture-of-experts layers, slot buffers `[slots, experts, R, in]` / `[slots, experts, out, R]`
-  flattened to `[slots × experts, …]`, each segment's "slot" being `slot × experts + expert` (`build_expert_table`):
-  the same kernels, forward and backward, with no code of their own.
+- `grouped_expert_lora`: mixture-of-experts layers over the expert slot buffers `A [slots, E·R, in]` and
+  `Bt [slots, R·E, out]`, each slot holding its run's matrices in PEFT's own layout (A's rows e·r…e·r+r are expert e's,
+  Bᵀ's rows j·E+e its rank j) so the run's parameters are views of it (compute/lora/experts.py). Expert e of the run
+  in slot s is then a strided [r, in] / [out, r] window at a row offset, so the kernels read the buffers through
+  overlapping `as_strided` views indexed by that offset: s·E·R + e·r in A, s·E·R + e in B (`build_expert_tables`:
+  one table per side, same segments). A window past its rank reads the next expert's rows, not zeros: every kernel
+  reads a segment's first `rank` only. The same kernels, forward and backward, with no code of their own.
 
 Which path (`choose`): Triton on CUDA; elsewhere the segmented calls take the grouped torch kernel (ops/grouped.py: a
 bmm per group of equal segments) and the per-row ones the reference; `SIGNAL_LORA_KERNELS=triton|torch|grouped`
@@ -68,11 +72,12 @@ from gpu_runtime.compute.lora.ops.reference import (
 from gpu_runtime.compute.lora.ops.tables import (
     IMPLS,
     KERNEL_DTYPES,
+    ExpertTables,
     Impl,
     LoraTable,
     RowsTable,
     TableSegment,
-    build_expert_table,
+    build_expert_tables,
     build_rows_table,
     build_table,
 )
@@ -88,8 +93,8 @@ from gpu_runtime.compute.lora.ops.triton_kernels import (
 )
 
 __all__ = [
-    "IMPLS", "KERNEL_DTYPES", "LAUNCH", "LEGACY", "Impl", "LoraTable", "RowsTable", "SegmentedLora", "TableSegment", "build_expert_table",
-    "build_rows_table", "build_table", "choose", "grouped_expert_lora", "lora_expand", "lora_expand_rows",
+    "IMPLS", "KERNEL_DTYPES", "LAUNCH", "LEGACY", "ExpertTables", "Impl", "LoraTable", "RowsTable", "SegmentedLora", "TableSegment",
+    "build_expert_tables", "build_rows_table", "build_table", "choose", "expert_views", "grouped_expert_lora", "lora_expand", "lora_expand_rows",
     "lora_shrink", "lora_shrink_rows", "pass_kernel", "reference_backward", "reference_expand", "reference_expand_rows",
     "reference_rows_lora", "reference_segmented_lora", "reference_shrink", "reference_shrink_rows", "rows_lora", "segmented_lora",
     "triton_installed",
@@ -169,7 +174,8 @@ def lora_expand(h: torch.Tensor, B_slots: torch.Tensor, table: LoraTable, out: t
 class SegmentedLora(torch.autograd.Function):
     """delta = segmented `B(A(x × mask)) × scaling` [T, out]; gradients for x, A_slots and B_slots.
 
-    `apply(x, A_slots, B_slots, table, dropout_mask_or_None, impl_or_None, grad_into_or_None)`. The weight gradients
+    `apply(x, A_slots, B_slots, table, dropout_mask_or_None, impl_or_None, grad_into_or_None, b_table_or_None)`;
+    `b_table`: B's slot per segment where it differs from A's (the expert layout), else None. The weight gradients
     come back as one tensor of each slot buffer's shape (zero for slots not in the pass), in the slots' dtype: each
     run's `.grad` can be a view of its slot. With `grad_into` (persistent buffers of the slot buffers' shapes, fp32
     masters' gradients under bf16 compute) they are added there instead, only the pass's slots' rows touched, and
@@ -179,13 +185,13 @@ class SegmentedLora(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, A_slots: torch.Tensor, B_slots: torch.Tensor, table: LoraTable,
                 dropout_mask: torch.Tensor | None = None, impl: Impl | None = None,
-                grad_into: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                grad_into: tuple[torch.Tensor, torch.Tensor] | None = None, b_table: LoraTable | None = None) -> torch.Tensor:
         impl = impl or choose(x.device, x.dtype)
         mask = None if dropout_mask is None else dropout_mask.to(x.dtype)
         h = lora_shrink(x, A_slots, table, mask, impl)
-        delta = lora_expand(h, B_slots, table, None, impl)
+        delta = lora_expand(h, B_slots, b_table or table, None, impl)
         ctx.save_for_backward(x, A_slots, B_slots, h, mask)
-        ctx.table, ctx.impl, ctx.grad_into = table, impl, grad_into
+        ctx.table, ctx.impl, ctx.grad_into, ctx.b_table = table, impl, grad_into, b_table
         return delta
 
     @staticmethod
@@ -198,27 +204,30 @@ class SegmentedLora(torch.autograd.Function):
         grad_A: torch.Tensor | None
         grad_B: torch.Tensor | None
         needs = ctx.needs_input_grad
+        b_table: LoraTable | None = ctx.b_table
         if ctx.impl == "torch":
-            grad_x, grad_A, grad_B = reference_backward(grad, x, h, A_slots, B_slots, table, mask, grad_into)
+            grad_x, grad_A, grad_B = reference_backward(grad, x, h, A_slots, B_slots, table, mask, grad_into, b_table)
         elif ctx.impl == "grouped":
-            grad_x, grad_A, grad_B = grouped_backward(grad, x, h, A_slots, B_slots, table, mask, grad_into)
+            grad_x, grad_A, grad_B = grouped_backward(grad, x, h, A_slots, B_slots, table, mask, grad_into, b_table)
         else:
-            grad_x, grad_A, grad_B = _triton_backward(grad, x, h, A_slots, B_slots, table, mask, needs, grad_into)
+            grad_x, grad_A, grad_B = _triton_backward(grad, x, h, A_slots, B_slots, table, mask, needs, grad_into,
+                                                      b_table or table)
         if grad_into is not None:  # already added where they belong
             grad_A = grad_B = None
         return (grad_x if needs[0] else None, grad_A if needs[1] else None, grad_B if needs[2] else None, None, None, None,
-                None)
+                None, None)
 
 
 def _triton_backward(grad: torch.Tensor, x: torch.Tensor, h: torch.Tensor, A_slots: torch.Tensor, B_slots: torch.Tensor,
                      table: LoraTable, mask: torch.Tensor | None, needs: tuple[bool, ...],
-                     grad_into: tuple[torch.Tensor, torch.Tensor] | None = None
+                     grad_into: tuple[torch.Tensor, torch.Tensor] | None = None, b_table: LoraTable | None = None
                      ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    b_table = b_table or table
     grad_x = grad_A = grad_B = None
     accumulate = grad_into is not None
     if needs[0] or needs[1]:  # grad_h = scaling × grad @ B[slot][:, :r]: a shrink with Bᵀ as its weight
         grad_h = _shrink_launch(grad, B_slots, (B_slots.stride(0), B_slots.stride(2), B_slots.stride(1)), B_slots.shape[2],
-                                None, table, scale=True)
+                                None, b_table, scale=True)
         if needs[0]:  # grad_x = (grad_h @ A[slot][:r]) × mask: an expand with Aᵀ as its weight
             grad_x = _expand_launch(grad_h, A_slots, (A_slots.stride(0), A_slots.stride(2), A_slots.stride(1)), A_slots.shape[2],
                                     torch.zeros_like(x), table, scale=False)
@@ -231,20 +240,23 @@ def _triton_backward(grad: torch.Tensor, x: torch.Tensor, h: torch.Tensor, A_slo
     if needs[2]:  # grad_B[slot][:, :r] = Σ scaling × gradᵀ h
         grad_B = grad_into[1] if grad_into is not None else torch.zeros_like(B_slots)
         _outer_launch(grad, h, None, grad_B, (grad_B.stride(0), grad_B.stride(1), grad_B.stride(2)),
-                      grad.shape[1], table.max_rank, table, rank_on_m=False, scale=True, accumulate=accumulate)
+                      grad.shape[1], table.max_rank, b_table, rank_on_m=False, scale=True, accumulate=accumulate)
     return grad_x, grad_A, grad_B
 
 
 def segmented_lora(x: torch.Tensor, A_slots: torch.Tensor, B_slots: torch.Tensor, table: LoraTable,
                    dropout_mask: torch.Tensor | None = None, impl: Impl | None = None,
-                   grad_into: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                   grad_into: tuple[torch.Tensor, torch.Tensor] | None = None, b_table: LoraTable | None = None
+                   ) -> torch.Tensor:
     """The co-batched LoRA delta [T, out] with autograd: Triton on CUDA, the torch reference elsewhere (`choose`).
     `grad_into`: add the weight gradients into these buffers (see SegmentedLora) rather than return them."""
     _check(x, A_slots, table)
+    if b_table is not None:
+        _check(x, B_slots, b_table)
     if grad_into is not None and (grad_into[0].shape != A_slots.shape or grad_into[1].shape != B_slots.shape):
         raise ValueError("grad_into must be two buffers of the slot buffers' shapes")
     # torch leaves Function.apply untyped
-    result: torch.Tensor = SegmentedLora.apply(x, A_slots, B_slots, table, dropout_mask, impl, grad_into)  # type: ignore[no-untyped-call]
+    result: torch.Tensor = SegmentedLora.apply(x, A_slots, B_slots, table, dropout_mask, impl, grad_into, b_table)  # type: ignore[no-untyped-call]
     return result
 
 
@@ -309,11 +321,30 @@ def rows_lora(x: torch.Tensor, A_slots: torch.Tensor, B_slots: torch.Tensor, tab
 # Grouped (expert, run), for mixture-of-experts layers
 
 
-def grouped_expert_lora(x: torch.Tensor, A_slots: torch.Tensor, B_slots: torch.Tensor, table: LoraTable,
-                        dropout_mask: torch.Tensor | None = None, impl: Impl | None = None) -> torch.Tensor:
-    """The delta [T, out] for rows sorted into (expert, slot) segments (build_expert_table), A_slots
-    [slots, experts, R, in] and B_slots [slots, experts, out, R]: the segmented kernels on the buffers flattened to
-    [slots × experts, …] (views when contiguous), so gradients reach the 4-D buffers through the reshape."""
-    if A_slots.dim() != 4 or B_slots.dim() != 4 or A_slots.shape[:2] != B_slots.shape[:2]:
-        raise ValueError("expert slot buffers are [slots, experts, R, in] and [slots, experts, out, R]")
-    return segmented_lora(x, A_slots.flatten(0, 1), B_slots.flatten(0, 1), table, dropout_mask, impl)
+def expert_views(A: torch.Tensor, Bt: torch.Tensor, rank: int, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernels' [index, R, in] and [index, out, R] views of expert slot buffers A [slots, E·R, in] and
+    Bt [slots, R·E, out] (contiguous): index s·E·R + e·r reads expert e of a rank-r run in slot s from A, index
+    s·E·R + e from B (rank j at Bᵀ row j·E + e). Overlapping windows: each (slot, expert) reads only its own."""
+    if A.dim() != 3 or Bt.dim() != 3 or A.shape[:2] != Bt.shape[:2] or A.shape[1] != rank * experts:
+        raise ValueError(f"expert slot buffers are [slots, {experts}·{rank}, in] and [slots, {rank}·{experts}, out]")
+    if not (A.is_contiguous() and Bt.is_contiguous()):
+        raise ValueError("expert slot buffers must be contiguous")
+    rows = A.shape[0] * A.shape[1]
+    A_view = A.as_strided((rows - rank + 1, rank, A.shape[2]), (A.shape[2], A.shape[2], 1))
+    out = Bt.shape[2]
+    B_view = Bt.as_strided((rows - (rank - 1) * experts, out, rank), (out, 1, experts * out))
+    return A_view, B_view
+
+
+def grouped_expert_lora(x: torch.Tensor, A: torch.Tensor, Bt: torch.Tensor, tables: ExpertTables,
+                        dropout_mask: torch.Tensor | None = None, impl: Impl | None = None,
+                        grad_into: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """The delta [T, out] for rows sorted into (expert, slot) segments (`build_expert_tables`), read from the expert
+    slot buffers A [slots, E·R, in] and Bt [slots, R·E, out] in place (`expert_views`): nothing gathered per run.
+    The weight gradients are added into `grad_into` (buffers of A's and Bt's shapes); without it A and Bt get none."""
+    A_view, B_view = expert_views(A, Bt, tables.rank, tables.experts)
+    into = None if grad_into is None else expert_views(*grad_into, tables.rank, tables.experts)
+    # leaves, so the backward runs and adds into `into`: the buffers themselves never take a gradient
+    grad = into is not None and torch.is_grad_enabled()
+    A_view, B_view = A_view.detach().requires_grad_(grad), B_view.detach().requires_grad_(grad)
+    return segmented_lora(x, A_view, B_view, tables.a, dropout_mask, impl, into, tables.b)

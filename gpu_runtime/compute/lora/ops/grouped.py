@@ -133,31 +133,35 @@ def grouped_expand(h: torch.Tensor, B_slots: torch.Tensor, table: LoraTable, out
 
 def grouped_backward(grad: torch.Tensor, x: torch.Tensor, h: torch.Tensor, A_slots: torch.Tensor, B_slots: torch.Tensor,
                      table: LoraTable, dropout_mask: torch.Tensor | None,
-                     grad_into: tuple[torch.Tensor, torch.Tensor] | None = None
+                     grad_into: tuple[torch.Tensor, torch.Tensor] | None = None, b_table: LoraTable | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """reference_backward's results, a bmm per group; a slot seen twice sums its segments' gradients in order."""
+    """reference_backward's results, a bmm per group; a slot seen twice sums its segments' gradients in order.
+    `b_table`: B's slots where they are not A's (same segments otherwise, so its groups pair with table's)."""
+    # the expert layout's windows overlap in memory: index_add_ may write a whole copy back over them (it does in
+    # bf16 on the CPU), so its gradients are added segment by segment, each a plain view
+    per_segment = _repeats(table) or b_table is not None
+    b_table = b_table or table
     xm = x if dropout_mask is None else x * dropout_mask
     grad_x = torch.zeros_like(x)
     grad_A, grad_B = grad_into if grad_into is not None else (torch.zeros_like(A_slots), torch.zeros_like(B_slots))
     in_order: dict[TableSegment, tuple[torch.Tensor, torch.Tensor]] = {}  # a repeated slot's gradients, per segment
-    for group in groups(table):
+    for group, b_group in zip(groups(table), groups(b_table)):
         r, n, scalings = group.rank, len(group.segments), _scalings(group, grad, table)
         rows_grad = _rows(grad, group, table)  # [batch, rows, out]
-        grad_h = torch.bmm(rows_grad, _slots(B_slots[:, :, :r], group, table)) * scalings  # [batch, rows, r]
+        grad_h = torch.bmm(rows_grad, _slots(B_slots[:, :, :r], b_group, b_table)) * scalings  # [batch, rows, r]
         _put_rows(grad_x, group, torch.bmm(grad_h, _slots(A_slots[:, :r], group, table)), table)
         hr = _rows(h[:, :r].contiguous() if r < h.shape[1] else h, group, table)
         gA = torch.bmm(grad_h.transpose(1, 2), _rows(xm, group, table))[:n].to(grad_A.dtype)
         gB = (torch.bmm(rows_grad.transpose(1, 2), hr) * scalings)[:n].to(grad_B.dtype)
-        if _repeats(table):
+        if per_segment:
             in_order.update({seg: (a, b) for seg, a, b in zip(group.segments, gA, gB)})
             continue
-        slots = _index(group, table, grad_A.device, "slots")[:n]
-        grad_A[:, :r].index_add_(0, slots, gA)
-        grad_B[:, :, :r].index_add_(0, slots, gB)
-    for seg in table.segments if in_order else ():  # segment order, as the reference and a replay one call a pass
+        grad_A[:, :r].index_add_(0, _index(group, table, grad_A.device, "slots")[:n], gA)
+        grad_B[:, :, :r].index_add_(0, _index(b_group, b_table, grad_B.device, "slots")[:n], gB)
+    for seg, b_seg in zip(table.segments, b_table.segments) if in_order else ():  # segment order, as the reference
         a, b = in_order[seg]
         grad_A[seg.slot, : seg.rank] += a
-        grad_B[seg.slot, :, : seg.rank] += b
+        grad_B[b_seg.slot, :, : seg.rank] += b
     if dropout_mask is not None:
         grad_x = grad_x * dropout_mask
     return grad_x, grad_A, grad_B

@@ -42,19 +42,20 @@ def reference_segmented_lora(x: torch.Tensor, A_slots: torch.Tensor, B_slots: to
 
 def reference_backward(grad: torch.Tensor, x: torch.Tensor, h: torch.Tensor, A_slots: torch.Tensor, B_slots: torch.Tensor,
                        table: LoraTable, dropout_mask: torch.Tensor | None,
-                       grad_into: tuple[torch.Tensor, torch.Tensor] | None = None
+                       grad_into: tuple[torch.Tensor, torch.Tensor] | None = None, b_table: LoraTable | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """grad_x, grad_A_slots, grad_B_slots of the delta, written segment by segment (a slot seen twice sums). With
-    `grad_into` the weight gradients are added into those buffers (in their dtype) and returned."""
+    `grad_into` the weight gradients are added into those buffers (in their dtype) and returned. `b_table`: B's slot
+    of each segment where it is not A's (the expert layout, ops/__init__.py)."""
     xm = x if dropout_mask is None else x * dropout_mask
     grad_x = torch.zeros_like(x)
     grad_A, grad_B = grad_into if grad_into is not None else (torch.zeros_like(A_slots), torch.zeros_like(B_slots))
-    for seg in table.segments:
+    for seg, b_slot in zip(table.segments, [s.slot for s in (b_table or table).segments]):
         rows, r = slice(seg.row_start, seg.row_end), seg.rank
-        grad_h = grad[rows] @ B_slots[seg.slot, :, :r] * seg.scaling  # [rows, r]
+        grad_h = grad[rows] @ B_slots[b_slot, :, :r] * seg.scaling  # [rows, r]
         grad_x[rows] = grad_h @ A_slots[seg.slot, :r]
         grad_A[seg.slot, :r] += (grad_h.t() @ xm[rows]).to(grad_A.dtype)
-        grad_B[seg.slot, :, :r] += (grad[rows].t() @ h[rows, :r] * seg.scaling).to(grad_B.dtype)
+        grad_B[b_slot, :, :r] += (grad[rows].t() @ h[rows, :r] * seg.scaling).to(grad_B.dtype)
     if dropout_mask is not None:
         grad_x = grad_x * dropout_mask
     return grad_x, grad_A, grad_B

@@ -98,17 +98,31 @@ def build_table(segments: Iterable[tuple[int, int, int, int, float]], device: to
         max_segment_rows=max((s.row_end - s.row_start for s in segs), default=0), segments=segs)
 
 
-def build_expert_table(segments: Iterable[tuple[int, int, int, int, int, float]], num_experts: int,
-                       device: torch.device | str, total_rows: int | None = None) -> LoraTable:
-    """A grouped (expert, run) table from (row_start, row_end, slot, expert, rank, scaling): rows already sorted
-    into one segment per (expert, slot), each segment's slot becoming `slot × num_experts + expert` on the flattened
-    `[slots × experts, …]` buffers."""
-    flat = []
-    for start, end, slot, expert, rank, scaling in segments:
+@dataclass(frozen=True)
+class ExpertTables:
+    """A grouped (expert, run) pass over expert slot buffers (ops/__init__.py, `expert_views`): the same segments
+    indexing A's windows (`a`) and B's (`b`), and the buffers' R and expert count that the windows are cut by."""
+
+    a: LoraTable
+    b: LoraTable
+    rank: int  # R: the buffers' rank (A has E·R rows a slot)
+    experts: int
+
+
+def build_expert_tables(segments: Iterable[tuple[int, int, int, int, int, float]], num_experts: int, rank: int,
+                        device: torch.device | str, total_rows: int | None = None) -> ExpertTables:
+    """The tables for rows already sorted into one segment per (expert, slot), from (row_start, row_end, slot, expert,
+    rank, scaling); `rank` is the buffers' R. Expert e of slot s's rank-r run: A's window s·E·R + e·r, B's s·E·R + e."""
+    a, b = [], []
+    for start, end, slot, expert, r, scaling in segments:
         if not 0 <= expert < num_experts:
             raise ValueError(f"expert {expert} outside 0..{num_experts - 1}")
-        flat.append((start, end, slot * num_experts + expert, rank, scaling))
-    return build_table(flat, device, total_rows)
+        if r > rank:
+            raise ValueError(f"rank {r} past the buffers' {rank}")
+        first = slot * num_experts * rank
+        a.append((start, end, first + expert * r, r, scaling))
+        b.append((start, end, first + expert, r, scaling))
+    return ExpertTables(build_table(a, device, total_rows), build_table(b, device, total_rows), rank, num_experts)
 
 
 @dataclass(frozen=True)
