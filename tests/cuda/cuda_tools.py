@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
+
 import pytest
 import torch
 
@@ -10,6 +13,17 @@ from gpu_runtime.compute.pool import BaseEntry
 from gpu_runtime.engine.engine import Engine
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (bench/gpu.sh runs these)")
+
+
+@pytest.fixture
+def compiled_triton(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """choose() left to pick (Triton on CUDA), and fp32 references in full fp32 (TF32 off). Files whose checks are
+    of the compiled kernels use it autouse (`pytestmark = pytest.mark.usefixtures("compiled_triton")`)."""
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        pytest.skip("TRITON_INTERPRET is set: these check the compiled kernels")
+    monkeypatch.delenv("SIGNAL_LORA_KERNELS", raising=False)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    yield
 
 
 def base_entry(engine: Engine, run_id: str) -> BaseEntry:

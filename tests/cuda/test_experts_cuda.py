@@ -5,25 +5,12 @@ tensor's scale, as test_lora_ops_cuda.py's fp32 checks; the kernels alone in bf1
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
-
 import pytest
-import torch
 
-from tests.cuda.cuda_tools import requires_cuda
+from tests.cuda.cuda_tools import compiled_triton, requires_cuda  # noqa: F401 - the fixture, used by name
 from tests.gpu_runtime.test_expert_slots import assert_near, co_batched_pass
 
-pytestmark = requires_cuda
-
-
-@pytest.fixture(autouse=True)
-def full_fp32(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        pytest.skip("TRITON_INTERPRET is set: these check the compiled kernels")
-    monkeypatch.delenv("SIGNAL_LORA_KERNELS", raising=False)
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
-    yield
+pytestmark = [requires_cuda, pytest.mark.usefixtures("compiled_triton")]
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])

@@ -5,14 +5,11 @@ not TF32, and the references run with TF32 off), bf16 2e-2 against the fp32 refe
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
-
 import pytest
 import torch
 
 from gpu_runtime.compute.lora import ops
-from tests.cuda.cuda_tools import requires_cuda
+from tests.cuda.cuda_tools import compiled_triton, requires_cuda  # noqa: F401 - the fixture, used by name
 from tests.gpu_runtime.test_expert_kernels import EXPERT_RANKS, expert_buffers, expert_case, stacked_expert_delta
 from tests.gpu_runtime.test_lora_ops import (
     DROPOUT,
@@ -26,18 +23,8 @@ from tests.gpu_runtime.test_lora_ops import (
     rows_case,
 )
 
-pytestmark = requires_cuda
+pytestmark = [requires_cuda, pytest.mark.usefixtures("compiled_triton")]
 CUDA = torch.device("cuda")
-
-
-@pytest.fixture(autouse=True)
-def compiled_triton(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """choose() left to pick (Triton on CUDA), and fp32 references in full fp32."""
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        pytest.skip("TRITON_INTERPRET is set: these check the compiled kernels")
-    monkeypatch.delenv("SIGNAL_LORA_KERNELS", raising=False)
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
-    yield
 
 
 def on_cuda(case: Case) -> Case:
