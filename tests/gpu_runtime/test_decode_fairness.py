@@ -74,6 +74,17 @@ def test_prompts_prefill_fewest_rows_first_begun_ones_before_all() -> None:
     assert prefill_order([("a", False, 1), ("a", False, 1), ("b", False, 1)], {}) == [0, 2, 1]
 
 
+def test_a_user_with_its_share_of_a_pass_running_waits_to_prefill_beside_another() -> None:
+    waiting = [("a", False, 1)] * 4 + [("b", False, 1), ("a", True, 4)]
+    # a's 200 rows are past its share of a 16-row pass: its new prompts wait, b's prefills (a's begun one goes on)
+    assert prefill_order(waiting, {"a": 200}, cap=16) == [5, 4]
+    # with 5 running, a's prompts bring it up to its share: 8 of the 16 rows with two users
+    assert prefill_order([("a", False, 1)] * 6 + [("b", False, 1)], {"a": 5}, cap=16) == [6, 0, 1, 2]
+    # alone, or with no cap (CUDA), every prompt prefills
+    assert prefill_order([("a", False, 1)] * 3, {"a": 200}, cap=16) == [0, 1, 2]
+    assert prefill_order(waiting, {"a": 200}) == [5, 4, 0, 1, 2, 3]
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen3_5_moe"])
 def test_rows_taking_turns_draw_what_one_batch_draws(kind: str) -> None:
     """Two users' seeded rows in capped passes (3 rows a pass) give the tokens and logprobs of uncapped passes: a

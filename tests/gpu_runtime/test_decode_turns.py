@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from gpu_runtime.compute.decode.engine import DecodeEngine
 from gpu_runtime.engine.engine import Engine
 
 PROMPTS = ["a prompt long enough to be prefilled in several pieces when the budget is tiny, " * 2, "short"]
@@ -71,11 +72,13 @@ def test_calls_on_one_base_decode_in_one_batch_whenever_they_arrive(tmp_path: Pa
     engine.tick()  # one prefill each, the first tokens drawn: one batch of 17 rows
     assert decoding(engine) == {"flood": 16, "client-1": 1}
     sample("client-2", 2, 40)
+    sample("client-3", 16, 40)
     sample("flood", 16, 40)
-    engine.tick()  # the late ones join the running batch at their first step (the cache grew for them)
-    assert decoding(engine) == {"flood": 32, "client-1": 1, "client-2": 2}
+    engine.tick()  # the late ones join the running batch at their first step (the cache grew for them)…
+    # …but the flood's second call, whose user already has more than its share of a capped pass decoding (turns.py)
+    assert decoding(engine) == {"flood": 16, "client-1": 1, "client-2": 2, "client-3": 16}
     assert len(engine.sampling.decoders) == 1 and not answers
-    while len(answers) < 4:
+    while len(answers) < 5:
         engine.tick()
     assert all("result" in answer for answer in answers)
     assert not decoding(engine)
@@ -116,3 +119,76 @@ def test_a_single_sample_behind_a_flood_of_200_is_answered_in_a_few_small_passes
             break
         engine.tick()
     assert all("result" in answer for answer in a_answers)  # once alone, A's batch decodes whole again
+
+
+class Flood:
+    """User A's samples of 40 tokens on the tiny model, one step a tick, and user B's 4-token one beside them."""
+
+    def __init__(self, tmp_path: Path, model: str) -> None:
+        self.engine = Engine(tmp_path / "data", device="cpu", decode_chunk_seconds=1e-6, max_user_calls_in_flight=256)
+        self.model = model
+        self.a_answers: list[Any] = []
+        self.b_answers: list[Any] = []
+
+    def a_calls(self, seeds: range) -> None:
+        for seed in seeds:
+            self.engine.submit_message("sample", {"base_model": self.model, "user_id": "a", "prompts": ["hello there"],
+                                                  "max_tokens": 40, "temperature": 1.0, "seed": seed},
+                                       self.a_answers.append)
+
+    def decoding_a(self, rows: int) -> DecodeEngine:
+        """A's `rows` calls decoding (ticked until they are): the base's decode engine."""
+        self.a_calls(range(rows))
+        for _ in range(10):  # bounded: the prompts are short, one prefill pass takes them all
+            if decoding(self.engine).get("a", 0) == rows:
+                break
+            self.engine.tick()
+        assert decoding(self.engine) == {"a": rows}
+        decoder = next(iter(self.engine.sampling.decoders.values()))
+        assert decoder.engine is not None
+        return decoder.engine
+
+    def b_call(self) -> dict[str, Any]:
+        """B's sample, ticked until answered: its result."""
+        self.engine.submit_message("sample", {"base_model": self.model, "user_id": "b", "prompts": ["hello there"],
+                                              "max_tokens": 4, "temperature": 0.0}, self.b_answers.append)
+        while not self.b_answers:
+            self.engine.tick()
+        return dict(self.b_answers.pop()["result"])
+
+
+def test_a_flood_past_its_share_prefills_nothing_while_another_user_decodes(tmp_path: Path,
+                                                                            tiny_model_dir: str) -> None:
+    """Issue 34 #10: A's new prompts (its next calls, as a flood sends them) wait while B's sample decodes beside A's
+    64 rows: B's steps carry B's prefill alone (on one CPU thread a 64-token prefill of A's doubled a 16-row step)."""
+    flood = Flood(tmp_path, tiny_model_dir)
+    engine = flood.engine
+    decode = flood.decoding_a(64)
+    prefilled = decode.prefilled
+    flood.a_calls(range(64, 96))  # A's next 32 calls arrive with B's
+    b_result = flood.b_call()
+    assert decode.prefilled - prefilled == len(b_result["prompt_tokens"][0])
+    a_answers = flood.a_answers
+    assert decoding(engine) == {"a": 64} and not a_answers
+    for _ in range(400):  # bounded: once alone, A's waiting prompts prefill and every row decodes each step
+        if len(a_answers) == 96:
+            break
+        engine.tick()
+    assert len(a_answers) == 96 and all("result" in answer for answer in a_answers)
+
+
+def test_passes_stay_capped_for_a_few_steps_after_another_users_call_ends(tmp_path: Path,
+                                                                          tiny_model_dir: str) -> None:
+    """Issue 34 #10: B's calls in a loop: the next one is sent as the last is answered, so the passes right after
+    stay capped (FAIR_GRACE_STEPS) and it does not wait out an uncapped pass of A's 64 rows before its own begin."""
+    from gpu_runtime.compute.decode.turns import CPU_FAIR_PASS_ROWS, FAIR_GRACE_STEPS
+
+    flood = Flood(tmp_path, tiny_model_dir)
+    decode = flood.decoding_a(64)
+    assert len(flood.b_call()["sequences"][0][0]["tokens"]) == 4
+    passes = []
+    for _ in range(FAIR_GRACE_STEPS + 1):
+        rows = decode.rows_decoded
+        flood.engine.tick()
+        passes.append(decode.rows_decoded - rows)
+    assert passes == [CPU_FAIR_PASS_ROWS] * FAIR_GRACE_STEPS + [64]  # then A alone: its whole batch again

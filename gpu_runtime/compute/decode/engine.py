@@ -171,6 +171,7 @@ class DecodeEngine(Prefilling):
         for read, start in readers:
             read(values, start)
         ended = [h for h in running if h.done] + [h for h in joining if h.done]
+        self.ended_at.update((h.owner, self.steps) for h in ended)
         self._leave([h for h in ended if h.slot >= 0])
         return ended
 
@@ -178,7 +179,7 @@ class DecodeEngine(Prefilling):
 
     def _decode(self, running: list[Handle], collect: Callable[..., None]) -> None:
         order = decode_turn([Row(h.owner, h.turn, h.slot) for h in running], self.fair_rows,
-                            {group.members[0].owner for group in self.waiting})
+                            {group.members[0].owner for group in self.waiting} | self._lately())
         for slot in order:  # numbered in the order chosen: rows decoded together keep their order for the next turn
             self.turns += 1
             self.by_slot[slot].turn = self.turns

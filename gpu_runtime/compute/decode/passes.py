@@ -59,6 +59,7 @@ class SlotPasses:
         self.turns = 0  # rows decoded so far, counted in the order turns.py chose them (a Handle's `turn`)
         self.rows_decoded = 0  # rows computed by decode passes so far (a pass's work, rows included that were idle)
         self.fair_rows = fair_rows  # the most rows a decode pass takes while several users decode (turns.py; None: all)
+        self.ended_at: dict[str, int] = {}  # user → the step its last rows ended in (turns.FAIR_GRACE_STEPS)
         self._kernels: tuple[bool, int, torch.Tensor | None, int] | None = None  # the decode step's sampling choices
         self._graphs: dict[tuple[Any, ...], tuple[Any, tuple[torch.Tensor, ...]]] = {}
         self._graph_pool: Any = None

@@ -14,10 +14,15 @@ from gpu_runtime.compute.decode.handles import Handle, Prefill, outputs
 from gpu_runtime.compute.decode.passes import SlotPasses
 from gpu_runtime.compute.decode.sampler import prompt_draws, sample
 from gpu_runtime.compute.decode.slot_cache import Pass
-from gpu_runtime.compute.decode.turns import prefill_order
+from gpu_runtime.compute.decode.turns import FAIR_GRACE_STEPS, prefill_order
 
 
 class Prefilling(SlotPasses):
+    def _lately(self) -> set[str]:
+        """Users whose rows ended within FAIR_GRACE_STEPS steps: they still count in the passes' fair shares."""
+        self.ended_at = {owner: step for owner, step in self.ended_at.items() if self.steps - step <= FAIR_GRACE_STEPS}
+        return set(self.ended_at)
+
     def _prefill(self, collect: Callable[..., None]) -> list[Handle]:
         """One chunked pass over the prompts at the head of the queue (within `prefill_tokens`); sequences whose
         prompt ends in it draw their first token. Returns them."""
@@ -27,7 +32,8 @@ class Prefilling(SlotPasses):
         for handle in self.by_slot.values():
             running[handle.owner] = running.get(handle.owner, 0) + 1
         queue = list(self.waiting)
-        order = prefill_order([(g.members[0].owner, g.started, len(g.members)) for g in queue], running)
+        order = prefill_order([(g.members[0].owner, g.started, len(g.members)) for g in queue], running,
+                              self.fair_rows, self._lately())
         for group in (queue[i] for i in order):
             if budget <= 0:
                 break
