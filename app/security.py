@@ -53,10 +53,22 @@ def server_secret(settings: Settings) -> str:
         return settings.session_secret
     path = Path(settings.data_dir) / "session_secret"
     path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
-        return path.read_text().strip()
-    with os.fdopen(fd, "w") as handle:
-        handle.write(secrets.token_urlsafe(48))
-    return path.read_text().strip()
+    if not path.exists():
+        # Written whole under a name of its own, then linked into place: a server starting beside this one never
+        # reads a half-written (empty) secret, and the first link wins for every process.
+        draft = path.with_name(f".session_secret.{os.getpid()}.{secrets.token_hex(4)}")
+        with os.fdopen(os.open(draft, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as handle:
+            handle.write(secrets.token_urlsafe(48))
+            handle.flush()
+            os.fsync(handle.fileno())
+        try:
+            os.link(draft, path)
+        except FileExistsError:
+            pass  # another process's secret came first: this one uses it too
+        finally:
+            draft.unlink()
+    secret = path.read_text().strip()
+    if not secret:  # an empty key would sign cookies anyone can forge
+        raise RuntimeError(f"{path} is empty: delete it (a new secret is made at the next start; sessions end) "
+                           "or set SIGNAL_SESSION_SECRET")
+    return secret

@@ -104,7 +104,7 @@ class Cluster:
 
 def _env(data_dir: Path, tiny_model_dir: str) -> dict[str, str]:
     """The servers' and the runtime's settings, as an operator sets them: environment variables only."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SIGNAL_") or k == "SIGNAL_DATABASE_URL"}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SIGNAL_") or k in ("SIGNAL_DATABASE_URL", "SIGNAL_THREADS")}
     env.update({
         "SIGNAL_DATA_DIR": str(data_dir), "SIGNAL_MODELS_FILE": str(write_catalog(data_dir / "models.yaml", tiny_model_dir)),
         "SIGNAL_DEFAULT_MODEL": TINY_MODEL, "SIGNAL_DEVICE": "cpu", "SIGNAL_BOOTSTRAP_ADMIN": "true",
