@@ -108,6 +108,25 @@ def one_run(engine: Any, model: str, path: str, rows: int, length: int, rounds: 
     return out
 
 
+def cobatch_round(engine: Any, runs: list[str], rows: list[Any]) -> int:
+    """Each run's forward_backward of its row and its optim_step, submitted together and pumped: the round's base
+    passes (1 when the runs shared one)."""
+    from cobatch import pump, submit
+
+    passes = engine.totals.base_passes
+    futures = [submit(engine, "forward_backward", run_id=run, batch=[row]) for run, row in zip(runs, rows)]
+    pump(engine, futures + [submit(engine, "optim_step", run_id=run, adam=ADAM) for run in runs])
+    return int(engine.totals.base_passes - passes)
+
+
+def ceiling_round(engine: Any, run: str, rows: list[Any]) -> None:
+    """One run's forward_backward of all the rows and its optim_step: the co-batched round's ceiling."""
+    from cobatch import pump, submit
+
+    pump(engine, [submit(engine, "forward_backward", run_id=run, batch=rows),
+                  submit(engine, "optim_step", run_id=run, adam=ADAM)])
+
+
 def eight_runs(engine: Any, model: str, length: int, rounds: int, targets: dict[str, float], limit: Limit) -> dict[str, Any]:
     rows = batch(len(RANKS), length, seed=length)
     co = [f"co{length}-{i}" for i in range(len(RANKS))]
@@ -119,25 +138,13 @@ def eight_runs(engine: Any, model: str, length: int, rounds: int, targets: dict[
     engine.create_run(ceiling_run, "u-ceil", model, {"r": 32, "alpha": 64}, seed=0)
     from cobatch import pump, submit
 
-    def cobatch() -> None:
-        futures = [submit(engine, "forward_backward", run_id=run, batch=[row]) for run, row in zip(co, rows)]
-        pump(engine, futures + [submit(engine, "optim_step", run_id=run, adam=ADAM) for run in co])
-
-    def ceiling() -> None:
-        pump(engine, [submit(engine, "forward_backward", run_id=ceiling_run, batch=rows),
-                      submit(engine, "optim_step", run_id=ceiling_run, adam=ADAM)])
-
     def sequential() -> None:
         for run, row in zip(seq, rows):
             pump(engine, [submit(engine, "forward_backward", run_id=run, batch=[row])])
             pump(engine, [submit(engine, "optim_step", run_id=run, adam=ADAM)])
 
-    def counted() -> int:
-        passes = engine.totals.base_passes
-        cobatch()
-        return int(engine.totals.base_passes - passes)  # the co-batched round's forward passes: 1 when they share one
-
-    sides = {"cobatch": counted, "ceiling": ceiling, "sequential": sequential}
+    sides = {"cobatch": lambda: cobatch_round(engine, co, rows), "ceiling": lambda: ceiling_round(engine, ceiling_run, rows),
+             "sequential": sequential}
     timing = alternate(sides, rounds, measure=Measure(engine.device), deadline=limit.deadline)
     med, one_pass = timing.medians(), timing.last["cobatch"]
     # A co-batched and a ceiling round again under the profiler, each when 3x its expected time is left: the
@@ -178,25 +185,13 @@ def moe_runs(engine: Any, model: str, length: int, rounds: int, targets: dict[st
     created = [engine.create_run(run, f"u{i}", model, lora, seed=i) for i, run in enumerate(co)]
     ceiling_run = f"moe-ceil{length}"
     engine.create_run(ceiling_run, "u-ceil", model, lora, seed=0)
-    from cobatch import pump, submit
-
-    def cobatch() -> int:
-        passes = engine.totals.base_passes
-        futures = [submit(engine, "forward_backward", run_id=run, batch=[row]) for run, row in zip(co, rows)]
-        pump(engine, futures + [submit(engine, "optim_step", run_id=run, adam=ADAM) for run in co])
-        return int(engine.totals.base_passes - passes)  # 1 when the 4 runs shared one pass
-
-    def ceiling() -> None:
-        pump(engine, [submit(engine, "forward_backward", run_id=ceiling_run, batch=rows),
-                      submit(engine, "optim_step", run_id=ceiling_run, adam=ADAM)])
-
-    timing = alternate({"cobatch": cobatch, "ceiling": ceiling}, rounds, measure=Measure(engine.device),
-                       deadline=limit.deadline)
+    sides = {"cobatch": lambda: cobatch_round(engine, co, rows), "ceiling": lambda: ceiling_round(engine, ceiling_run, rows)}
+    timing = alternate(sides, rounds, measure=Measure(engine.device), deadline=limit.deadline)
     med, tokens = timing.medians(), MOE_RUNS * length
     vs_ceiling = med["ceiling"] / med["cobatch"]
     for run in co + [ceiling_run]:
         engine.delete_run(run)
-    return {"runs": MOE_RUNS, "length": length, "lora": created[0]["lora"], "target_modules": created[0]["target_modules"],
+    return {"runs": MOE_RUNS, "length": length, "lora": created[0]["lora"],
             "timed_rounds": len(timing.seconds["cobatch"]), "base_passes": timing.last["cobatch"],
             "sides": {name: {"median_seconds": round(s, 4), "tokens_per_s": round(tokens / s, 1)} for name, s in med.items()},
             "cobatch_vs_ceiling": round(vs_ceiling, 4),

@@ -187,7 +187,7 @@ class Prefilling(SlotPasses):
             parts += [values.to(torch.float64), ids.to(torch.float64)]
         a = lead.settings.prompt_alt_k
         if a:  # keyed by the prompt's first sequence (its request's own index), as its first token's draw is
-            drawn, drawn_logprobs = prompt_draws(logits, self._tensor(list(range(first + 1, first + 1 + m))), a,
+            drawn, drawn_logprobs = prompt_draws(logits, torch.arange(first + 1, first + 1 + m, device=self.device), a,
                                                  lead.settings.temperature, lead.settings.seed, lead.seq_index)
             parts += [drawn.to(torch.float64), drawn_logprobs.to(torch.float64)]
 

@@ -137,6 +137,7 @@ class MultiLoraExperts(nn.Module):
             else:
                 segments.append(Segment(key, i, i + 1))
         return segments
+
     def _occupants(self) -> dict[str, Occupant]:
         slots = self.routing.slots.experts
         return {} if slots is None else slots.occupants
@@ -208,10 +209,10 @@ class MultiLoraExperts(nn.Module):
             target.num_experts, lora.A.shape[1] // target.num_experts, xs.device, total_rows=xs.shape[0])
         x32 = xs.to(lora.A.dtype)
         mask = self._mask(target, x32, runs, here, sorted_tokens, per_row)
-        grad = torch.is_grad_enabled()
-        if grad:
-            lora.grads()
-        into = (lora.grad_A, lora.grad_Bt) if grad and lora.grad_A is not None and lora.grad_Bt is not None else None
+        into = None
+        if torch.is_grad_enabled():
+            grad_A, grad_B = lora.grads()
+            into = (grad_A, grad_B.transpose(1, 2))  # the expert kernels read Bᵀ's own layout, [slots, R·E, out]
         delta = grouped_expert_lora(x32, lora.A, lora.Bt, tables, mask, self.routing.kernel, grad_into=into)
         if delta.requires_grad:  # the runs' .grad become their rows of the gradient buffers as gradients arrive
             trainable = [o.slot for _, _, o in here if o.trainable]
