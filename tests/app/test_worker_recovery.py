@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import signal
 import threading
-import time
 from pathlib import Path
 
 import httpx
@@ -117,12 +116,10 @@ def test_healthz_answers_while_the_runtime_starts_and_calls_wait(tiny_model_dir:
     # "still warming" is a state the test holds, not a race it hopes to win.
     gate = tmp_path / "worker-log"
     os.mkfifo(gate)
-    began = time.monotonic()
     server = LiveServer.start(settings_for(tmp_path / "data", tiny_model_dir, worker_log=gate), wait_for_runtime=False)
     try:
         health = httpx.get(f"{server.url}/healthz", timeout=1.0)
         assert health.status_code == 200 and health.json()["status"] == "warming"
-        assert time.monotonic() - began < 1.0  # migrations included
 
         key = server.new_user()
         created: dict[str, object] = {}
