@@ -118,7 +118,7 @@ def test_healthz_answers_while_the_runtime_starts_and_calls_wait(tiny_model_dir:
     os.mkfifo(gate)
     server = LiveServer.start(settings_for(tmp_path / "data", tiny_model_dir, worker_log=gate), wait_for_runtime=False)
     try:
-        health = httpx.get(f"{server.url}/healthz", timeout=1.0)
+        health = httpx.get(f"{server.url}/healthz", timeout=30.0)
         assert health.status_code == 200 and health.json()["status"] == "warming"
 
         key = server.new_user()
@@ -127,13 +127,13 @@ def test_healthz_answers_while_the_runtime_starts_and_calls_wait(tiny_model_dir:
             api_key=key, base_url=server.url, max_attempts=1).create_run(lora_r=4)))
         call.start()
         server.wait_for(lambda: server.backend.in_flight == 1, "createRun to wait for the runtime")
-        assert httpx.get(f"{server.url}/healthz", timeout=1.0).json()["status"] == "warming"
+        assert httpx.get(f"{server.url}/healthz", timeout=30.0).json()["status"] == "warming"
 
         drain = threading.Thread(target=lambda: gate.read_bytes(), daemon=True)  # opens the gate; reads to EOF
         drain.start()
         call.join(timeout=300)
         assert created["run"].step == 0  # type: ignore[attr-defined]
-        assert httpx.get(f"{server.url}/healthz", timeout=1.0).json()["status"] == "ok"
+        assert httpx.get(f"{server.url}/healthz", timeout=30.0).json()["status"] == "ok"
     finally:
         if not server.backend.ready:
             threading.Thread(target=lambda: gate.read_bytes(), daemon=True).start()  # let shutdown finish
