@@ -18,6 +18,7 @@ import torch
 
 from gpu_runtime.compute.batches import Collated, Datum, collate, rows
 from gpu_runtime.compute.custom_losses import custom_loss
+from gpu_runtime.compute.joined_rows import arrange, build, joins
 from gpu_runtime.compute.lora import ops
 from gpu_runtime.compute.lora.layer import Segment, routed
 from gpu_runtime.compute.losses import LOSSES, normaliser
@@ -46,19 +47,25 @@ def forward_backward_pass(entry: BaseEntry, runs: Mapping[str, RunWeights], part
     stash = None if shard is None or forward_only else shard.stash_grads(runs, parts)
     datums = [datum for part in local for datum in part.examples] or [_padding_row(entry)]
     data = collate(datums, device)
-    segments, spans, start = [], [], 0
+    spans, start = [], 0
     for part in local:
-        end = start + len(part.examples)
-        spans.append(slice(start, end))
-        if part.examples and part.run_id is not None:
-            segments.append(Segment(part.run_id, start, end, dropout_seed=part.dropout_seed, call_rows=part.call_rows,
-                                    call_width=part.call_width, row_offset=part.row_offset))
-        start = end
+        spans.append(slice(start, start + len(part.examples)))
+        start += len(part.examples)
+    # which parts' datums share model rows (joined_rows.py); the segments then name model rows, not datums
+    join = [shard is None and joins(part, runs, entry.model) for part in local]
+    model_rows = [slice(span.start, span.stop) for span in spans]
+    joined = None
+    if any(join):
+        arranged, model_rows = arrange(data.lengths, spans, join)
+        joined = build(arranged, data.lengths, data.input_ids, data.targets, data.soft_targets, data.soft_weights)
+    segments = [Segment(part.run_id, rows_of.start, rows_of.stop, dropout_seed=part.dropout_seed,
+                        call_rows=part.call_rows, call_width=part.call_width, row_offset=part.row_offset)
+                for part, rows_of in zip(local, model_rows) if part.examples and part.run_id is not None]
     checkpoint_layers = 0 if forward_only else checkpoint_layers
     kernel = _lora_kernel(parts, device)
     with torch.set_grad_enabled(not forward_only), routed(entry.routing, segments, kernel), \
             checkpointed(entry.model, checkpoint_layers):
-        logprobs = pass_logprobs(entry.model, data, segments, sharded=shard is not None)
+        logprobs = pass_logprobs(entry.model, data, segments, sharded=shard is not None, joined=joined)
         sums: list[torch.Tensor | None] = []
         norms: list[float] = []
         shipped: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (part, logprobs, elementwise) to copy back
@@ -101,6 +108,7 @@ def forward_backward_pass(entry: BaseEntry, runs: Mapping[str, RunWeights], part
                 _backward([s for s in sums if s is not None] + [logprobs.nan_to_num().sum() * 0.0], logprobs, rows_ok)
     outcomes: list[Outcome] = []
     host_metrics = host.metrics if shard is None else {}
+    joined_parts = {i for i, j in enumerate(join) if j}  # local parts are every part where no shard splits them
     for i, ((global_sum, norm), part_outputs) in enumerate(zip(totals, outputs)):
         if i in failed:
             outcomes.append(failed[i])
@@ -109,7 +117,8 @@ def forward_backward_pass(entry: BaseEntry, runs: Mapping[str, RunWeights], part
             # Its rows' gradients were zeroed: a NaN/inf would poison every gradient this run accumulated so far.
             outcomes.append(BadInput(f"the batch's loss is {global_sum}; check its weights and tokens", field="batch"))
             continue
-        outcomes.append(PartOutcome(global_sum, norm, part_outputs, host_metrics.get(i), lora_kernel=kernel))
+        outcomes.append(PartOutcome(global_sum, norm, part_outputs, host_metrics.get(i), lora_kernel=kernel,
+                                    join_rows=i in joined_parts))
     if shard is not None and stash is not None:
         shard.reduce_grads(stash)
     return outcomes
