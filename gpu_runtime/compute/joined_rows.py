@@ -73,7 +73,9 @@ def joins(part: PassPart, runs: Mapping[str, RunWeights], model: nn.Module) -> b
 def first_fit_decreasing(lengths: list[int]) -> list[list[int]]:
     """Datums (indices into `lengths`) in rows no wider than the longest: longest first, each into the first row with
     room, ties by index (deterministic: a replay arranges alike). Never more rows, nor wider ones, than padding."""
-    width, rows, room = max(lengths), list[list[int]](), list[int]()
+    width = max(lengths)
+    rows: list[list[int]] = []
+    room: list[int] = []  # each row's free width
     for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
         fit = next((r for r, free in enumerate(room) if lengths[i] <= free), None)
         if fit is None:
