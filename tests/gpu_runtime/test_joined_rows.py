@@ -121,7 +121,7 @@ def test_joined_rows_give_the_padded_losses_logprobs_and_gradients(tmp_path: Pat
 
 def test_a_cobatched_pass_joins_one_run_and_pads_the_one_with_dropout(tmp_path: Path, tiny_model_dir: str,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    runs = {"plain": {"r": 4, "alpha": 8}, "dropping": {"r": 8, "alpha": 8, "dropout": 0.1}}
+    runs: dict[str, dict[str, Any]] = {"plain": {"r": 4, "alpha": 8}, "dropping": {"r": 8, "alpha": 8, "dropout": 0.1}}
     engine = engine_with(tmp_path, "together", tiny_model_dir, runs)
     together = one_pass(engine, [part("plain", datums("cross_entropy", 1), "cross_entropy"),
                                  part("dropping", datums("importance_sampling", 2), "importance_sampling", seed=9)])
