@@ -53,8 +53,7 @@ def forward_backward_pass(entry: BaseEntry, runs: Mapping[str, RunWeights], part
         start += len(part.examples)
     # which parts' datums share model rows (joined_rows.py); the segments then name model rows, not datums
     join = [shard is None and joins(part, runs, entry.model) for part in local]
-    model_rows = [slice(span.start, span.stop) for span in spans]
-    joined = None
+    model_rows, joined = spans, None
     if any(join):
         arranged, model_rows = arrange(data.lengths, spans, join)
         joined = build(arranged, data.lengths, data.input_ids, data.targets, data.soft_targets, data.soft_weights)
