@@ -40,7 +40,10 @@ def forward_backward_pass(entry: BaseEntry, runs: Mapping[str, RunWeights], part
 
     No host sync inside: normalisers come from the host's own lists, a part whose loss is not finite is kept out of
     every gradient on the device (its rows' gradient zeroed before it reaches the model), and the pass's loss sums and
-    outputs come back in one device-to-host copy at its end (a sharded pass also sums its losses over the ranks)."""
+    outputs come back in one device-to-host copy at its end (a sharded pass also sums its losses over the ranks).
+
+    A part whose datums join (compute/joined_rows.py) runs them side by side in fewer model rows; the logprobs come
+    back in the padded layout, so the losses below never know."""
     forward_only = all(part.forward_only for part in parts)
     local = parts if shard is None else shard.rows_of_this_rank(parts)
     # this pass's gradients alone are all-reduced

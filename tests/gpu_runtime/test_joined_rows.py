@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from gpu_runtime.compute import joined_rows
-from gpu_runtime.compute.batches import Datum
+from gpu_runtime.compute.batches import Datum, soft
 from gpu_runtime.compute.plan import PartOutcome, PassPart
 from gpu_runtime.compute.training import forward_backward_pass
 from gpu_runtime.engine.engine import Engine
@@ -27,9 +27,15 @@ CLOSE = 1e-5  # fp32: the same terms summed over rows of another shape
 
 
 def datums(loss_fn: str, seed: int = 0, lengths: list[int] = LENGTHS) -> list[Datum]:
+    """Random datums; loss_fn "soft": cross_entropy's (N, K) soft targets (a teacher's top 3)."""
     rng = random.Random(seed)
     made = []
     for n in lengths:
+        if loss_fn == "soft":
+            made.append(soft([rng.randrange(1, 2000) for _ in range(n)],
+                             [[rng.randrange(1, 2000) for _ in range(3)] for _ in range(n)],
+                             [[rng.random() for _ in range(3)] for _ in range(n)], {}))
+            continue
         tokens = [rng.randrange(1, 2000) for _ in range(n)]
         targets = [rng.randrange(1, 2000) for _ in range(n)]
         weights = [float(rng.random() < 0.8) for _ in range(n)]
@@ -43,7 +49,7 @@ def datums(loss_fn: str, seed: int = 0, lengths: list[int] = LENGTHS) -> list[Da
 
 def part(run_id: str, rows: list[Datum], loss_fn: str, seed: int = 7, forward_only: bool = False) -> PassPart:
     return PassPart(run_id, rows, 0, call_rows=len(rows), call_width=max(d.length for d in rows),
-                    dropout_seed=None if forward_only else seed, loss_fn=loss_fn,
+                    dropout_seed=None if forward_only else seed, loss_fn="cross_entropy" if loss_fn == "soft" else loss_fn,
                     loss_config=dict(LOSS_CONFIG.get(loss_fn, {})), return_outputs=True, forward_only=forward_only)
 
 
@@ -102,13 +108,17 @@ def test_a_part_joins_only_when_it_saves_a_quarter_of_its_rows(lengths: list[int
     assert joined_rows.saves(lengths) is joins
 
 
-@pytest.mark.parametrize("loss_fn", ["cross_entropy", "importance_sampling", "ppo", "gspo"])
+@pytest.mark.parametrize(("loss_fn", "attention"), [("cross_entropy", "sdpa"), ("importance_sampling", "sdpa"),
+                                                   ("ppo", "sdpa"), ("gspo", "sdpa"), ("soft", "sdpa"),
+                                                   ("cross_entropy", "eager")])
 def test_joined_rows_give_the_padded_losses_logprobs_and_gradients(tmp_path: Path, tiny_model_dir: str, loss_fn: str,
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+                                                                   attention: str, monkeypatch: pytest.MonkeyPatch) -> None:
     results = {}
     for setting in ("0", "1"):
         monkeypatch.setenv(joined_rows.JOIN_ROWS_ENV, setting)
         engine = engine_with(tmp_path, f"data-{setting}", tiny_model_dir, {"run": {"r": 4, "alpha": 8}})
+        model = engine.residency.bases[engine.runs["run"].base_key].model
+        model.set_attn_implementation(attention)  # eager takes the additive form of the same mask
         with CountSyncs() as syncs:
             results[setting] = one_pass(engine, [part("run", datums(loss_fn), loss_fn)])
         assert syncs.total == 1, syncs.counts  # the joined layout is built from the host's lengths: no read-back
