@@ -18,6 +18,7 @@ from gpu_runtime.compute.batches import Datum, soft
 from gpu_runtime.compute.plan import PartOutcome, PassPart
 from gpu_runtime.compute.training import forward_backward_pass
 from gpu_runtime.engine.engine import Engine
+from gpu_runtime.engine.journal_records import FbRecord
 from tests.gpu_runtime.test_host_syncs import CountSyncs
 from tests.helpers.engine_tools import assert_relatively_close, assert_same_weights, lora_weights
 from tests.helpers.tiny_families import FAMILIES, build_family
@@ -200,3 +201,12 @@ def test_a_journaled_joined_call_replays_bitwise_whatever_the_setting(tmp_path: 
         assert (mine.grad is None) == (theirs.grad is None)
         if mine.grad is not None and theirs.grad is not None:
             assert torch.equal(mine.grad, theirs.grad)
+
+
+@pytest.mark.parametrize("joined", [True, False])
+def test_a_record_says_join_rows_only_when_its_datums_joined_and_older_records_read_as_padded(joined: bool) -> None:
+    record = FbRecord(request_id="r", loss_fn="cross_entropy", loss_fn_config={}, reduction="mean", call=0, step=0,
+                      batch_sha256="", body_sha256=None, datums=datums("cross_entropy")[:2], result={}, join_rows=joined)
+    written = record.to_dict()
+    assert ("join_rows" in written) is joined  # a padded call's record is byte for byte what it was before
+    assert FbRecord.from_dict(written).join_rows is joined
