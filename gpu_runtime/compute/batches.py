@@ -365,7 +365,7 @@ def collate(datums: list[Datum], device: torch.device) -> Collated:
     values[2:] = math.nan  # NaN where a datum lacks the input (a clip threshold: the config's value)
     with np.errstate(over="ignore"):  # a finite float64 past fp32's range becomes inf, as torch's cast does
         _fill(datums, extra_names, ids, values)
-    ids_d, values_d = _to_device(torch.from_numpy(ids), device), _to_device(torch.from_numpy(values), device)
+    ids_d, values_d = host_to_device(torch.from_numpy(ids), device), host_to_device(torch.from_numpy(values), device)
     data = Collated(ids_d[0], ids_d[1], ids_d[2], values_d[0], values_d[1],
                     {k: values_d[2 + j] for j, k in enumerate(extra_names)}, [d.length for d in datums])
     if any(d.soft_targets is not None for d in datums):
@@ -378,7 +378,7 @@ def collate(datums: list[Datum], device: torch.device) -> Collated:
 def _shaped(datums: list[Datum], device: torch.device) -> list[dict[str, torch.Tensor]]:
     """Each row's scalar and (N, K) inputs as views of one fp32 buffer, copied to the device once."""
     arrays = [(i, k, np.asarray(v, dtype=np.float32)) for i, d in enumerate(datums) for k, v in sorted(d.shaped.items())]
-    flat = _to_device(torch.from_numpy(np.concatenate([a.reshape(-1) for _, _, a in arrays])), device)
+    flat = host_to_device(torch.from_numpy(np.concatenate([a.reshape(-1) for _, _, a in arrays])), device)
     out: list[dict[str, torch.Tensor]] = [{} for _ in datums]
     start = 0
     for i, k, a in arrays:
@@ -397,7 +397,7 @@ def _soft(datums: list[Datum], width: int, device: torch.device) -> tuple[torch.
             kd = len(d.soft_targets[0])
             ids[i, :d.length, :kd] = d.soft_targets
             weights[i, :d.length, :kd] = d.soft_weights
-    return _to_device(torch.from_numpy(ids), device), _to_device(torch.from_numpy(weights), device)
+    return host_to_device(torch.from_numpy(ids), device), host_to_device(torch.from_numpy(weights), device)
 
 
 def _fill(datums: list[Datum], extra_names: list[str], ids: np.ndarray, values: np.ndarray) -> None:
@@ -422,7 +422,7 @@ def _fill(datums: list[Datum], extra_names: list[str], ids: np.ndarray, values: 
                 counted[i, :n] = 1.0
 
 
-def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+def host_to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A host buffer on the device: pinned and asynchronous to a GPU (the copy queues behind the work before it)."""
     if device.type != "cuda":
         return tensor.to(device)

@@ -22,6 +22,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from gpu_runtime.compute.batches import Collated
+from gpu_runtime.compute.joined_rows import MASKED_IMPLEMENTATIONS, JoinedRows, implementation_mask, windowed
 from gpu_runtime.compute.lora.layer import MultiLoraLinear, Segment
 from gpu_runtime.compute.loss_head import decoder_hidden, logit_softcap, token_logprobs
 from gpu_runtime.compute.losses import soft_target_logprobs, target_logprobs
@@ -45,22 +46,30 @@ def plain_head(model: nn.Module, segments: list[Segment]) -> tuple[torch.Tensor,
     return head.weight, head.bias, softcap
 
 
-def pass_logprobs(model: nn.Module, data: Collated, segments: list[Segment], sharded: bool = False) -> torch.Tensor:
+def pass_logprobs(model: nn.Module, data: Collated, segments: list[Segment], sharded: bool = False,
+                  joined: JoinedRows | None = None) -> torch.Tensor:
     """log p(targets[b, t]) [B, T] fp32 for the collated rows, under the routing already set for `segments`; a soft
-    row's position holds Σ_k w_k·log p(t_k) instead (its 1-D target is ignored, so the two add without a select)."""
+    row's position holds Σ_k w_k·log p(t_k) instead (its 1-D target is ignored, so the two add without a select).
+    `joined`: the model runs on these rows instead (the segments name them), gathered back to [B, T]."""
     head = None if sharded else plain_head(model, segments)
-    mask = attention_mask(model, data)
+    if joined is None:
+        ids, targets, soft_targets, soft_weights = data.input_ids, data.targets, data.soft_targets, data.soft_weights
+        mask, positions = attention_mask(model, data), {}
+    else:
+        ids, targets, soft_targets, soft_weights = joined.input_ids, joined.targets, joined.soft_targets, joined.soft_weights
+        mask, positions = joined.mask(model), {"position_ids": joined.positions}
     if head is None:
-        logits = model(input_ids=data.input_ids, attention_mask=mask).logits
-        logprobs = target_logprobs(logits, data.targets)
-        if data.soft_targets is None or data.soft_weights is None:
-            return logprobs
-        return logprobs + soft_target_logprobs(logits, data.soft_targets, data.soft_weights)
-    weight, bias, softcap = head
-    hidden = decoder_hidden(model, data.input_ids, mask)
-    out = token_logprobs(hidden, weight, data.targets, bias, softcap=softcap, soft_targets=data.soft_targets,
-                         soft_weights=data.soft_weights)
-    return out.logprobs if out.soft is None else out.logprobs + out.soft
+        logits = model(input_ids=ids, attention_mask=mask, **positions).logits
+        logprobs = target_logprobs(logits, targets)
+        if soft_targets is not None and soft_weights is not None:
+            logprobs = logprobs + soft_target_logprobs(logits, soft_targets, soft_weights)
+    else:
+        weight, bias, softcap = head
+        hidden = decoder_hidden(model, ids, mask, **positions)
+        out = token_logprobs(hidden, weight, targets, bias, softcap=softcap, soft_targets=soft_targets,
+                             soft_weights=soft_weights)
+        logprobs = out.logprobs if out.soft is None else out.logprobs + out.soft
+    return logprobs if joined is None else joined.padded(logprobs)
 
 
 def attention_mask(model: nn.Module, data: Collated) -> torch.Tensor | None:
@@ -72,23 +81,13 @@ def attention_mask(model: nn.Module, data: Collated) -> torch.Tensor | None:
         return None
     config = getattr(model, "config", None)
     implementation = getattr(config, "_attn_implementation", None)
-    if implementation not in ("sdpa", "eager") or windowed(config):
+    if implementation not in MASKED_IMPLEMENTATIONS or windowed(config):
         # flash and flex read the 2D mask themselves; a model with sliding-window layers builds one mask per layer
         # kind from it (one causal 4D mask would give its windowed layers full attention)
         return data.attention_mask
     positions = torch.arange(width, device=data.input_ids.device)
     allowed = (positions[None, :] <= positions[:, None])[None, None] & data.attention_mask.bool()[:, None, None, :]
-    if implementation == "sdpa":
-        return allowed
-    dtype = next(model.parameters()).dtype
-    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, torch.finfo(dtype).min)
-
-
-def windowed(config: object) -> bool:
-    """Whether some attention layer of this model sees a sliding window (Gemma 2/3, GPT-OSS, Mistral, …)."""
-    layer_types = getattr(config, "layer_types", None) or []
-    return getattr(config, "sliding_window", None) is not None and (
-        not layer_types or any("sliding" in str(kind) for kind in layer_types))
+    return implementation_mask(model, allowed)
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:

@@ -63,6 +63,7 @@ class PartOutcome:
     outputs: list[dict[str, list[float]]] | None = None  # [{logprobs, elementwise_loss}] per datum, in order
     metrics: dict[str, float] | None = None  # a custom loss's own metrics (custom/<name>:sum|mean), over its rows
     lora_kernel: str | None = None  # the segmented LoRA kernel the pass ran (ops.pass_kernel), for the journal
+    join_rows: bool = False  # its datums shared model rows (compute/joined_rows.py), for the journal
 
 
 Outcome = PartOutcome | SignalError  # a part's sums, or why it was left out
@@ -85,3 +86,4 @@ class PassPart:
     return_outputs: bool = False  # compute and ship per-position logprobs and elementwise losses
     forward_only: bool = False  # a forward: no backward, no gradient kept
     lora_kernel: str | None = None  # a replayed record's LoRA kernel (or ops.LEGACY); None: live, today's choice
+    join_rows: bool | None = None  # a replayed record's: whether its datums shared model rows; None: live, decided

@@ -18,6 +18,7 @@ import torch
 
 from gpu_runtime.compute.batches import Collated, Datum, collate, rows
 from gpu_runtime.compute.custom_losses import custom_loss
+from gpu_runtime.compute.joined_rows import arrange, build, joins
 from gpu_runtime.compute.lora import ops
 from gpu_runtime.compute.lora.layer import Segment, routed
 from gpu_runtime.compute.losses import LOSSES, normaliser
@@ -39,26 +40,34 @@ def forward_backward_pass(entry: BaseEntry, runs: Mapping[str, RunWeights], part
 
     No host sync inside: normalisers come from the host's own lists, a part whose loss is not finite is kept out of
     every gradient on the device (its rows' gradient zeroed before it reaches the model), and the pass's loss sums and
-    outputs come back in one device-to-host copy at its end (a sharded pass also sums its losses over the ranks)."""
+    outputs come back in one device-to-host copy at its end (a sharded pass also sums its losses over the ranks).
+
+    A part whose datums join (compute/joined_rows.py) runs them side by side in fewer model rows; the logprobs come
+    back in the padded layout, so the losses below never know."""
     forward_only = all(part.forward_only for part in parts)
     local = parts if shard is None else shard.rows_of_this_rank(parts)
     # this pass's gradients alone are all-reduced
     stash = None if shard is None or forward_only else shard.stash_grads(runs, parts)
     datums = [datum for part in local for datum in part.examples] or [_padding_row(entry)]
     data = collate(datums, device)
-    segments, spans, start = [], [], 0
+    spans, start = [], 0
     for part in local:
-        end = start + len(part.examples)
-        spans.append(slice(start, end))
-        if part.examples and part.run_id is not None:
-            segments.append(Segment(part.run_id, start, end, dropout_seed=part.dropout_seed, call_rows=part.call_rows,
-                                    call_width=part.call_width, row_offset=part.row_offset))
-        start = end
+        spans.append(slice(start, start + len(part.examples)))
+        start += len(part.examples)
+    # which parts' datums share model rows (joined_rows.py); the segments then name model rows, not datums
+    join = [shard is None and joins(part, runs, entry.model) for part in local]
+    model_rows, joined = spans, None
+    if any(join):
+        arranged, model_rows = arrange(data.lengths, spans, join)
+        joined = build(arranged, data.lengths, data.input_ids, data.targets, data.soft_targets, data.soft_weights)
+    segments = [Segment(part.run_id, rows_of.start, rows_of.stop, dropout_seed=part.dropout_seed,
+                        call_rows=part.call_rows, call_width=part.call_width, row_offset=part.row_offset)
+                for part, rows_of in zip(local, model_rows) if part.examples and part.run_id is not None]
     checkpoint_layers = 0 if forward_only else checkpoint_layers
     kernel = _lora_kernel(parts, device)
     with torch.set_grad_enabled(not forward_only), routed(entry.routing, segments, kernel), \
             checkpointed(entry.model, checkpoint_layers):
-        logprobs = pass_logprobs(entry.model, data, segments, sharded=shard is not None)
+        logprobs = pass_logprobs(entry.model, data, segments, sharded=shard is not None, joined=joined)
         sums: list[torch.Tensor | None] = []
         norms: list[float] = []
         shipped: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (part, logprobs, elementwise) to copy back
@@ -101,6 +110,7 @@ def forward_backward_pass(entry: BaseEntry, runs: Mapping[str, RunWeights], part
                 _backward([s for s in sums if s is not None] + [logprobs.nan_to_num().sum() * 0.0], logprobs, rows_ok)
     outcomes: list[Outcome] = []
     host_metrics = host.metrics if shard is None else {}
+    joined_parts = {i for i, j in enumerate(join) if j}  # local parts are every part where no shard splits them
     for i, ((global_sum, norm), part_outputs) in enumerate(zip(totals, outputs)):
         if i in failed:
             outcomes.append(failed[i])
@@ -109,7 +119,8 @@ def forward_backward_pass(entry: BaseEntry, runs: Mapping[str, RunWeights], part
             # Its rows' gradients were zeroed: a NaN/inf would poison every gradient this run accumulated so far.
             outcomes.append(BadInput(f"the batch's loss is {global_sum}; check its weights and tokens", field="batch"))
             continue
-        outcomes.append(PartOutcome(global_sum, norm, part_outputs, host_metrics.get(i), lora_kernel=kernel))
+        outcomes.append(PartOutcome(global_sum, norm, part_outputs, host_metrics.get(i), lora_kernel=kernel,
+                                    join_rows=i in joined_parts))
     if shard is not None and stash is not None:
         shard.reduce_grads(stash)
     return outcomes

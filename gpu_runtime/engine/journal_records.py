@@ -5,7 +5,8 @@ record written since the journal existed upgrades here to today's type, so repla
 What changed, oldest first:
 - forward_backward held `examples` of {tokens, weights, extras} (rendered as they were then: shifted), then `datums`;
 - it held no `reduction` (every call was "mean"), no `body_sha256` (such ids take any body on retry), no
-  `lora_kernel` (its passes ran the per-segment LoRA reference, or Triton on CUDA: replayed as `ops.LEGACY`);
+  `lora_kernel` (its passes ran the per-segment LoRA reference, or Triton on CUDA: replayed as `ops.LEGACY`), no
+  `join_rows` (its datums were each padded to a row of their own: replayed so);
 - optim_step held no `kernel` (AdamW's portable one) and no `body_sha256`;
 - snapshot.json's pending gradients held no `reduction` (its calls were "mean"), and no answers' `bodies`.
 """
@@ -98,6 +99,7 @@ class FbRecord:
     result: JSONObject  # the answer kept for retries (ForwardBackwardResult.kept())
     custom_loss: JSONObject | None = None  # loss_fn "custom": its graph, replayed as it ran
     lora_kernel: str | None = None  # the segmented LoRA kernel its passes ran; None: written before kernels were named
+    join_rows: bool = False  # its datums shared model rows (compute/joined_rows.py); absent: they did not
 
     def to_dict(self) -> JSONObject:
         data: JSONObject = {
@@ -109,6 +111,8 @@ class FbRecord:
             data["custom_loss"] = self.custom_loss
         if self.lora_kernel is not None:
             data["lora_kernel"] = self.lora_kernel
+        if self.join_rows:
+            data["join_rows"] = True
         return data
 
     @classmethod
@@ -123,6 +127,7 @@ class FbRecord:
                    step=get_int(data, "step", 0), batch_sha256=opt_str(data, "batch_sha256") or "",
                    body_sha256=opt_str(data, "body_sha256"), datums=datums,
                    result=as_json_object(data["result"], "result"), lora_kernel=opt_str(data, "lora_kernel"),
+                   join_rows=get_bool(data, "join_rows", False),
                    custom_loss=as_json_object(data["custom_loss"], "custom_loss") if "custom_loss" in data else None)
 
 

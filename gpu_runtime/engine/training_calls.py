@@ -82,6 +82,7 @@ class FbProgress:
     compute_seconds: float = 0.0  # this call's share of its ticks' passes, by its rows' tokens
     backup: list[torch.Tensor | None] | None = None  # gradients before a split call, restored if a later part fails
     lora_kernel: str | None = None  # the segmented LoRA kernel its passes ran (journaled); a replay's: its record's
+    join_rows: bool = False  # its datums shared model rows (journaled); a replay's: its record's
 
     @property
     def run_id(self) -> str:
@@ -221,7 +222,8 @@ class Training:
                 custom=progress.custom, dropout_seed=derive_seed(progress.state.config["seed"], progress.state.step, progress.call),
                 backup=part.row_offset == 0 and len(part.examples) < len(progress.examples),
                 return_outputs=progress.return_outputs and part.request is not None,  # none when replaying
-                lora_kernel=None if part.request is not None else progress.lora_kernel or LEGACY))
+                lora_kernel=None if part.request is not None else progress.lora_kernel or LEGACY,
+                join_rows=None if part.request is not None else progress.join_rows))
         return self.shared.compute.forward_backward(entry, self.shared.residency.runs, plan)
 
     def _count(self, part: FbPart, outcome: PartOutcome, seconds: float = 0.0) -> ForwardBackwardResult | None:
@@ -239,6 +241,7 @@ class Training:
             progress.metrics = {k: (progress.metrics or {}).get(k, 0.0) + v for k, v in outcome.metrics.items()}
         progress.done += len(part.examples)
         progress.lora_kernel = outcome.lora_kernel  # every pass of a live call runs today's kernel alike
+        progress.join_rows = outcome.join_rows  # only a whole call joins: one pass decides
         if progress.done < len(progress.examples):
             return None
         num_tokens = sum(e.num_targets for e in progress.examples)
@@ -262,6 +265,7 @@ class Training:
             request_id=request_id, loss_fn=progress.loss_fn, loss_fn_config=progress.loss_config,
             reduction=progress.reduction, call=progress.call, step=state.step, batch_sha256=progress.batch_hash,
             body_sha256=progress.body, datums=progress.examples, result=kept, lora_kernel=progress.lora_kernel,
+            join_rows=progress.join_rows,
             custom_loss=None if progress.custom is None else progress.custom.to_dict()))
         state.remember(request_id, kept, progress.body)
         self.shared.residency.touch(state)
@@ -411,7 +415,7 @@ class Training:
         progress = FbProgress(state, examples, record.loss_fn, config, record.batch_sha256,
                               call=record.call, width=max(e.length for e in examples), reduction=record.reduction,
                               custom=check_custom(record.loss_fn, record.custom_loss),
-                              lora_kernel=record.lora_kernel)
+                              lora_kernel=record.lora_kernel, join_rows=record.join_rows)
         entry = self.shared.entry(state)
         while progress.done < len(examples):  # split as the budget splits live calls
             part = FbPart(None, progress, self.take_rows(progress, self.shared.options.tick_tokens), progress.done)
