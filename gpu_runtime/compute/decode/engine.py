@@ -253,7 +253,7 @@ class DecodeEngine(Prefilling):
         length = self.length[:rows]
         write = torch.where(active, length, self.cache.scratch)[:, None]
         positions = length * active  # inactive rows: position 0, attending column 0
-        plan = Pass(0, rows, None, write, kv_len, flat_write=self.cache.flat_write(write))
+        plan = Pass(0, rows, None, write, kv_len, flat_write=self.cache.flat_write(0, write))
         hidden = self._forward(self.next_token[:rows, None], positions[:, None], plan, self.adapter[:rows], None)
         logits = self._logits(hidden[:, -1], self.adapter[:rows])
         drawn = sample(logits, self._params(slice(0, rows)), length + 1, any_sampled=any_sampled,

@@ -64,7 +64,7 @@ class Prefilling(SlotPasses):
         write_t = self._tensor(write)
         if slots == list(range(slots[0], slots[0] + rows)):
             plan = Pass(slots[0], slots[0] + rows, None, write_t, kv_len,
-                        flat_write=self.cache.flat_write(write_t))
+                        flat_write=self.cache.flat_write(slots[0], write_t))
             adapters = self.adapter[slots[0]:slots[0] + rows]
         else:
             slot_t = self._tensor(slots)
