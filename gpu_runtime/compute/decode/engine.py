@@ -122,6 +122,7 @@ class DecodeEngine(Prefilling):
             self.next_token, self.length, self.active = more(self.next_token), more(self.length), more(self.active)
             self.adapter, self.floats, self.ints = more(self.adapter, -1), more(self.floats), more(self.ints)
         self.columns = torch.arange(self.cache.max_len, dtype=torch.int64, device=self.device)
+        self._range_params.clear()  # views of the tables just replaced
         self._graphs.clear()
 
     @property
@@ -215,7 +216,7 @@ class DecodeEngine(Prefilling):
         tokens, logprobs = out[0], out[1]
         active = self.active[:rows]
         self.next_token[:rows] = torch.where(active, tokens, self.next_token[:rows])
-        self.length[:rows] += active.to(torch.int64)
+        self.length[:rows].add_(active)
         self.passes += 1
         self.rows_decoded += rows
         k = int(out[2].shape[1]) if len(out) > 2 else 0
@@ -256,7 +257,7 @@ class DecodeEngine(Prefilling):
         plan = Pass(0, rows, None, write, kv_len, flat_write=self.cache.flat_write(0, write))
         hidden = self._forward(self.next_token[:rows, None], positions[:, None], plan, self.adapter[:rows], None)
         logits = self._logits(hidden[:, -1], self.adapter[:rows])
-        drawn = sample(logits, self._params(slice(0, rows)), length + 1, any_sampled=any_sampled,
+        drawn = sample(logits, self._params(rows), length + 1, any_sampled=any_sampled,
                        top_k_cap=top_k_cap, top_p_rows=top_p_rows, logprobs_k=logprobs_k)
         return outputs(drawn)
 

@@ -48,6 +48,7 @@ class SlotPasses:
         self.floats = torch.zeros(slots, 2, dtype=torch.float32, device=dev)  # temperature, top_p
         self.ints = torch.zeros(slots, 4, dtype=torch.int64, device=dev)  # top_k, seed_lo, seed_hi, seq
         self.columns = torch.arange(cache.max_len, dtype=torch.int64, device=dev)
+        self._range_params: dict[int, RowParams] = {}  # `_params` of slots [0, rows): 8 views a step otherwise
         self.layer_kinds = _layer_kinds(model.config)
         self._zero = torch.zeros((), dtype=self.dtype, device=dev)  # the masks' open value, made once
         self.adapter_index: torch.Tensor = self.adapter[:0]  # the rows' adapter slots during a forward
@@ -116,11 +117,17 @@ class SlotPasses:
         self.ints.index_copy_(0, index, self._tensor(ints))
         self.adapter.index_copy_(0, index, self._tensor(adapters))
 
-    def _params(self, rows: slice | torch.Tensor) -> RowParams:
-        if isinstance(rows, slice):
-            f, i = self.floats[rows], self.ints[rows]
-        else:
-            f, i = self.floats.index_select(0, rows), self.ints.index_select(0, rows)
+    def _params(self, rows: int | torch.Tensor) -> RowParams:
+        """The sampling settings of slots [0, rows) (views of the tables, kept until `resize`), or of these slots."""
+        if isinstance(rows, int):
+            params = self._range_params.get(rows)
+            if params is None:
+                params = self._range_params[rows] = self._params_of(self.floats[:rows], self.ints[:rows])
+            return params
+        return self._params_of(self.floats.index_select(0, rows), self.ints.index_select(0, rows))
+
+    @staticmethod
+    def _params_of(f: torch.Tensor, i: torch.Tensor) -> RowParams:
         return RowParams(temperature=f[:, 0], top_p=f[:, 1], top_k=i[:, 0], seed_lo=i[:, 1], seed_hi=i[:, 2], seq=i[:, 3])
 
     def _choices(self, settings: list[DecodeSettings], rows: int, running: list[Handle] | None
