@@ -21,7 +21,7 @@ from typing_extensions import TypeVar  # a TypeVar with a default: a bare `Call`
 
 from gpu_runtime.contract.checks import check_id
 from gpu_runtime.contract.json_types import JSONObject
-from gpu_runtime.contract.results import Result
+from gpu_runtime.contract.results import Result, field_names
 from gpu_runtime.contract.runtime_options import RuntimeOptions
 from gpu_runtime.errors import BadInput
 
@@ -100,7 +100,7 @@ class Call(Generic[A]):
 
     def to_dict(self) -> JSONObject:
         # Shallow: the fields are plain data already, and a deep copy of a large batch costs milliseconds per call.
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        return {name: getattr(self, name) for name in field_names(type(self))}
 
     def result(self, data: Mapping[str, object]) -> A:
         """Its answer as it came over the wire, typed (unknown fields dropped: Result.from_dict)."""
