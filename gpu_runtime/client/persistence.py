@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from gpu_runtime.contract.checks import check_id as check_id  # the rule lives in the contract
+from gpu_runtime.contract.json_types import CANONICAL
 
 
 def write_json(path: Path, data: Any) -> None:
@@ -160,7 +161,7 @@ def append_manifest(path: Path, entry: Mapping[str, Any]) -> None:
     """manifest.jsonl is append-only: one line per event, never rewritten (not fsync'd: the journal is what is
     durable). One O_APPEND write of the line's bytes, as "a" mode writes them, without a text file object per line
     (half its cost: an optim_step writes one line)."""
-    line = memoryview((json.dumps(entry, sort_keys=True, separators=(",", ":")) + "\n").encode())
+    line = memoryview((CANONICAL.encode(entry) + "\n").encode())
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
     try:
         while line:
