@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, TypedDict
 
 from gpu_runtime.contract import CONTRACT_VERSION, Call, Result, parse_call
-from gpu_runtime.contract.json_types import JSON, JSONObject
+from gpu_runtime.contract.json_types import COMPACT, JSON, JSONObject
 from gpu_runtime.errors import BadInput, FailedPrecondition, SignalError
 
 RUNTIME_SOCKET = "runtime.sock"  # in the data directory: one runtime per data directory
@@ -35,7 +35,7 @@ class Heartbeat(TypedDict):
 
 
 def encode(message: Mapping[str, JSON]) -> bytes:
-    return json.dumps(message, separators=(",", ":"), allow_nan=True).encode() + b"\n"
+    return COMPACT.encode(message).encode() + b"\n"  # NaN and Infinity as json.dumps writes them (allow_nan)
 
 
 def decode(line: bytes) -> Mapping[str, object]:

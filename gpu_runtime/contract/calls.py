@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import enum
 import hashlib
-import json
 from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, fields
 from typing import Any, ClassVar, Generic, cast
@@ -20,8 +19,8 @@ from typing import Any, ClassVar, Generic, cast
 from typing_extensions import TypeVar  # a TypeVar with a default: a bare `Call` is a call answered by some Result
 
 from gpu_runtime.contract.checks import check_id
-from gpu_runtime.contract.json_types import JSONObject
-from gpu_runtime.contract.results import Result
+from gpu_runtime.contract.json_types import CANONICAL, JSONObject
+from gpu_runtime.contract.results import Result, field_names
 from gpu_runtime.contract.runtime_options import RuntimeOptions
 from gpu_runtime.errors import BadInput
 
@@ -100,7 +99,7 @@ class Call(Generic[A]):
 
     def to_dict(self) -> JSONObject:
         # Shallow: the fields are plain data already, and a deep copy of a large batch costs milliseconds per call.
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        return {name: getattr(self, name) for name in field_names(type(self))}
 
     def result(self, data: Mapping[str, object]) -> A:
         """Its answer as it came over the wire, typed (unknown fields dropped: Result.from_dict)."""
@@ -111,7 +110,7 @@ class Call(Generic[A]):
         carry a refreshed one, and nothing derived from it is written down). A run remembers it beside each answer,
         so the same id with another body is refused rather than answered with the first call's result."""
         body = {k: v for k, v in self.to_dict().items() if k not in ("request_id", "hf_token")}
-        canonical = json.dumps({"method": str(self.method), "body": body}, sort_keys=True, separators=(",", ":"))
+        canonical = CANONICAL.encode({"method": str(self.method), "body": body})
         return hashlib.sha256(canonical.encode()).hexdigest()
 
     @classmethod

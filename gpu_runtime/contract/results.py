@@ -56,11 +56,22 @@ class HubUpload(TypedDict):
     private: bool
 
 
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
+
+
+def field_names(cls: type) -> tuple[str, ...]:
+    """A dataclass's field names, listed once per class: `fields` walks them anew on every call's answer."""
+    names = _FIELD_NAMES.get(cls)
+    if names is None:
+        names = _FIELD_NAMES[cls] = tuple(f.name for f in fields(cls))
+    return names
+
+
 @dataclass(frozen=True, kw_only=True)
 class Result:
     def to_dict(self) -> JSONObject:
         # Shallow: no result holds a dataclass, and a deep copy of a long sample's tokens costs milliseconds per call.
-        data = {f.name: getattr(self, f.name) for f in fields(self)}
+        data = {name: getattr(self, name) for name in field_names(type(self))}
         # A first answer carries no `replayed`; a save with no upload no `hub`; a call that asked for none no `outputs`.
         for name in OMITTED_UNLESS_SET:
             if not data.get(name, True):

@@ -146,7 +146,12 @@ class OptimStep(RunCall[OptimStepResult]):
     def validate(self) -> None:
         super().validate()
         check_request_id(self.request_id)
-        adam_settings(self.adam)
+        self.settings()
 
     def settings(self) -> dict[str, float]:
-        return adam_settings(self.adam)
+        """The AdamW settings, checked once per call object: its validate and its tick read the same ones."""
+        checked: dict[str, float] | None = self.__dict__.get("_settings")
+        if checked is None:
+            checked = adam_settings(self.adam)
+            object.__setattr__(self, "_settings", checked)  # frozen, and a cache: not a field (to_dict leaves it out)
+        return dict(checked)

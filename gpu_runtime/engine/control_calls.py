@@ -21,7 +21,15 @@ import peft
 import torch
 import transformers
 
-from gpu_runtime.client.persistence import RunPaths, atomic_dir, dir_size, find_run_dir, read_json, write_json
+from gpu_runtime.client.persistence import (
+    RunPaths,
+    append_manifest,
+    atomic_dir,
+    dir_size,
+    find_run_dir,
+    read_json,
+    write_json,
+)
 from gpu_runtime.compute.devices import dtype_name
 from gpu_runtime.compute.hardware import RankCompute
 from gpu_runtime.compute.merging import save_merged
@@ -62,7 +70,6 @@ from gpu_runtime.engine.run_state import (
     CheckpointMeta,
     RunConfig,
     RunState,
-    append_manifest,
     check_same_body,
     checkpoint_dir,
 )

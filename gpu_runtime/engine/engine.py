@@ -68,7 +68,7 @@ from gpu_runtime.contract import (
 from gpu_runtime.contract.calls import A
 from gpu_runtime.engine import weights_sources
 from gpu_runtime.engine.control_calls import Control
-from gpu_runtime.engine.disk import disk_full_error, free_bytes
+from gpu_runtime.engine.disk import FreeSpace, disk_full_error
 from gpu_runtime.engine.handlers import Handlers
 from gpu_runtime.engine.in_flight import InFlight
 from gpu_runtime.engine.inprocess import InProcess
@@ -114,6 +114,7 @@ class Engine(InProcess):
         self.last_tick = TickStats()
         self.ticking_since: float | None = None  # monotonic start of the tick running now (the heartbeat reads it)
         self._stepping: list[tuple[Request, StepCall]] = []  # this tick's optim_steps, for its one optimizer tick
+        self.free_space = FreeSpace(self.shared.data_dir)  # read afresh each tick; a tick's submits share it
         self.in_flight = InFlight(self.shared, self.sampling)  # begun, not yet answered: withdrawn or failed early
         self.handlers = self._handlers()
 
@@ -171,7 +172,7 @@ class Engine(InProcess):
 
     def _check_disk(self) -> None:
         """Refuse a writing call before any state changes while free space is under the margin (sampling goes on)."""
-        if free_bytes(self.shared.data_dir) < self.options.min_free_disk_bytes:
+        if self.free_space.below(self.options.min_free_disk_bytes):
             raise disk_full_error(self.shared.data_dir)
 
     def serve_forever(self) -> None:
@@ -409,7 +410,7 @@ class Engine(InProcess):
         self.snapshots.drop_unread_latest()
         self.snapshots.expire()
         self.snapshots.evict_over_budget()  # idle snapshots before runs: a run's training state is dearer to reload
-        if free_bytes(self.shared.data_dir) >= self.options.min_free_disk_bytes:  # eviction writes snapshots
+        if not self.free_space.below(self.options.min_free_disk_bytes, fresh=True):  # eviction writes snapshots
             self.recovery.evict_over_budget(busy=lambda r: r in decoding or self.scheduler.is_queued(r))
         self.residency.unload_idle_bases()
         self.compute.keepalive()

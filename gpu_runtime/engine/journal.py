@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from gpu_runtime.contract.json_types import JSON
+from gpu_runtime.contract.json_types import COMPACT, JSON
 
 HEADER = struct.Struct("<II")
 JOURNAL_FILE = "records.log"  # the segment from seq 0, and the whole journal before segments
@@ -109,7 +109,7 @@ class Journal:
             self._file = open(self.path, "ab", buffering=0)
             if created:
                 _fsync_dir(self.directory)  # the file's name must survive a crash too
-        payload = json.dumps(record, separators=(",", ":")).encode()
+        payload = COMPACT.encode(record).encode()
         self._dirty = True  # from here a failure leaves the file longer than synced_bytes: `abandon` cuts it back
         frame = memoryview(HEADER.pack(len(payload), zlib.crc32(payload)) + payload)
         while frame:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import errno
 import itertools
-import json
 import os
 import re
 import shutil
@@ -37,7 +36,7 @@ from gpu_runtime.compute.optimizer import restore_fused, state_to_save
 from gpu_runtime.compute.plan import RunConfig as RunConfig  # the contract of config.json lives with the plain data
 from gpu_runtime.compute.quantization import base_key
 from gpu_runtime.contract.checkpoints import DEFAULT_NAME
-from gpu_runtime.contract.json_types import JSON, JSONObject
+from gpu_runtime.contract.json_types import JSONObject
 from gpu_runtime.contract.training_settings import DEFAULT_REDUCTION, LoraSettings
 from gpu_runtime.engine.journal import Journal
 from gpu_runtime.engine.journal_records import BatchRecord, PendingRecord
@@ -419,29 +418,6 @@ def checkpoint_dir(paths: RunPaths, mode: str, name: str) -> Path:
     return paths.root / "checkpoints" / mode / name
 
 
-def last_manifest_step(path: Path) -> int:
-    """The step of manifest.jsonl's last step line (0 if none): replay adds the lines a crash cut off."""
-    try:
-        with open(path, "rb") as fh:
-            fh.seek(max(0, fh.seek(0, os.SEEK_END) - 64 * 1024))
-            tail = fh.read().decode(errors="replace").splitlines()
-    except FileNotFoundError:
-        return 0
-    for line in reversed(tail):
-        try:
-            entry = json.loads(line)
-        except ValueError:
-            continue  # a torn or partial first line of the tail
-        if isinstance(entry, dict) and isinstance(entry.get("step"), int) and "adam" in entry:
-            step: int = entry["step"]
-            return step
-    return 0
-
-
-def append_manifest(path: Path, entry: Mapping[str, JSON]) -> None:
-    """manifest.jsonl is append-only: one line per event, never rewritten."""
-    with open(path, "a") as fh:
-        fh.write(json.dumps(entry, sort_keys=True, separators=(",", ":")) + "\n")
 
 
 def split_expert_weights(weights: Mapping[str, tuple[T, T]]) -> tuple[dict[str, tuple[T, T]], dict[str, tuple[T, T]]]:

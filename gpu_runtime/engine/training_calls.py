@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gpu_runtime.client.persistence import sha256_json
+from gpu_runtime.client.persistence import append_manifest, last_manifest_step, sha256_json
 from gpu_runtime.compute.batches import Datum
 from gpu_runtime.compute.custom_losses import check_inputs
 from gpu_runtime.compute.hardware import Stepping
@@ -48,7 +48,7 @@ from gpu_runtime.contract.json_types import JSONObject, as_object
 from gpu_runtime.contract.training_calls import check_custom
 from gpu_runtime.engine.journal_records import BatchRecord, FbRecord, LoadStateRecord, OptimRecord, Record
 from gpu_runtime.engine.request import Request
-from gpu_runtime.engine.run_state import LOADS_DIR, RunState, append_manifest, last_manifest_step
+from gpu_runtime.engine.run_state import LOADS_DIR, RunState
 from gpu_runtime.engine.shared import Answered, Shared, TickStats, internal
 from gpu_runtime.engine.weights_sources import WeightsSource
 from gpu_runtime.errors import FailedPrecondition, SignalError

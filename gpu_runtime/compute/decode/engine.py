@@ -25,6 +25,7 @@ asks for them is prefilled in full (no prefix reuse), since reused columns have 
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
+from operator import attrgetter
 from typing import Any
 
 import torch
@@ -34,10 +35,13 @@ from gpu_runtime.compute.decode.prefill import Prefilling
 from gpu_runtime.compute.decode.sampler import sample
 from gpu_runtime.compute.decode.slot_cache import Pass
 from gpu_runtime.compute.decode.text import StopText
-from gpu_runtime.compute.decode.turns import Row, decode_turn
+from gpu_runtime.compute.decode.turns import Row, decode_turn, uncapped
 
 GRAPH_ROWS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)  # rows buckets of the graphed decode step
 GRAPH_COLUMNS = 256  # the columns a graphed step reads, rounded up to a multiple of this
+_TURN_ORDER = attrgetter("turn", "slot")  # turns.decode_turn's order: least recently decoded first
+_SLOT = attrgetter("slot")
+_NO_TOP: list[tuple[int, float]] = []  # a row's top logprobs when none are asked (read, never written)
 
 
 class DecodeEngine(Prefilling):
@@ -118,6 +122,7 @@ class DecodeEngine(Prefilling):
             self.next_token, self.length, self.active = more(self.next_token), more(self.length), more(self.active)
             self.adapter, self.floats, self.ints = more(self.adapter, -1), more(self.floats), more(self.ints)
         self.columns = torch.arange(self.cache.max_len, dtype=torch.int64, device=self.device)
+        self._range_params.clear()  # views of the tables just replaced
         self._graphs.clear()
 
     @property
@@ -178,13 +183,19 @@ class DecodeEngine(Prefilling):
     # ---- decode
 
     def _decode(self, running: list[Handle], collect: Callable[..., None]) -> None:
-        order = decode_turn([Row(h.owner, h.turn, h.slot) for h in running], self.fair_rows,
-                            {group.members[0].owner for group in self.waiting} | self._lately())
-        for slot in order:  # numbered in the order chosen: rows decoded together keep their order for the next turn
-            self.turns += 1
-            self.by_slot[slot].turn = self.turns
+        if uncapped(self.fair_rows, len(running)):  # decode_turn's answer without its per-row tuples and owner sets
+            order = sorted(running, key=_TURN_ORDER)
+        else:
+            order = [self.by_slot[slot] for slot in decode_turn(
+                [Row(h.owner, h.turn, h.slot) for h in running], self.fair_rows,
+                {group.members[0].owner for group in self.waiting} | self._lately())]
+        turns = self.turns
+        for handle in order:  # numbered in the order chosen: rows decoded together keep their order for the next turn
+            turns += 1
+            handle.turn = turns
+        self.turns = turns
         if len(order) < len(running):
-            self._decode_some(sorted((self.by_slot[slot] for slot in order), key=lambda h: h.slot), collect)
+            self._decode_some(sorted(order, key=_SLOT), collect)
             return
         rows = max(h.slot for h in running) + 1
         kv_len = min(self.cache.max_len, max(h.kv for h in running) + 1)
@@ -205,7 +216,7 @@ class DecodeEngine(Prefilling):
         tokens, logprobs = out[0], out[1]
         active = self.active[:rows]
         self.next_token[:rows] = torch.where(active, tokens, self.next_token[:rows])
-        self.length[:rows] += active.to(torch.int64)
+        self.length[:rows].add_(active)
         self.passes += 1
         self.rows_decoded += rows
         k = int(out[2].shape[1]) if len(out) > 2 else 0
@@ -243,25 +254,25 @@ class DecodeEngine(Prefilling):
         length = self.length[:rows]
         write = torch.where(active, length, self.cache.scratch)[:, None]
         positions = length * active  # inactive rows: position 0, attending column 0
-        plan = Pass(0, rows, None, write, kv_len,
-                    scatter_index=write[:, None, :, None].expand(rows, self.cache.kv_heads, 1, self.cache.head_dim))
+        plan = Pass(0, rows, None, write, kv_len, flat_write=self.cache.flat_write(0, write))
         hidden = self._forward(self.next_token[:rows, None], positions[:, None], plan, self.adapter[:rows], None)
         logits = self._logits(hidden[:, -1], self.adapter[:rows])
-        drawn = sample(logits, self._params(slice(0, rows)), length + 1, any_sampled=any_sampled,
+        drawn = sample(logits, self._params(rows), length + 1, any_sampled=any_sampled,
                        top_k_cap=top_k_cap, top_p_rows=top_p_rows, logprobs_k=logprobs_k)
         return outputs(drawn)
 
     def _read_decode(self, running: list[Handle], rows: list[int], values: list[float], start: int, width: int,
                      k: int) -> None:
         """Each handle's token from its row (`rows`, in the pass's order) of the step's host copy."""
+        append, record = self.cache.append, self._record  # once per row per step: no attribute look-ups in the loop
         for handle, row in zip(running, rows):
-            if handle.done:  # cancelled during this step's prefill bookkeeping: nothing more
+            if handle.reason is not None:  # cancelled during this step's prefill bookkeeping: nothing more
                 continue
             at = start + row * width
-            self.cache.extend(handle.slot, handle.tokens[-1:])  # the token this pass wrote
+            append(handle.slot, handle.tokens[-1])  # the token this pass wrote (a running row has drawn one)
             handle.kv += 1
-            self._record(handle, int(values[at]), values[at + 1],
-                         [(int(values[at + 2 + k + j]), values[at + 2 + j]) for j in range(k)])
+            record(handle, int(values[at]), values[at + 1],
+                   [(int(values[at + 2 + k + j]), values[at + 2 + j]) for j in range(k)] if k else _NO_TOP)
 
 
 __all__ = ["DecodeEngine", "DecodeSettings", "Handle"]

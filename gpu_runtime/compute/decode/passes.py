@@ -48,9 +48,11 @@ class SlotPasses:
         self.floats = torch.zeros(slots, 2, dtype=torch.float32, device=dev)  # temperature, top_p
         self.ints = torch.zeros(slots, 4, dtype=torch.int64, device=dev)  # top_k, seed_lo, seed_hi, seq
         self.columns = torch.arange(cache.max_len, dtype=torch.int64, device=dev)
+        self._range_params: dict[int, RowParams] = {}  # `_params` of slots [0, rows): 8 views a step otherwise
         self.layer_kinds = _layer_kinds(model.config)
+        self._zero = torch.zeros((), dtype=self.dtype, device=dev)  # the masks' open value, made once
         self.adapter_index: torch.Tensor = self.adapter[:0]  # the rows' adapter slots during a forward
-        self.row_keys: list[str] = []  # the rows' routing keys during a forward
+        self.row_keys: list[str] | None = None  # the rows' routing keys during a forward (None: from by_slot, if routed)
         self.waiting: deque[Prefill] = deque()
         self.by_slot: dict[int, Handle] = {}  # running sequences by slot
         self.steps = 0
@@ -115,11 +117,17 @@ class SlotPasses:
         self.ints.index_copy_(0, index, self._tensor(ints))
         self.adapter.index_copy_(0, index, self._tensor(adapters))
 
-    def _params(self, rows: slice | torch.Tensor) -> RowParams:
-        if isinstance(rows, slice):
-            f, i = self.floats[rows], self.ints[rows]
-        else:
-            f, i = self.floats.index_select(0, rows), self.ints.index_select(0, rows)
+    def _params(self, rows: int | torch.Tensor) -> RowParams:
+        """The sampling settings of slots [0, rows) (views of the tables, kept until `resize`), or of these slots."""
+        if isinstance(rows, int):
+            params = self._range_params.get(rows)
+            if params is None:
+                params = self._range_params[rows] = self._params_of(self.floats[:rows], self.ints[:rows])
+            return params
+        return self._params_of(self.floats.index_select(0, rows), self.ints.index_select(0, rows))
+
+    @staticmethod
+    def _params_of(f: torch.Tensor, i: torch.Tensor) -> RowParams:
         return RowParams(temperature=f[:, 0], top_p=f[:, 1], top_k=i[:, 0], seed_lo=i[:, 1], seed_hi=i[:, 2], seq=i[:, 3])
 
     def _choices(self, settings: list[DecodeSettings], rows: int, running: list[Handle] | None
@@ -141,8 +149,7 @@ class SlotPasses:
         """The decoder over one pass; the final hidden states [rows, q, hidden]."""
         self.kv.plan = plan
         self.adapter_index = adapters
-        self.row_keys = keys if keys is not None else [
-            self.by_slot[r].key if r in self.by_slot else "" for r in range(int(adapters.shape[0]))]
+        self.row_keys = keys  # a decode pass's are listed by `_routed`, only when it routes (a loop over its rows)
         try:
             with self._routed(adapters):
                 out = self.decoder(input_ids=input_ids, position_ids=positions, attention_mask=self._mask(positions, plan),
@@ -161,7 +168,7 @@ class SlotPasses:
         columns = self.columns[:plan.kv_len][None, None, :]
         at = positions[:, :, None]
         causal = columns <= at
-        zero = torch.zeros((), dtype=self.dtype, device=self.device)
+        zero = self._zero
         low = torch.finfo(self.dtype).min
         if self.layer_kinds is not None:
             window = self.cache.window
@@ -179,6 +186,8 @@ class SlotPasses:
         if self.routing is None or not self.adapter_keys:
             return contextlib.nullcontext()
         keys = self.row_keys
+        if keys is None:  # a decode pass over slots [0, rows)
+            keys = self.row_keys = [self.by_slot[r].key if r in self.by_slot else "" for r in range(int(adapters.shape[0]))]
         if len(keys) != int(adapters.shape[0]):  # rows other than the forward's: their keys from the indices
             keys = [self.adapter_keys[i] if 0 <= i < len(self.adapter_keys) else "" for i in adapters.tolist()]
         routing = self.routing

@@ -26,6 +26,8 @@ class Prefilling(SlotPasses):
     def _prefill(self, collect: Callable[..., None]) -> list[Handle]:
         """One chunked pass over the prompts at the head of the queue (within `prefill_tokens`); sequences whose
         prompt ends in it draw their first token. Returns them."""
+        if not self.waiting:  # most steps: skip the per-row owner count below
+            return []
         budget = self.prefill_tokens
         chunks: list[tuple[Prefill, int, int]] = []
         running: dict[str, int] = {}
@@ -62,8 +64,7 @@ class Prefilling(SlotPasses):
         write_t = self._tensor(write)
         if slots == list(range(slots[0], slots[0] + rows)):
             plan = Pass(slots[0], slots[0] + rows, None, write_t, kv_len,
-                        scatter_index=write_t[:, None, :, None].expand(rows, self.cache.kv_heads, width,
-                                                                       self.cache.head_dim))
+                        flat_write=self.cache.flat_write(slots[0], write_t))
             adapters = self.adapter[slots[0]:slots[0] + rows]
         else:
             slot_t = self._tensor(slots)

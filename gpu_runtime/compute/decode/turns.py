@@ -34,6 +34,11 @@ class Row(NamedTuple):
     slot: int
 
 
+def uncapped(cap: int | None, rows: int) -> bool:
+    """Whether a pass of `rows` running rows takes them all whoever owns them (then least recently decoded first)."""
+    return cap is None or rows <= cap
+
+
 def decode_turn(rows: Sequence[Row], cap: int | None, waiting: Collection[str] = ()) -> list[int]:
     """The slots of `rows` that this pass decodes, least recently decoded first (the order to number their turns in,
     so that rows decoded together keep their order for the next choice). `waiting`: owners of prompts waiting to
@@ -42,8 +47,9 @@ def decode_turn(rows: Sequence[Row], cap: int | None, waiting: Collection[str] =
     by_owner: dict[str, list[Row]] = {}
     for row in rows:
         by_owner.setdefault(row.owner, []).append(row)
-    if cap is None or len(rows) <= cap or len(set(by_owner) | set(waiting)) < 2:
+    if uncapped(cap, len(rows)) or len(set(by_owner) | set(waiting)) < 2:
         return [row.slot for row in sorted(rows, key=lambda r: (r.turn, r.slot))]
+    assert cap is not None  # uncapped() holds for None
     chosen: list[Row] = []
     left = max(cap, len(by_owner))  # each user at least one row: none waits a whole round
     owners = sorted(by_owner.values(), key=len)
