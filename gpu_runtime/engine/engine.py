@@ -12,6 +12,7 @@ One tick:
    optim_step, save_state, forward, render_datums, …); a forward is its own pass with no autograd;
 4. runs every picked forward_backward on one base as **one** forward and backward pass, each row routed
    to its run's LoRA; losses, normalisers and gradients stay per run;
+   an optim_step queued right behind a forward_backward this pass completed steps now, in one more optimizer tick;
 5. fsyncs the journals of the calls it applied (one group fsync per tick), then answers;
 6. starts a decode group for the sample calls picked, and advances every decode group by one chunk;
 7. evicts least recently used idle runs past the memory budget, and unloads idle bases.
@@ -47,6 +48,7 @@ from gpu_runtime.contract import (
     ExportCheckpoint,
     Forward,
     ForwardBackward,
+    ForwardBackwardResult,
     Lane,
     LoadRun,
     LoadState,
@@ -229,8 +231,10 @@ class Engine(InProcess):
             if answer is not None:
                 answers.append((request, answer))
         trained_from = time.monotonic()
+        passed: list[Answered] = []
         for key, parts in fb_parts.items():
-            answers += self.training.run_live_pass(self.residency.bases[key], parts, stats)
+            passed += self.training.run_live_pass(self.residency.bases[key], parts, stats)
+        answers += passed + self._steps_after(passed, stats)
         trained = time.monotonic() - trained_from
         unwritten = self.shared.sync_journals()
         if unwritten:  # a full disk: those runs leave memory unsaved, their calls in this tick fail
@@ -303,12 +307,8 @@ class Engine(InProcess):
             return None
         if isinstance(call, Sample):
             return self._begin_frozen(request, samples)
-        if isinstance(call, OptimStep):  # into this tick's one optimizer tick (_optim_tick)
-            begun = self.training.begin_optim(self.recovery.state(call.run_id), call)
-            if isinstance(begun, StepCall):
-                self._stepping.append((request, begun))
-                return None
-            return begun
+        if isinstance(call, OptimStep):
+            return self._begin_step(request, call)
         if isinstance(call, SaveState) and call.push_to_hub:
             request.started = True  # uploading past this tick: a cancel no longer withdraws it
             state = self.recovery.state(call.run_id)
@@ -377,6 +377,23 @@ class Engine(InProcess):
                 .add(RenderChat, lambda c: self.sampling.render_chat(c, state(c.run_id) if c.run_id is not None
                                                                      else None))
                 .add(Cancel, self.in_flight.cancel))
+
+    def _begin_step(self, request: Request, call: OptimStep) -> Answer | None:
+        """An optim_step into this tick's next optimizer tick (_optim_tick), or its answer now (a retry's, a refusal)."""
+        begun = self.training.begin_optim(self.recovery.state(call.run_id), call)
+        if isinstance(begun, StepCall):
+            self._stepping.append((request, begun))
+            return None
+        return begun
+
+    def _steps_after(self, passed: list[Answered], stats: TickStats) -> list[Answered]:
+        """Optim_steps right behind a forward_backward these passes completed, in one more optimizer tick: one fsync
+        covers both records, the pass's first (a pipelining client pays one tick a step)."""
+        done = [request for request, answer in passed if isinstance(answer, ForwardBackwardResult)]
+        joined = self.scheduler.next_calls(done, lambda r: isinstance(r.call, OptimStep))
+        stats.joined, stats.requests = len(joined), stats.requests + len(joined)
+        begun = [(r, isolated(r, functools.partial(self._begin_step, r, cast(OptimStep, r.call)))) for r in joined]
+        return [(request, answer) for request, answer in begun if answer is not None] + self._optim_tick()
 
     def _optim_tick(self) -> list[Answered]:
         """The tick's optim_steps, every run's in one optimizer tick; a run whose step is due gets its snapshot."""

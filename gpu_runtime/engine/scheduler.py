@@ -30,7 +30,8 @@
   charged at most a fair share (budget / users), so a big call does not shut out small ones;
   then the budget is water-filled: small calls go whole, big ones split what is left and
   continue next tick. Calls that cost no tokens (optim_step, save_state, starting a sample)
-  ride along.
+  ride along. A run's next call may follow its head in the same tick (`next_calls`: an optim_step
+  right behind a forward_backward the tick's pass completed), in its ticket's turn.
 
 No torch here, and no engine state: the engine prices the heads before the tick (`cost` is a plain lookup:
 tokens, 0, or None for a head not ready this tick) and nothing is answered from inside the planner.
@@ -284,6 +285,23 @@ class Scheduler:
                     break
         _water_fill(wanted, self.tick_tokens)
         return plan
+
+    def next_calls(self, heads: list[Request], joins: Callable[[Request], bool]) -> list[Request]:
+        """For each head done in this tick's passes (answered once the tick's journals are synced), its run's next
+        call if `joins` takes it and its ticket's turn comes once the head is done: it runs in this tick too. Left
+        in place: answered after its head, it is then the head `finish` takes off."""
+        with self.condition:
+            now = time.monotonic()
+            taken = []
+            for head in heads:
+                queue = self._runs.get(head.run_id or "")
+                if not queue or queue[0] is not head or len(queue) < 2 or head.run_id in self._busy:
+                    continue
+                after = queue[1]
+                if joins(after) and self.tickets.turn_after(head, after, now):
+                    after.runnable_since = after.runnable_since or now
+                    taken.append(after)
+            return taken
 
     def finish(self, request: Request, answer: Answer) -> None:
         """Answer a head and take it off its run's queue (the next call on the run becomes eligible)."""

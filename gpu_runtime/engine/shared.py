@@ -46,6 +46,7 @@ class TickStats:
     decode_rows: int = 0
     fb_seconds: float = 0.0  # of the forward+backward passes: what their calls' compute_seconds add up to
     restores: int = 0  # evicted runs brought back in this tick (their journals replayed)
+    joined: int = 0  # optim_steps stepped in the tick their run's forward_backward completed (Engine._steps_after)
     seconds: float = 0.0
 
 

@@ -30,6 +30,19 @@ class Tickets:
             return True
         return now - request.since >= self.wait
 
+    def turn_after(self, head: Request, request: Request, now: float) -> bool:
+        """`turn` for the call behind its run's head, as the books will stand once `head` (not a create_run) is done."""
+        run_id = request.run_id or ""
+        expected = self._next.get(run_id)
+        if head.ticket is not None:
+            expected = head.ticket + 1 if expected is None else max(expected, head.ticket + 1)
+        skipped = self._skipped.get(run_id, set())
+        while expected is not None and expected in skipped:
+            expected += 1
+        if request.ticket is None or expected is None or request.ticket <= expected:
+            return True
+        return now - request.since >= self.wait
+
     def done(self, request: Request, created: bool) -> None:
         """A call on a run was answered (`created`: a create_run that made its run, whose tickets start at 1)."""
         run_id = request.run_id
