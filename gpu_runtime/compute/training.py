@@ -110,7 +110,6 @@ def forward_backward_pass(entry: BaseEntry, runs: Mapping[str, RunWeights], part
                 _backward([s for s in sums if s is not None] + [logprobs.nan_to_num().sum() * 0.0], logprobs, rows_ok)
     outcomes: list[Outcome] = []
     host_metrics = host.metrics if shard is None else {}
-    joined_parts = {i for i, j in enumerate(join) if j}  # local parts are every part where no shard splits them
     for i, ((global_sum, norm), part_outputs) in enumerate(zip(totals, outputs)):
         if i in failed:
             outcomes.append(failed[i])
@@ -120,7 +119,7 @@ def forward_backward_pass(entry: BaseEntry, runs: Mapping[str, RunWeights], part
             outcomes.append(BadInput(f"the batch's loss is {global_sum}; check its weights and tokens", field="batch"))
             continue
         outcomes.append(PartOutcome(global_sum, norm, part_outputs, host_metrics.get(i), lora_kernel=kernel,
-                                    join_rows=i in joined_parts))
+                                    join_rows=join[i]))
     if shard is not None and stash is not None:
         shard.reduce_grads(stash)
     return outcomes

@@ -25,10 +25,7 @@ class Tickets:
 
     def turn(self, request: Request, now: float) -> bool:
         """Whether a head may go: no ticket, its run's turn (or a new run's first), or it has waited long enough."""
-        expected = self._next.get(request.run_id or "")
-        if request.ticket is None or expected is None or request.ticket <= expected:
-            return True
-        return now - request.since >= self.wait
+        return self._goes(request, self._next.get(request.run_id or ""), now)
 
     def turn_after(self, head: Request, request: Request, now: float) -> bool:
         """`turn` for the call behind its run's head, as the books will stand once `head` (not a create_run) is done."""
@@ -36,12 +33,22 @@ class Tickets:
         expected = self._next.get(run_id)
         if head.ticket is not None:
             expected = head.ticket + 1 if expected is None else max(expected, head.ticket + 1)
-        skipped = self._skipped.get(run_id, set())
-        while expected is not None and expected in skipped:
-            expected += 1
+        if expected is not None:
+            expected = self._past_skipped(self._skipped.get(run_id, set()), expected)
+        return self._goes(request, expected, now)
+
+    def _goes(self, request: Request, expected: int | None, now: float) -> bool:
+        """Whether `request` may go when `expected` is its run's turn (None: a run with no turn yet)."""
         if request.ticket is None or expected is None or request.ticket <= expected:
             return True
         return now - request.since >= self.wait
+
+    @staticmethod
+    def _past_skipped(skipped: set[int], expected: int) -> int:
+        """The first ticket from `expected` on that was not withdrawn."""
+        while expected in skipped:
+            expected += 1
+        return expected
 
     def done(self, request: Request, created: bool) -> None:
         """A call on a run was answered (`created`: a create_run that made its run, whose tickets start at 1)."""
@@ -73,11 +80,8 @@ class Tickets:
         expected = self._next.get(run_id)
         if not skipped or expected is None:
             return
-        while expected in skipped:
-            skipped.discard(expected)
-            expected += 1
-        self._next[run_id] = expected
+        expected = self._next[run_id] = self._past_skipped(skipped, expected)
         for ticket in [t for t in skipped if t < expected]:
-            skipped.discard(ticket)  # a ticket already passed (its wait ran out): nothing to skip any more
+            skipped.discard(ticket)  # reached, or already passed (its wait ran out): nothing to skip any more
         if not skipped:
             del self._skipped[run_id]
